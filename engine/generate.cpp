@@ -1,0 +1,84 @@
+#include "engine/generate.h"
+
+#include <chrono>
+#include <cmath>
+
+#include "formats/error.h"
+
+namespace llmq {
+
+namespace {
+double now_s() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double>(clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict, int32_t eos_id,
+                       const std::function<bool(int32_t)>& on_token, const std::atomic<bool>* stop) {
+  GenerateStats st;
+  const int64_t pending = int64_t(history.size()) - s.pos();
+  if (pending <= 0) throw UsageError("generate: no new tokens to feed");
+  const int64_t vocab = s.model().config.vocab_size;
+  double t0 = now_s();
+  const float* logits = s.forward(history.data() + s.pos(), pending);
+  st.prefill_s = now_s() - t0;
+  st.prompt_tokens = pending;
+
+  t0 = now_s();
+  for (int64_t i = 0; n_predict < 0 || i < n_predict; ++i) {
+    if (stop && stop->load()) break;
+    const int32_t id = sampler.sample(logits, vocab, history);
+    if (id == eos_id) break;
+    history.push_back(id);
+    ++st.generated_tokens;
+    if (!on_token(id)) break;
+    if (s.pos() >= s.ctx()) break;  // KV cache full
+    if (n_predict >= 0 && i + 1 >= n_predict) break;
+    logits = s.forward(&id, 1);
+  }
+  st.decode_s = now_s() - t0;
+  return st;
+}
+
+PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
+                            const std::function<void(int64_t, double)>& on_chunk) {
+  if (n_ctx < 4) throw UsageError("perplexity: --ctx must be at least 4");
+  const int64_t n_chunks = int64_t(tokens.size()) / n_ctx;
+  if (n_chunks < 1)
+    throw UsageError("perplexity: the text has " + std::to_string(tokens.size()) + " tokens, fewer than one chunk of " +
+                     std::to_string(n_ctx));
+  Session s(m, pool, n_ctx, n_ctx);
+  const int64_t V = m.config.vocab_size, first = n_ctx / 2;
+  double sum = 0, sum2 = 0;
+  int64_t count = 0;
+  std::vector<int32_t> chunk(static_cast<size_t>(n_ctx));
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    std::copy(tokens.begin() + c * n_ctx, tokens.begin() + (c + 1) * n_ctx, chunk.begin());
+    chunk[0] = m.vocab.bos_id;
+    s.reset();
+    const float* logits = s.forward(chunk.data(), n_ctx, /*all_logits=*/true);  // [n_ctx, V]
+    for (int64_t j = first; j < n_ctx - 1; ++j) {
+      const float* row = logits + j * V;
+      float mx = row[0];
+      for (int64_t v = 1; v < V; ++v) mx = std::max(mx, row[v]);
+      double z = 0;
+      for (int64_t v = 0; v < V; ++v) z += std::exp(double(row[v]) - double(mx));
+      const double nll = -(double(row[chunk[size_t(j + 1)]]) - double(mx) - std::log(z));
+      sum += nll;
+      sum2 += nll * nll;
+      ++count;
+    }
+    if (on_chunk) on_chunk(c, std::exp(sum / double(count)));
+  }
+  PerplexityResult r;
+  r.chunks = n_chunks;
+  r.scored = count;
+  r.mean_nll = sum / double(count);
+  r.ppl = std::exp(r.mean_nll);
+  const double var = count > 1 ? (sum2 / double(count) - r.mean_nll * r.mean_nll) / double(count - 1) : 0;
+  r.ppl_err = r.ppl * std::sqrt(std::max(0.0, var));
+  return r;
+}
+
+}  // namespace llmq

@@ -1,0 +1,88 @@
+#include "engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+namespace llmq {
+
+Sampler::Sampler(const SamplerParams& p) : p_(p), state_(p.seed ^ 0x9e3779b97f4a7c15ull) {}
+
+// splitmix64 (Steele, Lea & Flood 2014): a small generator whose stream is fixed by the seed.
+double Sampler::uniform() {
+  uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return double(z >> 11) * (1.0 / 9007199254740992.0);
+}
+
+int32_t Sampler::argmax(const float* logits, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return int32_t(best);
+}
+
+int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_t>& history) {
+  cand_.resize(size_t(n));
+  for (int64_t i = 0; i < n; ++i) cand_[size_t(i)] = {int32_t(i), logits[i], 0.0f};
+
+  if (p_.repeat_penalty != 1.0f && p_.repeat_last_n != 0) {
+    const size_t look = p_.repeat_last_n < 0 ? history.size() : std::min(history.size(), size_t(p_.repeat_last_n));
+    std::unordered_set<int32_t> seen(history.end() - long(look), history.end());
+    for (int32_t id : seen) {
+      if (id < 0 || id >= n) continue;
+      float& l = cand_[size_t(id)].logit;
+      l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+    }
+  }
+  if (p_.temperature <= 0.0f) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; ++i)
+      if (cand_[size_t(i)].logit > cand_[size_t(best)].logit) best = i;
+    return int32_t(best);
+  }
+  // Sort by logit, descending (ties by id, so the order is deterministic).
+  auto by_logit = [](const Cand& a, const Cand& b) { return a.logit > b.logit || (a.logit == b.logit && a.id < b.id); };
+  size_t keep = cand_.size();
+  if (p_.top_k > 0 && size_t(p_.top_k) < keep) {
+    keep = size_t(p_.top_k);
+    std::partial_sort(cand_.begin(), cand_.begin() + long(keep), cand_.end(), by_logit);
+    cand_.resize(keep);
+  } else {
+    std::sort(cand_.begin(), cand_.end(), by_logit);
+  }
+  auto normalize = [&](float temp) {
+    double sum = 0.0;
+    const float mx = cand_[0].logit;
+    for (auto& c : cand_) sum += (c.p = std::exp((c.logit - mx) / temp));
+    for (auto& c : cand_) c.p = float(c.p / sum);
+  };
+  normalize(1.0f);
+  if (p_.top_p < 1.0f) {
+    double cum = 0.0;
+    size_t k = 0;
+    while (k < cand_.size()) {
+      cum += cand_[k++].p;
+      if (cum >= p_.top_p) break;
+    }
+    cand_.resize(std::max<size_t>(k, 1));
+  }
+  if (p_.min_p > 0.0f) {
+    const float cut = p_.min_p * cand_[0].p;
+    size_t k = 1;
+    while (k < cand_.size() && cand_[k].p >= cut) ++k;
+    cand_.resize(k);
+  }
+  normalize(p_.temperature);
+  const double r = uniform();
+  double cum = 0.0;
+  for (const auto& c : cand_) {
+    cum += c.p;
+    if (r < cum) return c.id;
+  }
+  return cand_.back().id;
+}
+
+}  // namespace llmq

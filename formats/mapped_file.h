@@ -1,0 +1,29 @@
+// A read-only memory mapping of a whole file, shared by every reader.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace llmq {
+
+class MappedFile {
+ public:
+  /// Maps `path` read-only. Throws FileError if it cannot be opened, is not a regular file,
+  /// or cannot be mapped. An empty file maps to data() == nullptr, size() == 0.
+  static std::shared_ptr<MappedFile> open(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return base_; }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  MappedFile() = default;
+  std::string path_;
+  const uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+}  // namespace llmq

@@ -1,0 +1,260 @@
+// The whole model on real weights: stories260K converted by the real llmq-convert, checked
+// against the golden outputs of an independent fp64 implementation (../shared/reference).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/generate.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+#include "engine/tokenizer.h"
+#include "formats/llama2c.h"
+#include "test_util.h"
+
+using namespace llmq;
+using llmq::test::shared;
+using llmq::test::stories;
+
+namespace {
+
+const nlohmann::json& golden() {
+  static const nlohmann::json j = [] {
+    std::ifstream in(shared("reference/stories260K_golden.json"));
+    return nlohmann::json::parse(in);
+  }();
+  return j;
+}
+
+std::vector<int32_t> golden_ids() { return golden()["greedy_token_ids"].get<std::vector<int32_t>>(); }
+
+// Greedy decode from BOS, one token per forward pass, `n` tokens in all (BOS included).
+std::vector<int32_t> greedy(const Model& m, int64_t n) {
+  ThreadPool pool(2);
+  Session s(m, pool, n);
+  std::vector<int32_t> ids{m.vocab.bos_id};
+  while (int64_t(ids.size()) < n) {
+    const float* logits = s.forward(&ids.back(), 1);
+    ids.push_back(Sampler::argmax(logits, m.config.vocab_size));
+  }
+  return ids;
+}
+
+std::string read_file(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST_CASE("F32: greedy decoding from BOS reproduces the 256 golden token ids", "[model][golden]") {
+  auto m = Model::load(stories("f32"));
+  const auto want = golden_ids();
+  REQUIRE(want.size() == 256);
+  const auto got = greedy(*m, 256);
+  CHECK(got == want);
+  Tokenizer tok(m->vocab);
+  CHECK(tok.decode(got) == golden()["greedy_text"].get<std::string>());
+}
+
+TEST_CASE("F32: logits of positions 0-15 match the golden rows within 1e-4", "[model][golden]") {
+  auto m = Model::load(stories("f32"));
+  const auto ids = golden_ids();
+  const auto rows = golden()["logits_first16"];
+  REQUIRE(rows.size() == 16);
+  ThreadPool pool(2);
+  SECTION("token by token (decode)") {
+    Session s(*m, pool, 64);
+    for (int p = 0; p < 16; ++p) {
+      const float* logits = s.forward(&ids[size_t(p)], 1);
+      double worst = 0;
+      for (int v = 0; v < 512; ++v) worst = std::max(worst, std::fabs(double(logits[v]) - rows[size_t(p)][size_t(v)].get<double>()));
+      INFO("position " << p << " max abs diff " << worst);
+      CHECK(worst < 1e-4);
+    }
+  }
+  SECTION("as one batch (prefill)") {
+    Session s(*m, pool, 64);
+    const float* logits = s.forward(ids.data(), 16, /*all_logits=*/true);
+    double worst = 0;
+    for (int p = 0; p < 16; ++p)
+      for (int v = 0; v < 512; ++v)
+        worst = std::max(worst, std::fabs(double(logits[p * 512 + v]) - rows[size_t(p)][size_t(v)].get<double>()));
+    INFO("max abs diff " << worst);
+    CHECK(worst < 1e-4);
+  }
+}
+
+TEST_CASE("batched prefill equals token-by-token decoding for every type", "[model]") {
+  for (const char* type : {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"}) {
+    auto m = Model::load(stories(type));
+    const auto ids = golden_ids();
+    ThreadPool pool(2);
+    Session a(*m, pool, 128, 40), b(*m, pool, 128, 40);
+    const float* batch = a.forward(ids.data(), 40, true);  // [40, 512]
+    std::vector<float> all(batch, batch + 40 * 512);
+    double worst = 0;
+    for (int p = 0; p < 40; ++p) {
+      const float* one = b.forward(&ids[size_t(p)], 1);
+      for (int v = 0; v < 512; ++v) worst = std::max(worst, std::fabs(double(one[v]) - all[size_t(p * 512 + v)]));
+    }
+    INFO(type << " max abs diff " << worst);
+    CHECK(worst < 1e-4);
+  }
+}
+
+TEST_CASE("F16 and Q8_0: the first 64 greedy tokens equal the golden ones; Q4_0 reported", "[model][golden]") {
+  const auto want = golden_ids();
+  for (const char* type : {"f16", "q8_0"}) {
+    auto m = Model::load(stories(type));
+    const auto got = greedy(*m, 64);
+    INFO(type);
+    CHECK(got == std::vector<int32_t>(want.begin(), want.begin() + 64));
+  }
+  for (const char* type : {"bf16", "q4_0", "q4_1"}) {
+    auto m = Model::load(stories(type));
+    const auto got = greedy(*m, 64);
+    int same = 0;
+    while (same < 64 && got[size_t(same)] == want[size_t(same)]) ++same;
+    WARN(type << ": the first " << same << " of 64 greedy tokens match the golden ones");
+    CHECK(same >= 1);
+  }
+}
+
+TEST_CASE("perplexity (llama.cpp method, ctx 256) on TinyStories: F32 6.423, F16/Q8_0 within 1%", "[model][perplexity]") {
+  const std::string text = read_file(shared("text/tinystories-valid-head.txt"));
+  ThreadPool pool(2);
+  std::map<std::string, double> ppl;
+  for (const char* type : {"f32", "f16", "q8_0"}) {
+    auto m = Model::load(stories(type));
+    Tokenizer tok(m->vocab);
+    const auto tokens = tok.encode(text, true);
+    const PerplexityResult r = perplexity(*m, pool, tokens, 256);
+    CHECK(r.chunks == 39);
+    CHECK(r.scored == 4953);
+    ppl[type] = r.ppl;
+  }
+  INFO("f32 " << ppl["f32"] << " f16 " << ppl["f16"] << " q8_0 " << ppl["q8_0"]);
+  CHECK(std::fabs(ppl["f32"] / 6.4229 - 1) < 1e-3);
+  CHECK(std::fabs(ppl["f16"] / ppl["f32"] - 1) < 1e-2);
+  CHECK(std::fabs(ppl["q8_0"] / ppl["f32"] - 1) < 1e-2);
+}
+
+TEST_CASE("sampling with a seed is reproducible; different seeds differ", "[model][sampler]") {
+  auto m = Model::load(stories("q8_0"));
+  ThreadPool pool(2);
+  auto run = [&](uint64_t seed) {
+    SamplerParams p;
+    p.temperature = 1.0f;
+    p.seed = seed;
+    Sampler sampler(p);
+    Session s(*m, pool, 200);
+    std::vector<int32_t> hist{m->vocab.bos_id};
+    generate(s, sampler, hist, 100, -1, [](int32_t) { return true; });
+    return hist;
+  };
+  const auto a = run(42), b = run(42), c = run(43);
+  CHECK(a == b);
+  CHECK(a != c);
+  CHECK(a.size() == 101);
+}
+
+// llama2.c's versioned exports, made here from the real legacy weights: v1 (fp32) must give
+// exactly the legacy tensors; v2 (int8 + fp32 scale per group) must dequantize to q * s.
+TEST_CASE("llama2.c v1 and v2 checkpoints read the same weights as the legacy file", "[model][llama2c]") {
+  const SourceModel legacy = read_llama2c(shared("models/stories260K/stories260K.bin"));
+  const LlamaConfig& c = legacy.config;
+  std::map<std::string, std::vector<float>> w;
+  for (const auto& t : legacy.tensors) {
+    w[t.name].resize(size_t(t.numel()));
+    t.read(w[t.name].data());
+  }
+  const std::string dir = test::scratch("llama2c-versions");
+  auto header = [&](std::ofstream& o, int version, int group) {
+    std::vector<char> h(256, 0);
+    const uint32_t magic = 0x616b3432;
+    const int32_t p[9] = {version, int32_t(c.dim), int32_t(c.hidden_dim), int32_t(c.n_layers), int32_t(c.n_heads),
+                          int32_t(c.n_kv_heads), int32_t(c.vocab_size), int32_t(c.context_length), 0};
+    std::memcpy(h.data(), &magic, 4);
+    std::memcpy(h.data() + 4, p, 32);
+    h[36] = 1;  // shared classifier
+    std::memcpy(h.data() + 37, &group, 4);
+    o.write(h.data(), 256);
+  };
+  auto layer_names = [&](const char* what) {
+    std::vector<std::string> v;
+    for (int64_t i = 0; i < c.n_layers; ++i) v.push_back(llama_layer_tensor(i, what));
+    return v;
+  };
+  std::vector<std::string> norms = layer_names("attn_norm"), ffn_norms = layer_names("ffn_norm");
+  norms.insert(norms.end(), ffn_norms.begin(), ffn_norms.end());
+  norms.push_back("output_norm.weight");
+  std::vector<std::string> mats{"token_embd.weight"};
+  for (const char* what : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up"})
+    for (const auto& n : layer_names(what)) mats.push_back(n);
+
+  const std::string v1 = dir + "/v1.bin", v2 = dir + "/v2.bin";
+  {
+    std::ofstream o(v1, std::ios::binary);
+    header(o, 1, 0);
+    for (const auto& n : norms) o.write(reinterpret_cast<const char*>(w[n].data()), std::streamsize(w[n].size() * 4));
+    for (const auto& n : mats) o.write(reinterpret_cast<const char*>(w[n].data()), std::streamsize(w[n].size() * 4));
+  }
+  const int group = 32;
+  std::map<std::string, std::vector<float>> deq;
+  {
+    std::ofstream o(v2, std::ios::binary);
+    header(o, 2, group);
+    for (const auto& n : norms) o.write(reinterpret_cast<const char*>(w[n].data()), std::streamsize(w[n].size() * 4));
+    for (const auto& n : mats) {
+      const auto& x = w[n];
+      std::vector<int8_t> q(x.size());
+      std::vector<float> s(x.size() / group);
+      auto& d = deq[n];
+      d.resize(x.size());
+      for (size_t g = 0; g < s.size(); ++g) {
+        float amax = 0;
+        for (int j = 0; j < group; ++j) amax = std::max(amax, std::fabs(x[g * group + j]));
+        s[g] = amax / 127.0f;
+        for (int j = 0; j < group; ++j) {
+          q[g * group + j] = int8_t(std::lround(s[g] ? x[g * group + j] / s[g] : 0));
+          d[g * group + j] = float(q[g * group + j]) * s[g];
+        }
+      }
+      o.write(reinterpret_cast<const char*>(q.data()), std::streamsize(q.size()));
+      o.write(reinterpret_cast<const char*>(s.data()), std::streamsize(s.size() * 4));
+    }
+  }
+  for (const auto& [path, version] : {std::pair{v1, 1}, std::pair{v2, 2}}) {
+    const SourceModel sm = read_llama2c(path);
+    INFO(sm.format);
+    CHECK(sm.config.dim == c.dim);
+    CHECK(sm.config.tied_embeddings);
+    CHECK(sm.tensors.size() == legacy.tensors.size());
+    for (const auto& t : sm.tensors) {
+      std::vector<float> got(size_t(t.numel()));
+      t.read(got.data());
+      const bool is_norm = t.shape.size() == 1;
+      INFO(t.name);
+      CHECK(got == (version == 1 || is_norm ? w.at(t.name) : deq.at(t.name)));
+    }
+  }
+  // And the converter takes them end to end.
+  CHECK(test::run(test::bin("llmq-convert") + " " + v1 + " --tokenizer " + shared("models/stories260K/tok512.bin") +
+                  " -o " + dir + "/v1.llmq 2>/dev/null") == 0);
+  auto m = Model::load(dir + "/v1.llmq");
+  const auto want = golden_ids();
+  CHECK(greedy(*m, 64) == std::vector<int32_t>(want.begin(), want.begin() + 64));
+}
+
+TEST_CASE("llmq-run one-shot streams the golden text", "[model][tools]") {
+  const std::string out = test::scratch("run-oneshot") + "/out.txt";
+  const std::string cmd =
+      test::bin("llmq-run") + " -m " + stories("f32") + " -p 'Once upon a time' -n 40 --temp 0 -t 2 > " + out + " 2>/dev/null";
+  REQUIRE(test::run(cmd) == 0);
+  const std::string text = read_file(out);
+  CHECK(text.rfind("Once upon a time, there was a little girl named Lily.", 0) == 0);
+}

@@ -1,0 +1,71 @@
+// llmq-convert: a checkpoint (llama2.c .bin) plus its tokenizer -> one `.llmq` file.
+//
+//   llmq-convert stories260K.bin --tokenizer tok512.bin --type q8_0 -o stories260K-q8_0.llmq
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <map>
+
+#include "formats/convert.h"
+#include "formats/error.h"
+#include "formats/llama2c.h"
+#include "tools/cli_common.h"
+
+using namespace llmq;
+
+int main(int argc, char** argv) {
+  CLI::App app{"llmq-convert: convert a checkpoint to the .llmq format"};
+  std::string input, output, tokenizer, type_name;
+  std::vector<std::string> overrides;
+  bool force = false, no_progress = false;
+  app.add_option("input", input, "source checkpoint (llama2.c .bin: legacy, v1 or v2)")->required();
+  app.add_option("-o,--output", output, "output .llmq file")->required();
+  app.add_option("--tokenizer", tokenizer, "tokenizer: llama2.c tokenizer.bin or SentencePiece tokenizer.model")->required();
+  app.add_option("--type", type_name,
+                 "type of 2-D weights: f32|f16|bf16|q8_0|q4_0|q4_1 (1-D tensors stay f32); default: as in the source");
+  app.add_option("--tensor-type", overrides,
+                 "per-tensor type, PATTERN=TYPE with a glob pattern, e.g. token_embd.weight=q8_0 (repeatable)");
+  app.add_flag("-f,--force", force, "overwrite an existing output file");
+  app.add_flag("--no-progress", no_progress, "no progress bar");
+  CLI11_PARSE(app, argc, argv);
+
+  return cli::run_guarded("llmq-convert", [&] {
+    ConvertOptions opts;
+    if (!type_name.empty()) opts.type = dtype_from_name(type_name);
+    for (const std::string& o : overrides) {
+      const size_t eq = o.rfind('=');
+      if (eq == std::string::npos || eq == 0) throw UsageError("--tensor-type expects PATTERN=TYPE, got '" + o + "'");
+      opts.overrides.emplace_back(o.substr(0, eq), dtype_from_name(o.substr(eq + 1)));
+    }
+    opts.overwrite = force;
+    opts.progress = !no_progress && isatty(STDERR_FILENO);
+    opts.source_path = input;
+
+    const SourceModel src = read_llama2c(input);
+    const Vocab vocab = cli::load_tokenizer_file(tokenizer, src.config.vocab_size);
+    std::fprintf(stderr, "llmq-convert: %s (%s): dim %lld, %lld layers, %lld heads (%lld KV), vocab %lld\n", input.c_str(),
+                 src.format.c_str(), (long long)src.config.dim, (long long)src.config.n_layers,
+                 (long long)src.config.n_heads, (long long)src.config.n_kv_heads, (long long)src.config.vocab_size);
+    const ConvertReport rep = convert_to_llmq(src, vocab, output, opts);
+
+    // Summary: per tensor, then per type, then totals.
+    std::map<std::string, int> per_type;
+    std::fprintf(stderr, "%-28s %-6s %12s %10s\n", "tensor", "type", "bytes", "rel.rms");
+    for (const auto& t : rep.tensors) {
+      std::fprintf(stderr, "%-28s %-6s %12llu %10.3g%s\n", t.name.c_str(), dtype_name(t.type), (unsigned long long)t.bytes,
+                   t.rel_rms_error, t.fell_back ? "  (row length not a multiple of 32: stored as f16)" : "");
+      ++per_type[dtype_name(t.type)];
+    }
+    std::string types;
+    for (const auto& [name, n] : per_type) types += (types.empty() ? "" : ", ") + std::to_string(n) + " " + name;
+    int fallbacks = 0;
+    for (const auto& t : rep.tensors) fallbacks += t.fell_back;
+    std::fprintf(stderr, "wrote %s: %zu tensors (%s), %s, %.3f bits per weight", output.c_str(), rep.tensors.size(),
+                 types.c_str(), cli::human_bytes(rep.file_bytes).c_str(),
+                 8.0 * double(rep.weight_bytes) / double(rep.weights));
+    if (fallbacks) std::fprintf(stderr, "; %d tensor(s) fell back to f16", fallbacks);
+    std::fprintf(stderr, "\n");
+    return 0;
+  });
+}

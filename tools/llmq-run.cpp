@@ -1,0 +1,179 @@
+// llmq-run: generate text from a `.llmq` model (one-shot or interactive), or measure perplexity.
+//
+//   llmq-run -m model.llmq -p "Once upon a time" -n 128 --temp 0      one-shot, streamed
+//   llmq-run -m model.llmq                                             interactive
+//   llmq-run -m model.llmq --perplexity text.txt --ctx 256             llama.cpp-method PPL
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "engine/generate.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+#include "engine/tokenizer.h"
+#include "formats/error.h"
+#include "tools/cli_common.h"
+
+using namespace llmq;
+
+namespace {
+
+std::atomic<bool> g_generating{false};
+std::atomic<bool> g_stop{false};
+
+// Ctrl-C stops the current generation; at the prompt it ends the program.
+void on_sigint(int) {
+  if (g_generating.load()) {
+    g_stop.store(true);
+  } else {
+    const char nl = '\n';
+    (void)!write(STDOUT_FILENO, &nl, 1);
+    _exit(130);
+  }
+}
+
+void print_stats(const GenerateStats& st) {
+  std::fprintf(stderr,
+               "\nllmq-run: prompt %lld tokens, %.1f tok/s prefill | generated %lld tokens, %.1f tok/s decode | peak memory %s\n",
+               (long long)st.prompt_tokens, st.prefill_tps(), (long long)st.generated_tokens, st.decode_tps(),
+               cli::human_bytes(cli::peak_rss_bytes()).c_str());
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw FileError(path, "cannot open");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"llmq-run: generate text with a .llmq model"};
+  std::string model_path, prompt, ppl_file;
+  bool have_prompt = false, no_verify = false;
+  int64_t n_predict = 256, ctx = 0, n_batch = 512;
+  int threads = 0;
+  SamplerParams sp;
+  sp.seed = 0;
+  int64_t seed = -1;
+  app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
+  auto* popt = app.add_option("-p,--prompt", prompt, "prompt; without it llmq-run is an interactive chat");
+  app.add_option("-n,--n-predict", n_predict, "tokens to generate (-1: until end of sequence)");
+  app.add_option("-t,--threads", threads, "threads (default: all cores)");
+  app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's)");
+  app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
+  app.add_option("--temp", sp.temperature, "temperature (0: greedy)");
+  app.add_option("--top-k", sp.top_k, "top-k (0: off)");
+  app.add_option("--top-p", sp.top_p, "top-p (1: off)");
+  app.add_option("--min-p", sp.min_p, "min-p (0: off)");
+  app.add_option("--repeat-penalty", sp.repeat_penalty, "repetition penalty (1: off)");
+  app.add_option("--repeat-last-n", sp.repeat_last_n, "tokens the repetition penalty looks back on");
+  app.add_option("-s,--seed", seed, "random seed (default: from the clock)");
+  app.add_option("--perplexity", ppl_file, "compute perplexity over this text file instead of generating");
+  app.add_flag("--no-verify", no_verify, "skip the tensor checksum verification at load");
+  CLI11_PARSE(app, argc, argv);
+  have_prompt = popt->count() > 0;
+
+  return cli::run_guarded("llmq-run", [&] {
+    auto model = Model::load(model_path, !no_verify);
+    const LlamaConfig& c = model->config;
+    Tokenizer tok(model->vocab);
+    ThreadPool pool(threads);
+    sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
+
+    if (!ppl_file.empty()) {
+      const int64_t n_ctx = ctx > 0 ? ctx : 512;
+      const std::string text = read_text_file(ppl_file);
+      const std::vector<int32_t> tokens = tok.encode(text, true);
+      std::fprintf(stderr, "llmq-run: perplexity over %s: %zu tokens, %lld chunks of %lld\n", ppl_file.c_str(), tokens.size(),
+                   (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
+      const PerplexityResult r = perplexity(*model, pool, tokens, n_ctx, [](int64_t i, double ppl) {
+        std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl);
+      });
+      std::printf("PPL = %.4f +/- %.4f (%lld chunks, %lld tokens scored, ctx %lld, model %s)\n", r.ppl, r.ppl_err,
+                  (long long)r.chunks, (long long)r.scored, (long long)n_ctx, model->weight_type().c_str());
+      return 0;
+    }
+
+    Session session(*model, pool, ctx > 0 ? ctx : c.context_length, n_batch);
+    Sampler sampler(sp);
+    std::vector<int32_t> history;
+    int32_t prev = -1;
+    auto emit = [&](int32_t id) {
+      const std::string piece = tok.decode_piece(prev, id);
+      prev = id;
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+      return true;
+    };
+
+    if (have_prompt) {
+      history = tok.encode(prompt, model->vocab.add_bos);
+      if (history.empty()) throw UsageError("the prompt is empty and the model adds no BOS token");
+      if (int64_t(history.size()) >= session.ctx())
+        throw UsageError("the prompt has " + std::to_string(history.size()) + " tokens; the context is " +
+                         std::to_string(session.ctx()));
+      // Echo the prompt as the model sees it, then stream the continuation.
+      for (int32_t id : history) emit(id);
+      const GenerateStats st = generate(session, sampler, history, n_predict, model->vocab.eos_id, emit);
+      std::printf("\n");
+      print_stats(st);
+      return 0;
+    }
+
+    // Interactive: each line continues the conversation; the KV cache is kept between turns.
+    struct sigaction sa {};
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+    const bool tty = isatty(STDIN_FILENO);
+    std::fprintf(stderr, "llmq-run: interactive mode; Ctrl-C stops a reply, /reset forgets, /quit or end of input exits\n");
+    GenerateStats total;
+    std::string line;
+    for (;;) {
+      if (tty) std::fprintf(stderr, "> ");
+      if (!std::getline(std::cin, line)) break;
+      if (line == "/quit" || line == "/exit") break;
+      if (line == "/reset") {
+        session.reset();
+        history.clear();
+        prev = -1;
+        std::fprintf(stderr, "(conversation reset)\n");
+        continue;
+      }
+      if (line.empty()) continue;
+      std::vector<int32_t> add = tok.encode(line, history.empty() && model->vocab.add_bos);
+      if (int64_t(history.size() + add.size()) + 1 >= session.ctx()) {
+        std::fprintf(stderr, "(context full: conversation reset)\n");
+        session.reset();
+        history.clear();
+        add = tok.encode(line, model->vocab.add_bos);
+        if (int64_t(add.size()) + 1 >= session.ctx()) {
+          std::fprintf(stderr, "(that message alone exceeds the context of %lld tokens)\n", (long long)session.ctx());
+          continue;
+        }
+      }
+      history.insert(history.end(), add.begin(), add.end());
+      prev = add.back();
+      g_stop = false;
+      g_generating = true;
+      const GenerateStats st = generate(session, sampler, history, n_predict, model->vocab.eos_id, emit, &g_stop);
+      g_generating = false;
+      std::printf("\n");
+      std::fflush(stdout);
+      if (g_stop) std::fprintf(stderr, "(stopped)\n");
+      total.prompt_tokens += st.prompt_tokens, total.generated_tokens += st.generated_tokens;
+      total.prefill_s += st.prefill_s, total.decode_s += st.decode_s;
+    }
+    print_stats(total);
+    return 0;
+  });
+}
