@@ -18,6 +18,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify) {
     model->config = LlamaConfig::from_metadata(f.meta());
     model->vocab = vocab_from_metadata(f.meta());
     model->chat_template = f.meta().get_string("tokenizer.chat_template", "");
+    model->tokenizer = std::make_unique<Tokenizer>(model->vocab);
   } catch (const std::exception& e) {
     throw FileError(path, e.what());
   }
@@ -87,7 +88,7 @@ std::string Model::weight_type() const {
 Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch)
     : m_(model), pool_(pool) {
   const LlamaConfig& c = model.config;
-  ctx_ = ctx > 0 ? ctx : c.context_length;
+  ctx_ = ctx > 0 ? ctx : std::min(c.context_length, kDefaultMaxCtx);
   n_batch_ = std::max<int64_t>(1, std::min(n_batch, ctx_));
   const auto B = size_t(n_batch_);
   k_cache_.assign(size_t(c.n_layers * ctx_ * c.kv_dim()), 0.0f);

@@ -6,6 +6,7 @@
 
 #include "engine/cpu_ops.h"
 #include "engine/threadpool.h"
+#include "engine/tokenizer.h"
 #include "formats/llmq_file.h"
 #include "formats/vocab.h"
 #include "models/llama.h"
@@ -30,14 +31,16 @@ struct Model {
   std::unique_ptr<LlmqFile> file;
   LlamaConfig config;
   Vocab vocab;
+  std::unique_ptr<Tokenizer> tokenizer;  // built from vocab at load (validates it)
   std::string chat_template;
   Weight token_embd;        // [vocab, dim]
   std::vector<LayerWeights> layers;
   const float* output_norm;  // [dim]
   Weight output;             // [vocab, dim] (the embedding when tied)
 
-  /// Opens and validates `path` (see LlmqFile::open) and binds every tensor of the Llama table
-  /// (models/llama.h), checking names, shapes and that 1-D tensors are F32.
+  /// Opens and validates `path` (see LlmqFile::open), builds the tokenizer, and binds every
+  /// tensor of the Llama table (models/llama.h), checking names, shapes and that 1-D tensors
+  /// are F32.
   /// Throws FileError for any fault (the message names the file).
   static std::unique_ptr<Model> load(const std::string& path, bool verify = true);
   /// Bytes of weights in the file (all tensors).
@@ -46,10 +49,15 @@ struct Model {
   std::string weight_type() const;
 };
 
+/// Default KV-cache length when none is asked for and the model's context is longer (as
+/// llama.cpp, a long-context model does not reserve its whole context unless asked).
+constexpr int64_t kDefaultMaxCtx = 4096;
+
 /// One sequence's inference state: KV cache plus scratch buffers, sized once.
 class Session {
  public:
-  /// ctx: KV-cache length in tokens (<= 0: the model's context length); n_batch: most tokens
+  /// ctx: KV-cache length in tokens (<= 0: the model's context length, at most
+  /// kDefaultMaxCtx); n_batch: most tokens
   /// per forward call (prompts are cut into chunks of this size).
   Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512);
 

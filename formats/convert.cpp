@@ -114,8 +114,9 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
       const float* x = data.data() + r * cols;
       try {
         quantize_row(info.type, x, packed.data() + size_t(r) * rb, cols);
-      } catch (const UsageError& e) {
-        throw UsageError("tensor '" + t.name + "' row " + std::to_string(r) + ": " + e.what());
+      } catch (const UsageError& e) {  // NaN/Inf/overflow: the source file is at fault
+        throw FileError(opts.source_path.empty() ? "source" : opts.source_path,
+                        "tensor '" + t.name + "' row " + std::to_string(r) + ": " + e.what());
       }
       dequantize_row(info.type, packed.data() + size_t(r) * rb, back.data(), cols);
       for (int64_t j = 0; j < cols; ++j) {

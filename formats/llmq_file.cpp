@@ -1,6 +1,7 @@
 #include "formats/llmq_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -400,6 +401,9 @@ LlmqWriter::LlmqWriter(const std::string& path, bool overwrite) : path_(path) {
   fd_ = mkstemp(tmpl.data());
   if (fd_ < 0) throw FileError(path, std::string("cannot create a temporary file beside it: ") + std::strerror(errno));
   tmp_path_ = tmpl;
+  const mode_t mask = umask(0);  // mkstemp makes 0600; give the file the usual 0666 & ~umask
+  umask(mask);
+  fchmod(fd_, 0666 & ~mask);
 }
 
 LlmqWriter::~LlmqWriter() {

@@ -14,6 +14,8 @@ void vocab_to_metadata(const Vocab& v, Metadata& m) {
   m.set("tokenizer.eos_token_id", int64_t(v.eos_id));
   m.set("tokenizer.unknown_token_id", int64_t(v.unk_id));
   m.set("tokenizer.padding_token_id", int64_t(v.pad_id));
+  if (!v.pre.empty()) m.set("tokenizer.pre", v.pre);
+  if (v.eot_id >= 0) m.set("tokenizer.eot_token_id", int64_t(v.eot_id));
   m.set("tokenizer.add_bos_token", v.add_bos);
   m.set("tokenizer.add_space_prefix", v.add_space_prefix);
 }
@@ -38,6 +40,8 @@ Vocab vocab_from_metadata(const Metadata& m) {
   v.eos_id = id("tokenizer.eos_token_id");
   v.unk_id = id("tokenizer.unknown_token_id");
   v.pad_id = id("tokenizer.padding_token_id");
+  v.eot_id = id("tokenizer.eot_token_id");
+  v.pre = m.get_string("tokenizer.pre", "");
   v.add_bos = m.get_bool("tokenizer.add_bos_token", true);
   v.add_space_prefix = m.get_bool("tokenizer.add_space_prefix", true);
   return v;

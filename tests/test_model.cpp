@@ -56,7 +56,7 @@ TEST_CASE("F32: greedy decoding from BOS reproduces the 256 golden token ids", "
   REQUIRE(want.size() == 256);
   const auto got = greedy(*m, 256);
   CHECK(got == want);
-  Tokenizer tok(m->vocab);
+  const Tokenizer& tok = *m->tokenizer;
   CHECK(tok.decode(got) == golden()["greedy_text"].get<std::string>());
 }
 
@@ -130,7 +130,7 @@ TEST_CASE("perplexity (llama.cpp method, ctx 256) on TinyStories: F32 6.423, F16
   std::map<std::string, double> ppl;
   for (const char* type : {"f32", "f16", "q8_0"}) {
     auto m = Model::load(stories(type));
-    Tokenizer tok(m->vocab);
+    const Tokenizer& tok = *m->tokenizer;
     const auto tokens = tok.encode(text, true);
     const PerplexityResult r = perplexity(*m, pool, tokens, 256);
     CHECK(r.chunks == 39);

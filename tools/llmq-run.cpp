@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
   auto* popt = app.add_option("-p,--prompt", prompt, "prompt; without it llmq-run is an interactive chat");
   app.add_option("-n,--n-predict", n_predict, "tokens to generate (-1: until end of sequence)");
   app.add_option("-t,--threads", threads, "threads (default: all cores)");
-  app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's)");
+  app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
   app.add_option("--temp", sp.temperature, "temperature (0: greedy)");
   app.add_option("--top-k", sp.top_k, "top-k (0: off)");
@@ -84,8 +84,7 @@ int main(int argc, char** argv) {
 
   return cli::run_guarded("llmq-run", [&] {
     auto model = Model::load(model_path, !no_verify);
-    const LlamaConfig& c = model->config;
-    Tokenizer tok(model->vocab);
+    const Tokenizer& tok = *model->tokenizer;
     ThreadPool pool(threads);
     sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
 
@@ -103,7 +102,7 @@ int main(int argc, char** argv) {
       return 0;
     }
 
-    Session session(*model, pool, ctx > 0 ? ctx : c.context_length, n_batch);
+    Session session(*model, pool, ctx, n_batch);
     Sampler sampler(sp);
     std::vector<int32_t> history;
     int32_t prev = -1;
