@@ -15,9 +15,23 @@ namespace llmq::test {
 inline std::string shared(const std::string& rel) { return std::string(LLMQ_SHARED_DIR) + "/" + rel; }
 /// Path of a built tool, e.g. bin("llmq-run").
 inline std::string bin(const std::string& name) { return std::string(LLMQ_BIN_DIR) + "/" + name; }
-/// A fresh scratch folder for one test (removed and re-created).
+/// This process's scratch root, LLMQ_TEST_TMP/<pid> (CTest runs test cases as parallel
+/// processes), removed when the process exits.
+inline const std::filesystem::path& scratch_root() {
+  struct Root {
+    std::filesystem::path path = std::filesystem::path(LLMQ_TEST_TMP) / std::to_string(::getpid());
+    ~Root() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Root root;
+  return root.path;
+}
+
+/// A fresh scratch folder for one test (removed and re-created), private to this process.
 inline std::string scratch(const std::string& name) {
-  std::filesystem::path p = std::filesystem::path(LLMQ_TEST_TMP) / name;
+  std::filesystem::path p = scratch_root() / name;
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p.string();
@@ -34,13 +48,7 @@ inline std::string stories(const std::string& type) {
   static std::map<std::string, std::string> done;
   auto it = done.find(type);
   if (it != done.end()) return it->second;
-  // One folder per process (CTest may run test cases in parallel), removed at exit.
-  struct Dir {
-    std::string path = scratch("stories-" + std::to_string(::getpid()));
-    ~Dir() { std::filesystem::remove_all(path); }
-  };
-  static const Dir d;
-  const std::string& dir = d.path;
+  static const std::string dir = scratch("stories");
   const std::string out = dir + "/stories260K-" + type + ".llmq";
   const std::string cmd = bin("llmq-convert") + " " + shared("models/stories260K/stories260K.bin") + " --tokenizer " +
                           shared("models/stories260K/tok512.bin") + " --type " + type + " -o " + out + " -f 2>/dev/null";
