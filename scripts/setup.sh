@@ -17,6 +17,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+bash scripts/fetch_models.sh
+
 jobs=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release ${LLMQ_CMAKE_ARGS:-} >/dev/null
 cmake --build build -j"$jobs"

@@ -1,4 +1,4 @@
-// llmq-convert: a checkpoint (llama2.c .bin) plus its tokenizer -> one `.llmq` file.
+// llmq-convert: a checkpoint (llama2.c .bin, GGUF, Hugging Face directory) -> one `.llmq` file.
 //
 //   llmq-convert stories260K.bin --tokenizer tok512.bin --type q8_0 -o stories260K-q8_0.llmq
 #include <unistd.h>
@@ -9,7 +9,7 @@
 
 #include "formats/convert.h"
 #include "formats/error.h"
-#include "formats/llama2c.h"
+#include "formats/source.h"
 #include "tools/cli_common.h"
 
 using namespace llmq;
@@ -19,9 +19,10 @@ int main(int argc, char** argv) {
   std::string input, output, tokenizer, type_name;
   std::vector<std::string> overrides;
   bool force = false, no_progress = false;
-  app.add_option("input", input, "source checkpoint (llama2.c .bin: legacy, v1 or v2)")->required();
+  app.add_option("input", input, "source: llama2.c .bin (legacy, v1, v2), .gguf, or a Hugging Face directory")->required();
   app.add_option("-o,--output", output, "output .llmq file")->required();
-  app.add_option("--tokenizer", tokenizer, "tokenizer: llama2.c tokenizer.bin or SentencePiece tokenizer.model")->required();
+  app.add_option("--tokenizer", tokenizer,
+                 "tokenizer: llama2.c tokenizer.bin or SentencePiece tokenizer.model (needed when the source has none)");
   app.add_option("--type", type_name,
                  "type of 2-D weights: f32|f16|bf16|q8_0|q4_0|q4_1 (1-D tensors stay f32); default: as in the source");
   app.add_option("--tensor-type", overrides,
@@ -42,12 +43,17 @@ int main(int argc, char** argv) {
     opts.progress = !no_progress && isatty(STDERR_FILENO);
     opts.source_path = input;
 
-    const SourceModel src = read_llama2c(input);
-    const Vocab vocab = cli::load_tokenizer_file(tokenizer, src.config.vocab_size);
+    SourceModel src = open_source(input);
+    if (!tokenizer.empty()) {
+      src.vocab = cli::load_tokenizer_file(tokenizer, src.config.vocab_size);
+      src.has_vocab = true;
+    }
+    if (!src.has_vocab) throw UsageError(input + " carries no tokenizer: give one with --tokenizer");
+    opts.chat_template = src.chat_template;
     std::fprintf(stderr, "llmq-convert: %s (%s): dim %lld, %lld layers, %lld heads (%lld KV), vocab %lld\n", input.c_str(),
                  src.format.c_str(), (long long)src.config.dim, (long long)src.config.n_layers,
                  (long long)src.config.n_heads, (long long)src.config.n_kv_heads, (long long)src.config.vocab_size);
-    const ConvertReport rep = convert_to_llmq(src, vocab, output, opts);
+    const ConvertReport rep = convert_to_llmq(src, src.vocab, output, opts);
 
     // Summary: per tensor, then per type, then totals.
     std::map<std::string, int> per_type;
