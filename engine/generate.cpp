@@ -1,5 +1,6 @@
 #include "engine/generate.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -14,8 +15,16 @@ double now_s() {
 }
 }  // namespace
 
-GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict, int32_t eos_id,
-                       const std::function<bool(int32_t)>& on_token, const std::atomic<bool>* stop) {
+std::vector<int32_t> default_stop_ids(const Vocab& v) {
+  std::vector<int32_t> ids;
+  if (v.eos_id >= 0) ids.push_back(v.eos_id);
+  if (v.eot_id >= 0 && v.eot_id != v.eos_id) ids.push_back(v.eot_id);
+  return ids;
+}
+
+GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict,
+                       const std::vector<int32_t>& stop_ids, const std::function<bool(int32_t)>& on_token,
+                       const std::atomic<bool>* stop) {
   GenerateStats st;
   const int64_t pending = int64_t(history.size()) - s.pos();
   if (pending <= 0) throw UsageError("generate: no new tokens to feed");
@@ -29,8 +38,8 @@ GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& histo
   for (int64_t i = 0; n_predict < 0 || i < n_predict; ++i) {
     if (stop && stop->load()) break;
     const int32_t id = sampler.sample(logits, vocab, history);
-    if (id == eos_id) break;
     history.push_back(id);
+    if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) break;
     ++st.generated_tokens;
     if (!on_token(id)) break;
     if (s.pos() >= s.ctx()) break;  // KV cache full

@@ -21,11 +21,17 @@ struct GenerateStats {
 /// `history` is the whole token sequence so far; the part not yet in the KV cache
 /// (history[s.pos():], the new prompt plus any token sampled but not yet fed) goes through the
 /// session as one batched prefill. Then up to `n_predict` tokens are sampled (n_predict < 0:
-/// until EOS or the context is full) and appended to history, calling on_token(id) for each,
-/// EOS excluded. Stops at EOS, when on_token returns false, when *stop becomes true, or when
-/// the KV cache is full. Throws UsageError if nothing is pending or the prompt overflows the cache.
-GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict, int32_t eos_id,
-                       const std::function<bool(int32_t)>& on_token, const std::atomic<bool>* stop = nullptr);
+/// until a stop token or the context is full) and appended to history, calling on_token(id)
+/// for each. A token in `stop_ids` (EOS, end of turn) ends generation: it is appended to
+/// history (so the next turn continues after it) but not passed to on_token. Also stops when
+/// on_token returns false, when *stop becomes true, or when the KV cache is full.
+/// Throws UsageError if nothing is pending or the prompt overflows the cache.
+GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict,
+                       const std::vector<int32_t>& stop_ids, const std::function<bool(int32_t)>& on_token,
+                       const std::atomic<bool>* stop = nullptr);
+
+/// EOS and end-of-turn ids of a vocabulary (those that exist), for generate()'s stop_ids.
+std::vector<int32_t> default_stop_ids(const Vocab& v);
 
 /// Result of perplexity(): PPL = exp(mean NLL) over `scored` tokens, ± its standard error.
 struct PerplexityResult {

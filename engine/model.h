@@ -71,6 +71,8 @@ class Session {
   int64_t ctx() const { return ctx_; }
   /// Forgets the cache (the next forward starts at position 0).
   void reset() { pos_ = 0; }
+  /// Keeps only the first n cached positions (n <= pos()), e.g. to re-use a shared prompt prefix.
+  void truncate(int64_t n) { pos_ = std::max<int64_t>(0, std::min(n, pos_)); }
   /// Bytes held by the KV cache and the scratch buffers.
   uint64_t state_bytes() const;
 

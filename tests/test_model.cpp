@@ -153,7 +153,7 @@ TEST_CASE("sampling with a seed is reproducible; different seeds differ", "[mode
     Sampler sampler(p);
     Session s(*m, pool, 200);
     std::vector<int32_t> hist{m->vocab.bos_id};
-    generate(s, sampler, hist, 100, -1, [](int32_t) { return true; });
+    generate(s, sampler, hist, 100, {}, [](int32_t) { return true; });
     return hist;
   };
   const auto a = run(42), b = run(42), c = run(43);

@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
                          std::to_string(session.ctx()));
       // Echo the prompt as the model sees it, then stream the continuation.
       for (int32_t id : history) emit(id);
-      const GenerateStats st = generate(session, sampler, history, n_predict, model->vocab.eos_id, emit);
+      const GenerateStats st = generate(session, sampler, history, n_predict, default_stop_ids(model->vocab), emit);
       std::printf("\n");
       print_stats(st);
       return 0;
@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
       prev = add.back();
       g_stop = false;
       g_generating = true;
-      const GenerateStats st = generate(session, sampler, history, n_predict, model->vocab.eos_id, emit, &g_stop);
+      const GenerateStats st = generate(session, sampler, history, n_predict, default_stop_ids(model->vocab), emit, &g_stop);
       g_generating = false;
       std::printf("\n");
       std::fflush(stdout);
