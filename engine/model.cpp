@@ -85,14 +85,9 @@ std::string Model::weight_type() const {
 
 // ---------------------------------------------------------------- forward pass
 
-Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch)
-    : m_(model), pool_(pool) {
-  const LlamaConfig& c = model.config;
-  ctx_ = ctx > 0 ? ctx : std::min(c.context_length, kDefaultMaxCtx);
-  n_batch_ = std::max<int64_t>(1, std::min(n_batch, ctx_));
-  const auto B = size_t(n_batch_);
-  k_cache_.assign(size_t(c.n_layers * ctx_ * c.kv_dim()), 0.0f);
-  v_cache_.assign(k_cache_.size(), 0.0f);
+Workspace::Workspace(const Model& m, int64_t capacity) : cap_(std::max<int64_t>(1, capacity)) {
+  const LlamaConfig& c = m.config;
+  const auto B = size_t(cap_);
   x_.resize(B * size_t(c.dim));
   xb_.resize(B * size_t(std::max(c.dim, c.q_dim())));
   q_.resize(B * size_t(c.q_dim()));
@@ -101,101 +96,144 @@ Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_ba
   att_out_.resize(B * size_t(c.q_dim()));
   h1_.resize(B * size_t(c.hidden_dim));
   h2_.resize(B * size_t(c.hidden_dim));
-  att_.resize(size_t(pool.size()) * size_t(ctx_));
-  logits_.resize(B * size_t(c.vocab_size));
+  pos_.resize(B);
 }
 
-uint64_t Session::state_bytes() const {
-  const size_t floats = k_cache_.size() + v_cache_.size() + x_.size() + xb_.size() + q_.size() + k_.size() +
-                        v_.size() + att_out_.size() + h1_.size() + h2_.size() + att_.size() + logits_.size();
-  return floats * sizeof(float) + scratch_.xq.capacity() * sizeof(BlockQ8Act);
+uint64_t Workspace::bytes() const {
+  size_t floats = x_.size() + xb_.size() + q_.size() + k_.size() + v_.size() + att_out_.size() + h1_.size() +
+                  h2_.size() + logits_.capacity();
+  for (const auto& a : att_) floats += a.capacity();
+  return floats * sizeof(float) + pos_.size() * sizeof(int64_t) + scratch_.xq.capacity() * sizeof(BlockQ8Act);
 }
 
-const float* Session::forward(const int32_t* tokens, int64_t n, bool all_logits) {
-  if (n <= 0) throw UsageError("forward: no tokens");
-  if (pos_ + n > ctx_)
-    throw UsageError("context full: " + std::to_string(pos_) + " + " + std::to_string(n) + " tokens exceed the KV cache of " +
-                     std::to_string(ctx_));
-  for (int64_t i = 0; i < n; ++i)
-    if (tokens[i] < 0 || tokens[i] >= m_.config.vocab_size)
-      throw UsageError("token id " + std::to_string(tokens[i]) + " out of range");
-  if (!all_logits) {
-    const float* out = nullptr;
-    for (int64_t i = 0; i < n; i += n_batch_) out = forward_chunk(tokens + i, std::min(n_batch_, n - i), false);
-    return out;
-  }
-  if (n > n_batch_) throw UsageError("forward: all_logits needs n <= n_batch");
-  return forward_chunk(tokens, n, true);
-}
-
-// The Llama forward pass for T tokens at positions pos_ .. pos_+T-1 (batched prefill when T > 1,
-// decode when T == 1). Shapes in comments: T tokens, D = dim, Q = q_dim, KV = kv_dim, H = hidden.
-const float* Session::forward_chunk(const int32_t* tokens, int64_t T, bool all_logits) {
-  const LlamaConfig& c = m_.config;
-  const int64_t D = c.dim, Q = c.q_dim(), KV = c.kv_dim(), H = c.hidden_dim, hd = c.head_dim;
+// Shapes in comments: T batch tokens, D = dim, Q = q_dim, KV = kv_dim, H = hidden, V = vocab.
+const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, ThreadPool& pool, const BatchToken* batch,
+                           int64_t T) {
+  const LlamaConfig& c = m.config;
+  const int64_t D = c.dim, Q = c.q_dim(), KV = c.kv_dim(), H = c.hidden_dim, hd = c.head_dim, V = c.vocab_size;
   const int64_t group = c.n_heads / c.n_kv_heads;  // query heads per KV head (GQA)
+  const int64_t bt = cache.block_tokens();
   const float eps = float(c.norm_eps);
   const float att_scale = float(1.0 / std::sqrt(double(hd)));
-  float* x = x_.data();  // [T, D] residual stream
+  if (T <= 0 || T > ws.cap_) throw UsageError("forward: batch of " + std::to_string(T) + " tokens (capacity " + std::to_string(ws.cap_) + ")");
 
-  for (int64_t t = 0; t < T; ++t) embedding_row(x + t * D, m_.token_embd, tokens[t]);
+  // Positions: each sequence continues from its cached length.
+  std::map<int32_t, int64_t> next;
+  int64_t n_logits = 0, max_pos = 0;
+  for (int64_t i = 0; i < T; ++i) {
+    const BatchToken& b = batch[i];
+    if (b.token < 0 || b.token >= V) throw UsageError("token id " + std::to_string(b.token) + " out of range");
+    auto it = next.find(b.seq);
+    if (it == next.end()) it = next.emplace(b.seq, cache.length(b.seq)).first;
+    ws.pos_[size_t(i)] = it->second++;
+    if (ws.pos_[size_t(i)] >= cache.capacity(b.seq)) throw UsageError("forward: KV cache positions not reserved");
+    max_pos = std::max(max_pos, ws.pos_[size_t(i)] + 1);
+    n_logits += b.logits;
+  }
+  if (ws.att_.size() < size_t(pool.size())) ws.att_.resize(size_t(pool.size()));
+  const int64_t* pos = ws.pos_.data();
+  float* x = ws.x_.data();  // [T, D] residual stream
+
+  for (int64_t t = 0; t < T; ++t) embedding_row(x + t * D, m.token_embd, batch[t].token);
 
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    const LayerWeights& w = m_.layers[size_t(l)];
-    float* kc = k_cache_.data() + size_t(l * ctx_ * KV);  // [ctx, KV]
-    float* vc = v_cache_.data() + size_t(l * ctx_ * KV);  // [ctx, KV]
+    const LayerWeights& w = m.layers[size_t(l)];
 
     // Attention block: xb = RMSNorm(x); q, k, v = xb·Wqᵀ, xb·Wkᵀ, xb·Wvᵀ
-    for (int64_t t = 0; t < T; ++t) rmsnorm(xb_.data() + t * D, x + t * D, w.attn_norm, D, eps);
-    matmul(pool_, scratch_, q_.data(), xb_.data(), T, w.wq);  // [T, Q]
-    matmul(pool_, scratch_, k_.data(), xb_.data(), T, w.wk);  // [T, KV]
-    matmul(pool_, scratch_, v_.data(), xb_.data(), T, w.wv);  // [T, KV]
+    for (int64_t t = 0; t < T; ++t) rmsnorm(ws.xb_.data() + t * D, x + t * D, w.attn_norm, D, eps);
+    matmul(pool, ws.scratch_, ws.q_.data(), ws.xb_.data(), T, w.wq);  // [T, Q]
+    matmul(pool, ws.scratch_, ws.k_.data(), ws.xb_.data(), T, w.wk);  // [T, KV]
+    matmul(pool, ws.scratch_, ws.v_.data(), ws.xb_.data(), T, w.wv);  // [T, KV]
     for (int64_t t = 0; t < T; ++t) {
-      rope(q_.data() + t * Q, c.n_heads, hd, pos_ + t, c.rope_theta, c.rope_layout);
-      rope(k_.data() + t * KV, c.n_kv_heads, hd, pos_ + t, c.rope_theta, c.rope_layout);
-      std::memcpy(kc + (pos_ + t) * KV, k_.data() + t * KV, size_t(KV) * sizeof(float));
-      std::memcpy(vc + (pos_ + t) * KV, v_.data() + t * KV, size_t(KV) * sizeof(float));
+      rope(ws.q_.data() + t * Q, c.n_heads, hd, pos[t], c.rope_theta, c.rope_layout);
+      rope(ws.k_.data() + t * KV, c.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
+      const int64_t blk = pos[t] / bt, off = (pos[t] % bt) * KV;
+      std::memcpy(cache.key_block(l, batch[t].seq, blk) + off, ws.k_.data() + t * KV, size_t(KV) * sizeof(float));
+      std::memcpy(cache.value_block(l, batch[t].seq, blk) + off, ws.v_.data() + t * KV, size_t(KV) * sizeof(float));
     }
-    // Causal attention, one (token, head) pair per work item: token t sees positions 0..pos_+t.
-    pool_.parallel_for(T * c.n_heads, [&](int64_t i0, int64_t i1, int thread) {
-      float* att = att_.data() + size_t(thread) * size_t(ctx_);  // [ctx] scores
+    // Causal attention, one (token, head) pair per work item: the token at position p sees its
+    // sequence's positions 0..p, block by block.
+    pool.parallel_for(T * c.n_heads, [&](int64_t i0, int64_t i1, int thread) {
+      std::vector<float>& att = ws.att_[size_t(thread)];  // [max_pos] scores
+      if (att.size() < size_t(max_pos)) att.resize(size_t(max_pos));
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / c.n_heads, h = i % c.n_heads, kvh = h / group;
-        const int64_t n_pos = pos_ + t + 1;
-        const float* q = q_.data() + t * Q + h * hd;  // [hd]
-        for (int64_t p = 0; p < n_pos; ++p) {
-          const float* k = kc + p * KV + kvh * hd;
-          float s = 0.0f;
-          for (int64_t j = 0; j < hd; ++j) s += q[j] * k[j];
-          att[p] = s * att_scale;
+        const int32_t seq = batch[t].seq;
+        const int64_t n_pos = pos[t] + 1;
+        const float* q = ws.q_.data() + t * Q + h * hd;  // [hd]
+        for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
+          const float* kb = cache.key_block(l, seq, p0 / bt) + kvh * hd;  // [bt, KV] from head kvh
+          const int64_t np = std::min(bt, n_pos - p0);
+          for (int64_t p = 0; p < np; ++p) {
+            const float* k = kb + p * KV;
+            float s = 0.0f;
+            for (int64_t j = 0; j < hd; ++j) s += q[j] * k[j];
+            att[size_t(p0 + p)] = s * att_scale;
+          }
         }
-        softmax(att, n_pos);
-        float* out = att_out_.data() + t * Q + h * hd;  // [hd]
+        softmax(att.data(), n_pos);
+        float* out = ws.att_out_.data() + t * Q + h * hd;  // [hd]
         std::fill(out, out + hd, 0.0f);
-        for (int64_t p = 0; p < n_pos; ++p) {
-          const float* v = vc + p * KV + kvh * hd;
-          for (int64_t j = 0; j < hd; ++j) out[j] += att[p] * v[j];
+        for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
+          const float* vb = cache.value_block(l, seq, p0 / bt) + kvh * hd;
+          const int64_t np = std::min(bt, n_pos - p0);
+          for (int64_t p = 0; p < np; ++p) {
+            const float a = att[size_t(p0 + p)];
+            const float* v = vb + p * KV;
+            for (int64_t j = 0; j < hd; ++j) out[j] += a * v[j];
+          }
         }
       }
     });
-    matmul(pool_, scratch_, xb_.data(), att_out_.data(), T, w.wo);  // [T, D]
-    for (int64_t i = 0; i < T * D; ++i) x[i] += xb_[size_t(i)];
+    matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), T, w.wo);  // [T, D]
+    for (int64_t i = 0; i < T * D; ++i) x[i] += ws.xb_[size_t(i)];
 
     // FFN block: x += W_down · (silu(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)
-    for (int64_t t = 0; t < T; ++t) rmsnorm(xb_.data() + t * D, x + t * D, w.ffn_norm, D, eps);
-    matmul(pool_, scratch_, h1_.data(), xb_.data(), T, w.w_gate);  // [T, H]
-    matmul(pool_, scratch_, h2_.data(), xb_.data(), T, w.w_up);    // [T, H]
-    swiglu(h1_.data(), h2_.data(), T * H);
-    matmul(pool_, scratch_, xb_.data(), h1_.data(), T, w.w_down);  // [T, D]
-    for (int64_t i = 0; i < T * D; ++i) x[i] += xb_[size_t(i)];
+    for (int64_t t = 0; t < T; ++t) rmsnorm(ws.xb_.data() + t * D, x + t * D, w.ffn_norm, D, eps);
+    matmul(pool, ws.scratch_, ws.h1_.data(), ws.xb_.data(), T, w.w_gate);  // [T, H]
+    matmul(pool, ws.scratch_, ws.h2_.data(), ws.xb_.data(), T, w.w_up);    // [T, H]
+    swiglu(ws.h1_.data(), ws.h2_.data(), T * H);
+    matmul(pool, ws.scratch_, ws.xb_.data(), ws.h1_.data(), T, w.w_down);  // [T, D]
+    for (int64_t i = 0; i < T * D; ++i) x[i] += ws.xb_[size_t(i)];
   }
-  pos_ += T;
+  for (const auto& [seq, end] : next) cache.set_length(seq, end);
 
-  // Final norm and the output projection, for every token or just the last.
-  const int64_t first = all_logits ? 0 : T - 1, rows = T - first;
-  for (int64_t t = 0; t < rows; ++t) rmsnorm(xb_.data() + t * D, x + (first + t) * D, m_.output_norm, D, eps);
-  matmul(pool_, scratch_, logits_.data(), xb_.data(), rows, m_.output);  // [rows, vocab]
-  return logits_.data();
+  // Final norm and the output projection for the flagged tokens only.
+  if (n_logits == 0) return nullptr;
+  int64_t r = 0;
+  for (int64_t t = 0; t < T; ++t)
+    if (batch[t].logits) rmsnorm(ws.xb_.data() + (r++) * D, x + t * D, m.output_norm, D, eps);
+  if (ws.logits_.size() < size_t(n_logits * V)) ws.logits_.resize(size_t(n_logits * V));
+  matmul(pool, ws.scratch_, ws.logits_.data(), ws.xb_.data(), n_logits, m.output);  // [n_logits, V]
+  return ws.logits_.data();
+}
+
+// ---------------------------------------------------------------- Session
+
+Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch)
+    : m_(model),
+      pool_(pool),
+      ctx_(ctx > 0 ? ctx : std::min(model.config.context_length, kDefaultMaxCtx)),
+      n_batch_(std::max<int64_t>(1, std::min(n_batch, ctx_))),
+      cache_(model.config, (ctx_ + 15) / 16, 16),
+      seq_(cache_.add_sequence()),
+      ws_(model, n_batch_) {}
+
+const float* Session::forward(const int32_t* tokens, int64_t n, bool all_logits) {
+  if (n <= 0) throw UsageError("forward: no tokens");
+  if (pos() + n > ctx_)
+    throw UsageError("context full: " + std::to_string(pos()) + " + " + std::to_string(n) + " tokens exceed the KV cache of " +
+                     std::to_string(ctx_));
+  if (all_logits && n > n_batch_) throw UsageError("forward: all_logits needs n <= n_batch");
+  cache_.reserve(seq_, pos() + n);
+  const float* out = nullptr;
+  for (int64_t i = 0; i < n; i += n_batch_) {
+    const int64_t len = std::min(n_batch_, n - i);
+    batch_.resize(size_t(len));
+    for (int64_t j = 0; j < len; ++j) batch_[size_t(j)] = {seq_, tokens[i + j], all_logits || i + j == n - 1};
+    out = forward_batch(m_, cache_, ws_, pool_, batch_.data(), len);
+  }
+  return out;
 }
 
 }  // namespace llmq

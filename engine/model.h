@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "engine/cpu_ops.h"
+#include "engine/kv_cache.h"
 #include "engine/threadpool.h"
 #include "engine/tokenizer.h"
 #include "formats/llmq_file.h"
@@ -53,12 +54,48 @@ struct Model {
 /// llama.cpp, a long-context model does not reserve its whole context unless asked).
 constexpr int64_t kDefaultMaxCtx = 4096;
 
-/// One sequence's inference state: KV cache plus scratch buffers, sized once.
+/// One token of a batched forward pass.
+struct BatchToken {
+  int32_t seq;    ///< KV-cache sequence id
+  int32_t token;  ///< token id
+  bool logits;    ///< return logits for this token
+};
+
+/// Scratch buffers for forward passes of up to `capacity` tokens; allocated once (the logits
+/// and attention-score buffers grow on demand).
+class Workspace {
+ public:
+  Workspace(const Model& m, int64_t capacity);
+  int64_t capacity() const { return cap_; }
+  /// Bytes held now.
+  uint64_t bytes() const;
+
+ private:
+  friend const float* forward_batch(const Model&, KVCache&, Workspace&, ThreadPool&, const BatchToken*, int64_t);
+  int64_t cap_;
+  std::vector<float> x_, xb_, q_, k_, v_, att_out_, h1_, h2_;  // [capacity, ...]
+  std::vector<int64_t> pos_;                 // [capacity] position of each batch token
+  std::vector<std::vector<float>> att_;      // per thread: attention scores [context]
+  std::vector<float> logits_;                // [n_logits, vocab]
+  MatmulScratch scratch_;
+};
+
+/// The Llama forward pass over a batch that may mix sequences (continuous batching): every
+/// weight matrix is applied once to all tokens; attention runs per token over its own
+/// sequence's cached positions. The tokens of a sequence take positions cache.length(seq),
+/// +1, ... in batch order, and the cache lengths advance by each sequence's token count.
+/// Blocks must be reserved first (KVCache::reserve). Returns logits [n_flagged, vocab] for
+/// the tokens with logits = true, in batch order, valid until the next call.
+/// Throws UsageError for n > ws.capacity(), a token id out of range, or unreserved positions.
+const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, ThreadPool& pool, const BatchToken* batch,
+                           int64_t n);
+
+/// One sequence with its own KV cache: the simple interface for single-stream generation.
 class Session {
  public:
   /// ctx: KV-cache length in tokens (<= 0: the model's context length, at most
-  /// kDefaultMaxCtx); n_batch: most tokens
-  /// per forward call (prompts are cut into chunks of this size).
+  /// kDefaultMaxCtx); n_batch: most tokens per forward call (prompts are cut into chunks of
+  /// this size).
   Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512);
 
   /// Runs `tokens` [n] at positions pos() .. pos()+n-1, appending to the KV cache, and returns
@@ -67,26 +104,23 @@ class Session {
   const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false);
 
   const Model& model() const { return m_; }
-  int64_t pos() const { return pos_; }
+  int64_t pos() const { return cache_.length(seq_); }
   int64_t ctx() const { return ctx_; }
   /// Forgets the cache (the next forward starts at position 0).
-  void reset() { pos_ = 0; }
+  void reset() { cache_.truncate(seq_, 0); }
   /// Keeps only the first n cached positions (n <= pos()), e.g. to re-use a shared prompt prefix.
-  void truncate(int64_t n) { pos_ = std::max<int64_t>(0, std::min(n, pos_)); }
+  void truncate(int64_t n) { cache_.truncate(seq_, n); }
   /// Bytes held by the KV cache and the scratch buffers.
-  uint64_t state_bytes() const;
+  uint64_t state_bytes() const { return cache_.bytes() + ws_.bytes(); }
 
  private:
-  const float* forward_chunk(const int32_t* tokens, int64_t n, bool all_logits);
-
   const Model& m_;
   ThreadPool& pool_;
-  int64_t ctx_, n_batch_, pos_ = 0;
-  std::vector<float> k_cache_, v_cache_;  // [n_layers, ctx, kv_dim]
-  std::vector<float> x_, xb_, q_, k_, v_, att_out_, h1_, h2_;  // [n_batch, ...]
-  std::vector<float> att_;      // [threads, ctx] attention scores
-  std::vector<float> logits_;   // [n_batch, vocab]
-  MatmulScratch scratch_;
+  int64_t ctx_, n_batch_;
+  KVCache cache_;
+  int32_t seq_;
+  Workspace ws_;
+  std::vector<BatchToken> batch_;
 };
 
 }  // namespace llmq

@@ -1,0 +1,70 @@
+#include "engine/kv_cache.h"
+
+#include "formats/error.h"
+
+namespace llmq {
+
+KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens)
+    : n_layers_(c.n_layers), kv_dim_(c.kv_dim()), bt_(block_tokens), n_blocks_(n_blocks) {
+  if (n_blocks <= 0 || block_tokens <= 0) throw UsageError("KV cache: block count and size must be positive");
+  const size_t floats = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(kv_dim_);
+  k_.assign(floats, 0.0f);
+  v_.assign(floats, 0.0f);
+  for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
+}
+
+int32_t KVCache::add_sequence() {
+  for (size_t i = 0; i < seqs_.size(); ++i)
+    if (!seqs_[i].live) {
+      seqs_[i] = Seq{true, 0, {}};
+      return int32_t(i);
+    }
+  seqs_.push_back(Seq{true, 0, {}});
+  return int32_t(seqs_.size() - 1);
+}
+
+void KVCache::remove_sequence(int32_t seq) {
+  if (seq < 0 || size_t(seq) >= seqs_.size() || !seqs_[size_t(seq)].live) return;
+  Seq& s = seqs_[size_t(seq)];
+  for (int32_t b : s.blocks) free_.push_back(b);
+  s = Seq{};
+}
+
+bool KVCache::reserve(int32_t seq, int64_t n) {
+  Seq& s = seqs_.at(size_t(seq));
+  const int64_t need = blocks_for(n) - int64_t(s.blocks.size());
+  if (need <= 0) return true;
+  if (need > int64_t(free_.size())) return false;
+  for (int64_t i = 0; i < need; ++i) {
+    s.blocks.push_back(free_.back());
+    free_.pop_back();
+  }
+  return true;
+}
+
+void KVCache::set_length(int32_t seq, int64_t n) {
+  Seq& s = seqs_.at(size_t(seq));
+  if (n < 0 || n > capacity(seq)) throw UsageError("KV cache: length beyond the reserved blocks");
+  s.length = n;
+}
+
+void KVCache::truncate(int32_t seq, int64_t n) {
+  Seq& s = seqs_.at(size_t(seq));
+  if (n < 0) n = 0;
+  if (n < s.length) s.length = n;
+  const int64_t keep = blocks_for(s.length);
+  while (int64_t(s.blocks.size()) > keep) {
+    free_.push_back(s.blocks.back());
+    s.blocks.pop_back();
+  }
+}
+
+float* KVCache::key_block(int64_t layer, int32_t seq, int64_t block) {
+  return k_.data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)]);
+}
+
+float* KVCache::value_block(int64_t layer, int32_t seq, int64_t block) {
+  return v_.data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)]);
+}
+
+}  // namespace llmq

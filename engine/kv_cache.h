@@ -1,0 +1,65 @@
+// Paged KV cache: one pool of fixed-size blocks shared by many sequences.
+//
+// The idea is vLLM's PagedAttention (Kwon et al., SOSP 2023): a sequence holds a block
+// table instead of a contiguous [ctx, kv_dim] slab, so it reserves memory only for the tokens
+// it has, and a finished sequence returns its blocks at once.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "models/llama.h"
+
+namespace llmq {
+
+class KVCache {
+ public:
+  /// A pool of n_blocks blocks of block_tokens positions. K and V of one block are each
+  /// [n_layers, block_tokens, kv_dim] fp32. Throws UsageError for non-positive sizes.
+  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens = 16);
+
+  int64_t block_tokens() const { return bt_; }
+  int64_t n_blocks() const { return n_blocks_; }
+  int64_t free_blocks() const { return int64_t(free_.size()); }
+  /// Bytes of the K and V pools.
+  uint64_t bytes() const { return uint64_t(k_.size() + v_.size()) * sizeof(float); }
+  /// Blocks needed for n positions.
+  int64_t blocks_for(int64_t n) const { return (n + bt_ - 1) / bt_; }
+
+  /// A new empty sequence; returns its id (ids of removed sequences are reused).
+  int32_t add_sequence();
+  /// Frees the sequence and its blocks. Unknown ids are ignored.
+  void remove_sequence(int32_t seq);
+  /// Ensures positions [0, n) of seq have blocks; returns false, changing nothing, when the
+  /// pool has too few free blocks.
+  bool reserve(int32_t seq, int64_t n);
+  /// Positions cached for seq (positions 0 .. length-1 hold K and V).
+  int64_t length(int32_t seq) const { return seqs_.at(size_t(seq)).length; }
+  /// Sets the cached length (forward() advances it; n <= reserved capacity).
+  void set_length(int32_t seq, int64_t n);
+  /// Keeps the first n positions of seq and frees the blocks past them.
+  void truncate(int32_t seq, int64_t n);
+  /// Positions seq can hold without reserving more.
+  int64_t capacity(int32_t seq) const { return int64_t(seqs_.at(size_t(seq)).blocks.size()) * bt_; }
+
+  /// K (or V) of one layer for a block of seq: [block_tokens, kv_dim], positions
+  /// block*block_tokens ... The block must be reserved.
+  float* key_block(int64_t layer, int32_t seq, int64_t block);
+  float* value_block(int64_t layer, int32_t seq, int64_t block);
+  int64_t kv_dim() const { return kv_dim_; }
+
+ private:
+  struct Seq {
+    bool live = false;
+    int64_t length = 0;
+    std::vector<int32_t> blocks;  // block table: block i holds positions [i*bt, (i+1)*bt)
+  };
+  size_t offset(int64_t layer, int32_t block) const {
+    return (size_t(block) * size_t(n_layers_) + size_t(layer)) * size_t(bt_ * kv_dim_);
+  }
+  int64_t n_layers_, kv_dim_, bt_, n_blocks_;
+  std::vector<float> k_, v_;     // [n_blocks, n_layers, bt, kv_dim]
+  std::vector<int32_t> free_;    // free block ids
+  std::vector<Seq> seqs_;
+};
+
+}  // namespace llmq
