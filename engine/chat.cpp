@@ -71,18 +71,40 @@ ChatTemplate ChatTemplate::from_jinja(const std::string& j) {
 }
 
 std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool gen) const {
+  std::string out;
+  for (const Segment& s : apply_segments(messages, gen)) out += s.text;
+  return out;
+}
+
+namespace {
+// Collects segments; `+=` appends template markup, content() appends message text.
+struct Out {
+  std::vector<ChatTemplate::Segment> segs;
+  Out& operator+=(const std::string& markup) {
+    if (!markup.empty()) segs.push_back({markup, true});
+    return *this;
+  }
+  void content(const std::string& text) {
+    if (!text.empty()) segs.push_back({text, false});
+  }
+};
+}  // namespace
+
+std::vector<ChatTemplate::Segment> ChatTemplate::apply_segments(const std::vector<ChatMessage>& messages, bool gen) const {
   std::string system;
   std::vector<ChatMessage> turns = split_system(messages, &system);
   if (system.empty()) system = default_system_;
-  std::string out;
+  Out out;
   if (name_ == "chatml") {
-    if (!system.empty()) out += "<|im_start|>system\n" + system + "<|im_end|>\n";
-    for (const auto& m : turns) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+    if (!system.empty()) out += "<|im_start|>system\n", out.content(system), out += "<|im_end|>\n";
+    for (const auto& m : turns) out += "<|im_start|>" + m.role + "\n", out.content(m.content), out += "<|im_end|>\n";
     if (gen) out += "<|im_start|>assistant\n";
   } else if (name_ == "llama3") {
     out += "<|begin_of_text|>";
     auto turn = [&](const std::string& role, const std::string& text) {
-      out += "<|start_header_id|>" + role + "<|end_header_id|>\n\n" + text + "<|eot_id|>";
+      out += "<|start_header_id|>" + role + "<|end_header_id|>\n\n";
+      out.content(text);
+      out += "<|eot_id|>";
     };
     if (!system.empty()) turn("system", system);
     for (const auto& m : turns) turn(m.role, m.content);
@@ -93,32 +115,38 @@ std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool g
     bool first = true;
     for (const auto& m : turns) {
       if (m.role == "user") {
-        std::string u = m.content;
-        if (first && !system.empty())
-          u = name_ == "llama2" ? "<<SYS>>\n" + system + "\n<</SYS>>\n\n" + u : system + "\n\n" + u;
-        out += (name_ == "llama2" || first ? "<s>" : "") + std::string("[INST] ") + u + " [/INST]";
+        out += (name_ == "llama2" || first ? "<s>" : "") + std::string("[INST] ");
+        if (first && !system.empty()) {
+          if (name_ == "llama2") out += "<<SYS>>\n", out.content(system), out += "\n<</SYS>>\n\n";
+          else out.content(system + "\n\n");
+        }
+        out.content(m.content);
+        out += " [/INST]";
         first = false;
       } else {
-        out += (name_ == "llama2" ? " " + m.content + " </s>" : " " + m.content + "</s>");
+        out += " ";
+        out.content(m.content);
+        out += name_ == "llama2" ? " </s>" : "</s>";
       }
     }
   } else if (name_ == "zephyr" || name_ == "phi3") {
     const std::string end = name_ == "zephyr" ? "</s>" : "<|end|>";
-    if (!system.empty()) out += "<|system|>\n" + system + end + "\n";
-    for (const auto& m : turns) out += "<|" + m.role + "|>\n" + m.content + end + "\n";
+    if (!system.empty()) out += "<|system|>\n", out.content(system), out += end + "\n";
+    for (const auto& m : turns) out += "<|" + m.role + "|>\n", out.content(m.content), out += end + "\n";
     if (gen) out += "<|assistant|>\n";
   } else if (name_ == "gemma") {
     // Gemma has no system role: the system text opens the first user turn.
     bool first = true;
     for (const auto& m : turns) {
-      std::string text = m.content;
-      if (first && m.role == "user" && !system.empty()) text = system + "\n\n" + text;
+      out += "<start_of_turn>" + std::string(m.role == "assistant" ? "model" : "user") + "\n";
+      if (first && m.role == "user" && !system.empty()) out.content(system + "\n\n");
       first = false;
-      out += "<start_of_turn>" + std::string(m.role == "assistant" ? "model" : "user") + "\n" + text + "<end_of_turn>\n";
+      out.content(m.content);
+      out += "<end_of_turn>\n";
     }
     if (gen) out += "<start_of_turn>model\n";
   }
-  return out;
+  return out.segs;
 }
 
 }  // namespace llmq

@@ -35,6 +35,15 @@ class ChatTemplate {
   /// Phi-3). Throws UsageError for an unknown role.
   std::string apply(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
 
+  /// The same text as apply(), cut into segments: `special` segments are template markup
+  /// (tokenize with special-token parsing), the others are message contents (plain text, so a
+  /// user typing "<|im_start|>" gets ordinary tokens).
+  struct Segment {
+    std::string text;
+    bool special;
+  };
+  std::vector<Segment> apply_segments(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+
  private:
   std::string name_;
   std::string default_system_;

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <unordered_set>
+#include <unordered_map>
 
 namespace llmq {
 
@@ -28,13 +28,16 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
   cand_.resize(size_t(n));
   for (int64_t i = 0; i < n; ++i) cand_[size_t(i)] = {int32_t(i), logits[i], 0.0f};
 
-  if (p_.repeat_penalty != 1.0f && p_.repeat_last_n != 0) {
+  const bool penalize = p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
+  if (penalize && p_.repeat_last_n != 0) {
     const size_t look = p_.repeat_last_n < 0 ? history.size() : std::min(history.size(), size_t(p_.repeat_last_n));
-    std::unordered_set<int32_t> seen(history.end() - long(look), history.end());
-    for (int32_t id : seen) {
+    std::unordered_map<int32_t, int> count;
+    for (auto it = history.end() - long(look); it != history.end(); ++it) ++count[*it];
+    for (const auto& [id, k] : count) {
       if (id < 0 || id >= n) continue;
       float& l = cand_[size_t(id)].logit;
-      l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+      if (p_.repeat_penalty != 1.0f) l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+      l -= p_.presence_penalty + p_.frequency_penalty * float(k);
     }
   }
   if (p_.temperature <= 0.0f) {
@@ -83,6 +86,27 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
     if (r < cum) return c.id;
   }
   return cand_.back().id;
+}
+
+float Sampler::logprob(const float* logits, int64_t n, int32_t id, int top, std::vector<std::pair<int32_t, float>>* best) {
+  float mx = logits[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, logits[i]);
+  double z = 0;
+  for (int64_t i = 0; i < n; ++i) z += std::exp(double(logits[i]) - mx);
+  const double lz = double(mx) + std::log(z);
+  if (best) {
+    best->clear();
+    top = int(std::min<int64_t>(top, n));
+    if (top > 0) {
+      std::vector<int32_t> idx(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) idx[size_t(i)] = int32_t(i);
+      std::partial_sort(idx.begin(), idx.begin() + top, idx.end(), [&](int32_t a, int32_t b) {
+        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+      });
+      for (int k = 0; k < top; ++k) best->emplace_back(idx[size_t(k)], float(double(logits[idx[size_t(k)]]) - lz));
+    }
+  }
+  return float(double(logits[id]) - lz);
 }
 
 }  // namespace llmq

@@ -12,7 +12,9 @@ struct SamplerParams {
   float top_p = 0.95f;         ///< >= 1: off (nucleus sampling, Holtzman et al. 2019)
   float min_p = 0.05f;         ///< <= 0: off (keep p >= min_p * p_max)
   float repeat_penalty = 1.0f; ///< 1: off (CTRL, Keskar et al. 2019: logit / p if > 0, else * p)
-  int32_t repeat_last_n = 64;  ///< how many recent tokens the penalty looks at
+  int32_t repeat_last_n = 64;  ///< how many recent tokens the penalties look at (-1: all)
+  float presence_penalty = 0;  ///< OpenAI: logit -= presence * [count > 0]
+  float frequency_penalty = 0; ///< OpenAI: logit -= frequency * count
   uint64_t seed = 0;           ///< same seed, same logits -> same tokens
 };
 
@@ -25,6 +27,9 @@ class Sampler {
   int32_t sample(const float* logits, int64_t n_vocab, const std::vector<int32_t>& history);
   /// Index of the largest logit (ties: the lowest index).
   static int32_t argmax(const float* logits, int64_t n);
+  /// log softmax of logits [n] at `id`, and the `top` most likely ids with their log
+  /// probabilities (descending), from the raw logits (no penalties or temperature).
+  static float logprob(const float* logits, int64_t n, int32_t id, int top, std::vector<std::pair<int32_t, float>>* best);
 
  private:
   double uniform();  // [0, 1)
