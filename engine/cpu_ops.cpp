@@ -1,9 +1,95 @@
 #include "engine/cpu_ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "engine/cpu_x86.h"
+#include "formats/error.h"
 
 namespace llmq {
+
+// ---------------------------------------------------------------- instruction-set level
+
+namespace {
+
+std::atomic<int> g_level{-1};  // CpuLevel, -1 until first use
+
+CpuLevel level_from_env() {
+  const CpuLevel best = cpu_best_level();
+  const char* env = std::getenv("LLMQ_CPU");
+  if (!env || !*env || std::strcmp(env, "auto") == 0) return best;
+  try {
+    const CpuLevel want = cpu_level_from_name(env);
+    if (cpu_level_supported(want)) return want;
+    std::fprintf(stderr, "llmq: LLMQ_CPU=%s is not supported by this CPU; using %s\n", env, cpu_level_name(best));
+  } catch (const std::exception&) {
+    std::fprintf(stderr, "llmq: unknown LLMQ_CPU=%s (scalar, avx2, avx512, auto); using %s\n", env, cpu_level_name(best));
+  }
+  return best;
+}
+
+// The SIMD kernel table of the active level, nullptr for the scalar level.
+const x86::Kernels* active_kernels() {
+  switch (cpu_level()) {
+    case CpuLevel::Avx512: return x86::kernels_avx512();
+    case CpuLevel::Avx2: return x86::kernels_avx2();
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+const char* cpu_level_name(CpuLevel level) {
+  switch (level) {
+    case CpuLevel::Avx2: return "avx2";
+    case CpuLevel::Avx512: return "avx512";
+    default: return "scalar";
+  }
+}
+
+CpuLevel cpu_level_from_name(const char* name) {
+  for (CpuLevel l : {CpuLevel::Scalar, CpuLevel::Avx2, CpuLevel::Avx512})
+    if (std::strcmp(name, cpu_level_name(l)) == 0) return l;
+  throw UsageError(std::string("unknown CPU level '") + name + "' (scalar, avx2, avx512)");
+}
+
+bool cpu_level_supported(CpuLevel level) {
+  switch (level) {
+    case CpuLevel::Scalar: return true;
+    case CpuLevel::Avx2: return x86::kernels_avx2() && x86::cpu_has_avx2();
+    case CpuLevel::Avx512: return x86::kernels_avx512() && x86::cpu_has_avx512();
+  }
+  return false;
+}
+
+CpuLevel cpu_best_level() {
+  if (cpu_level_supported(CpuLevel::Avx512)) return CpuLevel::Avx512;
+  if (cpu_level_supported(CpuLevel::Avx2)) return CpuLevel::Avx2;
+  return CpuLevel::Scalar;
+}
+
+CpuLevel cpu_level() {
+  int l = g_level.load(std::memory_order_acquire);
+  if (l < 0) {
+    static const CpuLevel from_env = level_from_env();  // read once, thread-safe
+    int expected = -1;
+    g_level.compare_exchange_strong(expected, int(from_env), std::memory_order_acq_rel);
+    l = g_level.load(std::memory_order_acquire);
+  }
+  return CpuLevel(l);
+}
+
+void set_cpu_level(CpuLevel level) {
+  if (!cpu_level_supported(level))
+    throw UsageError(std::string("CPU level ") + cpu_level_name(level) + " is not supported on this machine");
+  g_level.store(int(level), std::memory_order_release);
+}
+
+const char* cpu_kernels_name() { return cpu_level_name(cpu_level()); }
 
 // ---------------------------------------------------------------- dot products
 
@@ -11,7 +97,7 @@ namespace {
 
 // fp32 dot with 8 independent accumulators (lets the compiler use vector registers without
 // -ffast-math, and keeps rounding independent of the thread count).
-float dot_f32(const float* a, const float* b, int64_t n) {
+float dot_f32_acc8(const float* a, const float* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -67,7 +153,9 @@ bool is_block_quant(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t 
 
 }  // namespace
 
-void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n) {
+namespace {
+
+void quantize_act_q8_scalar(const float* x, BlockQ8Act* out, int64_t n) {
   for (int64_t b = 0; b < n / QK; ++b, x += QK) {
     float amax = 0.0f;
     for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
@@ -84,16 +172,94 @@ void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n) {
   }
 }
 
+// 64-byte aligned pointer into a byte buffer grown to at least n + 64 bytes.
+uint8_t* aligned_buffer(std::vector<uint8_t>& v, size_t n) {
+  if (v.size() < n + 64) v.resize(n + 64);
+  const auto p = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - p % 64) % 64);
+}
+
+// matmul with the SIMD kernels of one level (see cpu_x86.h). Work is split over threads in
+// units of 16 weight rows; every output element gets the same instructions whatever the split.
+void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_t T,
+                 const Weight& w) {
+  const int64_t M = w.rows, K = w.cols;
+  const int64_t units = (M + 15) / 16;
+  if (!is_block_quant(w.type)) {
+    pool.parallel_for(units, [&](int64_t u0, int64_t u1, int) {
+      k.matmul_float(y, x, T, w, u0 * 16, std::min(M, u1 * 16));
+    });
+    return;
+  }
+  const int64_t nb = K / QK;
+  const size_t n = size_t(T * nb);
+  if (s.xq.size() < n) s.xq.resize(n);
+  if (s.xsum.size() < n) s.xsum.resize(n);
+  if (s.corr.size() < n) s.corr.resize(n);
+  BlockQ8Act* xq = s.xq.data();
+  int32_t* xsum = s.xsum.data();
+  pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
+    k.quantize_act(x + t0 * K, xq + t0 * nb, xsum + t0 * nb, (t1 - t0) * K);
+  });
+  x86::QuantActs a;
+  a.xq = xq;
+  a.T = T;
+  a.nb = nb;
+  k.prepare_quant(w.type, xsum, a, s.corr.data(), aligned_buffer(s.prep, k.prep_bytes(w.type, T, K)));
+  const size_t tb = k.thread_bytes(w.type, T, K);
+  if (s.tbuf.size() < size_t(pool.size())) s.tbuf.resize(size_t(pool.size()));
+  for (auto& b : s.tbuf) aligned_buffer(b, tb);
+  pool.parallel_for(units, [&](int64_t u0, int64_t u1, int thread) {
+    k.matmul_quant(y, a, w, u0 * 16, std::min(M, u1 * 16), aligned_buffer(s.tbuf[size_t(thread)], tb));
+  });
+}
+
+}  // namespace
+
+void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n) {
+  if (const x86::Kernels* k = active_kernels()) k->quantize_act(x, out, nullptr, n);
+  else quantize_act_q8_scalar(x, out, n);
+}
+
+float dot_f32(const float* a, const float* b, int64_t n) {
+  if (const x86::Kernels* k = active_kernels()) return k->dot(a, b, n);
+  return dot_f32_acc8(a, b, n);
+}
+
+void axpy_f32(float* y, float a, const float* x, int64_t n) {
+  if (const x86::Kernels* k = active_kernels()) return k->axpy(y, a, x, n);
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void attn_scores(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale) {
+  if (const x86::Kernels* kern = active_kernels()) return kern->attn_scores(s, q, k, n, stride, hd, scale);
+  for (int64_t p = 0; p < n; ++p) {
+    const float* kp = k + p * stride;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < hd; ++j) acc += q[j] * kp[j];
+    s[p] = acc * scale;
+  }
+}
+
+void attn_accumulate(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd) {
+  if (const x86::Kernels* k = active_kernels()) return k->attn_accumulate(out, a, v, n, stride, hd);
+  for (int64_t p = 0; p < n; ++p) {
+    const float* vp = v + p * stride;
+    for (int64_t j = 0; j < hd; ++j) out[j] += a[p] * vp[j];
+  }
+}
+
 // ---------------------------------------------------------------- matmul
 
 void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_t T, const Weight& w) {
+  if (const x86::Kernels* k = active_kernels()) return matmul_simd(*k, pool, s, y, x, T, w);
   const int64_t M = w.rows, K = w.cols;
   if (is_block_quant(w.type)) {
     const int64_t nb = K / QK;
     if (s.xq.size() < size_t(T * nb)) s.xq.resize(size_t(T * nb));
     BlockQ8Act* xq = s.xq.data();
     pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
-      for (int64_t t = t0; t < t1; ++t) quantize_act_q8(x + t * K, xq + t * nb, K);
+      for (int64_t t = t0; t < t1; ++t) quantize_act_q8_scalar(x + t * K, xq + t * nb, K);
     });
     pool.parallel_for(M, [&](int64_t r0, int64_t r1, int) {
       for (int64_t r = r0; r < r1; ++r) {
@@ -124,7 +290,7 @@ void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_
         dequantize_row(w.type, w.row(r), buf.data(), K);
         wr = buf.data();
       }
-      for (int64_t t = 0; t < T; ++t) y[t * M + r] = dot_f32(wr, x + t * K, K);
+      for (int64_t t = 0; t < T; ++t) y[t * M + r] = dot_f32_acc8(wr, x + t * K, K);
     }
   });
 }
@@ -150,12 +316,48 @@ void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
 }
 
+namespace {
+
+// cos and sin of every pair's angle at one position, computed exactly as before (fp64, then
+// rounded to fp32) but kept per thread: q and k of a token are rotated at the same position, and
+// the frequencies θ^(-2i/d) only change with the model.
+struct RopeTable {
+  int64_t head_dim = -1, pos = -1;
+  double theta = 0;
+  std::vector<double> freq;  // [head_dim/2]
+  std::vector<float> c, s;   // [head_dim/2] at `pos`
+};
+
+const RopeTable& rope_table(int64_t head_dim, int64_t pos, double theta) {
+  thread_local RopeTable t;
+  const int64_t half = head_dim / 2;
+  if (t.head_dim != head_dim || t.theta != theta) {
+    t.head_dim = head_dim;
+    t.theta = theta;
+    t.pos = -1;
+    t.freq.resize(size_t(half));
+    t.c.resize(size_t(half));
+    t.s.resize(size_t(half));
+    for (int64_t i = 0; i < half; ++i) t.freq[size_t(i)] = std::pow(theta, -2.0 * double(i) / double(head_dim));
+  }
+  if (t.pos != pos) {
+    t.pos = pos;
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = double(pos) * t.freq[size_t(i)];
+      t.c[size_t(i)] = float(std::cos(angle));
+      t.s[size_t(i)] = float(std::sin(angle));
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
 void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta, RopeLayout layout) {
   const int64_t half = head_dim / 2;
+  const RopeTable& table = rope_table(head_dim, pos, theta);
   for (int64_t i = 0; i < half; ++i) {
-    const double freq = std::pow(theta, -2.0 * double(i) / double(head_dim));
-    const double angle = double(pos) * freq;
-    const float c = float(std::cos(angle)), s = float(std::sin(angle));
+    const float c = table.c[size_t(i)], s = table.s[size_t(i)];
     const int64_t a = layout == RopeLayout::Interleaved ? 2 * i : i;
     const int64_t b = layout == RopeLayout::Interleaved ? 2 * i + 1 : i + half;
     for (int64_t h = 0; h < n_heads; ++h) {
@@ -168,6 +370,7 @@ void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta
 }
 
 void softmax(float* x, int64_t n) {
+  if (const x86::Kernels* k = active_kernels()) return k->softmax(x, n);
   float mx = x[0];
   for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
   double sum = 0.0;
@@ -180,6 +383,7 @@ void softmax(float* x, int64_t n) {
 }
 
 void swiglu(float* gate, const float* up, int64_t n) {
+  if (const x86::Kernels* k = active_kernels()) return k->swiglu(gate, up, n);
   for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 

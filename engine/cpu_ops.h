@@ -33,7 +33,33 @@ struct BlockQ8Act {
 struct MatmulScratch {
   std::vector<BlockQ8Act> xq;               // [T, cols/32] quantized activations
   std::vector<std::vector<float>> rowbuf;   // per thread: one dequantized weight row [cols]
+  std::vector<int32_t> xsum, corr;          // SIMD: [T, cols/32] Σq per block, integer corrections
+  std::vector<uint8_t> prep;                // SIMD: activations in the kernel's layout (+64 to align)
+  std::vector<std::vector<uint8_t>> tbuf;   // SIMD: per thread kernel scratch, e.g. a repacked panel
 };
+
+/// Instruction-set level of the CPU kernels. Scalar is plain C++ (any CPU); Avx2 needs
+/// AVX2 + FMA + F16C; Avx512 needs AVX-512 F/BW/VL/DQ/VNNI. The SIMD levels exist on x86-64 only.
+enum class CpuLevel { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+
+/// "scalar", "avx2" or "avx512".
+const char* cpu_level_name(CpuLevel level);
+/// Parses a level name ("scalar", "avx2", "avx512"); throws UsageError for anything else.
+CpuLevel cpu_level_from_name(const char* name);
+/// True when this CPU and build can run `level` (Scalar always can).
+bool cpu_level_supported(CpuLevel level);
+/// The best level this CPU supports.
+CpuLevel cpu_best_level();
+/// The level that matmul, quantize_act_q8, dot_f32 and axpy_f32 use. The first call reads the
+/// environment variable LLMQ_CPU (scalar | avx2 | avx512 | auto): unset or "auto" means
+/// cpu_best_level(); an unknown name or a level this CPU lacks falls back to the best level
+/// with a warning on stderr.
+CpuLevel cpu_level();
+/// Forces the level (tests, benchmarks); throws UsageError if !cpu_level_supported(level).
+/// Must not be called while kernels run on other threads.
+void set_cpu_level(CpuLevel level);
+/// Name of the active level, cpu_level_name(cpu_level()), for tools to print ("avx512", ...).
+const char* cpu_kernels_name();
 
 /// y [T, W.rows] = x [T, W.cols] · Wᵀ, in W's stored type, split over the pool's threads by
 /// rows of W (every weight row is read once for all T tokens: batched prefill).
@@ -44,8 +70,25 @@ void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_
 /// Reference for matmul: every weight row dequantized to fp32, fp64 accumulation, fp32 activations.
 void ref_matmul(float* y, const float* x, int64_t T, const Weight& w);
 
-/// Quantizes n activations (n a multiple of 32) into n/32 BlockQ8Act (round to nearest).
+/// Quantizes n activations (n a multiple of 32) into n/32 BlockQ8Act: d = max|x|/127,
+/// q = round-to-nearest-even(x/d), s = d·Σq. Every level gives bit-identical results.
 void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n);
+
+/// Σ a[i]·b[i] in fp32 at the active level (several vector accumulators, fixed order; the
+/// scalar level uses 8 accumulators). For attention scores.
+float dot_f32(const float* a, const float* b, int64_t n);
+
+/// y[i] += a·x[i] for i < n, at the active level.
+void axpy_f32(float* y, float a, const float* x, int64_t n);
+
+/// Attention scores of one query head against n cached keys (scaled dot-product attention,
+/// Vaswani et al. 2017): s[p] = scale · Σ_j q[j]·k[p·stride + j] for p < n, j < hd (fp32,
+/// vectorized along j at the active level; the scalar level sums j in order).
+void attn_scores(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale);
+
+/// Attention's weighted sum of values: out[j] += Σ_p a[p]·v[p·stride + j] for j < hd, the
+/// positions p < n added in order (fused multiply-add at the SIMD levels).
+void attn_accumulate(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd);
 
 /// out[n] = x[n] / sqrt(mean(x²) + eps) * w[n]   (RMSNorm, Zhang & Sennrich 2019).
 void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps);
@@ -55,10 +98,12 @@ void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps);
 /// (2i, 2i+1); rotate-half pairs are (i, i + head_dim/2).
 void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta, RopeLayout layout);
 
-/// In-place softmax over x[n] (max-subtracted).
+/// In-place softmax over x[n] (max-subtracted). The SIMD levels use a vector e^x (about 2 ulp)
+/// and fp32 lane sums; the scalar level std::exp and an fp64 sum.
 void softmax(float* x, int64_t n);
 
-/// SwiGLU (Shazeer 2020): gate[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + e^-g).
+/// SwiGLU (Shazeer 2020): gate[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + e^-g)
+/// (vector e^x at the SIMD levels, as softmax).
 void swiglu(float* gate, const float* up, int64_t n);
 
 /// Row `token` of an embedding matrix [vocab, dim] dequantized into out[dim].

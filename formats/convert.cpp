@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "formats/error.h"
+#include "formats/hf_model.h"
 #include "formats/llmq_file.h"
 
 namespace llmq {
@@ -71,7 +72,10 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
   w.meta.set("general.source.format", src.format);
   if (!opts.source_path.empty()) {
     w.meta.set("general.source.file", opts.source_path);
-    w.meta.set("general.source.xxh64", file_xxh64(opts.source_path));
+    // A Hugging Face checkpoint is a directory: hash its checkpoint files (formats/hf_model.h).
+    w.meta.set("general.source.xxh64", std::filesystem::is_directory(opts.source_path)
+                                           ? hf_checkpoint_xxh64(opts.source_path)
+                                           : file_xxh64(opts.source_path));
   }
   w.meta.set("general.converter", std::string("llmq-convert ") + LLMQ_VERSION);
   w.meta.set("general.file_type", std::string(opts.type ? dtype_name(*opts.type) : "as source"));
@@ -98,6 +102,7 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
     const int64_t n = t.numel(), cols = t.shape.back(), rows = n / cols;
     if (t.raw && t.raw_type == info.type) {  // lossless repack: the stored bytes as they are
       w.write_tensor(i, t.raw, info.nbytes);
+      if (t.release) t.release();
       errors.push_back(0.0f);
       rep.tensors.push_back({t.name, info.type, fallback[i], 0.0, info.nbytes, n});
       rep.weight_bytes += info.nbytes;
@@ -106,6 +111,7 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
     }
     data.resize(size_t(n));
     t.read(data.data());
+    if (t.release) t.release();
     packed.resize(info.nbytes);
     back.resize(size_t(cols));
     const size_t rb = row_bytes(info.type, cols);

@@ -24,7 +24,9 @@ struct Layout {
 
   // An fp32 tensor [shape] at the current offset.
   void add_f32(const std::string& name, std::vector<int64_t> shape) {
-    SourceTensor t{name, shape, nullptr};
+    SourceTensor t;
+    t.name = name;
+    t.shape = shape;
     const uint64_t off = offset, n = uint64_t(t.numel());
     auto m = map;
     t.read = [m, off, n](float* dst) { std::memcpy(dst, m->data() + off, n * 4); };
@@ -35,7 +37,9 @@ struct Layout {
   }
   // An int8 tensor with fp32 scales per group (llama2.c v2): q[numel] then s[numel / group].
   void add_q8(const std::string& name, std::vector<int64_t> shape, int64_t group) {
-    SourceTensor t{name, shape, nullptr};
+    SourceTensor t;
+    t.name = name;
+    t.shape = shape;
     const uint64_t off = offset, n = uint64_t(t.numel());
     if (n % uint64_t(group) != 0)
       throw FileError(path, "tensor " + name + " (" + std::to_string(n) + " weights) is not a multiple of group size " +

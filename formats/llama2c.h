@@ -22,6 +22,10 @@ struct SourceTensor {
   /// bytes as stored (rows of shape.back(), our block layout); raw == nullptr otherwise.
   DType raw_type = DType::F32;
   const uint8_t* raw = nullptr;
+  /// Optional: called by the converter once it is done with the tensor (after the raw copy or
+  /// read()); a reader over a mapping drops the tensor's pages from the resident set, so a
+  /// lossless conversion does not end with the whole source resident. Empty: nothing to do.
+  std::function<void()> release;
   int64_t numel() const {
     int64_t n = 1;
     for (auto d : shape) n *= d;

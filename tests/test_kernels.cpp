@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <complex>
+#include <cstring>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -78,6 +80,225 @@ TEST_CASE("matmul matches the reference for every type and awkward shapes", "[ke
       INFO("rel err " << err);
       CHECK(err < bound);
       CHECK(y1 == y3);  // independent of the thread count, bit for bit
+    }
+  }
+}
+
+namespace {
+
+// Restores the CPU level active when it was made.
+struct LevelGuard {
+  CpuLevel saved = cpu_level();
+  ~LevelGuard() { set_cpu_level(saved); }
+};
+
+// A[t, r] = Σ_k |w[r,k]|·|x[t,k]| in fp64: the scale of any summation's rounding error, free of
+// the cancellation that makes a single dot product's relative error meaningless.
+std::vector<double> abs_matmul(const float* x, int64_t T, const Weight& w) {
+  std::vector<double> a(size_t(T * w.rows));
+  std::vector<float> row(size_t(w.cols));
+  for (int64_t r = 0; r < w.rows; ++r) {
+    dequantize_row(w.type, w.row(r), row.data(), w.cols);
+    for (int64_t t = 0; t < T; ++t) {
+      double acc = 0;
+      for (int64_t k = 0; k < w.cols; ++k) acc += std::fabs(double(row[size_t(k)]) * x[t * w.cols + k]);
+      a[size_t(t * w.rows + r)] = acc;
+    }
+  }
+  return a;
+}
+
+// ||a - b|| / ||scale||
+double scaled_err(const std::vector<float>& a, const std::vector<float>& b, const std::vector<double>& scale) {
+  double e = 0, s = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    e += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    s += scale[i] * scale[i];
+  }
+  return std::sqrt(e / s);
+}
+
+std::vector<CpuLevel> supported_levels() {
+  std::vector<CpuLevel> v;
+  for (CpuLevel l : {CpuLevel::Scalar, CpuLevel::Avx2, CpuLevel::Avx512})
+    if (cpu_level_supported(l)) v.push_back(l);
+  return v;
+}
+
+}  // namespace
+
+// Every instruction-set level the CPU has, forced explicitly, on shapes that are no multiple of
+// any SIMD width or tile (rows 1..130, 16-row units split over 3 threads, K tails, odd block
+// counts, token counts on both sides of the GEMV/GEMM switch). Each level must (a) meet the
+// reference bound, (b) agree with the scalar level: ~1e-6 relative, since both do fp32 sums of
+// the same products (the quantized types: exact int32 block dots, only the fp32 rounding of the
+// per-block scale products differs), (c) give bit-identical results on 1 and 3 threads, and
+// (d) give bit-identical results for a token whether it is alone (decode) or in a batch.
+// Relative errors are taken against ||ref|| when there are enough outputs for that to be
+// meaningful, and always against the cancellation-free scale Σ|w||x|.
+TEST_CASE("matmul at every CPU level matches the scalar path on awkward shapes", "[kernels]") {
+  LevelGuard guard;
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  ThreadPool pool1(1), pool3(3);
+  const int64_t rows_list[] = {1, 15, 17, 37, 130};
+  const int64_t float_cols[] = {1, 15, 33, 172, 300};
+  const int64_t block_cols[] = {32, 64, 96, 160, 320};
+  const int64_t Ts[] = {1, 2, 3, 7, 8, 17, 33, 64};  // both sides of every GEMV/GEMM switch, tile tails
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+    const bool block = dtype_info(t).block > 1;
+    for (size_t si = 0; si < 5; ++si) {
+      const int64_t rows = rows_list[si], cols = block ? block_cols[si] : float_cols[si];
+      OwnedWeight w(t, rows, cols, rng);
+      for (int64_t T : Ts) {
+        const auto x = gaussian(size_t(T * cols), rng);
+        std::vector<float> ref(size_t(T * rows)), scalar(ref.size(), NAN);
+        ref_matmul(ref.data(), x.data(), T, w.w);
+        const auto scale = abs_matmul(x.data(), T, w.w);
+        const double bound = block ? 2e-2 : 1e-5;
+        for (CpuLevel level : supported_levels()) {
+          set_cpu_level(level);
+          std::vector<float> y1(ref.size(), NAN), y3(ref.size(), NAN);
+          MatmulScratch sc1, sc3;
+          matmul(pool1, sc1, y1.data(), x.data(), T, w.w);
+          matmul(pool3, sc3, y3.data(), x.data(), T, w.w);
+          INFO(cpu_level_name(level) << " " << dtype_name(t) << " rows " << rows << " cols " << cols << " T " << T);
+          for (float v : y1) REQUIRE(std::isfinite(v));  // every output written
+          const double err = rel_err(y1.data(), ref.data(), ref.size());
+          INFO("rel err vs fp64 reference " << err);
+          if (ref.size() >= 16) CHECK(err < bound);
+          CHECK(scaled_err(y1, ref, scale) < bound);
+          CHECK(y1 == y3);  // independent of the thread count, bit for bit
+          // Batched prefill equals decoding token by token, bit for bit (GEMM vs GEMV paths):
+          // otherwise re-quantized activations amplify last-bit differences downstream.
+          std::vector<float> one(static_cast<size_t>(rows));
+          bool same = true;
+          for (int64_t t = 0; t < T; ++t) {
+            matmul(pool3, sc3, one.data(), x.data() + t * cols, 1, w.w);
+            same = same && std::memcmp(one.data(), y1.data() + t * rows, size_t(rows) * sizeof(float)) == 0;
+          }
+          CHECK(same);
+          if (level == CpuLevel::Scalar) {
+            scalar = y1;
+          } else {
+            const double es = scaled_err(y1, scalar, scale);
+            INFO("error vs scalar level, relative to sum |w||x|: " << es);
+            CHECK(es < 1e-6);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("quantize_act_q8, dot_f32 and axpy_f32 agree across CPU levels", "[kernels]") {
+  LevelGuard guard;
+  std::mt19937_64 rng(fresh_seed());
+  const int64_t n = 32 * 37;
+  auto x = gaussian(size_t(n), rng);
+  for (int i = 0; i < 32; ++i) x[size_t(64 + i)] = 0.0f;  // an all-zero block: d = 0
+  // A block of exact ties (d = 1): rounded to even, as nearbyint does: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2.
+  for (int i = 0; i < 32; ++i) x[size_t(96 + i)] = i == 0 ? 127.0f : float(i % 8) * (i % 2 ? -1.0f : 1.0f) + 0.5f;
+  set_cpu_level(CpuLevel::Scalar);
+  std::vector<BlockQ8Act> want(size_t(n / 32));
+  quantize_act_q8(x.data(), want.data(), n);
+  for (CpuLevel level : supported_levels()) {
+    set_cpu_level(level);
+    INFO(cpu_level_name(level));
+    std::vector<BlockQ8Act> got(want.size());
+    quantize_act_q8(x.data(), got.data(), n);
+    CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(BlockQ8Act)) == 0);
+    for (int64_t len : {1, 7, 16, 31, 64, 100}) {
+      const auto a = gaussian(size_t(len), rng), b = gaussian(size_t(len), rng);
+      double ref = 0;
+      for (int64_t i = 0; i < len; ++i) ref += double(a[size_t(i)]) * b[size_t(i)];
+      double mag = 0;
+      for (int64_t i = 0; i < len; ++i) mag += std::fabs(double(a[size_t(i)]) * b[size_t(i)]);
+      CHECK(std::fabs(dot_f32(a.data(), b.data(), len) - ref) <= 1e-6 * mag);
+      std::vector<float> y = b;
+      axpy_f32(y.data(), 0.75f, a.data(), len);
+      for (int64_t i = 0; i < len; ++i)
+        CHECK(std::fabs(y[size_t(i)] - (double(b[size_t(i)]) + 0.75 * a[size_t(i)])) <= 1e-6 * (1 + std::fabs(y[size_t(i)])));
+    }
+  }
+  CHECK_THROWS(cpu_level_from_name("sse9"));
+  CHECK(std::string(cpu_kernels_name()) == cpu_level_name(cpu_level()));
+}
+
+// Attention's two inner loops over a strided KV block, at every level, against fp64.
+TEST_CASE("attn_scores and attn_accumulate match fp64 at every CPU level", "[kernels]") {
+  LevelGuard guard;
+  std::mt19937_64 rng(fresh_seed());
+  for (CpuLevel level : supported_levels()) {
+    set_cpu_level(level);
+    for (int64_t hd : {7, 48, 64, 80, 128}) {
+      for (int64_t n : {1, 5, 16, 17}) {
+        const int64_t stride = hd * 3 + 5;  // KV rows hold other heads too
+        const auto q = gaussian(size_t(hd), rng), kv = gaussian(size_t(n * stride), rng), a = gaussian(size_t(n), rng);
+        const auto out0 = gaussian(size_t(hd), rng);
+        std::vector<float> s(static_cast<size_t>(n)), out = out0, ref_s(static_cast<size_t>(n)),
+            ref_out(static_cast<size_t>(hd));
+        attn_scores(s.data(), q.data(), kv.data(), n, stride, hd, 0.125f);
+        attn_accumulate(out.data(), a.data(), kv.data(), n, stride, hd);
+        double worst_s = 0;  // |s - ref| relative to scale·Σ|q||k| (single dots can cancel)
+        for (int64_t p = 0; p < n; ++p) {
+          double acc = 0, mag = 0;
+          for (int64_t j = 0; j < hd; ++j) {
+            acc += double(q[size_t(j)]) * kv[size_t(p * stride + j)];
+            mag += std::fabs(double(q[size_t(j)]) * kv[size_t(p * stride + j)]);
+          }
+          ref_s[size_t(p)] = float(0.125 * acc);
+          worst_s = std::max(worst_s, std::fabs(s[size_t(p)] - 0.125 * acc) / (0.125 * mag));
+        }
+        for (int64_t j = 0; j < hd; ++j) {
+          double acc = out0[size_t(j)];
+          for (int64_t p = 0; p < n; ++p) acc += double(a[size_t(p)]) * kv[size_t(p * stride + j)];
+          ref_out[size_t(j)] = float(acc);
+        }
+        INFO(cpu_level_name(level) << " hd " << hd << " n " << n);
+        CHECK(worst_s < 1e-6);
+        if (n >= 16) CHECK(rel_err(s.data(), ref_s.data(), s.size()) < 1e-5);
+        CHECK(rel_err(out.data(), ref_out.data(), out.size()) < 1e-5);
+      }
+    }
+  }
+}
+
+// The vector e^x of softmax and swiglu at every level: lengths around the vector widths, wide
+// ranges (softmax terms down to e^-150 underflow, swiglu gates up to ±120 saturate).
+TEST_CASE("softmax and swiglu at every CPU level match fp64 on wide ranges", "[kernels]") {
+  LevelGuard guard;
+  std::mt19937_64 rng(fresh_seed());
+  for (CpuLevel level : supported_levels()) {
+    set_cpu_level(level);
+    for (int64_t n : {1, 7, 8, 15, 16, 17, 100, 577}) {
+      for (float spread : {1.0f, 10.0f, 40.0f}) {
+        auto x = gaussian(size_t(n), rng), up = gaussian(size_t(n), rng);
+        for (auto& v : x) v *= spread;
+        std::vector<float> sm = x, g = x, ref_sm(x.size()), ref_g(x.size());
+        softmax(sm.data(), n);
+        swiglu(g.data(), up.data(), n);
+        double mx = -1e300, z = 0;
+        for (float v : x) mx = std::max(mx, double(v));
+        for (float v : x) z += std::exp(double(v) - mx);
+        for (size_t i = 0; i < x.size(); ++i) {
+          ref_sm[i] = float(std::exp(double(x[i]) - mx) / z);
+          ref_g[i] = float(double(x[i]) / (1 + std::exp(-double(x[i]))) * up[i]);
+        }
+        INFO(cpu_level_name(level) << " n " << n << " spread " << spread);
+        // relative, with an absolute floor: silu(g) for g < -88 is below FLT_MIN (0 in fp32)
+        auto err = [](const std::vector<float>& a, const std::vector<float>& ref) {
+          double e = 0, r = 0;
+          for (size_t i = 0; i < a.size(); ++i) e += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]), r += double(ref[i]) * ref[i];
+          return std::sqrt(e) / (std::sqrt(r) + 1e-30);
+        };
+        CHECK(err(sm, ref_sm) < 1e-6);
+        CHECK(err(g, ref_g) < 1e-6);
+        double total = 0;
+        for (float v : sm) total += v;
+        CHECK(std::fabs(total - 1.0) < 1e-5);
+      }
     }
   }
 }

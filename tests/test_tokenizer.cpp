@@ -20,96 +20,24 @@
 #include "formats/error.h"
 #include "formats/tokenizer_files.h"
 #include "test_util.h"
+#include "vocab_vectors.h"
 
 using llmq::FileError;
 using llmq::Tokenizer;
 using llmq::UsageError;
+using llmq::test::escaped;
+using llmq::test::ids_str;
+using llmq::test::load_vectors;
+using llmq::test::read_bytes;
 using llmq::test::shared;
+using llmq::test::VocabCase;
 
 namespace {
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 void write_bytes(const std::string& path, const std::string& data) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(data.data(), static_cast<std::streamsize>(data.size()));
   if (!out) throw std::runtime_error("cannot write " + path);
-}
-
-// Printable form of a test input (escapes control bytes, keeps UTF-8 as is).
-std::string escaped(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c == '\n')
-      out += "\\n";
-    else if (c == '\t')
-      out += "\\t";
-    else if (c == '"')
-      out += "\\\"";
-    else if (c < 0x20)
-      out += fmt::format("\\x{:02x}", c);
-    else
-      out += static_cast<char>(c);
-  }
-  return out + "\"";
-}
-
-std::string ids_str(const std::vector<int32_t>& ids) {
-  return fmt::format("[{}]", fmt::join(ids, ", "));
-}
-
-// llama.cpp's tokenizer vectors: `.inp` holds the inputs, each followed by a line
-// "__ggml_vocab_test__" (the '\n' just before that line belongs to the separator); `.out` one
-// line of space-separated ids per input.
-struct VocabCase {
-  std::string text;
-  std::vector<int32_t> ids;
-};
-
-std::vector<std::string> split_inp(const std::string& data) {
-  static const std::string sep = "__ggml_vocab_test__";
-  std::vector<std::string> inputs;
-  size_t start = 0;  // start of the current input
-  size_t line = 0;   // start of the current line
-  while (line < data.size()) {
-    size_t eol = data.find('\n', line);
-    const size_t line_end = eol == std::string::npos ? data.size() : eol;
-    if (data.compare(line, line_end - line, sep) == 0) {
-      std::string text = data.substr(start, line - start);
-      if (!text.empty() && text.back() == '\n') text.pop_back();  // exactly one
-      inputs.push_back(std::move(text));
-      start = eol == std::string::npos ? data.size() : eol + 1;
-    }
-    if (eol == std::string::npos) break;
-    line = eol + 1;
-  }
-  // Text after the last separator must be empty (the file ends with a separator line).
-  REQUIRE(start == data.size());
-  return inputs;
-}
-
-std::vector<VocabCase> load_vectors(const std::string& stem) {
-  const std::vector<std::string> inputs = split_inp(read_bytes(stem + ".inp"));
-  std::vector<std::vector<int32_t>> outputs;
-  std::istringstream out(read_bytes(stem + ".out"));
-  for (std::string line; std::getline(out, line);) {
-    std::vector<int32_t> ids;
-    std::istringstream ls(line);
-    for (long long id; ls >> id;) ids.push_back(static_cast<int32_t>(id));
-    REQUIRE(ls.eof());  // nothing but integers on the line
-    outputs.push_back(std::move(ids));
-  }
-  INFO(stem);
-  REQUIRE(inputs.size() == outputs.size());
-  std::vector<VocabCase> cases;
-  for (size_t i = 0; i < inputs.size(); ++i) cases.push_back({inputs[i], outputs[i]});
-  return cases;
 }
 
 const std::string kTok512 = "models/stories260K/tok512.bin";
@@ -277,7 +205,12 @@ TEST_CASE("Tokenizer rejects unsupported or inconsistent vocabularies", "[tokeni
   llmq::Vocab v = llmq::read_llama2c_tokenizer(shared(kTok512), 512);
   {
     llmq::Vocab g = v;
-    g.model = "gpt2";
+    g.model = "bert";
+    CHECK_THROWS_AS(Tokenizer(std::move(g)), UsageError);
+  }
+  {
+    llmq::Vocab g = v;
+    g.model = "gpt2";  // byte-level BPE needs merges
     CHECK_THROWS_AS(Tokenizer(std::move(g)), UsageError);
   }
   {

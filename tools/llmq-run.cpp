@@ -1,7 +1,7 @@
 // llmq-run: generate text from a `.llmq` model (one-shot or interactive), or measure perplexity.
 //
 //   llmq-run -m model.llmq -p "Once upon a time" -n 128 --temp 0      one-shot, streamed
-//   llmq-run -m model.llmq                                             interactive
+//   llmq-run -m model.llmq                                             interactive (chat with a template)
 //   llmq-run -m model.llmq --perplexity text.txt --ctx 256             llama.cpp-method PPL
 #include <signal.h>
 #include <unistd.h>
@@ -11,8 +11,10 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
+#include "engine/chat.h"
 #include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
@@ -57,8 +59,8 @@ std::string read_text_file(const std::string& path) {
 
 int main(int argc, char** argv) {
   CLI::App app{"llmq-run: generate text with a .llmq model"};
-  std::string model_path, prompt, ppl_file;
-  bool have_prompt = false, no_verify = false;
+  std::string model_path, prompt, ppl_file, template_name, system_prompt;
+  bool have_prompt = false, no_verify = false, use_chat = false;
   int64_t n_predict = 256, ctx = 0, n_batch = 512;
   int threads = 0;
   SamplerParams sp;
@@ -78,6 +80,9 @@ int main(int argc, char** argv) {
   app.add_option("--repeat-last-n", sp.repeat_last_n, "tokens the repetition penalty looks back on");
   app.add_option("-s,--seed", seed, "random seed (default: from the clock)");
   app.add_option("--perplexity", ppl_file, "compute perplexity over this text file instead of generating");
+  app.add_option("--chat-template", template_name, "chat template name, overriding the model's (chatml, llama2, llama3, mistral, zephyr, gemma, phi3)");
+  app.add_option("--system", system_prompt, "system prompt for chat mode");
+  app.add_flag("--chat", use_chat, "format -p as a user message with the chat template (interactive mode chats whenever the model has a template)");
   app.add_flag("--no-verify", no_verify, "skip the tensor checksum verification at load");
   CLI11_PARSE(app, argc, argv);
   have_prompt = popt->count() > 0;
@@ -104,71 +109,127 @@ int main(int argc, char** argv) {
 
     Session session(*model, pool, ctx, n_batch);
     Sampler sampler(sp);
-    std::vector<int32_t> history;
+    const std::vector<int32_t> stop_ids = default_stop_ids(model->vocab);
+    std::vector<int32_t> history;  // every token of the conversation (prompt and replies)
     int32_t prev = -1;
+    std::string reply;
     auto emit = [&](int32_t id) {
       const std::string piece = tok.decode_piece(prev, id);
       prev = id;
+      reply += piece;
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
       return true;
     };
+    auto check_fits = [&](size_t n) {
+      if (int64_t(n) >= session.ctx())
+        throw UsageError("the prompt has " + std::to_string(n) + " tokens; the context is " + std::to_string(session.ctx()));
+    };
+
+    // Chat mode: the conversation is formatted with the model's template (or --chat-template)
+    // and re-tokenized each turn; the KV cache keeps the prefix that did not change.
+    const bool chat_mode = use_chat || (!have_prompt && (!template_name.empty() || !model->chat_template.empty()));
+    std::optional<ChatTemplate> tmpl;
+    if (chat_mode) {
+      if (!template_name.empty()) tmpl = ChatTemplate::by_name(template_name);
+      else if (!model->chat_template.empty()) tmpl = ChatTemplate::from_jinja(model->chat_template);
+      else throw UsageError("the model has no chat template: name one with --chat-template (" + std::string("chatml, llama2, ...") + ")");
+    }
+    std::vector<ChatMessage> messages;
+    if (!system_prompt.empty()) messages.push_back({"system", system_prompt});
+    const std::string bos_text = model->vocab.bos_id >= 0 ? model->vocab.tokens[size_t(model->vocab.bos_id)] : "";
+    auto chat_turn = [&](const std::string& user) {
+      messages.push_back({"user", user});
+      const std::string text = tmpl->apply(messages, true);
+      const bool add_bos = model->vocab.add_bos && (bos_text.empty() || text.rfind(bos_text, 0) != 0);
+      std::vector<int32_t> want = tok.encode(text, add_bos, /*parse_special=*/true);
+      check_fits(want.size() + 1);
+      size_t common = 0;
+      while (common + 1 < want.size() && common < history.size() && int64_t(common) < session.pos() &&
+             history[common] == want[common])
+        ++common;
+      session.truncate(int64_t(common));
+      history = std::move(want);
+      prev = history.back();
+      reply.clear();
+    };
 
     if (have_prompt) {
-      history = tok.encode(prompt, model->vocab.add_bos);
-      if (history.empty()) throw UsageError("the prompt is empty and the model adds no BOS token");
-      if (int64_t(history.size()) >= session.ctx())
-        throw UsageError("the prompt has " + std::to_string(history.size()) + " tokens; the context is " +
-                         std::to_string(session.ctx()));
-      // Echo the prompt as the model sees it, then stream the continuation.
-      for (int32_t id : history) emit(id);
-      const GenerateStats st = generate(session, sampler, history, n_predict, default_stop_ids(model->vocab), emit);
+      if (chat_mode) {
+        chat_turn(prompt);
+      } else {
+        history = tok.encode(prompt, model->vocab.add_bos);
+        if (history.empty()) throw UsageError("the prompt is empty and the model adds no BOS token");
+        check_fits(history.size());
+        for (int32_t id : history) emit(id);  // echo the prompt as the model sees it
+      }
+      const GenerateStats st = generate(session, sampler, history, n_predict, stop_ids, emit);
       std::printf("\n");
       print_stats(st);
       return 0;
     }
 
-    // Interactive: each line continues the conversation; the KV cache is kept between turns.
+    // Interactive: each line is a user turn (chat mode) or continues the text; the KV cache
+    // is kept between turns.
     struct sigaction sa {};
     sa.sa_handler = on_sigint;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, nullptr);
     const bool tty = isatty(STDIN_FILENO);
-    std::fprintf(stderr, "llmq-run: interactive mode; Ctrl-C stops a reply, /reset forgets, /quit or end of input exits\n");
+    std::fprintf(stderr, "llmq-run: %s; Ctrl-C stops a reply, /reset forgets, /quit or end of input exits\n",
+                 chat_mode ? ("chat (template " + tmpl->name() + ")").c_str() : "interactive text continuation");
     GenerateStats total;
     std::string line;
+    auto reset = [&] {
+      session.reset();
+      history.clear();
+      messages.clear();
+      if (!system_prompt.empty()) messages.push_back({"system", system_prompt});
+      prev = -1;
+    };
     for (;;) {
       if (tty) std::fprintf(stderr, "> ");
       if (!std::getline(std::cin, line)) break;
       if (line == "/quit" || line == "/exit") break;
       if (line == "/reset") {
-        session.reset();
-        history.clear();
-        prev = -1;
+        reset();
         std::fprintf(stderr, "(conversation reset)\n");
         continue;
       }
       if (line.empty()) continue;
-      std::vector<int32_t> add = tok.encode(line, history.empty() && model->vocab.add_bos);
-      if (int64_t(history.size() + add.size()) + 1 >= session.ctx()) {
-        std::fprintf(stderr, "(context full: conversation reset)\n");
-        session.reset();
-        history.clear();
-        add = tok.encode(line, model->vocab.add_bos);
-        if (int64_t(add.size()) + 1 >= session.ctx()) {
-          std::fprintf(stderr, "(that message alone exceeds the context of %lld tokens)\n", (long long)session.ctx());
-          continue;
+      try {
+        if (chat_mode) {
+          try {
+            chat_turn(line);
+          } catch (const UsageError&) {  // context full: start over with this message alone
+            std::fprintf(stderr, "(context full: conversation reset)\n");
+            reset();
+            chat_turn(line);
+          }
+        } else {
+          std::vector<int32_t> add = tok.encode(line, history.empty() && model->vocab.add_bos);
+          if (int64_t(history.size() + add.size()) + 1 >= session.ctx()) {
+            std::fprintf(stderr, "(context full: conversation reset)\n");
+            reset();
+            add = tok.encode(line, model->vocab.add_bos);
+            check_fits(add.size() + 1);
+          }
+          history.insert(history.end(), add.begin(), add.end());
+          prev = add.back();
         }
+      } catch (const UsageError& e) {
+        std::fprintf(stderr, "(%s)\n", e.what());
+        reset();
+        continue;
       }
-      history.insert(history.end(), add.begin(), add.end());
-      prev = add.back();
       g_stop = false;
       g_generating = true;
-      const GenerateStats st = generate(session, sampler, history, n_predict, default_stop_ids(model->vocab), emit, &g_stop);
+      const GenerateStats st = generate(session, sampler, history, n_predict, stop_ids, emit, &g_stop);
       g_generating = false;
       std::printf("\n");
       std::fflush(stdout);
       if (g_stop) std::fprintf(stderr, "(stopped)\n");
+      if (chat_mode) messages.push_back({"assistant", reply});
       total.prompt_tokens += st.prompt_tokens, total.generated_tokens += st.generated_tokens;
       total.prefill_s += st.prefill_s, total.decode_s += st.decode_s;
     }

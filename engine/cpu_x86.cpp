@@ -1,0 +1,1180 @@
+// x86-64 SIMD kernels; see cpu_x86.h for the contract and the numerics.
+//
+// Block-quantized weights (Q8_0/Q4_0/Q4_1), activations quantized per block of 32 to int8:
+// - GEMV (decode, one token; AVX2: up to 15 or 31 tokens): weight rows are read in place, one
+//   row after the other (a single sequential stream per thread). An AVX-512 step takes 2 blocks,
+//   decodes their quants to 64 bytes and takes the integer dot product with the token's
+//   activations, which were laid out once per matmul in the same byte order (prepare_quant);
+//   the int32 lanes are scaled by d_w·d_x in fp32 lanes, summed once per output at the end.
+//   AVX2 does one block per step with `_mm256_maddubs_epi16`.
+// - GEMM (prefill): 16 weight rows (8 with AVX2) are repacked into a panel where one 64-byte
+//   vector holds 4 consecutive quants of each of the 16 rows, so one `vpdpbusd` with a
+//   broadcast 4-byte group of one token's activations does 64 multiply-adds for 16 rows; 8 of
+//   them cover a block, lanes are rows, and no horizontal sum is needed. The panel is built
+//   once per 16 rows and reused for every token. AVX2 does the same with
+//   `_mm256_maddubs_epi16` on 8 rows (see its section for the int16 range argument).
+// `vpdpbusd` and `_mm256_maddubs_epi16` multiply unsigned by signed bytes. With AVX-512 the
+// weights are made unsigned and the offset is removed exactly by an integer correction:
+// Q8_0 as w+128 (corr = -128·Σx), Q4_0 as the raw nibble q = w+8 (corr = -8·Σx); Q4_1's
+// nibble is unsigned already (its minimum m enters as m·s_x per block, s_x = d_x·Σq_x).
+// AVX2 keeps Q8_0 signed and uses |w|·(x·sign w), because (w+128)·x overflows int16 pairs;
+// its GEMV does the same for Q4_0's q-8, its GEMM uses the nibble with the -8·Σx correction.
+//
+// Float weights (F32/F16/BF16): fp32 activations, tiles of R rows × C tokens with one vector
+// accumulator per output along K (F16 by F16C, BF16 by a 16-bit shift), a fixed-order
+// horizontal sum at the end; tokens blocked so that their activations stay in L2.
+#include "engine/cpu_x86.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LLMQ_X86 1
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on _mm512_undefined_* (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+#endif
+
+namespace llmq::x86 {
+
+#if !LLMQ_X86
+
+bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
+const Kernels* kernels_avx2() { return nullptr; }
+const Kernels* kernels_avx512() { return nullptr; }
+
+#else
+
+bool cpu_has_avx2() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+}
+
+bool cpu_has_avx512() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+}
+
+namespace {
+
+inline uint32_t load_u32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint16_t load_u16(const void* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+template <DType D>
+constexpr size_t block_size() {
+  return D == DType::Q8_0 ? sizeof(BlockQ8_0) : D == DType::Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ4_1);
+}
+// Offset of the quants inside a block.
+template <DType D>
+constexpr size_t quant_offset() {
+  return D == DType::Q4_1 ? 4 : 2;
+}
+// Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
+// Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
+constexpr int32_t corr_factor(DType t) { return t == DType::Q8_0 ? -128 : t == DType::Q4_0 ? -8 : 0; }
+
+// Fills corr[t, b] = corr_factor · Σq_x for the GEMM paths.
+void fill_corr(DType type, const int32_t* sums, int64_t n, int32_t* corr) {
+  const int32_t k = corr_factor(type);
+  for (int64_t i = 0; i < n; ++i) corr[i] = k * sums[i];
+}
+
+}  // namespace
+
+// =====================================================================================
+// AVX2 + FMA + F16C
+// =====================================================================================
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+namespace avx2 {
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float f16(uint16_t h) { return _cvtsh_ss(h); }
+
+void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < n / QK; ++b, x += QK) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                   _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+    const float d = hmax(a) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  // nearest-even
+    const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].qs), p8);
+    out[b].d = d;
+    out[b].s = d * float(sum);
+    if (sums) sums[b] = sum;
+  }
+}
+
+// ---- F32 / F16 / BF16
+
+template <DType D>
+inline __m256 load8(const uint8_t* row, int64_t k) {
+  if constexpr (D == DType::F32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
+    if constexpr (D == DType::F16) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+// Elements k .. K-1 (fewer than 8), the rest zero.
+template <DType D>
+inline __m256 load8_tail(const uint8_t* row, int64_t k, int64_t K) {
+  const int rem = int(K - k);
+  if constexpr (D == DType::F32) {
+    alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - rem));
+    return _mm256_maskload_ps(reinterpret_cast<const float*>(row) + k, mask);
+  } else {
+    alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(tmp, row + 2 * k, size_t(rem) * 2);
+    const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+    if constexpr (D == DType::F16) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+inline __m256 loadx_tail(const float* x, int64_t k, int64_t K) {
+  alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - int(K - k)));
+  return _mm256_maskload_ps(x + k, mask);
+}
+
+// R rows × C tokens; every output gets the same instruction sequence whatever R and C are.
+template <DType D, int R, int C>
+void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, int64_t r, int64_t t) {
+  __m256 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+  const uint8_t* wr[R];
+  for (int i = 0; i < R; ++i) wr[i] = w.row(r + i);
+  const float* xr[C];
+  for (int c = 0; c < C; ++c) xr[c] = x + (t + c) * K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = load8<D>(wr[i], k);
+    for (int c = 0; c < C; ++c) {
+      const __m256 xv = _mm256_loadu_ps(xr[c] + k);
+      for (int i = 0; i < R; ++i) acc[i][c] = _mm256_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  if (k < K) {
+    __m256 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = load8_tail<D>(wr[i], k, K);
+    for (int c = 0; c < C; ++c) {
+      const __m256 xv = loadx_tail(xr[c], k, K);
+      for (int i = 0; i < R; ++i) acc[i][c] = _mm256_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < R; ++i) y[(t + c) * M + r + i] = hsum(acc[i][c]);
+}
+
+template <DType D>
+void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
+  constexpr int R = 3, C = 4;  // 12 accumulators + 3 weights + 1 activation = 16 registers
+  constexpr int DR = 1;        // rows per step in decode: one sequential stream (see gemv)
+  const int64_t M = w.rows, K = w.cols;
+  if (T < C) {  // decode: DR rows at a time, one token at a time
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t r = r0;
+      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, r, t);
+      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, r, t);
+    }
+    return;
+  }
+  // Token blocks whose activations stay in L2 while every row of the range passes.
+  const int64_t tb = std::max<int64_t>(C, (int64_t(256 << 10) / (K * 4)) / C * C);
+  for (int64_t t0 = 0; t0 < T; t0 += tb) {
+    const int64_t t1 = std::min(T, t0 + tb);
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+      int64_t t = t0;
+      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, r, t);
+      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, r, t);
+    }
+    for (; r < r1; ++r) {
+      int64_t t = t0;
+      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, r, t);
+      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, r, t);
+    }
+  }
+}
+
+void matmul_float(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
+  switch (w.type) {
+    case DType::F32: matmul_float_t<DType::F32>(y, x, T, w, r0, r1); break;
+    case DType::F16: matmul_float_t<DType::F16>(y, x, T, w, r0, r1); break;
+    default: matmul_float_t<DType::BF16>(y, x, T, w, r0, r1); break;
+  }
+}
+
+// ---- Q8_0 / Q4_0 / Q4_1: one block per step, lanes along K.
+//
+// `_mm256_maddubs_epi16` (u8 × s8, pairs summed to saturating int16) cannot take the unsigned
+// w+128 of Q8_0 (2·255·127 overflows int16), so signed weights use the sign trick:
+// |w| · (x·sign(w)), at most 2·128·127 = 32512 per pair. Q4_1's nibbles are unsigned already.
+
+// 32 weights of one block as bytes in natural order: signed (Q8_0, Q4_0: q-8) or unsigned (Q4_1).
+template <DType D>
+inline __m256i block_quants(const uint8_t* blk) {
+  if constexpr (D == DType::Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quant_offset<D>()));
+    const __m256i z = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    const __m256i q = _mm256_and_si256(z, _mm256_set1_epi8(0x0f));
+    if constexpr (D == DType::Q4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    else return q;
+  }
+}
+
+// Tokens per pass of the GEMV over a group of rows.
+constexpr int kGemvTokens = 4;
+
+// Scratch of the GEMV: for 8 rows, the int32 block dot products of kGemvTokens tokens
+// [kGemvTokens][nb][8], then d_w and m (Q4_1) [nb][8] (transposed: rows are lanes, as in the GEMM).
+size_t gemv_scratch_bytes(int64_t nb) { return size_t(nb) * (kGemvTokens * 32 + 64); }
+
+// Few tokens (T below gemm_min_t): the weights are read in place, row after row, each block
+// decoded once for up to 4 tokens; the exact integer dot product of every block is stored
+// transposed, and per 8 rows the fp32 part runs with rows in lanes, the instruction sequence
+// of gemm_tile, so that GEMV and GEMM results are bit-identical.
+template <DType D>
+void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  constexpr int C = kGemvTokens;
+  constexpr size_t BS = block_size<D>();
+  const int64_t M = w.rows, nb = a.nb, T = a.T;
+  auto* DT = reinterpret_cast<int32_t*>(scratch);  // [C][nb][8]
+  auto* WT = reinterpret_cast<float*>(scratch + size_t(nb) * C * 32);
+  auto* MT = WT + nb * 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = r0; g < r1; g += 8) {
+    const int n = int(std::min<int64_t>(8, r1 - g));
+    for (int64_t t0 = 0; t0 < T; t0 += C) {
+      const int nc = int(std::min<int64_t>(C, T - t0));
+      if (n < 8) std::memset(scratch, 0, gemv_scratch_bytes(nb));
+      for (int i = 0; i < n; ++i) {
+        const uint8_t* row = w.row(g + i);
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = row + size_t(b) * BS;
+          const __m256i q = block_quants<D>(blk);
+          WT[b * 8 + i] = f16(load_u16(blk));
+          if constexpr (D == DType::Q4_1) MT[b * 8 + i] = f16(load_u16(blk + 2));
+          const __m256i aq = D == DType::Q4_1 ? q : _mm256_sign_epi8(q, q);  // unsigned operand
+          for (int c = 0; c < nc; ++c) {
+            __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq[(t0 + c) * nb + b].qs));
+            if constexpr (D != DType::Q4_1) xv = _mm256_sign_epi8(xv, q);
+            DT[(c * nb + b) * 8 + i] = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones));
+          }
+        }
+      }
+      alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+      const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - n));
+      for (int c = 0; c < nc; ++c) {
+        const BlockQ8Act* xq = a.xq + (t0 + c) * nb;
+        __m256 acc = _mm256_setzero_ps();  // as gemm_tile, lanes = rows g .. g+7
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m256i s32 = _mm256_load_si256(reinterpret_cast<const __m256i*>(DT + (c * nb + b) * 8));
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_load_ps(WT + b * 8), _mm256_set1_ps(xq[b].d)), acc);
+          if constexpr (D == DType::Q4_1) acc = _mm256_fmadd_ps(_mm256_load_ps(MT + b * 8), _mm256_set1_ps(xq[b].s), acc);
+        }
+        _mm256_maskstore_ps(y + (t0 + c) * M + g, mask, acc);
+      }
+    }
+  }
+}
+
+// ---- GEMM (many tokens): 8 rows per panel, one 32-byte vector = 4 quants of each of 8 rows.
+// Q8_0 keeps the signed quants and their absolute values (sign trick, int32 per group of 4);
+// Q4_0/Q4_1 keep the unsigned nibbles, whose pair products (at most 2·15·127) can be summed in
+// int16 over a whole block before one widening `_mm256_madd_epi16`.
+
+// Tokens from which the repacked GEMM beats the in-place GEMV (dev/cpu/bench_matmul on Zen 4:
+// the Q8_0 sign trick costs the GEMM more).
+constexpr int64_t gemm_min_t(DType t) { return t == DType::Q8_0 ? 32 : 16; }
+
+template <DType D>
+constexpr size_t panel_block_bytes() {
+  return D == DType::Q8_0 ? 8 * 32 * 2 + 32 : 8 * 32 + 64;  // quants (+|quants|), d_w, (m)
+}
+
+template <DType D>
+void build_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb) {
+  constexpr size_t BS = block_size<D>(), PB = panel_block_bytes<D>();
+  alignas(16) uint16_t dh[8], mh[8];
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* pb = panel + size_t(b) * PB;
+    auto* W = reinterpret_cast<uint32_t*>(pb);
+    for (int i = 0; i < 8; ++i) {
+      if (i >= nrows) {
+        for (int j = 0; j < 8; ++j) W[j * 8 + i] = 0;
+        dh[i] = mh[i] = 0;
+        continue;
+      }
+      const uint8_t* blk = w.row(r + i) + size_t(b) * BS;
+      dh[i] = load_u16(blk);
+      if constexpr (D == DType::Q8_0) {
+        for (int j = 0; j < 8; ++j) W[j * 8 + i] = load_u32(blk + 2 + 4 * j);
+      } else {
+        if constexpr (D == DType::Q4_1) mh[i] = load_u16(blk + 2);
+        const uint8_t* qs = blk + quant_offset<D>();
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t u = load_u32(qs + 4 * j);
+          W[j * 8 + i] = u & 0x0f0f0f0fu;
+          W[(j + 4) * 8 + i] = (u >> 4) & 0x0f0f0f0fu;
+        }
+      }
+    }
+    if constexpr (D == DType::Q8_0) {
+      for (int j = 0; j < 8; ++j) {
+        const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + 32 * j));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * j), _mm256_sign_epi8(q, q));
+      }
+      _mm256_store_ps(reinterpret_cast<float*>(pb + 512), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
+    } else {
+      _mm256_store_ps(reinterpret_cast<float*>(pb + 256), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
+      _mm256_store_ps(reinterpret_cast<float*>(pb + 288), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh))));
+    }
+  }
+}
+
+template <DType D, int C>
+void gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, int nrows) {
+  constexpr size_t PB = panel_block_bytes<D>();
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + size_t(b) * PB;
+    const auto* W = reinterpret_cast<const __m256i*>(pb);
+    for (int c = 0; c < C; ++c) {
+      const BlockQ8Act& xa = xq[c * nb + b];
+      __m256i s32;
+      if constexpr (D == DType::Q8_0) {
+        s32 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(int(load_u32(xa.qs + 4 * j))), _mm256_load_si256(W + j));
+          s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256(W + 8 + j), xs), ones));
+        }
+      } else {
+        __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(W), _mm256_set1_epi32(int(load_u32(xa.qs))));
+        for (int j = 1; j < 8; ++j)
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256(W + j), _mm256_set1_epi32(int(load_u32(xa.qs + 4 * j)))));
+        s32 = _mm256_madd_epi16(s16, ones);
+        if constexpr (D == DType::Q4_0) s32 = _mm256_add_epi32(s32, _mm256_set1_epi32(corr[c * nb + b]));
+      }
+      const __m256 dw = _mm256_load_ps(reinterpret_cast<const float*>(pb + (D == DType::Q8_0 ? 512 : 256)));
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(xa.d)), acc[c]);
+      if constexpr (D == DType::Q4_1)
+        acc[c] = _mm256_fmadd_ps(_mm256_load_ps(reinterpret_cast<const float*>(pb + 288)), _mm256_set1_ps(xa.s), acc[c]);
+    }
+  }
+  if (nrows == 8) {
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * M, acc[c]);
+  } else {
+    alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - nrows));
+    for (int c = 0; c < C; ++c) _mm256_maskstore_ps(y + c * M, mask, acc[c]);
+  }
+}
+
+template <DType D>
+void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* panel) {
+  constexpr int C = 4;
+  const int64_t M = w.rows, T = a.T, nb = a.nb;
+  for (int64_t r = r0; r < r1; r += 8) {
+    const int nrows = int(std::min<int64_t>(8, r1 - r));
+    build_panel<D>(panel, w, r, nrows, nb);
+    int64_t t = 0;
+    for (; t + C <= T; t += C) gemm_tile<D, C>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+    for (; t < T; ++t) gemm_tile<D, 1>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+  }
+}
+
+size_t prep_bytes(DType, int64_t, int64_t) { return 0; }
+void prepare_quant(DType type, const int32_t* sums, QuantActs& a, int32_t* corr, uint8_t*) {
+  fill_corr(type, sums, a.T * a.nb, corr);
+  a.corr = corr;
+}
+size_t thread_bytes(DType type, int64_t T, int64_t K) {
+  if (T < gemm_min_t(type)) return gemv_scratch_bytes(K / QK);
+  return size_t(K / QK) * (type == DType::Q8_0 ? panel_block_bytes<DType::Q8_0>() : panel_block_bytes<DType::Q4_1>());
+}
+
+void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  if (a.T < gemm_min_t(w.type)) {
+    switch (w.type) {
+      case DType::Q8_0: gemv<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+      case DType::Q4_0: gemv<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+      default: gemv<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+    }
+    return;
+  }
+  switch (w.type) {
+    case DType::Q8_0: gemm<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+    case DType::Q4_0: gemm<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+    default: gemm<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  if (i + 8 <= n) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    i += 8;
+  }
+  if (i < n) acc1 = _mm256_fmadd_ps(loadx_tail(a, i, n), loadx_tail(b, i, n), acc1);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+// e^x as in the AVX-512 version; 2^n is built in the exponent field, so x is clamped to
+// [-87.3, 88.7] (results below ~1.2e-38 become ~1.2e-38, above FLT_MAX stay finite).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606820309417232e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // n in [-126, 128]: 2^n as (n + 127) << 23, split in two factors so that n = 128 works too
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i h = _mm256_srai_epi32(ni, 1);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+void softmax(float* x, int64_t n) {
+  float m = x[0];
+  int64_t i = 0;
+  if (n >= 8) {
+    __m256 mx = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i < n; i += 8) {
+    const int64_t len = std::min<int64_t>(8, n - i);
+    __m256 v = len == 8 ? _mm256_loadu_ps(x + i) : loadx_tail(x, i, n);
+    __m256 e = exp_ps(_mm256_sub_ps(v, mv));
+    if (len < 8) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, e);
+      for (int64_t j = len; j < 8; ++j) tmp[j] = 0.0f;
+      e = _mm256_load_ps(tmp);
+      std::memcpy(x + i, tmp, size_t(len) * 4);
+    } else {
+      _mm256_storeu_ps(x + i, e);
+    }
+    sum = _mm256_add_ps(sum, e);
+  }
+  const float inv = 1.0f / hsum(sum);
+  for (i = 0; i < n; ++i) x[i] *= inv;
+}
+
+void swiglu(float* gate, const float* up, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(gate + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void attn_scores(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale) {
+  for (int64_t p = 0; p < n; ++p) s[p] = dot(q, k + p * stride, hd) * scale;
+}
+
+void attn_accumulate(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd) {
+  int64_t j = 0;
+  for (; j + 8 <= hd; j += 8) {
+    __m256 o = _mm256_loadu_ps(out + j);
+    for (int64_t p = 0; p < n; ++p) o = _mm256_fmadd_ps(_mm256_set1_ps(a[p]), _mm256_loadu_ps(v + p * stride + j), o);
+    _mm256_storeu_ps(out + j, o);
+  }
+  for (; j < hd; ++j)
+    for (int64_t p = 0; p < n; ++p) out[j] = std::fma(a[p], v[p * stride + j], out[j]);
+}
+
+}  // namespace
+}  // namespace avx2
+
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// =====================================================================================
+// AVX-512 F/BW/VL/DQ + VNNI
+// =====================================================================================
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
+
+namespace avx512 {
+namespace {
+
+inline float hsum(__m512 v) {
+  __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < n / QK; ++b, x += QK) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 idv = _mm512_set1_ps(id);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));  // round to nearest even
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    out[b].d = d;
+    out[b].s = d * float(sum);
+    if (sums) sums[b] = sum;
+  }
+}
+
+// ---- F32 / F16 / BF16
+
+template <DType D>
+inline __m512 load16(const uint8_t* row, int64_t k) {
+  if constexpr (D == DType::F32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + k);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k));
+    if constexpr (D == DType::F16) return _mm512_cvtph_ps(h);
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+template <DType D>
+inline __m512 load16_mask(const uint8_t* row, int64_t k, __mmask16 m) {
+  if constexpr (D == DType::F32) {
+    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + k);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, row + 2 * k);
+    if constexpr (D == DType::F16) return _mm512_cvtph_ps(h);
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <DType D, int R, int C>
+void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, int64_t r, int64_t t) {
+  __m512 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  const uint8_t* wr[R];
+  for (int i = 0; i < R; ++i) wr[i] = w.row(r + i);
+  const float* xr[C];
+  for (int c = 0; c < C; ++c) xr[c] = x + (t + c) * K;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = load16<D>(wr[i], k);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_loadu_ps(xr[c] + k);
+      for (int i = 0; i < R; ++i) acc[i][c] = _mm512_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 m = __mmask16((1u << (K - k)) - 1);
+    __m512 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = load16_mask<D>(wr[i], k, m);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, xr[c] + k);
+      for (int i = 0; i < R; ++i) acc[i][c] = _mm512_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < R; ++i) y[(t + c) * M + r + i] = hsum(acc[i][c]);
+}
+
+template <DType D>
+void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
+  constexpr int R = 4, C = 6;  // 24 accumulators + 4 weights + 1 activation of 32 registers
+  constexpr int DR = 1;        // rows per step in decode: one sequential stream (see gemv)
+  const int64_t M = w.rows, K = w.cols;
+  if (T < C) {  // decode: DR rows at a time, one token at a time
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t r = r0;
+      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, r, t);
+      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, r, t);
+    }
+    return;
+  }
+  const int64_t tb = std::max<int64_t>(C, (int64_t(256 << 10) / (K * 4)) / C * C);
+  for (int64_t t0 = 0; t0 < T; t0 += tb) {
+    const int64_t t1 = std::min(T, t0 + tb);
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+      int64_t t = t0;
+      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, r, t);
+      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, r, t);
+    }
+    for (; r < r1; ++r) {
+      int64_t t = t0;
+      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, r, t);
+      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, r, t);
+    }
+  }
+}
+
+void matmul_float(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
+  switch (w.type) {
+    case DType::F32: matmul_float_t<DType::F32>(y, x, T, w, r0, r1); break;
+    case DType::F16: matmul_float_t<DType::F16>(y, x, T, w, r0, r1); break;
+    default: matmul_float_t<DType::BF16>(y, x, T, w, r0, r1); break;
+  }
+}
+
+// ---- Q8_0 / Q4_0 / Q4_1
+
+// Tokens from which the repacked GEMM beats the in-place GEMV (dev/cpu/bench_matmul on Zen 4:
+// already at 2 tokens, so the GEMV serves decode only).
+constexpr int64_t kGemmMinT = 2;
+
+// GEMV activation layout: per token, per step of 2 blocks b0, b1, 2 vectors of 64 bytes, in the
+// order the step's weight quants are decoded to (so that no weight-side shuffle is needed):
+// Q8_0 [b0: 32 | b1: 32], Q4_0/Q4_1 [b0 0-15 | b1 0-15 | b0 16-31 | b1 16-31] (nibble order).
+//   [0, 64)    q_x of the 2 blocks in that order (int8; the missing odd block is zeros)
+//   [64, 128)  integer correction lanes: corr_factor · Σ of the lane's 4 quants (int32), so
+//              that the lanes of a block sum to its exact corrected dot product
+constexpr size_t kStepBytes = 128;
+
+size_t prep_bytes(DType, int64_t T, int64_t K) {
+  if (T >= kGemmMinT) return 0;
+  return size_t(T) * size_t((K / QK + 1) / 2) * kStepBytes;
+}
+
+void prepare_quant(DType type, const int32_t* sums, QuantActs& a, int32_t* corr, uint8_t* prep) {
+  fill_corr(type, sums, a.T * a.nb, corr);
+  a.corr = corr;
+  if (a.T >= kGemmMinT) return;
+  const int64_t nb = a.nb, nsteps = (nb + 1) / 2;
+  const __m512i k = _mm512_set1_epi32(corr_factor(type)), ones = _mm512_set1_epi8(1);
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t t = 0; t < a.T; ++t)
+    for (int64_t s = 0; s < nsteps; ++s) {
+      uint8_t* P = prep + size_t(t * nsteps + s) * kStepBytes;
+      const BlockQ8Act* x0 = &a.xq[t * nb + 2 * s];
+      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0->qs));
+      const __m256i q1 = 2 * s + 1 < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0[1].qs)) : zero;
+      __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);  // [b0 | b1]
+      if (type != DType::Q8_0) x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));  // [b0 lo, b1 lo, b0 hi, b1 hi]
+      _mm512_store_si512(P, x);
+      _mm512_store_si512(P + 64, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, x), k));
+    }
+  a.prep = prep;
+}
+
+// The quants of blocks at p0 and p1 (p1 may be null: zeros) as unsigned bytes: Q8_0 as w + 128
+// in natural order; Q4_0/Q4_1 as the nibbles, in natural order [b0 | b1] when Natural, else in
+// decode order [b0 lo | b1 lo | b0 hi | b1 hi] (16 bytes each), one shuffle less.
+template <DType D, bool Natural>
+inline __m512i quants2(const uint8_t* p0, const uint8_t* p1) {
+  if constexpr (D == DType::Q8_0) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 2));
+    const __m256i b = p1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 2)) : _mm256_setzero_si256();
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1), _mm512_set1_epi8(char(0x80)));
+  } else {
+    constexpr size_t off = quant_offset<D>();
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + off));
+    const __m128i b = p1 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + off)) : _mm_setzero_si128();
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);  // [qs0 | qs1]
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    z = _mm512_and_si512(z, _mm512_set1_epi8(0x0f));  // [lo0, lo1, hi0, hi1] (16 bytes each)
+    if constexpr (Natural) return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));  // [lo0, hi0, lo1, hi1]
+    else return z;
+  }
+}
+
+// Partial sums [p0, p1, p2, p3] of the int32 lanes of a GEMV step (lane order of the layout
+// above) with p0 + p1 = block b0's dot product and p2 + p3 = block b1's.
+template <DType D>
+inline __m128i step_partials(__m512i v) {
+  const __m256i lo = _mm512_castsi512_si256(v), hi = _mm512_extracti64x4_epi64(v, 1);
+  if constexpr (D == DType::Q8_0) {  // lanes 0-7: b0, 8-15: b1
+    const __m256i c = _mm256_hadd_epi32(lo, hi);
+    return _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  } else {  // lanes 0-3 and 8-11: b0, 4-7 and 12-15: b1
+    const __m256i c = _mm256_add_epi32(lo, hi);
+    return _mm_hadd_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  }
+}
+
+// Scratch of the GEMV, per step of 2 blocks, for 16 rows: the partial sums [16][4] int32 and
+// the raw fp16 scales [16][4] (d0, m0, d1, m1; m = 0 but for Q4_1).
+constexpr size_t kGemvStepScratch = 16 * 16 + 16 * 8;
+size_t gemv_scratch_bytes(int64_t nb) { return size_t((nb + 1) / 2) * kGemvStepScratch; }
+
+// Decode (T < kGemmMinT, i.e. one token). The weights are read one row after the other, a single
+// sequential stream per thread (dev/cpu: interleaving rows or repacking them into the GEMM's
+// panels loses up to half the DRAM bandwidth). Each step stores its partial integer sums and
+// raw scales; per 16 rows the sums are finished and transposed so that rows are lanes, and the
+// fp32 part runs the very instruction sequence of gemm_tile: acc = fma(float(dot), d_w·d_x, acc)
+// (+ fma(m, s_x, acc)) over the blocks in order. Decode and batched prefill thus give
+// bit-identical results.
+template <DType D>
+void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  constexpr size_t BS = block_size<D>();
+  const int64_t M = w.rows, T = a.T, nb = a.nb, nsteps = (nb + 1) / 2;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  // fp16 scales of 16 rows × [d0, m0, d1, m1] in two vectors -> [d0 × 16 | m0 × 16], [d1 | m1]
+  __m512i sidx0, sidx1;
+  {
+    alignas(64) int16_t i0[32], i1[32];
+    for (int j = 0; j < 16; ++j) {
+      const int base = j < 8 ? j * 4 : 32 + (j - 8) * 4;
+      i0[j] = int16_t(base), i0[16 + j] = int16_t(base + 1), i1[j] = int16_t(base + 2), i1[16 + j] = int16_t(base + 3);
+    }
+    sidx0 = _mm512_load_si512(i0), sidx1 = _mm512_load_si512(i1);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const uint8_t* P0 = a.prep + size_t(t * nsteps) * kStepBytes;
+    const BlockQ8Act* xq = a.xq + t * nb;
+    for (int64_t g = r0; g < r1; g += 16) {
+      const int n = int(std::min<int64_t>(16, r1 - g));
+      if (n < 16) std::memset(scratch, 0, gemv_scratch_bytes(nb));
+      for (int i = 0; i < n; ++i) {
+        const uint8_t* p = w.row(g + i);
+        const uint8_t* P = P0;
+        uint8_t* S = scratch;
+        for (int64_t s = 0; s < nsteps; ++s, p += 2 * BS, P += kStepBytes, S += kGemvStepScratch) {
+          const bool pair = 2 * s + 1 < nb;
+          const __m512i q = quants2<D, false>(p, pair ? p + BS : nullptr);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512(P + 64), q, _mm512_load_si512(P));
+          _mm_store_si128(reinterpret_cast<__m128i*>(S + 16 * i), step_partials<D>(dot));
+          uint64_t sc;
+          if constexpr (D == DType::Q4_1) sc = uint64_t(load_u32(p)) | (pair ? uint64_t(load_u32(p + BS)) << 32 : 0);
+          else sc = uint64_t(load_u16(p)) | (pair ? uint64_t(load_u16(p + BS)) << 32 : 0);
+          std::memcpy(S + 256 + 8 * i, &sc, 8);
+        }
+      }
+      __m512 acc = _mm512_setzero_ps();  // as gemm_tile, lanes = rows g .. g+15
+      const uint8_t* S = scratch;
+      for (int64_t s = 0; s < nsteps; ++s, S += kGemvStepScratch) {
+        const __m512i* Z = reinterpret_cast<const __m512i*>(S);
+        const __m512i s01 = _mm512_add_epi32(_mm512_permutex2var_epi32(Z[0], even, Z[1]), _mm512_permutex2var_epi32(Z[0], odd, Z[1]));
+        const __m512i s23 = _mm512_add_epi32(_mm512_permutex2var_epi32(Z[2], even, Z[3]), _mm512_permutex2var_epi32(Z[2], odd, Z[3]));
+        const __m512i h0 = _mm512_permutex2var_epi16(Z[4], sidx0, Z[5]), h1 = _mm512_permutex2var_epi16(Z[4], sidx1, Z[5]);
+        const int64_t b = 2 * s;
+        const __m512 dw0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h0));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(s01, even, s23)), _mm512_mul_ps(dw0, _mm512_set1_ps(xq[b].d)), acc);
+        if constexpr (D == DType::Q4_1) acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1)), _mm512_set1_ps(xq[b].s), acc);
+        if (b + 1 < nb) {
+          const __m512 dw1 = _mm512_cvtph_ps(_mm512_castsi512_si256(h1));
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(s01, odd, s23)), _mm512_mul_ps(dw1, _mm512_set1_ps(xq[b + 1].d)), acc);
+          if constexpr (D == DType::Q4_1) acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1)), _mm512_set1_ps(xq[b + 1].s), acc);
+        }
+      }
+      _mm512_mask_storeu_ps(y + t * M + g, __mmask16((1u << n) - 1), acc);
+    }
+  }
+}
+
+// GEMM panel: per block, 8 vectors of 16 rows × 4 quants (unsigned), then d_w[16], then m[16]
+// (Q4_1), 64 bytes each.
+template <DType D>
+constexpr size_t panel_block_bytes() {
+  return D == DType::Q4_1 ? 640 : 576;
+}
+
+// Quants of one block of two rows as unsigned bytes, natural order: [row 0: 32 | row 1: 32].
+template <DType D>
+inline __m512i row_pair_quants(const uint8_t* b0, const uint8_t* b1) {
+  return quants2<D, true>(b0, b1);  // the layout of two consecutive blocks of one row is the same
+}
+
+// Stands in for the blocks of the padding rows of a partial panel (zero quants and scales).
+alignas(64) constexpr uint8_t kZeroBlock[64] = {};
+
+// Panel of 16 rows: for each block, the 16 rows × 8 dwords of quants transposed to 8 vectors
+// of 16 rows (three rounds of two-source dword permutes), then d_w and m.
+template <DType D>
+void build_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb) {
+  constexpr size_t BS = block_size<D>(), PB = panel_block_bytes<D>();
+  // Round 1: rows (2i, 2i+1) pairs -> 4-row groups, columns 0-3 (A) and 4-7 (B):
+  // position r'*4 + j' takes row r' (0..3) column j' (+4 for B).
+  const __m512i idxA = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i idxB = _mm512_add_epi32(idxA, _mm512_set1_epi32(4));
+  // Round 2: 4-row groups -> 8-row groups, column pairs: position r''*2 + j'' takes row r'' (0..7).
+  const __m512i idxC0 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i idxC1 = _mm512_add_epi32(idxC0, _mm512_set1_epi32(2));
+  // Round 3: 8-row groups -> all 16 rows of one column.
+  const __m512i idxD0 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i idxD1 = _mm512_add_epi32(idxD0, _mm512_set1_epi32(1));
+  const uint8_t* rows[16];
+  for (int i = 0; i < 16; ++i) rows[i] = i < nrows ? w.row(r + i) : nullptr;
+  auto blk = [&](int i, size_t off) { return rows[i] ? rows[i] + off : kZeroBlock; };
+  alignas(64) uint16_t dh[16], mh[16];
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* pb = panel + size_t(b) * PB;
+    const size_t off = size_t(b) * BS;
+    __m512i z[8];
+    for (int i = 0; i < 8; ++i)
+      z[i] = row_pair_quants<D>(blk(2 * i, off), blk(2 * i + 1, off));
+    __m512i A[4], B[4];
+    for (int q = 0; q < 4; ++q) {
+      A[q] = _mm512_permutex2var_epi32(z[2 * q], idxA, z[2 * q + 1]);
+      B[q] = _mm512_permutex2var_epi32(z[2 * q], idxB, z[2 * q + 1]);
+    }
+    __m512i P[4][2];  // column pairs (0,1), (2,3), (4,5), (6,7) of rows 0-7 and 8-15
+    for (int u = 0; u < 2; ++u) {
+      P[0][u] = _mm512_permutex2var_epi32(A[2 * u], idxC0, A[2 * u + 1]);
+      P[1][u] = _mm512_permutex2var_epi32(A[2 * u], idxC1, A[2 * u + 1]);
+      P[2][u] = _mm512_permutex2var_epi32(B[2 * u], idxC0, B[2 * u + 1]);
+      P[3][u] = _mm512_permutex2var_epi32(B[2 * u], idxC1, B[2 * u + 1]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      _mm512_store_si512(pb + 64 * (2 * c), _mm512_permutex2var_epi32(P[c][0], idxD0, P[c][1]));
+      _mm512_store_si512(pb + 64 * (2 * c + 1), _mm512_permutex2var_epi32(P[c][0], idxD1, P[c][1]));
+    }
+    for (int i = 0; i < 16; ++i) {
+      dh[i] = load_u16(blk(i, off));
+      if constexpr (D == DType::Q4_1) mh[i] = load_u16(blk(i, off) + 2);
+    }
+    _mm512_store_ps(reinterpret_cast<float*>(pb + 512), _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh))));
+    if constexpr (D == DType::Q4_1)
+      _mm512_store_ps(reinterpret_cast<float*>(pb + 576), _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mh))));
+  }
+}
+
+// 16 rows (panel) × C tokens: y[c*M + 0..15] for the rows in `rmask`.
+template <DType D, int C>
+void gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, __mmask16 rmask) {
+  constexpr size_t PB = panel_block_bytes<D>();
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + size_t(b) * PB;
+    __m512i wq[8];
+    for (int j = 0; j < 8; ++j) wq[j] = _mm512_load_si512(pb + 64 * j);
+    const __m512 dw = _mm512_load_ps(reinterpret_cast<const float*>(pb + 512));
+    // C independent integer accumulators, interleaved so that no long dependency chain forms.
+    __m512i s[C];
+    for (int c = 0; c < C; ++c)
+      s[c] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(corr[c * nb + b]);
+    for (int j = 0; j < 8; ++j)
+      for (int c = 0; c < C; ++c)
+        s[c] = _mm512_dpbusd_epi32(s[c], wq[j], _mm512_set1_epi32(int(load_u32(xq[c * nb + b].qs + 4 * j))));
+    for (int c = 0; c < C; ++c) {
+      const BlockQ8Act& xa = xq[c * nb + b];
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[c]), _mm512_mul_ps(dw, _mm512_set1_ps(xa.d)), acc[c]);
+      if constexpr (D == DType::Q4_1)
+        acc[c] = _mm512_fmadd_ps(_mm512_load_ps(reinterpret_cast<const float*>(pb + 576)), _mm512_set1_ps(xa.s), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * M, rmask, acc[c]);
+}
+
+template <DType D>
+void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* panel) {
+  constexpr int C = 8;
+  const int64_t M = w.rows, T = a.T, nb = a.nb;
+  for (int64_t r = r0; r < r1; r += 16) {
+    const int nrows = int(std::min<int64_t>(16, r1 - r));
+    build_panel<D>(panel, w, r, nrows, nb);
+    const __mmask16 rmask = __mmask16((1u << nrows) - 1);
+    int64_t t = 0;
+    for (; t + C <= T; t += C) gemm_tile<D, C>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
+    for (; t < T; ++t) gemm_tile<D, 1>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
+  }
+}
+
+size_t thread_bytes(DType type, int64_t T, int64_t K) {
+  if (T < kGemmMinT) return gemv_scratch_bytes(K / QK);
+  return size_t(K / QK) * (type == DType::Q4_1 ? panel_block_bytes<DType::Q4_1>() : panel_block_bytes<DType::Q8_0>());
+}
+
+void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  if (a.T < kGemmMinT) {
+    switch (w.type) {
+      case DType::Q8_0: gemv<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+      case DType::Q4_0: gemv<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+      default: gemv<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+    }
+    return;
+  }
+  switch (w.type) {
+    case DType::Q8_0: gemm<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+    case DType::Q4_0: gemm<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+    default: gemm<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  if (i + 16 <= n) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    i += 16;
+  }
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc1);
+  }
+  return hsum(_mm512_add_ps(acc0, acc1));
+}
+
+void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m512 av = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+// Σ over the 16 lanes of each of a0..a3, as lanes 0..3 of the result (other lanes: garbage).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // 256-bit halves added: [a0 | a1] and [a2 | a3], 8 lanes each
+  const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xee));
+  const __m512 b23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xee));
+  // 128-bit quarters added: [a0, a1, a2, a3], 4 lanes each
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b01, b23, 0x88), _mm512_shuffle_f32x4(b01, b23, 0xdd));
+  const __m512 d = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4e));
+  const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, 0xb1));  // every lane of quarter i: Σ a_i
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), e));
+}
+
+// Scores for head_dim = 16·NV: q in registers, 4 positions per reduction.
+template <int NV>
+void attn_scores_t(float* s, const float* q, const float* k, int64_t n, int64_t stride, float scale) {
+  __m512 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t p = 0;
+  for (; p + 4 <= n; p += 4) {
+    __m512 a[4];
+    for (int u = 0; u < 4; ++u) {
+      const float* kp = k + (p + u) * stride;
+      a[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
+      for (int i = 1; i < NV; ++i) a[u] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp + 16 * i), a[u]);
+    }
+    _mm_storeu_ps(s + p, _mm_mul_ps(hsum4(a[0], a[1], a[2], a[3]), sc));
+  }
+  for (; p < n; ++p) {
+    const float* kp = k + p * stride;
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
+    for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp + 16 * i), a);
+    s[p] = hsum(a) * scale;
+  }
+}
+
+void attn_scores(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale) {
+  switch (hd) {
+    case 32: return attn_scores_t<2>(s, q, k, n, stride, scale);
+    case 64: return attn_scores_t<4>(s, q, k, n, stride, scale);
+    case 80: return attn_scores_t<5>(s, q, k, n, stride, scale);
+    case 96: return attn_scores_t<6>(s, q, k, n, stride, scale);
+    case 128: return attn_scores_t<8>(s, q, k, n, stride, scale);
+    default:
+      for (int64_t p = 0; p < n; ++p) s[p] = dot(q, k + p * stride, hd) * scale;
+  }
+}
+
+template <int NV>
+void attn_accumulate_t(float* out, const float* a, const float* v, int64_t n, int64_t stride) {
+  __m512 o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = _mm512_loadu_ps(out + 16 * i);
+  for (int64_t p = 0; p < n; ++p) {
+    const __m512 ap = _mm512_set1_ps(a[p]);
+    for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(ap, _mm512_loadu_ps(v + p * stride + 16 * i), o[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
+}
+
+void attn_accumulate(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd) {
+  switch (hd) {
+    case 32: return attn_accumulate_t<2>(out, a, v, n, stride);
+    case 64: return attn_accumulate_t<4>(out, a, v, n, stride);
+    case 80: return attn_accumulate_t<5>(out, a, v, n, stride);
+    case 96: return attn_accumulate_t<6>(out, a, v, n, stride);
+    case 128: return attn_accumulate_t<8>(out, a, v, n, stride);
+    default: break;
+  }
+  for (int64_t j = 0; j < hd; j += 16) {
+    const __mmask16 m = hd - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (hd - j)) - 1);
+    __m512 o = _mm512_maskz_loadu_ps(m, out + j);
+    for (int64_t p = 0; p < n; ++p)
+      o = _mm512_fmadd_ps(_mm512_set1_ps(a[p]), _mm512_maskz_loadu_ps(m, v + p * stride + j), o);
+    _mm512_mask_storeu_ps(out + j, m, o);
+  }
+}
+
+// e^x: x = n·ln2 + r with n = round(x·log2(e)) and r by a two-part ln2 (|r| <= ln2/2), e^r by
+// its Taylor series to r^7 (truncation < 6e-9 relative), times 2^n by vscalefps (which gives
+// +inf / 0 on overflow / underflow). About 2 ulp.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(200.0f)), _mm512_set1_ps(-200.0f));  // keeps r finite
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417232e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+void softmax(float* x, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + i));
+  float m = _mm512_reduce_max_ps(mx);
+  for (int64_t j = i; j < n; ++j) m = std::max(m, x[j]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv));
+    _mm512_mask_storeu_ps(x + i, k, e);
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / hsum(sum));
+  for (i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
+  }
+}
+
+void swiglu(float* gate, const float* up, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(k, gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(gate + i, k, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(k, up + i)));
+  }
+}
+
+}  // namespace
+}  // namespace avx512
+
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+const Kernels* kernels_avx2() {
+  static const Kernels k{"avx2",          avx2::quantize_act,  avx2::matmul_float,
+                         avx2::prep_bytes, avx2::prepare_quant, avx2::thread_bytes,
+                         avx2::matmul_quant, avx2::dot,         avx2::axpy,
+                         avx2::attn_scores, avx2::attn_accumulate, avx2::softmax,
+                         avx2::swiglu};
+  return &k;
+}
+
+const Kernels* kernels_avx512() {
+  static const Kernels k{"avx512",          avx512::quantize_act,  avx512::matmul_float,
+                         avx512::prep_bytes, avx512::prepare_quant, avx512::thread_bytes,
+                         avx512::matmul_quant, avx512::dot,         avx512::axpy,
+                         avx512::attn_scores, avx512::attn_accumulate, avx512::softmax,
+                         avx512::swiglu};
+  return &k;
+}
+
+#endif  // LLMQ_X86
+
+}  // namespace llmq::x86

@@ -1,0 +1,161 @@
+#include "server/api.h"
+
+#include <cmath>
+#include <random>
+
+namespace llmq {
+
+using nlohmann::json;
+
+json ApiError::body() const {
+  json e = {{"message", what()}, {"type", type}, {"param", nullptr}, {"code", nullptr}};
+  if (!param.empty()) e["param"] = param;
+  if (!code.empty()) e["code"] = code;
+  return json{{"error", e}};
+}
+
+namespace {
+
+[[noreturn]] void bad(const std::string& msg, const std::string& param) { throw ApiError(400, msg, param); }
+
+double number(const json& j, const char* key, double lo, double hi) {
+  const json& v = j.at(key);
+  if (!v.is_number()) bad(std::string("'") + key + "' must be a number", key);
+  const double x = v.get<double>();
+  if (!std::isfinite(x) || x < lo || x > hi)
+    bad(std::string("'") + key + "' must be between " + json(lo).dump() + " and " + json(hi).dump(), key);
+  return x;
+}
+
+int64_t integer(const json& j, const char* key, int64_t lo, int64_t hi) {
+  const json& v = j.at(key);
+  if (!v.is_number_integer()) bad(std::string("'") + key + "' must be an integer", key);
+  const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : v.get<int64_t>();
+  if (x < lo || x > hi) bad(std::string("'") + key + "' must be between " + std::to_string(lo) + " and " + std::to_string(hi), key);
+  return x;
+}
+
+bool has(const json& j, const char* key) { return j.contains(key) && !j.at(key).is_null(); }
+
+std::string content_text(const json& c, size_t i) {
+  const std::string param = "messages[" + std::to_string(i) + "].content";
+  if (c.is_string()) return c.get<std::string>();
+  if (c.is_array()) {  // [{"type": "text", "text": "..."}]
+    std::string out;
+    for (const json& part : c) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+        bad("only text content parts are supported", param);
+      out += part["text"].get<std::string>();
+    }
+    return out;
+  }
+  bad("'content' must be a string or an array of text parts", param);
+}
+
+}  // namespace
+
+CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
+                                           size_t max_body) {
+  if (body.size() > max_body)
+    throw ApiError(413, "request body of " + std::to_string(body.size()) + " bytes exceeds the limit of " + std::to_string(max_body));
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    bad(std::string("malformed JSON: ") + e.what(), "");
+  }
+  if (!j.is_object()) bad("the request body must be a JSON object", "");
+  CompletionRequest r;
+  r.chat = chat;
+  try {
+    if (has(j, "model")) {
+      if (!j["model"].is_string()) bad("'model' must be a string", "model");
+      r.model = j["model"].get<std::string>();
+      if (r.model != model_id)
+        throw ApiError(404, "The model '" + r.model + "' does not exist (this server serves '" + model_id + "')", "model",
+                       "model_not_found");
+    }
+    if (chat) {
+      if (!has(j, "messages") || !j["messages"].is_array() || j["messages"].empty())
+        bad("'messages' must be a non-empty array", "messages");
+      for (size_t i = 0; i < j["messages"].size(); ++i) {
+        const json& m = j["messages"][i];
+        if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
+          bad("each message needs a string 'role' and a 'content'", "messages[" + std::to_string(i) + "]");
+        std::string role = m["role"].get<std::string>();
+        if (role == "developer") role = "system";
+        if (role != "system" && role != "user" && role != "assistant")
+          bad("unsupported role '" + role + "'", "messages[" + std::to_string(i) + "].role");
+        r.messages.push_back({role, m["content"].is_null() ? "" : content_text(m["content"], i)});
+      }
+    } else {
+      if (!has(j, "prompt")) bad("'prompt' is required", "prompt");
+      const json& p = j["prompt"];
+      if (p.is_string()) {
+        r.prompt = p.get<std::string>();
+      } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
+        r.prompt = p[0].get<std::string>();
+      } else if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
+        for (const json& t : p) {
+          if (!t.is_number_integer()) bad("'prompt' token arrays must hold integers", "prompt");
+          r.prompt_ids.push_back(t.get<int32_t>());
+        }
+      } else {
+        bad("'prompt' must be a string, one string in an array, or an array of token ids", "prompt");
+      }
+    }
+    if (has(j, "n") && integer(j, "n", 1, 1) != 1) bad("only n = 1 is supported", "n");
+    const char* mt = has(j, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+    if (has(j, mt)) r.max_tokens = integer(j, mt, 1, ctx);
+    SamplerParams& s = r.sampling;
+    s.temperature = 1.0f, s.top_k = 0, s.top_p = 1.0f, s.min_p = 0.0f;  // OpenAI defaults
+    if (has(j, "temperature")) s.temperature = float(number(j, "temperature", 0, 2));
+    if (has(j, "top_p")) s.top_p = float(number(j, "top_p", 0, 1));
+    if (has(j, "top_k")) s.top_k = int32_t(integer(j, "top_k", 0, 1 << 20));
+    if (has(j, "min_p")) s.min_p = float(number(j, "min_p", 0, 1));
+    if (has(j, "presence_penalty")) s.presence_penalty = float(number(j, "presence_penalty", -2, 2));
+    if (has(j, "frequency_penalty")) s.frequency_penalty = float(number(j, "frequency_penalty", -2, 2));
+    if (has(j, "repetition_penalty")) s.repeat_penalty = float(number(j, "repetition_penalty", 0.01, 10));
+    s.seed = has(j, "seed") ? uint64_t(integer(j, "seed", INT64_MIN, INT64_MAX)) : uint64_t(std::random_device{}());
+    if (has(j, "stop")) {
+      const json& st = j["stop"];
+      if (st.is_string()) r.stop.push_back(st.get<std::string>());
+      else if (st.is_array() && st.size() <= 4) {
+        for (const json& x : st) {
+          if (!x.is_string() || x.get<std::string>().empty()) bad("'stop' entries must be non-empty strings", "stop");
+          r.stop.push_back(x.get<std::string>());
+        }
+      } else bad("'stop' must be a string or an array of at most 4 strings", "stop");
+    }
+    if (has(j, "stream")) {
+      if (!j["stream"].is_boolean()) bad("'stream' must be a boolean", "stream");
+      r.stream = j["stream"].get<bool>();
+    }
+    if (has(j, "stream_options")) {
+      const json& so = j["stream_options"];
+      if (!so.is_object()) bad("'stream_options' must be an object", "stream_options");
+      if (so.contains("include_usage")) {
+        if (!so["include_usage"].is_boolean()) bad("'include_usage' must be a boolean", "stream_options.include_usage");
+        r.include_usage = so["include_usage"].get<bool>();
+      }
+    }
+    if (chat) {
+      if (has(j, "logprobs")) {
+        if (!j["logprobs"].is_boolean()) bad("'logprobs' must be a boolean", "logprobs");
+        if (j["logprobs"].get<bool>()) r.top_logprobs = 0;
+      }
+      if (has(j, "top_logprobs")) {
+        const int64_t k = integer(j, "top_logprobs", 0, 20);
+        if (r.top_logprobs < 0) bad("'top_logprobs' needs 'logprobs': true", "top_logprobs");
+        r.top_logprobs = int(k);
+      }
+    } else if (has(j, "logprobs")) {
+      r.top_logprobs = int(integer(j, "logprobs", 0, 5));
+    }
+  } catch (const json::exception& e) {
+    bad(std::string("invalid request: ") + e.what(), "");
+  }
+  return r;
+}
+
+}  // namespace llmq

@@ -1,0 +1,44 @@
+// The OpenAI-compatible request side of llmq-server: parsing and validating JSON bodies of
+// /v1/completions and /v1/chat/completions (OpenAI API reference, "Completions" and "Chat").
+#pragma once
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "engine/chat.h"
+#include "engine/sampler.h"
+
+namespace llmq {
+
+/// A request the server refuses: HTTP status and OpenAI's error object fields.
+struct ApiError : std::runtime_error {
+  ApiError(int status_, std::string message, std::string param_ = "", std::string code_ = "",
+           std::string type_ = "invalid_request_error")
+      : std::runtime_error(message), status(status_), param(std::move(param_)), code(std::move(code_)), type(std::move(type_)) {}
+  int status;
+  std::string param, code, type;
+  /// {"error": {"message", "type", "param", "code"}}
+  nlohmann::json body() const;
+};
+
+struct CompletionRequest {
+  bool chat = false;
+  std::string model;
+  std::string prompt;                 ///< completions: prompt text
+  std::vector<int32_t> prompt_ids;    ///< completions: prompt given as token ids
+  std::vector<ChatMessage> messages;  ///< chat
+  int64_t max_tokens = -1;            ///< -1: not given
+  SamplerParams sampling;
+  std::vector<std::string> stop;
+  bool stream = false, include_usage = false;
+  int top_logprobs = -1;              ///< -1: no logprobs
+};
+
+/// Parses and validates a request body. `model_id` is the served model's id (a different
+/// `model` is a 404); `ctx` bounds max_tokens; `max_body` the body size. Throws ApiError
+/// (400 malformed JSON, wrong types or ranges, n != 1; 404 unknown model; 413 body too large).
+CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
+                                           size_t max_body);
+
+}  // namespace llmq

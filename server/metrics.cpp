@@ -1,0 +1,69 @@
+#include "server/metrics.h"
+
+#include <cstdio>
+
+namespace llmq {
+
+namespace {
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+}  // namespace
+
+void Histogram::observe(double v) {
+  std::lock_guard<std::mutex> lk(mu_);
+  size_t i = 0;
+  while (i < bounds_.size() && v > bounds_[i]) ++i;
+  ++counts_[i];
+  sum_ += v;
+  ++n_;
+}
+
+std::string Histogram::render(const std::string& name, const std::string& help) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::string out = "# HELP " + name + " " + help + "\n# TYPE " + name + " histogram\n";
+  uint64_t cum = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cum += counts_[i];
+    out += name + "_bucket{le=\"" + num(bounds_[i]) + "\"} " + std::to_string(cum) + "\n";
+  }
+  cum += counts_.back();
+  out += name + "_bucket{le=\"+Inf\"} " + std::to_string(cum) + "\n";
+  out += name + "_sum " + num(sum_) + "\n" + name + "_count " + std::to_string(n_) + "\n";
+  return out;
+}
+
+void Metrics::count_request(const std::string& endpoint, int status) {
+  std::lock_guard<std::mutex> lk(mu);
+  ++requests[endpoint + "|" + std::to_string(status)];
+}
+
+std::string Metrics::render(int64_t queued, int64_t running, int64_t kv_used, int64_t kv_total) {
+  std::string out = "# HELP llmq_requests_total HTTP requests by endpoint and status.\n# TYPE llmq_requests_total counter\n";
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    for (const auto& [key, n] : requests) {
+      const size_t bar = key.find('|');
+      out += "llmq_requests_total{endpoint=\"" + key.substr(0, bar) + "\",status=\"" + key.substr(bar + 1) + "\"} " +
+             std::to_string(n) + "\n";
+    }
+  }
+  auto gauge = [&](const char* name, const char* type, const char* help, const std::string& v) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " " + v + "\n";
+  };
+  gauge("llmq_prompt_tokens_total", "counter", "Prompt tokens processed.", std::to_string(prompt_tokens.load()));
+  gauge("llmq_generated_tokens_total", "counter", "Tokens generated.", std::to_string(generated_tokens.load()));
+  gauge("llmq_queue_length", "gauge", "Requests waiting for a slot.", std::to_string(queued));
+  gauge("llmq_running_sequences", "gauge", "Sequences being generated.", std::to_string(running));
+  gauge("llmq_kv_cache_blocks_used", "gauge", "KV-cache blocks in use.", std::to_string(kv_used));
+  gauge("llmq_kv_cache_blocks_total", "gauge", "KV-cache blocks in all.", std::to_string(kv_total));
+  gauge("llmq_kv_cache_usage_ratio", "gauge", "Fraction of the KV cache in use.",
+        num(kv_total ? double(kv_used) / double(kv_total) : 0.0));
+  out += ttft.render("llmq_time_to_first_token_seconds", "Time from request to first token.");
+  out += tpot.render("llmq_time_per_output_token_seconds", "Mean time per generated token after the first, per request.");
+  return out;
+}
+
+}  // namespace llmq

@@ -1,0 +1,121 @@
+// The continuous-batching scheduler: one loop runs prefill and decode of every active sequence
+// in shared forward passes; requests join between steps and leave when done or cancelled.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/model.h"
+#include "engine/sampler.h"
+
+namespace llmq {
+
+/// What a request asks the scheduler for.
+struct GenParams {
+  std::vector<int32_t> prompt;     ///< token ids (BOS included when wanted)
+  int64_t max_tokens = 16;         ///< most tokens to generate
+  SamplerParams sampling;
+  std::vector<std::string> stop;   ///< stop strings (not included in the output)
+  int top_logprobs = -1;           ///< -1: no logprobs; 0..20: logprobs with that many alternatives
+};
+
+/// One generated token, for logprobs.
+struct TokenInfo {
+  int32_t id;
+  std::string piece;                            ///< its text (may be part of a UTF-8 character)
+  float logprob;
+  std::vector<std::pair<int32_t, float>> top;   ///< alternatives, most likely first
+};
+
+/// A step's output for one request: text that is safe to show (complete UTF-8, no partial
+/// stop string) and the tokens produced since the previous event.
+struct GenEvent {
+  std::string text;
+  std::vector<TokenInfo> tokens;
+};
+
+/// A request shared between the HTTP thread that made it and the scheduler loop.
+class GenRequest {
+ public:
+  explicit GenRequest(GenParams p) : params(std::move(p)) {}
+  const GenParams params;
+
+  /// Waits up to timeout_ms for events or the end. Returns false when finished and drained.
+  bool wait(std::vector<GenEvent>* out, int timeout_ms);
+  /// Asks the scheduler to stop this request and free its KV blocks at the next step.
+  void cancel() { cancelled_ = true; }
+  bool cancelled() const { return cancelled_; }
+
+  // Filled in by the scheduler; read after wait() returned false.
+  std::string finish_reason;  ///< "stop" or "length" (or "cancelled")
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  double t_submit = 0, t_first = 0, t_done = 0;  ///< seconds (steady clock)
+
+ private:
+  friend class Scheduler;
+  void push(GenEvent e, bool done);
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<GenEvent> events_;
+  bool done_ = false;
+  std::atomic<bool> cancelled_{false};
+};
+
+struct SchedulerOptions {
+  int parallel = 4;         ///< most sequences running at once
+  int64_t ctx = 4096;       ///< most tokens (prompt + generated) per sequence
+  int64_t max_queue = 64;   ///< most requests waiting; more are refused (HTTP 429)
+  int64_t n_batch = 512;    ///< most tokens in one forward pass
+  int64_t kv_tokens = 0;    ///< KV-cache size in tokens over all sequences (0: parallel * ctx)
+};
+
+/// Counters for /metrics, read without stopping the loop.
+struct SchedulerStats {
+  int64_t queued = 0, running = 0, kv_blocks_used = 0, kv_blocks_total = 0;
+};
+
+class Scheduler {
+ public:
+  /// Starts the loop thread. The model and pool must outlive the scheduler.
+  Scheduler(const Model& model, ThreadPool& pool, const SchedulerOptions& opt);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  enum class Submit { Ok, QueueFull, TooLong };
+  /// Queues a request. TooLong: prompt + 1 exceeds the context; QueueFull: the queue is at
+  /// its bound (the caller answers 429).
+  Submit submit(const std::shared_ptr<GenRequest>& r);
+  SchedulerStats stats() const;
+  const SchedulerOptions& options() const { return opt_; }
+
+ private:
+  struct Seq;
+  void loop();
+  void step(std::vector<std::unique_ptr<Seq>>& active);
+  void finish(Seq& s, const char* reason);
+  void emit(Seq& s, bool final);
+
+  const Model& m_;
+  ThreadPool& pool_;
+  SchedulerOptions opt_;
+  KVCache cache_;
+  Workspace ws_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<GenRequest>> queue_;
+  std::atomic<int64_t> running_{0}, kv_used_{0};
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+/// Seconds on the steady clock.
+double now_seconds();
+
+}  // namespace llmq

@@ -1,0 +1,449 @@
+// llmq-server: OpenAI-compatible HTTP completions with streaming and continuous batching.
+//
+//   llmq-server -m model.llmq [--host 127.0.0.1] [--port 8080] [--parallel 4] [--api-key KEY]
+//
+// Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true -> Server-Sent
+// Events), GET /v1/models, GET /health (503 while loading), GET /metrics (Prometheus),
+// POST /tokenize, POST /detokenize, GET / (a web chat page).
+#include <httplib.h>
+
+#include <CLI/CLI.hpp>
+#include <signal.h>
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+
+#include "engine/chat.h"
+#include "engine/model.h"
+#include "formats/error.h"
+#include "server/api.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+#include "tools/cli_common.h"
+
+using namespace llmq;
+using nlohmann::json;
+
+extern const char* const kIndexHtml;  // server/web/index.html, compiled in (CMake)
+
+namespace {
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+struct ServerState {
+  std::atomic<bool> ready{false};
+  std::string load_error;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<Scheduler> scheduler;
+  std::optional<ChatTemplate> tmpl;
+  std::string model_id;
+  Metrics metrics;
+  std::atomic<uint64_t> next_id{1};
+  size_t max_body = 1 << 20;
+};
+
+void send_json(httplib::Response& res, int status, const json& j) {
+  res.status = status;
+  res.set_content(dump(j), "application/json");
+}
+
+void send_error(httplib::Response& res, const ApiError& e) {
+  send_json(res, e.status, e.body());
+  if (e.status == 429) res.set_header("Retry-After", "1");
+}
+
+json token_logprob_json(const Tokenizer& tok, const TokenInfo& t) {
+  auto entry = [&](int32_t id, const std::string& piece, float lp) {
+    json bytes = json::array();
+    for (unsigned char c : piece) bytes.push_back(int(c));
+    return json{{"token", piece}, {"logprob", lp}, {"bytes", bytes}, {"id", id}};
+  };
+  json j = entry(t.id, t.piece, t.logprob);
+  json top = json::array();
+  for (const auto& [id, lp] : t.top) top.push_back(entry(id, tok.decode_piece(-2, id), lp));
+  j["top_logprobs"] = top;
+  return j;
+}
+
+// Tokens of the request's prompt (chat: through the template, markup as special tokens).
+std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionRequest& r) {
+  const Tokenizer& tok = *st.model->tokenizer;
+  const Vocab& v = st.model->vocab;
+  std::vector<int32_t> ids;
+  if (r.chat) {
+    if (!st.tmpl) throw ApiError(400, "the model has no chat template; use /v1/completions", "messages");
+    const auto segs = st.tmpl->apply_segments(r.messages, true);
+    const std::string bos_text = v.bos_id >= 0 ? v.tokens[size_t(v.bos_id)] : "";
+    const bool starts_with_bos = !segs.empty() && segs[0].special && !bos_text.empty() && segs[0].text.rfind(bos_text, 0) == 0;
+    if (v.add_bos && v.bos_id >= 0 && !starts_with_bos) ids.push_back(v.bos_id);
+    for (const auto& s : segs) {
+      const auto part = tok.encode(s.text, false, s.special);
+      ids.insert(ids.end(), part.begin(), part.end());
+    }
+  } else if (!r.prompt_ids.empty()) {
+    for (int32_t id : r.prompt_ids)
+      if (id < 0 || id >= int32_t(v.size())) throw ApiError(400, "prompt token id " + std::to_string(id) + " out of range", "prompt");
+    ids = r.prompt_ids;
+  } else {
+    ids = tok.encode(r.prompt, v.add_bos);
+  }
+  if (ids.empty()) throw ApiError(400, "the prompt is empty", r.chat ? "messages" : "prompt");
+  return ids;
+}
+
+void handle_completion(ServerState& st, const httplib::Request& req, httplib::Response& res, bool chat) {
+  const char* endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
+  if (!st.ready) {
+    send_json(res, 503, ApiError(503, "the model is loading", "", "", "server_error").body());
+    return;
+  }
+  const int64_t ctx = st.scheduler->options().ctx;
+  CompletionRequest r;
+  std::vector<int32_t> prompt;
+  try {
+    r = parse_completion_request(req.body, chat, st.model_id, ctx, st.max_body);
+    prompt = prompt_tokens(st, r);
+    if (int64_t(prompt.size()) + 1 > ctx)
+      throw ApiError(400, "the prompt has " + std::to_string(prompt.size()) + " tokens; the context is " + std::to_string(ctx),
+                     chat ? "messages" : "prompt", "context_length_exceeded");
+  } catch (const ApiError& e) {
+    send_error(res, e);
+    return;
+  }
+  GenParams gp;
+  gp.prompt = prompt;
+  const int64_t room = ctx - int64_t(prompt.size());
+  gp.max_tokens = std::min(r.max_tokens > 0 ? r.max_tokens : (chat ? room : 16), room);
+  gp.sampling = r.sampling;
+  gp.stop = r.stop;
+  gp.top_logprobs = r.top_logprobs;
+  auto g = std::make_shared<GenRequest>(gp);
+  const Scheduler::Submit sub = st.scheduler->submit(g);
+  if (sub == Scheduler::Submit::QueueFull) {
+    send_error(res, ApiError(429, "the server is busy: too many requests queued; retry later", "", "rate_limit_exceeded",
+                             "rate_limit_error"));
+    return;
+  }
+  if (sub == Scheduler::Submit::TooLong) {
+    send_error(res, ApiError(400, "the prompt does not fit the context", chat ? "messages" : "prompt", "context_length_exceeded"));
+    return;
+  }
+
+  const std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + std::to_string(st.next_id++);
+  const int64_t created = int64_t(std::time(nullptr));
+  const Tokenizer& tok = *st.model->tokenizer;
+  auto usage = [&]() {
+    return json{{"prompt_tokens", g->prompt_tokens},
+                {"completion_tokens", g->completion_tokens},
+                {"total_tokens", g->prompt_tokens + g->completion_tokens}};
+  };
+  auto record = [&st, g, endpoint](int status) {
+    st.metrics.count_request(endpoint, status);
+    st.metrics.prompt_tokens += uint64_t(g->prompt_tokens);
+    st.metrics.generated_tokens += uint64_t(g->completion_tokens);
+    if (g->completion_tokens > 0) st.metrics.ttft.observe(g->t_first - g->t_submit);
+    if (g->completion_tokens > 1) st.metrics.tpot.observe((g->t_done - g->t_first) / double(g->completion_tokens - 1));
+  };
+  auto finish_reason = [g]() -> json {
+    if (g->finish_reason == "stop" || g->finish_reason == "length") return g->finish_reason;
+    return "stop";
+  };
+
+  if (!r.stream) {
+    std::vector<GenEvent> events;
+    while (g->wait(&events, 1000)) {
+    }
+    std::string text;
+    json lp_content = json::array(), tokens = json::array(), token_lps = json::array(), tops = json::array(),
+         offsets = json::array();
+    for (const GenEvent& e : events) {
+      for (const TokenInfo& t : e.tokens) {
+        if (r.top_logprobs < 0) continue;
+        if (chat) {
+          lp_content.push_back(token_logprob_json(tok, t));
+        } else {
+          offsets.push_back(text.size());
+          tokens.push_back(t.piece);
+          token_lps.push_back(t.logprob);
+          json top = json::object();
+          for (const auto& [tid, lp] : t.top) top[tok.decode_piece(-2, tid)] = lp;
+          tops.push_back(top);
+        }
+      }
+      text += e.text;
+    }
+    if (g->finish_reason.rfind("error", 0) == 0) {
+      send_json(res, 500, ApiError(500, g->finish_reason, "", "", "server_error").body());
+      record(500);
+      return;
+    }
+    json choice = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
+    if (chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", text}};
+      if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
+    } else {
+      choice["text"] = text;
+      if (r.top_logprobs >= 0)
+        choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+    }
+    send_json(res, 200, {{"id", id},
+                         {"object", chat ? "chat.completion" : "text_completion"},
+                         {"created", created},
+                         {"model", st.model_id},
+                         {"choices", json::array({choice})},
+                         {"usage", usage()}});
+    record(200);
+    return;
+  }
+
+  // Streaming: Server-Sent Events, one chunk per step's output, then [DONE].
+  res.set_header("Cache-Control", "no-cache");
+  auto started = std::make_shared<bool>(false);
+  auto finished = std::make_shared<bool>(false);
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [&st, g, r, id, created, chat, started, finished, usage, record, finish_reason](size_t, httplib::DataSink& sink) {
+        const Tokenizer& tok = *st.model->tokenizer;
+        auto chunk = [&](const json& choice) {
+          json c = {{"id", id},
+                    {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                    {"created", created},
+                    {"model", st.model_id},
+                    {"choices", choice.is_null() ? json::array() : json::array({choice})}};
+          return c;
+        };
+        auto send = [&](const json& c) {
+          const std::string s = "data: " + dump(c) + "\n\n";
+          return sink.write(s.data(), s.size());
+        };
+        if (!*started) {
+          *started = true;
+          if (chat && !send(chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"finish_reason", nullptr}}))) {
+            g->cancel();
+            return false;
+          }
+        }
+        std::vector<GenEvent> events;
+        const bool alive = g->wait(&events, 200);
+        for (const GenEvent& e : events) {
+          json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
+          if (chat) {
+            choice["delta"] = {{"content", e.text}};
+            if (r.top_logprobs >= 0) {
+              json content = json::array();
+              for (const TokenInfo& t : e.tokens) content.push_back(token_logprob_json(tok, t));
+              choice["logprobs"] = {{"content", content}};
+            }
+          } else {
+            choice["text"] = e.text;
+            if (r.top_logprobs >= 0) {
+              json tokens = json::array(), lps = json::array(), tops = json::array();
+              for (const TokenInfo& t : e.tokens) {
+                tokens.push_back(t.piece);
+                lps.push_back(t.logprob);
+                json top = json::object();
+                for (const auto& [tid, lp] : t.top) top[tok.decode_piece(-2, tid)] = lp;
+                tops.push_back(top);
+              }
+              choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}};
+            }
+          }
+          if (!send(chunk(choice))) {
+            g->cancel();  // the client went away: free its sequence now
+            return false;
+          }
+        }
+        if (alive) {
+          if (!sink.is_writable()) {
+            g->cancel();
+            return false;
+          }
+          return true;
+        }
+        json last = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
+        if (chat) last["delta"] = json::object();
+        else last["text"] = "";
+        bool ok = send(chunk(last));
+        if (ok && r.include_usage) {
+          json u = chunk(nullptr);
+          u["usage"] = usage();
+          ok = send(u);
+        }
+        if (ok) {
+          const std::string done = "data: [DONE]\n\n";
+          sink.write(done.data(), done.size());
+        }
+        sink.done();
+        *finished = true;
+        record(200);
+        return true;
+      },
+      [g, finished](bool) {
+        if (!*finished) g->cancel();  // connection closed before the end
+      });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
+  std::string model_path, host = "127.0.0.1", api_key, device = "auto", template_name;
+  int port = 8080, threads = 0, parallel = 4;
+  int64_t ctx = 0, max_queue = 64, kv_tokens = 0, n_batch = 512;
+  int timeout_s = 30;
+  bool no_verify = false;
+  app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
+  app.add_option("--host", host, "address to bind (default 127.0.0.1: this machine only)");
+  app.add_option("--port", port, "TCP port");
+  app.add_option("--device", device, "cpu | cuda | auto");
+  app.add_option("-c,--ctx", ctx, "most tokens per sequence (default: the model's context, at most 4096)");
+  app.add_option("--parallel", parallel, "most sequences generated at once (continuous batching)");
+  app.add_option("--max-queue", max_queue, "most requests waiting; more get HTTP 429");
+  app.add_option("--kv-tokens", kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
+  app.add_option("-b,--batch", n_batch, "most tokens per forward pass");
+  app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
+  app.add_option("-t,--threads", threads, "CPU threads (default: all cores)");
+  app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
+  app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
+  app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
+  CLI11_PARSE(app, argc, argv);
+
+  return cli::run_guarded("llmq-server", [&] {
+    if (device == "cuda") throw UsageError("--device cuda: this build has no CUDA backend yet; use --device cpu");
+    if (device != "cpu" && device != "auto") throw UsageError("--device must be cpu, cuda or auto");
+    if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
+    // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+    auto st = std::make_shared<ServerState>();
+    st->model_id = std::filesystem::path(model_path).stem().string();
+    httplib::Server svr;
+    const int http_threads = std::max(8, 2 * (parallel + int(max_queue)) + 8);
+    svr.new_task_queue = [http_threads] { return new httplib::ThreadPool(size_t(http_threads)); };
+    svr.set_read_timeout(timeout_s, 0);
+    svr.set_write_timeout(timeout_s, 0);
+    svr.set_payload_max_length(st->max_body + 1);
+
+    svr.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
+      if (api_key.empty() || req.path == "/health" || req.path == "/") return httplib::Server::HandlerResponse::Unhandled;
+      if (req.get_header_value("Authorization") == "Bearer " + api_key) return httplib::Server::HandlerResponse::Unhandled;
+      send_json(res, 401, ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "", "invalid_api_key").body());
+      st->metrics.count_request(req.path, 401);
+      return httplib::Server::HandlerResponse::Handled;
+    });
+    svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string what = "internal error";
+      try {
+        std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      send_json(res, 500, ApiError(500, what, "", "", "server_error").body());
+    });
+    svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      if (res.status == 404) send_json(res, 404, ApiError(404, "no route " + req.method + " " + req.path, "", "not_found").body());
+      else if (res.status == 413) send_json(res, 413, ApiError(413, "request body too large").body());
+    });
+
+    svr.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
+      if (st->ready) send_json(res, 200, {{"status", "ok"}});
+      else if (!st->load_error.empty()) send_json(res, 503, {{"status", "error"}, {"error", st->load_error}});
+      else send_json(res, 503, {{"status", "loading"}});
+    });
+    svr.Get("/", [&](const httplib::Request&, httplib::Response& res) { res.set_content(kIndexHtml, "text/html; charset=utf-8"); });
+    svr.Get("/v1/models", [&](const httplib::Request&, httplib::Response& res) {
+      send_json(res, 200, {{"object", "list"},
+                           {"data", json::array({{{"id", st->model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "llmq"}}})}});
+      st->metrics.count_request("/v1/models", 200);
+    });
+    svr.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(*st, req, res, false); });
+    svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(*st, req, res, true); });
+    svr.Post("/tokenize", [&](const httplib::Request& req, httplib::Response& res) {
+      if (!st->ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
+      try {
+        const json j = json::parse(req.body);
+        if (!j.is_object() || !j.contains("content") || !j["content"].is_string()) throw ApiError(400, "'content' must be a string", "content");
+        const bool add_special = j.value("add_special", false), parse_special = j.value("parse_special", false);
+        send_json(res, 200, {{"tokens", st->model->tokenizer->encode(j["content"].get<std::string>(), add_special, parse_special)}});
+      } catch (const ApiError& e) {
+        send_error(res, e);
+      } catch (const json::exception& e) {
+        send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
+      }
+    });
+    svr.Post("/detokenize", [&](const httplib::Request& req, httplib::Response& res) {
+      if (!st->ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
+      try {
+        const json j = json::parse(req.body);
+        if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array()) throw ApiError(400, "'tokens' must be an array", "tokens");
+        std::vector<int32_t> ids;
+        for (const json& t : j["tokens"]) {
+          if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= int64_t(st->model->vocab.size()))
+            throw ApiError(400, "token ids must be integers in [0, vocab)", "tokens");
+          ids.push_back(t.get<int32_t>());
+        }
+        send_json(res, 200, {{"content", st->model->tokenizer->decode(ids)}});
+      } catch (const ApiError& e) {
+        send_error(res, e);
+      } catch (const json::exception& e) {
+        send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
+      }
+    });
+    svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
+      SchedulerStats s;
+      if (st->ready) s = st->scheduler->stats();
+      res.set_content(st->metrics.render(s.queued, s.running, s.kv_blocks_used, s.kv_blocks_total), "text/plain; version=0.0.4");
+    });
+
+    if (!svr.bind_to_port(host, port))
+      throw UsageError("cannot listen on " + host + ":" + std::to_string(port) + " (in use, or not allowed)");
+    // Load in the background: /health answers 503 until the model is ready.
+    std::thread loader([&] {
+      try {
+        st->model = Model::load(model_path, !no_verify);
+        st->pool = std::make_unique<ThreadPool>(threads);
+        if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
+        else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
+        SchedulerOptions so;
+        so.parallel = parallel;
+        so.ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
+        so.max_queue = max_queue;
+        so.kv_tokens = kv_tokens;
+        so.n_batch = n_batch;
+        st->scheduler = std::make_unique<Scheduler>(*st->model, *st->pool, so);
+        st->ready = true;
+        std::fprintf(stderr, "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, peak memory %s)\n",
+                     st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx,
+                     cli::human_bytes(uint64_t(st->scheduler->stats().kv_blocks_total) * 16 * uint64_t(st->model->config.kv_dim()) *
+                                      uint64_t(st->model->config.n_layers) * 8).c_str(),
+                     cli::human_bytes(cli::peak_rss_bytes()).c_str());
+      } catch (const std::exception& e) {
+        st->load_error = e.what();
+        std::fprintf(stderr, "llmq-server: error: %s\n", e.what());
+        svr.stop();
+      }
+    });
+    std::thread([&svr, sigs] {
+      int sig = 0;
+      sigwait(&sigs, &sig);
+      std::fprintf(stderr, "llmq-server: signal %d, stopping\n", sig);
+      svr.stop();
+    }).detach();
+    std::fprintf(stderr, "llmq-server: listening on http://%s:%d, loading %s\n", host.c_str(), port, model_path.c_str());
+    svr.listen_after_bind();
+    loader.join();
+    if (!st->load_error.empty()) return 2;
+    return 0;
+  });
+}

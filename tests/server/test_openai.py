@@ -1,0 +1,594 @@
+"""llmq-server through the official `openai` Python package (and `requests` where the client
+cannot send what the test needs): completions, chat, streaming, logprobs, stop, seed, usage,
+errors, API keys, /tokenize, /detokenize, /metrics and /health.
+
+The model is stories260K (converted by llmq-convert); it has no chat template, so its server
+runs with --chat-template chatml. It rarely ends a story, so greedy requests run to max_tokens.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def srv(servers, stories_model):
+    return servers.start(stories_model, "--chat-template", "chatml", "--parallel", "4")
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with srv.client() as c:
+        yield c
+
+
+def complete(client, srv, **kw):
+    kw.setdefault("model", srv.model_id)
+    kw.setdefault("prompt", PROMPT)
+    return client.completions.create(**kw)
+
+
+def chat(client, srv, content="Tell me a story about a cat.", **kw):
+    kw.setdefault("model", srv.model_id)
+    kw.setdefault("messages", [{"role": "system", "content": "You tell short stories."},
+                               {"role": "user", "content": content}])
+    return client.chat.completions.create(**kw)
+
+
+# ---------------------------------------------------------------- models, completions
+
+def test_models_list(client, srv):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [srv.model_id]
+    assert models.data[0].object == "model"
+
+
+def test_completion(client, srv):
+    r = complete(client, srv, max_tokens=12, temperature=0)
+    assert r.object == "text_completion"
+    assert r.id.startswith("cmpl-") and r.model == srv.model_id
+    assert len(r.choices) == 1 and r.choices[0].index == 0
+    assert isinstance(r.choices[0].text, str) and r.choices[0].text.strip()
+    assert r.choices[0].logprobs is None
+    # usage: the prompt's tokens as /tokenize counts them with BOS, and the generated ones.
+    assert r.usage.prompt_tokens == len(srv.tokenize(PROMPT, add_special=True))
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_max_tokens_gives_length(client, srv, n):
+    r = complete(client, srv, max_tokens=n, temperature=0, logprobs=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == n
+    assert len(r.choices[0].logprobs.tokens) == n
+
+
+def test_completion_continues_the_prompt(client, srv):
+    """The text continues the prompt exactly: after "Once upon a" stories260K's next piece is
+    "▁time" (p > 0.99), so the text starts with " time", space included (SentencePiece drops a
+    piece's leading space only at the start of a text, never after a prompt)."""
+    r = complete(client, srv, prompt="Once upon a", max_tokens=3, temperature=0, logprobs=1)
+    assert r.choices[0].text.startswith(" time"), repr(r.choices[0].text)
+    assert r.choices[0].logprobs.tokens[0] == " time"
+    assert list(r.choices[0].logprobs.top_logprobs[0]) == [" time"]
+
+
+def test_completion_stream_matches_nonstream(client, srv):
+    full = complete(client, srv, max_tokens=24, temperature=0)
+    text, finish, usage, n_chunks = "", None, None, 0
+    for ch in complete(client, srv, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}):
+        assert ch.object == "text_completion" and ch.model == srv.model_id
+        if ch.usage is not None:
+            usage = ch.usage
+            assert ch.choices == []
+            continue
+        assert usage is None, "the usage chunk must come last"
+        text += ch.choices[0].text
+        n_chunks += 1
+        if ch.choices[0].finish_reason:
+            finish = ch.choices[0].finish_reason
+    assert n_chunks > 2, "a stream of 24 tokens should come in several chunks"
+    assert text == full.choices[0].text
+    assert finish == full.choices[0].finish_reason == "length"
+    assert usage is not None, "stream_options.include_usage: no usage chunk"
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def test_completion_stream_without_usage(client, srv):
+    chunks = list(complete(client, srv, max_tokens=5, temperature=0, stream=True))
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_prompt_as_token_ids(client, srv):
+    ids = srv.tokenize(PROMPT, add_special=True)
+    a = complete(client, srv, prompt=ids, max_tokens=10, temperature=0)
+    b = complete(client, srv, max_tokens=10, temperature=0)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.usage.prompt_tokens == len(ids)
+
+
+# ---------------------------------------------------------------- chat
+
+def test_chat(client, srv):
+    r = chat(client, srv, max_tokens=16, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    m = r.choices[0].message
+    assert m.role == "assistant" and isinstance(m.content, str) and m.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert 0 < r.usage.completion_tokens <= 16
+    assert r.usage.prompt_tokens > 10  # the chatml markup and both messages
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_include_usage(client, srv):
+    full = chat(client, srv, max_tokens=20, temperature=0)
+    chunks = list(chat(client, srv, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1, "every chunk of one stream has the same id"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    # The last chunk carries the usage and no choices; the others have no usage.
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    u = chunks[-1].usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (
+        full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens), \
+        f"streamed usage {u} differs from the non-streamed {full.usage}"
+
+
+def test_chat_multi_turn_and_content_parts(client, srv):
+    r = client.chat.completions.create(
+        model=srv.model_id, max_tokens=4, temperature=0,
+        messages=[{"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
+                  {"role": "assistant", "content": "Hello!"},
+                  {"role": "user", "content": "A story?"}])
+    assert r.choices[0].message.content is not None
+    assert r.usage.completion_tokens <= 4
+
+
+# ---------------------------------------------------------------- logprobs
+
+def test_completion_logprobs(client, srv):
+    r = complete(client, srv, max_tokens=8, temperature=0, logprobs=2)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 8
+    assert "".join(lp.tokens) == c.text
+    offsets = lp.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert all(c.text[o:].startswith(t) for o, t in zip(offsets, lp.tokens))
+    for tok, lpv, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert lpv <= 0.0
+        assert 1 <= len(top) <= 2
+        assert all(v <= 0.0 for v in top.values())
+        # Greedy: the chosen token is the most likely one, so it is among the top alternatives.
+        assert tok in top and abs(top[tok] - lpv) < 1e-4, (tok, lpv, top)
+        assert abs(max(top.values()) - lpv) < 1e-4
+
+
+def test_chat_logprobs(client, srv):
+    r = chat(client, srv, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0.0
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+        assert len(t.top_logprobs) == 3
+        lps = [a.logprob for a in t.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert abs(lps[0] - t.logprob) < 1e-4 and t.top_logprobs[0].token == t.token
+
+
+def test_chat_logprobs_stream(client, srv):
+    chunks = list(chat(client, srv, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1, stream=True))
+    toks = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(toks) == 6 and all(len(t.top_logprobs) == 1 for t in toks)
+
+
+def test_chat_logprobs_without_top(client, srv):
+    r = chat(client, srv, max_tokens=4, temperature=0, logprobs=True)
+    assert all(t.top_logprobs == [] for t in r.choices[0].logprobs.content)
+
+
+# ---------------------------------------------------------------- stop strings
+
+def _greedy_and_stops(client, srv):
+    text = complete(client, srv, max_tokens=48, temperature=0).choices[0].text
+    words = [w for w in dict.fromkeys(text.split()) if len(w) >= 3 and text.find(w) >= 8]
+    assert len(words) >= 2, f"cannot pick stop strings from {text!r}"
+    return text, words
+
+
+def test_stop_string(client, srv):
+    text, words = _greedy_and_stops(client, srv)
+    stop = words[0]
+    expected = text[: text.find(stop)]
+    r = complete(client, srv, max_tokens=48, temperature=0, stop=stop)
+    assert r.choices[0].finish_reason == "stop"
+    assert stop not in r.choices[0].text
+    assert r.choices[0].text == expected
+    # Streaming: no chunk may leak the stop string or a part held back for it.
+    streamed = "".join(c.choices[0].text for c in complete(client, srv, max_tokens=48, temperature=0, stop=stop,
+                                                            stream=True))
+    assert streamed == expected
+
+
+def test_stop_list(client, srv):
+    text, words = _greedy_and_stops(client, srv)
+    stops = ["@@never@@", words[1], words[0] + " " if words[0] + " " in text else words[0]]
+    cut = min(text.find(s) for s in stops if s in text)
+    r = complete(client, srv, max_tokens=48, temperature=0, stop=stops)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[:cut]
+    assert not any(s in r.choices[0].text for s in stops)
+
+
+def test_stop_in_chat_stream(client, srv):
+    full = chat(client, srv, max_tokens=40, temperature=0).choices[0].message.content
+    words = [w for w in dict.fromkeys(full.split()) if len(w) >= 3 and full.find(w) >= 4]
+    if not words:
+        pytest.skip(f"no word to stop on in {full!r}")
+    stop = words[0]
+    chunks = list(chat(client, srv, max_tokens=40, temperature=0, stop=[stop], stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == full[: full.find(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
+# ---------------------------------------------------------------- sampling: seed
+
+def test_seed_reproducible(client, srv):
+    kw = dict(max_tokens=24, temperature=1.0)
+    a = complete(client, srv, seed=1234, **kw).choices[0].text
+    b = complete(client, srv, seed=1234, **kw).choices[0].text
+    assert a == b, "the same seed must give the same text at temperature 1"
+    s = "".join(c.choices[0].text for c in complete(client, srv, seed=1234, stream=True, **kw))
+    assert s == a, "streaming must not change the sampled text"
+    others = {complete(client, srv, seed=seed, **kw).choices[0].text for seed in (1, 2, 3)}
+    assert others - {a}, "different seeds should give different texts at temperature 1"
+
+
+def test_seed_reproducible_chat(client, srv):
+    kw = dict(max_tokens=16, temperature=1.0, seed=7, top_p=0.9)
+    assert chat(client, srv, **kw).choices[0].message.content == chat(client, srv, **kw).choices[0].message.content
+
+
+# ---------------------------------------------------------------- errors through the client
+
+def _error_json(r: requests.Response) -> dict:
+    assert r.headers["Content-Type"].startswith("application/json"), r.headers
+    e = r.json()["error"]
+    assert isinstance(e["message"], str) and e["message"]
+    assert set(e) >= {"message", "type", "param", "code"}
+    return e
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body", ['{"prompt": "x", ', "not json", "", "[1, 2]", '"a string"'])
+def test_malformed_json(srv, path, body):
+    r = requests.post(srv.url + path, data=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert _error_json(r)["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_tokens": "x"}, {"max_tokens": 1.5}, {"max_tokens": -5}, {"max_tokens": 0}, {"max_tokens": 10 ** 9},
+    {"max_tokens": 10 ** 30}, {"temperature": "hot"}, {"temperature": 3}, {"top_p": 2}, {"stream": "yes"},
+    {"stop": 5}, {"stop": ["a", "b", "c", "d", "e"]}, {"stop": ["a", ""]}, {"logprobs": 6}, {"seed": "s"},
+    {"presence_penalty": 9}, {"stream_options": 1}, {"prompt": 5}, {"prompt": [["a"]]}, {"prompt": [1, "a"]},
+    {"prompt": [-1]}, {"prompt": [10 ** 7]},
+])
+def test_bad_request_completions(client, srv, bad):
+    body = {"prompt": PROMPT, "max_tokens": 4, **bad}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=srv.model_id, prompt=body.pop("prompt"), extra_body=body)
+    assert e.value.status_code == 400
+    assert e.value.type == "invalid_request_error"
+
+
+def test_wrong_type_names_the_param(client, srv):
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, srv, max_tokens="x")
+    assert e.value.param == "max_tokens"
+    assert "max_tokens" in e.value.message
+
+
+@pytest.mark.parametrize("max_tokens", [-1, 10 ** 9])
+def test_negative_and_huge_max_tokens(client, srv, max_tokens):
+    with pytest.raises(openai.BadRequestError):
+        complete(client, srv, max_tokens=max_tokens)
+    with pytest.raises(openai.BadRequestError):
+        chat(client, srv, max_tokens=max_tokens)
+
+
+def test_n_2(client, srv):
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, srv, max_tokens=4, n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError):
+        chat(client, srv, max_tokens=4, n=2)
+
+
+@pytest.mark.parametrize("bad", [
+    {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "user"}]}, {"messages": [{"content": "x"}]},
+    {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": [{"role": "user", "content": 5}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"logprobs": "yes"}, {"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21},
+])
+def test_bad_request_chat(srv, bad):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **bad}
+    r = srv.post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    _error_json(r)
+
+
+def test_missing_prompt(client, srv):
+    r = srv.post("/v1/completions", {"max_tokens": 4})
+    assert r.status_code == 400 and _error_json(r)["param"] == "prompt"
+
+
+def test_unknown_model(client, srv):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=4)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+
+
+def test_model_may_be_omitted(srv):
+    r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["model"] == srv.model_id
+
+
+def test_unknown_route_is_404_json(srv):
+    r = srv.get("/v1/nothing")
+    assert r.status_code == 404
+    _error_json(r)
+
+
+def test_body_over_the_limit(client, srv):
+    big = "x" * (2 << 20)  # 2 MiB; the server takes at most 1 MiB
+    r = requests.post(srv.url + "/v1/completions", json={"prompt": big, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 413
+    _error_json(r)
+    with pytest.raises(openai.APIStatusError) as e:
+        complete(client, srv, prompt=big, max_tokens=1)
+    assert e.value.status_code == 413
+    # The server still serves.
+    assert complete(client, srv, max_tokens=2).usage.completion_tokens == 2
+
+
+# ---------------------------------------------------------------- the context
+
+@pytest.fixture(scope="module")
+def small_ctx(servers, stories_model):
+    return servers.start(stories_model, "--ctx", "64", "--chat-template", "chatml")
+
+
+def test_prompt_longer_than_context(small_ctx):
+    long_prompt = " ".join(["Once upon a time there was a little dog."] * 20)
+    with small_ctx.client() as c:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=small_ctx.model_id, prompt=long_prompt, max_tokens=4)
+        assert e.value.code == "context_length_exceeded"
+        assert "64" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=small_ctx.model_id, messages=[{"role": "user", "content": long_prompt}],
+                                      max_tokens=4)
+        assert e.value.code == "context_length_exceeded"
+        # max_tokens beyond the context is refused; within it, generation stops at the context.
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=small_ctx.model_id, prompt=PROMPT, max_tokens=65)
+        r = c.completions.create(model=small_ctx.model_id, prompt=PROMPT, max_tokens=64, temperature=0)
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.total_tokens == 64, r.usage
+
+
+# ---------------------------------------------------------------- API key
+
+@pytest.fixture(scope="module")
+def keyed(servers, stories_model):
+    return servers.start(stories_model, api_key="sekrit-key-123")
+
+
+def test_api_key(keyed):
+    url = keyed.url
+    # No key and a wrong key: 401 through requests and AuthenticationError through the client.
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit-key-123"}):
+        r = requests.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=headers, timeout=30)
+        assert r.status_code == 401, (headers, r.text)
+        assert _error_json(r)["code"] == "invalid_api_key"
+        assert requests.get(url + "/v1/models", headers=headers, timeout=30).status_code == 401
+    with openai.OpenAI(base_url=keyed.base_url, api_key="wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError):
+            c.completions.create(model=keyed.model_id, prompt=PROMPT, max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            c.chat.completions.create(model=keyed.model_id, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    for path in ("/tokenize", "/detokenize"):
+        assert requests.post(url + path, json={}, timeout=30).status_code == 401
+    # /health needs no key (load balancers); the right key works.
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+    with keyed.client() as c:
+        assert c.completions.create(model=keyed.model_id, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        assert [m.id for m in c.models.list().data] == [keyed.model_id]
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize
+
+@pytest.mark.parametrize("text", ["Once upon a time there was a cat.", "Lily said, \"Hi!\"\nTom smiled.", "x"])
+def test_tokenize_detokenize_round_trip(srv, text):
+    ids = srv.tokenize(text)
+    assert ids and all(isinstance(i, int) for i in ids)
+    with_bos = srv.tokenize(text, add_special=True)
+    assert len(with_bos) == len(ids) + 1 and with_bos[1:] == ids
+    r = srv.post("/detokenize", {"tokens": ids})
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == text
+    assert srv.post("/detokenize", {"tokens": with_bos}).json()["content"] == text
+
+
+def test_tokenize_errors(srv):
+    assert srv.post("/tokenize", {"text": "x"}).status_code == 400
+    assert srv.post("/tokenize", {"content": 5}).status_code == 400
+    r = requests.post(srv.url + "/tokenize", data="{", timeout=30)
+    assert r.status_code == 400
+    _error_json(r)
+    for bad in ([-1], [10 ** 6], ["a"], [1.5]):
+        assert srv.post("/detokenize", {"tokens": bad}).status_code == 400, bad
+    assert srv.post("/detokenize", {"tokens": "1 2"}).status_code == 400
+
+
+# ---------------------------------------------------------------- /metrics
+
+def _poll(fn, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def test_metrics(client, srv):
+    m0 = srv.wait_idle()
+    assert m0.types["llmq_requests_total"] == "counter"
+    assert m0.types["llmq_time_to_first_token_seconds"] == "histogram"
+    for g in ("llmq_queue_length", "llmq_running_sequences", "llmq_kv_cache_blocks_used", "llmq_kv_cache_usage_ratio"):
+        assert m0.types[g] == "gauge"
+    assert m0.value("llmq_kv_cache_blocks_total") > 0
+
+    a = complete(client, srv, max_tokens=5, temperature=0)
+    chunks = list(complete(client, srv, max_tokens=7, temperature=0, stream=True, stream_options={"include_usage": True}))
+    c = chat(client, srv, max_tokens=3, temperature=0)
+    prompt = a.usage.prompt_tokens * 2 + c.usage.prompt_tokens
+    generated = a.usage.completion_tokens + 7 + c.usage.completion_tokens
+
+    def moved():
+        m = srv.metrics()
+        d = lambda name, **lab: m.value(name, **lab) - m0.value(name, **lab)  # noqa: E731
+        assert d("llmq_requests_total", endpoint="/v1/completions", status="200") == 2
+        assert d("llmq_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+        assert d("llmq_prompt_tokens_total") == prompt
+        assert d("llmq_generated_tokens_total") == generated
+        assert d("llmq_time_to_first_token_seconds_count") == 3
+        assert d("llmq_time_to_first_token_seconds_sum") > 0
+        assert d("llmq_time_per_output_token_seconds_count") == 3
+        assert m.value("llmq_running_sequences") == 0 and m.value("llmq_queue_length") == 0
+        assert m.value("llmq_kv_cache_blocks_used") == 0
+        return m
+
+    _poll(moved)
+    assert chunks[-1].usage is not None
+
+
+def test_metrics_count_errors(client, srv):
+    """Refused requests are requests too: they should show in llmq_requests_total by status."""
+    m0 = srv.metrics()
+    with pytest.raises(openai.BadRequestError):
+        complete(client, srv, max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        complete(client, srv, model="nope", max_tokens=1)
+    m1 = srv.metrics()
+    assert m1.value("llmq_requests_total", endpoint="/v1/completions", status="400") - \
+        m0.value("llmq_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert m1.value("llmq_requests_total", endpoint="/v1/completions", status="404") - \
+        m0.value("llmq_requests_total", endpoint="/v1/completions", status="404") == 1
+
+
+# ---------------------------------------------------------------- /health and the process
+
+def test_health_while_loading(fresh_servers, stories_model, request):
+    """/health answers 503 {"status": "loading"} until the model is ready, then 200. Loading a
+    small model can beat the first poll; then only 200 is seen."""
+    model = stories_model
+    try:
+        model = request.getfixturevalue("smol_model")  # bigger: a better chance to see 503
+    except pytest.skip.Exception:
+        pass
+    s = fresh_servers.start(model, wait=False)
+    seen, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < 60:
+        try:
+            r = requests.get(s.url + "/health", timeout=5)
+        except requests.ConnectionError:
+            assert s.proc.poll() is None, s.log_text()
+            continue
+        seen.append((r.status_code, r.json().get("status")))
+        if r.status_code == 503:
+            c = requests.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+            assert c.status_code in (503, 200), c.text
+        if r.status_code == 200:
+            break
+    assert seen and seen[-1] == (200, "ok"), seen
+    assert set(seen) <= {(503, "loading"), (200, "ok")}, seen
+    print(f"/health answers before ready: {sum(1 for x in seen if x[0] == 503)} x 503, then 200")
+
+
+def test_load_error_exits(tmp_path):
+    """A model that cannot be loaded: the server says why and exits with 2 (several times, since
+    the load runs in a thread beside the listener)."""
+    from conftest import binary
+    import subprocess
+    import server_load
+    bad = tmp_path / "bad.llmq"
+    bad.write_bytes(b"not a model")
+    for model in [tmp_path / "missing.llmq", bad] * 3:
+        p = subprocess.Popen([str(binary("llmq-server")), "-m", str(model), "--port", str(server_load.free_port())],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            out, _ = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            pytest.fail(f"llmq-server kept running after failing to load {model.name}:\n{out}")
+        assert p.returncode == 2, out
+        assert "error:" in out and model.name in out, out
+
+
+def test_sigterm_during_a_stream(fresh_servers, stories_model):
+    """SIGTERM while a client streams: the server still exits 0 (checked by the fixture), promptly."""
+    s = fresh_servers.start(stories_model, "--ctx", "2048")
+    r = requests.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2000, "stream": True},
+                      stream=True, timeout=30)
+    lines = r.iter_lines()
+    assert next(line for line in lines if line).startswith(b"data: ")
+    t0 = time.monotonic()
+    rc = s.stop(timeout=20)
+    elapsed = time.monotonic() - t0
+    r.close()
+    s.check_clean_exit(rc)
+    assert elapsed < 10, f"the server took {elapsed:.1f} s to stop"
+
+
+def test_port_in_use(srv, stories_model):
+    """A second server on a port that is taken must fail (exit 1, "cannot listen"), not share
+    the port with the first and take half of its connections."""
+    import subprocess
+    from conftest import binary
+    p = subprocess.Popen([str(binary("llmq-server")), "-m", str(stories_model), "--port", str(srv.port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        out, _ = p.communicate()
+        pytest.fail(f"a second llmq-server started on port {srv.port}, which the first one holds:\n{out}")
+    assert p.returncode == 1 and "cannot listen" in out, out
