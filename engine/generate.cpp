@@ -51,9 +51,10 @@ GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& histo
 }
 
 PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
-                            const std::function<void(int64_t, double)>& on_chunk) {
+                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
   if (n_ctx < 4) throw UsageError("perplexity: --ctx must be at least 4");
-  const int64_t n_chunks = int64_t(tokens.size()) / n_ctx;
+  int64_t n_chunks = int64_t(tokens.size()) / n_ctx;
+  if (max_chunks > 0) n_chunks = std::min(n_chunks, max_chunks);
   if (n_chunks < 1)
     throw UsageError("perplexity: the text has " + std::to_string(tokens.size()) + " tokens, fewer than one chunk of " +
                      std::to_string(n_ctx));

@@ -45,7 +45,8 @@ struct PerplexityResult {
 /// first = n_ctx/2, the tokens at positions first+1 .. n_ctx-1 are scored, each from the logits
 /// of the position before it. on_chunk(i, ppl_so_far) is called after each chunk.
 /// Throws UsageError if there is not one whole chunk.
+/// max_chunks > 0 scores only the first max_chunks chunks (llama.cpp's --chunks).
 PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
-                            const std::function<void(int64_t, double)>& on_chunk = {});
+                            const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0);
 
 }  // namespace llmq

@@ -312,7 +312,7 @@ int main(int argc, char** argv) {
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
-  CLI11_PARSE(app, argc, argv);
+  LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-server", [&] {
     if (device == "cuda") throw UsageError("--device cuda: this build has no CUDA backend yet; use --device cpu");

@@ -5,6 +5,15 @@
 
 #include "formats/vocab.h"
 
+/// Parses the command line like CLI11_PARSE, but a usage error exits 1 (help still exits 0),
+/// so every tool has the documented exit codes. Include <CLI/CLI.hpp> first.
+#define LLMQ_CLI_PARSE(app, argc, argv)            \
+  try {                                            \
+    (app).parse((argc), (argv));                   \
+  } catch (const CLI::ParseError& e) {             \
+    return (app).exit(e) == 0 ? 0 : 1;             \
+  }
+
 namespace llmq::cli {
 
 /// Exit codes: 0 ok, 1 usage or runtime error, 2 bad input file (FileError/MetadataError).

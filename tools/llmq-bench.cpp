@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
   app.add_option("-t,--threads", threads, "threads (default: all cores)");
   app.add_option("-r,--repetitions", reps, "repetitions; the best is reported");
   app.add_flag("--no-verify", no_verify, "skip checksum verification at load");
-  CLI11_PARSE(app, argc, argv);
+  LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-bench", [&] {
     if (n_prompt < 1 || n_gen < 1 || reps < 1) throw UsageError("-p, -n and -r must be positive");

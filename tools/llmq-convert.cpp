@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
                  "per-tensor type, PATTERN=TYPE with a glob pattern, e.g. token_embd.weight=q8_0 (repeatable)");
   app.add_flag("-f,--force", force, "overwrite an existing output file");
   app.add_flag("--no-progress", no_progress, "no progress bar");
-  CLI11_PARSE(app, argc, argv);
+  LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-convert", [&] {
     ConvertOptions opts;

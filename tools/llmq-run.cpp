@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
   int threads = 0;
   SamplerParams sp;
   sp.seed = 0;
-  int64_t seed = -1;
+  int64_t seed = -1, ppl_chunks = 0;
   app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
   auto* popt = app.add_option("-p,--prompt", prompt, "prompt; without it llmq-run is an interactive chat");
   app.add_option("-n,--n-predict", n_predict, "tokens to generate (-1: until end of sequence)");
@@ -80,11 +80,12 @@ int main(int argc, char** argv) {
   app.add_option("--repeat-last-n", sp.repeat_last_n, "tokens the repetition penalty looks back on");
   app.add_option("-s,--seed", seed, "random seed (default: from the clock)");
   app.add_option("--perplexity", ppl_file, "compute perplexity over this text file instead of generating");
+  app.add_option("--chunks", ppl_chunks, "perplexity: score only the first N chunks (0: all)");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's (chatml, llama2, llama3, mistral, zephyr, gemma, phi3)");
   app.add_option("--system", system_prompt, "system prompt for chat mode");
   app.add_flag("--chat", use_chat, "format -p as a user message with the chat template (interactive mode chats whenever the model has a template)");
   app.add_flag("--no-verify", no_verify, "skip the tensor checksum verification at load");
-  CLI11_PARSE(app, argc, argv);
+  LLMQ_CLI_PARSE(app, argc, argv);
   have_prompt = popt->count() > 0;
 
   return cli::run_guarded("llmq-run", [&] {
@@ -99,9 +100,9 @@ int main(int argc, char** argv) {
       const std::vector<int32_t> tokens = tok.encode(text, true);
       std::fprintf(stderr, "llmq-run: perplexity over %s: %zu tokens, %lld chunks of %lld\n", ppl_file.c_str(), tokens.size(),
                    (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
-      const PerplexityResult r = perplexity(*model, pool, tokens, n_ctx, [](int64_t i, double ppl) {
-        std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl);
-      });
+      const PerplexityResult r = perplexity(
+          *model, pool, tokens, n_ctx, [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); },
+          ppl_chunks);
       std::printf("PPL = %.4f +/- %.4f (%lld chunks, %lld tokens scored, ctx %lld, model %s)\n", r.ppl, r.ppl_err,
                   (long long)r.chunks, (long long)r.scored, (long long)n_ctx, model->weight_type().c_str());
       return 0;

@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
   app.add_flag("--pieces", pieces, "also print the pieces, as the vocabulary spells them");
   app.add_flag("--decode", decode, "the arguments are token ids: print their text");
   app.add_option("--pre", pre, "byte-level vocabularies: use this pre-tokenizer instead of the file's (tokenizer.ggml.pre)");
-  CLI11_PARSE(app, argc, argv);
+  LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-tokenize", [&] {
     Vocab vocab = load_vocab(path);
