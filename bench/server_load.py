@@ -25,7 +25,6 @@ import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading

@@ -46,6 +46,19 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
       if (cand_[size_t(i)].logit > cand_[size_t(best)].logit) best = i;
     return int32_t(best);
   }
+  if (p_.top_k <= 0 && p_.top_p >= 1.0f && p_.min_p <= 0.0f) {  // no truncation: no sort, O(n)
+    float mx = cand_[0].logit;
+    for (const auto& c : cand_) mx = std::max(mx, c.logit);
+    double sum = 0.0;
+    for (auto& c : cand_) sum += (c.p = std::exp((c.logit - mx) / p_.temperature));
+    const double r = uniform() * sum;
+    double cum = 0.0;
+    for (const auto& c : cand_) {
+      cum += c.p;
+      if (r < cum) return c.id;
+    }
+    return cand_.back().id;
+  }
   // Sort by logit, descending (ties by id, so the order is deterministic).
   auto by_logit = [](const Cand& a, const Cand& b) { return a.logit > b.logit || (a.logit == b.logit && a.id < b.id); };
   size_t keep = cand_.size();

@@ -97,7 +97,8 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
         r.prompt = p[0].get<std::string>();
       } else if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
         for (const json& t : p) {
-          if (!t.is_number_integer()) bad("'prompt' token arrays must hold integers", "prompt");
+          if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+            bad("'prompt' token arrays must hold token ids (integers from 0)", "prompt");
           r.prompt_ids.push_back(t.get<int32_t>());
         }
       } else {

@@ -123,6 +123,16 @@ void Scheduler::loop() {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return stop_ || !queue_.empty() || !active.empty(); });
       if (stop_) break;
+      // Drop waiting requests whose clients went away: they must not hold places in the queue.
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        if (!(*it)->cancelled()) {
+          ++it;
+          continue;
+        }
+        (*it)->finish_reason = "cancelled";
+        (*it)->push({}, true);
+        it = queue_.erase(it);
+      }
       // Admit waiting requests, first come first served, while a slot and KV blocks are free.
       while (!queue_.empty() && int(active.size()) < opt_.parallel) {
         std::shared_ptr<GenRequest> r = queue_.front();
@@ -140,6 +150,7 @@ void Scheduler::loop() {
         s->kv = cache_.add_sequence();
         cache_.reserve(s->kv, want);
         s->tokens = r->params.prompt;
+        s->prev = s->tokens.back();  // the first piece continues the prompt: keep its leading space
         r->prompt_tokens = int64_t(s->tokens.size());
         active.push_back(std::move(s));
       }
@@ -213,7 +224,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
       finish(s, "stop");
       continue;
     }
-    TokenInfo info{id, tok.decode_piece(s.prev, id), 0.0f, {}};
+    TokenInfo info{id, tok.decode_piece(s.prev, id), 0.0f, {}, s.prev};
     s.prev = id;
     if (s.req->params.top_logprobs >= 0)
       info.logprob = Sampler::logprob(row, V, id, s.req->params.top_logprobs, &info.top);

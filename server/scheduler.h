@@ -31,6 +31,7 @@ struct TokenInfo {
   std::string piece;                            ///< its text (may be part of a UTF-8 character)
   float logprob;
   std::vector<std::pair<int32_t, float>> top;   ///< alternatives, most likely first
+  int32_t prev = -1;                            ///< the token before it (decode_piece context)
 };
 
 /// A step's output for one request: text that is safe to show (complete UTF-8, no partial

@@ -11,6 +11,8 @@
 #include <signal.h>
 
 #include <atomic>
+#include <chrono>
+#include <sys/socket.h>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -32,6 +34,12 @@ using nlohmann::json;
 extern const char* const kIndexHtml;  // server/web/index.html, compiled in (CMake)
 
 namespace {
+
+// httplib's stop() does nothing until listen_after_bind() has started: wait for it first.
+void stop_server(httplib::Server& svr) {
+  while (!svr.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  svr.stop();
+}
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
@@ -66,7 +74,7 @@ json token_logprob_json(const Tokenizer& tok, const TokenInfo& t) {
   };
   json j = entry(t.id, t.piece, t.logprob);
   json top = json::array();
-  for (const auto& [id, lp] : t.top) top.push_back(entry(id, tok.decode_piece(-2, id), lp));
+  for (const auto& [id, lp] : t.top) top.push_back(entry(id, tok.decode_piece(t.prev, id), lp));
   j["top_logprobs"] = top;
   return j;
 }
@@ -114,6 +122,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
                      chat ? "messages" : "prompt", "context_length_exceeded");
   } catch (const ApiError& e) {
     send_error(res, e);
+    st.metrics.count_request(endpoint, e.status);
     return;
   }
   GenParams gp;
@@ -128,6 +137,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   if (sub == Scheduler::Submit::QueueFull) {
     send_error(res, ApiError(429, "the server is busy: too many requests queued; retry later", "", "rate_limit_exceeded",
                              "rate_limit_error"));
+    st.metrics.count_request(endpoint, 429);
     return;
   }
   if (sub == Scheduler::Submit::TooLong) {
@@ -138,7 +148,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   const std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + std::to_string(st.next_id++);
   const int64_t created = int64_t(std::time(nullptr));
   const Tokenizer& tok = *st.model->tokenizer;
-  auto usage = [&]() {
+  auto usage = [g]() {
     return json{{"prompt_tokens", g->prompt_tokens},
                 {"completion_tokens", g->completion_tokens},
                 {"total_tokens", g->prompt_tokens + g->completion_tokens}};
@@ -172,7 +182,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
           tokens.push_back(t.piece);
           token_lps.push_back(t.logprob);
           json top = json::object();
-          for (const auto& [tid, lp] : t.top) top[tok.decode_piece(-2, tid)] = lp;
+          for (const auto& [tid, lp] : t.top) top[tok.decode_piece(t.prev, tid)] = lp;
           tops.push_back(top);
         }
       }
@@ -248,7 +258,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
                 tokens.push_back(t.piece);
                 lps.push_back(t.logprob);
                 json top = json::object();
-                for (const auto& [tid, lp] : t.top) top[tok.decode_piece(-2, tid)] = lp;
+                for (const auto& [tid, lp] : t.top) top[tok.decode_piece(t.prev, tid)] = lp;
                 tops.push_back(top);
               }
               choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}};
@@ -332,11 +342,18 @@ int main(int argc, char** argv) {
     svr.set_read_timeout(timeout_s, 0);
     svr.set_write_timeout(timeout_s, 0);
     svr.set_payload_max_length(st->max_body + 1);
+    int listen_fd = -1;
+    svr.set_socket_options([&listen_fd](socket_t sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);  // not SO_REUSEPORT: a port in use is an error
+      listen_fd = sock;
+    });
 
     svr.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
       if (api_key.empty() || req.path == "/health" || req.path == "/") return httplib::Server::HandlerResponse::Unhandled;
       if (req.get_header_value("Authorization") == "Bearer " + api_key) return httplib::Server::HandlerResponse::Unhandled;
       send_json(res, 401, ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "", "invalid_api_key").body());
+      res.set_header("Connection", "close");  // the body was not read: this connection cannot carry another request
       st->metrics.count_request(req.path, 401);
       return httplib::Server::HandlerResponse::Handled;
     });
@@ -408,6 +425,7 @@ int main(int argc, char** argv) {
 
     if (!svr.bind_to_port(host, port))
       throw UsageError("cannot listen on " + host + ":" + std::to_string(port) + " (in use, or not allowed)");
+    ::listen(listen_fd, SOMAXCONN);  // httplib listened with a backlog of 5: bursts of clients got resets
     // Load in the background: /health answers 503 until the model is ready.
     std::thread loader([&] {
       try {
@@ -431,14 +449,14 @@ int main(int argc, char** argv) {
       } catch (const std::exception& e) {
         st->load_error = e.what();
         std::fprintf(stderr, "llmq-server: error: %s\n", e.what());
-        svr.stop();
+        stop_server(svr);
       }
     });
     std::thread([&svr, sigs] {
       int sig = 0;
       sigwait(&sigs, &sig);
       std::fprintf(stderr, "llmq-server: signal %d, stopping\n", sig);
-      svr.stop();
+      stop_server(svr);
     }).detach();
     std::fprintf(stderr, "llmq-server: listening on http://%s:%d, loading %s\n", host.c_str(), port, model_path.c_str());
     svr.listen_after_bind();

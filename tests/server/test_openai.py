@@ -7,8 +7,6 @@ runs with --chat-template chatml. It rarely ends a story, so greedy requests run
 """
 from __future__ import annotations
 
-import json
-import threading
 import time
 
 import openai
