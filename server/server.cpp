@@ -147,7 +147,6 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
 
   const std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + std::to_string(st.next_id++);
   const int64_t created = int64_t(std::time(nullptr));
-  const Tokenizer& tok = *st.model->tokenizer;
   auto usage = [g]() {
     return json{{"prompt_tokens", g->prompt_tokens},
                 {"completion_tokens", g->completion_tokens},
@@ -166,49 +165,81 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   };
 
   if (!r.stream) {
-    std::vector<GenEvent> events;
-    while (g->wait(&events, 1000)) {
-    }
-    std::string text;
-    json lp_content = json::array(), tokens = json::array(), token_lps = json::array(), tops = json::array(),
-         offsets = json::array();
-    for (const GenEvent& e : events) {
-      for (const TokenInfo& t : e.tokens) {
-        if (r.top_logprobs < 0) continue;
-        if (chat) {
-          lp_content.push_back(token_logprob_json(tok, t));
-        } else {
-          offsets.push_back(text.size());
-          tokens.push_back(t.piece);
-          token_lps.push_back(t.logprob);
-          json top = json::object();
-          for (const auto& [tid, lp] : t.top) top[tok.decode_piece(t.prev, tid)] = lp;
-          tops.push_back(top);
+    // The whole response as one JSON body, built once the request has finished.
+    auto build = [&st, g, r, chat, id, created, usage, finish_reason](const std::vector<GenEvent>& events) -> std::pair<int, json> {
+      const Tokenizer& tok = *st.model->tokenizer;
+      std::string text;
+      json lp_content = json::array(), tokens = json::array(), token_lps = json::array(), tops = json::array(),
+           offsets = json::array();
+      for (const GenEvent& e : events) {
+        for (const TokenInfo& t : e.tokens) {
+          if (r.top_logprobs < 0) continue;
+          if (chat) {
+            lp_content.push_back(token_logprob_json(tok, t));
+          } else {
+            offsets.push_back(text.size());
+            tokens.push_back(t.piece);
+            token_lps.push_back(t.logprob);
+            json top = json::object();
+            for (const auto& [tid, lp] : t.top) top[tok.decode_piece(t.prev, tid)] = lp;
+            tops.push_back(top);
+          }
         }
+        text += e.text;
       }
-      text += e.text;
-    }
-    if (g->finish_reason.rfind("error", 0) == 0) {
-      send_json(res, 500, ApiError(500, g->finish_reason, "", "", "server_error").body());
-      record(500);
+      if (g->finish_reason.rfind("error", 0) == 0) return {500, ApiError(500, g->finish_reason, "", "", "server_error").body()};
+      json choice = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
+      if (chat) {
+        choice["message"] = {{"role", "assistant"}, {"content", text}};
+        if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
+      } else {
+        choice["text"] = text;
+        if (r.top_logprobs >= 0)
+          choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+      }
+      return {200, json{{"id", id},
+                        {"object", chat ? "chat.completion" : "text_completion"},
+                        {"created", created},
+                        {"model", st.model_id},
+                        {"choices", json::array({choice})},
+                        {"usage", usage()}}};
+    };
+    // A request that ends within 2 s gets a plain response.
+    auto events = std::make_shared<std::vector<GenEvent>>();
+    const double deadline = now_seconds() + 2.0;
+    bool alive = true;
+    while (alive && now_seconds() < deadline) alive = g->wait(events.get(), 200);
+    if (!alive) {
+      const auto [status, body] = build(*events);
+      send_json(res, status, body);
+      record(status);
       return;
     }
-    json choice = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
-    if (chat) {
-      choice["message"] = {{"role", "assistant"}, {"content", text}};
-      if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
-    } else {
-      choice["text"] = text;
-      if (r.top_logprobs >= 0)
-        choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
-    }
-    send_json(res, 200, {{"id", id},
-                         {"object", chat ? "chat.completion" : "text_completion"},
-                         {"created", created},
-                         {"model", st.model_id},
-                         {"choices", json::array({choice})},
-                         {"usage", usage()}});
-    record(200);
+    // A longer one is sent chunked, and each second a space (white space before JSON is valid
+    // JSON) probes the connection, so a client that went away cancels its sequence and frees
+    // its KV blocks within a second or two instead of at max_tokens.
+    auto finished = std::make_shared<bool>(false);
+    res.set_chunked_content_provider(
+        "application/json",
+        [g, events, build, record, finished](size_t, httplib::DataSink& sink) {
+          if (g->wait(events.get(), 1000)) {
+            if (!sink.write(" ", 1)) {
+              g->cancel();
+              return false;
+            }
+            return true;
+          }
+          const auto [status, body] = build(*events);  // status is already 200 on the wire
+          const std::string text = dump(body);
+          sink.write(text.data(), text.size());
+          sink.done();
+          *finished = true;
+          record(status);
+          return true;
+        },
+        [g, finished](bool) {
+          if (!*finished) g->cancel();
+        });
     return;
   }
 

@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import threading
+import socket
 import time
 
 import openai
@@ -350,3 +351,33 @@ def test_throughput_8_clients_vs_1(servers, smol_model):
     assert all(r.tokens == r.requests * 64 or r.tokens > 0 for r in ones + eights)
     assert ratio >= 1.2, (f"8 clients give only x{ratio:.2f} the tokens/s of 1 (load average {load:.1f} on "
                           f"{os.cpu_count()} CPUs: other work on the machine skews this)")
+
+
+def test_non_streaming_disconnect_cancels(fresh_servers, smol_model):
+    """A non-streaming client that gives up is cancelled too: a request running past 2 s is sent
+    chunked with white-space probes, so the server notices the closed connection and frees the
+    sequence within seconds instead of after its 3000 tokens (SmolLM2 on a CPU: about a minute)."""
+    s = fresh_servers.start(smol_model, "--parallel", "1", "--ctx", "4096")
+    full_estimate = 3000 / 100.0  # tokens / a generous upper bound on this model's CPU decode rate
+    t_close = time.monotonic()
+    # The headers come after 2 s (the switch to a chunked body); then the client hangs up.
+    host, port = s.url.split("//")[1].split(":")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stop": ["\u0000"]}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200")
+    assert s.metrics().value("llmq_running_sequences") == 1
+    sock.close()
+    s.wait_idle(timeout=full_estimate / 2)
+    cancel_s = time.monotonic() - t_close
+    assert s.metrics().value("llmq_kv_cache_blocks_used") == 0
+    print(f"cancelled {cancel_s:.1f} s after the request started (the whole request: > {full_estimate:.0f} s)")
+    assert cancel_s < full_estimate / 2
+    # A non-streaming request longer than 2 s that runs to the end still returns valid JSON.
+    r = requests.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 250, "temperature": 0,
+                                                       "stop": ["\u0000"]}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 250
