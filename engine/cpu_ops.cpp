@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 #include "engine/cpu_x86.h"
 #include "formats/error.h"
@@ -179,14 +180,26 @@ uint8_t* aligned_buffer(std::vector<uint8_t>& v, size_t n) {
   return v.data() + ((64 - p % 64) % 64);
 }
 
+// A decode matmul (one token) with at most this many weight bytes runs on the calling thread:
+// waking the pool's workers costs 10-30 µs on the 2-core VM this was measured on (dev/cpu),
+// about what one core needs to stream 1 MiB, so splitting smaller matrices only adds latency.
+constexpr size_t kInlineDecodeBytes = size_t(1) << 20;
+
+// Runs fn(u0, u1, thread) over [0, units), on the pool or (small decode work) inline.
+void run_units(ThreadPool& pool, bool inline_work, int64_t units, const std::function<void(int64_t, int64_t, int)>& fn) {
+  if (inline_work) fn(0, units, 0);
+  else pool.parallel_for(units, fn);
+}
+
 // matmul with the SIMD kernels of one level (see cpu_x86.h). Work is split over threads in
 // units of 16 weight rows; every output element gets the same instructions whatever the split.
 void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_t T,
                  const Weight& w) {
   const int64_t M = w.rows, K = w.cols;
   const int64_t units = (M + 15) / 16;
+  const bool inline_work = T == 1 && size_t(M) * w.row_stride() <= kInlineDecodeBytes;
   if (!is_block_quant(w.type)) {
-    pool.parallel_for(units, [&](int64_t u0, int64_t u1, int) {
+    run_units(pool, inline_work, units, [&](int64_t u0, int64_t u1, int) {
       k.matmul_float(y, x, T, w, u0 * 16, std::min(M, u1 * 16));
     });
     return;
@@ -209,7 +222,7 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, floa
   const size_t tb = k.thread_bytes(w.type, T, K);
   if (s.tbuf.size() < size_t(pool.size())) s.tbuf.resize(size_t(pool.size()));
   for (auto& b : s.tbuf) aligned_buffer(b, tb);
-  pool.parallel_for(units, [&](int64_t u0, int64_t u1, int thread) {
+  run_units(pool, inline_work, units, [&](int64_t u0, int64_t u1, int thread) {
     k.matmul_quant(y, a, w, u0 * 16, std::min(M, u1 * 16), aligned_buffer(s.tbuf[size_t(thread)], tb));
   });
 }

@@ -194,12 +194,12 @@ inline __m256 loadx_tail(const float* x, int64_t k, int64_t K) {
 
 // R rows × C tokens; every output gets the same instruction sequence whatever R and C are.
 template <DType D, int R, int C>
-void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, int64_t r, int64_t t) {
+void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, size_t rs, int64_t r, int64_t t) {
   __m256 acc[R][C];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
   const uint8_t* wr[R];
-  for (int i = 0; i < R; ++i) wr[i] = w.row(r + i);
+  for (int i = 0; i < R; ++i) wr[i] = w.data + size_t(r + i) * rs;
   const float* xr[C];
   for (int c = 0; c < C; ++c) xr[c] = x + (t + c) * K;
   int64_t k = 0;
@@ -228,11 +228,12 @@ void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_
   constexpr int R = 3, C = 4;  // 12 accumulators + 3 weights + 1 activation = 16 registers
   constexpr int DR = 1;        // rows per step in decode: one sequential stream (see gemv)
   const int64_t M = w.rows, K = w.cols;
+  const size_t rs = w.row_stride();
   if (T < C) {  // decode: DR rows at a time, one token at a time
     for (int64_t t = 0; t < T; ++t) {
       int64_t r = r0;
-      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, r, t);
-      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, r, t);
+      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, rs, r, t);
+      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
     }
     return;
   }
@@ -243,13 +244,13 @@ void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
       int64_t t = t0;
-      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, r, t);
-      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, r, t);
+      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, rs, r, t);
+      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, rs, r, t);
     }
     for (; r < r1; ++r) {
       int64_t t = t0;
-      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, r, t);
-      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, r, t);
+      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, rs, r, t);
+      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
     }
   }
 }
@@ -298,6 +299,7 @@ void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1,
   constexpr int C = kGemvTokens;
   constexpr size_t BS = block_size<D>();
   const int64_t M = w.rows, nb = a.nb, T = a.T;
+  const size_t rs = w.row_stride();
   auto* DT = reinterpret_cast<int32_t*>(scratch);  // [C][nb][8]
   auto* WT = reinterpret_cast<float*>(scratch + size_t(nb) * C * 32);
   auto* MT = WT + nb * 8;
@@ -308,7 +310,7 @@ void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1,
       const int nc = int(std::min<int64_t>(C, T - t0));
       if (n < 8) std::memset(scratch, 0, gemv_scratch_bytes(nb));
       for (int i = 0; i < n; ++i) {
-        const uint8_t* row = w.row(g + i);
+        const uint8_t* row = w.data + size_t(g + i) * rs;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* blk = row + size_t(b) * BS;
           const __m256i q = block_quants<D>(blk);
@@ -356,6 +358,7 @@ template <DType D>
 void build_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb) {
   constexpr size_t BS = block_size<D>(), PB = panel_block_bytes<D>();
   alignas(16) uint16_t dh[8], mh[8];
+  const size_t rs = w.row_stride();
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* pb = panel + size_t(b) * PB;
     auto* W = reinterpret_cast<uint32_t*>(pb);
@@ -365,7 +368,7 @@ void build_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t 
         dh[i] = mh[i] = 0;
         continue;
       }
-      const uint8_t* blk = w.row(r + i) + size_t(b) * BS;
+      const uint8_t* blk = w.data + size_t(r + i) * rs + size_t(b) * BS;
       dh[i] = load_u16(blk);
       if constexpr (D == DType::Q8_0) {
         for (int j = 0; j < 8; ++j) W[j * 8 + i] = load_u32(blk + 2 + 4 * j);
@@ -629,7 +632,9 @@ void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
 template <DType D>
 inline __m512 load16(const uint8_t* row, int64_t k) {
   if constexpr (D == DType::F32) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + k);
+    // two 256-bit loads: streams from DRAM faster than one 512-bit load on Zen 4 (dev/cpu)
+    const float* p = reinterpret_cast<const float*>(row) + k;
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + 8), 1);
   } else {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k));
     if constexpr (D == DType::F16) return _mm512_cvtph_ps(h);
@@ -648,12 +653,12 @@ inline __m512 load16_mask(const uint8_t* row, int64_t k, __mmask16 m) {
 }
 
 template <DType D, int R, int C>
-void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, int64_t r, int64_t t) {
+void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, size_t rs, int64_t r, int64_t t) {
   __m512 acc[R][C];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
   const uint8_t* wr[R];
-  for (int i = 0; i < R; ++i) wr[i] = w.row(r + i);
+  for (int i = 0; i < R; ++i) wr[i] = w.data + size_t(r + i) * rs;
   const float* xr[C];
   for (int c = 0; c < C; ++c) xr[c] = x + (t + c) * K;
   int64_t k = 0;
@@ -683,11 +688,12 @@ void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_
   constexpr int R = 4, C = 6;  // 24 accumulators + 4 weights + 1 activation of 32 registers
   constexpr int DR = 1;        // rows per step in decode: one sequential stream (see gemv)
   const int64_t M = w.rows, K = w.cols;
+  const size_t rs = w.row_stride();
   if (T < C) {  // decode: DR rows at a time, one token at a time
     for (int64_t t = 0; t < T; ++t) {
       int64_t r = r0;
-      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, r, t);
-      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, r, t);
+      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, rs, r, t);
+      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
     }
     return;
   }
@@ -697,13 +703,13 @@ void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
       int64_t t = t0;
-      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, r, t);
-      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, r, t);
+      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, rs, r, t);
+      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, rs, r, t);
     }
     for (; r < r1; ++r) {
       int64_t t = t0;
-      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, r, t);
-      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, r, t);
+      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, rs, r, t);
+      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
     }
   }
 }
@@ -807,6 +813,7 @@ template <DType D>
 void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
   constexpr size_t BS = block_size<D>();
   const int64_t M = w.rows, T = a.T, nb = a.nb, nsteps = (nb + 1) / 2;
+  const size_t rs = w.row_stride();
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   // fp16 scales of 16 rows × [d0, m0, d1, m1] in two vectors -> [d0 × 16 | m0 × 16], [d1 | m1]
@@ -826,7 +833,7 @@ void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1,
       const int n = int(std::min<int64_t>(16, r1 - g));
       if (n < 16) std::memset(scratch, 0, gemv_scratch_bytes(nb));
       for (int i = 0; i < n; ++i) {
-        const uint8_t* p = w.row(g + i);
+        const uint8_t* p = w.data + size_t(g + i) * rs;
         const uint8_t* P = P0;
         uint8_t* S = scratch;
         for (int64_t s = 0; s < nsteps; ++s, p += 2 * BS, P += kStepBytes, S += kGemvStepScratch) {

@@ -151,37 +151,34 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
       std::memcpy(cache.key_block(l, batch[t].seq, blk) + off, ws.k_.data() + t * KV, size_t(KV) * sizeof(float));
       std::memcpy(cache.value_block(l, batch[t].seq, blk) + off, ws.v_.data() + t * KV, size_t(KV) * sizeof(float));
     }
-    // Causal attention, one (token, head) pair per work item: the token at position p sees its
-    // sequence's positions 0..p, block by block.
-    pool.parallel_for(T * c.n_heads, [&](int64_t i0, int64_t i1, int thread) {
-      std::vector<float>& att = ws.att_[size_t(thread)];  // [max_pos] scores
-      if (att.size() < size_t(max_pos)) att.resize(size_t(max_pos));
+    // Causal attention: the token at position p sees its sequence's positions 0..p, block by
+    // block. A work item is one token and G query heads: in a batch, the G = group heads that
+    // share a KV head, so each K/V block is read once and reused from L1 for all of them; in
+    // decode (T = 1), single heads, for more items than threads. Items are head-major and, within
+    // a head, take tokens in the order 0, T-1, 1, T-2, ... so that contiguous ranges of items
+    // (one per thread) carry the same causal work. Each head's arithmetic is the same in both.
+    const int64_t G = T > 1 ? group : 1;
+    pool.parallel_for(T * (c.n_heads / G), [&](int64_t i0, int64_t i1, int thread) {
+      std::vector<float>& att = ws.att_[size_t(thread)];  // [G, max_pos] scores
+      if (att.size() < size_t(G * max_pos)) att.resize(size_t(G * max_pos));
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = i / c.n_heads, h = i % c.n_heads, kvh = h / group;
+        const int64_t j = i % T, t = j % 2 == 0 ? j / 2 : T - 1 - j / 2;
+        const int64_t h0 = (i / T) * G, kvh = h0 / group;
         const int32_t seq = batch[t].seq;
         const int64_t n_pos = pos[t] + 1;
-        const float* q = ws.q_.data() + t * Q + h * hd;  // [hd]
+        const float* q = ws.q_.data() + t * Q + h0 * hd;  // [G, hd]
         for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
           const float* kb = cache.key_block(l, seq, p0 / bt) + kvh * hd;  // [bt, KV] from head kvh
-          const int64_t np = std::min(bt, n_pos - p0);
-          for (int64_t p = 0; p < np; ++p) {
-            const float* k = kb + p * KV;
-            float s = 0.0f;
-            for (int64_t j = 0; j < hd; ++j) s += q[j] * k[j];
-            att[size_t(p0 + p)] = s * att_scale;
-          }
+          for (int64_t g = 0; g < G; ++g)
+            attn_scores(att.data() + g * max_pos + p0, q + g * hd, kb, std::min(bt, n_pos - p0), KV, hd, att_scale);
         }
-        softmax(att.data(), n_pos);
-        float* out = ws.att_out_.data() + t * Q + h * hd;  // [hd]
-        std::fill(out, out + hd, 0.0f);
+        for (int64_t g = 0; g < G; ++g) softmax(att.data() + g * max_pos, n_pos);
+        float* out = ws.att_out_.data() + t * Q + h0 * hd;  // [G, hd]
+        std::fill(out, out + G * hd, 0.0f);
         for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
           const float* vb = cache.value_block(l, seq, p0 / bt) + kvh * hd;
-          const int64_t np = std::min(bt, n_pos - p0);
-          for (int64_t p = 0; p < np; ++p) {
-            const float a = att[size_t(p0 + p)];
-            const float* v = vb + p * KV;
-            for (int64_t j = 0; j < hd; ++j) out[j] += a * v[j];
-          }
+          for (int64_t g = 0; g < G; ++g)
+            attn_accumulate(out + g * hd, att.data() + g * max_pos + p0, vb, std::min(bt, n_pos - p0), KV, hd);
         }
       }
     });

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "engine/cpu_ops.h"
 #include "engine/model.h"
 #include "formats/error.h"
 #include "tools/cli_common.h"
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
     j["weight_bytes"] = model->weight_bytes();
     j["threads"] = pool.size();
     j["device"] = "cpu";
+    j["cpu_kernels"] = cpu_kernels_name();  // scalar | avx2 | avx512 (LLMQ_CPU overrides)
     j["prompt_tokens"] = n_prompt;
     j["gen_tokens"] = n_gen;
     j["prefill_tok_s"] = double(n_prompt) / best_prefill;
