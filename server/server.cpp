@@ -79,6 +79,13 @@ json token_logprob_json(const Tokenizer& tok, const TokenInfo& t) {
   return j;
 }
 
+// Completions-style alternatives of one token: {"piece": logprob, ...}.
+json completion_top_logprobs(const Tokenizer& tok, const TokenInfo& t) {
+  json top = json::object();
+  for (const auto& [id, lp] : t.top) top[tok.decode_piece(t.prev, id)] = lp;
+  return top;
+}
+
 // Tokens of the request's prompt (chat: through the template, markup as special tokens).
 std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionRequest& r) {
   const Tokenizer& tok = *st.model->tokenizer;
@@ -180,9 +187,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
             offsets.push_back(text.size());
             tokens.push_back(t.piece);
             token_lps.push_back(t.logprob);
-            json top = json::object();
-            for (const auto& [tid, lp] : t.top) top[tok.decode_piece(t.prev, tid)] = lp;
-            tops.push_back(top);
+            tops.push_back(completion_top_logprobs(tok, t));
           }
         }
         text += e.text;
@@ -288,9 +293,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
               for (const TokenInfo& t : e.tokens) {
                 tokens.push_back(t.piece);
                 lps.push_back(t.logprob);
-                json top = json::object();
-                for (const auto& [tid, lp] : t.top) top[tok.decode_piece(t.prev, tid)] = lp;
-                tops.push_back(top);
+                tops.push_back(completion_top_logprobs(tok, t));
               }
               choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}};
             }
