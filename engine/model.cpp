@@ -55,6 +55,12 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify) {
     l.wk = mat(llama_layer_tensor(i, "attn_k"));
     l.wv = mat(llama_layer_tensor(i, "attn_v"));
     l.wo = mat(llama_layer_tensor(i, "attn_output"));
+    if (c.attn_qkv_bias) {
+      l.bq = vec(llama_layer_bias(i, "attn_q"));
+      l.bk = vec(llama_layer_bias(i, "attn_k"));
+      l.bv = vec(llama_layer_bias(i, "attn_v"));
+    }
+    if (c.attn_out_bias) l.bo = vec(llama_layer_bias(i, "attn_output"));
     l.ffn_norm = vec(llama_layer_tensor(i, "ffn_norm"));
     l.w_gate = mat(llama_layer_tensor(i, "ffn_gate"));
     l.w_up = mat(llama_layer_tensor(i, "ffn_up"));
@@ -144,6 +150,11 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
     matmul(pool, ws.scratch_, ws.q_.data(), ws.xb_.data(), T, w.wq);  // [T, Q]
     matmul(pool, ws.scratch_, ws.k_.data(), ws.xb_.data(), T, w.wk);  // [T, KV]
     matmul(pool, ws.scratch_, ws.v_.data(), ws.xb_.data(), T, w.wv);  // [T, KV]
+    if (w.bq) {  // q, k, v += their biases (before RoPE, as in Qwen2 and HF Llama)
+      add_bias(ws.q_.data(), w.bq, T, Q);
+      add_bias(ws.k_.data(), w.bk, T, KV);
+      add_bias(ws.v_.data(), w.bv, T, KV);
+    }
     for (int64_t t = 0; t < T; ++t) {
       rope(ws.q_.data() + t * Q, c.n_heads, hd, pos[t], c.rope_theta, c.rope_layout);
       rope(ws.k_.data() + t * KV, c.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
@@ -183,6 +194,7 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
       }
     });
     matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), T, w.wo);  // [T, D]
+    if (w.bo) add_bias(ws.xb_.data(), w.bo, T, D);
     for (int64_t i = 0; i < T * D; ++i) x[i] += ws.xb_[size_t(i)];
 
     // FFN block: x += W_down · (silu(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)

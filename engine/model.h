@@ -21,6 +21,10 @@ struct LayerWeights {
   Weight wk;               // [kv_dim, dim]
   Weight wv;               // [kv_dim, dim]
   Weight wo;               // [dim, q_dim]
+  const float* bq = nullptr;  // [q_dim] or null (attention biases: Qwen2, Llama attention_bias)
+  const float* bk = nullptr;  // [kv_dim] or null
+  const float* bv = nullptr;  // [kv_dim] or null
+  const float* bo = nullptr;  // [dim] or null
   const float* ffn_norm;   // [dim]
   Weight w_gate;           // [hidden, dim]
   Weight w_up;             // [hidden, dim]
