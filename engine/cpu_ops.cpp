@@ -183,7 +183,8 @@ uint8_t* aligned_buffer(std::vector<uint8_t>& v, size_t n) {
 // A decode matmul (one token) with at most this many weight bytes runs on the calling thread:
 // waking the pool's workers costs 10-30 µs on the 2-core VM this was measured on (dev/cpu),
 // about what one core needs to stream 1 MiB, so splitting smaller matrices only adds latency.
-constexpr size_t kInlineDecodeBytes = size_t(1) << 20;
+constexpr size_t kInlineDecodeBytes = size_t(1) << 20;       // pool threads sleep between operations
+constexpr size_t kInlineDecodeBytesSpin = size_t(64) << 10;  // pool threads poll (ThreadPool::spins)
 
 // Runs fn(u0, u1, thread) over [0, units), on the pool or (small decode work) inline.
 void run_units(ThreadPool& pool, bool inline_work, int64_t units, const std::function<void(int64_t, int64_t, int)>& fn) {
@@ -197,7 +198,8 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, floa
                  const Weight& w) {
   const int64_t M = w.rows, K = w.cols;
   const int64_t units = (M + 15) / 16;
-  const bool inline_work = T == 1 && size_t(M) * w.row_stride() <= kInlineDecodeBytes;
+  const bool inline_work =
+      T == 1 && size_t(M) * w.row_stride() <= (pool.spins() ? kInlineDecodeBytesSpin : kInlineDecodeBytes);
   if (!is_block_quant(w.type)) {
     run_units(pool, inline_work, units, [&](int64_t u0, int64_t u1, int) {
       k.matmul_float(y, x, T, w, u0 * 16, std::min(M, u1 * 16));
