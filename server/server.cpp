@@ -475,11 +475,15 @@ int main(int argc, char** argv) {
         so.n_batch = n_batch;
         st->scheduler = std::make_unique<Scheduler>(*st->model, *st->pool, so);
         st->ready = true;
-        std::fprintf(stderr, "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, peak memory %s)\n",
-                     st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx,
-                     cli::human_bytes(uint64_t(st->scheduler->stats().kv_blocks_total) * 16 * uint64_t(st->model->config.kv_dim()) *
-                                      uint64_t(st->model->config.n_layers) * 8).c_str(),
-                     cli::human_bytes(cli::peak_rss_bytes()).c_str());
+        const uint64_t file_bytes = st->model->file->file_size(), kv_b = st->scheduler->kv_bytes(),
+                       ws_b = st->scheduler->workspace_bytes();
+        std::fprintf(stderr,
+                     "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, peak memory %s)\n"
+                     "llmq-server: memory: model file %s, KV cache %s, workspace %s; total %llu bytes (%s)\n",
+                     st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx, cli::human_bytes(kv_b).c_str(),
+                     cli::human_bytes(cli::peak_rss_bytes()).c_str(), cli::human_bytes(file_bytes).c_str(),
+                     cli::human_bytes(kv_b).c_str(), cli::human_bytes(ws_b).c_str(),
+                     (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str());
       } catch (const std::exception& e) {
         st->load_error = e.what();
         std::fprintf(stderr, "llmq-server: error: %s\n", e.what());
