@@ -480,7 +480,9 @@ MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
   }
   const int world = o.dp * o.tp * o.pp;
   r.title = fmt::format("{} ({} params), train {} {}, b={} s={} accum={}, dp={} zero={} tp={} pp={}{}{}, per GPU", m.name,
-                        num(double(m.counted_params ? m.counted_params : m.params())), precision_label(o.precision),
+                        num(double(m.counted_params ? m.counted_params : m.params())),
+                        o.framework == Framework::PyTorch && o.precision == Precision::Mixed ? "bf16 autocast (fp32 parameters)"
+                                                                                              : precision_label(o.precision),
                         optimizer_label(o.optimizer), o.micro_batch, o.seq_len, o.grad_accum, o.dp, o.zero, o.tp, o.pp,
                         o.lora_rank > 0 ? fmt::format(", {}LoRA r={}", o.qlora ? "Q" : "", o.lora_rank) : "",
                         o.checkpointing != Checkpointing::None ? fmt::format(", ckpt={}", o.checkpointing == Checkpointing::Full ? "full" : "selective") : "");
