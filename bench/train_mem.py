@@ -43,7 +43,7 @@ CONFIGS = [
     {"size": "llama-374m", "precision": "bf16", "optimizer": "adamw", "ckpt": "full", "b": 8, "s": 2048},
     {"size": "llama-374m", "precision": "fp32", "optimizer": "adamw", "ckpt": "none", "b": 1, "s": 2048},
     {"size": "llama-953m", "precision": "bf16", "optimizer": "adamw", "ckpt": "none", "b": 1, "s": 2048},
-    {"size": "llama-953m", "precision": "bf16", "optimizer": "adamw", "ckpt": "full", "b": 4, "s": 2048},
+    {"size": "llama-953m", "precision": "bf16", "optimizer": "adamw", "ckpt": "full", "b": 8, "s": 2048},
     {"size": "llama-953m", "precision": "pure-bf16", "optimizer": "adamw", "ckpt": "none", "b": 2, "s": 1024},
     {"size": "llama-953m", "precision": "fp32", "optimizer": "sgd", "ckpt": "none", "b": 1, "s": 1024},
 ]

@@ -45,18 +45,21 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
                                  c.kv_dim(), c.n_kv_heads, c.head_dim, p.kv.elem_bytes, p.kv.tokens(), p.kv.n_blocks,
                                  p.kv.block_tokens),
                      kPaged, Place::Device, Basis::Exact});
-  const auto bufs = p.ws.buffers();
+  // The [capacity, ...] activation buffers as one line, then scores, logits and matmul scratch.
   uint64_t act = 0;
   std::string act_f;
-  for (const auto& b : bufs) {
-    if (b.name.rfind("ws.att ", 0) == 0 || b.name == "ws.logits" || b.name.rfind("ws.matmul", 0) == 0) {
-      r.lines.push_back({"workspace: " + b.name.substr(3), double(b.bytes), b.shape, kPlan, Place::Device, Basis::Exact});
+  std::vector<MemLine> rest;
+  for (const auto& b : p.ws.buffers()) {
+    const std::string name = b.name.substr(3);  // without "ws."
+    if (name.rfind("att ", 0) == 0 || name == "logits" || name.rfind("matmul", 0) == 0) {
+      rest.push_back({"workspace: " + name, double(b.bytes), b.shape, kPlan, Place::Device, Basis::Exact});
     } else {
       act += b.bytes;
-      act_f += (act_f.empty() ? "" : " + ") + b.name.substr(3, b.name.find(' ') == std::string::npos ? std::string::npos : b.name.find(' ') - 3) + " " + b.shape;
+      act_f += (act_f.empty() ? "" : " + ") + name.substr(0, name.find(' ')) + " " + b.shape;
     }
   }
-  r.lines.insert(r.lines.end() - 3, {"workspace: activations", double(act), act_f, kPlan, Place::Device, Basis::Exact});
+  r.lines.push_back({"workspace: activations", double(act), act_f, kPlan, Place::Device, Basis::Exact});
+  r.lines.insert(r.lines.end(), rest.begin(), rest.end());
 }
 
 }  // namespace
