@@ -231,6 +231,46 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, floa
 
 }  // namespace
 
+uint64_t MatmulScratchPlan::bytes() const {
+  return uint64_t(xq) * sizeof(BlockQ8Act) + uint64_t(xsum + corr) * sizeof(int32_t) + prep +
+         uint64_t(threads) * (tbuf + rowbuf * sizeof(float));
+}
+
+void plan_matmul_scratch(MatmulScratchPlan& p, DType type, int64_t cols, int64_t T, int threads) {
+  p.threads = std::max(p.threads, threads);
+  const auto n = size_t(T * (cols / QK));
+  if (const x86::Kernels* k = active_kernels()) {  // as matmul_simd
+    if (!is_block_quant(type)) return;
+    p.xq = std::max(p.xq, n), p.xsum = std::max(p.xsum, n), p.corr = std::max(p.corr, n);
+    for (int64_t t = 1; t <= T; ++t) {  // aligned_buffer() keeps 64 bytes of slack
+      p.prep = std::max(p.prep, k->prep_bytes(type, t, cols) + 64);
+      p.tbuf = std::max(p.tbuf, k->thread_bytes(type, t, cols) + 64);
+    }
+    return;
+  }
+  if (is_block_quant(type)) p.xq = std::max(p.xq, n);  // as the scalar matmul
+  else if (type != DType::F32) p.rowbuf = std::max(p.rowbuf, size_t(cols));
+}
+
+void reserve_matmul_scratch(MatmulScratch& s, const MatmulScratchPlan& p) {
+  s.xq.resize(p.xq);
+  s.xsum.resize(p.xsum);
+  s.corr.resize(p.corr);
+  s.prep.resize(p.prep);
+  s.tbuf.resize(p.tbuf ? size_t(p.threads) : 0);
+  for (auto& b : s.tbuf) b.resize(p.tbuf);
+  s.rowbuf.resize(size_t(p.threads));
+  for (auto& b : s.rowbuf) b.resize(p.rowbuf);
+}
+
+uint64_t matmul_scratch_bytes(const MatmulScratch& s) {
+  uint64_t n = uint64_t(s.xq.capacity()) * sizeof(BlockQ8Act) + uint64_t(s.xsum.capacity() + s.corr.capacity()) * sizeof(int32_t) +
+               s.prep.capacity();
+  for (const auto& b : s.tbuf) n += b.capacity();
+  for (const auto& b : s.rowbuf) n += uint64_t(b.capacity()) * sizeof(float);
+  return n;
+}
+
 void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n) {
   if (const x86::Kernels* k = active_kernels()) k->quantize_act(x, out, nullptr, n);
   else quantize_act_q8_scalar(x, out, n);

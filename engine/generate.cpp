@@ -58,7 +58,7 @@ PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<
   if (n_chunks < 1)
     throw UsageError("perplexity: the text has " + std::to_string(tokens.size()) + " tokens, fewer than one chunk of " +
                      std::to_string(n_ctx));
-  Session s(m, pool, n_ctx, n_ctx);
+  Session s(m, pool, n_ctx, n_ctx, n_ctx);  // every position's logits
   const int64_t V = m.config.vocab_size, first = n_ctx / 2;
   double sum = 0, sum2 = 0;
   int64_t count = 0;

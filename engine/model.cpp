@@ -91,25 +91,30 @@ std::string Model::weight_type() const {
 
 // ---------------------------------------------------------------- forward pass
 
-Workspace::Workspace(const Model& m, int64_t capacity) : cap_(std::max<int64_t>(1, capacity)) {
-  const LlamaConfig& c = m.config;
-  const auto B = size_t(cap_);
-  x_.resize(B * size_t(c.dim));
-  xb_.resize(B * size_t(std::max(c.dim, c.q_dim())));
-  q_.resize(B * size_t(c.q_dim()));
-  k_.resize(B * size_t(c.kv_dim()));
-  v_.resize(B * size_t(c.kv_dim()));
-  att_out_.resize(B * size_t(c.q_dim()));
-  h1_.resize(B * size_t(c.hidden_dim));
-  h2_.resize(B * size_t(c.hidden_dim));
-  pos_.resize(B);
+Workspace::Workspace(const Model& m, int64_t capacity)
+    : Workspace(m, plan_workspace(m.config, {}, capacity, /*max_ctx=*/0, /*logits_rows=*/0, /*threads=*/0)) {}
+
+// Sizes come from the plan only (engine/mem_plan.cpp), so llmq-mem reports what is allocated.
+Workspace::Workspace(const Model&, const WorkspacePlan& p) : cap_(p.capacity) {
+  x_.resize(p.x);
+  xb_.resize(p.xb);
+  q_.resize(p.q);
+  k_.resize(p.k);
+  v_.resize(p.v);
+  att_out_.resize(p.att_out);
+  h1_.resize(p.h1);
+  h2_.resize(p.h2);
+  pos_.resize(p.pos);
+  att_.assign(size_t(p.threads), std::vector<float>(p.att));
+  logits_.resize(p.logits);
+  reserve_matmul_scratch(scratch_, p.matmul);
 }
 
 uint64_t Workspace::bytes() const {
-  size_t floats = x_.size() + xb_.size() + q_.size() + k_.size() + v_.size() + att_out_.size() + h1_.size() +
-                  h2_.size() + logits_.capacity();
+  size_t floats = x_.capacity() + xb_.capacity() + q_.capacity() + k_.capacity() + v_.capacity() + att_out_.capacity() +
+                  h1_.capacity() + h2_.capacity() + logits_.capacity();
   for (const auto& a : att_) floats += a.capacity();
-  return floats * sizeof(float) + pos_.size() * sizeof(int64_t) + scratch_.xq.capacity() * sizeof(BlockQ8Act);
+  return floats * sizeof(float) + pos_.capacity() * sizeof(int64_t) + matmul_scratch_bytes(scratch_);
 }
 
 // Shapes in comments: T batch tokens, D = dim, Q = q_dim, KV = kv_dim, H = hidden, V = vocab.
@@ -219,14 +224,18 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
 
 // ---------------------------------------------------------------- Session
 
-Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch)
+Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch, int64_t logits_rows)
     : m_(model),
       pool_(pool),
-      ctx_(ctx > 0 ? ctx : std::min(model.config.context_length, kDefaultMaxCtx)),
-      n_batch_(std::max<int64_t>(1, std::min(n_batch, ctx_))),
-      cache_(model.config, (ctx_ + 15) / 16, 16),
+      ctx_(session_sizes(model.config, ctx, n_batch).ctx),
+      n_batch_(session_sizes(model.config, ctx, n_batch).n_batch),
+      cache_(model.config, plan_kv(model.config, ctx_).n_blocks, kKvBlockTokens),
       seq_(cache_.add_sequence()),
-      ws_(model, n_batch_) {}
+      ws_(model, [&] {
+        const int64_t rows = session_sizes(model.config, ctx, n_batch, logits_rows).logits_rows;
+        return plan_workspace(model.config, llama_matmuls(model.config, model.file->tensors(), n_batch_, rows), n_batch_, ctx_,
+                              rows, pool.size());
+      }()) {}
 
 const float* Session::forward(const int32_t* tokens, int64_t n, bool all_logits) {
   if (n <= 0) throw UsageError("forward: no tokens");

@@ -6,6 +6,7 @@
 
 #include "engine/cpu_ops.h"
 #include "engine/kv_cache.h"
+#include "engine/mem_plan.h"
 #include "engine/threadpool.h"
 #include "engine/tokenizer.h"
 #include "formats/llmq_file.h"
@@ -65,13 +66,17 @@ struct BatchToken {
   bool logits;    ///< return logits for this token
 };
 
-/// Scratch buffers for forward passes of up to `capacity` tokens; allocated once (the logits
-/// and attention-score buffers grow on demand).
+/// Scratch buffers for forward passes of up to `capacity` tokens.
 class Workspace {
  public:
+  /// Activation buffers for `capacity` tokens; the logits, attention-score and matmul buffers
+  /// grow on demand.
   Workspace(const Model& m, int64_t capacity);
+  /// Every buffer allocated once, to the sizes of `plan` (engine/mem_plan.h); forward passes
+  /// within the plan never allocate, so bytes() == plan.bytes().
+  Workspace(const Model& m, const WorkspacePlan& plan);
   int64_t capacity() const { return cap_; }
-  /// Bytes held now.
+  /// Bytes held now (capacities of every buffer, matmul scratch included).
   uint64_t bytes() const;
 
  private:
@@ -99,8 +104,10 @@ class Session {
  public:
   /// ctx: KV-cache length in tokens (<= 0: the model's context length, at most
   /// kDefaultMaxCtx); n_batch: most tokens per forward call (prompts are cut into chunks of
-  /// this size).
-  Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512);
+  /// this size); logits_rows: logits rows the workspace reserves (1 for generation; a forward
+  /// with all_logits over more tokens grows it). Sizes come from the memory plan
+  /// (engine/mem_plan.h: session_sizes, plan_kv, plan_workspace), as `llmq-mem infer` reports.
+  Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1);
 
   /// Runs `tokens` [n] at positions pos() .. pos()+n-1, appending to the KV cache, and returns
   /// logits: [n, vocab] if all_logits, else [vocab] for the last token. The pointer stays valid
@@ -116,6 +123,8 @@ class Session {
   void truncate(int64_t n) { cache_.truncate(seq_, n); }
   /// Bytes held by the KV cache and the scratch buffers.
   uint64_t state_bytes() const { return cache_.bytes() + ws_.bytes(); }
+  uint64_t kv_bytes() const { return cache_.bytes(); }
+  uint64_t workspace_bytes() const { return ws_.bytes(); }
 
  private:
   const Model& m_;

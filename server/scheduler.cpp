@@ -53,10 +53,6 @@ struct Scheduler::Seq {
 
 namespace {
 
-int64_t default_kv_tokens(const SchedulerOptions& o) {
-  return std::max<int64_t>(o.ctx, int64_t(o.parallel) * std::min<int64_t>(o.ctx, 2048));
-}
-
 // Length of the longest prefix of text[0, end) that does not end inside a UTF-8 sequence.
 size_t utf8_safe_end(const std::string& text, size_t end) {
   size_t i = end;
@@ -78,8 +74,12 @@ Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOption
     : m_(model),
       pool_(pool),
       opt_(opt),
-      cache_(model.config, (std::max(opt.kv_tokens > 0 ? opt.kv_tokens : default_kv_tokens(opt), opt.ctx) + 15) / 16, 16),
-      ws_(model, std::max<int64_t>(opt.n_batch, opt.parallel)) {
+      cache_(model.config, plan_kv(model.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens),
+      ws_(model, [&] {  // the plan llmq-mem infer reports (engine/mem_plan.h: plan_inference)
+        const int64_t cap = std::max<int64_t>(opt.n_batch, opt.parallel);
+        return plan_workspace(model.config, llama_matmuls(model.config, model.file->tensors(), cap, opt.parallel), cap, opt.ctx,
+                              opt.parallel, pool.size());
+      }()) {
   thread_ = std::thread([this] { loop(); });
 }
 

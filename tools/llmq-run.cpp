@@ -20,6 +20,7 @@
 #include "engine/sampler.h"
 #include "engine/tokenizer.h"
 #include "formats/error.h"
+#include "mem/infer.h"
 #include "tools/cli_common.h"
 
 using namespace llmq;
@@ -85,10 +86,33 @@ int main(int argc, char** argv) {
   app.add_option("--system", system_prompt, "system prompt for chat mode");
   app.add_flag("--chat", use_chat, "format -p as a user message with the chat template (interactive mode chats whenever the model has a template)");
   app.add_flag("--no-verify", no_verify, "skip the tensor checksum verification at load");
+  bool fit = false;
+  std::string mem_budget;
+  app.add_flag("--fit", fit,
+               "before loading, pick the largest context (multiple of 16, at most the model's) that fits --mem and print the "
+               "plan as JSON on stderr (llmq-mem infer --fit); GPU layer offload needs the CUDA backend: not available yet");
+  app.add_option("--mem", mem_budget, "memory budget for --fit, e.g. 2GiB (default: MemAvailable)");
   LLMQ_CLI_PARSE(app, argc, argv);
   have_prompt = popt->count() > 0;
 
   return cli::run_guarded("llmq-run", [&] {
+    if (fit) {  // plan first, from the file's metadata and tensor directory only
+      if (!ppl_file.empty()) throw UsageError("--fit plans generation, not --perplexity");
+      const double budget = mem_budget.empty() ? double(mem::available_memory()) : mem::parse_size(mem_budget);
+      auto f = LlmqFile::open(model_path, false);
+      LlamaConfig c;
+      try {
+        c = LlamaConfig::from_metadata(f->meta());
+      } catch (const std::exception& e) {
+        throw FileError(model_path, e.what());
+      }
+      mem::InferOptions o;
+      o.ctx = ctx, o.n_batch = n_batch, o.threads = threads;
+      const mem::FitResult r = mem::fit_inference(*f, c, o, budget, ctx > 0, true);
+      std::fprintf(stderr, "llmq-run: fit plan: %s\n", mem::fit_json(r, budget).dump().c_str());
+      if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)) + " even with the smallest context");
+      ctx = r.options.ctx;
+    }
     auto model = Model::load(model_path, !no_verify);
     const Tokenizer& tok = *model->tokenizer;
     ThreadPool pool(threads);
@@ -109,6 +133,13 @@ int main(int argc, char** argv) {
     }
 
     Session session(*model, pool, ctx, n_batch);
+    // Measured at load: bytes of our own buffers (the mapping, the KV cache, the workspace).
+    const uint64_t file_bytes = model->file->file_size();
+    std::fprintf(stderr, "llmq-run: memory: model file %s (weights %s), KV cache %s, workspace %s; total %llu bytes (%s), ctx %lld\n",
+                 cli::human_bytes(file_bytes).c_str(), cli::human_bytes(model->weight_bytes()).c_str(),
+                 cli::human_bytes(session.kv_bytes()).c_str(), cli::human_bytes(session.workspace_bytes()).c_str(),
+                 (unsigned long long)(file_bytes + session.state_bytes()), cli::human_bytes(file_bytes + session.state_bytes()).c_str(),
+                 (long long)session.ctx());
     Sampler sampler(sp);
     const std::vector<int32_t> stop_ids = default_stop_ids(model->vocab);
     std::vector<int32_t> history;  // every token of the conversation (prompt and replies)
