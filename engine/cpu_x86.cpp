@@ -36,6 +36,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -50,10 +51,16 @@ const Kernels* kernels_avx512() { return nullptr; }
 
 #else
 
+// F16C from CPUID leaf 1 (ECX bit 29): clang (14) does not know "f16c" in __builtin_cpu_supports.
+static bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+
 bool cpu_has_avx2() {
   static const bool ok = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
   }();
   return ok;
 }
