@@ -101,10 +101,15 @@ constexpr size_t quant_offset() {
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
 constexpr int32_t corr_factor(DType t) { return t == DType::Q8_0 ? -128 : t == DType::Q4_0 ? -8 : 0; }
 
-// Fills corr[t, b] = corr_factor · Σq_x for the GEMM paths.
+// Fills corr[t, b] = corr_factor · Σq_x for the GEMM paths. For finite activations
+// |Σq_x| <= 32 · 127 and nothing overflows; a NaN or infinite activation (a model file whose
+// weights hold NaN/Inf, loaded with --no-verify or written so) makes the quants garbage
+// (cvtps gives INT32_MIN), so the product wraps in unsigned arithmetic, as the vector lanes
+// do, instead of being signed overflow (undefined behaviour; found by fuzz/llmq_file). The
+// logits are NaN then anyway.
 void fill_corr(DType type, const int32_t* sums, int64_t n, int32_t* corr) {
-  const int32_t k = corr_factor(type);
-  for (int64_t i = 0; i < n; ++i) corr[i] = k * sums[i];
+  const auto k = uint32_t(corr_factor(type));
+  for (int64_t i = 0; i < n; ++i) corr[i] = int32_t(k * uint32_t(sums[i]));
 }
 
 }  // namespace
