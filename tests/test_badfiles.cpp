@@ -98,7 +98,7 @@ RunResult run_tool(const std::vector<std::string>& argv, double timeout_s = 20.0
     dup2(null, 0);
     dup2(null, 1);
     dup2(pfd[1], 2);
-    cap_child_memory();
+    llmq::test::cap_child_memory();
     execv(args[0], args.data());
     _exit(127);
   }

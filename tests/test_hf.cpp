@@ -109,7 +109,7 @@ ToolRun run_tool(const std::vector<std::string>& argv, double timeout_s = 30.0) 
     dup2(null, 0);
     dup2(null, 1);
     dup2(err, 2);
-    cap_child_memory();
+    llmq::test::cap_child_memory();
     execv(args[0], args.data());
     _exit(127);
   }
