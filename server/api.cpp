@@ -8,7 +8,12 @@ namespace llmq {
 using nlohmann::json;
 
 json ApiError::body() const {
-  json e = {{"message", what()}, {"type", type}, {"param", nullptr}, {"code", nullptr}};
+  // The message may quote the request's raw bytes (json::parse_error's "last read: ..."), which
+  // need not be UTF-8, and json::dump() throws on invalid UTF-8 (the server then had no error
+  // body to send; found by fuzz/server_request). Replace invalid bytes by U+FFFD.
+  const std::string message =
+      json::parse(json(what()).dump(-1, ' ', false, json::error_handler_t::replace)).get<std::string>();
+  json e = {{"message", message}, {"type", type}, {"param", nullptr}, {"code", nullptr}};
   if (!param.empty()) e["param"] = param;
   if (!code.empty()) e["code"] = code;
   return json{{"error", e}};
