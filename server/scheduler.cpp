@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "engine/generate.h"
+#include "engine/tp.h"
 #include "formats/error.h"
 
 namespace llmq {
@@ -76,10 +77,18 @@ size_t utf8_safe_end(const std::string& text, size_t end) {
 
 Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOptions& opt)
     : m_(model),
-      pool_(pool),
+      own_(std::make_unique<TensorParallel>(model, pool, std::max<int64_t>(opt.n_batch, opt.parallel))),
+      tp_(*own_),
       opt_(opt),
-      cache_(model.config, (std::max(opt.kv_tokens > 0 ? opt.kv_tokens : default_kv_tokens(opt), opt.ctx) + 15) / 16, 16),
-      ws_(model, std::max<int64_t>(opt.n_batch, opt.parallel)) {
+      cache_(tp_.make_cache((std::max(opt.kv_tokens > 0 ? opt.kv_tokens : default_kv_tokens(opt), opt.ctx) + 15) / 16, 16)) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+Scheduler::Scheduler(TensorParallel& tp, const SchedulerOptions& opt)
+    : m_(tp.model()),
+      tp_(tp),
+      opt_(opt),
+      cache_(tp_.make_cache((std::max(opt.kv_tokens > 0 ? opt.kv_tokens : default_kv_tokens(opt), opt.ctx) + 15) / 16, 16)) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -190,7 +199,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
   std::vector<BatchToken> batch;
   std::vector<std::pair<Seq*, int64_t>> fed;  // sequence, tokens it feeds this step
   std::vector<Seq*> sample_for;               // owners of the logits rows, in batch order
-  int64_t budget = ws_.capacity();
+  int64_t budget = tp_.capacity();
   for (int pass = 0; pass < 2; ++pass)
     for (auto& sp : active) {
       Seq& s = *sp;
@@ -206,7 +215,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
       budget -= n;
     }
   if (batch.empty()) return;
-  const float* logits = forward_batch(m_, cache_, ws_, pool_, batch.data(), int64_t(batch.size()));
+  const float* logits = tp_.forward(cache_, batch.data(), int64_t(batch.size()));
   for (auto& [s, n] : fed) s->fed += size_t(n);
 
   const Tokenizer& tok = *m_.tokenizer;

@@ -22,6 +22,7 @@
 
 #include "engine/chat.h"
 #include "engine/model.h"
+#include "engine/tp.h"
 #include "formats/error.h"
 #include "server/api.h"
 #include "server/metrics.h"
@@ -47,7 +48,7 @@ struct ServerState {
   std::atomic<bool> ready{false};
   std::string load_error;
   std::unique_ptr<Model> model;
-  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<TensorParallel> runner;  // the forward passes: 1 rank or --tp N ranks
   std::unique_ptr<Scheduler> scheduler;
   std::optional<ChatTemplate> tmpl;
   std::string model_id;
@@ -338,7 +339,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
 int main(int argc, char** argv) {
   CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
   std::string model_path, host = "127.0.0.1", api_key, device = "auto", template_name;
-  int port = 8080, threads = 0, parallel = 4;
+  int port = 8080, threads = 0, parallel = 4, tp = 1;
   int64_t ctx = 0, max_queue = 64, kv_tokens = 0, n_batch = 512;
   int timeout_s = 30;
   bool no_verify = false;
@@ -352,7 +353,8 @@ int main(int argc, char** argv) {
   app.add_option("--kv-tokens", kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass");
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
-  app.add_option("-t,--threads", threads, "CPU threads (default: all cores)");
+  app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
+  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process)");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
@@ -464,7 +466,7 @@ int main(int argc, char** argv) {
     std::thread loader([&] {
       try {
         st->model = Model::load(model_path, !no_verify);
-        st->pool = std::make_unique<ThreadPool>(threads);
+        st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;
@@ -473,12 +475,11 @@ int main(int argc, char** argv) {
         so.max_queue = max_queue;
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
-        st->scheduler = std::make_unique<Scheduler>(*st->model, *st->pool, so);
+        st->scheduler = std::make_unique<Scheduler>(*st->runner, so);
         st->ready = true;
-        std::fprintf(stderr, "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, peak memory %s)\n",
+        std::fprintf(stderr, "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n",
                      st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx,
-                     cli::human_bytes(uint64_t(st->scheduler->stats().kv_blocks_total) * 16 * uint64_t(st->model->config.kv_dim()) *
-                                      uint64_t(st->model->config.n_layers) * 8).c_str(),
+                     cli::human_bytes(st->scheduler->kv_cache_bytes()).c_str(), st->runner->size(),
                      cli::human_bytes(cli::peak_rss_bytes()).c_str());
       } catch (const std::exception& e) {
         st->load_error = e.what();
