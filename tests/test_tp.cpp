@@ -346,3 +346,54 @@ TEST_CASE("TP: per-rank weight bytes equal the slices each rank holds", "[tp]") 
     }
   }
 }
+
+TEST_CASE("TP: a mixed batch of sequences (continuous batching) equals TP=1", "[tp][batch]") {
+  auto m = Model::load(test::stories("f32"));
+  ThreadPool pool(2);
+  TensorParallel one(*m, pool, 64);
+  TensorParallel two(*m, 2, 2, 64, TpOptions{});
+  TensorParallel rep(*m, 2, 2, 64, TpOptions{false});  // replicated embedding, output on rank 0
+  const std::vector<std::vector<int32_t>> prompts{some_prompt(5, 1), some_prompt(9, 2), some_prompt(14, 3)};
+  auto logits = [&](TensorParallel& tp) {
+    KVCache kv = tp.make_cache(16, 16);
+    std::vector<BatchToken> first, mixed;
+    std::vector<int32_t> seq;
+    for (const auto& p : prompts) {
+      seq.push_back(kv.add_sequence());
+      REQUIRE(kv.reserve(seq.back(), int64_t(p.size())));
+    }
+    // Sequence 0 prefilled first; then its last token decodes in one batch with the prompts of
+    // sequences 1 and 2 (every one of their tokens flagged: rows from all ranks interleave).
+    for (size_t i = 0; i + 1 < prompts[0].size(); ++i) first.push_back({seq[0], prompts[0][i], false});
+    CHECK(tp.forward(kv, first.data(), int64_t(first.size())) == nullptr);
+    mixed.push_back({seq[0], prompts[0].back(), true});
+    for (size_t s = 1; s < prompts.size(); ++s)
+      for (int32_t t : prompts[s]) mixed.push_back({seq[s], t, true});
+    const float* l = tp.forward(kv, mixed.data(), int64_t(mixed.size()));
+    for (size_t s = 0; s < prompts.size(); ++s) CHECK(kv.length(seq[s]) == int64_t(prompts[s].size()));
+    return std::vector<float>(l, l + mixed.size() * 512);
+  };
+  const std::vector<float> want = logits(one);
+  for (TensorParallel* tp : {&two, &rep}) {
+    const std::vector<float> got = logits(*tp);
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < want.size(); ++i)
+      diff = std::max(diff, double(std::fabs(got[i] - want[i]))), scale = std::max(scale, double(std::fabs(want[i])));
+    CHECK(diff <= 1e-5 * scale);
+  }
+  // A cache made for another rank count is refused.
+  KVCache wrong = one.make_cache(4, 16);
+  const int32_t s = wrong.add_sequence();
+  REQUIRE(wrong.reserve(s, 1));
+  BatchToken t{s, 5, true};
+  CHECK_THROWS_AS(two.forward(wrong, &t, 1), UsageError);
+}
+
+TEST_CASE("TP: llmq-run --tp 2 generates the same greedy text as --tp 1", "[tp][cli]") {
+  const std::string dir = test::scratch("tp_run");
+  const std::string base = test::bin("llmq-run") + " -m " + test::stories("f32") + " -p 'Once upon a time' -n 48 --temp 0 -t 2";
+  REQUIRE(test::run(base + " >" + dir + "/one.txt 2>/dev/null") == 0);
+  REQUIRE(test::run(base + " --tp 2 >" + dir + "/two.txt 2>" + dir + "/two.err") == 0);
+  CHECK(test::run("cmp -s " + dir + "/one.txt " + dir + "/two.txt") == 0);
+  CHECK(test::run("grep -q 'tensor parallel over 2 ranks' " + dir + "/two.err") == 0);
+}
