@@ -400,6 +400,11 @@ void swiglu(float* gate, const float* up, int64_t n) {
   for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+void add_bias(float* x, const float* bias, int64_t rows, int64_t n) {
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t j = 0; j < n; ++j) x[t * n + j] += bias[j];
+}
+
 void embedding_row(float* out, const Weight& emb, int64_t token) {
   dequantize_row(emb.type, emb.row(token), out, emb.cols);
 }

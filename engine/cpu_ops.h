@@ -106,6 +106,9 @@ void softmax(float* x, int64_t n);
 /// (vector e^x at the SIMD levels, as softmax).
 void swiglu(float* gate, const float* up, int64_t n);
 
+/// x[t, j] += bias[j] for a row-major x [rows, n] (a linear layer's bias, e.g. Qwen2's q/k/v).
+void add_bias(float* x, const float* bias, int64_t rows, int64_t n);
+
 /// Row `token` of an embedding matrix [vocab, dim] dequantized into out[dim].
 void embedding_row(float* out, const Weight& emb, int64_t token);
 

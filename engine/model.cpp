@@ -56,6 +56,12 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify) {
     l.wk = mat(llama_layer_tensor(i, "attn_k"));
     l.wv = mat(llama_layer_tensor(i, "attn_v"));
     l.wo = mat(llama_layer_tensor(i, "attn_output"));
+    if (c.attn_qkv_bias) {
+      l.bq = vec(llama_layer_bias(i, "attn_q"));
+      l.bk = vec(llama_layer_bias(i, "attn_k"));
+      l.bv = vec(llama_layer_bias(i, "attn_v"));
+    }
+    if (c.attn_out_bias) l.bo = vec(llama_layer_bias(i, "attn_output"));
     l.ffn_norm = vec(llama_layer_tensor(i, "ffn_norm"));
     l.w_gate = mat(llama_layer_tensor(i, "ffn_gate"));
     l.w_up = mat(llama_layer_tensor(i, "ffn_up"));
@@ -97,9 +103,12 @@ uint64_t ModelShard::weight_bytes() const {
   auto bytes = [](const Weight& w) { return uint64_t(w.rows) * w.row_stride(); };
   const int64_t dim = token_embd.cols;
   uint64_t n = bytes(token_embd) + uint64_t(dim) * sizeof(float);  // + output_norm
-  for (const LayerWeights& l : layers)
+  for (const LayerWeights& l : layers) {
     n += 2 * uint64_t(dim) * sizeof(float) + bytes(l.wq) + bytes(l.wk) + bytes(l.wv) + bytes(l.wo) + bytes(l.w_gate) +
          bytes(l.w_up) + bytes(l.w_down);
+    if (l.bq) n += uint64_t(l.wq.rows + l.wk.rows + l.wv.rows) * sizeof(float);  // biases: the rows' slices
+    if (l.bo) n += uint64_t(dim) * sizeof(float);                                // replicated
+  }
   const bool inside_embd = output.data >= token_embd.data && output.data + bytes(output) <= token_embd.data + bytes(token_embd);
   if (!(inside_embd && output.type == token_embd.type)) n += bytes(output);  // tied: already counted
   return n;
@@ -197,6 +206,11 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     matmul(pool, ws.scratch_, ws.q_.data(), ws.xb_.data(), T, w.wq);  // [T, Q]
     matmul(pool, ws.scratch_, ws.k_.data(), ws.xb_.data(), T, w.wk);  // [T, KV]
     matmul(pool, ws.scratch_, ws.v_.data(), ws.xb_.data(), T, w.wv);  // [T, KV]
+    if (w.bq) {  // q, k, v += their biases (before RoPE, as in Qwen2 and HF Llama)
+      add_bias(ws.q_.data(), w.bq, T, Q);
+      add_bias(ws.k_.data(), w.bk, T, KV);
+      add_bias(ws.v_.data(), w.bv, T, KV);
+    }
     for (int64_t t = 0; t < T; ++t) {
       rope(ws.q_.data() + t * Q, R.n_heads, hd, pos[t], c.rope_theta, c.rope_layout);
       rope(ws.k_.data() + t * KV, R.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
@@ -241,6 +255,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     });
     matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), T, w.wo);  // [T, D] (partial sum when split)
     if (comm) comm->all_reduce_sum(ws.xb_.data(), T * D);
+    if (w.bo) add_bias(ws.xb_.data(), w.bo, T, D);  // [D], replicated: added once, after the sum
     for (int64_t i = 0; i < T * D; ++i) x[i] += ws.xb_[size_t(i)];
 
     // FFN block: x += W_down · (silu(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)

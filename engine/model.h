@@ -22,6 +22,10 @@ struct LayerWeights {
   Weight wk;               // [kv_dim, dim]
   Weight wv;               // [kv_dim, dim]
   Weight wo;               // [dim, q_dim]
+  const float* bq = nullptr;  // [q_dim] or null (attention biases: Qwen2, Llama attention_bias)
+  const float* bk = nullptr;  // [kv_dim] or null
+  const float* bv = nullptr;  // [kv_dim] or null
+  const float* bo = nullptr;  // [dim] or null
   const float* ffn_norm;   // [dim]
   Weight w_gate;           // [hidden, dim]
   Weight w_up;             // [hidden, dim]
@@ -76,7 +80,8 @@ struct ModelShard {
   Weight token_embd;                 // [n_embd, dim], rows embd0 ...
   std::vector<LayerWeights> layers;  // per layer: wq [n_heads*hd, dim], wk/wv [n_kv_heads*hd, dim],
                                      // wo [dim, n_heads*hd] (owned), w_gate/w_up [ffn_dim, dim],
-                                     // w_down [dim, ffn_dim] (owned)
+                                     // w_down [dim, ffn_dim] (owned); biases bq [n_heads*hd],
+                                     // bk/bv [n_kv_heads*hd] sliced like their rows, bo [dim] whole
   const float* output_norm = nullptr;  // [dim]
   Weight output;                       // [n_vocab, dim], rows vocab0 ...
   std::vector<int64_t> vocab_bounds;   // [n_ranks + 1]: rank r computes logits [b[r], b[r+1])

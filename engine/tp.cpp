@@ -90,6 +90,11 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
     l.wq = take_rows(w.wq, R.head0 * hd, R.n_heads * hd);
     l.wk = take_rows(w.wk, R.kv_head0 * hd, R.n_kv_heads * hd);
     l.wv = take_rows(w.wv, R.kv_head0 * hd, R.n_kv_heads * hd);
+    if (w.bq) {  // q/k/v biases follow their weights' rows; bo [dim] is replicated (added after the sum)
+      l.bq = w.bq + R.head0 * hd;     // [n_heads * hd]
+      l.bk = w.bk + R.kv_head0 * hd;  // [n_kv_heads * hd]
+      l.bv = w.bv + R.kv_head0 * hd;  // [n_kv_heads * hd]
+    }
     l.wo = copy_columns(s, w.wo, R.head0 * hd, R.n_heads * hd);
     l.w_gate = take_rows(w.w_gate, R.ffn0, R.ffn_dim);
     l.w_up = take_rows(w.w_up, R.ffn0, R.ffn_dim);

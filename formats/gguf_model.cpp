@@ -109,6 +109,11 @@ SourceModel read_gguf_model(const std::string& path) {
                                 std::to_string(sm.vocab.size()) + " tokens of tokenizer.ggml.tokens");
     if (const GgufValue* ct = g->find("tokenizer.chat_template")) sm.chat_template = ct->as_string("tokenizer.chat_template");
     c.tied_embeddings = g->find_tensor("output.weight") == nullptr;
+    // Attention biases (a llama GGUF of a checkpoint with attention_bias): then every layer
+    // must have them (the table asks for them).
+    c.attn_qkv_bias = g->find_tensor("blk.0.attn_q.bias") || g->find_tensor("blk.0.attn_k.bias") ||
+                      g->find_tensor("blk.0.attn_v.bias");
+    c.attn_out_bias = g->find_tensor("blk.0.attn_output.bias") != nullptr;
     try {
       c.validate();
     } catch (const UsageError& e) {

@@ -170,7 +170,9 @@ std::string hf_name_of(const std::string& ours) {
       {"attn_k.weight", "self_attn.k_proj.weight"},    {"attn_v.weight", "self_attn.v_proj.weight"},
       {"attn_output.weight", "self_attn.o_proj.weight"}, {"ffn_norm.weight", "post_attention_layernorm.weight"},
       {"ffn_gate.weight", "mlp.gate_proj.weight"},     {"ffn_up.weight", "mlp.up_proj.weight"},
-      {"ffn_down.weight", "mlp.down_proj.weight"}};
+      {"ffn_down.weight", "mlp.down_proj.weight"},     {"attn_q.bias", "self_attn.q_proj.bias"},
+      {"attn_k.bias", "self_attn.k_proj.bias"},        {"attn_v.bias", "self_attn.v_proj.bias"},
+      {"attn_output.bias", "self_attn.o_proj.bias"}};
   const size_t dot = ours.find('.', 4);
   if (ours.rfind("blk.", 0) == 0 && dot != std::string::npos)
     if (auto it = per_layer.find(ours.substr(dot + 1)); it != per_layer.end())
@@ -266,7 +268,7 @@ SourceTensor make_tensor(const std::string& name, const Found& f) {
 
 }  // namespace
 
-SourceModel read_hf_model(const std::string& dir, const HfReadOptions& opts) {
+SourceModel read_hf_model(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) throw FileError(dir, "not a directory");
   const std::string config_path = dir + "/config.json";
@@ -314,23 +316,22 @@ SourceModel read_hf_model(const std::string& dir, const HfReadOptions& opts) {
     ours.erase(it);
     return true;
   };
+  // Attention biases (Qwen2: q/k/v; Llama with attention_bias: q/k/v/o) are part of the
+  // table when the checkpoint has any of them; the table then asks for every layer's.
+  for (const auto& [name, f] : ours) {
+    const auto ends = [&](const std::string& suffix) {
+      return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    if (ends(".attn_q.bias") || ends(".attn_k.bias") || ends(".attn_v.bias")) sm.config.attn_qkv_bias = true;
+    if (ends(".attn_output.bias")) sm.config.attn_out_bias = true;
+  }
   for (const TensorSpec& spec : llama_tensor_table(c)) {
     if (!take(spec.name, spec.shape))
       throw FileError(weights_path, "tensor '" + hf_name_of(spec.name) + "' (" + spec.name + " " + dims_text(spec.shape) +
                                         ") is missing");
   }
-  // What is left can only be attention biases (every other name was taken or is unknown).
-  if (!ours.empty()) {
-    const Found& first = *ours.begin()->second;
-    if (!opts.allow_attention_biases)
-      throw FileError(first.file->path(), "tensor '" + first.hf_name +
-                                              "': attention biases (Qwen2-style) are not supported by the engine yet");
-    for (int64_t l = 0; l < c.n_layers; ++l)
-      for (const auto& [what, rows] : std::initializer_list<std::pair<const char*, int64_t>>{
-               {"attn_q", c.q_dim()}, {"attn_k", c.kv_dim()}, {"attn_v", c.kv_dim()}, {"attn_output", c.dim}})
-        take("blk." + std::to_string(l) + "." + what + ".bias", {rows});
-    if (!ours.empty()) throw FileError(ours.begin()->second->file->path(), "internal: unplaced tensor " + ours.begin()->first);
-  }
+  // Every checkpoint name was mapped (unknown ones are errors above), so nothing is left over.
+  if (!ours.empty()) throw FileError(ours.begin()->second->file->path(), "internal: unplaced tensor " + ours.begin()->first);
 
   std::string dt;
   for (const auto& d : dtypes) dt += (dt.empty() ? "" : "+") + d;

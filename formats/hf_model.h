@@ -6,15 +6,6 @@
 
 namespace llmq {
 
-/// Choices for read_hf_model.
-struct HfReadOptions {
-  /// Accept attention biases (Qwen2: q/k/v_proj.bias; Llama with attention_bias) and offer
-  /// them as extra SourceTensors "blk.N.attn_{q,k,v,output}.bias" after the table's tensors.
-  /// Off by default because the engine does not apply biases yet: with it off, a checkpoint
-  /// with biases is a FileError rather than a model that would run wrongly.
-  bool allow_attention_biases = false;
-};
-
 /// Opens a Hugging Face checkpoint directory (transformers' save_pretrained layout):
 ///
 ///  * `config.json`: `model_type` "llama", "mistral" or "qwen2" (or, without model_type,
@@ -33,7 +24,10 @@ struct HfReadOptions {
 ///    mlp.{gate,up,down}_proj}.weight -> blk.N.{attn_norm, attn_q, attn_k, attn_v,
 ///    attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight; model.norm.weight ->
 ///    output_norm.weight; lm_head.weight -> output.weight (ignored when the embeddings are
-///    tied). `...rotary_emb.inv_freq` buffers are ignored; any other tensor is a FileError.
+///    tied); attention biases self_attn.{q,k,v,o}_proj.bias -> blk.N.attn_{q,k,v,output}.bias
+///    (Qwen2 has q/k/v; Llama with attention_bias all four): any of them sets
+///    config.attn_qkv_bias / attn_out_bias and then every layer must have them.
+///    `...rotary_emb.inv_freq` buffers are ignored; any other tensor is a FileError.
 ///  * q/k rows stay in HF's order (HF's Llama conversion permutes Meta's interleaved rows so
 ///    RoPE rotates pairs (i, i + head_dim/2)): config.rope_layout = RotateHalf.
 ///  * the tokenizer, chat template and special ids (formats/hf_tokenizer.h); has_vocab is false
@@ -44,7 +38,7 @@ struct HfReadOptions {
 /// fp32 from the mapping, so nothing holds the whole model in memory.
 /// Throws FileError naming the file at fault (config.json, the index, a shard, a tokenizer
 /// file) and the fault.
-SourceModel read_hf_model(const std::string& dir, const HfReadOptions& opts = {});
+SourceModel read_hf_model(const std::string& dir);
 
 /// Provenance hash of a checkpoint directory (for `general.source.xxh64`, where a single file
 /// gets the XXH64 of its bytes): XXH64 (seed 0), streamed, over the directory's regular files

@@ -46,6 +46,9 @@ void LlamaConfig::to_metadata(Metadata& m) const {
   m.set("llama.rope.freq_base", rope_theta);
   m.set("llama.rope.layout", std::string(rope_layout_name(rope_layout)));
   m.set("llama.tied_embeddings", tied_embeddings);
+  // Written only when set, so files of models without biases stay as they were.
+  if (attn_qkv_bias) m.set("llama.attention.qkv_bias", true);
+  if (attn_out_bias) m.set("llama.attention.output_bias", true);
 }
 
 LlamaConfig LlamaConfig::from_metadata(const Metadata& m) {
@@ -64,6 +67,8 @@ LlamaConfig LlamaConfig::from_metadata(const Metadata& m) {
   c.rope_theta = m.get_float("llama.rope.freq_base", 10000.0);
   c.rope_layout = rope_layout_from_name(m.get_string("llama.rope.layout", "interleaved"));
   c.tied_embeddings = m.get_bool("llama.tied_embeddings", false);
+  c.attn_qkv_bias = m.get_bool("llama.attention.qkv_bias", false);
+  c.attn_out_bias = m.get_bool("llama.attention.output_bias", false);
   c.validate();
   return c;
 }
@@ -72,15 +77,23 @@ std::string llama_layer_tensor(int64_t layer, const char* what) {
   return "blk." + std::to_string(layer) + "." + what + ".weight";
 }
 
+std::string llama_layer_bias(int64_t layer, const char* what) {
+  return "blk." + std::to_string(layer) + "." + what + ".bias";
+}
+
 std::vector<TensorSpec> llama_tensor_table(const LlamaConfig& c) {
   std::vector<TensorSpec> t;
   t.push_back({"token_embd.weight", {c.vocab_size, c.dim}});
   for (int64_t i = 0; i < c.n_layers; ++i) {
     t.push_back({llama_layer_tensor(i, "attn_norm"), {c.dim}});
     t.push_back({llama_layer_tensor(i, "attn_q"), {c.q_dim(), c.dim}});
+    if (c.attn_qkv_bias) t.push_back({llama_layer_bias(i, "attn_q"), {c.q_dim()}});
     t.push_back({llama_layer_tensor(i, "attn_k"), {c.kv_dim(), c.dim}});
+    if (c.attn_qkv_bias) t.push_back({llama_layer_bias(i, "attn_k"), {c.kv_dim()}});
     t.push_back({llama_layer_tensor(i, "attn_v"), {c.kv_dim(), c.dim}});
+    if (c.attn_qkv_bias) t.push_back({llama_layer_bias(i, "attn_v"), {c.kv_dim()}});
     t.push_back({llama_layer_tensor(i, "attn_output"), {c.dim, c.q_dim()}});
+    if (c.attn_out_bias) t.push_back({llama_layer_bias(i, "attn_output"), {c.dim}});
     t.push_back({llama_layer_tensor(i, "ffn_norm"), {c.dim}});
     t.push_back({llama_layer_tensor(i, "ffn_gate"), {c.hidden_dim, c.dim}});
     t.push_back({llama_layer_tensor(i, "ffn_up"), {c.hidden_dim, c.dim}});

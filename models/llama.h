@@ -34,6 +34,8 @@ struct LlamaConfig {
   double rope_theta = 10000.0;
   RopeLayout rope_layout = RopeLayout::Interleaved;
   bool tied_embeddings = false;  ///< the output matrix is the token embedding
+  bool attn_qkv_bias = false;    ///< q, k, v projections add a bias (Qwen2; Llama `attention_bias`)
+  bool attn_out_bias = false;    ///< the attention output projection adds a bias (Llama `attention_bias`)
 
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }
@@ -57,9 +59,13 @@ struct TensorSpec {
 ///   attn_v.weight [kv_dim, dim]; attn_output.weight [dim, q_dim]; ffn_norm.weight [dim];
 ///   ffn_gate.weight [hidden, dim]; ffn_up.weight [hidden, dim]; ffn_down.weight [dim, hidden];
 /// output_norm.weight [dim]; output.weight [vocab, dim] (absent when tied).
+/// With attn_qkv_bias, each layer also has attn_q.bias [q_dim], attn_k.bias [kv_dim] and
+/// attn_v.bias [kv_dim]; with attn_out_bias, attn_output.bias [dim] (after its weight).
 std::vector<TensorSpec> llama_tensor_table(const LlamaConfig& c);
 
 /// "blk.<layer>.<what>.weight"
 std::string llama_layer_tensor(int64_t layer, const char* what);
+/// "blk.<layer>.<what>.bias"
+std::string llama_layer_bias(int64_t layer, const char* what);
 
 }  // namespace llmq

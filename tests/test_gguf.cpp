@@ -368,7 +368,7 @@ TinySpec mixed_spec() {
 /// stories260K (llama2.c) written as a GGUF: llama keys, tokenizer.ggml.* from tok512.bin,
 /// tensors F32, or (q8) Q8_0 where the row length allows and F16 elsewhere, quantized with
 /// our quantize_row (so they match test::stories("q8_0")).
-Bytes stories_gguf(bool q8) {
+GgufBuilder stories_gguf_builder(bool q8) {
   const SourceModel src = read_llama2c(test::shared("models/stories260K/stories260K.bin"));
   const Vocab voc = read_llama2c_tokenizer(test::shared("models/stories260K/tok512.bin"), int32_t(src.config.vocab_size));
   const LlamaConfig& c = src.config;
@@ -399,8 +399,9 @@ Bytes stories_gguf(bool q8) {
     if (q8 && spec.shape.size() == 2) type = row_fits(DType::Q8_0, cols) ? DType::Q8_0 : DType::F16;
     g.tensor(spec.name, spec.shape, uint32_t(type), encode_rows(type, x, cols));
   }
-  return g.build();
+  return g;
 }
+Bytes stories_gguf(bool q8) { return stories_gguf_builder(q8).build(); }
 
 // ---------------------------------------------------------------- running the tools
 
@@ -1133,4 +1134,55 @@ TEST_CASE("a seeded sweep of 100 random byte mutations of a GGUF ends in exit 0 
     }
   }
   WARN("random mutations: " << ok << " converted, " << bad << " rejected with exit 2");
+}
+
+TEST_CASE("GGUF attention biases (attn_{q,k,v,output}.bias) are carried into the .llmq and applied", "[gguf]") {
+  // The engine's arithmetic with biases is checked against a NumPy reference in test_hf.cpp;
+  // here: a llama GGUF with biases converts with them (bytes unchanged, config flags set),
+  // they change the logits, and a file with some layers' biases missing is refused.
+  const std::string dir = test::scratch("gguf-bias");
+  const LlamaConfig c = read_llama2c(test::shared("models/stories260K/stories260K.bin")).config;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  auto with_biases = [&](int64_t layers) {
+    GgufBuilder g = stories_gguf_builder(false);
+    for (int64_t l = 0; l < layers; ++l)
+      for (const auto& [what, n] : std::initializer_list<std::pair<const char*, int64_t>>{
+               {"attn_q", c.q_dim()}, {"attn_k", c.kv_dim()}, {"attn_v", c.kv_dim()}, {"attn_output", c.dim}}) {
+        std::vector<float> b(static_cast<size_t>(n));
+        for (float& x : b) x = nd(rng);
+        g.tensor(llama_layer_bias(l, what), {n}, tF32, encode_rows(DType::F32, b, n));
+      }
+    return g;
+  };
+  const GgufBuilder g = with_biases(c.n_layers);
+  const std::string gguf = dir + "/bias.gguf", out = dir + "/bias.llmq";
+  write_file(gguf, g.build());
+  const Outcome o = convert(gguf, out, dir + "/err");
+  INFO(o.err);
+  REQUIRE(o.code == 0);
+  auto m = Model::load(out);
+  CHECK(m->config.attn_qkv_bias);
+  CHECK(m->config.attn_out_bias);
+  for (const auto& t : g.tensors) {
+    if (t.name.find(".bias") == std::string::npos) continue;
+    const TensorInfo* u = m->file->find(t.name);
+    REQUIRE(u != nullptr);
+    CHECK(u->type == DType::F32);
+    REQUIRE(u->nbytes == t.data.size());
+    CHECK(std::memcmp(m->file->data(*u), t.data.data(), t.data.size()) == 0);
+  }
+  auto plain = Model::load(test::stories("f32"));
+  std::vector<std::vector<float>> lb, lp;
+  greedy(*m, 8, &lb);
+  greedy(*plain, 8, &lp);
+  double diff = 0;
+  for (size_t j = 0; j < lb[0].size(); ++j) diff = std::max(diff, double(std::fabs(lb[0][j] - lp[0][j])));
+  CHECK(diff > 1e-2);
+
+  write_file(dir + "/partial.gguf", with_biases(2).build());
+  const Outcome bad = convert(dir + "/partial.gguf", dir + "/partial.llmq", dir + "/err2");
+  CHECK(bad.code == 2);
+  CHECK(bad.err.find("blk.2.attn_q.bias") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir + "/partial.llmq"));
 }

@@ -12,7 +12,9 @@
 //    generation_config.json are carried into the .llmq (vocabulary, merges, special ids,
 //    chat template), and the reader's variants (merges as pairs, template lists, Llama-3 and
 //    Qwen2 regexes, a SentencePiece tokenizer.model) are read as documented;
-//  * attention biases are refused by default and offered as bias tensors when allowed;
+//  * attention biases (Qwen2 q/k/v; Llama attention_bias with o) convert and the engine's
+//    logits equal an independent NumPy forward pass (tests/ref_llama_numpy.py) within 1e-5,
+//    the reference itself checked against the golden logits;
 //  * 40 hostile directories (bad safetensors headers, offsets, dtypes, shapes, shards, index,
 //    config.json and tokenizer files) make llmq-convert exit 2 with one message naming the
 //    file at fault, never crash or hang, and leave no output behind.
@@ -31,6 +33,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -158,6 +161,23 @@ const json& golden() {
 std::vector<int32_t> golden_ids() { return golden()["greedy_token_ids"].get<std::vector<int32_t>>(); }
 
 // Logits [16, vocab] of the first 16 golden positions, as one prefill batch.
+// A venv with safetensors and numpy (made once per test run), for the tests that use those
+// libraries as independent writers/references; "" (with a warning) when pip cannot get them.
+std::string python_venv() {
+  static const std::string venv = [] {
+    const std::string dir = llmq::test::scratch("hf_venv"), v = dir + "/venv", log = dir + "/pip.log";
+    const int rc = llmq::test::run("python3 -m venv --system-site-packages " + v + " >" + log + " 2>&1 && timeout 90 " +
+                                   v + "/bin/pip install --disable-pip-version-check -q --timeout 15 --retries 1 "
+                                       "safetensors numpy >>" + log + " 2>&1");
+    if (rc == 0) return v;
+    const Bytes pip_log = read_bytes(log);
+    WARN("skipped: could not make a venv with safetensors and numpy (no network?); pip said:\n"
+         << std::string(pip_log.begin(), pip_log.end()));
+    return std::string();
+  }();
+  return venv;
+}
+
 std::vector<float> logits16(const llmq::Model& m) {
   llmq::ThreadPool pool(2);
   llmq::Session s(m, pool, 64);
@@ -383,17 +403,8 @@ TEST_CASE("hf: stories260K-hf gives the llama2.c route's logits (1e-5) and greed
 
 TEST_CASE("hf: a BF16 copy in two shards (written by the safetensors library) converts and stays close", "[hf]") {
   const std::string dir = llmq::test::scratch("hf_bf16");
-  const std::string venv = dir + "/venv", log = dir + "/pip.log";
-  const int venv_rc = llmq::test::run("python3 -m venv --system-site-packages " + venv + " >" + log +
-                                      " 2>&1 && timeout 90 " + venv +
-                                      "/bin/pip install --disable-pip-version-check -q --timeout 15 --retries 1 "
-                                      "safetensors numpy >>" + log + " 2>&1");
-  if (venv_rc != 0) {
-    const Bytes pip_log = read_bytes(log);
-    WARN("skipped: could not make a venv with safetensors and numpy (no network?); pip said:\n"
-         << std::string(pip_log.begin(), pip_log.end()));
-    return;
-  }
+  const std::string venv = python_venv(), log = dir + "/py.log";
+  if (venv.empty()) return;
   const std::string script = (fs::path(__FILE__).parent_path() / "make_bf16_sharded.py").string();
   const std::string sharded = dir + "/stories260K-hf-bf16";
   REQUIRE(llmq::test::run(venv + "/bin/python " + script + " " + hf_dir() + " " + sharded + " >>" + log + " 2>&1") == 0);
@@ -681,49 +692,109 @@ TEST_CASE("hf: tokenizer reader variants (pre-tokenizer regexes, merge pairs, te
 
 // ================================================================== attention biases
 
-TEST_CASE("hf: attention biases are refused by default and offered as tensors when allowed", "[hf]") {
-  StImage im = original();
-  std::vector<float> bias(64);
-  for (size_t i = 0; i < bias.size(); ++i) bias[i] = 0.25f * float(i);
-  auto f32_bytes = [](const std::vector<float>& v, size_t n) {
-    Bytes b(n * 4);
-    std::memcpy(b.data(), v.data(), n * 4);
-    return b;
-  };
-  for (int l = 0; l < 5; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
-    im.add(p + "q_proj.bias", "F32", {64}, f32_bytes(bias, 64));
-    im.add(p + "k_proj.bias", "F32", {32}, f32_bytes(bias, 32));
-    im.add(p + "v_proj.bias", "F32", {32}, f32_bytes(bias, 32));
+// The NumPy reference (tests/ref_llama_numpy.py, float64) on `dir`: logits [16, vocab] for the
+// first 16 golden tokens.
+std::vector<float> numpy_logits16(const std::string& venv, const std::string& dir) {
+  const auto ids = golden_ids();
+  std::string list;
+  for (size_t i = 0; i < 16; ++i) {
+    if (i) list += ',';
+    list += std::to_string(ids[i]);
   }
-  const std::string dir = make_dir(llmq::test::scratch("hf_bias") + "/qwen", &im);
-  json cfg = config_json();
-  cfg["model_type"] = "qwen2";
-  cfg["architectures"] = {"Qwen2ForCausalLM"};
-  write_text(dir + "/config.json", cfg.dump());
+  const std::string script = (fs::path(__FILE__).parent_path() / "ref_llama_numpy.py").string();
+  const std::string out = dir + "/numpy_logits.f32", log = dir + "/numpy.log";
+  const int rc = llmq::test::run(venv + "/bin/python " + script + " " + dir + " " + list + " " + out + " >" + log + " 2>&1");
+  const Bytes err = read_bytes(log);
+  INFO(std::string(err.begin(), err.end()));
+  REQUIRE(rc == 0);
+  const Bytes b = read_bytes(out);
+  REQUIRE(b.size() == 16 * 512 * sizeof(float));
+  std::vector<float> v(16 * 512);
+  std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
 
-  const std::string out = llmq::test::scratch("hf_bias_out") + "/bias.llmq";
-  const ToolRun r = convert(dir, out, {"--tokenizer", tok512()});
-  INFO(r.describe());
-  CHECK(r.exited);
-  CHECK(r.code == 2);
-  CHECK(contains(r.err, dir + "/model.safetensors"));
-  CHECK(contains(r.err, "attention biases (Qwen2-style) are not supported by the engine yet"));
-  CHECK_FALSE(fs::exists(out));
+TEST_CASE("hf: attention biases (Qwen2 q/k/v; Llama attention_bias q/k/v/o) match a NumPy reference", "[hf]") {
+  const std::string venv = python_venv();
+  if (venv.empty()) return;
 
-  llmq::HfReadOptions opts;
-  opts.allow_attention_biases = true;
-  const llmq::SourceModel sm = llmq::read_hf_model(dir, opts);
-  CHECK(sm.format == "Hugging Face safetensors (qwen2, F32, 1 file)");
-  REQUIRE(sm.tensors.size() == 47 + 15);
-  const llmq::SourceTensor& q = sm.tensors[47];
-  CHECK(q.name == "blk.0.attn_q.bias");
-  CHECK(q.shape == std::vector<int64_t>{64});
-  std::vector<float> got(64);
-  q.read(got.data());
-  CHECK(got == bias);
-  CHECK(sm.tensors.back().name == "blk.4.attn_v.bias");
-  CHECK(sm.tensors.back().shape == std::vector<int64_t>{32});
+  // The reference itself, on the checkpoint without biases: the golden logits (llama2.c's run.c).
+  {
+    const auto np = numpy_logits16(venv, make_dir(llmq::test::scratch("hf_bias_plain"), &original()));
+    const auto rows = golden()["logits_first16"];
+    double g = 0;
+    for (size_t p = 0; p < 16; ++p)
+      for (size_t v = 0; v < 512; ++v) g = std::max(g, std::fabs(double(np[p * 512 + v]) - rows[p][v].get<double>()));
+    WARN("NumPy reference vs llama2.c golden logits (no biases): max |diff| " << g);
+    REQUIRE(g < 1e-4);
+  }
+  const auto plain = logits16(*llmq::Model::load(hf_f32()));
+
+  struct Case {
+    std::string label, model_type;
+    bool with_o;  // Llama's attention_bias also biases o_proj; Qwen2 does not
+  };
+  for (const Case& k : {Case{"qwen2", "qwen2", false}, Case{"llama", "llama", true}}) {
+    INFO(k.label);
+    // Fresh random biases (seeded per case), about the size of the projections' outputs.
+    std::mt19937 rng(k.with_o ? 7 : 3);
+    std::normal_distribution<float> nd(0.0f, 0.3f);
+    auto random_bias = [&](int64_t n) {
+      Bytes b(size_t(n) * 4);
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = nd(rng);
+        std::memcpy(b.data() + i * 4, &x, 4);
+      }
+      return b;
+    };
+    StImage im = original();
+    for (int l = 0; l < 5; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
+      im.add(p + "q_proj.bias", "F32", {64}, random_bias(64));
+      im.add(p + "k_proj.bias", "F32", {32}, random_bias(32));
+      im.add(p + "v_proj.bias", "F32", {32}, random_bias(32));
+      if (k.with_o) im.add(p + "o_proj.bias", "F32", {64}, random_bias(64));
+    }
+    const std::string dir = make_dir(llmq::test::scratch("hf_bias_" + k.label), &im);
+    json cfg = config_json();
+    cfg["model_type"] = k.model_type;
+    if (k.with_o) cfg["attention_bias"] = true;
+    write_text(dir + "/config.json", cfg.dump());
+
+    const std::string out = dir + "/bias.llmq";
+    const ToolRun r = convert(dir, out, {"--tokenizer", tok512()});
+    INFO(r.describe());
+    REQUIRE(r.code == 0);
+    auto m = llmq::Model::load(out);
+    CHECK(m->config.attn_qkv_bias);
+    CHECK(m->config.attn_out_bias == k.with_o);
+    CHECK(m->file->find("blk.4.attn_v.bias") != nullptr);
+    CHECK((m->file->find("blk.0.attn_output.bias") != nullptr) == k.with_o);
+
+    const auto ours = logits16(*m), ref = numpy_logits16(venv, dir);
+    const double rel = rel_l2(ours, ref), moved = rel_l2(plain, ref);
+    WARN(k.label << " biases: engine vs NumPy rel. L2 " << rel << " (the biases move the logits by " << moved << ")");
+    CHECK(moved > 1e-2);  // the biases matter...
+    CHECK(rel < 1e-5);    // ...and the engine applies them as the reference does
+  }
+
+  SECTION("a layer without its bias is refused") {
+    StImage im = original();
+    for (int l = 0; l < 4; ++l) {  // layer 4 has none
+      const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
+      im.add(p + "q_proj.bias", "F32", {64}, Bytes(256));
+      im.add(p + "k_proj.bias", "F32", {32}, Bytes(128));
+      im.add(p + "v_proj.bias", "F32", {32}, Bytes(128));
+    }
+    const std::string dir = make_dir(llmq::test::scratch("hf_bias_missing"), &im);
+    const std::string out = dir + "/m.llmq";
+    const ToolRun r = convert(dir, out, {"--tokenizer", tok512()});
+    INFO(r.describe());
+    CHECK(r.code == 2);
+    CHECK(contains(r.err, "model.layers.4.self_attn.q_proj.bias"));
+    CHECK(contains(r.err, "is missing"));
+    CHECK_FALSE(fs::exists(out));
+  }
 }
 
 // ================================================================== hostile inputs
@@ -861,10 +932,10 @@ TEST_CASE("hf: hostile checkpoint directories make llmq-convert exit 2 naming th
          h["model.layers.5.input_layernorm.weight"] = {{"dtype", "F32"}, {"shape", {0}}, {"data_offsets", {0, 0}}};
        }),
        "model.safetensors", "model.layers.5.input_layernorm.weight"},
-      {"attention biases", with_header([&](json& h) {
+      {"attention bias of the wrong shape", with_header([&](json& h) {
          h["model.layers.0.self_attn.q_proj.bias"] = {{"dtype", "F32"}, {"shape", {0}}, {"data_offsets", {0, 0}}};
        }),
-       "model.safetensors", "attention biases"},
+       "model.safetensors", "q_proj.bias' has shape [0]"},
       {"no weights at all", [](const std::string& dir) { make_dir(dir, nullptr); }, "", "no model.safetensors"},
       // --- the shard index
       {"index names a missing shard", with_index([](json& idx) {

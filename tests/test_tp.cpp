@@ -66,7 +66,7 @@ double worst_rel(const Run& a, const Run& b) {
 // A synthetic Llama model with random weights (uniform, scaled by 1/sqrt(fan-in)), matrices
 // stored as `type`, the 512-token vocabulary of stories260K, untied output.
 std::string synthetic(const std::string& name, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t hidden,
-                      DType type, uint32_t seed) {
+                      DType type, uint32_t seed, bool biases = false) {
   static const std::string dir = test::scratch("tp_models");
   const std::string path = dir + "/" + name + ".llmq";
   auto src = LlmqFile::open(test::stories("f32"));
@@ -74,6 +74,7 @@ std::string synthetic(const std::string& name, int64_t n_heads, int64_t n_kv_hea
   c.n_heads = n_heads, c.n_kv_heads = n_kv_heads, c.head_dim = head_dim, c.dim = n_heads * head_dim;
   c.hidden_dim = hidden, c.n_layers = 3, c.vocab_size = 512, c.context_length = 256;
   c.tied_embeddings = false;
+  c.attn_qkv_bias = c.attn_out_bias = biases;  // with biases: Qwen2's q/k/v and Llama's o
   LlmqWriter w(path, true);
   w.meta = src->meta();  // the tokenizer keys
   c.to_metadata(w.meta);
@@ -87,7 +88,9 @@ std::string synthetic(const std::string& name, int64_t n_heads, int64_t n_kv_hea
     const float a = shape.size() == 1 ? 0.0f : float(std::sqrt(3.0 / double(cols)));
     std::uniform_real_distribution<float> u(-a, a);
     std::vector<float> x(size_t(rows * cols));
-    for (float& v : x) v = shape.size() == 1 ? 1.0f + 0.2f * (float(rng() % 1000) / 1000.0f - 0.5f) : u(rng);
+    const bool bias = table[i].name.find(".bias") != std::string::npos;
+    for (float& v : x)
+      v = shape.size() > 1 ? u(rng) : bias ? float(rng() % 1000) / 1000.0f - 0.5f : 1.0f + 0.2f * (float(rng() % 1000) / 1000.0f - 0.5f);
     std::vector<uint8_t> bytes(w.tensors()[i].nbytes);
     const DType t = shape.size() == 1 ? DType::F32 : type;
     for (int64_t r = 0; r < rows; ++r) quantize_row(t, x.data() + r * cols, bytes.data() + size_t(r) * row_bytes(t, cols), cols);
@@ -396,4 +399,17 @@ TEST_CASE("TP: llmq-run --tp 2 generates the same greedy text as --tp 1", "[tp][
   REQUIRE(test::run(base + " --tp 2 >" + dir + "/two.txt 2>" + dir + "/two.err") == 0);
   CHECK(test::run("cmp -s " + dir + "/one.txt " + dir + "/two.txt") == 0);
   CHECK(test::run("grep -q 'tensor parallel over 2 ranks' " + dir + "/two.err") == 0);
+}
+
+TEST_CASE("TP with attention biases: q/k/v biases sliced with their rows, the output bias added once", "[tp][model]") {
+  auto m = Model::load(synthetic("bias6x2-f32", 6, 2, 32, 256, DType::F32, 13, /*biases=*/true));
+  REQUIRE(m->layers[0].bq != nullptr);
+  REQUIRE(m->layers[0].bo != nullptr);
+  const double worst = check_against_tp1(*m, {2, 3, 4}, 1e-5, true, 24);
+  WARN("attention biases, TP=2/3/4 vs TP=1: worst relative logit difference " << worst);
+  TensorParallel one(*m, 1, 1, 8), three(*m, 3, 3, 8);
+  CHECK(one.shard(0).weight_bytes() == m->weight_bytes());  // biases counted
+  CHECK(three.shard(1).layers[2].bk == m->layers[2].bk + 0 * 32);  // rank 1: heads 2, 3 -> KV heads 0, 1
+  CHECK(three.shard(2).layers[2].bq == m->layers[2].bq + 4 * 32);
+  CHECK(three.shard(2).layers[2].bv == m->layers[2].bv + 1 * 32);
 }
