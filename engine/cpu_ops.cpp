@@ -183,7 +183,8 @@ uint8_t* aligned_buffer(std::vector<uint8_t>& v, size_t n) {
 // A decode matmul (one token) with at most this many weight bytes runs on the calling thread:
 // waking the pool's workers costs 10-30 µs on the 2-core VM this was measured on (dev/cpu),
 // about what one core needs to stream 1 MiB, so splitting smaller matrices only adds latency.
-constexpr size_t kInlineDecodeBytes = size_t(1) << 20;
+constexpr size_t kInlineDecodeBytes = size_t(1) << 20;       // pool threads sleep between operations
+constexpr size_t kInlineDecodeBytesSpin = size_t(64) << 10;  // pool threads poll (ThreadPool::spins)
 
 // Runs fn(u0, u1, thread) over [0, units), on the pool or (small decode work) inline.
 void run_units(ThreadPool& pool, bool inline_work, int64_t units, const std::function<void(int64_t, int64_t, int)>& fn) {
@@ -197,7 +198,8 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, floa
                  const Weight& w) {
   const int64_t M = w.rows, K = w.cols;
   const int64_t units = (M + 15) / 16;
-  const bool inline_work = T == 1 && size_t(M) * w.row_stride() <= kInlineDecodeBytes;
+  const bool inline_work =
+      T == 1 && size_t(M) * w.row_stride() <= (pool.spins() ? kInlineDecodeBytesSpin : kInlineDecodeBytes);
   if (!is_block_quant(w.type)) {
     run_units(pool, inline_work, units, [&](int64_t u0, int64_t u1, int) {
       k.matmul_float(y, x, T, w, u0 * 16, std::min(M, u1 * 16));
@@ -228,6 +230,46 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, floa
 }
 
 }  // namespace
+
+uint64_t MatmulScratchPlan::bytes() const {
+  return uint64_t(xq) * sizeof(BlockQ8Act) + uint64_t(xsum + corr) * sizeof(int32_t) + prep +
+         uint64_t(threads) * (tbuf + rowbuf * sizeof(float));
+}
+
+void plan_matmul_scratch(MatmulScratchPlan& p, DType type, int64_t cols, int64_t T, int threads) {
+  p.threads = std::max(p.threads, threads);
+  const auto n = size_t(T * (cols / QK));
+  if (const x86::Kernels* k = active_kernels()) {  // as matmul_simd
+    if (!is_block_quant(type)) return;
+    p.xq = std::max(p.xq, n), p.xsum = std::max(p.xsum, n), p.corr = std::max(p.corr, n);
+    for (int64_t t = 1; t <= T; ++t) {  // aligned_buffer() keeps 64 bytes of slack
+      p.prep = std::max(p.prep, k->prep_bytes(type, t, cols) + 64);
+      p.tbuf = std::max(p.tbuf, k->thread_bytes(type, t, cols) + 64);
+    }
+    return;
+  }
+  if (is_block_quant(type)) p.xq = std::max(p.xq, n);  // as the scalar matmul
+  else if (type != DType::F32) p.rowbuf = std::max(p.rowbuf, size_t(cols));
+}
+
+void reserve_matmul_scratch(MatmulScratch& s, const MatmulScratchPlan& p) {
+  s.xq.resize(p.xq);
+  s.xsum.resize(p.xsum);
+  s.corr.resize(p.corr);
+  s.prep.resize(p.prep);
+  s.tbuf.resize(p.tbuf ? size_t(p.threads) : 0);
+  for (auto& b : s.tbuf) b.resize(p.tbuf);
+  s.rowbuf.resize(size_t(p.threads));
+  for (auto& b : s.rowbuf) b.resize(p.rowbuf);
+}
+
+uint64_t matmul_scratch_bytes(const MatmulScratch& s) {
+  uint64_t n = uint64_t(s.xq.capacity()) * sizeof(BlockQ8Act) + uint64_t(s.xsum.capacity() + s.corr.capacity()) * sizeof(int32_t) +
+               s.prep.capacity();
+  for (const auto& b : s.tbuf) n += b.capacity();
+  for (const auto& b : s.rowbuf) n += uint64_t(b.capacity()) * sizeof(float);
+  return n;
+}
 
 void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n) {
   if (const x86::Kernels* k = active_kernels()) k->quantize_act(x, out, nullptr, n);

@@ -38,6 +38,28 @@ struct MatmulScratch {
   std::vector<std::vector<uint8_t>> tbuf;   // SIMD: per thread kernel scratch, e.g. a repacked panel
 };
 
+/// What the MatmulScratch buffers grow to (the memory plan of engine/mem_plan.h reserves it up
+/// front, so matmul never allocates). Counts are elements of each vector as declared above.
+struct MatmulScratchPlan {
+  size_t xq = 0, xsum = 0, corr = 0;  ///< elements: max over matmuls of T · cols/32
+  size_t prep = 0;                    ///< bytes: max prep layout + 64 alignment slack (SIMD only)
+  size_t tbuf = 0;                    ///< bytes per thread: max kernel scratch + 64 (SIMD only)
+  size_t rowbuf = 0;                  ///< floats per thread: one F16/BF16 row (scalar level only)
+  int threads = 0;                    ///< entries of tbuf and rowbuf (ThreadPool::size())
+  /// Bytes of all the buffers: xq·sizeof(BlockQ8Act) + (xsum + corr)·4 + prep
+  /// + threads·(tbuf + rowbuf·4).
+  uint64_t bytes() const;
+};
+
+/// Widens `p` to cover matmul(pool, s, y, x, T', w) for every T' in [1, T] and a weight of
+/// `type` with `cols` columns, at the active CPU level (cpu_level()) with `threads` threads;
+/// mirrors the growth rules inside matmul exactly.
+void plan_matmul_scratch(MatmulScratchPlan& p, DType type, int64_t cols, int64_t T, int threads);
+/// Allocates every buffer of `s` to the sizes of `p` (from empty vectors, so capacity == size).
+void reserve_matmul_scratch(MatmulScratch& s, const MatmulScratchPlan& p);
+/// Bytes held by the buffers of `s` (vector capacities, element bytes only).
+uint64_t matmul_scratch_bytes(const MatmulScratch& s);
+
 /// Instruction-set level of the CPU kernels. Scalar is plain C++ (any CPU); Avx2 needs
 /// AVX2 + FMA + F16C; Avx512 needs AVX-512 F/BW/VL/DQ/VNNI. The SIMD levels exist on x86-64 only.
 enum class CpuLevel { Scalar = 0, Avx2 = 1, Avx512 = 2 };

@@ -103,7 +103,7 @@ PerplexityResult perplexity_on(Session& s, const std::vector<int32_t>& tokens, i
 PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
                             const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
   check_perplexity_args(tokens, n_ctx);
-  Session s(m, pool, n_ctx, n_ctx);
+  Session s(m, pool, n_ctx, n_ctx, n_ctx);  // every position's logits
   return perplexity_on(s, tokens, n_ctx, on_chunk, max_chunks);
 }
 

@@ -114,28 +114,30 @@ uint64_t ModelShard::weight_bytes() const {
   return n;
 }
 
-Workspace::Workspace(const Model& m, int64_t capacity) : Workspace(m, capacity, ShardRanges::whole(m.config)) {}
+Workspace::Workspace(const Model& m, int64_t capacity)
+    : Workspace(m, plan_workspace(m.config, {}, capacity, /*max_ctx=*/0, /*logits_rows=*/0, /*threads=*/0)) {}
 
-Workspace::Workspace(const Model& m, int64_t capacity, const ShardRanges& r) : cap_(std::max<int64_t>(1, capacity)) {
-  const LlamaConfig& c = m.config;
-  const auto B = size_t(cap_);
-  const int64_t Q = r.n_heads * c.head_dim, KV = r.n_kv_heads * c.head_dim;
-  x_.resize(B * size_t(c.dim));
-  xb_.resize(B * size_t(std::max(c.dim, Q)));
-  q_.resize(B * size_t(Q));
-  k_.resize(B * size_t(KV));
-  v_.resize(B * size_t(KV));
-  att_out_.resize(B * size_t(Q));
-  h1_.resize(B * size_t(r.ffn_dim));
-  h2_.resize(B * size_t(r.ffn_dim));
-  plan_.pos.reserve(B);
+// Sizes come from the plan only (engine/mem_plan.cpp), so llmq-mem reports what is allocated.
+Workspace::Workspace(const Model&, const WorkspacePlan& p) : cap_(p.capacity) {
+  x_.resize(p.x);
+  xb_.resize(p.xb);
+  q_.resize(p.q);
+  k_.resize(p.k);
+  v_.resize(p.v);
+  att_out_.resize(p.att_out);
+  h1_.resize(p.h1);
+  h2_.resize(p.h2);
+  plan_.pos.reserve(p.pos);
+  att_.assign(size_t(p.threads), std::vector<float>(p.att));
+  logits_.resize(p.logits);
+  reserve_matmul_scratch(scratch_, p.matmul);
 }
 
 uint64_t Workspace::bytes() const {
-  size_t floats = x_.size() + xb_.size() + q_.size() + k_.size() + v_.size() + att_out_.size() + h1_.size() +
-                  h2_.size() + logits_.capacity() + gathered_.capacity();
+  size_t floats = x_.capacity() + xb_.capacity() + q_.capacity() + k_.capacity() + v_.capacity() + att_out_.capacity() +
+                  h1_.capacity() + h2_.capacity() + logits_.capacity() + gathered_.capacity();
   for (const auto& a : att_) floats += a.capacity();
-  return floats * sizeof(float) + plan_.pos.capacity() * sizeof(int64_t) + scratch_.xq.capacity() * sizeof(BlockQ8Act);
+  return floats * sizeof(float) + plan_.pos.capacity() * sizeof(int64_t) + matmul_scratch_bytes(scratch_);
 }
 
 void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity,
@@ -301,26 +303,30 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
 
 // ---------------------------------------------------------------- Session
 
-Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch)
+Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch, int64_t logits_rows)
     : m_(model),
-      ctx_(ctx > 0 ? ctx : std::min(model.config.context_length, kDefaultMaxCtx)),
-      n_batch_(std::max<int64_t>(1, std::min(n_batch, ctx_))),
-      own_(std::make_unique<TensorParallel>(model, pool, n_batch_)),
+      ctx_(session_sizes(model.config, ctx, n_batch).ctx),
+      n_batch_(session_sizes(model.config, ctx, n_batch).n_batch),
+      own_(std::make_unique<TensorParallel>(model, pool, [&] {
+        const int64_t rows = session_sizes(model.config, ctx, n_batch, logits_rows).logits_rows;
+        return plan_workspace(model.config, llama_matmuls(model.config, model.file->tensors(), n_batch_, rows), n_batch_, ctx_,
+                              rows, pool.size());
+      }())),
       tp_(*own_),
-      cache_(tp_.make_cache((ctx_ + 15) / 16, 16)),
+      cache_(tp_.make_cache(plan_kv(model.config, ctx_).n_blocks, kKvBlockTokens)),
       seq_(cache_.add_sequence()) {}
 
 Session::Session(TensorParallel& tp, int64_t ctx)
     : m_(tp.model()),
-      ctx_(ctx > 0 ? ctx : std::min(m_.config.context_length, kDefaultMaxCtx)),
-      n_batch_(std::max<int64_t>(1, std::min(tp.capacity(), ctx_))),
+      ctx_(session_sizes(m_.config, ctx, tp.capacity()).ctx),
+      n_batch_(session_sizes(m_.config, ctx, tp.capacity()).n_batch),
       tp_(tp),
-      cache_(tp_.make_cache((ctx_ + 15) / 16, 16)),
+      cache_(tp_.make_cache(plan_kv(m_.config, ctx_).n_blocks, kKvBlockTokens)),
       seq_(cache_.add_sequence()) {}
 
 Session::~Session() = default;
 
-uint64_t Session::state_bytes() const { return cache_.bytes() + tp_.workspace_bytes(); }
+uint64_t Session::workspace_bytes() const { return tp_.workspace_bytes(); }
 
 const float* Session::forward(const int32_t* tokens, int64_t n, bool all_logits) {
   if (n <= 0) throw UsageError("forward: no tokens");

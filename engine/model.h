@@ -7,6 +7,7 @@
 #include "engine/comm.h"
 #include "engine/cpu_ops.h"
 #include "engine/kv_cache.h"
+#include "engine/mem_plan.h"
 #include "engine/threadpool.h"
 #include "engine/tokenizer.h"
 #include "formats/llmq_file.h"
@@ -119,16 +120,18 @@ struct BatchPlan {
 void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity,
                 BatchPlan& plan);
 
-/// Scratch buffers for forward passes of up to `capacity` tokens; allocated once (the logits
-/// and attention-score buffers grow on demand). Sized for one rank's ranges (the whole model
-/// by default).
+/// Scratch buffers for forward passes of up to `capacity` tokens (one rank's widths under
+/// tensor parallelism: engine/tp.cpp plans them from the rank's slices).
 class Workspace {
  public:
+  /// Activation buffers for `capacity` tokens; the logits, attention-score and matmul buffers
+  /// grow on demand.
   Workspace(const Model& m, int64_t capacity);
-  /// For the rank holding `r` (tensor parallelism).
-  Workspace(const Model& m, int64_t capacity, const ShardRanges& r);
+  /// Every buffer allocated once, to the sizes of `plan` (engine/mem_plan.h); forward passes
+  /// within the plan never allocate, so bytes() == plan.bytes().
+  Workspace(const Model& m, const WorkspacePlan& plan);
   int64_t capacity() const { return cap_; }
-  /// Bytes held now.
+  /// Bytes held now (capacities of every buffer, matmul scratch included).
   uint64_t bytes() const;
 
  private:
@@ -176,11 +179,13 @@ class Session {
  public:
   /// ctx: KV-cache length in tokens (<= 0: the model's context length, at most
   /// kDefaultMaxCtx); n_batch: most tokens per forward call (prompts are cut into chunks of
-  /// this size).
-  Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512);
+  /// this size); logits_rows: logits rows the workspace reserves (1 for generation; a forward
+  /// with all_logits over more tokens grows it). Sizes come from the memory plan
+  /// (engine/mem_plan.h: session_sizes, plan_kv, plan_workspace), as `llmq-mem infer` reports.
+  Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1);
   /// The same on a tensor-parallel runner (engine/tp.h, any number of ranks), which must
   /// outlive the session and serve one session at a time; prompts are cut into chunks of at
-  /// most tp.capacity() tokens.
+  /// most tp.capacity() tokens; the KV cache holds ctx positions (plan_kv), one pool per rank.
   Session(TensorParallel& tp, int64_t ctx);
   ~Session();
 
@@ -199,7 +204,9 @@ class Session {
   /// Keeps only the first n cached positions (n <= pos()), e.g. to re-use a shared prompt prefix.
   void truncate(int64_t n) { cache_.truncate(seq_, n); }
   /// Bytes held by the KV cache and the scratch buffers (all ranks).
-  uint64_t state_bytes() const;
+  uint64_t state_bytes() const { return kv_bytes() + workspace_bytes(); }
+  uint64_t kv_bytes() const { return cache_.bytes(); }
+  uint64_t workspace_bytes() const;
   /// The KV cache (one pool per tensor-parallel rank).
   const KVCache& cache() const { return cache_; }
 

@@ -106,6 +106,16 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
   return s;
 }
 
+WorkspacePlan rank_workspace_plan(const Model& m, const ModelShard& s, int64_t capacity, int threads) {
+  LlamaConfig rc = m.config;  // the rank's widths
+  rc.n_heads = s.ranges.n_heads, rc.n_kv_heads = s.ranges.n_kv_heads;
+  rc.hidden_dim = s.ranges.ffn_dim, rc.vocab_size = s.ranges.n_vocab;
+  std::vector<MatmulUse> uses;
+  for (const LayerWeights& l : s.layers)
+    for (const Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) uses.push_back({w->type, w->cols, capacity});
+  return plan_workspace(rc, uses, capacity, /*max_ctx=*/0, /*logits_rows=*/0, threads);
+}
+
 // ---------------------------------------------------------------- TensorParallel
 
 TensorParallel::TensorParallel(const Model& m, ThreadPool& pool, int64_t capacity)
@@ -115,6 +125,13 @@ TensorParallel::TensorParallel(const Model& m, ThreadPool& pool, int64_t capacit
   ws_.push_back(std::make_unique<Workspace>(m, cap_));
 }
 
+TensorParallel::TensorParallel(const Model& m, ThreadPool& pool, const WorkspacePlan& plan)
+    : m_(m), cap_(plan.capacity), single_pool_(&pool) {
+  const std::vector<ShardRanges> whole{ShardRanges::whole(m.config)};
+  shards_.push_back(std::make_unique<ModelShard>(make_shard(m, whole, 0)));
+  ws_.push_back(std::make_unique<Workspace>(m, plan));
+}
+
 TensorParallel::TensorParallel(const Model& m, int n_ranks, int total_threads, int64_t capacity, const TpOptions& opt)
     : m_(m), cap_(std::max<int64_t>(1, capacity)) {
   const std::vector<ShardRanges> plan = plan_shards(m, n_ranks, opt);
@@ -122,11 +139,10 @@ TensorParallel::TensorParallel(const Model& m, int n_ranks, int total_threads, i
   if (total_threads <= 0) total_threads = int(std::max(1u, std::thread::hardware_concurrency()));
   for (int r = 0; r < N; ++r) {
     shards_.push_back(std::make_unique<ModelShard>(make_shard(m, plan, r)));
-    ws_.push_back(std::make_unique<Workspace>(m, cap_, plan[size_t(r)]));
-    if (N > 1) pools_.push_back(std::make_unique<ThreadPool>(std::max(1, total_threads / N + (r < total_threads % N))));
+    pools_.push_back(std::make_unique<ThreadPool>(N == 1 ? total_threads : std::max(1, total_threads / N + (r < total_threads % N))));
+    ws_.push_back(std::make_unique<Workspace>(m, rank_workspace_plan(m, *shards_.back(), cap_, pools_.back()->size())));
   }
   if (N == 1) {  // one rank: its pool is the only pool, no rank thread
-    pools_.push_back(std::make_unique<ThreadPool>(total_threads));
     single_pool_ = pools_[0].get();
     return;
   }

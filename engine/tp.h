@@ -48,6 +48,11 @@ std::vector<ShardRanges> plan_shards(const Model& m, int n_ranks, const TpOption
 /// copying the row-parallel ones into owned buffers. vocab_bounds is filled from `all`.
 ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank);
 
+/// The workspace plan (engine/mem_plan.h) of a rank: activations of the rank's widths (its
+/// heads, KV heads, FFN units and vocabulary rows) for `capacity` tokens, matmul scratch for its
+/// slices, `threads` threads; attention scores and logits grow on demand.
+WorkspacePlan rank_workspace_plan(const Model& m, const ModelShard& s, int64_t capacity, int threads);
+
 /// The model split over N in-process ranks (CPU tensor parallelism), each a thread with its
 /// own ThreadPool, its weight shard and its Workspace; they meet in a HostCommGroup. With
 /// N = 1 it wraps a given pool and runs forward_batch's code with no extra thread or copy.
@@ -57,9 +62,13 @@ class TensorParallel {
   /// N = 1: the whole model on `pool` (which must outlive this object); forward passes of up to
   /// `capacity` tokens.
   TensorParallel(const Model& m, ThreadPool& pool, int64_t capacity);
+  /// N = 1 with the workspace allocated exactly to `plan` (engine/mem_plan.h), as Session and
+  /// Scheduler do so that `llmq-mem infer` reports what is allocated.
+  TensorParallel(const Model& m, ThreadPool& pool, const WorkspacePlan& plan);
   /// N = n_ranks ranks sharing total_threads threads (<= 0: all cores): rank r gets
-  /// total/N threads (+1 for r < total % N), at least 1 each. Throws UsageError (see
-  /// plan_shards) when the ranks cannot be formed.
+  /// total/N threads (+1 for r < total % N), at least 1 each. Each rank's workspace is planned
+  /// from its slices (rank_workspace_plan). Throws UsageError (see plan_shards) when the ranks
+  /// cannot be formed.
   TensorParallel(const Model& m, int n_ranks, int total_threads, int64_t capacity, const TpOptions& opt = {});
   ~TensorParallel();
   TensorParallel(const TensorParallel&) = delete;

@@ -54,10 +54,6 @@ struct Scheduler::Seq {
 
 namespace {
 
-int64_t default_kv_tokens(const SchedulerOptions& o) {
-  return std::max<int64_t>(o.ctx, int64_t(o.parallel) * std::min<int64_t>(o.ctx, 2048));
-}
-
 // Length of the longest prefix of text[0, end) that does not end inside a UTF-8 sequence.
 size_t utf8_safe_end(const std::string& text, size_t end) {
   size_t i = end;
@@ -77,10 +73,14 @@ size_t utf8_safe_end(const std::string& text, size_t end) {
 
 Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOptions& opt)
     : m_(model),
-      own_(std::make_unique<TensorParallel>(model, pool, std::max<int64_t>(opt.n_batch, opt.parallel))),
+      own_(std::make_unique<TensorParallel>(model, pool, [&] {  // the plan llmq-mem infer reports (plan_inference)
+        const int64_t cap = std::max<int64_t>(opt.n_batch, opt.parallel);
+        return plan_workspace(model.config, llama_matmuls(model.config, model.file->tensors(), cap, opt.parallel), cap, opt.ctx,
+                              opt.parallel, pool.size());
+      }())),
       tp_(*own_),
       opt_(opt),
-      cache_(tp_.make_cache((std::max(opt.kv_tokens > 0 ? opt.kv_tokens : default_kv_tokens(opt), opt.ctx) + 15) / 16, 16)) {
+      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens)) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -88,9 +88,11 @@ Scheduler::Scheduler(TensorParallel& tp, const SchedulerOptions& opt)
     : m_(tp.model()),
       tp_(tp),
       opt_(opt),
-      cache_(tp_.make_cache((std::max(opt.kv_tokens > 0 ? opt.kv_tokens : default_kv_tokens(opt), opt.ctx) + 15) / 16, 16)) {
+      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens)) {
   thread_ = std::thread([this] { loop(); });
 }
+
+uint64_t Scheduler::workspace_bytes() const { return tp_.workspace_bytes(); }
 
 Scheduler::~Scheduler() {
   {

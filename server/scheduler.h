@@ -73,7 +73,7 @@ struct SchedulerOptions {
   int64_t ctx = 4096;       ///< most tokens (prompt + generated) per sequence
   int64_t max_queue = 64;   ///< most requests waiting; more are refused (HTTP 429)
   int64_t n_batch = 512;    ///< most tokens in one forward pass
-  int64_t kv_tokens = 0;    ///< KV-cache size in tokens over all sequences (0: parallel * ctx)
+  int64_t kv_tokens = 0;    ///< KV-cache size in tokens over all sequences (0: server_kv_tokens() in engine/mem_plan.h)
 };
 
 /// Counters for /metrics, read without stopping the loop.
@@ -98,8 +98,10 @@ class Scheduler {
   Submit submit(const std::shared_ptr<GenRequest>& r);
   SchedulerStats stats() const;
   const SchedulerOptions& options() const { return opt_; }
-  /// Bytes of the KV cache (all tensor-parallel ranks).
-  uint64_t kv_cache_bytes() const { return cache_.bytes(); }
+  /// Bytes of the KV cache (all tensor-parallel ranks) and of the workspaces (measured: the
+  /// buffers' capacities).
+  uint64_t kv_bytes() const { return cache_.bytes(); }
+  uint64_t workspace_bytes() const;
 
  private:
   struct Seq;

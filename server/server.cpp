@@ -24,6 +24,7 @@
 #include "engine/model.h"
 #include "engine/tp.h"
 #include "formats/error.h"
+#include "mem/infer.h"
 #include "server/api.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -48,7 +49,8 @@ struct ServerState {
   std::atomic<bool> ready{false};
   std::string load_error;
   std::unique_ptr<Model> model;
-  std::unique_ptr<TensorParallel> runner;  // the forward passes: 1 rank or --tp N ranks
+  std::unique_ptr<ThreadPool> pool;        // --tp 1: the forward passes on one pool
+  std::unique_ptr<TensorParallel> runner;  // --tp N > 1: N ranks
   std::unique_ptr<Scheduler> scheduler;
   std::optional<ChatTemplate> tmpl;
   std::string model_id;
@@ -348,7 +350,7 @@ int main(int argc, char** argv) {
   app.add_option("--port", port, "TCP port");
   app.add_option("--device", device, "cpu | cuda | auto");
   app.add_option("-c,--ctx", ctx, "most tokens per sequence (default: the model's context, at most 4096)");
-  app.add_option("--parallel", parallel, "most sequences generated at once (continuous batching)");
+  auto* par_opt = app.add_option("--parallel", parallel, "most sequences generated at once (continuous batching)");
   app.add_option("--max-queue", max_queue, "most requests waiting; more get HTTP 429");
   app.add_option("--kv-tokens", kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass");
@@ -358,12 +360,35 @@ int main(int argc, char** argv) {
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
+  bool fit = false;
+  std::string mem_budget;
+  app.add_flag("--fit", fit,
+               "before loading, pick the largest context (multiple of 16), then the most parallel sequences, that fit --mem, "
+               "with a KV cache of parallel x ctx tokens; print the plan as JSON on stderr (--ctx / --parallel given are kept). "
+               "GPU layer offload needs the CUDA backend: not available yet");
+  app.add_option("--mem", mem_budget, "memory budget for --fit, e.g. 8GiB (default: MemAvailable)");
   LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-server", [&] {
     if (device == "cuda") throw UsageError("--device cuda: this build has no CUDA backend yet; use --device cpu");
     if (device != "cpu" && device != "auto") throw UsageError("--device must be cpu, cuda or auto");
     if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
+    if (fit) {  // plan first, from the file's metadata and tensor directory only (llmq-mem infer --fit)
+      const double budget = mem_budget.empty() ? double(mem::available_memory()) : mem::parse_size(mem_budget);
+      auto f = LlmqFile::open(model_path, false);
+      LlamaConfig c;
+      try {
+        c = LlamaConfig::from_metadata(f->meta());
+      } catch (const std::exception& e) {
+        throw FileError(model_path, e.what());
+      }
+      mem::InferOptions o;
+      o.ctx = ctx, o.parallel = parallel, o.server = true, o.n_batch = n_batch, o.threads = threads;
+      const mem::FitResult r = mem::fit_inference(*f, c, o, budget, ctx > 0, par_opt->count() > 0);
+      std::fprintf(stderr, "llmq-server: fit plan: %s\n", mem::fit_json(r, budget).dump().c_str());
+      if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)));
+      ctx = r.options.ctx, parallel = int(r.options.parallel), kv_tokens = r.options.kv_tokens;
+    }
     // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -466,7 +491,8 @@ int main(int argc, char** argv) {
     std::thread loader([&] {
       try {
         st->model = Model::load(model_path, !no_verify);
-        st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
+        if (tp == 1) st->pool = std::make_unique<ThreadPool>(threads);
+        else st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;
@@ -475,12 +501,17 @@ int main(int argc, char** argv) {
         so.max_queue = max_queue;
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
-        st->scheduler = std::make_unique<Scheduler>(*st->runner, so);
+        st->scheduler = st->runner ? std::make_unique<Scheduler>(*st->runner, so) : std::make_unique<Scheduler>(*st->model, *st->pool, so);
         st->ready = true;
-        std::fprintf(stderr, "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n",
-                     st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx,
-                     cli::human_bytes(st->scheduler->kv_cache_bytes()).c_str(), st->runner->size(),
-                     cli::human_bytes(cli::peak_rss_bytes()).c_str());
+        const uint64_t file_bytes = st->model->file->file_size(), kv_b = st->scheduler->kv_bytes(),
+                       ws_b = st->scheduler->workspace_bytes();
+        std::fprintf(stderr,
+                     "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n"
+                     "llmq-server: memory: model file %s, KV cache %s, workspace %s; total %llu bytes (%s)\n",
+                     st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx, cli::human_bytes(kv_b).c_str(), tp,
+                     cli::human_bytes(cli::peak_rss_bytes()).c_str(), cli::human_bytes(file_bytes).c_str(),
+                     cli::human_bytes(kv_b).c_str(), cli::human_bytes(ws_b).c_str(),
+                     (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str());
       } catch (const std::exception& e) {
         st->load_error = e.what();
         std::fprintf(stderr, "llmq-server: error: %s\n", e.what());

@@ -1,14 +1,21 @@
-// llmq-bench: prefill and decode speed of a `.llmq` model, as one JSON object on stdout.
+// llmq-bench: prefill and decode speed of a `.llmq` model, as one JSON object on stdout, with
+// the machine's streaming-read bandwidth measured on the same threads: decode as a fraction of
+// it (bytes each token must read / time), and prefill in GFLOP/s (engine/roofline.h). With
+// --tp N > 1 the model runs split over N ranks and TP=1 is measured too at the same total
+// thread count (speed-up in the output).
 //
-//   llmq-bench -m model.llmq [-p 512] [-n 128] [-t N] [-r 3] [--tp N]
+//   llmq-bench -m model.llmq [-p 512] [-n 128] [-t N] [-r 3] [--bandwidth-mib 512] [--tp N]
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <string>
 
 #include "engine/cpu_ops.h"
 #include "engine/model.h"
+#include "engine/roofline.h"
 #include "engine/tp.h"
 #include "formats/error.h"
 #include "tools/cli_common.h"
@@ -16,6 +23,18 @@
 using namespace llmq;
 
 namespace {
+
+// The processor's name from /proc/cpuinfo ("" where there is none).
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  return "";
+}
 
 struct Speed {
   double prefill_s = 1e30, decode_s = 1e30;  // best times
@@ -45,6 +64,7 @@ int main(int argc, char** argv) {
   int64_t n_prompt = 512, n_gen = 128;
   int threads = 0, reps = 3, tp = 1;
   bool no_verify = false, no_baseline = false;
+  int64_t bandwidth_mib = 512;
   app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
   app.add_option("-p,--prompt-tokens", n_prompt, "prompt length for the prefill measurement");
   app.add_option("-n,--gen-tokens", n_gen, "tokens decoded one at a time after the prompt");
@@ -55,11 +75,14 @@ int main(int argc, char** argv) {
   app.add_option("--tp-output", tp_output, "TP placement of embedding and output: vocab (vocab-parallel) or replicated");
   app.add_flag("--no-baseline", no_baseline, "with --tp N > 1: skip the TP=1 measurement");
   app.add_flag("--no-verify", no_verify, "skip checksum verification at load");
+  app.add_option("--bandwidth-mib", bandwidth_mib,
+                 "buffer for the read-bandwidth measurement, MiB (0: skip it)");
   LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-bench", [&] {
     if (n_prompt < 1 || n_gen < 1 || reps < 1) throw UsageError("-p, -n and -r must be positive");
     if (tp_output != "vocab" && tp_output != "replicated") throw UsageError("--tp-output must be vocab or replicated");
+    if (bandwidth_mib < 0 || bandwidth_mib > (int64_t(1) << 20)) throw UsageError("--bandwidth-mib out of range");
     auto model = Model::load(model_path, !no_verify);
     TpOptions opt;
     opt.vocab_parallel = tp_output == "vocab";
@@ -79,6 +102,15 @@ int main(int argc, char** argv) {
     for (int r = 0; r < reps; ++r) {  // interleaved, so a busy spell of a shared machine hits both
       if (bs) measure(*bs, prompt, n_gen, best_base);
       measure(s, prompt, n_gen, best);
+    }
+    // What the runs had to read and compute (engine/roofline.h), for the whole model.
+    const ForwardCost prefill = forward_cost(*model, n_prompt, 0);
+    ForwardCost decode;
+    for (int64_t i = 0; i < n_gen; ++i) {
+      const ForwardCost c = forward_cost(*model, 1, n_prompt + i);
+      decode.weight_bytes += c.weight_bytes;
+      decode.kv_bytes += c.kv_bytes;
+      decode.flops += c.flops;
     }
     nlohmann::json j;
     j["model"] = model_path;
@@ -115,7 +147,23 @@ int main(int argc, char** argv) {
         j["speedup_decode"] = best_base.decode_s / best.decode_s;
       }
     }
-    j["peak_rss_bytes"] = cli::peak_rss_bytes();
+    j["cpu_model"] = cpu_model_name();
+    j["peak_rss_bytes"] = cli::peak_rss_bytes();  // before the bandwidth buffer below
+    j["prefill_gflop_s"] = prefill.flops / best.prefill_s / 1e9;
+    j["decode_bytes_per_token"] = decode.bytes() / double(n_gen);
+    j["decode_gb_s"] = decode.bytes() / best.decode_s / 1e9;
+    if (bandwidth_mib > 0) {
+      // Measured after the model runs, on as many threads: the machine's streaming-read rate.
+      ThreadPool pool(total_threads);
+      const ReadBandwidth bw = measure_read_bandwidth(pool, uint64_t(bandwidth_mib) << 20);
+      const auto& t = model->file->tensors();
+      const uint8_t* w0 = model->file->data(t.front());
+      const uint8_t* w1 = model->file->data(t.back()) + t.back().nbytes;
+      const double mapped = measure_read_bandwidth(pool, w0, uint64_t(w1 - w0));
+      j["read_bandwidth_gb_s"] = bw.bytes_per_s / 1e9;           // heap buffer, bandwidth_mib
+      j["weights_read_bandwidth_gb_s"] = mapped / 1e9;           // the model's mapped weights
+      j["decode_bandwidth_fraction"] = decode.bytes() / best.decode_s / bw.bytes_per_s;
+    }
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   });

@@ -21,6 +21,7 @@
 #include "engine/tokenizer.h"
 #include "engine/tp.h"
 #include "formats/error.h"
+#include "mem/infer.h"
 #include "tools/cli_common.h"
 
 using namespace llmq;
@@ -87,25 +88,53 @@ int main(int argc, char** argv) {
   app.add_option("--system", system_prompt, "system prompt for chat mode");
   app.add_flag("--chat", use_chat, "format -p as a user message with the chat template (interactive mode chats whenever the model has a template)");
   app.add_flag("--no-verify", no_verify, "skip the tensor checksum verification at load");
+  bool fit = false;
+  std::string mem_budget;
+  app.add_flag("--fit", fit,
+               "before loading, pick the largest context (multiple of 16, at most the model's) that fits --mem and print the "
+               "plan as JSON on stderr (llmq-mem infer --fit); GPU layer offload needs the CUDA backend: not available yet");
+  app.add_option("--mem", mem_budget, "memory budget for --fit, e.g. 2GiB (default: MemAvailable)");
   LLMQ_CLI_PARSE(app, argc, argv);
   have_prompt = popt->count() > 0;
 
   return cli::run_guarded("llmq-run", [&] {
+    if (fit) {  // plan first, from the file's metadata and tensor directory only
+      if (!ppl_file.empty()) throw UsageError("--fit plans generation, not --perplexity");
+      const double budget = mem_budget.empty() ? double(mem::available_memory()) : mem::parse_size(mem_budget);
+      auto f = LlmqFile::open(model_path, false);
+      LlamaConfig c;
+      try {
+        c = LlamaConfig::from_metadata(f->meta());
+      } catch (const std::exception& e) {
+        throw FileError(model_path, e.what());
+      }
+      mem::InferOptions o;
+      o.ctx = ctx, o.n_batch = n_batch, o.threads = threads;
+      const mem::FitResult r = mem::fit_inference(*f, c, o, budget, ctx > 0, true);
+      std::fprintf(stderr, "llmq-run: fit plan: %s\n", mem::fit_json(r, budget).dump().c_str());
+      if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)) + " even with the smallest context");
+      ctx = r.options.ctx;
+    }
     auto model = Model::load(model_path, !no_verify);
     const Tokenizer& tok = *model->tokenizer;
     sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
     const int64_t ppl_ctx = ctx > 0 ? ctx : 512;
-    // TP = 1 is one rank on one pool of `threads`: the plain forward pass.
-    TensorParallel runner(*model, tp, threads, ppl_file.empty() ? std::max<int64_t>(1, n_batch) : ppl_ctx);
-    if (runner.size() > 1) {
-      std::fprintf(stderr, "llmq-run: tensor parallel over %d ranks, %d threads in all\n", runner.size(), runner.threads());
-      for (int r = 0; r < runner.size(); ++r) {
-        const ShardRanges& R = runner.shard(r).ranges;
+    // TP = 1: one pool of `threads` and the planned workspace (what llmq-mem infer reports);
+    // --tp N: N rank threads sharing `threads`, each with its slices of the weights.
+    std::unique_ptr<ThreadPool> pool;
+    std::unique_ptr<TensorParallel> runner;
+    if (tp == 1) {
+      pool = std::make_unique<ThreadPool>(threads);
+    } else {
+      runner = std::make_unique<TensorParallel>(*model, tp, threads, ppl_file.empty() ? std::max<int64_t>(1, n_batch) : ppl_ctx);
+      std::fprintf(stderr, "llmq-run: tensor parallel over %d ranks, %d threads in all\n", runner->size(), runner->threads());
+      for (int r = 0; r < runner->size(); ++r) {
+        const ShardRanges& R = runner->shard(r).ranges;
         std::fprintf(stderr, "  rank %d: %d threads, heads %lld-%lld, KV heads %lld-%lld, FFN %lld-%lld, vocab %lld-%lld, weights %s (%s copied)\n",
-                     r, runner.rank_threads(r), (long long)R.head0, (long long)(R.head0 + R.n_heads - 1), (long long)R.kv_head0,
+                     r, runner->rank_threads(r), (long long)R.head0, (long long)(R.head0 + R.n_heads - 1), (long long)R.kv_head0,
                      (long long)(R.kv_head0 + R.n_kv_heads - 1), (long long)R.ffn0, (long long)(R.ffn0 + R.ffn_dim - 1),
-                     (long long)R.vocab0, (long long)(R.vocab0 + R.n_vocab - 1), cli::human_bytes(runner.shard(r).weight_bytes()).c_str(),
-                     cli::human_bytes(runner.shard(r).owned_bytes).c_str());
+                     (long long)R.vocab0, (long long)(R.vocab0 + R.n_vocab - 1), cli::human_bytes(runner->shard(r).weight_bytes()).c_str(),
+                     cli::human_bytes(runner->shard(r).owned_bytes).c_str());
       }
     }
 
@@ -115,15 +144,24 @@ int main(int argc, char** argv) {
       const std::vector<int32_t> tokens = tok.encode(text, true);
       std::fprintf(stderr, "llmq-run: perplexity over %s: %zu tokens, %lld chunks of %lld\n", ppl_file.c_str(), tokens.size(),
                    (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
-      const PerplexityResult r = perplexity(
-          runner, tokens, n_ctx, [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); },
-          ppl_chunks);
+      const auto progress = [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); };
+      const PerplexityResult r = runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks)
+                                        : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks);
       std::printf("PPL = %.4f +/- %.4f (%lld chunks, %lld tokens scored, ctx %lld, model %s)\n", r.ppl, r.ppl_err,
                   (long long)r.chunks, (long long)r.scored, (long long)n_ctx, model->weight_type().c_str());
       return 0;
     }
 
-    Session session(runner, ctx);
+    const std::unique_ptr<Session> session_ptr =
+        runner ? std::make_unique<Session>(*runner, ctx) : std::make_unique<Session>(*model, *pool, ctx, n_batch);
+    Session& session = *session_ptr;
+    // Measured at load: bytes of our own buffers (the mapping, the KV cache, the workspace).
+    const uint64_t file_bytes = model->file->file_size();
+    std::fprintf(stderr, "llmq-run: memory: model file %s (weights %s), KV cache %s, workspace %s; total %llu bytes (%s), ctx %lld\n",
+                 cli::human_bytes(file_bytes).c_str(), cli::human_bytes(model->weight_bytes()).c_str(),
+                 cli::human_bytes(session.kv_bytes()).c_str(), cli::human_bytes(session.workspace_bytes()).c_str(),
+                 (unsigned long long)(file_bytes + session.state_bytes()), cli::human_bytes(file_bytes + session.state_bytes()).c_str(),
+                 (long long)session.ctx());
     Sampler sampler(sp);
     const std::vector<int32_t> stop_ids = default_stop_ids(model->vocab);
     std::vector<int32_t> history;  // every token of the conversation (prompt and replies)

@@ -1,0 +1,150 @@
+#include "engine/mem_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+
+#include "engine/model.h"
+#include "formats/error.h"
+
+namespace llmq {
+
+KVPlan plan_kv(const LlamaConfig& c, int64_t tokens, int elem_bytes, int64_t block_tokens) {
+  if (tokens <= 0 || block_tokens <= 0) throw UsageError("KV cache: the token count and block size must be positive");
+  KVPlan p;
+  p.block_tokens = block_tokens;
+  p.n_blocks = (tokens + block_tokens - 1) / block_tokens;
+  p.n_layers = c.n_layers;
+  p.kv_dim = c.kv_dim();
+  p.elem_bytes = elem_bytes;
+  return p;
+}
+
+std::vector<MatmulUse> llama_matmuls(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t capacity,
+                                     int64_t logits_rows) {
+  std::map<std::string, const TensorInfo*> by_name;
+  for (const auto& t : tensors) by_name[t.name] = &t;
+  auto find = [&](const std::string& name) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) throw UsageError("tensor '" + name + "' is missing");
+    return it->second;
+  };
+  std::vector<MatmulUse> uses;
+  for (int64_t l = 0; l < c.n_layers; ++l)
+    for (const char* what : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}) {
+      const TensorInfo* t = find(llama_layer_tensor(l, what));
+      uses.push_back({t->type, t->cols(), capacity});
+    }
+  const TensorInfo* out = find(c.tied_embeddings ? "token_embd.weight" : "output.weight");
+  if (logits_rows > 0) uses.push_back({out->type, out->cols(), logits_rows});
+  return uses;
+}
+
+uint64_t WorkspacePlan::bytes() const {
+  uint64_t b = 0;
+  for (const auto& buf : buffers()) b += buf.bytes;
+  return b;
+}
+
+std::vector<PlannedBuffer> WorkspacePlan::buffers() const {
+  auto f32 = [](const char* name, size_t n, const std::string& shape) {
+    return PlannedBuffer{name, shape + " f32", uint64_t(n) * sizeof(float)};
+  };
+  const auto B = size_t(std::max<int64_t>(1, capacity));
+  auto rows = [&](size_t n) { return fmt::format("[{}, {}]", B, n / B); };
+  std::vector<PlannedBuffer> out = {
+      f32("ws.x (residual stream)", x, rows(x)),
+      f32("ws.xb (normed input / projections)", xb, rows(xb)),
+      f32("ws.q", q, rows(q)),
+      f32("ws.k", k, rows(k)),
+      f32("ws.v", v, rows(v)),
+      f32("ws.att_out", att_out, rows(att_out)),
+      f32("ws.h1 (FFN gate)", h1, rows(h1)),
+      f32("ws.h2 (FFN up)", h2, rows(h2)),
+      PlannedBuffer{"ws.pos", fmt::format("[{}] i64", pos), uint64_t(pos) * sizeof(int64_t)},
+      PlannedBuffer{"ws.att (scores, per thread)", fmt::format("{} x [{}] f32", threads, att), uint64_t(threads) * att * sizeof(float)},
+      f32("ws.logits", logits, fmt::format("[{}, {}]", logits_rows, logits_rows > 0 ? logits / size_t(logits_rows) : 0)),
+      PlannedBuffer{"ws.matmul scratch (" + std::string(cpu_kernels_name()) + ")",
+                    fmt::format("xq {} blocks, prep {} B, {} x {} B per thread", matmul.xq, matmul.prep, matmul.threads,
+                                matmul.tbuf + matmul.rowbuf * sizeof(float)),
+                    matmul.bytes()},
+  };
+  return out;
+}
+
+WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>& matmuls, int64_t capacity, int64_t max_ctx,
+                             int64_t logits_rows, int threads) {
+  WorkspacePlan p;
+  p.capacity = std::max<int64_t>(1, capacity);
+  p.max_ctx = std::max<int64_t>(0, max_ctx);
+  p.logits_rows = std::max<int64_t>(0, logits_rows);
+  p.threads = std::max(0, threads);
+  const auto B = size_t(p.capacity);
+  p.x = B * size_t(c.dim);
+  p.xb = B * size_t(std::max(c.dim, c.q_dim()));
+  p.q = p.att_out = B * size_t(c.q_dim());
+  p.k = p.v = B * size_t(c.kv_dim());
+  p.h1 = p.h2 = B * size_t(c.hidden_dim);
+  p.pos = B;
+  // forward_batch scores G query heads per work item: the GQA group in a batch, 1 in decode.
+  const int64_t G = p.capacity > 1 ? c.n_heads / c.n_kv_heads : 1;
+  p.att = size_t(G * p.max_ctx);
+  p.logits = size_t(p.logits_rows * c.vocab_size);
+  p.matmul.threads = p.threads;
+  for (const MatmulUse& u : matmuls) plan_matmul_scratch(p.matmul, u.type, u.cols, u.max_tokens, p.threads);
+  return p;
+}
+
+SessionSizes session_sizes(const LlamaConfig& c, int64_t ctx, int64_t n_batch, int64_t logits_rows) {
+  SessionSizes s{};
+  s.ctx = ctx > 0 ? ctx : std::min(c.context_length, kDefaultMaxCtx);
+  s.n_batch = std::max<int64_t>(1, std::min(n_batch, s.ctx));
+  s.logits_rows = std::max<int64_t>(1, std::min(logits_rows, s.n_batch));
+  return s;
+}
+
+int64_t server_kv_tokens(int64_t ctx, int64_t parallel, int64_t kv_tokens) {
+  const int64_t want = kv_tokens > 0 ? kv_tokens : std::max<int64_t>(ctx, parallel * std::min<int64_t>(ctx, 2048));
+  return std::max(want, ctx);
+}
+
+InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t ctx, int64_t n_batch, int threads,
+                             int64_t parallel, bool server, int64_t kv_tokens) {
+  if (parallel < 1) throw UsageError("--parallel must be at least 1");
+  InferencePlan p;
+  for (const auto& t : file.tensors()) p.weight_bytes += t.nbytes;
+  p.file_bytes = file.file_size();
+  p.parallel = parallel;
+  if (parallel == 1 && !server) {  // llmq-run: one Session
+    const SessionSizes s = session_sizes(c, ctx, n_batch);
+    p.ctx = s.ctx, p.n_batch = s.n_batch, p.kv_tokens = s.ctx;
+    p.kv = plan_kv(c, s.ctx);
+    p.ws = plan_workspace(c, llama_matmuls(c, file.tensors(), s.n_batch, s.logits_rows), s.n_batch, s.ctx, s.logits_rows,
+                          threads);
+    return p;
+  }
+  // llmq-server: a Scheduler (server/scheduler.cpp) with one logits row per running sequence.
+  p.ctx = ctx > 0 ? ctx : std::min(c.context_length, kDefaultMaxCtx);
+  p.n_batch = std::max<int64_t>(n_batch, parallel);
+  p.kv_tokens = server_kv_tokens(p.ctx, parallel, kv_tokens);
+  p.kv = plan_kv(c, p.kv_tokens);
+  p.ws = plan_workspace(c, llama_matmuls(c, file.tensors(), p.n_batch, parallel), p.n_batch, p.ctx, parallel, threads);
+  return p;
+}
+
+uint64_t tensor_bytes_per_rank(const TensorInfo& t, int tp) {
+  if (tp <= 1 || t.shape.size() < 2) return t.nbytes;
+  const std::string& n = t.name;
+  auto has = [&](const char* s) { return n.find(s) != std::string::npos; };
+  const bool row_parallel = has("attn_output") || has("ffn_down");
+  if (!row_parallel) {  // split output features (rows); vocab-parallel embedding and output likewise
+    const int64_t rows = (t.rows() + tp - 1) / tp;
+    return uint64_t(rows) * (t.nbytes / uint64_t(t.rows()));
+  }
+  if (t.cols() % tp != 0 || !row_fits(t.type, t.cols() / tp))
+    throw UsageError(fmt::format("{}: {} columns cannot be split {} ways in whole {} blocks", n, t.cols(), tp, dtype_name(t.type)));
+  return uint64_t(t.rows()) * row_bytes(t.type, t.cols() / tp);
+}
+
+}  // namespace llmq

@@ -1,0 +1,126 @@
+// The CPU engine's allocation plan: every byte the engine allocates for a model (KV cache,
+// workspace, matmul scratch), computed before anything is allocated. The engine allocates from
+// this plan (KVCache, Workspace, Session, the server's Scheduler) and `llmq-mem infer` reports
+// it, so the report and the allocation cannot drift apart. docs/MEMORY.md explains each line.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/cpu_ops.h"
+#include "formats/llmq_file.h"
+#include "models/llama.h"
+
+namespace llmq {
+
+/// Positions per KV-cache block (engine/kv_cache.h), the granularity of every KV allocation.
+constexpr int64_t kKvBlockTokens = 16;
+
+/// One buffer of a plan: what it holds, its shape and its size.
+struct PlannedBuffer {
+  std::string name;   ///< e.g. "kv.k"
+  std::string shape;  ///< e.g. "[256, 5, 16, 32] f32"
+  uint64_t bytes = 0;
+};
+
+/// The KV cache: n_blocks blocks of block_tokens positions; K and V each
+/// [n_blocks, n_layers, block_tokens, kv_dim] of elem_bytes.
+/// bytes = 2 · n_blocks · block_tokens · n_layers · kv_dim · elem_bytes
+/// (= 2 · layers · kv_heads · head_dim · bytes · tokens rounded up to whole blocks; the
+/// PagedAttention layout of Kwon et al., SOSP 2023).
+struct KVPlan {
+  int64_t n_blocks = 0, block_tokens = kKvBlockTokens, n_layers = 0, kv_dim = 0;
+  int elem_bytes = 4;  ///< 4: the CPU engine stores f32
+  uint64_t bytes() const {
+    return 2 * uint64_t(n_blocks) * uint64_t(block_tokens) * uint64_t(n_layers) * uint64_t(kv_dim) * uint64_t(elem_bytes);
+  }
+  int64_t tokens() const { return n_blocks * block_tokens; }
+};
+
+/// KV cache for `tokens` positions over all sequences, rounded up to whole blocks.
+/// Throws UsageError for tokens <= 0.
+KVPlan plan_kv(const LlamaConfig& c, int64_t tokens, int elem_bytes = 4, int64_t block_tokens = kKvBlockTokens);
+
+/// One matrix the forward pass multiplies by, and the most tokens it is applied to at once.
+struct MatmulUse {
+  DType type = DType::F32;
+  int64_t cols = 0;
+  int64_t max_tokens = 0;
+};
+
+/// The matmuls of a Llama forward pass with weights typed as in `tensors` (a `.llmq` tensor
+/// directory): every layer matrix with up to `capacity` tokens, the output matrix (the
+/// embedding when tied) with up to `logits_rows` tokens. Throws UsageError if a
+/// table tensor is missing.
+std::vector<MatmulUse> llama_matmuls(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t capacity,
+                                     int64_t logits_rows);
+
+/// Scratch buffers of forward_batch (engine/model.h, class Workspace), in elements. A Workspace
+/// built from a plan allocates exactly these at construction and never grows while calls stay
+/// within the plan: at most `capacity` tokens, positions < `max_ctx`, at most `logits_rows`
+/// logits rows, a pool of `threads` threads.
+struct WorkspacePlan {
+  int64_t capacity = 1;     ///< tokens per forward_batch call (n_batch)
+  int64_t max_ctx = 0;      ///< longest sequence in positions (attention score rows)
+  int64_t logits_rows = 0;  ///< logits rows returned per call
+  int threads = 0;          ///< ThreadPool::size()
+  // Elements (floats unless noted): [capacity, ...] activations
+  size_t x = 0, xb = 0, q = 0, k = 0, v = 0, att_out = 0, h1 = 0, h2 = 0;
+  size_t pos = 0;     ///< int64 positions [capacity]
+  size_t att = 0;     ///< per thread: attention scores [G, max_ctx], G = GQA group (1 when capacity is 1)
+  size_t logits = 0;  ///< [logits_rows, vocab]
+  MatmulScratchPlan matmul;
+
+  /// Total bytes: 4 · (x + xb + q + k + v + att_out + h1 + h2 + threads·att + logits)
+  /// + 8 · pos + matmul.bytes().
+  uint64_t bytes() const;
+  /// The buffers one by one (the report's detail lines).
+  std::vector<PlannedBuffer> buffers() const;
+};
+
+/// The workspace for a model: activations sized by `capacity`, attention scores by `max_ctx`
+/// and the GQA group, logits by `logits_rows`, matmul scratch from `matmuls` at the active CPU
+/// level (cpu_level(): the plan is for this machine's kernels) and `threads`.
+WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>& matmuls, int64_t capacity, int64_t max_ctx,
+                             int64_t logits_rows, int threads);
+
+/// Everything the CPU engine holds for a loaded model and its runtime state.
+struct InferencePlan {
+  uint64_t weight_bytes = 0;  ///< Σ tensor bytes of the file's tensor directory (scales included)
+  uint64_t file_bytes = 0;    ///< the whole mapped file: weights + header, metadata, directory, padding
+  KVPlan kv;
+  WorkspacePlan ws;
+  int64_t ctx = 0, parallel = 1, n_batch = 0, kv_tokens = 0;
+  /// file_bytes + kv.bytes() + ws.bytes(): mapped file, KV cache and workspace, the engine's own
+  /// buffers (the tokenizer's tables and the C++ runtime are not counted).
+  uint64_t total() const { return file_bytes + kv.bytes() + ws.bytes(); }
+};
+
+/// Sizes a Session (engine/model.h) would use: ctx (<= 0: the model's context, at most
+/// kDefaultMaxCtx), n_batch clamped to [1, ctx], logits_rows (1 for generation; n_batch when
+/// every position's logits are needed, as perplexity does).
+struct SessionSizes {
+  int64_t ctx, n_batch, logits_rows;
+};
+SessionSizes session_sizes(const LlamaConfig& c, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1);
+
+/// The KV-cache size llmq-server uses: kv_tokens when > 0, else max(ctx, parallel · min(ctx,
+/// 2048)); never less than ctx.
+int64_t server_kv_tokens(int64_t ctx, int64_t parallel, int64_t kv_tokens);
+
+/// The plan of llmq-run (parallel = 1: a Session of `ctx` tokens) or llmq-server (parallel > 1,
+/// or server = true: a Scheduler with `parallel` sequences of up to `ctx` tokens, a KV cache of
+/// server_kv_tokens(ctx, parallel, kv_tokens) tokens and a workspace of max(n_batch, parallel)
+/// tokens). `file` is only read for its metadata and tensor directory.
+InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t ctx, int64_t n_batch, int threads,
+                             int64_t parallel = 1, bool server = false, int64_t kv_tokens = 0);
+
+/// Bytes a tensor holds on one of `tp` tensor-parallel ranks under the Megatron-LM split
+/// (Shoeybi et al. 2019): column-parallel attn_q/attn_k/attn_v/ffn_gate/ffn_up and the
+/// vocab-parallel token_embd/output split their rows (output features) by tp; row-parallel
+/// attn_output/ffn_down split their columns (input features); 1-D norms are replicated.
+/// Rows are rounded up when they do not divide; a column split must keep whole blocks.
+/// Throws UsageError when a split column count is not a multiple of the block size.
+uint64_t tensor_bytes_per_rank(const TensorInfo& t, int tp);
+
+}  // namespace llmq

@@ -1,0 +1,208 @@
+#include "mem/infer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <thread>
+
+#include "formats/error.h"
+
+namespace llmq::mem {
+
+namespace {
+
+constexpr const char* kPlan = "engine/mem_plan.cpp (the plan the engine allocates from)";
+constexpr const char* kPaged = "Kwon et al. 2023, arXiv 2309.06180 (PagedAttention blocks)";
+constexpr const char* kMegatron = "Shoeybi et al. 2019, arXiv 1909.08053 (Megatron-LM column/row-parallel split)";
+
+LlamaConfig read_config(const LlmqFile& f) {
+  try {
+    return LlamaConfig::from_metadata(f.meta());
+  } catch (const std::exception& e) {
+    throw FileError(f.path(), e.what());
+  }
+}
+
+std::string type_mix(const std::vector<TensorInfo>& tensors) {
+  std::map<std::string, uint64_t> bytes;
+  for (const auto& t : tensors) bytes[dtype_name(t.type)] += t.nbytes;
+  std::string s;
+  for (const auto& [name, b] : bytes) s += fmt::format("{}{} {}", s.empty() ? "" : ", ", name, format_bytes(double(b)));
+  return s;
+}
+
+void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, size_t n_tensors, const std::string& mix) {
+  r.lines.push_back({"weights (tensor directory)", double(p.weight_bytes),
+                     fmt::format("Σ bytes of {} tensors, block scales included: {}", n_tensors, mix), "", Place::Device, Basis::Exact});
+  r.lines.push_back({"file header, metadata, tokenizer, padding", double(p.file_bytes - p.weight_bytes),
+                     "mapped file size - weights (the mapping is read-only, page cache backed)", "", Place::Device, Basis::Exact});
+  r.lines.push_back({"KV cache", double(p.kv.bytes()),
+                     fmt::format("2 (K,V) x {} layers x {} kv_dim ({} heads x {}) x {} B x {} tokens ({} blocks of {})", c.n_layers,
+                                 c.kv_dim(), c.n_kv_heads, c.head_dim, p.kv.elem_bytes, p.kv.tokens(), p.kv.n_blocks,
+                                 p.kv.block_tokens),
+                     kPaged, Place::Device, Basis::Exact});
+  // The [capacity, ...] activation buffers as one line, then scores, logits and matmul scratch.
+  uint64_t act = 0;
+  std::string act_f;
+  std::vector<MemLine> rest;
+  for (const auto& b : p.ws.buffers()) {
+    const std::string name = b.name.substr(3);  // without "ws."
+    if (name.rfind("att ", 0) == 0 || name == "logits" || name.rfind("matmul", 0) == 0) {
+      rest.push_back({"workspace: " + name, double(b.bytes), b.shape, kPlan, Place::Device, Basis::Exact});
+    } else {
+      act += b.bytes;
+      act_f += (act_f.empty() ? "" : " + ") + name.substr(0, name.find(' ')) + " " + b.shape;
+    }
+  }
+  r.lines.push_back({"workspace: activations", double(act), act_f, kPlan, Place::Device, Basis::Exact});
+  r.lines.insert(r.lines.end(), rest.begin(), rest.end());
+}
+
+}  // namespace
+
+int resolve_threads(int threads) { return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency())); }
+
+InferencePlan infer_plan(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o) {
+  return plan_inference(f, c, o.ctx, o.n_batch, resolve_threads(o.threads), o.parallel, o.server, o.kv_tokens);
+}
+
+MemReport infer_report(const std::string& path, const InferOptions& o) {
+  if (o.device != "cpu" && o.device != "cuda") throw UsageError("--device must be cpu or cuda");
+  if (o.kv_type != "f32" && o.kv_type != "f16") throw UsageError("--kv-type must be f32 or f16");
+  if (o.device == "cpu" && o.kv_type != "f32") throw UsageError("the CPU engine stores the KV cache as f32 (--kv-type f32)");
+  if (o.tp < 1) throw UsageError("--tp must be >= 1");
+  auto f = LlmqFile::open(path, /*verify=*/false);
+  const LlamaConfig c = read_config(*f);
+  const InferencePlan p = infer_plan(*f, c, o);
+  MemReport r;
+  r.budget = o.budget;
+  const bool server = o.parallel > 1 || o.server;
+  r.title = fmt::format("{}: {} ctx {}, {} sequence{}, KV {} tokens, batch {}, {} threads", f->path(), server ? "llmq-server" : "llmq-run",
+                        p.ctx, p.parallel, p.parallel > 1 ? "s" : "", p.kv_tokens, p.n_batch, p.ws.threads);
+  r.extra["plan"] = {{"ctx", p.ctx},           {"parallel", p.parallel},        {"kv_tokens", p.kv_tokens},
+                     {"kv_blocks", p.kv.n_blocks}, {"n_batch", p.n_batch},       {"threads", p.ws.threads},
+                     {"cpu_kernels", cpu_kernels_name()}, {"weights", p.weight_bytes}, {"file", p.file_bytes},
+                     {"kv_cache", p.kv.bytes()},   {"workspace", p.ws.bytes()},  {"total", p.total()}};
+  if (o.device == "cpu" && o.tp == 1) {
+    r.device = "cpu";
+    add_cpu_lines(r, p, c, f->tensors().size(), type_mix(f->tensors()));
+    r.notes.push_back(fmt::format("exact: llmq-run/llmq-server allocate from this plan (CPU kernels: {}; LLMQ_CPU and --threads change "
+                                  "the matmul scratch); the tokenizer's tables are not counted",
+                                  cpu_kernels_name()));
+    return r;
+  }
+  // Per tensor-parallel rank (rank 0; others differ only by vocab rows when vocab % tp != 0).
+  if (c.n_heads % o.tp != 0 || c.n_kv_heads % o.tp != 0 || c.hidden_dim % o.tp != 0)
+    throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, c.n_heads, c.n_kv_heads,
+                                 c.hidden_dim));
+  uint64_t w = 0;
+  for (const auto& t : f->tensors()) w += tensor_bytes_per_rank(t, o.tp);
+  r.device = fmt::format("{} rank 0 of {}", o.device, o.tp);
+  r.lines.push_back({"weights per rank", double(w),
+                     fmt::format("Megatron split over tp={}: attn_q/k/v, ffn_gate/up, token_embd, output by rows; attn_output, ffn_down "
+                                 "by columns; norms replicated",
+                                 o.tp),
+                     kMegatron, Place::Device, Basis::Exact});
+  const int kv_bytes = o.kv_type == "f16" ? 2 : 4;
+  const KVPlan kv = plan_kv(c, p.kv_tokens, kv_bytes);
+  r.lines.push_back({"KV cache per rank", double(kv.bytes()) / o.tp,
+                     fmt::format("2 x {} layers x {} kv heads / tp {} x {} head_dim x {} B x {} tokens ({} blocks)", c.n_layers, c.n_kv_heads,
+                                 o.tp, c.head_dim, kv_bytes, kv.tokens(), kv.n_blocks),
+                     kPaged, Place::Device, Basis::Exact});
+  const char* why = o.device == "cuda" ? "not measured: no CUDA backend yet" : "not measured: the CPU engine has no tensor parallelism yet";
+  r.lines.push_back({"activations and workspace", 0, why, "", Place::Device, Basis::NotMeasured});
+  if (o.device == "cuda") {
+    r.lines.push_back({"cuBLAS workspace", 0, why, "", Place::GpuOther, Basis::NotMeasured});
+    r.lines.push_back({"CUDA context", 0, why + std::string(" (to be a measured constant)"), "", Place::GpuOther, Basis::NotMeasured});
+  }
+  if (o.tp > 1) r.lines.push_back({"TP communication buffers", 0, why, "", Place::GpuOther, Basis::NotMeasured});
+  r.notes.push_back("the total covers the exact lines only; lines marked 'not measured' are not included");
+  return r;
+}
+
+FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel) {
+  // llmq-run (one Session) when parallel stays 1; otherwise llmq-server with parallel x ctx KV tokens.
+  const bool session = fix_parallel && o.parallel <= 1 && !o.server;
+  auto plan = [&](int64_t ctx, int64_t par) {
+    InferOptions t = o;
+    t.ctx = ctx, t.parallel = par, t.server = !session;
+    t.kv_tokens = session ? 0 : ctx * par;
+    return std::pair{t, infer_plan(f, c, t)};
+  };
+  auto fits = [&](int64_t ctx, int64_t par) { return double(plan(ctx, par).second.total()) <= budget; };
+  const int64_t bt = kKvBlockTokens;
+  // Largest x in [lo, hi] (in units of step) with ok(x); lo when none.
+  auto largest = [](int64_t lo, int64_t hi, const std::function<bool(int64_t)>& ok) {
+    if (!ok(lo)) return lo;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (ok(mid)) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  };
+  int64_t par = fix_parallel ? std::max<int64_t>(1, o.parallel) : 1;
+  int64_t ctx = fix_ctx && o.ctx > 0 ? o.ctx : 0;
+  if (ctx == 0) {
+    const int64_t max_blocks = std::max<int64_t>(1, c.context_length / bt);
+    ctx = bt * largest(1, max_blocks, [&](int64_t n) { return fits(n * bt, par); });
+  }
+  if (!fix_parallel) par = largest(1, 256, [&](int64_t p) { return fits(ctx, p); });
+  auto [opt, pl] = plan(ctx, par);
+  return FitResult{opt, pl, double(pl.total()) <= budget};
+}
+
+nlohmann::json fit_json(const FitResult& r, double budget) {
+  const InferencePlan& p = r.plan;
+  return {{"fits", r.fits},
+          {"budget", std::llround(budget)},
+          {"ctx", p.ctx},
+          {"parallel", p.parallel},
+          {"kv_tokens", p.kv_tokens},
+          {"n_batch", p.n_batch},
+          {"threads", p.ws.threads},
+          {"weights", p.weight_bytes},
+          {"file", p.file_bytes},
+          {"kv_cache", p.kv.bytes()},
+          {"workspace", p.ws.bytes()},
+          {"total", p.total()},
+          {"gpu_layers", "n/a (no GPU backend yet: every layer runs on the CPU)"}};
+}
+
+double parse_size(const std::string& text) {
+  std::string s;
+  for (char ch : text)
+    if (!std::isspace(static_cast<unsigned char>(ch))) s += ch;
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    throw UsageError("bad size '" + text + "' (e.g. 8GiB, 512MiB, 80GB, 123456)");
+  }
+  std::string unit = s.substr(used);
+  for (auto& ch : unit) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+  static const std::map<std::string, double> units = {
+      {"", 1},          {"b", 1},           {"k", 1024},       {"kib", 1024},     {"kb", 1e3},  {"m", 1024.0 * 1024},
+      {"mib", 1024.0 * 1024}, {"mb", 1e6}, {"g", 1024.0 * 1024 * 1024}, {"gib", 1024.0 * 1024 * 1024}, {"gb", 1e9},
+      {"t", 1024.0 * 1024 * 1024 * 1024}, {"tib", 1024.0 * 1024 * 1024 * 1024}, {"tb", 1e12}};
+  auto it = units.find(unit);
+  if (it == units.end() || v < 0) throw UsageError("bad size '" + text + "' (e.g. 8GiB, 512MiB, 80GB, 123456)");
+  return v * it->second;
+}
+
+uint64_t available_memory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
+
+}  // namespace llmq::mem

@@ -1,0 +1,60 @@
+// `llmq-mem infer`: the memory of running a `.llmq` model, from the engine's own allocation plan
+// (engine/mem_plan.h), and `--fit`: the largest context / parallel sequences within a budget.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "engine/mem_plan.h"
+#include "mem/report.h"
+
+namespace llmq::mem {
+
+/// What llmq-run / llmq-server would be started with.
+struct InferOptions {
+  int64_t ctx = 0;        ///< tokens per sequence (0: the model's context, at most 4096)
+  int64_t parallel = 1;   ///< sequences at once (> 1: llmq-server's scheduler)
+  bool server = false;    ///< plan llmq-server even with parallel = 1
+  int64_t kv_tokens = 0;  ///< server KV cache in tokens (0: server_kv_tokens's default)
+  int64_t n_batch = 512;  ///< most tokens per forward pass
+  int threads = 0;        ///< ThreadPool size (0: every core, as ThreadPool(0))
+  std::string kv_type = "f32";  ///< f32 (CPU engine) | f16 (planned CUDA backend)
+  std::string device = "cpu";   ///< cpu | cuda
+  int tp = 1;                   ///< tensor-parallel ranks (Megatron split; report only)
+  std::optional<double> budget; ///< bytes available
+};
+
+/// Threads a ThreadPool(threads) would have.
+int resolve_threads(int threads);
+
+/// The report for `path` (a `.llmq` file, opened without reading weights). CPU: every line is
+/// exact (plan = allocation). CUDA: weights and KV cache per rank are exact, the backend's
+/// buffers are marked "not measured: no CUDA backend yet". Throws FileError / UsageError.
+MemReport infer_report(const std::string& path, const InferOptions& o);
+
+/// The plan behind infer_report for the CPU device (what llmq-run / llmq-server allocate).
+InferencePlan infer_plan(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o);
+
+/// --fit: the largest ctx (a multiple of kKvBlockTokens, at most the model's context) and then
+/// the most parallel sequences (at most 256) whose plan fits `budget` bytes, with a KV cache of
+/// parallel x ctx tokens (every sequence can reach its full context). fix_ctx / fix_parallel
+/// keep o.ctx / o.parallel as given. fits = false when even the smallest plan does not fit
+/// (o then holds the smallest). Monotone in both, so each is a binary search.
+struct FitResult {
+  InferOptions options;
+  InferencePlan plan;
+  bool fits = false;
+};
+FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel);
+
+/// The fit as JSON: {"fits", "budget", "ctx", "parallel", "kv_tokens", "n_batch", "threads",
+/// "total", "weights", "kv_cache", "workspace", "gpu_layers": "n/a (no GPU backend yet)"}.
+nlohmann::json fit_json(const FitResult& r, double budget);
+
+/// "8GiB", "512 MiB", "80GB", "1.5G" (G = GiB), or plain bytes. Throws UsageError.
+double parse_size(const std::string& s);
+
+/// MemAvailable of /proc/meminfo in bytes (0 when unknown).
+uint64_t available_memory();
+
+}  // namespace llmq::mem

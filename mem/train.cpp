@@ -1,0 +1,517 @@
+#include "mem/train.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+#include "formats/error.h"
+
+namespace llmq::mem {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr const char* kZero = "ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, §3 and Fig. 1)";
+constexpr const char* kKorth = "Korthikanti et al. 2022, arXiv 2205.05198, §4 and Table 2";
+constexpr const char* kDs = "DeepSpeed estimate_zero2/zero3_model_states_mem_needs (stage_1_and_2.py, stage3.py)";
+constexpr const char* k8bit = "Dettmers et al. 2021, arXiv 2110.02861 (block-wise 8-bit states, blocks of 2048)";
+constexpr const char* kQlora = "Dettmers et al. 2023, arXiv 2305.14314 (NF4, blocks of 64, double quantization)";
+constexpr const char* kLora = "Hu et al. 2021, arXiv 2106.09685 (B [out, r] · A [r, in])";
+constexpr const char* kTorch = "PyTorch: torch.optim.AdamW foreach, torch.amp autocast cache, CUDACachingAllocator";
+constexpr const char* kKo2 = "okoge-kaz memory-estimator notes (CUDA context ~300-500 MB, NCCL ~0.5 GB per communicator)";
+
+std::string num(double x) { return fmt::format("{:.6g}", x); }
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+const char* precision_label(Precision p) {
+  return p == Precision::FP32 ? "fp32" : p == Precision::Mixed ? "mixed 16-bit + fp32 master" : "pure bf16";
+}
+
+const char* optimizer_label(Optimizer o) {
+  switch (o) {
+    case Optimizer::Adam: return "Adam/AdamW";
+    case Optimizer::Adam8bit: return "8-bit Adam";
+    case Optimizer::SGD: return "SGD";
+    default: return "SGD with momentum";
+  }
+}
+
+Place offload_place(Offload o) { return o == Offload::Cpu ? Place::Cpu : o == Offload::Nvme ? Place::Nvme : Place::Device; }
+
+// Parameters held by one GPU: the largest pipeline stage (first: embedding, last: head), / tp.
+struct GpuParams {
+  double all = 0;          // every parameter of the stage, / tp
+  double block_linear = 0; // the blocks' matrices (LoRA/QLoRA targets)
+  int64_t layers = 0;      // blocks on this stage
+};
+
+GpuParams gpu_params(const ModelShape& m, const TrainOptions& o) {
+  GpuParams g;
+  g.layers = (m.layers + o.pp - 1) / o.pp;
+  const double blocks = double(g.layers) * double(m.layer_params());
+  double stage = o.pp == 1 ? double(m.params())
+                           : std::max(double(m.embed_params()) + blocks, blocks + double(m.head_params()));
+  g.all = stage / o.tp;
+  g.block_linear = double(g.layers) * double(m.layer_linear_params()) / o.tp;
+  return g;
+}
+
+// LoRA adapter parameters of one block: Σ over targets r·(in + out) (LORA).
+double lora_layer_params(const ModelShape& m, const TrainOptions& o) {
+  const double r = double(o.lora_rank), h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()),
+               H = double(m.hidden);
+  std::vector<std::string> t = o.lora_targets;
+  if (std::find(t.begin(), t.end(), "all") != t.end()) t = {"q", "k", "v", "o", "gate", "up", "down"};
+  double n = 0;
+  for (const auto& name : t) {
+    if (name == "q") n += r * (h + q);
+    else if (name == "k" || name == "v") n += r * (h + kv);
+    else if (name == "o") n += r * (q + h);
+    else if (name == "gate" || name == "up" || name == "down") n += r * (h + H);
+    else throw UsageError("unknown LoRA target '" + name + "' (q, k, v, o, gate, up, down, all)");
+  }
+  return n;
+}
+
+// ------------------------------------------------------------------ analytic / DeepSpeed
+
+void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) {
+  const GpuParams gp = gpu_params(m, o);
+  const StateBytes sb = state_bytes(o.precision, o.optimizer, o.framework);
+  const double N = o.dp;
+  const bool lora = o.lora_rank > 0;
+  const double trainable = lora ? double(gp.layers) * lora_layer_params(m, o) / o.tp : gp.all;
+  const std::string psi = fmt::format("Ψ = {} params on this GPU (stage of {} layers / tp {})", num(gp.all), gp.layers, o.tp);
+  const Place opt_place = offload_place(o.offload_optimizer);
+  const Place par_place = o.zero >= 3 ? offload_place(o.offload_params) : Place::Device;
+  const double p_div = o.zero >= 3 ? N : 1, g_div = o.zero >= 2 ? N : 1, s_div = o.zero >= 1 ? N : 1;
+
+  if (o.framework == Framework::DeepSpeed && !lora && o.precision == Precision::Mixed && o.optimizer == Optimizer::Adam &&
+      o.zero >= 2) {
+    // DeepSpeed's own estimator, model states as one line pair (GPU and CPU).
+    const bool off = o.offload_optimizer != Offload::None;
+    const CpuGpu ds = o.zero == 2 ? ds_zero2_model_states(gp.all, o.dp, 1, off)
+                                  : ds_zero3_model_states(gp.all, double(m.largest_layer_params()) / o.tp, o.dp, 1, off,
+                                                          o.offload_params != Offload::None);
+    r.lines.push_back({"model states (DeepSpeed estimator)", ds.gpu,
+                       o.zero == 2 ? (off ? "2P" : "4P + 16P/N") : (off ? (o.offload_params != Offload::None ? "4·largest_layer" : "4·largest_layer + 2P/N") : "4·largest_layer + 18P/N"),
+                       kDs, Place::Device, Basis::Formula});
+    r.lines.push_back({"model states on CPU (DeepSpeed estimator, buffer factor 1.5)", ds.cpu, "see DeepSpeed estimator", kDs, Place::Cpu,
+                       Basis::Formula});
+    return;
+  }
+
+  if (lora) {
+    double frozen_bytes = (o.precision == Precision::FP32 ? 4.0 : 2.0) * gp.all;
+    std::string f = fmt::format("{} B x Ψ", o.precision == Precision::FP32 ? 4 : 2);
+    if (o.qlora) {
+      const double nf4 = inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4");
+      frozen_bytes = nf4 * gp.block_linear + 2.0 * (gp.all - gp.block_linear);
+      f = fmt::format("NF4 {:.4f} B x {} block-matrix params + bf16 2 B x {} others", nf4, num(gp.block_linear),
+                      num(gp.all - gp.block_linear));
+    }
+    r.lines.push_back({"parameters (frozen base)", frozen_bytes / p_div, f + (p_div > 1 ? " / N_d" : "") + "; " + psi,
+                       o.qlora ? kQlora : kLora, par_place, Basis::Formula});
+    r.lines.push_back({"parameters (LoRA adapters)", sb.weights * trainable / p_div,
+                       fmt::format("{} B x Ψ_lora, Ψ_lora = layers x Σ_targets r·(in + out) = {}", sb.weights, num(trainable)), kLora,
+                       par_place, Basis::Formula});
+  } else {
+    r.lines.push_back({"parameters", sb.weights * trainable / p_div,
+                       fmt::format("{} B x Ψ{}; {}", sb.weights, p_div > 1 ? " / N_d" : "", psi), kZero, par_place, Basis::Formula});
+  }
+  if (par_place != Place::Device) {  // ZeRO-3 parameter offload: one gathered layer on the GPU
+    const double ll = double(m.largest_layer_params()) / o.tp;
+    r.lines.push_back({"gathered parameters (working set)", (sb.weights + sb.grads) * ll,
+                       fmt::format("({} + {}) B x largest layer {} (DeepSpeed's 4·largest_layer)", sb.weights, sb.grads, num(ll)), kDs,
+                       Place::Device, Basis::Formula});
+  }
+  const Place grad_place = o.offload_optimizer != Offload::None ? opt_place : Place::Device;
+  r.lines.push_back({"gradients", sb.grads * trainable / g_div,
+                     fmt::format("{} B x Ψ_trainable {}{}", sb.grads, num(trainable), g_div > 1 ? " / N_d" : ""), kZero, grad_place,
+                     Basis::Formula});
+  if (sb.master > 0)
+    r.lines.push_back({"master weights (fp32)", sb.master * trainable / s_div,
+                       fmt::format("4 B x Ψ_trainable{}", s_div > 1 ? " / N_d" : ""), kZero, opt_place, Basis::Formula});
+  if (sb.optim > 0)
+    r.lines.push_back({"optimizer states", sb.optim * trainable / s_div,
+                       fmt::format("{} B x Ψ_trainable{} ({}; K = {} with the master copy)", num(sb.optim), s_div > 1 ? " / N_d" : "",
+                                   optimizer_label(o.optimizer), num(sb.k())),
+                       o.optimizer == Optimizer::Adam8bit ? k8bit : kZero, opt_place, Basis::Formula});
+}
+
+void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
+  const GpuParams gp = gpu_params(m, o);
+  const double s = double(o.seq_len), b = double(o.micro_batch), h = double(m.dim), a = double(m.heads), v = double(m.vocab);
+  const double scale = o.precision == Precision::FP32 ? 2.0 : 1.0;  // KORTH counts 16-bit values
+  const double in_flight = o.pp > 1 ? double(std::min<int64_t>(o.pp, o.grad_accum)) : 1.0;
+  const double layers = double(gp.layers) * in_flight;
+  const double per = korthikanti_layer_activations(s, b, h, a, o.tp, o.sequence_parallel, o.checkpointing, o.flash_attention) * scale;
+  std::string f;
+  if (o.checkpointing == Checkpointing::Full) f = "2sbh per layer (layer input)";
+  else if (o.flash_attention || o.checkpointing == Checkpointing::Selective)
+    f = o.sequence_parallel ? "34sbh/t per layer" : "sbh(10 + 24/t) per layer (t = 1: 34sbh)";
+  else f = o.sequence_parallel ? "sbh(34 + 5as/h)/t per layer" : "sbh(10 + 24/t + 5as/(ht)) per layer (t = 1: sbh(34 + 5as/h))";
+  f += fmt::format(" x {} layers{} ; s={} b={} h={} a={} t={}{}", gp.layers, in_flight > 1 ? fmt::format(" x {} micro-batches in flight (1F1B)", in_flight) : "",
+                   o.seq_len, o.micro_batch, m.dim, m.heads, o.tp, scale > 1 ? "; x2 for fp32 activations" : "");
+  r.lines.push_back({"activations (transformer layers)", per * layers, f, kKorth, Place::Device, Basis::Formula});
+  if (o.checkpointing == Checkpointing::Full) {
+    const double work = korthikanti_layer_activations(s, b, h, a, o.tp, o.sequence_parallel, Checkpointing::None, o.flash_attention) * scale;
+    r.lines.push_back({"activations (one layer recomputed)", work, "the layer's full activations during its backward", kKorth, Place::Device,
+                       Basis::Formula});
+  }
+  const double out = (4 * s * b * h + 4 * s * b * v) / o.tp;
+  r.lines.push_back({"activations (output layer, fp32 logits)", out, fmt::format("(4sbh + 4sbv)/t, v = {}", m.vocab), kKorth, Place::Device,
+                     Basis::Formula});
+}
+
+void add_temporaries(MemReport& r, const ModelShape& m, const TrainOptions& o) {
+  const double s = double(o.seq_len), b = double(o.micro_batch), v = double(m.vocab);
+  r.lines.push_back({"temporary: logits gradient (fp32)", 4 * s * b * v / o.tp, "4sbv/t during the loss backward", kKorth, Place::Device,
+                     Basis::Formula});
+  if (o.qlora) {
+    const double mat = double(std::max(m.dim * m.hidden, m.dim * m.q_dim())) / o.tp;
+    r.lines.push_back({"temporary: dequantized NF4 matrix (bf16)", 2 * mat, "2 B x largest block matrix", kQlora, Place::Device,
+                       Basis::Formula});
+  }
+}
+
+void add_comm_and_overhead(MemReport& r, const ModelShape& m, const TrainOptions& o) {
+  const GpuParams gp = gpu_params(m, o);
+  const StateBytes sb = state_bytes(o.precision, o.optimizer, o.framework);
+  const double trainable = o.lora_rank > 0 ? double(gp.layers) * lora_layer_params(m, o) / o.tp : gp.all;
+  if (o.dp > 1 && o.zero == 0)
+    r.lines.push_back({"communication: DDP gradient buckets", sb.grads * trainable,
+                       "one copy of the gradients (DistributedDataParallel, gradient_as_bucket_view=False, 25 MB buckets covering all)",
+                       kTorch, Place::Device, Basis::Formula});
+  if (o.dp > 1 && o.zero >= 1) {
+    const double reduce = 2 * std::min(trainable, 5e8), gather = 2 * std::min(trainable, o.zero == 3 ? 5e7 : 5e8);
+    r.lines.push_back({"communication: ZeRO buckets (16-bit)", reduce + gather,
+                       o.zero == 3 ? "2 B x (min(Ψ, reduce_bucket_size 5e8) + min(Ψ, stage3_prefetch_bucket_size 5e7))"
+                                   : "2 B x (min(Ψ, reduce_bucket_size 5e8) + min(Ψ, allgather_bucket_size 5e8))",
+                       "DeepSpeed configuration defaults (zero_optimization)", Place::Device, Basis::Formula});
+  }
+  r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes, "assumed constant per GPU (not measured here)", kKo2,
+                     Place::GpuOther, Basis::Assumed});
+  if (o.dp * o.tp * o.pp > 1)
+    r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
+                       Basis::Assumed});
+}
+
+// ------------------------------------------------------------------ PyTorch (bench/train_mem.py)
+
+// Bytes the CUDACachingAllocator counts for an allocation of n bytes on a fresh allocator:
+// rounded up to 512; above 10 MiB the segment is rounded to 2 MiB and not split when less than
+// 1 MiB would remain, so the whole segment is counted (CUDACachingAllocator.cpp: round_size,
+// get_allocation_size, should_split).
+double torch_block(double n) {
+  if (n <= 0) return 0;
+  const double r = std::ceil(n / 512) * 512;
+  if (r > 10 * kMiB) {
+    const double seg = std::ceil(r / (2 * kMiB)) * (2 * kMiB);
+    if (seg - r <= kMiB) return seg;
+  }
+  return r;
+}
+
+// Amounts in bytes at one moment of a training step.
+struct Phase {
+  std::string name;
+  double w = 0, g = 0, s = 0, act = 0, temp = 0, comm = 0;
+  double total() const { return w + g + s + act + temp + comm; }
+};
+
+MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
+  if (o.tp != 1 || o.pp != 1 || o.zero != 0 || o.lora_rank > 0 || o.offload_optimizer != Offload::None ||
+      o.offload_params != Offload::None || o.checkpointing == Checkpointing::Selective || m.gpt)
+    throw UsageError("--framework pytorch models one process of bench/train_mem.py's Llama (optionally DDP): no TP/PP, ZeRO, "
+                     "LoRA, offload or selective checkpointing; use --framework analytic for those");
+  const bool autocast = o.precision == Precision::Mixed, bf16 = o.precision == Precision::BF16;
+  const double p = bf16 ? 2 : 4;         // parameter (and gradient, state) bytes
+  const double c = autocast || bf16 ? 2 : 4;  // compute (matmul output) bytes
+  const double res = bf16 ? 2 : 4;       // residual stream bytes (fp32 under autocast: fp32 embedding + promotion)
+  const double s = double(o.seq_len), b = double(o.micro_batch), sb = s * b;
+  const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden), V = double(m.vocab),
+               a = double(m.heads);
+
+  // Parameter tensors (numel), in bench/train_mem.py's module order.
+  std::vector<double> layer_mats = {q * h, kv * h, kv * h, h * q, H * h, H * h, h * H};
+  std::vector<double> layer_vecs = {h, h};
+  std::vector<double> other = {V * h, h};
+  if (!m.tied) other.push_back(V * h);
+  auto sum_over = [&](const std::function<double(double)>& f, const std::vector<double>& v) {
+    double t = 0;
+    for (double n : v) t += f(n);
+    return t;
+  };
+
+  // Everything is computed twice: raw bytes and allocator blocks; the difference is a line.
+  auto phases = [&](const std::function<double(double)>& R) {
+    auto per_param = [&](double bytes_per) {  // Σ over all parameter tensors of R(bytes_per · numel)
+      auto f = [&](double n) { return R(bytes_per * n); };
+      return double(m.layers) * (sum_over(f, layer_mats) + sum_over(f, layer_vecs)) + sum_over(f, other);
+    };
+    auto layer_param = [&](double bytes_per) {
+      auto f = [&](double n) { return R(bytes_per * n); };
+      return sum_over(f, layer_mats) + sum_over(f, layer_vecs);
+    };
+    const double W = per_param(p), G = per_param(p);
+    double S = 0, T_opt = 0;
+    switch (o.optimizer) {
+      case Optimizer::Adam: S = 2 * per_param(p), T_opt = per_param(p); break;  // foreach: sqrt(exp_avg_sq) copy
+      case Optimizer::SGDMomentum: S = per_param(p); break;
+      case Optimizer::Adam8bit: {  // bitsandbytes: 8-bit states for tensors >= 4096 elements, fp32 absmax per 2048
+        auto f = [&](double n) { return n >= 4096 ? 2 * R(n) + 2 * R(4 * std::ceil(n / 2048)) : 2 * R(4 * n); };
+        S = double(m.layers) * (sum_over(f, layer_mats) + sum_over(f, layer_vecs)) + sum_over(f, other);
+        break;
+      }
+      case Optimizer::SGD: break;
+    }
+    // Autocast's bf16 copies of the Linear weights (cached until autocast exits; saved by the linears).
+    const double cw_layer = autocast ? sum_over([&](double n) { return R(2 * n); }, layer_mats) : 0;
+    const double cw_head = autocast ? R(2 * V * h) : 0;
+    // Saved activations of one block (bench/train_mem.py's Block; FlashAttention SDPA).
+    const double lse = 4 * b * a * (c == 4 ? std::ceil(s / 32) * 32 : s);
+    const double attn_extra = o.flash_attention ? R(lse) : R(c * b * a * s * s);
+    const double A_layer = 2 * (R(res * sb * h) + R(4 * sb) + R(c * sb * h)) + 2 * R(c * sb * q) + 2 * R(c * sb * kv) + attn_extra +
+                           4 * R(c * sb * H);
+    const bool full = o.checkpointing == Checkpointing::Full;
+    const double A_saved_layer = full ? R(res * sb * h) : A_layer;
+    const double logsm = R(4 * sb * V);
+    const double A_head = R(res * sb * h) + R(4 * sb) + R(c * sb * h) + logsm;
+    const double A_all = double(m.layers) * A_saved_layer + A_head;
+    const double comm = o.dp > 1 ? G : 0;  // DDP buckets
+    const double G0 = o.grad_accum > 1 ? G : 0;  // grads persist across micro-batches
+
+    std::vector<Phase> ph;
+    ph.push_back({"forward end (loss)", W, G0, S, A_all, double(m.layers) * cw_layer + cw_head + logsm, comm});
+    const double cw_saved = (full ? 0 : double(m.layers) * cw_layer) + cw_head;
+    ph.push_back({"backward start (loss gradient)", W, G0, S, A_all, cw_saved + 2 * logsm, comm});
+    double g_done = G0 + (G0 > 0 ? 0 : R(p * V * h) * (m.tied ? 0 : 1) + R(p * h));  // head grads
+    double cw_rem = cw_saved - cw_head, a_rem = A_all - A_head;
+    const double T_layer = R(res * sb * h) + 3 * R(c * sb * H) + (autocast ? R(2 * h * H) : 0);
+    for (int64_t l = m.layers - 1; l >= 0; --l) {
+      const double recompute = full ? A_layer + cw_layer : 0;
+      ph.push_back({fmt::format("backward of layer {}", l), W, g_done, S, a_rem + recompute, cw_rem + T_layer, comm});
+      if (G0 == 0) g_done += layer_param(p);
+      cw_rem -= full ? 0 : cw_layer;
+      a_rem -= A_saved_layer;
+    }
+    ph.push_back({"optimizer step", W, G, S, 0, T_opt, comm});
+    return ph;
+  };
+  const std::vector<Phase> raw = phases([](double n) { return n; });
+  const std::vector<Phase> blk = phases(torch_block);
+  size_t peak = 0;
+  for (size_t i = 0; i < blk.size(); ++i)
+    if (blk[i].total() > blk[peak].total()) peak = i;
+  const Phase& P = raw[peak];
+
+  MemReport r;
+  r.device = "gpu 0";
+  const std::string prec = autocast ? "fp32 parameters + bf16 autocast" : bf16 ? "pure bf16" : "fp32";
+  r.lines.push_back({"parameters", P.w, fmt::format("{} B x Ψ = {} x {}", p, p, num(double(m.params()))), kTorch, Place::Device, Basis::Formula});
+  r.lines.push_back({"gradients", P.g, fmt::format("{} B x parameters whose gradient exists at the peak", p), kTorch, Place::Device, Basis::Formula});
+  r.lines.push_back({"optimizer states", P.s,
+                     o.optimizer == Optimizer::Adam ? fmt::format("exp_avg + exp_avg_sq: 2 x {} B x Ψ", p)
+                     : o.optimizer == Optimizer::SGDMomentum ? fmt::format("momentum buffer: {} B x Ψ", p)
+                     : o.optimizer == Optimizer::Adam8bit ? "2 x 1 B x Ψ + fp32 absmax per 2048 (bitsandbytes)"
+                                                          : "none",
+                     o.optimizer == Optimizer::Adam8bit ? k8bit : kTorch, Place::Device, Basis::Formula});
+  r.lines.push_back({"activations (saved for backward)", P.act,
+                     fmt::format("per layer {}: 2·(res·sbh + 4sb + c·sbh) + 2c·sb·q + 2c·sb·kv + {} + 4c·sbH; head res·sbh + 4sb + c·sbh + "
+                                 "4sbV; res={} c={} s={} b={}",
+                                 o.checkpointing == Checkpointing::Full ? "(checkpointed: res·sbh kept, one layer recomputed)" : "",
+                                 o.flash_attention ? "lse 4bas" : "probs c·bas²", res, c, o.seq_len, o.micro_batch),
+                     std::string(kKorth) + " (method); bench/train_mem.py (tensors)", Place::Device, Basis::Formula});
+  r.lines.push_back({"temporary buffers", P.temp,
+                     "at the peak: autocast weight copies 2 B x Linear params, loss gradients 4sbV each, layer-backward gradients, "
+                     "AdamW foreach sqrt(exp_avg_sq) copy",
+                     kTorch, Place::Device, Basis::Formula});
+  if (P.comm > 0)
+    r.lines.push_back({"communication: DDP gradient buckets", P.comm, "one copy of the gradients", kTorch, Place::Device, Basis::Formula});
+  r.lines.push_back({"allocator rounding", blk[peak].total() - P.total(),
+                     "Σ per tensor (round_up(n, 512) - n), large segments to 2 MiB when < 1 MiB would remain", kTorch, Place::Device,
+                     Basis::Formula});
+  r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes,
+                     "assumed constant; not in torch.cuda.max_memory_allocated (not measured here)", kKo2, Place::GpuOther, Basis::Assumed});
+  if (o.dp > 1)
+    r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
+                       Basis::Assumed});
+  r.notes.push_back(fmt::format("peak phase: {} (of {} phases modelled); precision {}", P.name, raw.size(), prec));
+  r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
+  r.extra["peak_phase"] = P.name;
+  r.extra["predicted_max_memory_allocated"] = std::llround(blk[peak].total());
+  return r;
+}
+
+}  // namespace
+
+Precision precision_from_name(const std::string& s) {
+  const std::string n = lower(s);
+  if (n == "fp32" || n == "float32") return Precision::FP32;
+  if (n == "fp16" || n == "bf16" || n == "mixed" || n == "amp") return Precision::Mixed;
+  if (n == "pure-bf16" || n == "bf16-pure") return Precision::BF16;
+  throw UsageError("unknown precision '" + s + "' (fp32, fp16, bf16 = mixed with fp32 master weights, pure-bf16)");
+}
+
+Optimizer optimizer_from_name(const std::string& s) {
+  const std::string n = lower(s);
+  if (n == "adam" || n == "adamw") return Optimizer::Adam;
+  if (n == "adam8bit" || n == "adam-8bit" || n == "8bit-adam") return Optimizer::Adam8bit;
+  if (n == "sgd") return Optimizer::SGD;
+  if (n == "sgd-momentum" || n == "momentum") return Optimizer::SGDMomentum;
+  throw UsageError("unknown optimizer '" + s + "' (adam, adamw, adam8bit, sgd, sgd-momentum)");
+}
+
+Checkpointing checkpointing_from_name(const std::string& s) {
+  const std::string n = lower(s);
+  if (n == "none" || n == "off") return Checkpointing::None;
+  if (n == "selective") return Checkpointing::Selective;
+  if (n == "full" || n == "on") return Checkpointing::Full;
+  throw UsageError("unknown checkpointing '" + s + "' (none, selective, full)");
+}
+
+Offload offload_from_name(const std::string& s) {
+  const std::string n = lower(s);
+  if (n == "none") return Offload::None;
+  if (n == "cpu") return Offload::Cpu;
+  if (n == "nvme") return Offload::Nvme;
+  throw UsageError("unknown offload target '" + s + "' (none, cpu, nvme)");
+}
+
+Framework framework_from_name(const std::string& s) {
+  const std::string n = lower(s);
+  if (n == "analytic" || n == "paper") return Framework::Analytic;
+  if (n == "pytorch" || n == "torch") return Framework::PyTorch;
+  if (n == "deepspeed") return Framework::DeepSpeed;
+  throw UsageError("unknown framework '" + s + "' (analytic, pytorch, deepspeed)");
+}
+
+StateBytes state_bytes(Precision p, Optimizer o, Framework f) {
+  StateBytes s;
+  const bool torch_amp = f == Framework::PyTorch && p == Precision::Mixed;  // fp32 parameters under autocast
+  const bool fp32_params = p == Precision::FP32 || torch_amp;
+  s.weights = fp32_params ? 4 : 2;
+  s.grads = fp32_params ? 4 : 2;
+  s.master = p == Precision::Mixed && !torch_amp ? 4 : 0;
+  const double state = p == Precision::BF16 ? 2 : 4;  // one moment
+  switch (o) {
+    case Optimizer::Adam: s.optim = 2 * state; break;
+    case Optimizer::Adam8bit: s.optim = 2 + 8.0 / 2048; break;
+    case Optimizer::SGD: s.optim = 0; break;
+    case Optimizer::SGDMomentum: s.optim = state; break;
+  }
+  return s;
+}
+
+double inference_bytes_per_param(const std::string& format) {
+  const std::string n = lower(format);
+  if (n == "fp32" || n == "f32") return 4;
+  if (n == "bf16" || n == "fp16" || n == "f16") return 2;
+  if (n == "int8") return 1;
+  if (n == "q8_0") return 34.0 / 32;
+  if (n == "q4_0") return 18.0 / 32;
+  if (n == "q4_1") return 20.0 / 32;
+  if (n == "nf4") return 0.5 + 4.0 / 64;
+  if (n == "nf4-dq") return (4 + 0.127) / 8;
+  throw UsageError("unknown weight format '" + format + "' (fp32, bf16, fp16, int8, q8_0, q4_0, q4_1, nf4, nf4-dq)");
+}
+
+double zero_model_states(double params, int stage, int n_d, double k) {
+  const double N = n_d;
+  switch (stage) {
+    case 0: return (2 + 2 + k) * params;
+    case 1: return 4 * params + k * params / N;
+    case 2: return 2 * params + (2 + k) * params / N;
+    default: return (4 + k) * params / N;
+  }
+}
+
+CpuGpu ds_zero2_model_states(double P, int gpus_per_node, int nodes, bool cpu_offload, double f) {
+  const double N = double(gpus_per_node) * nodes;
+  if (cpu_offload) return {P * std::max(4 * N, 16.0) * f, 2 * P};
+  return {P * 4 * gpus_per_node * f, 4 * P + std::floor(16 * P / N)};
+}
+
+CpuGpu ds_zero3_model_states(double P, double largest_layer, int gpus_per_node, int nodes, bool offload_optimizer,
+                             bool offload_params, bool zero_init, double f) {
+  const double N = double(gpus_per_node) * nodes, gf = 1.0 / nodes, largest = 4 * largest_layer;
+  if (offload_optimizer && offload_params)
+    return {zero_init ? P * 18 * gf * f : P * std::max(4.0 * gpus_per_node, 18 * gf) * f, largest};
+  if (offload_optimizer)
+    return {zero_init ? P * 16 * gf * f : P * std::max(4.0 * gpus_per_node, 16 * gf) * f, largest + std::floor(2 * P / N)};
+  return {zero_init ? largest_layer * 4 * gpus_per_node * f : P * 4 * gpus_per_node * f, largest + std::floor(18 * P / N)};
+}
+
+double korthikanti_layer_activations(double s, double b, double h, double a, int t, bool sp, Checkpointing ckpt, bool flash) {
+  const double sbh = s * b * h;
+  if (ckpt == Checkpointing::Full) return 2 * sbh / (sp ? t : 1);
+  const bool attn_matrix = !flash && ckpt != Checkpointing::Selective;
+  if (sp) return sbh * (34 + (attn_matrix ? 5 * a * s / h : 0)) / t;
+  return sbh * (10 + 24.0 / t + (attn_matrix ? 5 * a * s / (h * t) : 0));
+}
+
+MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
+  m.validate();
+  if (o.micro_batch < 1 || o.seq_len < 1 || o.grad_accum < 1 || o.dp < 1 || o.tp < 1 || o.pp < 1)
+    throw UsageError("micro-batch, sequence length, gradient accumulation and parallel degrees must be >= 1");
+  if (o.zero < 0 || o.zero > 3) throw UsageError("--zero must be 0, 1, 2 or 3");
+  if (o.qlora && o.lora_rank <= 0) throw UsageError("--qlora needs --lora-rank > 0");
+  if (o.offload_params != Offload::None && o.zero != 3) throw UsageError("parameter offload needs ZeRO-3 (or FSDP)");
+  if (o.tp > 1 && (m.heads % o.tp != 0 || m.kv_heads % o.tp != 0 || m.hidden % o.tp != 0))
+    throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, m.heads, m.kv_heads, m.hidden));
+  if (o.pp > m.layers) throw UsageError("--pp cannot exceed the layer count");
+
+  MemReport r = o.framework == Framework::PyTorch ? pytorch_estimate(m, o) : MemReport{};
+  if (o.framework != Framework::PyTorch) {
+    r.device = "gpu 0";
+    add_model_states(r, m, o);
+    add_activations(r, m, o);
+    add_temporaries(r, m, o);
+    add_comm_and_overhead(r, m, o);
+    r.notes.push_back("activations follow Korthikanti et al.'s GPT derivation (16-bit values, 4h GELU MLP); "
+                      "--framework pytorch counts a Llama block tensor by tensor");
+  }
+  const int world = o.dp * o.tp * o.pp;
+  r.title = fmt::format("{} ({} params), train {} {}, b={} s={} accum={}, dp={} zero={} tp={} pp={}{}{}, per GPU", m.name,
+                        num(double(m.counted_params ? m.counted_params : m.params())),
+                        o.framework == Framework::PyTorch && o.precision == Precision::Mixed ? "bf16 autocast (fp32 parameters)"
+                                                                                              : precision_label(o.precision),
+                        optimizer_label(o.optimizer), o.micro_batch, o.seq_len, o.grad_accum, o.dp, o.zero, o.tp, o.pp,
+                        o.lora_rank > 0 ? fmt::format(", {}LoRA r={}", o.qlora ? "Q" : "", o.lora_rank) : "",
+                        o.checkpointing != Checkpointing::None ? fmt::format(", ckpt={}", o.checkpointing == Checkpointing::Full ? "full" : "selective") : "");
+  r.notes.push_back(fmt::format("gradient accumulation {} micro-batches: no memory of its own; effective batch {} sequences", o.grad_accum,
+                                o.micro_batch * o.grad_accum * o.dp));
+  r.extra["world_size"] = world;
+  r.extra["params"] = m.counted_params ? m.counted_params : m.params();
+  return r;
+}
+
+MemLine rule_of_thumb_line(const ModelShape& m, const MemReport& est) {
+  const double psi = double(m.params());
+  const double rule = 6 * 4 * psi;
+  double states = 0, act = 0;
+  for (const auto& l : est.lines) {
+    if (l.place != Place::Device) continue;
+    if (l.name.rfind("activations", 0) == 0 || l.name.rfind("temporary", 0) == 0) act += l.bytes;
+    else if (l.name == "parameters" || l.name == "gradients" || l.name.find("optimizer") != std::string::npos ||
+             l.name.find("master") != std::string::npos)
+      states += l.bytes;
+  }
+  const double ours = est.total(Place::Device);
+  return {"rule of thumb: 6 x fp32 weights", rule,
+          fmt::format("24 B/param x {} = {}; ours {} = model states {} ({:.1f} B/param) + activations and temporaries {} ({:.1f} B/param); "
+                      "difference {:+.1f}%: the rule folds activations into a fixed 8 B/param, but they grow with b·s·layers·h, "
+                      "not with the parameter count",
+                      num(psi), format_bytes(rule), format_bytes(ours), format_bytes(states), states / psi, format_bytes(act), act / psi,
+                      100.0 * (rule - ours) / ours),
+          "rule of thumb (accelerate's 'Training using Adam' 4x, plus activations)", Place::Info, Basis::Formula};
+}
+
+}  // namespace llmq::mem

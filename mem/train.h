@@ -1,0 +1,138 @@
+// Peak memory of training and fine-tuning a decoder-only transformer, per GPU, line by line:
+// parameters, gradients, optimizer states, activations, temporary buffers, framework overhead,
+// communication buckets, allocator rounding. Every line carries its formula and its source.
+// docs/MEMORY.md lists the formulas; tests/test_mem.cpp reproduces the published figures.
+//
+// Sources (keys used in the lines' `source`):
+//   ZeRO   Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+//          Models", arXiv 1910.02054 (SC'20), §3 and Fig. 1: mixed-precision Adam holds 2Ψ + 2Ψ
+//          + KΨ bytes with K = 12, partitioned by stage over N_d data-parallel ranks.
+//   KORTH  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+//          arXiv 2205.05198 (MLSys'23), §4 and Table 2: activations per layer.
+//   DS     DeepSpeed, deepspeed/runtime/zero/stage_1_and_2.py estimate_zero2_model_states_mem_needs
+//          and stage3.py estimate_zero3_model_states_mem_needs (documented in DeepSpeed's
+//          "Memory Requirements" page and the transformers DeepSpeed guide).
+//   8BIT   Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861.
+//   QLORA  Dettmers et al., "QLoRA", arXiv 2305.14314: NF4 blocks of 64 with fp32 absmax, or
+//          double quantization (8-bit absmax, blocks of 256): 0.127 bits/parameter of constants.
+//   LORA   Hu et al., "LoRA", arXiv 2106.09685: ΔW = B·A with A [r, in], B [out, r].
+//   TORCH  PyTorch: torch.optim.AdamW (foreach), torch.amp autocast weight cache,
+//          CUDACachingAllocator (512-byte rounding; 2 MiB granularity for large segments),
+//          torch.utils.checkpoint, DistributedDataParallel gradient buckets.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mem/report.h"
+#include "mem/shape.h"
+
+namespace llmq::mem {
+
+/// Numeric precision of training.
+enum class Precision {
+  FP32,   ///< fp32 weights, gradients and optimizer states
+  Mixed,  ///< fp16/bf16 compute with fp32 master weights (ZeRO/Megatron: 16-bit weights + fp32
+          ///< copy; PyTorch framework: fp32 parameters under torch.autocast)
+  BF16,   ///< pure bf16: weights, gradients and optimizer states in bf16, no master copy
+};
+/// Optimizer (Adam and AdamW hold the same state).
+enum class Optimizer { Adam, Adam8bit, SGD, SGDMomentum };
+/// Activation checkpointing (KORTH §4 / §5).
+enum class Checkpointing { None, Selective, Full };
+/// Where offloaded tensors go.
+enum class Offload { None, Cpu, Nvme };
+/// Which implementation the estimate models.
+enum class Framework {
+  Analytic,   ///< the papers' closed forms (ZeRO, KORTH)
+  PyTorch,    ///< single-process PyTorch as bench/train_mem.py runs it (allocator included)
+  DeepSpeed,  ///< DeepSpeed's own estimator formulas for model states (DS), KORTH activations
+};
+
+Precision precision_from_name(const std::string& s);      ///< fp32 | fp16 | bf16 | mixed | pure-bf16
+Optimizer optimizer_from_name(const std::string& s);      ///< adam | adamw | adam8bit | sgd | sgd-momentum
+Checkpointing checkpointing_from_name(const std::string& s);  ///< none | selective | full
+Offload offload_from_name(const std::string& s);          ///< none | cpu | nvme
+Framework framework_from_name(const std::string& s);      ///< analytic | pytorch | deepspeed
+
+/// Everything that shapes training memory.
+struct TrainOptions {
+  Precision precision = Precision::Mixed;
+  Optimizer optimizer = Optimizer::Adam;
+  int64_t micro_batch = 1;   ///< b: sequences per GPU per forward pass
+  int64_t seq_len = 2048;    ///< s
+  int64_t grad_accum = 1;    ///< micro-batches per optimizer step (no memory of its own)
+  Checkpointing checkpointing = Checkpointing::None;
+  bool flash_attention = true;  ///< no s² attention matrices (KORTH: removes 5as²b)
+  int64_t lora_rank = 0;        ///< 0: full fine-tuning
+  std::vector<std::string> lora_targets = {"q", "k", "v", "o"};  ///< of q k v o gate up down, or "all"
+  bool qlora = false;           ///< base weights in NF4 (needs lora_rank > 0)
+  bool double_quant = true;     ///< QLoRA double quantization of the absmax constants
+  int dp = 1;                   ///< N_d data-parallel ranks (DDP or ZeRO)
+  int zero = 0;                 ///< ZeRO stage 0..3 (FSDP FULL_SHARD = 3, SHARD_GRAD_OP = 2)
+  Offload offload_optimizer = Offload::None;
+  Offload offload_params = Offload::None;  ///< ZeRO-3 only
+  int tp = 1, pp = 1;           ///< tensor- and pipeline-parallel degrees (Megatron)
+  bool sequence_parallel = false;
+  Framework framework = Framework::Analytic;
+  double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported)
+  double nccl_bytes = 512.0 * (1 << 20);          ///< assumed per process group when world > 1
+};
+
+/// Bytes per trainable parameter of each model state (before any partitioning).
+struct StateBytes {
+  double weights = 0;  ///< the working copy the forward pass reads
+  double grads = 0;
+  double master = 0;   ///< fp32 master copy (mixed precision)
+  double optim = 0;    ///< optimizer moments
+  double k() const { return master + optim; }  ///< ZeRO's K
+  double total() const { return weights + grads + master + optim; }
+};
+/// The per-parameter bytes of precision × optimizer for a framework: e.g. FP32 Adam 4+4+0+8 = 16;
+/// Mixed Adam 2+2+4+8 (K = 12, ZeRO); Mixed under PyTorch autocast 4+4+0+8; 8-bit Adam 2 + 8/2048
+/// bytes of moments (two fp32 absmax per block of 2048, 8BIT).
+StateBytes state_bytes(Precision p, Optimizer o, Framework f);
+
+/// Bytes of ψ parameters stored with `bytes_per_param` (1e9 fp32 = 4e9 B, 16-bit 2e9, int8 1e9).
+inline double weights_bytes(double params, double bytes_per_param) { return params * bytes_per_param; }
+
+/// Inference weight bytes per parameter of a storage format: "fp32" 4, "bf16"/"fp16" 2,
+/// "int8" 1, "q8_0" 34/32, "q4_0" 18/32, "q4_1" 20/32, "nf4" 0.5 + 4/64, "nf4-dq"
+/// (4 + 0.127)/8 (QLORA). Throws UsageError for other names.
+double inference_bytes_per_param(const std::string& format);
+
+/// ZeRO's model-state bytes per GPU for Ψ parameters (ZeRO §3, Fig. 1): stage 0: (2+2+K)Ψ;
+/// 1: 4Ψ + KΨ/N_d; 2: 2Ψ + (2+K)Ψ/N_d; 3: (4+K)Ψ/N_d. K = 12 for mixed-precision Adam.
+double zero_model_states(double params, int stage, int n_d, double k = 12);
+
+/// DeepSpeed's estimate_zero2_model_states_mem_needs (DS), bytes {cpu, gpu}:
+/// offload: gpu 2P, cpu P·max(4N, 16)·f; no offload: gpu 4P + 16P/N, cpu 4P·gpus_per_node·f;
+/// N = nodes·gpus_per_node, f = additional_buffer_factor (1.5).
+struct CpuGpu {
+  double cpu = 0, gpu = 0;
+};
+CpuGpu ds_zero2_model_states(double params, int gpus_per_node, int nodes, bool cpu_offload, double buffer_factor = 1.5);
+/// DeepSpeed's estimate_zero3_model_states_mem_needs (DS): largest = 4·largest_layer;
+/// params+optimizer offload: gpu largest, cpu P·18·f/nodes (zero_init) or P·max(4·gpn, 18/nodes)·f;
+/// optimizer offload: gpu largest + 2P/N, cpu P·16·f/nodes (zero_init) or P·max(4·gpn, 16/nodes)·f;
+/// none: gpu largest + 18P/N, cpu largest_layer·4·gpn·f (zero_init) or 4P·gpn·f.
+CpuGpu ds_zero3_model_states(double params, double largest_layer, int gpus_per_node, int nodes, bool offload_optimizer,
+                             bool offload_params, bool zero_init = true, double buffer_factor = 1.5);
+
+/// KORTH activation bytes of one transformer layer with 16-bit activations: s, b, h, a, t as
+/// in the paper. none: sbh(10 + 24/t + 5as/(ht)) (t = 1: sbh(34 + 5as/h)); sequence parallel:
+/// sbh(34 + 5as/h)/t; FlashAttention or selective recomputation drop the 5as²b term; full
+/// recomputation keeps 2sbh (the layer input; /t with sequence parallelism).
+double korthikanti_layer_activations(double s, double b, double h, double a, int t, bool sequence_parallel,
+                                     Checkpointing ckpt, bool flash);
+
+/// The full per-GPU estimate (the largest pipeline stage when pp > 1). Throws UsageError for
+/// impossible combinations (ZeRO with dp = 1 and stage > 0 is allowed: it changes nothing).
+MemReport estimate_training(const ModelShape& m, const TrainOptions& o);
+
+/// The rule of thumb "training takes about 6x the fp32 weights" (24 GB for 1B parameters:
+/// 4 B weights + 4 B gradients + 8 B Adam + ~8 B activations/temporaries per parameter), as an
+/// Info line, with the difference to `estimate` explained in its formula.
+MemLine rule_of_thumb_line(const ModelShape& m, const MemReport& estimate);
+
+}  // namespace llmq::mem

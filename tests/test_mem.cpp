@@ -1,0 +1,406 @@
+// llmq-mem: the published memory figures (ZeRO, Korthikanti et al., DeepSpeed's estimators, the
+// classic bytes-per-parameter numbers) and the inference plan against the engine's measured
+// allocation (equal by construction; checked after real forward passes).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+
+#include "engine/model.h"
+#include "formats/error.h"
+#include "mem/infer.h"
+#include "mem/train.h"
+#include "server/scheduler.h"
+#include "test_util.h"
+
+using namespace llmq;
+using namespace llmq::mem;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr double GB = 1e9, GiB = 1073741824.0;
+
+// Σ bytes of the report's lines named in `names`.
+double lines_sum(const MemReport& r, std::initializer_list<const char*> names) {
+  double t = 0;
+  for (const auto& l : r.lines)
+    for (const char* n : names)
+      if (l.name == n) t += l.bytes;
+  return t;
+}
+
+double model_states(const MemReport& r) {
+  return lines_sum(r, {"parameters", "gradients", "master weights (fp32)", "optimizer states"});
+}
+
+std::string smollm2_llmq() {
+  static std::string path = [] {
+    const std::string gguf = (fs::path(__FILE__).parent_path().parent_path() / "models" / "smollm2-135m-instruct-q4_1.gguf").string();
+    if (!fs::exists(gguf)) return std::string();
+    const std::string out = test::scratch("mem-smollm2") + "/smollm2.llmq";
+    if (test::run(test::bin("llmq-convert") + " " + gguf + " -o " + out + " -f > /dev/null 2>&1") != 0) return std::string();
+    return out;
+  }();
+  return path;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ classic figures
+
+TEST_CASE("1B parameters take 4 GB in fp32, 2 GB in 16-bit, 1 GB in int8", "[mem]") {
+  CHECK(weights_bytes(1e9, inference_bytes_per_param("fp32")) == 4 * GB);
+  CHECK(weights_bytes(1e9, inference_bytes_per_param("bf16")) == 2 * GB);
+  CHECK(weights_bytes(1e9, inference_bytes_per_param("int8")) == 1 * GB);
+}
+
+TEST_CASE("Inference weights of a 15B model: bf16 ~31 GB, int8 ~15.5 GB, 4-bit 8-9.5 GB", "[mem]") {
+  const double psi = 15.5e9;  // e.g. StarCoder's 15.5B
+  CHECK(weights_bytes(psi, inference_bytes_per_param("bf16")) / GB == Approx(31.0));
+  CHECK(weights_bytes(psi, inference_bytes_per_param("int8")) / GB == Approx(15.5));
+  for (const char* q4 : {"q4_0", "nf4"}) {
+    const double gb = weights_bytes(psi, inference_bytes_per_param(q4)) / GB;
+    INFO(q4 << " " << gb);
+    CHECK(gb >= 8.0);
+    CHECK(gb <= 9.5);
+  }
+  CHECK(inference_bytes_per_param("nf4-dq") == Approx(0.5159).epsilon(1e-3));  // QLoRA: 4.127 bits
+}
+
+TEST_CASE("Adam holds 16 bytes per parameter of model states in fp32 and in mixed precision (K = 12)", "[mem]") {
+  const StateBytes fp32 = state_bytes(Precision::FP32, Optimizer::Adam, Framework::Analytic);
+  CHECK(fp32.weights == 4);
+  CHECK(fp32.grads == 4);
+  CHECK(fp32.optim == 8);
+  CHECK(fp32.total() == 16);
+  const StateBytes mixed = state_bytes(Precision::Mixed, Optimizer::Adam, Framework::Analytic);
+  CHECK(mixed.weights == 2);
+  CHECK(mixed.grads == 2);
+  CHECK(mixed.k() == 12);
+  CHECK(mixed.total() == 16);
+  // PyTorch autocast keeps fp32 parameters: 4 + 4 + 8.
+  CHECK(state_bytes(Precision::Mixed, Optimizer::Adam, Framework::PyTorch).total() == 16);
+  // 8-bit Adam: 2 B of moments (+ two fp32 absmax per 2048); SGD none; pure bf16 Adam 8 B in all.
+  CHECK(state_bytes(Precision::FP32, Optimizer::Adam8bit, Framework::Analytic).optim == Approx(2.0039).epsilon(1e-4));
+  CHECK(state_bytes(Precision::FP32, Optimizer::SGD, Framework::Analytic).total() == 8);
+  CHECK(state_bytes(Precision::BF16, Optimizer::Adam, Framework::Analytic).total() == 8);
+}
+
+TEST_CASE("ZeRO paper: 7.5B parameters on 64 GPUs: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB", "[mem]") {
+  const double psi = 7.5e9;
+  CHECK(zero_model_states(psi, 0, 64) / GB == Approx(120.0));
+  CHECK(std::round(zero_model_states(psi, 1, 64) / GB * 10) / 10 == Approx(31.4));
+  CHECK(std::round(zero_model_states(psi, 2, 64) / GB * 10) / 10 == Approx(16.6));
+  CHECK(std::round(zero_model_states(psi, 3, 64) / GB * 10) / 10 == Approx(1.9));
+
+  // The full estimator's model-state lines follow the same formulas for a real shape.
+  const ModelShape m = preset("llama-2-7b");
+  for (int stage = 0; stage <= 3; ++stage) {
+    TrainOptions o;
+    o.precision = Precision::Mixed;
+    o.dp = 64;
+    o.zero = stage;
+    INFO("stage " << stage);
+    CHECK(model_states(estimate_training(m, o)) == Approx(zero_model_states(double(m.params()), stage, 64)).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("Korthikanti et al.: activations per layer, Llama-2-7B at s = 4096, b = 1", "[mem]") {
+  const double s = 4096, b = 1, h = 4096, a = 32;
+  const double none = korthikanti_layer_activations(s, b, h, a, 1, false, Checkpointing::None, false);
+  CHECK(none == s * b * h * (34 + 5 * a * s / h));
+  CHECK(none / GB == Approx(3.25).margin(0.01));
+  CHECK(32 * none / GB == Approx(104.2).margin(0.1));
+  CHECK(32 * korthikanti_layer_activations(s, b, h, a, 1, false, Checkpointing::None, true) / GB == Approx(18.3).margin(0.05));
+  CHECK(32 * korthikanti_layer_activations(s, b, h, a, 1, false, Checkpointing::Selective, false) / GB == Approx(18.3).margin(0.05));
+  CHECK(32 * korthikanti_layer_activations(s, b, h, a, 1, false, Checkpointing::Full, false) / GB == Approx(1.07).margin(0.01));
+  // Tensor parallelism: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism everything / t.
+  CHECK(korthikanti_layer_activations(s, b, h, a, 8, false, Checkpointing::None, false) ==
+        Approx(s * b * h * (10 + 24.0 / 8 + 5 * a * s / (h * 8))));
+  CHECK(korthikanti_layer_activations(s, b, h, a, 8, true, Checkpointing::None, false) == Approx(none / 8));
+}
+
+TEST_CASE("DeepSpeed estimators reproduce their documented outputs", "[mem]") {
+  // transformers' DeepSpeed guide: bigscience/T0_3B, printed as "2783M total params, 65M largest
+  // layer params" (truncated to whole millions), GiB with two decimals. Every formula grows with
+  // P and L, so each printed value must lie between the formula at the bounds of those ranges.
+  auto t0 = [](int gpn, bool off_opt, bool off_par, bool zero_init, bool cpu, double printed) {
+    const CpuGpu lo = ds_zero3_model_states(2783e6, 65e6, gpn, 1, off_opt, off_par, zero_init);
+    const CpuGpu hi = ds_zero3_model_states(2784e6, 66e6, gpn, 1, off_opt, off_par, zero_init);
+    const double a = (cpu ? lo.cpu : lo.gpu) / GiB, b = (cpu ? hi.cpu : hi.gpu) / GiB;
+    INFO("gpn " << gpn << " offload opt " << off_opt << " params " << off_par << " zero_init " << zero_init << (cpu ? " cpu " : " gpu ")
+                << a << " .. " << b << " printed " << printed);
+    CHECK(printed >= a - 0.005);
+    CHECK(printed <= b + 0.005);
+  };
+  t0(1, true, true, true, true, 70.00), t0(1, true, true, true, false, 0.25);
+  t0(1, true, true, false, true, 70.00);
+  t0(1, true, false, true, true, 62.23), t0(1, true, false, true, false, 5.43);
+  t0(1, false, false, true, true, 0.37), t0(1, false, false, true, false, 46.91);
+  t0(1, false, false, false, true, 15.56);
+  t0(2, true, false, true, true, 62.23), t0(2, true, false, true, false, 2.84);
+  t0(2, false, false, true, true, 0.74), t0(2, false, false, true, false, 23.58);
+  t0(2, false, false, false, true, 31.11);
+  // t5-small on 1 GPU ("60M total params, 16M largest layer"): 60,506,624 and 16,449,536 exactly.
+  const double Pt = 60506624, Lt = 16449536;
+  auto t5 = [&](bool off_opt, bool off_par, bool zero_init, double cpu, double gpu) {
+    const CpuGpu r = ds_zero3_model_states(Pt, Lt, 1, 1, off_opt, off_par, zero_init);
+    CHECK(std::fabs(r.cpu / GiB - cpu) <= 0.005);
+    CHECK(std::fabs(r.gpu / GiB - gpu) <= 0.005);
+  };
+  t5(true, true, true, 1.52, 0.06);
+  t5(true, false, true, 1.35, 0.17);
+  t5(false, false, true, 0.09, 1.08);
+  t5(false, false, false, 0.34, 1.08);
+  // ZeRO-2 formulas as written in stage_1_and_2.py.
+  const CpuGpu z2 = ds_zero2_model_states(1e9, 8, 1, false);
+  CHECK(z2.gpu == 4e9 + 2e9);
+  CHECK(z2.cpu == 1e9 * 4 * 8 * 1.5);
+  const CpuGpu z2o = ds_zero2_model_states(1e9, 8, 1, true);
+  CHECK(z2o.gpu == 2e9);
+  CHECK(z2o.cpu == 1e9 * 32 * 1.5);
+}
+
+TEST_CASE("The '6x the weights' rule of thumb beside the line-by-line estimate", "[mem]") {
+  // 1.1B Llama, fp32 Adam, b = 1, s = 2048, FlashAttention, no checkpointing.
+  const ModelShape m = preset("tinyllama-1.1b");
+  TrainOptions o;
+  o.precision = Precision::FP32;
+  o.micro_batch = 1;
+  o.seq_len = 2048;
+  const MemReport r = estimate_training(m, o);
+  const double psi = double(m.params());
+  CHECK(model_states(r) == Approx(16 * psi));  // 4 weights + 4 gradients + 8 Adam moments
+  const MemLine rule = rule_of_thumb_line(m, r);
+  CHECK(rule.bytes == Approx(24 * psi));  // "24 GB for 1B parameters"
+  CHECK(rule.place == Place::Info);
+  CHECK(rule.formula.find("activations") != std::string::npos);
+  // Here activations and temporaries come to a few bytes per parameter, so the rule lands within
+  // tens of percent of the estimate; at 8x the sequence length it is far off.
+  const double ours = r.total(Place::Device);
+  CHECK(std::fabs(rule.bytes - ours) / ours < 0.35);
+  o.seq_len = 16384;
+  const double longer = estimate_training(m, o).total(Place::Device);
+  CHECK(longer > 1.5 * rule.bytes);
+}
+
+TEST_CASE("Training estimator options move the lines the right way", "[mem]") {
+  const ModelShape m = preset("llama-2-7b");
+  TrainOptions o;
+  const double base = estimate_training(m, o).total(Place::Device);
+  TrainOptions full = o;
+  full.checkpointing = Checkpointing::Full;
+  CHECK(estimate_training(m, full).total(Place::Device) < base);
+  TrainOptions lora = o;
+  lora.lora_rank = 16;
+  const MemReport lr = estimate_training(m, lora);
+  CHECK(lr.total(Place::Device) < base);
+  CHECK(lines_sum(lr, {"parameters (frozen base)"}) == Approx(2.0 * double(m.params())));
+  TrainOptions qlora = lora;
+  qlora.qlora = true;
+  CHECK(lines_sum(estimate_training(m, qlora), {"parameters (frozen base)"}) < 0.4 * lines_sum(lr, {"parameters (frozen base)"}));
+  TrainOptions off = o;
+  off.dp = 8, off.zero = 2, off.offload_optimizer = Offload::Cpu;
+  const MemReport offr = estimate_training(m, off);
+  CHECK(offr.total(Place::Cpu) > 0);
+  CHECK(lines_sum(offr, {"optimizer states"}) == Approx(8.0 * double(m.params()) / 8));
+  TrainOptions tp = o;
+  tp.tp = 4;
+  CHECK(estimate_training(m, tp).total(Place::Device) < base);
+  TrainOptions bad = o;
+  bad.tp = 3;
+  CHECK_THROWS_AS(estimate_training(m, bad), UsageError);
+  // DeepSpeed framework: the estimator's ZeRO-3 GPU line for the whole model on 8 GPUs.
+  TrainOptions ds = o;
+  ds.framework = Framework::DeepSpeed, ds.dp = 8, ds.zero = 3;
+  const MemReport dsr = estimate_training(m, ds);
+  CHECK(lines_sum(dsr, {"model states (DeepSpeed estimator)"}) ==
+        Approx(ds_zero3_model_states(double(m.params()), double(m.largest_layer_params()), 8, 1, false, false).gpu));
+}
+
+TEST_CASE("PyTorch framework: phases, allocator rounding and the AdamW step", "[mem]") {
+  ModelShape m = preset("tinyllama-1.1b");
+  m.kv_heads = m.heads;  // bench/train_mem.py's models are multi-head
+  TrainOptions o;
+  o.framework = Framework::PyTorch;
+  o.precision = Precision::FP32;
+  o.micro_batch = 1, o.seq_len = 256;
+  const MemReport r = estimate_training(m, o);
+  const double psi = double(m.params());
+  // A short sequence: the peak is the AdamW step, weights + grads + 2 moments + the foreach sqrt copy.
+  CHECK(r.extra["peak_phase"] == "optimizer step");
+  CHECK(r.total(Place::Device) == Approx(20 * psi).epsilon(0.01));
+  CHECK(lines_sum(r, {"allocator rounding"}) >= 0);
+  // Long sequences move the peak into the backward pass; checkpointing lowers it.
+  o.seq_len = 8192;
+  const MemReport lng = estimate_training(m, o);
+  CHECK(lng.extra["peak_phase"] != "optimizer step");
+  o.checkpointing = Checkpointing::Full;
+  CHECK(estimate_training(m, o).total(Place::Device) < lng.total(Place::Device));
+  // Autocast adds bf16 weight copies but halves most activations.
+  o.checkpointing = Checkpointing::None;
+  o.precision = Precision::Mixed;
+  CHECK(estimate_training(m, o).total(Place::Device) < lng.total(Place::Device));
+  o.lora_rank = 8;
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+}
+
+TEST_CASE("Model shapes: presets and files give the right parameter counts", "[mem]") {
+  CHECK(preset("llama-2-7b").params() == 6738415616);
+  CHECK(preset("llama-3-8b").params() == 8030261248);
+  CHECK(preset("gpt-3-175b").params() / 1e9 == Approx(175).margin(1));
+  CHECK_THROWS_AS(preset("no-such-model"), UsageError);
+  const ModelShape s = load_shape(test::stories("q8_0"));
+  CHECK(s.counted_params == s.params());
+  CHECK(s.dim == 64);
+  CHECK(s.layers == 5);
+  const ModelShape hf = load_shape(test::shared("models/stories260K-hf/config.json"));
+  CHECK(hf.params() == s.params());
+}
+
+TEST_CASE("Reports render as a table, JSON and SVG", "[mem]") {
+  TrainOptions o;
+  MemReport r = estimate_training(preset("llama-2-7b"), o);
+  r.budget = 80e9;
+  const std::string table = render_table(r);
+  CHECK(table.find("optimizer states") != std::string::npos);
+  CHECK(table.find("fits in") != std::string::npos);
+  const nlohmann::json j = report_json(r);
+  CHECK(j["lines"].size() == r.lines.size());
+  CHECK(j["totals"]["device_total"].get<double>() == Approx(r.device_total()).epsilon(1e-9));
+  CHECK(j["fits"].get<bool>() == (r.device_total() <= 80e9));
+  const std::string svg = render_svg({r});
+  CHECK(svg.rfind("<svg", 0) == 0);
+  CHECK(svg.find("</svg>") != std::string::npos);
+  CHECK(svg.find("budget") != std::string::npos);
+}
+
+// ------------------------------------------------------------------ inference: plan == allocation
+
+TEST_CASE("The inference plan equals the engine's allocation after real forward passes", "[mem][model]") {
+  std::vector<std::string> models = {test::stories("f32"), test::stories("q8_0"), test::stories("q4_0")};
+  if (!smollm2_llmq().empty()) models.push_back(smollm2_llmq());
+  else WARN("SmolLM2 GGUF absent: checked on stories260K only");
+  for (const std::string& path : models) {
+    INFO(path);
+    auto model = Model::load(path);
+    ThreadPool pool(2);
+    InferOptions o;
+    o.ctx = 200, o.n_batch = 48, o.threads = 2;
+    const InferencePlan plan = infer_plan(*model->file, model->config, o);
+    Session s(*model, pool, 200, 48);
+    const uint64_t at_load = model->file->file_size() + s.state_bytes();
+    CHECK(at_load == plan.total());
+    // A prompt longer than the batch, then decode: nothing may grow past the plan.
+    std::vector<int32_t> prompt(120);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(1 + (i * 7) % (model->config.vocab_size - 1));
+    s.forward(prompt.data(), int64_t(prompt.size()));
+    for (int i = 0; i < 10; ++i) {
+      const int32_t t = int32_t(3 + i);
+      s.forward(&t, 1);
+    }
+    CHECK(model->file->file_size() + s.state_bytes() == plan.total());
+    CHECK(s.kv_bytes() == plan.kv.bytes());
+    CHECK(s.workspace_bytes() == plan.ws.bytes());
+    CHECK(plan.weight_bytes == model->weight_bytes());
+
+    // The server's scheduler allocates from the same plan.
+    SchedulerOptions so;
+    so.parallel = 3, so.ctx = 128, so.n_batch = 32;
+    InferOptions os = o;
+    os.ctx = 128, os.parallel = 3, os.n_batch = 32;
+    const InferencePlan sp = infer_plan(*model->file, model->config, os);
+    Scheduler sched(*model, pool, so);
+    CHECK(sched.kv_bytes() == sp.kv.bytes());
+    CHECK(sched.workspace_bytes() == sp.ws.bytes());
+  }
+}
+
+TEST_CASE("llmq-mem infer predicts what llmq-run reports at load (within 1%; equal by construction)", "[mem][tools]") {
+  std::vector<std::string> models = {test::stories("q8_0")};
+  if (!smollm2_llmq().empty()) models.push_back(smollm2_llmq());
+  const std::string dir = test::scratch("mem-infer");
+  for (const std::string& path : models) {
+    INFO(path);
+    REQUIRE(test::run(test::bin("llmq-mem") + " infer -m " + path + " --ctx 256 -t 2 --json > " + dir + "/plan.json") == 0);
+    const auto j = nlohmann::json::parse(slurp(dir + "/plan.json"));
+    const double predicted = j["totals"]["device_total"].get<double>();
+    REQUIRE(test::run(test::bin("llmq-run") + " -m " + path + " -p 'Once upon a time' -n 8 --temp 0 -t 2 --ctx 256 > /dev/null 2> " +
+                      dir + "/run.err") == 0);
+    std::smatch m;
+    const std::string err = slurp(dir + "/run.err");
+    REQUIRE(std::regex_search(err, m, std::regex("memory: .* total ([0-9]+) bytes")));
+    const double measured = std::stod(m[1].str());
+    CHECK(std::fabs(predicted - measured) <= 0.01 * measured);
+    CHECK(predicted == measured);
+  }
+}
+
+TEST_CASE("llmq-mem infer --fit picks the largest context that fits; llmq-run --fit uses it", "[mem][tools]") {
+  const std::string path = test::stories("q8_0");
+  auto f = LlmqFile::open(path, false);
+  const LlamaConfig c = LlamaConfig::from_metadata(f->meta());
+  InferOptions o;
+  o.threads = 2;
+  const double budget = 1.5 * 1024 * 1024;
+  const FitResult r = fit_inference(*f, c, o, budget, false, true);
+  REQUIRE(r.fits);
+  CHECK(r.plan.ctx % kKvBlockTokens == 0);
+  CHECK(double(r.plan.total()) <= budget);
+  if (r.plan.ctx < c.context_length) {
+    InferOptions more = r.options;
+    more.ctx += kKvBlockTokens;
+    CHECK(double(infer_plan(*f, c, more).total()) > budget);
+  }
+  // Parallel sequences: the most that fit at the full context.
+  const FitResult p = fit_inference(*f, c, o, 8.0 * 1024 * 1024, false, false);
+  CHECK(p.plan.ctx == c.context_length);
+  CHECK(p.plan.parallel > 1);
+  CHECK(p.plan.kv_tokens == p.plan.ctx * p.plan.parallel);
+  // Too small a budget: no fit, exit 3 from llmq-mem, a clear error from llmq-run.
+  CHECK(!fit_inference(*f, c, o, 1000, false, true).fits);
+  const std::string dir = test::scratch("mem-fit");
+  CHECK(test::run(test::bin("llmq-mem") + " infer -m " + path + " --fit --mem 1000 -t 2 > /dev/null") == 3);
+  REQUIRE(test::run(test::bin("llmq-run") + " -m " + path + " -p 'Once' -n 4 --temp 0 -t 2 --fit --mem 1.5MiB > /dev/null 2> " + dir +
+                    "/err") == 0);
+  const std::string err = slurp(dir + "/err");
+  CHECK(err.find("fit plan: {") != std::string::npos);
+  CHECK(err.find("ctx " + std::to_string(r.plan.ctx)) != std::string::npos);
+}
+
+TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not measured", "[mem]") {
+  const std::string path = test::stories("f32");
+  InferOptions o;
+  o.device = "cuda", o.kv_type = "f16", o.ctx = 512, o.tp = 2;
+  const MemReport r = infer_report(path, o);
+  auto f = LlmqFile::open(path, false);
+  uint64_t whole = 0, split = 0;
+  for (const auto& t : f->tensors()) whole += t.nbytes, split += tensor_bytes_per_rank(t, 2);
+  CHECK(lines_sum(r, {"weights per rank"}) == double(split));
+  CHECK(split < whole);
+  CHECK(split > whole / 2);  // norms are replicated
+  // f16 KV, 4 kv heads split 2 ways: 2 x 5 layers x 2 heads x 8 x 2 B x 512 tokens.
+  CHECK(lines_sum(r, {"KV cache per rank"}) == 2.0 * 5 * 2 * 8 * 2 * 512);
+  bool marked = false;
+  for (const auto& l : r.lines) marked |= l.basis == Basis::NotMeasured && l.formula.find("no CUDA backend") != std::string::npos;
+  CHECK(marked);
+  InferOptions cpu_f16;
+  cpu_f16.kv_type = "f16";
+  CHECK_THROWS_AS(infer_report(path, cpu_f16), UsageError);
+  CHECK(parse_size("8GiB") == 8.0 * GiB);
+  CHECK(parse_size("80GB") == 80e9);
+  CHECK(parse_size("512 MiB") == 512.0 * 1024 * 1024);
+  CHECK_THROWS_AS(parse_size("lots"), UsageError);
+}

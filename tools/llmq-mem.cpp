@@ -1,0 +1,163 @@
+// llmq-mem: will it fit, and where does the memory go? Answered before anything is loaded.
+//
+//   llmq-mem infer -m model.llmq --ctx 4096 --parallel 8        the engine's own allocation plan, per line
+//   llmq-mem infer -m model.llmq --fit --mem 2GiB --json         largest context / sequences within a budget
+//   llmq-mem train llama-2-7b --precision bf16 --zero 2 --dp 8   training memory per GPU, each line with its source
+//
+// Formulas and sources: docs/MEMORY.md.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "formats/error.h"
+#include "mem/infer.h"
+#include "mem/train.h"
+#include "tools/cli_common.h"
+
+using namespace llmq;
+using namespace llmq::mem;
+
+namespace {
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  if (!out || !(out << text)) throw UsageError("cannot write " + path);
+}
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) v.push_back(item);
+  return v;
+}
+
+void emit(const MemReport& r, bool json, const std::string& svg) {
+  if (json) std::printf("%s\n", report_json(r).dump(2).c_str());
+  else std::printf("%s", render_table(r).c_str());
+  if (!svg.empty()) write_file(svg, render_svg({r}));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"llmq-mem: memory of inference (the engine's allocation plan) and of training (per GPU), before loading"};
+  app.require_subcommand(1);
+  bool json = false;
+  std::string svg, mem_budget, gpu_mem;
+
+  // ---- infer
+  auto* inf = app.add_subcommand("infer", "memory of llmq-run / llmq-server for a .llmq model (exact on the CPU)");
+  std::string model_path;
+  InferOptions io;
+  bool fit = false;
+  inf->add_option("-m,--model", model_path, "model file (.llmq)")->required();
+  auto* ctx_opt = inf->add_option("-c,--ctx", io.ctx, "tokens per sequence (default: the model's context, at most 4096)");
+  auto* par_opt = inf->add_option("--parallel", io.parallel, "sequences at once (> 1: llmq-server's plan)");
+  inf->add_flag("--server", io.server, "plan llmq-server even for one sequence");
+  inf->add_option("--kv-tokens", io.kv_tokens, "server KV cache in tokens (default as llmq-server: max(ctx, parallel x min(ctx, 2048)))");
+  inf->add_option("-b,--batch", io.n_batch, "most tokens per forward pass");
+  inf->add_option("-t,--threads", io.threads, "threads (default: all cores; per-thread scratch depends on it)");
+  inf->add_option("--kv-type", io.kv_type, "KV cache type: f32 (the CPU engine) or f16");
+  inf->add_option("--device", io.device, "cpu (exact) or cuda (weights and KV exact; backend buffers not measured: no CUDA backend yet)");
+  inf->add_option("--tp", io.tp, "tensor-parallel ranks: weights and KV per rank by the Megatron split (report only)");
+  inf->add_option("--mem,--gpu-mem", mem_budget, "memory budget, e.g. 8GiB (default for --fit: MemAvailable)");
+  inf->add_flag("--fit", fit,
+                "pick the largest context (multiple of 16), then the most parallel sequences, that fit the budget; print the plan "
+                "as JSON. --ctx / --parallel given are kept. GPU layer offload (--gpu-layers) needs the CUDA backend: not available yet");
+  inf->add_flag("--json", json, "JSON output");
+  inf->add_option("--svg", svg, "also write a stacked bar chart to this SVG file");
+
+  // ---- train
+  auto* tr = app.add_subcommand("train", "peak memory per GPU of training / fine-tuning, line by line with formulas and sources");
+  std::string model_spec, precision = "mixed", optimizer = "adamw", ckpt = "none", off_opt = "none", off_par = "none",
+                          framework = "analytic", targets = "q,k,v,o", fsdp;
+  TrainOptions to;
+  bool no_flash = false, no_dq = false, rule = false;
+  tr->add_option("model", model_spec,
+                 "a preset (" + [] {
+                   std::string s;
+                   for (const auto& n : preset_names()) s += (s.empty() ? "" : ", ") + n;
+                   return s;
+                 }() + "), a .llmq or .gguf file, a config.json or a directory holding one")
+      ->required();
+  tr->add_option("--precision", precision, "fp32 | fp16 / bf16 / mixed (16-bit compute, fp32 master) | pure-bf16");
+  tr->add_option("--optimizer", optimizer, "adam | adamw | adam8bit | sgd | sgd-momentum");
+  tr->add_option("-b,--micro-batch", to.micro_batch, "sequences per GPU per forward pass");
+  tr->add_option("-s,--seq", to.seq_len, "sequence length");
+  tr->add_option("--grad-accum", to.grad_accum, "micro-batches per optimizer step");
+  tr->add_option("--checkpointing", ckpt, "activation checkpointing: none | selective | full");
+  tr->add_flag("--no-flash", no_flash, "attention materializes the s x s matrices (no FlashAttention)");
+  tr->add_option("--lora-rank", to.lora_rank, "LoRA rank (0: full fine-tuning)");
+  tr->add_option("--lora-targets", targets, "LoRA target matrices: q,k,v,o,gate,up,down or all");
+  tr->add_flag("--qlora", to.qlora, "QLoRA: NF4 base weights (with --lora-rank)");
+  tr->add_flag("--no-double-quant", no_dq, "QLoRA without double quantization of the NF4 constants");
+  tr->add_option("--dp", to.dp, "data-parallel ranks N_d (DDP or ZeRO)");
+  tr->add_option("--zero", to.zero, "ZeRO stage 0-3");
+  tr->add_option("--fsdp", fsdp, "FSDP sharding: full (= ZeRO-3) or grad-op (= ZeRO-2)");
+  tr->add_option("--offload-optimizer", off_opt, "none | cpu | nvme");
+  tr->add_option("--offload-params", off_par, "none | cpu | nvme (ZeRO-3)");
+  tr->add_option("--tp", to.tp, "tensor-parallel degree");
+  tr->add_option("--pp", to.pp, "pipeline-parallel degree (1F1B)");
+  tr->add_flag("--sp", to.sequence_parallel, "sequence parallelism (with --tp)");
+  tr->add_option("--framework", framework, "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed");
+  tr->add_option("--gpu-mem", gpu_mem, "GPU memory to check against, e.g. 80GB");
+  tr->add_flag("--rule-of-thumb", rule, "add the '6x the weights' rule of thumb beside the estimate, with the difference explained");
+  tr->add_flag("--json", json, "JSON output");
+  tr->add_option("--svg", svg, "also write a stacked bar chart to this SVG file");
+
+  LLMQ_CLI_PARSE(app, argc, argv);
+
+  return cli::run_guarded("llmq-mem", [&] {
+    if (inf->parsed()) {
+      if (!mem_budget.empty()) io.budget = parse_size(mem_budget);
+      if (fit) {
+        if (io.device != "cpu") throw UsageError("--fit plans the CPU engine only (no CUDA backend yet, so no --gpu-layers)");
+        const double budget = io.budget ? *io.budget : double(available_memory());
+        if (budget <= 0) throw UsageError("--fit needs --mem (MemAvailable is unknown here)");
+        auto f = LlmqFile::open(model_path, false);
+        LlamaConfig c;
+        try {
+          c = LlamaConfig::from_metadata(f->meta());
+        } catch (const std::exception& e) {
+          throw FileError(model_path, e.what());
+        }
+        const FitResult r = fit_inference(*f, c, io, budget, ctx_opt->count() > 0, par_opt->count() > 0);
+        std::printf("%s\n", fit_json(r, budget).dump(json ? 2 : -1).c_str());
+        if (!svg.empty()) {
+          InferOptions o = r.options;
+          o.budget = budget;
+          write_file(svg, render_svg({infer_report(model_path, o)}));
+        }
+        return r.fits ? 0 : 3;
+      }
+      emit(infer_report(model_path, io), json, svg);
+      return 0;
+    }
+    to.precision = precision_from_name(precision);
+    to.optimizer = optimizer_from_name(optimizer);
+    to.checkpointing = checkpointing_from_name(ckpt);
+    to.offload_optimizer = offload_from_name(off_opt);
+    to.offload_params = offload_from_name(off_par);
+    to.framework = framework_from_name(framework);
+    to.flash_attention = !no_flash;
+    to.double_quant = !no_dq;
+    to.lora_targets = split_commas(targets);
+    if (!fsdp.empty()) {
+      if (fsdp == "full") to.zero = 3;
+      else if (fsdp == "grad-op") to.zero = 2;
+      else throw UsageError("--fsdp must be full or grad-op");
+    }
+    const ModelShape shape = load_shape(model_spec);
+    MemReport r = estimate_training(shape, to);
+    if (!gpu_mem.empty()) r.budget = parse_size(gpu_mem);
+    if (rule) r.lines.push_back(rule_of_thumb_line(shape, r));
+    emit(r, json, svg);
+    return 0;
+  });
+}
