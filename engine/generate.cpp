@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "engine/tp.h"
 #include "formats/error.h"
 
 namespace llmq {
@@ -50,15 +51,21 @@ GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& histo
   return st;
 }
 
-PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
-                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
+namespace {
+
+void check_perplexity_args(const std::vector<int32_t>& tokens, int64_t n_ctx) {
   if (n_ctx < 4) throw UsageError("perplexity: --ctx must be at least 4");
-  int64_t n_chunks = int64_t(tokens.size()) / n_ctx;
-  if (max_chunks > 0) n_chunks = std::min(n_chunks, max_chunks);
-  if (n_chunks < 1)
+  if (int64_t(tokens.size()) < n_ctx)
     throw UsageError("perplexity: the text has " + std::to_string(tokens.size()) + " tokens, fewer than one chunk of " +
                      std::to_string(n_ctx));
-  Session s(m, pool, n_ctx, n_ctx, n_ctx);  // every position's logits
+}
+
+// The scoring loop over a session whose context and batch hold n_ctx tokens.
+PerplexityResult perplexity_on(Session& s, const std::vector<int32_t>& tokens, int64_t n_ctx,
+                               const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
+  const Model& m = s.model();
+  int64_t n_chunks = int64_t(tokens.size()) / n_ctx;
+  if (max_chunks > 0) n_chunks = std::min(n_chunks, max_chunks);
   const int64_t V = m.config.vocab_size, first = n_ctx / 2;
   double sum = 0, sum2 = 0;
   int64_t count = 0;
@@ -89,6 +96,24 @@ PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<
   const double var = count > 1 ? (sum2 / double(count) - r.mean_nll * r.mean_nll) / double(count - 1) : 0;
   r.ppl_err = r.ppl * std::sqrt(std::max(0.0, var));
   return r;
+}
+
+}  // namespace
+
+PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
+                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
+  check_perplexity_args(tokens, n_ctx);
+  Session s(m, pool, n_ctx, n_ctx, n_ctx);  // every position's logits
+  return perplexity_on(s, tokens, n_ctx, on_chunk, max_chunks);
+}
+
+PerplexityResult perplexity(TensorParallel& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
+                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
+  check_perplexity_args(tokens, n_ctx);
+  if (tp.capacity() < n_ctx)
+    throw UsageError("perplexity: the forward capacity " + std::to_string(tp.capacity()) + " is below --ctx " + std::to_string(n_ctx));
+  Session s(tp, n_ctx);
+  return perplexity_on(s, tokens, n_ctx, on_chunk, max_chunks);
 }
 
 }  // namespace llmq

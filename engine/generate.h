@@ -48,5 +48,9 @@ struct PerplexityResult {
 /// max_chunks > 0 scores only the first max_chunks chunks (llama.cpp's --chunks).
 PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
                             const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0);
+/// The same on a tensor-parallel runner (engine/tp.h); tp.capacity() must be at least n_ctx
+/// (UsageError otherwise).
+PerplexityResult perplexity(TensorParallel& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
+                            const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0);
 
 }  // namespace llmq

@@ -5,12 +5,24 @@
 namespace llmq {
 
 KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens)
-    : n_layers_(c.n_layers), kv_dim_(c.kv_dim()), bt_(block_tokens), n_blocks_(n_blocks) {
-  if (n_blocks <= 0 || block_tokens <= 0) throw UsageError("KV cache: block count and size must be positive");
-  const size_t floats = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(kv_dim_);
-  k_.assign(floats, 0.0f);
-  v_.assign(floats, 0.0f);
+    : KVCache(c, n_blocks, block_tokens, std::vector<int64_t>{c.kv_dim()}) {}
+
+KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims)
+    : n_layers_(c.n_layers), bt_(block_tokens), n_blocks_(n_blocks), kv_dim_(shard_kv_dims) {
+  if (n_blocks <= 0 || block_tokens <= 0 || kv_dim_.empty())
+    throw UsageError("KV cache: block count, block size and pool count must be positive");
+  for (int64_t d : kv_dim_) {
+    const size_t floats = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(d);
+    k_.emplace_back(floats, 0.0f);
+    v_.emplace_back(floats, 0.0f);
+  }
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
+}
+
+uint64_t KVCache::bytes() const {
+  uint64_t n = 0;
+  for (size_t s = 0; s < k_.size(); ++s) n += shard_bytes(int(s));
+  return n;
 }
 
 int32_t KVCache::add_sequence() {
@@ -57,14 +69,6 @@ void KVCache::truncate(int32_t seq, int64_t n) {
     free_.push_back(s.blocks.back());
     s.blocks.pop_back();
   }
-}
-
-float* KVCache::key_block(int64_t layer, int32_t seq, int64_t block) {
-  return k_.data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)]);
-}
-
-float* KVCache::value_block(int64_t layer, int32_t seq, int64_t block) {
-  return v_.data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)]);
 }
 
 }  // namespace llmq

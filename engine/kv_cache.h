@@ -16,12 +16,20 @@ class KVCache {
   /// A pool of n_blocks blocks of block_tokens positions. K and V of one block are each
   /// [n_layers, block_tokens, kv_dim] fp32. Throws UsageError for non-positive sizes.
   KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens = 16);
+  /// Tensor parallelism: one K and V pool per rank, pool r with rank r's KV width
+  /// shard_kv_dims[r] (its KV heads x head_dim), all sharing one block table, so a sequence's
+  /// block b is block b of every pool. Throws UsageError for non-positive sizes.
+  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims);
 
   int64_t block_tokens() const { return bt_; }
   int64_t n_blocks() const { return n_blocks_; }
   int64_t free_blocks() const { return int64_t(free_.size()); }
-  /// Bytes of the K and V pools.
-  uint64_t bytes() const { return uint64_t(k_.size() + v_.size()) * sizeof(float); }
+  /// Bytes of the K and V pools (all ranks).
+  uint64_t bytes() const;
+  /// Bytes of rank r's K and V pools.
+  uint64_t shard_bytes(int r) const { return uint64_t(k_.at(size_t(r)).size() + v_.at(size_t(r)).size()) * sizeof(float); }
+  /// Pools (tensor-parallel ranks): 1 unless built with shard_kv_dims.
+  int n_shards() const { return int(k_.size()); }
   /// Blocks needed for n positions.
   int64_t blocks_for(int64_t n) const { return (n + bt_ - 1) / bt_; }
 
@@ -41,11 +49,15 @@ class KVCache {
   /// Positions seq can hold without reserving more.
   int64_t capacity(int32_t seq) const { return int64_t(seqs_.at(size_t(seq)).blocks.size()) * bt_; }
 
-  /// K (or V) of one layer for a block of seq: [block_tokens, kv_dim], positions
-  /// block*block_tokens ... The block must be reserved.
-  float* key_block(int64_t layer, int32_t seq, int64_t block);
-  float* value_block(int64_t layer, int32_t seq, int64_t block);
-  int64_t kv_dim() const { return kv_dim_; }
+  /// K (or V) of one layer for a block of seq in pool `shard`: [block_tokens, kv_dim(shard)],
+  /// positions block*block_tokens ... The block must be reserved.
+  float* key_block(int64_t layer, int32_t seq, int64_t block, int shard = 0) {
+    return k_[size_t(shard)].data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)], shard);
+  }
+  float* value_block(int64_t layer, int32_t seq, int64_t block, int shard = 0) {
+    return v_[size_t(shard)].data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)], shard);
+  }
+  int64_t kv_dim(int shard = 0) const { return kv_dim_[size_t(shard)]; }
 
  private:
   struct Seq {
@@ -53,11 +65,12 @@ class KVCache {
     int64_t length = 0;
     std::vector<int32_t> blocks;  // block table: block i holds positions [i*bt, (i+1)*bt)
   };
-  size_t offset(int64_t layer, int32_t block) const {
-    return (size_t(block) * size_t(n_layers_) + size_t(layer)) * size_t(bt_ * kv_dim_);
+  size_t offset(int64_t layer, int32_t block, int shard) const {
+    return (size_t(block) * size_t(n_layers_) + size_t(layer)) * size_t(bt_ * kv_dim_[size_t(shard)]);
   }
-  int64_t n_layers_, kv_dim_, bt_, n_blocks_;
-  std::vector<float> k_, v_;     // [n_blocks, n_layers, bt, kv_dim]
+  int64_t n_layers_, bt_, n_blocks_;
+  std::vector<int64_t> kv_dim_;           // [shards]
+  std::vector<std::vector<float>> k_, v_;  // [shards][n_blocks, n_layers, bt, kv_dim(shard)]
   std::vector<int32_t> free_;    // free block ids
   std::vector<Seq> seqs_;
 };

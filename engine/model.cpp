@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 
+#include "engine/tp.h"
 #include "formats/error.h"
 
 namespace llmq {
@@ -91,6 +92,28 @@ std::string Model::weight_type() const {
 
 // ---------------------------------------------------------------- forward pass
 
+ShardRanges ShardRanges::whole(const LlamaConfig& c) {
+  ShardRanges r;
+  r.n_heads = c.n_heads, r.n_kv_heads = c.n_kv_heads, r.ffn_dim = c.hidden_dim;
+  r.n_vocab = c.vocab_size, r.n_embd = c.vocab_size;
+  return r;
+}
+
+uint64_t ModelShard::weight_bytes() const {
+  auto bytes = [](const Weight& w) { return uint64_t(w.rows) * w.row_stride(); };
+  const int64_t dim = token_embd.cols;
+  uint64_t n = bytes(token_embd) + uint64_t(dim) * sizeof(float);  // + output_norm
+  for (const LayerWeights& l : layers) {
+    n += 2 * uint64_t(dim) * sizeof(float) + bytes(l.wq) + bytes(l.wk) + bytes(l.wv) + bytes(l.wo) + bytes(l.w_gate) +
+         bytes(l.w_up) + bytes(l.w_down);
+    if (l.bq) n += uint64_t(l.wq.rows + l.wk.rows + l.wv.rows) * sizeof(float);  // biases: the rows' slices
+    if (l.bo) n += uint64_t(dim) * sizeof(float);                                // replicated
+  }
+  const bool inside_embd = output.data >= token_embd.data && output.data + bytes(output) <= token_embd.data + bytes(token_embd);
+  if (!(inside_embd && output.type == token_embd.type)) n += bytes(output);  // tied: already counted
+  return n;
+}
+
 Workspace::Workspace(const Model& m, int64_t capacity)
     : Workspace(m, plan_workspace(m.config, {}, capacity, /*max_ctx=*/0, /*logits_rows=*/0, /*threads=*/0)) {}
 
@@ -104,7 +127,7 @@ Workspace::Workspace(const Model&, const WorkspacePlan& p) : cap_(p.capacity) {
   att_out_.resize(p.att_out);
   h1_.resize(p.h1);
   h2_.resize(p.h2);
-  pos_.resize(p.pos);
+  plan_.pos.reserve(p.pos);
   att_.assign(size_t(p.threads), std::vector<float>(p.att));
   logits_.resize(p.logits);
   reserve_matmul_scratch(scratch_, p.matmul);
@@ -112,45 +135,75 @@ Workspace::Workspace(const Model&, const WorkspacePlan& p) : cap_(p.capacity) {
 
 uint64_t Workspace::bytes() const {
   size_t floats = x_.capacity() + xb_.capacity() + q_.capacity() + k_.capacity() + v_.capacity() + att_out_.capacity() +
-                  h1_.capacity() + h2_.capacity() + logits_.capacity();
+                  h1_.capacity() + h2_.capacity() + logits_.capacity() + gathered_.capacity();
   for (const auto& a : att_) floats += a.capacity();
-  return floats * sizeof(float) + pos_.capacity() * sizeof(int64_t) + matmul_scratch_bytes(scratch_);
+  return floats * sizeof(float) + plan_.pos.capacity() * sizeof(int64_t) + matmul_scratch_bytes(scratch_);
 }
 
-// Shapes in comments: T batch tokens, D = dim, Q = q_dim, KV = kv_dim, H = hidden, V = vocab.
-const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, ThreadPool& pool, const BatchToken* batch,
-                           int64_t T) {
-  const LlamaConfig& c = m.config;
-  const int64_t D = c.dim, Q = c.q_dim(), KV = c.kv_dim(), H = c.hidden_dim, hd = c.head_dim, V = c.vocab_size;
-  const int64_t group = c.n_heads / c.n_kv_heads;  // query heads per KV head (GQA)
-  const int64_t bt = cache.block_tokens();
-  const float eps = float(c.norm_eps);
-  const float att_scale = float(1.0 / std::sqrt(double(hd)));
-  if (T <= 0 || T > ws.cap_) throw UsageError("forward: batch of " + std::to_string(T) + " tokens (capacity " + std::to_string(ws.cap_) + ")");
-
+void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity,
+                BatchPlan& plan) {
+  if (T <= 0 || T > capacity)
+    throw UsageError("forward: batch of " + std::to_string(T) + " tokens (capacity " + std::to_string(capacity) + ")");
   // Positions: each sequence continues from its cached length.
   std::map<int32_t, int64_t> next;
-  int64_t n_logits = 0, max_pos = 0;
+  plan.pos.resize(size_t(T));
+  plan.n_logits = 0, plan.max_pos = 0;
   for (int64_t i = 0; i < T; ++i) {
     const BatchToken& b = batch[i];
-    if (b.token < 0 || b.token >= V) throw UsageError("token id " + std::to_string(b.token) + " out of range");
+    if (b.token < 0 || b.token >= m.config.vocab_size) throw UsageError("token id " + std::to_string(b.token) + " out of range");
     auto it = next.find(b.seq);
     if (it == next.end()) it = next.emplace(b.seq, cache.length(b.seq)).first;
-    ws.pos_[size_t(i)] = it->second++;
-    if (ws.pos_[size_t(i)] >= cache.capacity(b.seq)) throw UsageError("forward: KV cache positions not reserved");
-    max_pos = std::max(max_pos, ws.pos_[size_t(i)] + 1);
-    n_logits += b.logits;
+    plan.pos[size_t(i)] = it->second++;
+    if (plan.pos[size_t(i)] >= cache.capacity(b.seq)) throw UsageError("forward: KV cache positions not reserved");
+    plan.max_pos = std::max(plan.max_pos, plan.pos[size_t(i)] + 1);
+    plan.n_logits += b.logits;
   }
-  if (ws.att_.size() < size_t(pool.size())) ws.att_.resize(size_t(pool.size()));
-  const int64_t* pos = ws.pos_.data();
-  float* x = ws.x_.data();  // [T, D] residual stream
+  plan.ends.assign(next.begin(), next.end());
+}
 
-  for (int64_t t = 0; t < T; ++t) embedding_row(x + t * D, m.token_embd, batch[t].token);
+const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, ThreadPool& pool, const BatchToken* batch,
+                           int64_t T) {
+  plan_batch(m, cache, batch, T, ws.cap_, ws.plan_);
+  const float* logits = forward_shard(m, nullptr, cache, ws, pool, nullptr, batch, T, ws.plan_);
+  for (const auto& [seq, end] : ws.plan_.ends) cache.set_length(seq, end);
+  return logits;
+}
+
+// Shapes in comments: T batch tokens, D = dim, Q = this rank's query width (its heads x hd),
+// KV = its KV width, H = its FFN width, V = vocab. With one rank these are the model's widths.
+const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
+                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan) {
+  const LlamaConfig& c = m.config;
+  const ShardRanges R = shard ? shard->ranges : ShardRanges::whole(c);
+  const std::vector<LayerWeights>& layers = shard ? shard->layers : m.layers;
+  const int64_t D = c.dim, hd = c.head_dim, V = c.vocab_size;
+  const int64_t Q = R.n_heads * hd, KV = R.n_kv_heads * hd, H = R.ffn_dim;
+  const int64_t group = c.n_heads / c.n_kv_heads;  // query heads per KV head (GQA)
+  const int64_t bt = cache.block_tokens();
+  const int pool_id = R.rank;                      // this rank's KV-cache pool
+  const float eps = float(c.norm_eps);
+  const float att_scale = float(1.0 / std::sqrt(double(hd)));
+  const int64_t max_pos = plan.max_pos, n_logits = plan.n_logits;
+  if (ws.att_.size() < size_t(pool.size())) ws.att_.resize(size_t(pool.size()));
+  const int64_t* pos = plan.pos.data();
+  float* x = ws.x_.data();  // [T, D] residual stream (replicated on every rank)
+
+  if (!shard || R.n_embd == V) {
+    const Weight& emb = shard ? shard->token_embd : m.token_embd;
+    for (int64_t t = 0; t < T; ++t) embedding_row(x + t * D, emb, batch[t].token);
+  } else {  // vocab-parallel embedding: the rank holding the token's row adds it, the others 0
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t row = batch[t].token - R.embd0;
+      if (row >= 0 && row < R.n_embd) embedding_row(x + t * D, shard->token_embd, row);
+      else std::fill(x + t * D, x + (t + 1) * D, 0.0f);
+    }
+    comm->all_reduce_sum(x, T * D);
+  }
 
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    const LayerWeights& w = m.layers[size_t(l)];
+    const LayerWeights& w = layers[size_t(l)];
 
-    // Attention block: xb = RMSNorm(x); q, k, v = xb·Wqᵀ, xb·Wkᵀ, xb·Wvᵀ
+    // Attention block: xb = RMSNorm(x); q, k, v = xb·Wqᵀ, xb·Wkᵀ, xb·Wvᵀ (this rank's heads)
     for (int64_t t = 0; t < T; ++t) rmsnorm(ws.xb_.data() + t * D, x + t * D, w.attn_norm, D, eps);
     matmul(pool, ws.scratch_, ws.q_.data(), ws.xb_.data(), T, w.wq);  // [T, Q]
     matmul(pool, ws.scratch_, ws.k_.data(), ws.xb_.data(), T, w.wk);  // [T, KV]
@@ -161,11 +214,11 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
       add_bias(ws.v_.data(), w.bv, T, KV);
     }
     for (int64_t t = 0; t < T; ++t) {
-      rope(ws.q_.data() + t * Q, c.n_heads, hd, pos[t], c.rope_theta, c.rope_layout);
-      rope(ws.k_.data() + t * KV, c.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
+      rope(ws.q_.data() + t * Q, R.n_heads, hd, pos[t], c.rope_theta, c.rope_layout);
+      rope(ws.k_.data() + t * KV, R.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
       const int64_t blk = pos[t] / bt, off = (pos[t] % bt) * KV;
-      std::memcpy(cache.key_block(l, batch[t].seq, blk) + off, ws.k_.data() + t * KV, size_t(KV) * sizeof(float));
-      std::memcpy(cache.value_block(l, batch[t].seq, blk) + off, ws.v_.data() + t * KV, size_t(KV) * sizeof(float));
+      std::memcpy(cache.key_block(l, batch[t].seq, blk, pool_id) + off, ws.k_.data() + t * KV, size_t(KV) * sizeof(float));
+      std::memcpy(cache.value_block(l, batch[t].seq, blk, pool_id) + off, ws.v_.data() + t * KV, size_t(KV) * sizeof(float));
     }
     // Causal attention: the token at position p sees its sequence's positions 0..p, block by
     // block. A work item is one token and G query heads: in a batch, the G = group heads that
@@ -173,18 +226,22 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
     // decode (T = 1), single heads, for more items than threads. Items are head-major and, within
     // a head, take tokens in the order 0, T-1, 1, T-2, ... so that contiguous ranges of items
     // (one per thread) carry the same causal work. Each head's arithmetic is the same in both.
-    const int64_t G = T > 1 ? group : 1;
-    pool.parallel_for(T * (c.n_heads / G), [&](int64_t i0, int64_t i1, int thread) {
+    // A rank whose heads do not start and end on KV-group boundaries (uneven TP splits) uses
+    // single heads throughout. Local head h is global head R.head0 + h; its KV head is
+    // (R.head0 + h) / group, local index that minus R.kv_head0.
+    const bool aligned = R.head0 % group == 0 && R.n_heads % group == 0;
+    const int64_t G = T > 1 && aligned ? group : 1;
+    pool.parallel_for(T * (R.n_heads / G), [&](int64_t i0, int64_t i1, int thread) {
       std::vector<float>& att = ws.att_[size_t(thread)];  // [G, max_pos] scores
       if (att.size() < size_t(G * max_pos)) att.resize(size_t(G * max_pos));
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t j = i % T, t = j % 2 == 0 ? j / 2 : T - 1 - j / 2;
-        const int64_t h0 = (i / T) * G, kvh = h0 / group;
+        const int64_t h0 = (i / T) * G, kvh = (R.head0 + h0) / group - R.kv_head0;
         const int32_t seq = batch[t].seq;
         const int64_t n_pos = pos[t] + 1;
         const float* q = ws.q_.data() + t * Q + h0 * hd;  // [G, hd]
         for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
-          const float* kb = cache.key_block(l, seq, p0 / bt) + kvh * hd;  // [bt, KV] from head kvh
+          const float* kb = cache.key_block(l, seq, p0 / bt, pool_id) + kvh * hd;  // [bt, KV] from head kvh
           for (int64_t g = 0; g < G; ++g)
             attn_scores(att.data() + g * max_pos + p0, q + g * hd, kb, std::min(bt, n_pos - p0), KV, hd, att_scale);
         }
@@ -192,14 +249,15 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
         float* out = ws.att_out_.data() + t * Q + h0 * hd;  // [G, hd]
         std::fill(out, out + G * hd, 0.0f);
         for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
-          const float* vb = cache.value_block(l, seq, p0 / bt) + kvh * hd;
+          const float* vb = cache.value_block(l, seq, p0 / bt, pool_id) + kvh * hd;
           for (int64_t g = 0; g < G; ++g)
             attn_accumulate(out + g * hd, att.data() + g * max_pos + p0, vb, std::min(bt, n_pos - p0), KV, hd);
         }
       }
     });
-    matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), T, w.wo);  // [T, D]
-    if (w.bo) add_bias(ws.xb_.data(), w.bo, T, D);
+    matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), T, w.wo);  // [T, D] (partial sum when split)
+    if (comm) comm->all_reduce_sum(ws.xb_.data(), T * D);
+    if (w.bo) add_bias(ws.xb_.data(), w.bo, T, D);  // [D], replicated: added once, after the sum
     for (int64_t i = 0; i < T * D; ++i) x[i] += ws.xb_[size_t(i)];
 
     // FFN block: x += W_down · (silu(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)
@@ -207,35 +265,68 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
     matmul(pool, ws.scratch_, ws.h1_.data(), ws.xb_.data(), T, w.w_gate);  // [T, H]
     matmul(pool, ws.scratch_, ws.h2_.data(), ws.xb_.data(), T, w.w_up);    // [T, H]
     swiglu(ws.h1_.data(), ws.h2_.data(), T * H);
-    matmul(pool, ws.scratch_, ws.xb_.data(), ws.h1_.data(), T, w.w_down);  // [T, D]
+    matmul(pool, ws.scratch_, ws.xb_.data(), ws.h1_.data(), T, w.w_down);  // [T, D] (partial sum when split)
+    if (comm) comm->all_reduce_sum(ws.xb_.data(), T * D);
     for (int64_t i = 0; i < T * D; ++i) x[i] += ws.xb_[size_t(i)];
   }
-  for (const auto& [seq, end] : next) cache.set_length(seq, end);
 
   // Final norm and the output projection for the flagged tokens only.
   if (n_logits == 0) return nullptr;
   int64_t r = 0;
   for (int64_t t = 0; t < T; ++t)
     if (batch[t].logits) rmsnorm(ws.xb_.data() + (r++) * D, x + t * D, m.output_norm, D, eps);
+  const Weight& out_w = shard ? shard->output : m.output;
+  const int64_t NV = R.n_vocab;  // this rank's logit rows
+  if (ws.logits_.size() < size_t(n_logits * NV)) ws.logits_.resize(size_t(n_logits * NV));
+  if (NV > 0) matmul(pool, ws.scratch_, ws.logits_.data(), ws.xb_.data(), n_logits, out_w);  // [n_logits, NV]
+  if (!comm) return ws.logits_.data();
+
+  // Vocab-parallel output: rank 0 gathers every rank's [n_logits, NV_r] block (rank order) and
+  // interleaves them into rows of [V]; with one flagged token (decode) the concatenation
+  // already is the row. When rank 0 computes all V rows (output not split) nothing moves.
+  const bool root = R.rank == 0;
+  if (shard->vocab_bounds[1] == V) return root ? ws.logits_.data() : nullptr;
+  if (root && ws.gathered_.size() < size_t(n_logits * V)) ws.gathered_.resize(size_t(n_logits * V));
+  comm->gather(ws.logits_.data(), n_logits * NV, ws.gathered_.data(), 0);
+  if (!root) return nullptr;
+  if (n_logits == 1) return ws.gathered_.data();
   if (ws.logits_.size() < size_t(n_logits * V)) ws.logits_.resize(size_t(n_logits * V));
-  matmul(pool, ws.scratch_, ws.logits_.data(), ws.xb_.data(), n_logits, m.output);  // [n_logits, V]
-  return ws.logits_.data();
+  float* out = ws.logits_.data();  // [n_logits, V]
+  const float* src = ws.gathered_.data();
+  for (size_t k = 0; k + 1 < shard->vocab_bounds.size(); ++k) {
+    const int64_t v0 = shard->vocab_bounds[k], nv = shard->vocab_bounds[k + 1] - v0;
+    for (int64_t t = 0; t < n_logits; ++t) std::memcpy(out + t * V + v0, src + t * nv, size_t(nv) * sizeof(float));
+    src += n_logits * nv;
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------- Session
 
 Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch, int64_t logits_rows)
     : m_(model),
-      pool_(pool),
       ctx_(session_sizes(model.config, ctx, n_batch).ctx),
       n_batch_(session_sizes(model.config, ctx, n_batch).n_batch),
-      cache_(model.config, plan_kv(model.config, ctx_).n_blocks, kKvBlockTokens),
-      seq_(cache_.add_sequence()),
-      ws_(model, [&] {
+      own_(std::make_unique<TensorParallel>(model, pool, [&] {
         const int64_t rows = session_sizes(model.config, ctx, n_batch, logits_rows).logits_rows;
         return plan_workspace(model.config, llama_matmuls(model.config, model.file->tensors(), n_batch_, rows), n_batch_, ctx_,
                               rows, pool.size());
-      }()) {}
+      }())),
+      tp_(*own_),
+      cache_(tp_.make_cache(plan_kv(model.config, ctx_).n_blocks, kKvBlockTokens)),
+      seq_(cache_.add_sequence()) {}
+
+Session::Session(TensorParallel& tp, int64_t ctx)
+    : m_(tp.model()),
+      ctx_(session_sizes(m_.config, ctx, tp.capacity()).ctx),
+      n_batch_(session_sizes(m_.config, ctx, tp.capacity()).n_batch),
+      tp_(tp),
+      cache_(tp_.make_cache(plan_kv(m_.config, ctx_).n_blocks, kKvBlockTokens)),
+      seq_(cache_.add_sequence()) {}
+
+Session::~Session() = default;
+
+uint64_t Session::workspace_bytes() const { return tp_.workspace_bytes(); }
 
 const float* Session::forward(const int32_t* tokens, int64_t n, bool all_logits) {
   if (n <= 0) throw UsageError("forward: no tokens");
@@ -249,7 +340,7 @@ const float* Session::forward(const int32_t* tokens, int64_t n, bool all_logits)
     const int64_t len = std::min(n_batch_, n - i);
     batch_.resize(size_t(len));
     for (int64_t j = 0; j < len; ++j) batch_[size_t(j)] = {seq_, tokens[i + j], all_logits || i + j == n - 1};
-    out = forward_batch(m_, cache_, ws_, pool_, batch_.data(), len);
+    out = tp_.forward(cache_, batch_.data(), len);
   }
   return out;
 }

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/comm.h"
 #include "engine/cpu_ops.h"
 #include "engine/kv_cache.h"
 #include "engine/mem_plan.h"
@@ -55,6 +56,45 @@ struct Model {
   std::string weight_type() const;
 };
 
+/// The part of the model one tensor-parallel rank computes (Megatron-LM, Shoeybi et al. 2019,
+/// section 3): contiguous ranges of query heads, KV heads, FFN columns and vocabulary rows.
+/// With one rank every range is the whole dimension.
+struct ShardRanges {
+  int rank = 0, n_ranks = 1;
+  int64_t head0 = 0, n_heads = 0;        ///< query heads [head0, head0 + n_heads)
+  int64_t kv_head0 = 0, n_kv_heads = 0;  ///< KV heads held: those the query heads read (GQA)
+  int64_t ffn0 = 0, ffn_dim = 0;         ///< FFN hidden units [ffn0, ffn0 + ffn_dim)
+  int64_t vocab0 = 0, n_vocab = 0;       ///< output (logit) rows this rank computes
+  int64_t embd0 = 0, n_embd = 0;         ///< embedding rows held (vocab-parallel embedding)
+
+  /// The whole model on one rank.
+  static ShardRanges whole(const LlamaConfig& c);
+};
+
+/// One rank's weights: a view of the model with every matrix cut to the rank's ranges.
+/// Column-parallel matrices (Q, K, V, gate, up, output, embedding rows) are row ranges of the
+/// row-major [out, in] tensor: a pointer into the mapped file and a row count, nothing copied.
+/// Row-parallel matrices (attention output, FFN down) are column ranges, strided in memory:
+/// they are copied at load into buffers this rank owns (`owned`). Norm vectors are replicated.
+struct ModelShard {
+  ShardRanges ranges;
+  Weight token_embd;                 // [n_embd, dim], rows embd0 ...
+  std::vector<LayerWeights> layers;  // per layer: wq [n_heads*hd, dim], wk/wv [n_kv_heads*hd, dim],
+                                     // wo [dim, n_heads*hd] (owned), w_gate/w_up [ffn_dim, dim],
+                                     // w_down [dim, ffn_dim] (owned); biases bq [n_heads*hd],
+                                     // bk/bv [n_kv_heads*hd] sliced like their rows, bo [dim] whole
+  const float* output_norm = nullptr;  // [dim]
+  Weight output;                       // [n_vocab, dim], rows vocab0 ...
+  std::vector<int64_t> vocab_bounds;   // [n_ranks + 1]: rank r computes logits [b[r], b[r+1])
+  std::vector<std::unique_ptr<uint8_t[]>> owned;  // the row-parallel copies
+  uint64_t owned_bytes = 0;                       // bytes allocated in `owned`
+
+  /// Bytes of weights this rank holds: every matrix slice (rows x row bytes) and norm vector
+  /// it points at, each counted once (a tied output inside the embedding slice is not counted
+  /// again). Includes owned_bytes.
+  uint64_t weight_bytes() const;
+};
+
 /// Default KV-cache length when none is asked for and the model's context is longer (as
 /// llama.cpp, a long-context model does not reserve its whole context unless asked).
 constexpr int64_t kDefaultMaxCtx = 4096;
@@ -66,7 +106,22 @@ struct BatchToken {
   bool logits;    ///< return logits for this token
 };
 
-/// Scratch buffers for forward passes of up to `capacity` tokens.
+/// Positions of a batch's tokens, worked out once per forward pass (by every rank's driver,
+/// before the ranks run) from the cache lengths.
+struct BatchPlan {
+  std::vector<int64_t> pos;                            // [T] position of each batch token
+  std::vector<std::pair<int32_t, int64_t>> ends;       // per sequence: cache length afterwards
+  int64_t n_logits = 0;                                // tokens flagged for logits
+  int64_t max_pos = 0;                                 // 1 + the largest position
+};
+
+/// Fills `plan` for the batch [T]; throws UsageError for T <= 0 or T > capacity, a token id out of
+/// range, or positions the cache has not reserved. Changes nothing in the cache.
+void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity,
+                BatchPlan& plan);
+
+/// Scratch buffers for forward passes of up to `capacity` tokens (one rank's widths under
+/// tensor parallelism: engine/tp.cpp plans them from the rank's slices).
 class Workspace {
  public:
   /// Activation buffers for `capacity` tokens; the logits, attention-score and matmul buffers
@@ -81,11 +136,14 @@ class Workspace {
 
  private:
   friend const float* forward_batch(const Model&, KVCache&, Workspace&, ThreadPool&, const BatchToken*, int64_t);
+  friend const float* forward_shard(const Model&, const ModelShard*, KVCache&, Workspace&, ThreadPool&, Communicator*,
+                                    const BatchToken*, int64_t, const BatchPlan&);
   int64_t cap_;
-  std::vector<float> x_, xb_, q_, k_, v_, att_out_, h1_, h2_;  // [capacity, ...]
-  std::vector<int64_t> pos_;                 // [capacity] position of each batch token
+  std::vector<float> x_, xb_, q_, k_, v_, att_out_, h1_, h2_;  // [capacity, ...] (local widths)
+  BatchPlan plan_;                           // forward_batch's plan (reused)
   std::vector<std::vector<float>> att_;      // per thread: attention scores [context]
-  std::vector<float> logits_;                // [n_logits, vocab]
+  std::vector<float> logits_;                // [n_logits, n_vocab] this rank's logits
+  std::vector<float> gathered_;              // root: [n_logits, vocab] all ranks' logits
   MatmulScratch scratch_;
 };
 
@@ -99,6 +157,23 @@ class Workspace {
 const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, ThreadPool& pool, const BatchToken* batch,
                            int64_t n);
 
+/// One rank's part of the forward pass (tensor parallelism, Megatron-LM section 3), run by every
+/// rank of a group at once with the same batch and plan (see plan_batch):
+///   attention: Q/K/V column-parallel (this rank's heads; its KV heads go to KV-cache pool
+///   `shard->ranges.rank`), attention over its heads, output projection row-parallel, then
+///   comm->all_reduce_sum of the [T, dim] partial output; FFN: gate/up column-parallel, down
+///   row-parallel, all_reduce_sum. Norms and the residual stream are replicated. A
+///   vocab-parallel embedding (n_embd < vocab) is summed with one more all-reduce; the output
+///   projection computes this rank's vocabulary rows and rank 0 gathers them.
+/// shard == nullptr (and comm == nullptr) is the whole model on one rank: forward_batch.
+/// Does not advance the cache lengths (the caller sets plan.ends once all ranks are done).
+/// Returns logits [plan.n_logits, vocab] on rank 0 (nullptr when none are flagged), nullptr on
+/// the other ranks.
+const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
+                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan);
+
+class TensorParallel;  // engine/tp.h
+
 /// One sequence with its own KV cache: the simple interface for single-stream generation.
 class Session {
  public:
@@ -108,6 +183,11 @@ class Session {
   /// with all_logits over more tokens grows it). Sizes come from the memory plan
   /// (engine/mem_plan.h: session_sizes, plan_kv, plan_workspace), as `llmq-mem infer` reports.
   Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1);
+  /// The same on a tensor-parallel runner (engine/tp.h, any number of ranks), which must
+  /// outlive the session and serve one session at a time; prompts are cut into chunks of at
+  /// most tp.capacity() tokens; the KV cache holds ctx positions (plan_kv), one pool per rank.
+  Session(TensorParallel& tp, int64_t ctx);
+  ~Session();
 
   /// Runs `tokens` [n] at positions pos() .. pos()+n-1, appending to the KV cache, and returns
   /// logits: [n, vocab] if all_logits, else [vocab] for the last token. The pointer stays valid
@@ -117,22 +197,26 @@ class Session {
   const Model& model() const { return m_; }
   int64_t pos() const { return cache_.length(seq_); }
   int64_t ctx() const { return ctx_; }
+  /// Most tokens per forward call.
+  int64_t n_batch() const { return n_batch_; }
   /// Forgets the cache (the next forward starts at position 0).
   void reset() { cache_.truncate(seq_, 0); }
   /// Keeps only the first n cached positions (n <= pos()), e.g. to re-use a shared prompt prefix.
   void truncate(int64_t n) { cache_.truncate(seq_, n); }
-  /// Bytes held by the KV cache and the scratch buffers.
-  uint64_t state_bytes() const { return cache_.bytes() + ws_.bytes(); }
+  /// Bytes held by the KV cache and the scratch buffers (all ranks).
+  uint64_t state_bytes() const { return kv_bytes() + workspace_bytes(); }
   uint64_t kv_bytes() const { return cache_.bytes(); }
-  uint64_t workspace_bytes() const { return ws_.bytes(); }
+  uint64_t workspace_bytes() const;
+  /// The KV cache (one pool per tensor-parallel rank).
+  const KVCache& cache() const { return cache_; }
 
  private:
   const Model& m_;
-  ThreadPool& pool_;
   int64_t ctx_, n_batch_;
+  std::unique_ptr<TensorParallel> own_;  // the one-rank runner of the (model, pool) constructor
+  TensorParallel& tp_;
   KVCache cache_;
   int32_t seq_;
-  Workspace ws_;
   std::vector<BatchToken> batch_;
 };
 

@@ -7,6 +7,7 @@
 #endif
 
 #include "engine/generate.h"
+#include "engine/tp.h"
 #include "formats/error.h"
 
 namespace llmq {
@@ -75,16 +76,26 @@ size_t utf8_safe_end(const std::string& text, size_t end) {
 
 Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOptions& opt)
     : m_(model),
-      pool_(pool),
-      opt_(opt),
-      cache_(model.config, plan_kv(model.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens),
-      ws_(model, [&] {  // the plan llmq-mem infer reports (engine/mem_plan.h: plan_inference)
+      own_(std::make_unique<TensorParallel>(model, pool, [&] {  // the plan llmq-mem infer reports (plan_inference)
         const int64_t cap = std::max<int64_t>(opt.n_batch, opt.parallel);
         return plan_workspace(model.config, llama_matmuls(model.config, model.file->tensors(), cap, opt.parallel), cap, opt.ctx,
                               opt.parallel, pool.size());
-      }()) {
+      }())),
+      tp_(*own_),
+      opt_(opt),
+      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens)) {
   thread_ = std::thread([this] { loop(); });
 }
+
+Scheduler::Scheduler(TensorParallel& tp, const SchedulerOptions& opt)
+    : m_(tp.model()),
+      tp_(tp),
+      opt_(opt),
+      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens)) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+uint64_t Scheduler::workspace_bytes() const { return tp_.workspace_bytes(); }
 
 Scheduler::~Scheduler() {
   {
@@ -210,7 +221,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
   std::vector<BatchToken> batch;
   std::vector<std::pair<Seq*, int64_t>> fed;  // sequence, tokens it feeds this step
   std::vector<Seq*> sample_for;               // owners of the logits rows, in batch order
-  int64_t budget = ws_.capacity();
+  int64_t budget = tp_.capacity();
   for (int pass = 0; pass < 2; ++pass)
     for (auto& sp : active) {
       Seq& s = *sp;
@@ -226,7 +237,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
       budget -= n;
     }
   if (batch.empty()) return;
-  const float* logits = forward_batch(m_, cache_, ws_, pool_, batch.data(), int64_t(batch.size()));
+  const float* logits = tp_.forward(cache_, batch.data(), int64_t(batch.size()));
   for (auto& [s, n] : fed) s->fed += size_t(n);
 
   const Tokenizer& tok = *m_.tokenizer;

@@ -85,6 +85,9 @@ class Scheduler {
  public:
   /// Starts the loop thread. The model and pool must outlive the scheduler.
   Scheduler(const Model& model, ThreadPool& pool, const SchedulerOptions& opt);
+  /// The same on a tensor-parallel runner (engine/tp.h), which must outlive the scheduler and
+  /// serve it alone; a step feeds at most tp.capacity() tokens (opt.n_batch is not used).
+  Scheduler(TensorParallel& tp, const SchedulerOptions& opt);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
@@ -95,9 +98,10 @@ class Scheduler {
   Submit submit(const std::shared_ptr<GenRequest>& r);
   SchedulerStats stats() const;
   const SchedulerOptions& options() const { return opt_; }
-  /// Bytes of the KV cache and of the workspace (measured: the buffers' capacities).
+  /// Bytes of the KV cache (all tensor-parallel ranks) and of the workspaces (measured: the
+  /// buffers' capacities).
   uint64_t kv_bytes() const { return cache_.bytes(); }
-  uint64_t workspace_bytes() const { return ws_.bytes(); }
+  uint64_t workspace_bytes() const;
 
  private:
   struct Seq;
@@ -107,10 +111,10 @@ class Scheduler {
   void emit(Seq& s, bool final);
 
   const Model& m_;
-  ThreadPool& pool_;
+  std::unique_ptr<TensorParallel> own_;  // the one-rank runner of the (model, pool) constructor
+  TensorParallel& tp_;
   SchedulerOptions opt_;
   KVCache cache_;
-  Workspace ws_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<GenRequest>> queue_;

@@ -25,6 +25,7 @@
 
 #include "engine/chat.h"
 #include "engine/model.h"
+#include "engine/tp.h"
 #include "formats/error.h"
 #include "mem/infer.h"
 #include "server/api.h"
@@ -51,7 +52,8 @@ struct ServerState {
   std::atomic<bool> ready{false};
   std::string load_error;
   std::unique_ptr<Model> model;
-  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<ThreadPool> pool;        // --tp 1: the forward passes on one pool
+  std::unique_ptr<TensorParallel> runner;  // --tp N > 1: N ranks
   std::unique_ptr<Scheduler> scheduler;
   std::optional<ChatTemplate> tmpl;
   std::string model_id;
@@ -357,7 +359,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
 int main(int argc, char** argv) {
   CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
   std::string model_path, host = "127.0.0.1", api_key, device = "auto", template_name;
-  int port = 8080, threads = 0, parallel = 4;
+  int port = 8080, threads = 0, parallel = 4, tp = 1;
   int64_t ctx = 0, max_queue = 64, kv_tokens = 0, n_batch = 512;
   int timeout_s = 30;
   bool no_verify = false;
@@ -371,7 +373,8 @@ int main(int argc, char** argv) {
   app.add_option("--kv-tokens", kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass");
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
-  app.add_option("-t,--threads", threads, "CPU threads (default: all cores)");
+  app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
+  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process)");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
@@ -518,7 +521,8 @@ int main(int argc, char** argv) {
         // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
         // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());
-        st->pool = std::make_unique<ThreadPool>(threads);
+        if (tp == 1) st->pool = std::make_unique<ThreadPool>(threads);
+        else st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;
@@ -527,14 +531,14 @@ int main(int argc, char** argv) {
         so.max_queue = max_queue;
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
-        st->scheduler = std::make_unique<Scheduler>(*st->model, *st->pool, so);
+        st->scheduler = st->runner ? std::make_unique<Scheduler>(*st->runner, so) : std::make_unique<Scheduler>(*st->model, *st->pool, so);
         st->ready = true;
         const uint64_t file_bytes = st->model->file->file_size(), kv_b = st->scheduler->kv_bytes(),
                        ws_b = st->scheduler->workspace_bytes();
         std::fprintf(stderr,
-                     "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, peak memory %s)\n"
+                     "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n"
                      "llmq-server: memory: model file %s, KV cache %s, workspace %s; total %llu bytes (%s)\n",
-                     st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx, cli::human_bytes(kv_b).c_str(),
+                     st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx, cli::human_bytes(kv_b).c_str(), tp,
                      cli::human_bytes(cli::peak_rss_bytes()).c_str(), cli::human_bytes(file_bytes).c_str(),
                      cli::human_bytes(kv_b).c_str(), cli::human_bytes(ws_b).c_str(),
                      (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str());

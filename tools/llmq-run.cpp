@@ -19,6 +19,7 @@
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/tokenizer.h"
+#include "engine/tp.h"
 #include "formats/error.h"
 #include "mem/infer.h"
 #include "tools/cli_common.h"
@@ -63,14 +64,15 @@ int main(int argc, char** argv) {
   std::string model_path, prompt, ppl_file, template_name, system_prompt;
   bool have_prompt = false, no_verify = false, use_chat = false;
   int64_t n_predict = 256, ctx = 0, n_batch = 512;
-  int threads = 0;
+  int threads = 0, tp = 1;
   SamplerParams sp;
   sp.seed = 0;
   int64_t seed = -1, ppl_chunks = 0;
   app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
   auto* popt = app.add_option("-p,--prompt", prompt, "prompt; without it llmq-run is an interactive chat");
   app.add_option("-n,--n-predict", n_predict, "tokens to generate (-1: until end of sequence)");
-  app.add_option("-t,--threads", threads, "threads (default: all cores)");
+  app.add_option("-t,--threads", threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
+  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process)");
   app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
   app.add_option("--temp", sp.temperature, "temperature (0: greedy)");
@@ -115,24 +117,44 @@ int main(int argc, char** argv) {
     }
     auto model = Model::load(model_path, !no_verify);
     const Tokenizer& tok = *model->tokenizer;
-    ThreadPool pool(threads);
     sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
+    const int64_t ppl_ctx = ctx > 0 ? ctx : 512;
+    // TP = 1: one pool of `threads` and the planned workspace (what llmq-mem infer reports);
+    // --tp N: N rank threads sharing `threads`, each with its slices of the weights.
+    std::unique_ptr<ThreadPool> pool;
+    std::unique_ptr<TensorParallel> runner;
+    if (tp == 1) {
+      pool = std::make_unique<ThreadPool>(threads);
+    } else {
+      runner = std::make_unique<TensorParallel>(*model, tp, threads, ppl_file.empty() ? std::max<int64_t>(1, n_batch) : ppl_ctx);
+      std::fprintf(stderr, "llmq-run: tensor parallel over %d ranks, %d threads in all\n", runner->size(), runner->threads());
+      for (int r = 0; r < runner->size(); ++r) {
+        const ShardRanges& R = runner->shard(r).ranges;
+        std::fprintf(stderr, "  rank %d: %d threads, heads %lld-%lld, KV heads %lld-%lld, FFN %lld-%lld, vocab %lld-%lld, weights %s (%s copied)\n",
+                     r, runner->rank_threads(r), (long long)R.head0, (long long)(R.head0 + R.n_heads - 1), (long long)R.kv_head0,
+                     (long long)(R.kv_head0 + R.n_kv_heads - 1), (long long)R.ffn0, (long long)(R.ffn0 + R.ffn_dim - 1),
+                     (long long)R.vocab0, (long long)(R.vocab0 + R.n_vocab - 1), cli::human_bytes(runner->shard(r).weight_bytes()).c_str(),
+                     cli::human_bytes(runner->shard(r).owned_bytes).c_str());
+      }
+    }
 
     if (!ppl_file.empty()) {
-      const int64_t n_ctx = ctx > 0 ? ctx : 512;
+      const int64_t n_ctx = ppl_ctx;
       const std::string text = read_text_file(ppl_file);
       const std::vector<int32_t> tokens = tok.encode(text, true);
       std::fprintf(stderr, "llmq-run: perplexity over %s: %zu tokens, %lld chunks of %lld\n", ppl_file.c_str(), tokens.size(),
                    (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
-      const PerplexityResult r = perplexity(
-          *model, pool, tokens, n_ctx, [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); },
-          ppl_chunks);
+      const auto progress = [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); };
+      const PerplexityResult r = runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks)
+                                        : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks);
       std::printf("PPL = %.4f +/- %.4f (%lld chunks, %lld tokens scored, ctx %lld, model %s)\n", r.ppl, r.ppl_err,
                   (long long)r.chunks, (long long)r.scored, (long long)n_ctx, model->weight_type().c_str());
       return 0;
     }
 
-    Session session(*model, pool, ctx, n_batch);
+    const std::unique_ptr<Session> session_ptr =
+        runner ? std::make_unique<Session>(*runner, ctx) : std::make_unique<Session>(*model, *pool, ctx, n_batch);
+    Session& session = *session_ptr;
     // Measured at load: bytes of our own buffers (the mapping, the KV cache, the workspace).
     const uint64_t file_bytes = model->file->file_size();
     std::fprintf(stderr, "llmq-run: memory: model file %s (weights %s), KV cache %s, workspace %s; total %llu bytes (%s), ctx %lld\n",

@@ -1,0 +1,121 @@
+#include "engine/comm_nccl.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "formats/error.h"
+
+namespace llmq {
+
+namespace {
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + what + ": " + cudaGetErrorString(e));
+}
+
+void check_nccl(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) throw std::runtime_error(std::string("NCCL: ") + what + ": " + ncclGetErrorString(r));
+}
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+ncclUniqueId NcclComm::make_id() {
+  ncclUniqueId id;
+  check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  return id;
+}
+
+NcclComm::NcclComm(int rank, int size, const ncclUniqueId& id, int device) : rank_(rank), size_(size), device_(device) {
+  const int gpus = cuda_device_count();
+  if (size > gpus)
+    throw UsageError("--tp " + std::to_string(size) + " needs " + std::to_string(size) + " GPUs (one rank per GPU): this machine has " +
+                     std::to_string(gpus));
+  if (rank < 0 || rank >= size || device < 0 || device >= gpus)
+    throw UsageError("NCCL: rank " + std::to_string(rank) + " of " + std::to_string(size) + " on device " + std::to_string(device) +
+                     " does not exist");
+  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  cudaStream_t s = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  stream_ = s;
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&counts_), sizeof(int64_t) * size_t(size)), "cudaMalloc");
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&scratch_), sizeof(float)), "cudaMalloc");
+  check_nccl(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank");
+}
+
+NcclComm::~NcclComm() {
+  if (comm_) ncclCommDestroy(comm_);  // abort() already released an aborted one
+  cudaFree(counts_);
+  cudaFree(scratch_);
+  if (stream_) cudaStreamDestroy(as_stream(stream_));
+}
+
+void NcclComm::sync() {
+  if (aborted_) throw CommAborted("NCCL: the communicator was aborted");
+  check_cuda(cudaStreamSynchronize(as_stream(stream_)), "cudaStreamSynchronize");
+  ncclResult_t async = ncclSuccess;
+  check_nccl(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
+  if (async != ncclSuccess) throw CommAborted(std::string("NCCL: ") + ncclGetErrorString(async));
+}
+
+void NcclComm::all_reduce_sum(float* buf, int64_t n) {
+  if (aborted_) throw CommAborted("NCCL: the communicator was aborted");
+  if (n <= 0) return;
+  check_nccl(ncclAllReduce(buf, buf, size_t(n), ncclFloat32, ncclSum, comm_, as_stream(stream_)), "ncclAllReduce");
+  sync();
+}
+
+void NcclComm::gather(const float* send, int64_t count, float* recv, int root) {
+  if (aborted_) throw CommAborted("NCCL: the communicator was aborted");
+  // Every rank learns every count (one int64 each), so root knows where each block goes.
+  check_cuda(cudaMemcpyAsync(counts_ + rank_, &count, sizeof(int64_t), cudaMemcpyHostToDevice, as_stream(stream_)), "cudaMemcpyAsync");
+  check_nccl(ncclAllGather(counts_ + rank_, counts_, 1, ncclInt64, comm_, as_stream(stream_)), "ncclAllGather");
+  std::vector<int64_t> counts(static_cast<size_t>(size_));
+  check_cuda(cudaMemcpyAsync(counts.data(), counts_, sizeof(int64_t) * counts.size(), cudaMemcpyDeviceToHost, as_stream(stream_)),
+             "cudaMemcpyAsync");
+  sync();
+  check_nccl(ncclGroupStart(), "ncclGroupStart");
+  if (rank_ == root) {
+    int64_t off = 0;
+    for (int r = 0; r < size_; ++r) {
+      const int64_t c = counts[size_t(r)];
+      if (r == root) {
+        if (c > 0)
+          check_cuda(cudaMemcpyAsync(recv + off, send, size_t(c) * sizeof(float), cudaMemcpyDeviceToDevice, as_stream(stream_)),
+                     "cudaMemcpyAsync");
+      } else if (c > 0) {
+        check_nccl(ncclRecv(recv + off, size_t(c), ncclFloat32, r, comm_, as_stream(stream_)), "ncclRecv");
+      }
+      off += c;
+    }
+  } else if (count > 0) {
+    check_nccl(ncclSend(send, size_t(count), ncclFloat32, root, comm_, as_stream(stream_)), "ncclSend");
+  }
+  check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+  sync();
+}
+
+void NcclComm::barrier() {
+  if (aborted_) throw CommAborted("NCCL: the communicator was aborted");
+  check_nccl(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, as_stream(stream_)), "ncclAllReduce");
+  sync();
+}
+
+void NcclComm::abort() {
+  aborted_ = true;  // collectives throw from now on
+  if (comm_) {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+}
+
+}  // namespace llmq

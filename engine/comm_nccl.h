@@ -1,0 +1,61 @@
+// NCCL communicator: one tensor-parallel rank per GPU (Megatron-LM's setting, Shoeybi et al.
+// 2019, section 3), over NVIDIA's collective library.
+//
+// Built only when CMake finds the CUDA toolkit and NCCL (target llmq_nccl). This version has no
+// GPU forward pass yet, so nothing in the engine uses it: it compiles against NCCL and is the
+// Communicator a CUDA backend's ranks would use. Buffers handed to its collectives must be
+// device memory of this rank's GPU; every call is synchronous (it waits on the rank's stream).
+//
+// Numerics: NCCL's all-reduce (ring or tree, chosen by NCCL for the topology) adds the partial
+// sums in an order that is fixed for a given topology and rank count, and its final broadcast
+// phase gives every rank the same bits, so the replicated residual stream stays identical on
+// all ranks; the order differs from both TP = 1 and HostComm's rank order (results agree within
+// the same ~1e-7-per-sum relative bound, see engine/comm_host.h).
+#pragma once
+#include <nccl.h>
+
+#include "engine/comm.h"
+
+namespace llmq {
+
+/// Number of CUDA devices visible to this process (0 when none or no driver).
+int cuda_device_count();
+
+class NcclComm final : public Communicator {
+ public:
+  /// A fresh group identity: made once (by rank 0) and given to every rank's constructor, by
+  /// sharing memory (one process, a thread per GPU) or any side channel (one process per GPU).
+  static ncclUniqueId make_id();
+
+  /// Joins group `id` as rank `rank` of `size` on CUDA device `device` (ncclCommInitRank; blocks
+  /// until all ranks have joined). Throws UsageError when the machine has fewer than `size` GPUs
+  /// or `device` does not exist ("--tp N needs N GPUs: this machine has M"), runtime_error with
+  /// NCCL's or CUDA's message for any other failure.
+  NcclComm(int rank, int size, const ncclUniqueId& id, int device);
+  ~NcclComm() override;
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  /// ncclAllReduce(sum) in place on device buffer buf [n].
+  void all_reduce_sum(float* buf, int64_t n) override;
+  /// Counts are exchanged first (ncclAllGather of one int64 per rank), then grouped
+  /// ncclSend/ncclRecv bring each rank's send [count_r] to root's recv at offset Σ_{q<r} count_q.
+  void gather(const float* send, int64_t count, float* recv, int root) override;
+  /// A one-element all-reduce, waited for.
+  void barrier() override;
+  /// ncclCommAbort: pending and later collectives of this rank fail (and throw CommAborted).
+  void abort() override;
+
+ private:
+  void sync();  // waits for the stream; throws on a CUDA or asynchronous NCCL error
+  int rank_, size_, device_;
+  ncclComm_t comm_ = nullptr;
+  void* stream_ = nullptr;     // cudaStream_t (kept opaque so this header needs no CUDA headers)
+  int64_t* counts_ = nullptr;  // device [size] for gather's count exchange
+  float* scratch_ = nullptr;   // device [1] for barrier
+  bool aborted_ = false;
+};
+
+}  // namespace llmq

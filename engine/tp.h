@@ -1,0 +1,110 @@
+// Tensor parallelism: one model split over N ranks, every layer cut the way Megatron-LM cuts
+// it (Shoeybi et al. 2019, section 3), with the same results as the unsplit model up to the
+// order of fp32 sums (see engine/comm_host.h for the numerics).
+//
+// Per layer, rank r of N holds
+//   attention: Q heads [head0, head0 + n_heads) — contiguous, as even as possible — and the KV
+//     heads those query heads read (GQA: KV heads are split when the rank boundaries fall on
+//     KV-group boundaries, e.g. N divides n_kv_heads; otherwise a KV head whose group straddles
+//     a boundary is held by both ranks, "replicated"); Wq/Wk/Wv column-parallel (their output
+//     rows), Wo row-parallel (its input columns of those heads);
+//   FFN: hidden units [ffn0, ffn0 + ffn_dim), W_gate/W_up column-parallel, W_down row-parallel;
+//   one all-reduce after the attention output projection and one after W_down.
+// Embedding and output projection: vocab-parallel (rows [v0, v1) per rank; the embedding sums
+// one extra all-reduce of [T, dim], the logits are gathered on rank 0) or replicated (every rank
+// holds the whole embedding; rank 0 alone computes the output projection). Measured on
+// SmolLM2-135M (bench/RESULTS.md): vocab-parallel is the default.
+//
+// Load: column-parallel slices are row ranges of the mapped tensors (a pointer and a row count:
+// nothing is copied, a rank touches only its rows). Row-parallel slices are column ranges,
+// strided in the file: each rank copies its columns into a buffer it owns (ModelShard::owned),
+// so its slice is contiguous (as a GPU rank would upload it) and its memory is exactly its shard.
+// For block-quantized types (blocks of 32 along the input dimension) a column range must start
+// and end on a block boundary: the FFN split is rounded to 32 columns; a head split that cannot
+// be (head_dim x heads not a multiple of 32 at a boundary) is an error for that N.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "engine/comm_host.h"
+#include "engine/model.h"
+
+namespace llmq {
+
+/// How the output projection and embedding are placed across ranks.
+struct TpOptions {
+  /// true: vocab-parallel embedding and output (each rank its vocabulary rows); false:
+  /// replicated embedding on every rank and the whole output projection on rank 0.
+  bool vocab_parallel = true;
+};
+
+/// The ranges of every rank for n_ranks (Megatron-LM's partition, generalised to head counts N
+/// does not divide). Throws UsageError with a clear message when the ranks cannot be formed:
+/// n_ranks < 1, n_ranks > n_heads, n_ranks > the FFN width (in blocks for quantized W_down), or a
+/// quantized Wo whose column split falls inside a 32-wide block.
+std::vector<ShardRanges> plan_shards(const Model& m, int n_ranks, const TpOptions& opt = {});
+
+/// Rank r's view of the model for ranges r (from plan_shards): slices the weights (see above),
+/// copying the row-parallel ones into owned buffers. vocab_bounds is filled from `all`.
+ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank);
+
+/// The workspace plan (engine/mem_plan.h) of a rank: activations of the rank's widths (its
+/// heads, KV heads, FFN units and vocabulary rows) for `capacity` tokens, matmul scratch for its
+/// slices, `threads` threads; attention scores and logits grow on demand.
+WorkspacePlan rank_workspace_plan(const Model& m, const ModelShard& s, int64_t capacity, int threads);
+
+/// The model split over N in-process ranks (CPU tensor parallelism), each a thread with its
+/// own ThreadPool, its weight shard and its Workspace; they meet in a HostCommGroup. With
+/// N = 1 it wraps a given pool and runs forward_batch's code with no extra thread or copy.
+/// Used by Session, Scheduler and perplexity to run a model either way.
+class TensorParallel {
+ public:
+  /// N = 1: the whole model on `pool` (which must outlive this object); forward passes of up to
+  /// `capacity` tokens.
+  TensorParallel(const Model& m, ThreadPool& pool, int64_t capacity);
+  /// N = 1 with the workspace allocated exactly to `plan` (engine/mem_plan.h), as Session and
+  /// Scheduler do so that `llmq-mem infer` reports what is allocated.
+  TensorParallel(const Model& m, ThreadPool& pool, const WorkspacePlan& plan);
+  /// N = n_ranks ranks sharing total_threads threads (<= 0: all cores): rank r gets
+  /// total/N threads (+1 for r < total % N), at least 1 each. Each rank's workspace is planned
+  /// from its slices (rank_workspace_plan). Throws UsageError (see plan_shards) when the ranks
+  /// cannot be formed.
+  TensorParallel(const Model& m, int n_ranks, int total_threads, int64_t capacity, const TpOptions& opt = {});
+  ~TensorParallel();
+  TensorParallel(const TensorParallel&) = delete;
+  TensorParallel& operator=(const TensorParallel&) = delete;
+
+  const Model& model() const { return m_; }
+  /// Ranks N.
+  int size() const { return int(shards_.size()); }
+  /// Threads over all ranks (rank threads included).
+  int threads() const;
+  /// Threads of rank r's pool.
+  int rank_threads(int r) const;
+  /// Most tokens per forward call.
+  int64_t capacity() const { return cap_; }
+  /// Rank r's weights; for N = 1 a view of the whole model.
+  const ModelShard& shard(int r) const { return *shards_.at(size_t(r)); }
+  /// A KV cache for these ranks: one pool per rank, each with its KV heads only.
+  KVCache make_cache(int64_t n_blocks, int64_t block_tokens = 16) const;
+  /// The forward pass over a batch as forward_batch (same contract and errors), every rank on
+  /// its shard, the cache lengths advanced once at the end. Returns logits [n_flagged, vocab]
+  /// (rank 0's buffer) or nullptr. After a rank failed, every call throws.
+  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n);
+  /// Bytes of all ranks' scratch buffers.
+  uint64_t workspace_bytes() const;
+
+ private:
+  const Model& m_;
+  int64_t cap_;
+  ThreadPool* single_pool_ = nullptr;                  // N = 1
+  std::vector<std::unique_ptr<ModelShard>> shards_;    // [N]
+  std::vector<std::unique_ptr<ThreadPool>> pools_;     // [N] (N > 1)
+  std::vector<std::unique_ptr<Workspace>> ws_;         // [N]
+  std::unique_ptr<HostCommGroup> comm_;                // N > 1
+  std::unique_ptr<ThreadPool> ranks_;                  // N > 1: runs rank r on its thread r
+  BatchPlan plan_;
+  bool failed_ = false;
+};
+
+}  // namespace llmq
