@@ -437,8 +437,9 @@ class Client:
                 b'{"prompt": "x", "temperature": 1e999}', b'{"prompt": [999999]}', b'{"prompt": [-1]}',
                 b'{"prompt": [1, 4294967296]}', b'{"prompt": "x", "repetition_penalty": 0}',
                 b'{"prompt": "x", "model": "gpt-17"}'])),
+            # 500 repetitions are ~2,000 tokens (stories260K), under a 2048 context: 700 is over it.
             "prompt_too_long": lambda: post_raw("/v1/completions", json.dumps(
-                {"prompt": "Once upon a time " * r.randint(500, 20000), "max_tokens": 4}).encode()),
+                {"prompt": "Once upon a time " * r.randint(700, 20000), "max_tokens": 4}).encode()),
             "bad_utf8": lambda: r.choice([
                 post_raw("/v1/completions", b'{"prompt": "bad \xff\xfe utf8", "max_tokens": 2}'),
                 post_raw("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}'),
