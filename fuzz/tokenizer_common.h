@@ -106,7 +106,13 @@ inline void run_tokenizer_input(const std::vector<TokenizerCase>& cases, const u
     why += ": decode(encode(text)) != text\n  text:   ";
     why += hex(payload);
     why += "\n  ids:   ";
-    for (int32_t id : ids) why += " " + std::to_string(id) + "(type " + std::to_string(tok.vocab().types[size_t(id)]) + ")";
+    for (int32_t id : ids) {
+      why += ' ';
+      why += std::to_string(id);
+      why += "(type ";
+      why += std::to_string(tok.vocab().types[size_t(id)]);
+      why += ')';
+    }
     fail(why + "\n  decode: " + hex(text));
   }
 }
