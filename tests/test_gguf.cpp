@@ -990,8 +990,12 @@ std::vector<BadCase> hostile_cases() {
   with("norm stored as 2-D", [](GgufBuilder& g) { g.at("output_norm.weight").ne = {32, 1}; }, {"output_norm.weight"});
   with("unexpected extra tensor", [](GgufBuilder& g) {
     std::mt19937 rng(5);
+    g.tensor("blk.0.attn_q_norm.weight", {32}, tF32, tensor_data(tF32, 1, 32, rng));  // QK-norm: not llama
+  }, {"blk.0.attn_q_norm.weight"});
+  with("attention bias in one layer only", [](GgufBuilder& g) {
+    std::mt19937 rng(6);
     g.tensor("blk.0.attn_q.bias", {32}, tF32, tensor_data(tF32, 1, 32, rng));
-  }, {"blk.0.attn_q.bias"});
+  }, {"blk.0.attn_k.bias"});
   with("rope_freqs that are not ones", [](GgufBuilder& g) {
     std::vector<float> f(8, 1.0f);
     f[7] = 8.0f;
