@@ -36,6 +36,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -50,10 +51,16 @@ const Kernels* kernels_avx512() { return nullptr; }
 
 #else
 
+// F16C from CPUID leaf 1 (ECX bit 29): clang (14) does not know "f16c" in __builtin_cpu_supports.
+static bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+
 bool cpu_has_avx2() {
   static const bool ok = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
   }();
   return ok;
 }
@@ -94,10 +101,15 @@ constexpr size_t quant_offset() {
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
 constexpr int32_t corr_factor(DType t) { return t == DType::Q8_0 ? -128 : t == DType::Q4_0 ? -8 : 0; }
 
-// Fills corr[t, b] = corr_factor · Σq_x for the GEMM paths.
+// Fills corr[t, b] = corr_factor · Σq_x for the GEMM paths. For finite activations
+// |Σq_x| <= 32 · 127 and nothing overflows; a NaN or infinite activation (a model file whose
+// weights hold NaN/Inf, loaded with --no-verify or written so) makes the quants garbage
+// (cvtps gives INT32_MIN), so the product wraps in unsigned arithmetic, as the vector lanes
+// do, instead of being signed overflow (undefined behaviour; found by fuzz/llmq_file). The
+// logits are NaN then anyway.
 void fill_corr(DType type, const int32_t* sums, int64_t n, int32_t* corr) {
-  const int32_t k = corr_factor(type);
-  for (int64_t i = 0; i < n; ++i) corr[i] = k * sums[i];
+  const auto k = uint32_t(corr_factor(type));
+  for (int64_t i = 0; i < n; ++i) corr[i] = int32_t(k * uint32_t(sums[i]));
 }
 
 }  // namespace

@@ -74,7 +74,8 @@ class Tokenizer {
   /// tekken) emit a word that is a piece as it is. A byte whose character is not a piece is
   /// dropped (as llama.cpp and Hugging Face do; some vocabularies lack a few control bytes).
   /// Malformed UTF-8 is kept: each bad byte is a character of category Cn, so
-  /// decode(encode(text)) == text for any bytes when the vocabulary has all 256 byte pieces.
+  /// decode(encode(text)) == text for any bytes when the vocabulary has all 256 byte pieces
+  /// as Normal pieces (see decode()).
   ///
   /// Both take O(n log n) time in the text length ("gpt2": the regex matching of the built-in
   /// patterns is linear in practice; runs of one class are measured once). `add_bos`: prepend
@@ -96,7 +97,10 @@ class Tokenizer {
 
   /// Concatenation of decode_piece over `ids` (the first token's prev_id is -1), so that
   /// decode(encode(text, add_bos)) == text for valid UTF-8 text ("gpt2": for any bytes, given
-  /// all 256 byte pieces). Throws UsageError on an out-of-range id.
+  /// all 256 byte pieces as Normal pieces; where the piece of a byte's character is UserDefined,
+  /// as a few single-character added tokens of DeepSeek's vocabularies are, that byte decodes as
+  /// the piece's text, as llama.cpp and Hugging Face decode added tokens). Throws UsageError on
+  /// an out-of-range id.
   std::string decode(const std::vector<int32_t>& ids, bool show_special = false) const;
 
   /// Id of the piece spelled exactly `piece` (the vocabulary's own spelling, e.g. "▁the",

@@ -1,6 +1,7 @@
 #include "formats/llmq_file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -389,26 +390,61 @@ bool llmq_fix_checksums(std::vector<uint8_t>& img) {
 
 // ---------------------------------------------------------------- writer
 
+namespace {
+
+// Removes the temporary files in `dir` named `prefix` + 6 characters (mkstemp's) that no live
+// writer holds: a writer keeps an exclusive flock on its temporary file until it is renamed or
+// removed, and the kernel drops the lock when the process dies, however it dies.
+void remove_stale_temporaries(const std::filesystem::path& dir, const std::string& prefix) {
+  std::vector<std::filesystem::path> found;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() == prefix.size() + 6 && name.compare(0, prefix.size(), prefix) == 0) found.push_back(it->path());
+  }
+  for (const auto& p : found) {
+    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) continue;
+    struct stat sb;
+    if (::fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0) ::unlink(p.c_str());
+    ::close(fd);
+  }
+}
+
+}  // namespace
+
 LlmqWriter::LlmqWriter(const std::string& path, bool overwrite) : path_(path) {
   namespace fs = std::filesystem;
-  if (!overwrite && fs::exists(path)) throw FileError(path, "exists already (use --force to overwrite)");
   const fs::path target(path);
   fs::path dir = target.parent_path();
   if (dir.empty()) dir = ".";
   std::string name(".");  // ".NAME.tmp.XXXXXX" (built by appends: GCC 12 warns falsely on "." + str)
-  name.append(target.filename().string()).append(".tmp.XXXXXX");
-  std::string tmpl = (dir / name).string();
-  fd_ = mkstemp(tmpl.data());
-  if (fd_ < 0) throw FileError(path, std::string("cannot create a temporary file beside it: ") + std::strerror(errno));
-  tmp_path_ = tmpl;
+  name.append(target.filename().string()).append(".tmp.");
+  remove_stale_temporaries(dir, name);  // left by writers that were killed before finish()
+  if (!overwrite && fs::exists(path)) throw FileError(path, "exists already (use --force to overwrite)");
+  for (int attempt = 0;; ++attempt) {
+    std::string tmpl = (dir / (name + "XXXXXX")).string();
+    fd_ = mkstemp(tmpl.data());
+    if (fd_ < 0) throw FileError(path, std::string("cannot create a temporary file beside it: ") + std::strerror(errno));
+    tmp_path_ = tmpl;
+    // Lock it at once; if another writer's cleanup removed it between mkstemp and flock (it
+    // looked stale for that instant), the name no longer leads to this file: make another.
+    struct stat by_fd, by_name;
+    if (::flock(fd_, LOCK_EX) == 0 && ::fstat(fd_, &by_fd) == 0 && ::stat(tmp_path_.c_str(), &by_name) == 0 &&
+        by_fd.st_ino == by_name.st_ino && by_fd.st_dev == by_name.st_dev)
+      break;
+    ::close(fd_);
+    fd_ = -1;
+    if (attempt == 3) throw FileError(path, "cannot lock a temporary file beside it (another writer keeps removing it)");
+  }
   const mode_t mask = umask(0);  // mkstemp makes 0600; give the file the usual 0666 & ~umask
   umask(mask);
   fchmod(fd_, 0666 & ~mask);
 }
 
 LlmqWriter::~LlmqWriter() {
+  if (!done_ && !tmp_path_.empty()) ::unlink(tmp_path_.c_str());  // before close: still locked
   if (fd_ >= 0) ::close(fd_);
-  if (!done_ && !tmp_path_.empty()) ::unlink(tmp_path_.c_str());
 }
 
 size_t LlmqWriter::declare(const std::string& name, DType type, const std::vector<int64_t>& shape) {
@@ -514,14 +550,14 @@ void LlmqWriter::finish() {
   encode_header(head, h);
   write_at(0, head, sizeof head);
   if (::fsync(fd_) != 0) throw FileError(path_, std::string("fsync failed: ") + std::strerror(errno));
-  if (::close(fd_) != 0) {
-    fd_ = -1;
-    throw FileError(path_, std::string("close failed: ") + std::strerror(errno));
-  }
-  fd_ = -1;
+  // Rename while the file is still open, so its lock keeps other writers' cleanup away until it
+  // has its final name; the data is on disk already (fsync), so close cannot lose any.
   if (::rename(tmp_path_.c_str(), path_.c_str()) != 0)
     throw FileError(path_, std::string("cannot rename the temporary file into place: ") + std::strerror(errno));
   done_ = true;
+  const int close_rc = ::close(fd_);
+  fd_ = -1;
+  if (close_rc != 0) throw FileError(path_, std::string("close failed: ") + std::strerror(errno));
   // Make the rename durable.
   std::filesystem::path dir = std::filesystem::path(path_).parent_path();
   const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

@@ -103,9 +103,15 @@ class LlmqFile {
 /// which is fsync'ed and renamed over the target only by finish(). Tensors are streamed one
 /// at a time (declare all first, then write them in declaration order), so peak memory is
 /// one tensor. Destroying the writer before finish() removes the temporary file.
+///
+/// The temporary file is `.NAME.tmp.XXXXXX` beside the target, and the writer holds an
+/// exclusive flock(2) on it while it lives. A writer that was killed (SIGKILL, power loss)
+/// leaves its temporary file behind, unlocked; the next writer to the same target removes
+/// every such unlocked `.NAME.tmp.??????` file when it starts.
 class LlmqWriter {
  public:
   /// Throws FileError if `path` exists and !overwrite, or the temporary file cannot be made.
+  /// Removes temporary files that earlier, dead writers to `path` left behind.
   LlmqWriter(const std::string& path, bool overwrite);
   ~LlmqWriter();
   LlmqWriter(const LlmqWriter&) = delete;

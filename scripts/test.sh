@@ -7,14 +7,25 @@ bash scripts/setup.sh
 cd build
 ctest --output-on-failure -j"$(nproc 2>/dev/null || echo 2)" "$@"
 
-# The server and the converter it calls, built with AddressSanitizer + UBSan, through the same
-# end-to-end server tests (a sanitizer report in the server's log fails them).
-# LLMQ_SKIP_SANITIZE=1 skips this stage.
+# Then the same code built with AddressSanitizer + UBSan (build-asan/; a UBSan report stops the
+# program, -fno-sanitize-recover=all): the Catch2 suite with the tools it runs, and the fuzz
+# regression inputs (ctest, without the server suites, the interactive test and the two cases
+# that pip-install Python libraries to compare with them), then the end-to-end server tests
+# (a sanitizer report in the server's log fails them). LLMQ_SKIP_SANITIZE=1 skips this stage.
+# It prints how long its build, ctest and server parts took (bench/RESULTS.md, "Fuzzing (issue 8)").
 if [ "${LLMQ_SKIP_SANITIZE:-0}" != "1" ]; then
   cd ..
-  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLLMQ_SANITIZE=ON -DLLMQ_BUILD_TESTS=OFF >/dev/null
-  cmake --build build-asan -j"$(nproc 2>/dev/null || echo 2)" --target llmq-server llmq-convert
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  t0=$(date +%s)
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLLMQ_SANITIZE=ON -DLLMQ_BUILD_TESTS=ON \
+    -DLLMQ_SHARED_DIR="${LLMQ_SHARED:-$PWD/../shared}" >/dev/null
+  cmake --build build-asan -j"$(nproc 2>/dev/null || echo 2)"
+  t1=$(date +%s)
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  (cd build-asan && ctest --output-on-failure -j"$(nproc 2>/dev/null || echo 2)" -LE server \
+     -E "interactive_ctrl_c|gguf-py|written by the safetensors library")
+  t2=$(date +%s)
   BUILD_DIR="$PWD/build" LLMQ_BIN_DIR="$PWD/build-asan" LLMQ_SHARED_DIR="${LLMQ_SHARED:-$PWD/../shared}" \
     LLMQ_MODELS_DIR="$PWD/models" bash tests/server/run.sh test_openai.py test_load.py -k "not throughput"
+  t3=$(date +%s)
+  echo "sanitizer stage: build $((t1 - t0)) s, ctest $((t2 - t1)) s, server tests $((t3 - t2)) s, total $((t3 - t0)) s"
 fi

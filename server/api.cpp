@@ -8,7 +8,12 @@ namespace llmq {
 using nlohmann::json;
 
 json ApiError::body() const {
-  json e = {{"message", what()}, {"type", type}, {"param", nullptr}, {"code", nullptr}};
+  // The message may quote the request's raw bytes (json::parse_error's "last read: ..."), which
+  // need not be UTF-8, and json::dump() throws on invalid UTF-8 (the server then had no error
+  // body to send; found by fuzz/server_request). Replace invalid bytes by U+FFFD.
+  const std::string message =
+      json::parse(json(what()).dump(-1, ' ', false, json::error_handler_t::replace)).get<std::string>();
+  json e = {{"message", message}, {"type", type}, {"param", nullptr}, {"code", nullptr}};
   if (!param.empty()) e["param"] = param;
   if (!code.empty()) e["code"] = code;
   return json{{"error", e}};
@@ -54,16 +59,25 @@ std::string content_text(const json& c, size_t i) {
 
 }  // namespace
 
+nlohmann::json parse_json_body(const std::string& body) {
+  // The parser callback sees each value's depth as it starts; throwing stops the parse there.
+  const json::parser_callback_t depth_guard = [](int depth, json::parse_event_t ev, json&) {
+    if ((ev == json::parse_event_t::object_start || ev == json::parse_event_t::array_start) && depth >= kMaxJsonDepth)
+      bad("malformed JSON: nested deeper than " + std::to_string(kMaxJsonDepth) + " levels", "");
+    return true;
+  };
+  try {
+    return json::parse(body, depth_guard);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999 (was a 500)
+    bad(std::string("malformed JSON: ") + e.what(), "");
+  }
+}
+
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
                                            size_t max_body) {
   if (body.size() > max_body)
     throw ApiError(413, "request body of " + std::to_string(body.size()) + " bytes exceeds the limit of " + std::to_string(max_body));
-  json j;
-  try {
-    j = json::parse(body);
-  } catch (const json::parse_error& e) {
-    bad(std::string("malformed JSON: ") + e.what(), "");
-  }
+  const json j = parse_json_body(body);
   if (!j.is_object()) bad("the request body must be a JSON object", "");
   CompletionRequest r;
   r.chat = chat;

@@ -35,6 +35,16 @@ struct CompletionRequest {
   int top_logprobs = -1;              ///< -1: no logprobs
 };
 
+/// Most nesting levels of arrays and objects a request body may have. A valid request needs 4
+/// (chat content parts); a 1 MiB body of "[[[[..." would otherwise build a million nested
+/// values (~1 GB of allocations across concurrent requests, freed memory the allocator keeps).
+inline constexpr int kMaxJsonDepth = 32;
+
+/// Parses a request body as JSON. Throws ApiError 400 for malformed JSON, numbers out of
+/// range (1e999) and nesting deeper than kMaxJsonDepth (checked while parsing, before the
+/// deep values are built).
+nlohmann::json parse_json_body(const std::string& body);
+
 /// Parses and validates a request body. `model_id` is the served model's id (a different
 /// `model` is a 404); `ctx` bounds max_tokens; `max_body` the body size. Throws ApiError
 /// (400 malformed JSON, wrong types or ranges, n != 1; 404 unknown model; 413 body too large).

@@ -98,8 +98,7 @@ RunResult run_tool(const std::vector<std::string>& argv, double timeout_s = 20.0
     dup2(null, 0);
     dup2(null, 1);
     dup2(pfd[1], 2);
-    const rlimit as{rlim_t(4) << 30, rlim_t(4) << 30};
-    setrlimit(RLIMIT_AS, &as);
+    llmq::test::cap_child_memory();
     execv(args[0], args.data());
     _exit(127);
   }

@@ -112,8 +112,7 @@ ToolRun run_tool(const std::vector<std::string>& argv, double timeout_s = 30.0) 
     dup2(null, 0);
     dup2(null, 1);
     dup2(err, 2);
-    const rlimit as{rlim_t(4) << 30, rlim_t(4) << 30};
-    setrlimit(RLIMIT_AS, &as);
+    llmq::test::cap_child_memory();
     execv(args[0], args.data());
     _exit(127);
   }

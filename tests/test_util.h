@@ -1,5 +1,6 @@
 // Helpers shared by the tests: where the real data and the built tools are.
 #pragma once
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -41,6 +42,25 @@ inline std::string scratch(const std::string& name) {
 inline int run(const std::string& cmd) {
   const int st = std::system(cmd.c_str());
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/// Caps the memory of a child process about to exec a tool (call between fork and exec), so a
+/// file that makes a tool allocate absurdly fails fast (std::bad_alloc) instead of swapping:
+/// normally an address-space limit of 4 GiB (RLIMIT_AS). AddressSanitizer reserves terabytes
+/// of address space for its shadow memory and cannot start under such a limit, so in a
+/// sanitizer build (LLMQ_SANITIZED) the tool's ASan allocator gets the same 4 GiB cap instead
+/// (max_allocation_size_mb, allocator_may_return_null: an over-large allocation throws
+/// std::bad_alloc as under the rlimit).
+inline void cap_child_memory() {
+#ifdef LLMQ_SANITIZED
+  const char* old = std::getenv("ASAN_OPTIONS");
+  std::string opts = old && *old ? std::string(old) + ":" : std::string();
+  opts += "max_allocation_size_mb=4096:allocator_may_return_null=1";
+  setenv("ASAN_OPTIONS", opts.c_str(), 1);
+#else
+  const rlimit as{rlim_t(4) << 30, rlim_t(4) << 30};
+  setrlimit(RLIMIT_AS, &as);
+#endif
 }
 
 /// stories260K (../shared) converted by the real llmq-convert to `type`, once per test run.

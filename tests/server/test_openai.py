@@ -283,6 +283,40 @@ def test_malformed_json(srv, path, body):
     assert _error_json(r)["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("body", ['{"prompt": "x", "temperature": 1e999}', '{"content": "x", "n": -1e400}',
+                                  "[" * 300000 + "]" * 300000, '{"a": ' * 100 + "1" + "}" * 100])
+def test_hostile_json_is_400(srv, path, body):
+    """Found by scripts/soak.py: a number out of double range (1e999) was a 500; a body of
+    300,000 nested arrays built 300,000 values (~50 MB and a second per request) before failing.
+    Both are 400 now, and deep nesting fails fast (at 32 levels)."""
+    t0 = time.monotonic()
+    r = requests.post(srv.url + path, data=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    e = _error_json(r)
+    assert e["type"] == "invalid_request_error"
+    if body.startswith("[[") or body.startswith('{"a": {"a"'):
+        assert "nested deeper than 32 levels" in e["message"]
+    assert time.monotonic() - t0 < 5
+
+
+def test_prompt_far_over_the_context_is_refused_before_tokenizing(srv):
+    """Found by scripts/soak.py: a ~1 MiB prompt was tokenized in full only to be refused, tens of
+    MB of short-lived memory per request. A prompt with more bytes than the context's tokens can
+    stand for is refused at once (context_length_exceeded), chat included."""
+    huge = "Once upon a time " * 60000  # 1,020,000 bytes, under the 1 MiB body limit
+    t0 = time.monotonic()
+    for path, body in (("/v1/completions", {"prompt": huge, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 1})):
+        r = requests.post(srv.url + path, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        e = _error_json(r)
+        assert e["code"] == "context_length_exceeded"
+        assert "bytes" in e["message"], "refused by the byte bound, before tokenizing"
+    assert time.monotonic() - t0 < 10
+    assert srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).json()["usage"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize("bad", [
     {"max_tokens": "x"}, {"max_tokens": 1.5}, {"max_tokens": -5}, {"max_tokens": 0}, {"max_tokens": 10 ** 9},
     {"max_tokens": 10 ** 30}, {"temperature": "hot"}, {"temperature": 3}, {"top_p": 2}, {"stream": "yes"},

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora fuzz/corpus/<target>/: tiny, valid (or nearly) inputs of every
+kind each fuzz target reads, so the fuzzer starts deep inside the readers. Every file stays
+far below 64 KiB. Run from the repository root after building (the .llmq seeds come from the
+real llmq-convert):  python3 fuzz/make_seeds.py [BUILD_DIR]   (default build/)
+
+Synthetic files: tiny llama2.c checkpoints (legacy, v1, v2) and tokenizer.bin files, GGUF
+models (tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and a
+GGUF byte-level vocabulary, safetensors files. Real data from ../shared: tok512.bin, the
+llama.cpp tokenizer test inputs (texts for the tokenizer targets). Random bytes use a fixed
+seed, so the output is reproducible."""
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.environ.get("LLMQ_SHARED_DIR", os.path.join(ROOT, "..", "shared"))
+BUILD = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build")
+OUT = os.path.join(ROOT, "fuzz", "corpus")
+rng = random.Random(8)
+
+
+def put(target, name, data):
+    d = os.path.join(OUT, target)
+    os.makedirs(d, exist_ok=True)
+    assert len(data) < 64 << 10, (target, name, len(data))
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+def floats(n, scale=0.1):
+    return struct.pack("<%df" % n, *[rng.uniform(-scale, scale) for _ in range(n)])
+
+
+# ---------------------------------------------------------------- llama2.c
+
+def llama2c(version, dim, hidden, layers, heads, kv_heads, vocab, seq, shared=True, group=0):
+    hd = dim // heads
+    kvd = kv_heads * hd
+    params = struct.pack("<7i", dim, hidden, layers, heads, kv_heads, vocab if shared or version else -vocab, seq)
+    mats = [("emb", vocab * dim)]
+    norms_first = version != 0
+    body = b""
+    if version == 0:
+        body += floats(vocab * dim)
+        body += floats(layers * dim, 1) + floats(layers * dim * dim) + floats(layers * kvd * dim) * 2
+        body += floats(layers * dim * dim) + floats(layers * dim, 1)
+        body += floats(layers * hidden * dim) + floats(layers * dim * hidden) + floats(layers * hidden * dim)
+        body += floats(dim, 1) + floats(2 * seq * (hd // 2))
+        if not shared:
+            body += floats(vocab * dim)
+        return params + body
+    header = struct.pack("<Ii", 0x616B3432, version) + params + struct.pack("<B", 1 if shared else 0)
+    if version == 2:
+        header += struct.pack("<i", group)
+    header += b"\0" * (256 - len(header))
+    body = floats(layers * dim, 1) * 2 + floats(dim, 1)
+
+    def q8(n):
+        return bytes(rng.randrange(256) for _ in range(n)) + floats(n // group, 0.01)
+
+    w = q8 if version == 2 else floats
+    sizes = [vocab * dim] + [layers * dim * dim, layers * kvd * dim, layers * kvd * dim, layers * dim * dim,
+                             layers * hidden * dim, layers * dim * hidden, layers * hidden * dim]
+    if not shared:
+        sizes.append(vocab * dim)
+    for n in sizes:
+        body += w(n)
+    return header + body
+
+
+def tokenizer_bin(pieces):
+    out = struct.pack("<i", max(len(p.encode()) for p in pieces))
+    for i, p in enumerate(pieces):
+        b = p.encode()
+        out += struct.pack("<fi", -float(i), len(b)) + b
+    return out
+
+
+TINY_PIECES = ["<unk>", "\n<s>\n", "\n</s>\n", " ", "a", "b", "ab", " a"]
+
+# ---------------------------------------------------------------- GGUF
+
+GGUF_BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
+              12: (256, 144), 13: (256, 176), 14: (256, 210)}
+
+
+def gstr(s):
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def gval(v):
+    """(type id, encoded value) for a Python value: str, int (u32), float (f32), bool, lists."""
+    if isinstance(v, bool):
+        return 7, struct.pack("<B", v)
+    if isinstance(v, str):
+        return 8, gstr(v)
+    if isinstance(v, int):
+        return 4, struct.pack("<I", v)
+    if isinstance(v, float):
+        return 6, struct.pack("<f", v)
+    if isinstance(v, tuple):  # ("i32", [..]) / ("f32", [..]) / ("str", [..])
+        kind, items = v
+        t = {"i32": 5, "f32": 6, "str": 8}[kind]
+        enc = {"i32": lambda x: struct.pack("<i", x), "f32": lambda x: struct.pack("<f", x), "str": gstr}[kind]
+        return 9, struct.pack("<IQ", t, len(items)) + b"".join(enc(x) for x in items)
+    raise TypeError(v)
+
+
+def gguf(kv, tensors, align=32):
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv))
+    for k, v in kv.items():
+        t, enc = gval(v)
+        out += gstr(k) + struct.pack("<I", t) + enc
+    data = b""
+    for name, shape, ty in tensors:  # shape outermost first
+        blk, nb = GGUF_BLOCK[ty]
+        ne = list(reversed(shape))
+        n = ne[0] // blk * nb
+        for d in ne[1:]:
+            n *= d
+        while len(data) % align:
+            data += b"\0"
+        out += gstr(name) + struct.pack("<I", len(ne)) + struct.pack("<%dQ" % len(ne), *ne)
+        out += struct.pack("<IQ", ty, len(data))
+        if ty == 0:
+            data += floats(n // 4, 0.5)
+        else:  # bytes below 0x30: every f16/bf16 scale or weight stays small and finite
+            data += bytes(rng.randrange(0x30) for _ in range(n))
+    while len(out) % align:
+        out += b"\0"
+    return out + data
+
+
+def gguf_llama(types, layers=1, dim=32, hidden=32, vocab=8, tied=True, extra_kv=None):
+    kv = {
+        "general.architecture": "llama", "general.alignment": 32,
+        "llama.embedding_length": dim, "llama.feed_forward_length": hidden, "llama.block_count": layers,
+        "llama.attention.head_count": 2, "llama.attention.head_count_kv": 1, "llama.context_length": 16,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 10000.0,
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ("str", ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "ab", "\u2581a"][:vocab]),
+        "tokenizer.ggml.scores": ("f32", [-float(i) for i in range(vocab)]),
+        "tokenizer.ggml.token_type": ("i32", [2, 3, 3] + [1] * (vocab - 3)),
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.chat_template": "{{ '<|im_start|>' + message['role'] }}",
+    }
+    kv.update(extra_kv or {})
+    hd = dim // 2
+    t = [("token_embd.weight", [vocab, dim], types["emb"])]
+    for i in range(layers):
+        p = "blk.%d." % i
+        t += [(p + "attn_norm.weight", [dim], 0), (p + "attn_q.weight", [dim, dim], types["q"]),
+              (p + "attn_k.weight", [hd, dim], types["k"]), (p + "attn_v.weight", [hd, dim], types["v"]),
+              (p + "attn_output.weight", [dim, dim], types["o"]), (p + "ffn_norm.weight", [dim], 0),
+              (p + "ffn_gate.weight", [hidden, dim], types["gate"]), (p + "ffn_up.weight", [hidden, dim], types["up"]),
+              (p + "ffn_down.weight", [dim, hidden], types["down"])]
+    t.append(("output_norm.weight", [dim], 0))
+    if not tied:
+        t.append(("output.weight", [vocab, dim], types["emb"]))
+    return gguf(kv, t)
+
+
+def gguf_bpe_vocab():
+    chars = [chr(c) for c in range(0x21, 0x7F)]
+    toks = chars + ["Ġ", "Ġt", "he", "Ġthe", "<|endoftext|>"]
+    return gguf({
+        "general.architecture": "gpt2", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": ("str", toks),
+        "tokenizer.ggml.token_type": ("i32", [1] * (len(toks) - 1) + [3]),
+        "tokenizer.ggml.merges": ("str", ["Ġ t", "h e", "Ġt he"]),
+        "tokenizer.ggml.bos_token_id": len(toks) - 1, "tokenizer.ggml.eos_token_id": len(toks) - 1,
+    }, [])
+
+# ---------------------------------------------------------------- safetensors
+
+def safetensors(entries, meta=None, pad=0):
+    header, data = {}, b""
+    for name, dtype, shape, size in entries:
+        n = size
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + n]}
+        data += bytes(rng.randrange(256) for _ in range(n))
+    if meta is not None:
+        header["__metadata__"] = meta
+    h = json.dumps(header).encode() + b" " * pad
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def main():
+    if os.path.isdir(OUT):
+        shutil.rmtree(OUT)
+    # llama2c: checkpoints and tokenizer files (the target reads the same bytes as both).
+    put("llama2c", "legacy-shared.bin", llama2c(0, 8, 16, 1, 2, 1, 8, 4))
+    put("llama2c", "legacy-unshared.bin", llama2c(0, 8, 16, 2, 2, 2, 8, 4, shared=False))
+    put("llama2c", "v1.bin", llama2c(1, 8, 16, 1, 2, 1, 8, 4))
+    put("llama2c", "v2-group8.bin", llama2c(2, 8, 16, 1, 2, 1, 8, 4, shared=False, group=8))
+    put("llama2c", "tokenizer-tiny.bin", tokenizer_bin(TINY_PIECES))
+    shutil.copy(os.path.join(SHARED, "models/stories260K/tok512.bin"), os.path.join(OUT, "llama2c", "tok512.bin"))
+
+    # llmq_file: tiny checkpoints converted by the real llmq-convert, several types.
+    convert = os.path.join(BUILD, "llmq-convert")
+    with tempfile.TemporaryDirectory() as tmp:
+        small = os.path.join(tmp, "small.bin")
+        wide = os.path.join(tmp, "wide.bin")
+        tok = os.path.join(tmp, "tok.bin")
+        with open(small, "wb") as f:
+            f.write(llama2c(0, 8, 16, 1, 2, 1, 8, 4))
+        with open(wide, "wb") as f:
+            f.write(llama2c(0, 32, 32, 1, 2, 1, 8, 8, shared=False))
+        with open(tok, "wb") as f:
+            f.write(tokenizer_bin(TINY_PIECES))
+        runs = [("f32-dim8", small, ["--type", "f32"]), ("q8_0", wide, ["--type", "q8_0"]),
+                ("q4_0-f16-bf16", wide, ["--type", "q4_0", "--tensor-type", "token_embd.weight=f16",
+                                              "--tensor-type", "output.weight=bf16"]),
+                ("q4_1", wide, ["--type", "q4_1"])]
+        for name, ckpt, args in runs:
+            out = os.path.join(tmp, name + ".llmq")
+            subprocess.run([convert, ckpt, "--tokenizer", tok, "-o", out, "--no-progress", "-f"] + args,
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with open(out, "rb") as f:
+                put("llmq_file", name, f.read())
+
+    # gguf: tiny llama models in every supported tensor type, a byte-level vocabulary.
+    simple = {"emb": 8, "q": 2, "k": 3, "v": 6, "o": 7, "gate": 1, "up": 30, "down": 0}
+    put("gguf", "llama-mixed", gguf_llama(simple, tied=False))
+    put("gguf", "llama-kquants", gguf_llama({**simple, "down": 12, "gate": 2, "up": 3}, hidden=256,
+                                                  extra_kv={"general.file_type": 15}))
+    put("gguf", "llama-q5k", gguf_llama({**simple, "down": 13, "gate": 2, "up": 3}, hidden=256))
+    put("gguf", "llama-q6k", gguf_llama({**simple, "down": 14, "gate": 2, "up": 3}, hidden=256))
+    put("gguf", "vocab-gpt2", gguf_bpe_vocab())
+
+    # safetensors
+    put("safetensors", "two-tensors.safetensors",
+        safetensors([("model.embed_tokens.weight", "F32", [8, 4], 4), ("model.norm.weight", "BF16", [4], 2)],
+                    meta={"format": "pt"}))
+    put("safetensors", "dtypes-padded.safetensors",
+        safetensors([("a", "F16", [2, 3], 2), ("b", "I64", [2], 8), ("c", "U8", [], 1), ("d", "F64", [0, 5], 8)], pad=5))
+
+    # tokenizers: flag byte + text (llama.cpp's tokenizer test inputs) or + ids (decode mode).
+    def texts(vocab_file):
+        with open(os.path.join(SHARED, "tokenizers/llamacpp-vocab", vocab_file), encoding="utf-8") as f:
+            return [t for t in f.read().split("\n__ggml_vocab_test__\n") if len(t.encode()) < 4096]
+
+    for target, inp in (("tokenizer_spm", "ggml-vocab-llama-spm.gguf.inp"), ("tokenizer_bpe", "ggml-vocab-gpt-2.gguf.inp")):
+        for i, t in enumerate(texts(inp)):
+            put(target, "text-%02d" % i, bytes([(i * 5) % 16]) + t.encode())
+        put(target, "special", bytes([8 | 4]) + b"<s>Hello</s> <|endoftext|> <unk>")
+        put(target, "ids", bytes([32 | 16]) + struct.pack("<8i", 0, 1, 2, 3, 100, 259, 300, 511))
+        put(target, "ids-bad", bytes([32]) + struct.pack("<3i", 5, -1, 1 << 30))
+
+    # chat_template: flag byte + fields separated by NUL: [jinja,] (role byte + role, content)...
+    smol = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+            "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+            "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    conv = b"\0".join([b"\x00", b"Be brief.", b"\x01", b"Hi", b"\x02", b"Hello!", b"\x01", b"2+2?"])
+    for i, name in enumerate(["chatml", "llama2", "llama3", "mistral", "zephyr", "gemma", "phi3"]):
+        put("chat_template", "by-name-" + name, bytes([(i << 1) | 1]) + conv)
+    for i, j in enumerate([smol, "{{ bos_token + '[INST] ' + '<<SYS>>\\n' + content }}", "{{ '<start_of_turn>' }}",
+                           "{{ '<|user|>' + '<|end|>' }}", "{{ messages }}"]):
+        put("chat_template", "jinja-%d" % i, bytes([(7 << 1) | (i & 1)]) + j.encode() + b"\0" + conv)
+    put("chat_template", "unknown-role", bytes([1]) + b"\x03tool\0result")
+
+    # server_request: flag byte (1 = chat) + body.
+    bodies = [
+        (1, {"model": "smollm2", "messages": [{"role": "system", "content": "You tell short stories."},
+                                              {"role": "user", "content": "Hi"}], "max_tokens": 16,
+             "temperature": 0.7, "top_p": 0.9, "stream": True, "stream_options": {"include_usage": True},
+             "logprobs": True, "top_logprobs": 3, "stop": ["\n", "END"], "seed": 42}),
+        (1, {"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": None}], "n": 1, "max_completion_tokens": 8}),
+        (1, {"messages": [{"role": "wizard", "content": "x"}]}),
+        (0, {"prompt": "Once upon a time", "max_tokens": 32, "logprobs": 2, "top_k": 40, "min_p": 0.05,
+             "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "stop": "."}),
+        (0, {"prompt": [1, 2, 3, 4], "model": "other"}),
+        (0, {"prompt": ["one"], "temperature": 3}),
+    ]
+    for i, (chat, b) in enumerate(bodies):
+        put("server_request", "body-%d" % i, bytes([chat]) + json.dumps(b).encode())
+    put("server_request", "malformed", b"\x01{\"messages\": [")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+// Fuzz target server_request: llmq-server's request parsing (server/api.*:
+// parse_completion_request) on arbitrary bodies, as /v1/completions or /v1/chat/completions.
+//
+// Input layout: byte 0 bit 0 picks the endpoint (1: chat); the rest is the body.
+// Checked: only ApiError is thrown (status 400, 404 or 413), and its JSON body serializes
+// (the server sends it); an accepted request has values in their documented ranges, and a
+// chat request's messages apply to the ChatML template (as the server then does).
+#include <cstdint>
+#include <string>
+
+#include "engine/chat.h"
+#include "fuzz/fuzz_common.h"
+#include "server/api.h"
+
+using namespace llmq;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const bool chat = data[0] & 1u;
+  const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
+  constexpr int64_t kCtx = 2048;
+  CompletionRequest r;
+  try {
+    r = parse_completion_request(body, chat, "smollm2", kCtx, 1u << 16);
+  } catch (const ApiError& e) {
+    if (e.status != 400 && e.status != 404 && e.status != 413) fuzz::fail("unexpected status " + std::to_string(e.status));
+    (void)e.body().dump();  // what the server sends: must not throw (e.g. on invalid UTF-8)
+    return 0;
+  }
+  if (r.chat != chat) fuzz::fail("chat flag lost");
+  if (r.max_tokens != -1 && (r.max_tokens < 1 || r.max_tokens > kCtx)) fuzz::fail("max_tokens out of range");
+  if (r.top_logprobs < -1 || r.top_logprobs > 20) fuzz::fail("top_logprobs out of range");
+  if (!(r.sampling.temperature >= 0 && r.sampling.temperature <= 2)) fuzz::fail("temperature out of range");
+  if (!(r.sampling.top_p >= 0 && r.sampling.top_p <= 1)) fuzz::fail("top_p out of range");
+  if (r.stop.size() > 4) fuzz::fail("more than 4 stop strings");
+  if (chat) {
+    if (r.messages.empty()) fuzz::fail("a chat request without messages");
+    (void)ChatTemplate::by_name("chatml").apply_segments(r.messages, true);  // roles are valid: must not throw
+  } else {
+    for (int32_t id : r.prompt_ids)
+      if (id < 0) fuzz::fail("negative prompt token id");
+  }
+  return 0;
+}
