@@ -1,8 +1,12 @@
 #include "engine/comm_host.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
+#include "engine/threadpool.h"
 #include "formats/error.h"
 
 namespace llmq {
@@ -13,10 +17,16 @@ inline void cpu_relax() {
   __builtin_ia32_pause();
 #endif
 }
-// Spins before sleeping on the futex: a short wait (ranks arrive within microseconds of each
-// other when each has its own core) stays off the kernel; a long one (an oversubscribed
-// machine) does not burn a core another thread needs.
-constexpr int kSpins = 2000;
+// How long a rank polls at a barrier before it sleeps on the futex: the thread pool's policy
+// (ThreadPool::kSpinMicros, LLMQ_SPIN_US overrides; 0 sleeps at once). Polling yields the core
+// between short bursts, so on an oversubscribed machine the rank being waited for can run.
+int spin_micros() {
+  static const int us = [] {
+    const char* e = std::getenv("LLMQ_SPIN_US");
+    return e ? std::clamp(std::atoi(e), 0, 1000000) : ThreadPool::kSpinMicros;
+  }();
+  return us;
+}
 }  // namespace
 
 HostCommGroup::HostCommGroup(int n) : n_(n) {
@@ -38,7 +48,13 @@ void HostCommGroup::barrier() {
     phase_.notify_all();
     return;
   }
-  for (int i = 0; i < kSpins && phase_.load(std::memory_order_acquire) == ph; ++i) cpu_relax();
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::microseconds(spin_micros());
+  while (phase_.load(std::memory_order_acquire) == ph) {
+    for (int i = 0; i < 16 && phase_.load(std::memory_order_acquire) == ph; ++i) cpu_relax();
+    if (clock::now() >= deadline) break;
+    std::this_thread::yield();
+  }
   while (phase_.load(std::memory_order_acquire) == ph) phase_.wait(ph, std::memory_order_acquire);
   if (aborted_.load(std::memory_order_acquire)) throw CommAborted("communicator: another rank failed");
 }

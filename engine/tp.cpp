@@ -32,7 +32,18 @@ Weight take_rows(const Weight& w, int64_t r0, int64_t n) { return Weight{w.type,
 }  // namespace
 
 std::vector<ShardRanges> plan_shards(const Model& m, int N, const TpOptions& opt) {
-  const LlamaConfig& c = m.config;
+  return plan_shards(m.config, m.file->tensors(), N, opt);
+}
+
+namespace {
+const TensorInfo& tensor(const std::vector<TensorInfo>& tensors, const std::string& name) {
+  for (const TensorInfo& t : tensors)
+    if (t.name == name) return t;
+  throw UsageError("tensor '" + name + "' is missing");
+}
+}  // namespace
+
+std::vector<ShardRanges> plan_shards(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int N, const TpOptions& opt) {
   if (N < 1) throw UsageError("--tp must be at least 1");
   if (N > c.n_heads)
     throw UsageError(tp_prefix(N) + "the model has " + std::to_string(c.n_heads) +
@@ -41,9 +52,11 @@ std::vector<ShardRanges> plan_shards(const Model& m, int N, const TpOptions& opt
   // Row-parallel inputs must be cut on block boundaries of the stored type (32 for Q8_0/Q4_*).
   int64_t a_o = 1, a_d = 1;
   std::string t_o = "f32", t_d = "f32";
-  for (const LayerWeights& l : m.layers) {
-    if (dtype_info(l.wo.type).block > a_o) a_o = dtype_info(l.wo.type).block, t_o = dtype_name(l.wo.type);
-    if (dtype_info(l.w_down.type).block > a_d) a_d = dtype_info(l.w_down.type).block, t_d = dtype_name(l.w_down.type);
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const DType wo = tensor(tensors, llama_layer_tensor(l, "attn_output")).type;
+    const DType wd = tensor(tensors, llama_layer_tensor(l, "ffn_down")).type;
+    if (dtype_info(wo).block > a_o) a_o = dtype_info(wo).block, t_o = dtype_name(wo);
+    if (dtype_info(wd).block > a_d) a_d = dtype_info(wd).block, t_d = dtype_name(wd);
   }
   const int64_t ffn_units = c.hidden_dim / a_d;  // FFN split in whole blocks of W_down's input
   if (N > ffn_units)
@@ -73,6 +86,31 @@ std::vector<ShardRanges> plan_shards(const Model& m, int N, const TpOptions& opt
     }
   }
   return out;
+}
+
+uint64_t shard_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R) {
+  const int64_t hd = c.head_dim, D = c.dim;
+  auto rows = [&](const std::string& name, int64_t n) {  // n rows of a [rows, cols] tensor
+    const TensorInfo& t = tensor(tensors, name);
+    return uint64_t(n) * row_bytes(t.type, t.shape[1]);
+  };
+  auto cols = [&](const std::string& name, int64_t n) {  // n columns of every row
+    const TensorInfo& t = tensor(tensors, name);
+    return uint64_t(t.shape[0]) * row_bytes(t.type, n);
+  };
+  const uint64_t f32 = sizeof(float);
+  uint64_t b = rows("token_embd.weight", R.n_embd) + uint64_t(D) * f32;  // + output_norm
+  if (!c.tied_embeddings) b += rows("output.weight", R.n_vocab);
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    auto name = [&](const char* what) { return llama_layer_tensor(l, what); };
+    b += 2 * uint64_t(D) * f32;  // attn_norm, ffn_norm
+    b += rows(name("attn_q"), R.n_heads * hd) + rows(name("attn_k"), R.n_kv_heads * hd) + rows(name("attn_v"), R.n_kv_heads * hd);
+    b += cols(name("attn_output"), R.n_heads * hd);
+    b += rows(name("ffn_gate"), R.ffn_dim) + rows(name("ffn_up"), R.ffn_dim) + cols(name("ffn_down"), R.ffn_dim);
+    if (c.attn_qkv_bias) b += uint64_t(R.n_heads + 2 * R.n_kv_heads) * uint64_t(hd) * f32;
+    if (c.attn_out_bias) b += uint64_t(D) * f32;
+  }
+  return b;
 }
 
 ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank) {
@@ -106,13 +144,18 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
   return s;
 }
 
-WorkspacePlan rank_workspace_plan(const Model& m, const ModelShard& s, int64_t capacity, int threads) {
-  LlamaConfig rc = m.config;  // the rank's widths
-  rc.n_heads = s.ranges.n_heads, rc.n_kv_heads = s.ranges.n_kv_heads;
-  rc.hidden_dim = s.ranges.ffn_dim, rc.vocab_size = s.ranges.n_vocab;
+WorkspacePlan rank_workspace_plan(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R,
+                                  int64_t capacity, int threads) {
+  LlamaConfig rc = c;  // the rank's widths
+  rc.n_heads = R.n_heads, rc.n_kv_heads = R.n_kv_heads, rc.hidden_dim = R.ffn_dim, rc.vocab_size = R.n_vocab;
   std::vector<MatmulUse> uses;
-  for (const LayerWeights& l : s.layers)
-    for (const Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) uses.push_back({w->type, w->cols, capacity});
+  for (int64_t l = 0; l < c.n_layers; ++l)
+    for (const char* what : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}) {
+      const DType t = tensor(tensors, llama_layer_tensor(l, what)).type;
+      const std::string w = what;
+      const int64_t cols = w == "attn_output" ? R.n_heads * c.head_dim : w == "ffn_down" ? R.ffn_dim : c.dim;
+      uses.push_back({t, cols, capacity});
+    }
   return plan_workspace(rc, uses, capacity, /*max_ctx=*/0, /*logits_rows=*/0, threads);
 }
 
@@ -140,7 +183,8 @@ TensorParallel::TensorParallel(const Model& m, int n_ranks, int total_threads, i
   for (int r = 0; r < N; ++r) {
     shards_.push_back(std::make_unique<ModelShard>(make_shard(m, plan, r)));
     pools_.push_back(std::make_unique<ThreadPool>(N == 1 ? total_threads : std::max(1, total_threads / N + (r < total_threads % N))));
-    ws_.push_back(std::make_unique<Workspace>(m, rank_workspace_plan(m, *shards_.back(), cap_, pools_.back()->size())));
+    ws_.push_back(std::make_unique<Workspace>(m, rank_workspace_plan(m.config, m.file->tensors(), plan[size_t(r)], cap_,
+                                                                      pools_.back()->size())));
   }
   if (N == 1) {  // one rank: its pool is the only pool, no rank thread
     single_pool_ = pools_[0].get();

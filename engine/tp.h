@@ -43,6 +43,16 @@ struct TpOptions {
 /// n_ranks < 1, n_ranks > n_heads, n_ranks > the FFN width (in blocks for quantized W_down), or a
 /// quantized Wo whose column split falls inside a 32-wide block.
 std::vector<ShardRanges> plan_shards(const Model& m, int n_ranks, const TpOptions& opt = {});
+/// The same from a model's config and tensor directory alone (what `llmq-mem infer --tp`
+/// reads: nothing is loaded). Throws UsageError as above, or when a layer tensor is missing.
+std::vector<ShardRanges> plan_shards(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int n_ranks,
+                                     const TpOptions& opt = {});
+
+/// Bytes of weights the rank with ranges R holds, from the tensor directory: the same sum as
+/// ModelShard::weight_bytes() of that rank (row slices of column-parallel matrices, column
+/// slices of Wo and W_down at their stored type, norms and the output bias replicated, q/k/v
+/// biases sliced).
+uint64_t shard_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R);
 
 /// Rank r's view of the model for ranges r (from plan_shards): slices the weights (see above),
 /// copying the row-parallel ones into owned buffers. vocab_bounds is filled from `all`.
@@ -51,7 +61,8 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
 /// The workspace plan (engine/mem_plan.h) of a rank: activations of the rank's widths (its
 /// heads, KV heads, FFN units and vocabulary rows) for `capacity` tokens, matmul scratch for its
 /// slices, `threads` threads; attention scores and logits grow on demand.
-WorkspacePlan rank_workspace_plan(const Model& m, const ModelShard& s, int64_t capacity, int threads);
+WorkspacePlan rank_workspace_plan(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R,
+                                  int64_t capacity, int threads);
 
 /// The model split over N in-process ranks (CPU tensor parallelism), each a thread with its
 /// own ThreadPool, its weight shard and its Workspace; they meet in a HostCommGroup. With
@@ -93,6 +104,8 @@ class TensorParallel {
   const float* forward(KVCache& cache, const BatchToken* batch, int64_t n);
   /// Bytes of all ranks' scratch buffers.
   uint64_t workspace_bytes() const;
+  /// Bytes of rank r's scratch buffers.
+  uint64_t rank_workspace_bytes(int r) const { return ws_.at(size_t(r))->bytes(); }
 
  private:
   const Model& m_;

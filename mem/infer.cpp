@@ -1,5 +1,7 @@
 #include "mem/infer.h"
 
+#include "engine/tp.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "engine/tp.h"
 #include "formats/error.h"
 
 namespace llmq::mem {
@@ -62,6 +65,43 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
   r.lines.insert(r.lines.end(), rest.begin(), rest.end());
 }
 
+// llmq-run/llmq-server --tp N on the CPU: per rank, the weights of its slices, its pool of the
+// KV cache (its KV heads) and its workspace, all from the plan TensorParallel allocates from
+// (engine/tp.h: plan_shards, shard_weight_bytes, rank_workspace_plan). The ranks share one
+// process and one mapping of the file; the row-parallel slices are copies each rank owns.
+void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferencePlan& p, const InferOptions& o) {
+  const std::vector<ShardRanges> ranks = plan_shards(c, f.tensors(), o.tp);
+  const int total = resolve_threads(o.threads);
+  r.device = fmt::format("cpu, {} tensor-parallel ranks in one process", o.tp);
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (const ShardRanges& R : ranks) {
+    const int threads = std::max(1, total / o.tp + (R.rank < total % o.tp));
+    const uint64_t w = shard_weight_bytes(c, f.tensors(), R);
+    const uint64_t kv = 2 * uint64_t(p.kv.n_blocks) * uint64_t(p.kv.block_tokens) * uint64_t(c.n_layers) *
+                        uint64_t(R.n_kv_heads * c.head_dim) * sizeof(float);
+    const uint64_t ws = rank_workspace_plan(c, f.tensors(), R, p.n_batch, threads).bytes();
+    r.lines.push_back({fmt::format("rank {}: weights", R.rank), double(w),
+                       fmt::format("heads {}-{}, KV heads {}-{}, FFN {}-{}, vocab {}-{}: row slices of q/k/v/gate/up/embedding/output, "
+                                   "column slices of attn_output/ffn_down (copied), norms replicated",
+                                   R.head0, R.head0 + R.n_heads - 1, R.kv_head0, R.kv_head0 + R.n_kv_heads - 1, R.ffn0,
+                                   R.ffn0 + R.ffn_dim - 1, R.vocab0, R.vocab0 + R.n_vocab - 1),
+                       kMegatron, Place::Device, Basis::Exact});
+    r.lines.push_back({fmt::format("rank {}: KV cache", R.rank), double(kv),
+                       fmt::format("2 x {} blocks x {} tokens x {} layers x {} KV heads x {} head_dim x 4 B", p.kv.n_blocks,
+                                   p.kv.block_tokens, c.n_layers, R.n_kv_heads, c.head_dim),
+                       kPaged, Place::Device, Basis::Exact});
+    r.lines.push_back({fmt::format("rank {}: workspace", R.rank), double(ws),
+                       fmt::format("activations of the rank's widths for {} tokens, matmul scratch for {} threads (scores and logits "
+                                   "grow with use)",
+                                   p.n_batch, threads),
+                       kPlan, Place::Device, Basis::Exact});
+    per_rank.push_back({{"rank", R.rank}, {"weights", w}, {"kv_cache", kv}, {"workspace", ws}, {"threads", threads}});
+  }
+  r.extra["ranks"] = per_rank;
+  r.notes.push_back("weights per rank are what its tensors point at or own (TensorParallel, engine/tp.h); the ranks are threads of "
+                    "one process sharing one mapping of the file, so the process maps the file once and adds the row-parallel copies");
+}
+
 }  // namespace
 
 int resolve_threads(int threads) { return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency())); }
@@ -93,6 +133,10 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
     r.notes.push_back(fmt::format("exact: llmq-run/llmq-server allocate from this plan (CPU kernels: {}; LLMQ_CPU and --threads change "
                                   "the matmul scratch); the tokenizer's tables are not counted",
                                   cpu_kernels_name()));
+    return r;
+  }
+  if (o.device == "cpu") {  // --tp N on the CPU: the engine's own shards (engine/tp.h), every rank
+    add_cpu_tp_lines(r, *f, c, p, o);
     return r;
   }
   // Per tensor-parallel rank (rank 0; others differ only by vocab rows when vocab % tp != 0).

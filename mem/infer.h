@@ -20,7 +20,7 @@ struct InferOptions {
   int threads = 0;        ///< ThreadPool size (0: every core, as ThreadPool(0))
   std::string kv_type = "f32";  ///< f32 (CPU engine) | f16 (planned CUDA backend)
   std::string device = "cpu";   ///< cpu | cuda
-  int tp = 1;                   ///< tensor-parallel ranks (Megatron split; report only)
+  int tp = 1;                   ///< tensor-parallel ranks (cpu: the engine's shards, engine/tp.h; cuda: Megatron estimate)
   std::optional<double> budget; ///< bytes available
 };
 

@@ -14,6 +14,7 @@
 #include "engine/tp.h"
 #include "formats/error.h"
 #include "formats/quant.h"
+#include "mem/infer.h"
 #include "test_util.h"
 
 using namespace llmq;
@@ -412,4 +413,35 @@ TEST_CASE("TP with attention biases: q/k/v biases sliced with their rows, the ou
   CHECK(three.shard(1).layers[2].bk == m->layers[2].bk + 0 * 32);  // rank 1: heads 2, 3 -> KV heads 0, 1
   CHECK(three.shard(2).layers[2].bq == m->layers[2].bq + 4 * 32);
   CHECK(three.shard(2).layers[2].bv == m->layers[2].bv + 1 * 32);
+}
+
+TEST_CASE("TP: llmq-mem infer --tp reports each rank's weights, KV cache and workspace as allocated", "[tp][mem]") {
+  for (const std::string& path : {test::stories("f32"), test::stories("q8_0"), synthetic("mem-gqa6x2", 6, 2, 32, 256, DType::Q8_0, 9, true)}) {
+    auto m = Model::load(path);
+    for (int n : {2, 3}) {
+      mem::InferOptions o;
+      o.tp = n, o.threads = n, o.ctx = 64, o.n_batch = 32;
+      std::unique_ptr<TensorParallel> tp;
+      try {
+        tp = std::make_unique<TensorParallel>(*m, n, n, 32);
+      } catch (const UsageError&) {
+        CHECK_THROWS_AS(mem::infer_report(path, o), UsageError);  // the same refusal
+        continue;
+      }
+      const mem::MemReport rep = mem::infer_report(path, o);
+      Session s(*tp, 64);
+      auto line = [&](const std::string& name) {
+        for (const auto& l : rep.lines)
+          if (l.name == name) return uint64_t(l.bytes);
+        FAIL("no line " << name);
+        return uint64_t(0);
+      };
+      for (int r = 0; r < n; ++r) {
+        INFO(path << " TP=" << n << " rank " << r);
+        CHECK(line("rank " + std::to_string(r) + ": weights") == tp->shard(r).weight_bytes());
+        CHECK(line("rank " + std::to_string(r) + ": KV cache") == s.cache().shard_bytes(r));
+        CHECK(line("rank " + std::to_string(r) + ": workspace") == tp->rank_workspace_bytes(r));
+      }
+    }
+  }
 }

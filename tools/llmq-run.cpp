@@ -126,7 +126,8 @@ int main(int argc, char** argv) {
     if (tp == 1) {
       pool = std::make_unique<ThreadPool>(threads);
     } else {
-      runner = std::make_unique<TensorParallel>(*model, tp, threads, ppl_file.empty() ? std::max<int64_t>(1, n_batch) : ppl_ctx);
+      const int64_t cap = ppl_file.empty() ? session_sizes(model->config, ctx, n_batch).n_batch : ppl_ctx;
+      runner = std::make_unique<TensorParallel>(*model, tp, threads, cap);
       std::fprintf(stderr, "llmq-run: tensor parallel over %d ranks, %d threads in all\n", runner->size(), runner->threads());
       for (int r = 0; r < runner->size(); ++r) {
         const ShardRanges& R = runner->shard(r).ranges;
