@@ -22,14 +22,6 @@ constexpr const char* kPlan = "engine/mem_plan.cpp (the plan the engine allocate
 constexpr const char* kPaged = "Kwon et al. 2023, arXiv 2309.06180 (PagedAttention blocks)";
 constexpr const char* kMegatron = "Shoeybi et al. 2019, arXiv 1909.08053 (Megatron-LM column/row-parallel split)";
 
-LlamaConfig read_config(const LlmqFile& f) {
-  try {
-    return LlamaConfig::from_metadata(f.meta());
-  } catch (const std::exception& e) {
-    throw FileError(f.path(), e.what());
-  }
-}
-
 std::string type_mix(const std::vector<TensorInfo>& tensors) {
   std::map<std::string, uint64_t> bytes;
   for (const auto& t : tensors) bytes[dtype_name(t.type)] += t.nbytes;
@@ -116,7 +108,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
   if (o.device == "cpu" && o.kv_type != "f32") throw UsageError("the CPU engine stores the KV cache as f32 (--kv-type f32)");
   if (o.tp < 1) throw UsageError("--tp must be >= 1");
   auto f = LlmqFile::open(path, /*verify=*/false);
-  const LlamaConfig c = read_config(*f);
+  const LlamaConfig c = file_config(*f);
   const InferencePlan p = infer_plan(*f, c, o);
   MemReport r;
   r.budget = o.budget;
@@ -247,6 +239,14 @@ uint64_t available_memory() {
   while (in >> key >> kib >> unit)
     if (key == "MemAvailable:") return kib * 1024;
   return 0;
+}
+
+LlamaConfig file_config(const LlmqFile& f) {
+  try {
+    return LlamaConfig::from_metadata(f.meta());
+  } catch (const std::exception& e) {
+    throw FileError(f.path(), e.what());
+  }
 }
 
 }  // namespace llmq::mem

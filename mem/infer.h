@@ -32,6 +32,10 @@ int resolve_threads(int threads);
 /// buffers are marked "not measured: no CUDA backend yet". Throws FileError / UsageError.
 MemReport infer_report(const std::string& path, const InferOptions& o);
 
+/// The model's hyper-parameters from a `.llmq` file's metadata; FileError (naming the file) when
+/// they are missing or inconsistent.
+LlamaConfig file_config(const LlmqFile& f);
+
 /// The plan behind infer_report for the CPU device (what llmq-run / llmq-server allocate).
 InferencePlan infer_plan(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o);
 

@@ -121,12 +121,7 @@ int main(int argc, char** argv) {
         const double budget = io.budget ? *io.budget : double(available_memory());
         if (budget <= 0) throw UsageError("--fit needs --mem (MemAvailable is unknown here)");
         auto f = LlmqFile::open(model_path, false);
-        LlamaConfig c;
-        try {
-          c = LlamaConfig::from_metadata(f->meta());
-        } catch (const std::exception& e) {
-          throw FileError(model_path, e.what());
-        }
+        const LlamaConfig c = file_config(*f);
         const FitResult r = fit_inference(*f, c, io, budget, ctx_opt->count() > 0, par_opt->count() > 0);
         std::printf("%s\n", fit_json(r, budget).dump(json ? 2 : -1).c_str());
         if (!svg.empty()) {

@@ -102,12 +102,7 @@ int main(int argc, char** argv) {
       if (!ppl_file.empty()) throw UsageError("--fit plans generation, not --perplexity");
       const double budget = mem_budget.empty() ? double(mem::available_memory()) : mem::parse_size(mem_budget);
       auto f = LlmqFile::open(model_path, false);
-      LlamaConfig c;
-      try {
-        c = LlamaConfig::from_metadata(f->meta());
-      } catch (const std::exception& e) {
-        throw FileError(model_path, e.what());
-      }
+      const LlamaConfig c = mem::file_config(*f);
       mem::InferOptions o;
       o.ctx = ctx, o.n_batch = n_batch, o.threads = threads;
       const mem::FitResult r = mem::fit_inference(*f, c, o, budget, ctx > 0, true);
