@@ -103,7 +103,8 @@ inline void run_tokenizer_input(const std::vector<TokenizerCase>& cases, const u
                                            : valid_utf8(payload) && payload.find("\xE2\x96\x81") == std::string_view::npos;
   if (round_trip && text != payload) {
     std::string why = c.name + ": decode(encode(text)) != text\n  text:   " + hex(payload) + "\n  ids:   ";
-    for (int32_t id : ids) why += " " + std::to_string(id) + "(type " + std::to_string(tok.vocab().types[size_t(id)]) + ")";
+    for (int32_t id : ids)  // appends, not " " + str (GCC 12 warns falsely on that, -Wrestrict)
+      why.append(" ").append(std::to_string(id)).append("(type ").append(std::to_string(tok.vocab().types[size_t(id)])).append(")");
     fail(why + "\n  decode: " + hex(text));
   }
 }
