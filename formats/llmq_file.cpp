@@ -203,7 +203,7 @@ Metadata decode_meta(In& in) {
       case kTagArrI32: {
         std::vector<int32_t> a(in.count(4));
         in.need(a.size() * 4);
-        std::memcpy(a.data(), in.p, a.size() * 4);
+        if (!a.empty()) std::memcpy(a.data(), in.p, a.size() * 4);  // empty: data() may be null
         in.p += a.size() * 4;
         v = std::move(a);
         break;
@@ -211,7 +211,7 @@ Metadata decode_meta(In& in) {
       case kTagArrF32: {
         std::vector<float> a(in.count(4));
         in.need(a.size() * 4);
-        std::memcpy(a.data(), in.p, a.size() * 4);
+        if (!a.empty()) std::memcpy(a.data(), in.p, a.size() * 4);  // empty: data() may be null
         in.p += a.size() * 4;
         v = std::move(a);
         break;

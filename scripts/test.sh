@@ -7,22 +7,31 @@ bash scripts/setup.sh
 cd build
 ctest --output-on-failure -j"$(nproc 2>/dev/null || echo 2)" "$@"
 
-# Then the same code built with AddressSanitizer + UBSan (build-asan/; a UBSan report stops the
-# program, -fno-sanitize-recover=all): the Catch2 suite with the tools it runs, and the fuzz
-# regression inputs (ctest, without the server suites, the interactive test and the two cases
-# that pip-install Python libraries to compare with them), then the end-to-end server tests
-# (a sanitizer report in the server's log fails them). LLMQ_SKIP_SANITIZE=1 skips this stage.
-# It prints how long its build, ctest and server parts took (bench/RESULTS.md, "Fuzzing (issue 8)").
+# Then the server and the converter it calls, built with AddressSanitizer + UBSan (build-asan/;
+# a UBSan report stops the program, -fno-sanitize-recover=all), through the end-to-end server
+# tests (a sanitizer report in the server's log fails them). LLMQ_SKIP_SANITIZE=1 skips this stage.
+# LLMQ_SANITIZE_SUITE=1 builds everything with the sanitizers and also runs the Catch2 suite and
+# the fuzz regression inputs under them (ctest, without the server suites, the interactive test
+# and the two cases that pip-install Python libraries); not yet part of CI: its run time on CI's
+# 2 cores has not been measured (issue 8). Timings are printed at the end.
 if [ "${LLMQ_SKIP_SANITIZE:-0}" != "1" ]; then
   cd ..
   t0=$(date +%s)
-  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLLMQ_SANITIZE=ON -DLLMQ_BUILD_TESTS=ON \
+  suite=${LLMQ_SANITIZE_SUITE:-0}
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLLMQ_SANITIZE=ON \
+    -DLLMQ_BUILD_TESTS=$([ "$suite" = 1 ] && echo ON || echo OFF) \
     -DLLMQ_SHARED_DIR="${LLMQ_SHARED:-$PWD/../shared}" >/dev/null
-  cmake --build build-asan -j"$(nproc 2>/dev/null || echo 2)"
+  if [ "$suite" = 1 ]; then
+    cmake --build build-asan -j"$(nproc 2>/dev/null || echo 2)"
+  else
+    cmake --build build-asan -j"$(nproc 2>/dev/null || echo 2)" --target llmq-server llmq-convert
+  fi
   t1=$(date +%s)
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-  (cd build-asan && ctest --output-on-failure -j"$(nproc 2>/dev/null || echo 2)" -LE server \
-     -E "interactive_ctrl_c|gguf-py|written by the safetensors library")
+  if [ "$suite" = 1 ]; then
+    (cd build-asan && ctest --output-on-failure -j"$(nproc 2>/dev/null || echo 2)" -LE server \
+       -E "interactive_ctrl_c|gguf-py|written by the safetensors library")
+  fi
   t2=$(date +%s)
   BUILD_DIR="$PWD/build" LLMQ_BIN_DIR="$PWD/build-asan" LLMQ_SHARED_DIR="${LLMQ_SHARED:-$PWD/../shared}" \
     LLMQ_MODELS_DIR="$PWD/models" bash tests/server/run.sh test_openai.py test_load.py -k "not throughput"
