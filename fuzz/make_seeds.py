@@ -238,10 +238,10 @@ def main():
     put("gguf", "vocab-gpt2", gguf_bpe_vocab())
 
     # safetensors
-    put("safetensors", "two-tensors.safetensors",
+    put("safetensors", "two-tensors.seed",
         safetensors([("model.embed_tokens.weight", "F32", [8, 4], 4), ("model.norm.weight", "BF16", [4], 2)],
                     meta={"format": "pt"}))
-    put("safetensors", "dtypes-padded.safetensors",
+    put("safetensors", "dtypes-padded.seed",
         safetensors([("a", "F16", [2, 3], 2), ("b", "I64", [2], 8), ("c", "U8", [], 1), ("d", "F64", [0, 5], 8)], pad=5))
 
     # tokenizers: flag byte + text (llama.cpp's tokenizer test inputs) or + ids (decode mode).
