@@ -632,7 +632,11 @@ void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs + 16), _mm512_cvtsepi32_epi8(q1));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    // The sum of the int8 values as stored (saturated): equal to q0 + q1 for finite inputs, and
+    // no int32 overflow when NaN/Inf activations turn into INT_MIN (UBSan, fuzz/llmq_file).
+    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+    const __m512i s0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi), s1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1));
     out[b].d = d;
     out[b].s = d * float(sum);
     if (sums) sums[b] = sum;
