@@ -271,6 +271,51 @@ uint64_t matmul_scratch_bytes(const MatmulScratch& s) {
   return n;
 }
 
+void PackedWeights::Free::operator()(uint8_t* p) const { std::free(p); }
+
+namespace {
+bool packing_enabled() {
+  const char* env = std::getenv("LLMQ_PACK");
+  return !(env && std::strcmp(env, "0") == 0);
+}
+}  // namespace
+
+uint64_t packed_weights_bytes(const std::vector<const Weight*>& ws) {
+  const x86::Kernels* k = active_kernels();
+  if (!k || !k->packed_bytes || !packing_enabled()) return 0;
+  uint64_t n = 0;
+  for (const Weight* w : ws) n += k->packed_bytes(w->type, w->rows, w->cols);
+  return n;
+}
+
+PackedWeights pack_weights(const std::vector<Weight*>& ws) {
+  PackedWeights out;
+  const uint64_t total = packed_weights_bytes(std::vector<const Weight*>(ws.begin(), ws.end()));
+  if (total == 0) return out;
+  const x86::Kernels* k = active_kernels();
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, size_t(total)) != 0) throw std::bad_alloc();
+  out.data.reset(static_cast<uint8_t*>(p));
+  out.bytes = total;
+  uint8_t* dst = out.data.get();
+  for (Weight* w : ws) {
+    const size_t n = k->packed_bytes(w->type, w->rows, w->cols);
+    if (n == 0) continue;
+    k->pack_quant(*w, dst);
+    w->packed = dst;
+    dst += n;  // a multiple of 64: every matrix starts aligned
+  }
+  return out;
+}
+
+Weight weight_rows(const Weight& w, int64_t r0, int64_t n) {
+  Weight v{w.type, w.row(r0), n, w.cols};
+  const x86::Kernels* k = active_kernels();
+  if (w.packed && r0 % 16 == 0 && k && k->packed_bytes)  // panels of 16 rows, each packed_bytes(type, 16, cols)
+    v.packed = w.packed + size_t(r0 / 16) * k->packed_bytes(w.type, 16, w.cols);
+  return v;
+}
+
 void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n) {
   if (const x86::Kernels* k = active_kernels()) k->quantize_act(x, out, nullptr, n);
   else quantize_act_q8_scalar(x, out, n);

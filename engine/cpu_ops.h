@@ -2,6 +2,7 @@
 // ground truth) where the fast version differs from the obvious loop.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "engine/threadpool.h"
@@ -16,6 +17,9 @@ struct Weight {
   DType type = DType::F32;
   const uint8_t* data = nullptr;
   int64_t rows = 0, cols = 0;
+  /// The same matrix in the active CPU level's packed layout (pack_weights), or null. When set,
+  /// the AVX-512 matmul reads only this copy (engine/cpu_x86.cpp, "Packed weights").
+  const uint8_t* packed = nullptr;
 
   size_t row_stride() const { return row_bytes(type, cols); }
   const uint8_t* row(int64_t r) const { return data + size_t(r) * row_stride(); }
@@ -82,6 +86,31 @@ CpuLevel cpu_level();
 void set_cpu_level(CpuLevel level);
 /// Name of the active level, cpu_level_name(cpu_level()), for tools to print ("avx512", ...).
 const char* cpu_kernels_name();
+
+/// Weights repacked by pack_weights: one 64-byte-aligned allocation holding every packed matrix.
+struct PackedWeights {
+  struct Free {
+    void operator()(uint8_t* p) const;
+  };
+  std::unique_ptr<uint8_t, Free> data;
+  uint64_t bytes = 0;  ///< bytes allocated (0: nothing packed)
+};
+
+/// Bytes pack_weights would allocate for `ws` at the active level (0 when the level has no
+/// packed layout, or LLMQ_PACK=0).
+uint64_t packed_weights_bytes(const std::vector<const Weight*>& ws);
+
+/// Repacks every weight of `ws` whose type has a packed layout at the active CPU level (AVX-512:
+/// Q8_0, Q4_0, Q4_1 into 16-row panels, the file's bytes rearranged so that one panel is one
+/// sequential stream; engine/cpu_x86.cpp) and points its `packed` at the copy. Other weights and
+/// other levels are left alone. The environment variable LLMQ_PACK=0 turns packing off.
+/// Results of matmul are bit-identical with and without packing. The weights' `data` stays
+/// valid (the AVX2 and scalar levels read it). Throws std::bad_alloc if the copy does not fit.
+PackedWeights pack_weights(const std::vector<Weight*>& ws);
+
+/// Rows [r0, r0 + n) of w as a weight of their own (a view: data and, when w is packed and r0
+/// is a multiple of 16, packed point into w's buffers; otherwise packed is null).
+Weight weight_rows(const Weight& w, int64_t r0, int64_t n);
 
 /// y [T, W.rows] = x [T, W.cols] · Wᵀ, in W's stored type, split over the pool's threads by
 /// rows of W (every weight row is read once for all T tokens: batched prefill).

@@ -994,12 +994,152 @@ void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1,
   }
 }
 
+// ---- Packed weights (Weight::packed): the GEMM's panels built once at load, nibbles kept packed.
+//
+// Panels of 16 rows, one after the other (rows past the matrix: zero quants and scales). A
+// panel holds its blocks in pairs (b0, b1; an odd last block pairs with zeros):
+//   [quants b0 | quants b1 | scales b0 | scales b1]
+// quants of a block, lanes = the 16 rows, 64 bytes per vector:
+//   Q4_0/Q4_1: 4 vectors; vector j, lane r = bytes 4j..4j+3 of row r's 16 quant bytes, so its
+//              low nibbles are elements 4j..4j+3 and its high nibbles elements 16+4j..16+4j+3.
+//   Q8_0:      8 vectors; vector j, lane r = quants 4j..4j+3 of row r, stored as w + 128.
+// scales: d of the 16 rows as fp16 (32 bytes), then Q4_1's m as fp16 (32 bytes).
+// Q4_0 pair = 2·256 + 2·32 = 576 bytes for 32 rows' worth of blocks (= 16 rows × 2 blocks × 18),
+// Q4_1 640, Q8_0 1088: the file's bytes, rearranged (a multiple of 64, so every load is aligned).
+// One panel is one sequential stream, which decode reads at the DRAM bandwidth; prefill reuses
+// each panel (up to 27 KiB for K = 1536 at Q4_0) from L1/L2 for every tile of 8 tokens.
+template <DType D>
+constexpr size_t pk_quant_bytes() { return D == DType::Q8_0 ? 512 : 256; }
+template <DType D>
+constexpr size_t pk_scale_bytes() { return D == DType::Q4_1 ? 64 : 32; }
+template <DType D>
+constexpr size_t pk_pair_bytes() { return 2 * (pk_quant_bytes<D>() + pk_scale_bytes<D>()); }
+template <DType D>
+size_t pk_panel_bytes(int64_t K) { return size_t((K / QK + 1) / 2) * pk_pair_bytes<D>(); }
+
+size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
+  const size_t panels = size_t((rows + 15) / 16);
+  switch (type) {
+    case DType::Q8_0: return panels * pk_panel_bytes<DType::Q8_0>(cols);
+    case DType::Q4_0: return panels * pk_panel_bytes<DType::Q4_0>(cols);
+    case DType::Q4_1: return panels * pk_panel_bytes<DType::Q4_1>(cols);
+    default: return 0;
+  }
+}
+
+template <DType D>
+void pack_t(const Weight& w, uint8_t* out) {
+  constexpr size_t BS = block_size<D>(), QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
+  constexpr size_t off = quant_offset<D>();
+  const int64_t nb = w.cols / QK, panels = (w.rows + 15) / 16;
+  const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
+  std::memset(out, 0, size_t(panels) * panel_bytes);
+  for (int64_t p = 0; p < panels; ++p)
+    for (int i = 0; i < 16 && p * 16 + i < w.rows; ++i) {
+      const uint8_t* row = w.row(p * 16 + i);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + size_t(b) * BS;
+        uint8_t* q = out + size_t(p) * panel_bytes + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
+        uint8_t* sc = out + size_t(p) * panel_bytes + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
+        for (size_t j = 0; j < QB / 64; ++j)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t v = blk[off + 4 * j + size_t(k)];
+            q[64 * j + 4 * size_t(i) + size_t(k)] = D == DType::Q8_0 ? uint8_t(v ^ 0x80) : v;
+          }
+        std::memcpy(sc + 2 * i, blk, 2);                                   // d
+        if constexpr (D == DType::Q4_1) std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
+      }
+    }
+}
+
+void pack_quant(const Weight& w, uint8_t* out) {
+  switch (w.type) {
+    case DType::Q8_0: pack_t<DType::Q8_0>(w, out); break;
+    case DType::Q4_0: pack_t<DType::Q4_0>(w, out); break;
+    case DType::Q4_1: pack_t<DType::Q4_1>(w, out); break;
+    default: break;
+  }
+}
+
+// 16 packed rows × C tokens: the integer dot of every block (two accumulators per token, summed
+// exactly), then gemm_tile's fp32 sequence acc = fma(float(dot), d_w·d_x, acc) (+ fma(m, s_x,
+// acc)) over the blocks in order; so results are bit-identical with gemm and gemv.
+template <DType D, int C>
+void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr,
+                 __mmask16 rmask) {
+  constexpr size_t QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = panel + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
+    const uint8_t* sc = panel + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
+    __m512i s0[C], s1[C];
+    for (int c = 0; c < C; ++c) {
+      s0[c] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(corr[c * nb + b]);
+      s1[c] = _mm512_setzero_si512();
+    }
+    if constexpr (D == DType::Q8_0) {
+      for (int j = 0; j < 8; j += 2) {
+        const __m512i v0 = _mm512_load_si512(q + 64 * j), v1 = _mm512_load_si512(q + 64 * (j + 1));
+        for (int c = 0; c < C; ++c) {
+          const int8_t* x = xq[c * nb + b].qs;
+          s0[c] = _mm512_dpbusd_epi32(s0[c], v0, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
+          s1[c] = _mm512_dpbusd_epi32(s1[c], v1, _mm512_set1_epi32(int(load_u32(x + 4 * j + 4))));
+        }
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_load_si512(q + 64 * j);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* x = xq[c * nb + b].qs;
+          s0[c] = _mm512_dpbusd_epi32(s0[c], lo, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
+          s1[c] = _mm512_dpbusd_epi32(s1[c], hi, _mm512_set1_epi32(int(load_u32(x + 16 + 4 * j))));
+        }
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
+    for (int c = 0; c < C; ++c) {
+      const BlockQ8Act& xa = xq[c * nb + b];
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[c], s1[c])), _mm512_mul_ps(dw, _mm512_set1_ps(xa.d)), acc[c]);
+      if constexpr (D == DType::Q4_1)
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32))),
+                                 _mm512_set1_ps(xa.s), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * M, rmask, acc[c]);
+}
+
+// Rows [r0, r1) (r0 a multiple of 16) of a packed weight, all T tokens, 8 tokens per tile.
+template <DType D>
+void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1) {
+  constexpr int C = 8;
+  const int64_t M = w.rows, T = a.T, nb = a.nb;
+  const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
+  for (int64_t r = r0; r < r1; r += 16) {
+    const uint8_t* panel = w.packed + size_t(r / 16) * panel_bytes;
+    const __mmask16 rmask = __mmask16((1u << std::min<int64_t>(16, r1 - r)) - 1);
+    int64_t t = 0;
+    for (; t + C <= T; t += C) packed_tile<D, C>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
+    for (; t < T; ++t) packed_tile<D, 1>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
+  }
+}
+
 size_t thread_bytes(DType type, int64_t T, int64_t K) {
   if (T < kGemmMinT) return gemv_scratch_bytes(K / QK);
   return size_t(K / QK) * (type == DType::Q4_1 ? panel_block_bytes<DType::Q4_1>() : panel_block_bytes<DType::Q8_0>());
 }
 
 void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  if (w.packed) {
+    switch (w.type) {
+      case DType::Q8_0: packed_matmul<DType::Q8_0>(y, a, w, r0, r1); break;
+      case DType::Q4_0: packed_matmul<DType::Q4_0>(y, a, w, r0, r1); break;
+      default: packed_matmul<DType::Q4_1>(y, a, w, r0, r1); break;
+    }
+    return;
+  }
   if (a.T < kGemmMinT) {
     switch (w.type) {
       case DType::Q8_0: gemv<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
@@ -1185,7 +1325,7 @@ const Kernels* kernels_avx2() {
                          avx2::prep_bytes, avx2::prepare_quant, avx2::thread_bytes,
                          avx2::matmul_quant, avx2::dot,         avx2::axpy,
                          avx2::attn_scores, avx2::attn_accumulate, avx2::softmax,
-                         avx2::swiglu};
+                         avx2::swiglu,      nullptr,             nullptr};
   return &k;
 }
 
@@ -1194,7 +1334,7 @@ const Kernels* kernels_avx512() {
                          avx512::prep_bytes, avx512::prepare_quant, avx512::thread_bytes,
                          avx512::matmul_quant, avx512::dot,         avx512::axpy,
                          avx512::attn_scores, avx512::attn_accumulate, avx512::softmax,
-                         avx512::swiglu};
+                         avx512::swiglu,    avx512::packed_bytes, avx512::pack_quant};
   return &k;
 }
 

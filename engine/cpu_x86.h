@@ -55,6 +55,12 @@ struct Kernels {
   void (*softmax)(float* x, int64_t n);
   /// llmq::swiglu with the same vector e^x.
   void (*swiglu)(float* gate, const float* up, int64_t n);
+  /// Bytes of a [rows, cols] weight of `type` in this level's packed layout (0: not packed for
+  /// this type). Null when the level has no packed layout.
+  size_t (*packed_bytes)(DType type, int64_t rows, int64_t cols);
+  /// Writes w (type with packed_bytes > 0) in the packed layout to out (64-byte aligned,
+  /// packed_bytes(...) bytes); matmul_quant then reads w.packed instead of w.data.
+  void (*pack_quant)(const Weight& w, uint8_t* out);
 };
 
 /// True when the CPU (and OS) supports AVX2, FMA and F16C.

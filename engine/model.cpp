@@ -70,6 +70,16 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify) {
   }
   model->output_norm = vec("output_norm.weight");
   model->output = c.tied_embeddings ? model->token_embd : mat("output.weight");
+
+  // Repack the matmul weights for the CPU kernels and drop the file's copy of them from memory
+  // (the embedding rows are still read from the file: a tied output is packed separately).
+  std::vector<Weight*> mats;
+  for (LayerWeights& l : model->layers)
+    for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) mats.push_back(w);
+  mats.push_back(&model->output);
+  model->packed = pack_weights(mats);
+  for (const Weight* w : mats)
+    if (w->packed) f.release(w->data, uint64_t(w->rows) * w->row_stride());
   return model;
 }
 

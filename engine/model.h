@@ -44,6 +44,10 @@ struct Model {
   std::vector<LayerWeights> layers;
   const float* output_norm;  // [dim]
   Weight output;             // [vocab, dim] (the embedding when tied)
+  /// The matrices repacked for the CPU kernels at load (pack_weights; empty at the scalar and
+  /// AVX2 levels or with LLMQ_PACK=0). Their pages in the mapping are released after packing,
+  /// so the resident weight bytes stay about the file's.
+  PackedWeights packed;
 
   /// Opens and validates `path` (see LlmqFile::open), builds the tokenizer, and binds every
   /// tensor of the Llama table (models/llama.h), checking names, shapes and that 1-D tensors
@@ -88,6 +92,7 @@ struct ModelShard {
   std::vector<int64_t> vocab_bounds;   // [n_ranks + 1]: rank r computes logits [b[r], b[r+1])
   std::vector<std::unique_ptr<uint8_t[]>> owned;  // the row-parallel copies
   uint64_t owned_bytes = 0;                       // bytes allocated in `owned`
+  PackedWeights packed;  // matrices packed for this rank only (column copies, unaligned row ranges)
 
   /// Bytes of weights this rank holds: every matrix slice (rows x row bytes) and norm vector
   /// it points at, each counted once (a tied output inside the embedding slice is not counted

@@ -26,8 +26,8 @@ Weight copy_columns(ModelShard& s, const Weight& w, int64_t c0, int64_t n) {
   return Weight{w.type, dst, w.rows, n};
 }
 
-// Rows [r0, r0 + n) of W [rows, cols]: a view, nothing copied.
-Weight take_rows(const Weight& w, int64_t r0, int64_t n) { return Weight{w.type, w.row(r0), n, w.cols}; }
+// Rows [r0, r0 + n) of W [rows, cols]: a view, nothing copied (packed panels too when aligned).
+Weight take_rows(const Weight& w, int64_t r0, int64_t n) { return weight_rows(w, r0, n); }
 
 }  // namespace
 
@@ -141,6 +141,17 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
   }
   s.output_norm = m.output_norm;
   s.output = take_rows(m.output, R.vocab0, R.n_vocab);
+  // Pack what the model's packed panels do not cover (the column copies, unaligned row ranges).
+  std::vector<Weight*> unpacked;
+  for (LayerWeights& l : s.layers)
+    for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down})
+      if (!w->packed) unpacked.push_back(w);
+  if (!s.output.packed) unpacked.push_back(&s.output);
+  s.packed = pack_weights(unpacked);
+  if (s.packed.bytes > 0)  // copying the columns read the model's released pages back in
+    for (const LayerWeights& w : m.layers)
+      for (const Weight* src : {&w.wo, &w.w_down})
+        if (src->packed) m.file->release(src->data, uint64_t(src->rows) * src->row_stride());
   return s;
 }
 

@@ -169,12 +169,7 @@ SourceModel read_gguf_model(const std::string& path) {
       // Done with the tensor: drop its whole pages from the resident set (the mapping is
       // read-only and private, so they are simply read again if ever touched).
       const uint64_t nbytes = t->nbytes;
-      st.release = [keep, data, nbytes] {
-        const auto page = uintptr_t(sysconf(_SC_PAGESIZE));
-        const uintptr_t lo = (uintptr_t(data) + page - 1) / page * page;
-        const uintptr_t hi = (uintptr_t(data) + nbytes) / page * page;
-        if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
-      };
+      st.release = [keep, data, nbytes] { keep->mapping()->release(data, nbytes); };
       if (spec.shape.size() >= 2) weights_by_type[type] += st.numel();
       sm.tensors.push_back(std::move(st));
     }

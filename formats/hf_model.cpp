@@ -318,7 +318,8 @@ SourceModel read_hf_model(const std::string& dir) {
   };
   // Attention biases (Qwen2: q/k/v; Llama with attention_bias: q/k/v/o) are part of the
   // table when the checkpoint has any of them; the table then asks for every layer's.
-  for (const auto& [name, f] : ours) {
+  for (const auto& entry : ours) {
+    const std::string& name = entry.first;  // (clang 14 cannot capture a structured binding)
     const auto ends = [&](const std::string& suffix) {
       return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
     };

@@ -86,6 +86,9 @@ class LlmqFile {
   const TensorInfo* find(const std::string& name) const;
   /// The tensor's bytes inside the mapping (64-byte aligned).
   const uint8_t* data(const TensorInfo& t) const { return base_ + data_offset_ + t.offset; }
+  /// Drops the pages of bytes [p, p + n) of the mapping from the resident set
+  /// (MappedFile::release); they stay readable and come back from the file when touched.
+  void release(const uint8_t* p, uint64_t n) const { map_->release(p, n); }
 
  private:
   LlmqFile() = default;

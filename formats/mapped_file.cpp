@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -34,6 +35,15 @@ std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
   }
   ::close(fd);
   return m;
+}
+
+void MappedFile::release(const uint8_t* p, uint64_t n) const {
+  if (!base_ || n == 0 || p < base_ || p >= base_ + size_) return;
+  const auto page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t end = (uintptr_t(base_) + size_ + page - 1) / page * page;  // base_ is page-aligned
+  const uintptr_t lo = uintptr_t(p) / page * page;
+  const uintptr_t hi = std::min(end, (uintptr_t(p) + n + page - 1) / page * page);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
 }
 
 MappedFile::~MappedFile() {

@@ -18,6 +18,10 @@ class MappedFile {
   const uint8_t* data() const { return base_; }
   uint64_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  /// Drops the pages that [p, p + n) touches from the resident set (madvise MADV_DONTNEED).
+  /// The mapping is read-only and private, so every byte stays valid: touching it again reads
+  /// it from the page cache or the file. Ranges outside the mapping are ignored, as are errors.
+  void release(const uint8_t* p, uint64_t n) const;
 
  private:
   MappedFile() = default;

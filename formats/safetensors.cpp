@@ -74,16 +74,7 @@ const SafetensorsTensor* SafetensorsFile::find(const std::string& name) const {
   return it == by_name_.end() ? nullptr : &tensors_[it->second];
 }
 
-void SafetensorsFile::release(const uint8_t* p, uint64_t nbytes) const {
-  const uint8_t* base = map_->data();
-  if (nbytes == 0 || !base || p < base || p >= base + map_->size()) return;
-  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
-  const uintptr_t b = reinterpret_cast<uintptr_t>(base);  // page-aligned (mmap)
-  const uintptr_t map_end = (b + map_->size() + page - 1) & ~(page - 1);
-  const uintptr_t lo = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
-  const uintptr_t hi = std::min(map_end, (reinterpret_cast<uintptr_t>(p) + nbytes + page - 1) & ~(page - 1));
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
-}
+void SafetensorsFile::release(const uint8_t* p, uint64_t nbytes) const { map_->release(p, nbytes); }
 
 std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   auto f = std::shared_ptr<SafetensorsFile>(new SafetensorsFile());
