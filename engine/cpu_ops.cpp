@@ -331,22 +331,25 @@ void axpy_f32(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-void attn_scores(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale) {
-  if (const x86::Kernels* kern = active_kernels()) return kern->attn_scores(s, q, k, n, stride, hd, scale);
-  for (int64_t p = 0; p < n; ++p) {
-    const float* kp = k + p * stride;
-    float acc = 0.0f;
-    for (int64_t j = 0; j < hd; ++j) acc += q[j] * kp[j];
-    s[p] = acc * scale;
-  }
+void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
+                 float scale) {
+  if (const x86::Kernels* k = active_kernels()) return k->attn_scores(s, ss, q, G, kT, n, bt, hd, scale);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < n; ++p) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int64_t j = 0; j < hd; ++j) acc[j % 4] += q[g * hd + j] * kT[j * bt + p];
+      s[g * ss + p] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * scale;
+    }
 }
 
-void attn_accumulate(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd) {
-  if (const x86::Kernels* k = active_kernels()) return k->attn_accumulate(out, a, v, n, stride, hd);
-  for (int64_t p = 0; p < n; ++p) {
-    const float* vp = v + p * stride;
-    for (int64_t j = 0; j < hd; ++j) out[j] += a[p] * vp[j];
-  }
+void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
+                     int64_t hd) {
+  if (const x86::Kernels* k = active_kernels()) return k->attn_accumulate(out, a, as, G, v, n, stride, hd);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < n; ++p) {
+      const float* vp = v + p * stride;
+      for (int64_t j = 0; j < hd; ++j) out[g * hd + j] += a[g * as + p] * vp[j];
+    }
 }
 
 // ---------------------------------------------------------------- matmul

@@ -132,14 +132,22 @@ float dot_f32(const float* a, const float* b, int64_t n);
 /// y[i] += a·x[i] for i < n, at the active level.
 void axpy_f32(float* y, float a, const float* x, int64_t n);
 
-/// Attention scores of one query head against n cached keys (scaled dot-product attention,
-/// Vaswani et al. 2017): s[p] = scale · Σ_j q[j]·k[p·stride + j] for p < n, j < hd (fp32,
-/// vectorized along j at the active level; the scalar level sums j in order).
-void attn_scores(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale);
+/// Attention scores (scaled dot-product attention, Vaswani et al. 2017) of G query heads
+/// q [G, hd] (consecutive) against n <= bt keys of one KV-cache block, whose keys are stored
+/// transposed: kT [hd, bt], kT[j·bt + p] = dimension j of position p (engine/kv_cache.h):
+///   s[g·ss + p] = scale · Σ_j q[g·hd + j]·kT[j·bt + p]   for g < G, p < n.
+/// Every level sums j in the same order: four partial sums over j ≡ 0, 1, 2, 3 (mod 4),
+/// added as (s0 + s1) + (s2 + s3) (fused multiply-adds at the SIMD levels, vectorized along p),
+/// so a head's scores do not depend on G (decode and batched prefill agree bit for bit).
+void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
+                 float scale);
 
-/// Attention's weighted sum of values: out[j] += Σ_p a[p]·v[p·stride + j] for j < hd, the
-/// positions p < n added in order (fused multiply-add at the SIMD levels).
-void attn_accumulate(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd);
+/// Attention's weighted sum of values for G heads: out[g·hd + j] += Σ_p a[g·as + p]·v[p·stride + j]
+/// for g < G, j < hd, the positions p < n added in order (fused multiply-add at the SIMD levels,
+/// vectorized along j; a head's result does not depend on G). v is [n, stride] (V is stored
+/// position-major).
+void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
+                     int64_t hd);
 
 /// out[n] = x[n] / sqrt(mean(x²) + eps) * w[n]   (RMSNorm, Zhang & Sennrich 2019).
 void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps);

@@ -575,19 +575,39 @@ void swiglu(float* gate, const float* up, int64_t n) {
   for (; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
-void attn_scores(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale) {
-  for (int64_t p = 0; p < n; ++p) s[p] = dot(q, k + p * stride, hd) * scale;
+// Keys transposed ([hd, bt]): 8 positions per vector, four partial sums over j mod 4 per head.
+void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
+                 float scale) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * hd;
+    for (int64_t p0 = 0; p0 < n; p0 += 8) {
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - p0))), lane);
+      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      int64_t j = 0;
+      for (; j + 4 <= hd; j += 4)
+        for (int u = 0; u < 4; ++u)
+          a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qg[j + u]), _mm256_maskload_ps(kT + (j + u) * bt + p0, m), a[u]);
+      for (int u = 0; u < 3; ++u)
+        if (j + u < hd) a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qg[j + u]), _mm256_maskload_ps(kT + (j + u) * bt + p0, m), a[u]);
+      const __m256 r = _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])), _mm256_set1_ps(scale));
+      _mm256_maskstore_ps(s + g * ss + p0, m, r);
+    }
+  }
 }
 
-void attn_accumulate(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd) {
-  int64_t j = 0;
-  for (; j + 8 <= hd; j += 8) {
-    __m256 o = _mm256_loadu_ps(out + j);
-    for (int64_t p = 0; p < n; ++p) o = _mm256_fmadd_ps(_mm256_set1_ps(a[p]), _mm256_loadu_ps(v + p * stride + j), o);
-    _mm256_storeu_ps(out + j, o);
+void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
+                     int64_t hd) {
+  for (int64_t g = 0; g < G; ++g, out += hd, a += as) {
+    int64_t j = 0;
+    for (; j + 8 <= hd; j += 8) {
+      __m256 o = _mm256_loadu_ps(out + j);
+      for (int64_t p = 0; p < n; ++p) o = _mm256_fmadd_ps(_mm256_set1_ps(a[p]), _mm256_loadu_ps(v + p * stride + j), o);
+      _mm256_storeu_ps(out + j, o);
+    }
+    for (; j < hd; ++j)
+      for (int64_t p = 0; p < n; ++p) out[j] = std::fma(a[p], v[p * stride + j], out[j]);
   }
-  for (; j < hd; ++j)
-    for (int64_t p = 0; p < n; ++p) out[j] = std::fma(a[p], v[p * stride + j], out[j]);
 }
 
 }  // namespace
@@ -1068,25 +1088,26 @@ template <DType D, int C>
 void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr,
                  __mmask16 rmask) {
   constexpr size_t QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
+  // Integer accumulators per token: with one token, two chains (even and odd quant vectors)
+  // halve the vpdpbusd dependency chain; with 8 tokens there are 8 chains already (and more
+  // accumulators would spill).
+  constexpr int NS = C >= 4 ? 1 : 2;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = panel + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
     const uint8_t* sc = panel + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
-    __m512i s0[C], s1[C];
+    __m512i s[C][NS];
     for (int c = 0; c < C; ++c) {
-      s0[c] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(corr[c * nb + b]);
-      s1[c] = _mm512_setzero_si512();
+      s[c][0] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(corr[c * nb + b]);
+      if constexpr (NS > 1) s[c][NS - 1] = _mm512_setzero_si512();
     }
     if constexpr (D == DType::Q8_0) {
-      for (int j = 0; j < 8; j += 2) {
-        const __m512i v0 = _mm512_load_si512(q + 64 * j), v1 = _mm512_load_si512(q + 64 * (j + 1));
-        for (int c = 0; c < C; ++c) {
-          const int8_t* x = xq[c * nb + b].qs;
-          s0[c] = _mm512_dpbusd_epi32(s0[c], v0, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
-          s1[c] = _mm512_dpbusd_epi32(s1[c], v1, _mm512_set1_epi32(int(load_u32(x + 4 * j + 4))));
-        }
+      for (int j = 0; j < 8; ++j) {
+        const __m512i v = _mm512_load_si512(q + 64 * j);
+        for (int c = 0; c < C; ++c)
+          s[c][j % NS] = _mm512_dpbusd_epi32(s[c][j % NS], v, _mm512_set1_epi32(int(load_u32(xq[c * nb + b].qs + 4 * j))));
       }
     } else {
       for (int j = 0; j < 4; ++j) {
@@ -1094,15 +1115,16 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int c = 0; c < C; ++c) {
           const int8_t* x = xq[c * nb + b].qs;
-          s0[c] = _mm512_dpbusd_epi32(s0[c], lo, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
-          s1[c] = _mm512_dpbusd_epi32(s1[c], hi, _mm512_set1_epi32(int(load_u32(x + 16 + 4 * j))));
+          s[c][0] = _mm512_dpbusd_epi32(s[c][0], lo, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
+          s[c][NS - 1] = _mm512_dpbusd_epi32(s[c][NS - 1], hi, _mm512_set1_epi32(int(load_u32(x + 16 + 4 * j))));
         }
       }
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
     for (int c = 0; c < C; ++c) {
       const BlockQ8Act& xa = xq[c * nb + b];
-      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[c], s1[c])), _mm512_mul_ps(dw, _mm512_set1_ps(xa.d)), acc[c]);
+      const __m512i dot = NS > 1 ? _mm512_add_epi32(s[c][0], s[c][NS - 1]) : s[c][0];
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xa.d)), acc[c]);
       if constexpr (D == DType::Q4_1)
         acc[c] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32))),
                                  _mm512_set1_ps(xa.s), acc[c]);
@@ -1183,81 +1205,100 @@ void axpy(float* y, float a, const float* x, int64_t n) {
   }
 }
 
-// Σ over the 16 lanes of each of a0..a3, as lanes 0..3 of the result (other lanes: garbage).
-inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  // 256-bit halves added: [a0 | a1] and [a2 | a3], 8 lanes each
-  const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xee));
-  const __m512 b23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xee));
-  // 128-bit quarters added: [a0, a1, a2, a3], 4 lanes each
-  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b01, b23, 0x88), _mm512_shuffle_f32x4(b01, b23, 0xdd));
-  const __m512 d = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4e));
-  const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, 0xb1));  // every lane of quarter i: Σ a_i
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), e));
-}
-
-// Scores for head_dim = 16·NV: q in registers, 4 positions per reduction.
-template <int NV>
-void attn_scores_t(float* s, const float* q, const float* k, int64_t n, int64_t stride, float scale) {
-  __m512 qv[NV];
-  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-  const __m128 sc = _mm_set1_ps(scale);
-  int64_t p = 0;
-  for (; p + 4 <= n; p += 4) {
-    __m512 a[4];
-    for (int u = 0; u < 4; ++u) {
-      const float* kp = k + (p + u) * stride;
-      a[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
-      for (int i = 1; i < NV; ++i) a[u] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp + 16 * i), a[u]);
+// Keys transposed ([hd, bt]): 16 positions per vector, R heads at a time sharing each key
+// load, four partial sums over j mod 4 per head (R·4 independent chains hide the FMA latency).
+template <int R>
+void scores_rows(float* s, int64_t ss, const float* q, const float* kT, int64_t n, int64_t bt, int64_t hd, float scale) {
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    const __mmask16 m = n - p0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - p0)) - 1);
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) a[r][u] = _mm512_setzero_ps();
+    const float* kp = kT + p0;
+    int64_t j = 0;
+    for (; j + 4 <= hd; j += 4)
+      for (int u = 0; u < 4; ++u) {
+        const __m512 k = _mm512_maskz_loadu_ps(m, kp + (j + u) * bt);
+        for (int r = 0; r < R; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + j + u]), k, a[r][u]);
+      }
+    for (int u = 0; u < 3; ++u)  // hd % 4 trailing dimensions (constant indices keep a[][] in registers)
+      if (j + u < hd) {
+        const __m512 k = _mm512_maskz_loadu_ps(m, kp + (j + u) * bt);
+        for (int r = 0; r < R; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + j + u]), k, a[r][u]);
+      }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
+      _mm512_mask_storeu_ps(s + r * ss + p0, m, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
     }
-    _mm_storeu_ps(s + p, _mm_mul_ps(hsum4(a[0], a[1], a[2], a[3]), sc));
-  }
-  for (; p < n; ++p) {
-    const float* kp = k + p * stride;
-    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
-    for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp + 16 * i), a);
-    s[p] = hsum(a) * scale;
   }
 }
 
-void attn_scores(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale) {
-  switch (hd) {
-    case 32: return attn_scores_t<2>(s, q, k, n, stride, scale);
-    case 64: return attn_scores_t<4>(s, q, k, n, stride, scale);
-    case 80: return attn_scores_t<5>(s, q, k, n, stride, scale);
-    case 96: return attn_scores_t<6>(s, q, k, n, stride, scale);
-    case 128: return attn_scores_t<8>(s, q, k, n, stride, scale);
-    default:
-      for (int64_t p = 0; p < n; ++p) s[p] = dot(q, k + p * stride, hd) * scale;
+void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
+                 float scale) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) scores_rows<4>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
+  switch (G - g) {
+    case 3: return scores_rows<3>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
+    case 2: return scores_rows<2>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
+    case 1: return scores_rows<1>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
+    default: return;
   }
 }
 
-template <int NV>
-void attn_accumulate_t(float* out, const float* a, const float* v, int64_t n, int64_t stride) {
-  __m512 o[NV];
-  for (int i = 0; i < NV; ++i) o[i] = _mm512_loadu_ps(out + 16 * i);
+// R heads × hd = 16·NV: the R·NV output vectors stay in registers, each value row is loaded
+// once for all R heads; per head and vector, one fused multiply-add per position, in order.
+template <int NV, int R>
+void accumulate_rows(float* out, const float* a, int64_t as, const float* v, int64_t n, int64_t stride) {
+  __m512 o[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) o[r][i] = _mm512_loadu_ps(out + r * 16 * NV + 16 * i);
   for (int64_t p = 0; p < n; ++p) {
-    const __m512 ap = _mm512_set1_ps(a[p]);
-    for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(ap, _mm512_loadu_ps(v + p * stride + 16 * i), o[i]);
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) {
+      vv[i] = _mm512_loadu_ps(v + p * stride + 16 * i);
+      if constexpr (R > 1) asm("" : "+v"(vv[i]));  // one load per row of V, not one per head (GCC folds it)
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 ap = _mm512_set1_ps(a[r * as + p]);
+      for (int i = 0; i < NV; ++i) o[r][i] = _mm512_fmadd_ps(ap, vv[i], o[r][i]);
+    }
   }
-  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + r * 16 * NV + 16 * i, o[r][i]);
 }
 
-void attn_accumulate(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd) {
+// Heads in groups of up to 16/NV (at most 16 accumulators).
+template <int NV>
+void accumulate_heads(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride) {
+  constexpr int RMAX = NV >= 16 ? 1 : 16 / NV;
+  constexpr int64_t hd = 16 * NV;
+  int64_t g = 0;
+  for (; g + RMAX <= G; g += RMAX) accumulate_rows<NV, RMAX>(out + g * hd, a + g * as, as, v, n, stride);
+  if constexpr (RMAX >= 3)
+    if (G - g >= 3) accumulate_rows<NV, 3>(out + g * hd, a + g * as, as, v, n, stride), g += 3;
+  if constexpr (RMAX >= 2)
+    if (G - g >= 2) accumulate_rows<NV, 2>(out + g * hd, a + g * as, as, v, n, stride), g += 2;
+  for (; g < G; ++g) accumulate_rows<NV, 1>(out + g * hd, a + g * as, as, v, n, stride);
+}
+
+void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
+                     int64_t hd) {
   switch (hd) {
-    case 32: return attn_accumulate_t<2>(out, a, v, n, stride);
-    case 64: return attn_accumulate_t<4>(out, a, v, n, stride);
-    case 80: return attn_accumulate_t<5>(out, a, v, n, stride);
-    case 96: return attn_accumulate_t<6>(out, a, v, n, stride);
-    case 128: return attn_accumulate_t<8>(out, a, v, n, stride);
+    case 32: return accumulate_heads<2>(out, a, as, G, v, n, stride);
+    case 64: return accumulate_heads<4>(out, a, as, G, v, n, stride);
+    case 80: return accumulate_heads<5>(out, a, as, G, v, n, stride);
+    case 96: return accumulate_heads<6>(out, a, as, G, v, n, stride);
+    case 128: return accumulate_heads<8>(out, a, as, G, v, n, stride);
     default: break;
   }
-  for (int64_t j = 0; j < hd; j += 16) {
-    const __mmask16 m = hd - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (hd - j)) - 1);
-    __m512 o = _mm512_maskz_loadu_ps(m, out + j);
-    for (int64_t p = 0; p < n; ++p)
-      o = _mm512_fmadd_ps(_mm512_set1_ps(a[p]), _mm512_maskz_loadu_ps(m, v + p * stride + j), o);
-    _mm512_mask_storeu_ps(out + j, m, o);
-  }
+  for (int64_t g = 0; g < G; ++g, out += hd, a += as)
+    for (int64_t j = 0; j < hd; j += 16) {
+      const __mmask16 m = hd - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (hd - j)) - 1);
+      __m512 o = _mm512_maskz_loadu_ps(m, out + j);
+      for (int64_t p = 0; p < n; ++p)
+        o = _mm512_fmadd_ps(_mm512_set1_ps(a[p]), _mm512_maskz_loadu_ps(m, v + p * stride + j), o);
+      _mm512_mask_storeu_ps(out + j, m, o);
+    }
 }
 
 // e^x: x = n·ln2 + r with n = round(x·log2(e)) and r by a two-part ln2 (|r| <= ln2/2), e^r by

@@ -47,10 +47,12 @@ struct Kernels {
   float (*dot)(const float* a, const float* b, int64_t n);
   /// y[i] += a · x[i].
   void (*axpy)(float* y, float a, const float* x, int64_t n);
-  /// s[p] = scale · Σ_j q[j]·k[p·stride + j] for p < n, j < hd.
-  void (*attn_scores)(float* s, const float* q, const float* k, int64_t n, int64_t stride, int64_t hd, float scale);
-  /// out[j] += Σ_p a[p]·v[p·stride + j] for j < hd, p in order.
-  void (*attn_accumulate)(float* out, const float* a, const float* v, int64_t n, int64_t stride, int64_t hd);
+  /// llmq::attn_scores (keys transposed, [hd, bt] per block; same summation order).
+  void (*attn_scores)(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
+                      float scale);
+  /// llmq::attn_accumulate (positions in order, one fused multiply-add per term).
+  void (*attn_accumulate)(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
+                          int64_t hd);
   /// llmq::softmax with a vector e^x (about 2 ulp) and an fp32 lane sum.
   void (*softmax)(float* x, int64_t n);
   /// llmq::swiglu with the same vector e^x.

@@ -13,8 +13,10 @@ namespace llmq {
 
 class KVCache {
  public:
-  /// A pool of n_blocks blocks of block_tokens positions. K and V of one block are each
-  /// [n_layers, block_tokens, kv_dim] fp32. Throws UsageError for non-positive sizes.
+  /// A pool of n_blocks blocks of block_tokens positions, fp32. Per block and layer, V is
+  /// [block_tokens, kv_dim] (position-major) and K is stored transposed, [kv_dim, block_tokens]
+  /// (element (j, p) = dimension j of the block's position p), so that attention scores are
+  /// vectorized along positions (llmq::attn_scores). Throws UsageError for non-positive sizes.
   KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens = 16);
   /// Tensor parallelism: one K and V pool per rank, pool r with rank r's KV width
   /// shard_kv_dims[r] (its KV heads x head_dim), all sharing one block table, so a sequence's
@@ -49,8 +51,9 @@ class KVCache {
   /// Positions seq can hold without reserving more.
   int64_t capacity(int32_t seq) const { return int64_t(seqs_.at(size_t(seq)).blocks.size()) * bt_; }
 
-  /// K (or V) of one layer for a block of seq in pool `shard`: [block_tokens, kv_dim(shard)],
-  /// positions block*block_tokens ... The block must be reserved.
+  /// K of one layer for a block of seq in pool `shard`: [kv_dim(shard), block_tokens]
+  /// (transposed), V: [block_tokens, kv_dim(shard)], positions block*block_tokens ... The
+  /// block must be reserved.
   float* key_block(int64_t layer, int32_t seq, int64_t block, int shard = 0) {
     return k_[size_t(shard)].data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)], shard);
   }

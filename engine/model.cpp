@@ -226,9 +226,10 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     for (int64_t t = 0; t < T; ++t) {
       rope(ws.q_.data() + t * Q, R.n_heads, hd, pos[t], c.rope_theta, c.rope_layout);
       rope(ws.k_.data() + t * KV, R.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
-      const int64_t blk = pos[t] / bt, off = (pos[t] % bt) * KV;
-      std::memcpy(cache.key_block(l, batch[t].seq, blk, pool_id) + off, ws.k_.data() + t * KV, size_t(KV) * sizeof(float));
-      std::memcpy(cache.value_block(l, batch[t].seq, blk, pool_id) + off, ws.v_.data() + t * KV, size_t(KV) * sizeof(float));
+      const int64_t blk = pos[t] / bt, slot = pos[t] % bt;
+      float* kT = cache.key_block(l, batch[t].seq, blk, pool_id);  // [KV, bt]: keys transposed
+      for (int64_t j = 0; j < KV; ++j) kT[j * bt + slot] = ws.k_[size_t(t * KV + j)];
+      std::memcpy(cache.value_block(l, batch[t].seq, blk, pool_id) + slot * KV, ws.v_.data() + t * KV, size_t(KV) * sizeof(float));
     }
     // Causal attention: the token at position p sees its sequence's positions 0..p, block by
     // block. A work item is one token and G query heads: in a batch, the G = group heads that
@@ -251,17 +252,15 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
         const int64_t n_pos = pos[t] + 1;
         const float* q = ws.q_.data() + t * Q + h0 * hd;  // [G, hd]
         for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
-          const float* kb = cache.key_block(l, seq, p0 / bt, pool_id) + kvh * hd;  // [bt, KV] from head kvh
-          for (int64_t g = 0; g < G; ++g)
-            attn_scores(att.data() + g * max_pos + p0, q + g * hd, kb, std::min(bt, n_pos - p0), KV, hd, att_scale);
+          const float* kT = cache.key_block(l, seq, p0 / bt, pool_id) + kvh * hd * bt;  // [hd, bt] of head kvh
+          attn_scores(att.data() + p0, max_pos, q, G, kT, std::min(bt, n_pos - p0), bt, hd, att_scale);
         }
         for (int64_t g = 0; g < G; ++g) softmax(att.data() + g * max_pos, n_pos);
         float* out = ws.att_out_.data() + t * Q + h0 * hd;  // [G, hd]
         std::fill(out, out + G * hd, 0.0f);
         for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
-          const float* vb = cache.value_block(l, seq, p0 / bt, pool_id) + kvh * hd;
-          for (int64_t g = 0; g < G; ++g)
-            attn_accumulate(out + g * hd, att.data() + g * max_pos + p0, vb, std::min(bt, n_pos - p0), KV, hd);
+          const float* vb = cache.value_block(l, seq, p0 / bt, pool_id) + kvh * hd;  // [bt, KV] from head kvh
+          attn_accumulate(out, att.data() + p0, max_pos, G, vb, std::min(bt, n_pos - p0), KV, hd);
         }
       }
     });

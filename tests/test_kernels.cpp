@@ -283,40 +283,57 @@ TEST_CASE("quantize_act_q8, dot_f32 and axpy_f32 agree across CPU levels", "[ker
   CHECK(std::string(cpu_kernels_name()) == cpu_level_name(cpu_level()));
 }
 
-// Attention's two inner loops over a strided KV block, at every level, against fp64.
+// Attention's two inner loops over one KV-cache block (keys transposed [hd, bt], values
+// strided [n, stride]), G heads at once, at every level, against fp64; a head's results do not
+// depend on how many heads share the call (decode vs batched prefill).
 TEST_CASE("attn_scores and attn_accumulate match fp64 at every CPU level", "[kernels]") {
   LevelGuard guard;
   std::mt19937_64 rng(fresh_seed());
   for (CpuLevel level : supported_levels()) {
     set_cpu_level(level);
     for (int64_t hd : {7, 48, 64, 80, 128}) {
-      for (int64_t n : {1, 5, 16, 17}) {
-        const int64_t stride = hd * 3 + 5;  // KV rows hold other heads too
-        const auto q = gaussian(size_t(hd), rng), kv = gaussian(size_t(n * stride), rng), a = gaussian(size_t(n), rng);
-        const auto out0 = gaussian(size_t(hd), rng);
-        std::vector<float> s(static_cast<size_t>(n)), out = out0, ref_s(static_cast<size_t>(n)),
-            ref_out(static_cast<size_t>(hd));
-        attn_scores(s.data(), q.data(), kv.data(), n, stride, hd, 0.125f);
-        attn_accumulate(out.data(), a.data(), kv.data(), n, stride, hd);
-        double worst_s = 0;  // |s - ref| relative to scale·Σ|q||k| (single dots can cancel)
-        for (int64_t p = 0; p < n; ++p) {
-          double acc = 0, mag = 0;
-          for (int64_t j = 0; j < hd; ++j) {
-            acc += double(q[size_t(j)]) * kv[size_t(p * stride + j)];
-            mag += std::fabs(double(q[size_t(j)]) * kv[size_t(p * stride + j)]);
+      for (int64_t n : {1, 5, 16, 17, 33}) {
+        for (int64_t G : {1, 3, 5}) {
+          const int64_t bt = n + 3;           // block longer than the positions used
+          const int64_t stride = hd * 3 + 5;  // V rows hold other heads too
+          const int64_t ss = n + 2, as = n + 1;
+          const auto q = gaussian(size_t(G * hd), rng), kT = gaussian(size_t(hd * bt), rng);
+          const auto v = gaussian(size_t(n * stride), rng), a = gaussian(size_t(G * as), rng);
+          const auto out0 = gaussian(size_t(G * hd), rng);
+          std::vector<float> s(size_t(G * ss), 7.0f), out = out0;
+          attn_scores(s.data(), ss, q.data(), G, kT.data(), n, bt, hd, 0.125f);
+          attn_accumulate(out.data(), a.data(), as, G, v.data(), n, stride, hd);
+          INFO(cpu_level_name(level) << " hd " << hd << " n " << n << " G " << G);
+          for (int64_t g = 0; g < G; ++g) {
+            std::vector<float> ref_s(static_cast<size_t>(n)), ref_out(static_cast<size_t>(hd)), s_g(static_cast<size_t>(n));
+            double worst_s = 0;  // |s - ref| relative to scale·Σ|q||k| (single dots can cancel)
+            for (int64_t p = 0; p < n; ++p) {
+              double acc = 0, mag = 0;
+              for (int64_t j = 0; j < hd; ++j) {
+                const double t = double(q[size_t(g * hd + j)]) * kT[size_t(j * bt + p)];
+                acc += t, mag += std::fabs(t);
+              }
+              ref_s[size_t(p)] = float(0.125 * acc);
+              s_g[size_t(p)] = s[size_t(g * ss + p)];
+              worst_s = std::max(worst_s, std::fabs(s_g[size_t(p)] - 0.125 * acc) / (0.125 * mag));
+            }
+            CHECK(s[size_t(g * ss + n)] == 7.0f);  // nothing written past n
+            for (int64_t j = 0; j < hd; ++j) {
+              double acc = out0[size_t(g * hd + j)];
+              for (int64_t p = 0; p < n; ++p) acc += double(a[size_t(g * as + p)]) * v[size_t(p * stride + j)];
+              ref_out[size_t(j)] = float(acc);
+            }
+            CHECK(worst_s < 1e-6);
+            if (n >= 16) CHECK(rel_err(s_g.data(), ref_s.data(), s_g.size()) < 1e-5);
+            CHECK(rel_err(out.data() + g * hd, ref_out.data(), ref_out.size()) < 1e-5);
+            // The same head alone gives the same bits.
+            std::vector<float> s1(static_cast<size_t>(n)), o1(out0.begin() + g * hd, out0.begin() + (g + 1) * hd);
+            attn_scores(s1.data(), n, q.data() + g * hd, 1, kT.data(), n, bt, hd, 0.125f);
+            attn_accumulate(o1.data(), a.data() + g * as, as, 1, v.data(), n, stride, hd);
+            CHECK(std::memcmp(s1.data(), s_g.data(), size_t(n) * sizeof(float)) == 0);
+            CHECK(std::memcmp(o1.data(), out.data() + g * hd, size_t(hd) * sizeof(float)) == 0);
           }
-          ref_s[size_t(p)] = float(0.125 * acc);
-          worst_s = std::max(worst_s, std::fabs(s[size_t(p)] - 0.125 * acc) / (0.125 * mag));
         }
-        for (int64_t j = 0; j < hd; ++j) {
-          double acc = out0[size_t(j)];
-          for (int64_t p = 0; p < n; ++p) acc += double(a[size_t(p)]) * kv[size_t(p * stride + j)];
-          ref_out[size_t(j)] = float(acc);
-        }
-        INFO(cpu_level_name(level) << " hd " << hd << " n " << n);
-        CHECK(worst_s < 1e-6);
-        if (n >= 16) CHECK(rel_err(s.data(), ref_s.data(), s.size()) < 1e-5);
-        CHECK(rel_err(out.data(), ref_out.data(), out.size()) < 1e-5);
       }
     }
   }
