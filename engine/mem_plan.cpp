@@ -115,6 +115,17 @@ InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t
   InferencePlan p;
   for (const auto& t : file.tensors()) p.weight_bytes += t.nbytes;
   p.file_bytes = file.file_size();
+  // The matrices Model::load packs: every layer matrix, and the output (the embedding if tied).
+  const bool has_output = std::any_of(file.tensors().begin(), file.tensors().end(),
+                                      [](const TensorInfo& t) { return t.name == "output.weight"; });
+  for (const auto& t : file.tensors()) {
+    const bool mat = t.shape.size() == 2 && (t.name.rfind("blk.", 0) == 0 || t.name == "output.weight" ||
+                                             (!has_output && t.name == "token_embd.weight"));
+    if (!mat) continue;
+    const Weight w{t.type, nullptr, t.shape[0], t.shape[1]};
+    const uint64_t n = packed_weights_bytes({&w});
+    if (n > 0) p.packed_bytes += n, p.packed_from_file += t.nbytes;
+  }
   p.parallel = parallel;
   if (parallel == 1 && !server) {  // llmq-run: one Session
     const SessionSizes s = session_sizes(c, ctx, n_batch);

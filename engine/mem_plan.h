@@ -88,12 +88,18 @@ WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>&
 struct InferencePlan {
   uint64_t weight_bytes = 0;  ///< Σ tensor bytes of the file's tensor directory (scales included)
   uint64_t file_bytes = 0;    ///< the whole mapped file: weights + header, metadata, directory, padding
+  /// The matmul weights repacked at load for the active CPU kernels (Model::packed,
+  /// pack_weights); 0 when the level does not repack. Their pages of the mapping are released
+  /// after packing, so resident memory is about total() - packed_from_file.
+  uint64_t packed_bytes = 0;
+  uint64_t packed_from_file = 0;  ///< the file bytes of the matrices that were packed
   KVPlan kv;
   WorkspacePlan ws;
   int64_t ctx = 0, parallel = 1, n_batch = 0, kv_tokens = 0;
-  /// file_bytes + kv.bytes() + ws.bytes(): mapped file, KV cache and workspace, the engine's own
-  /// buffers (the tokenizer's tables and the C++ runtime are not counted).
-  uint64_t total() const { return file_bytes + kv.bytes() + ws.bytes(); }
+  /// file_bytes + packed_bytes + kv.bytes() + ws.bytes(): mapped file, packed weights, KV cache
+  /// and workspace, the engine's own buffers (the tokenizer's tables and the C++ runtime are not
+  /// counted).
+  uint64_t total() const { return file_bytes + packed_bytes + kv.bytes() + ws.bytes(); }
 };
 
 /// Sizes a Session (engine/model.h) would use: ctx (<= 0: the model's context, at most

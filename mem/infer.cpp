@@ -35,6 +35,12 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
                      fmt::format("Σ bytes of {} tensors, block scales included: {}", n_tensors, mix), "", Place::Device, Basis::Exact});
   r.lines.push_back({"file header, metadata, tokenizer, padding", double(p.file_bytes - p.weight_bytes),
                      "mapped file size - weights (the mapping is read-only, page cache backed)", "", Place::Device, Basis::Exact});
+  if (p.packed_bytes > 0)
+    r.lines.push_back({"weights repacked for the CPU kernels", double(p.packed_bytes),
+                       fmt::format("{} kernels' 16-row panels of the matmul weights (anonymous memory); their {} in the mapping "
+                                   "are released after packing",
+                                   cpu_kernels_name(), format_bytes(double(p.packed_from_file))),
+                       kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"KV cache", double(p.kv.bytes()),
                      fmt::format("2 (K,V) x {} layers x {} kv_dim ({} heads x {}) x {} B x {} tokens ({} blocks of {})", c.n_layers,
                                  c.kv_dim(), c.n_kv_heads, c.head_dim, p.kv.elem_bytes, p.kv.tokens(), p.kv.n_blocks,
@@ -118,7 +124,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
   r.extra["plan"] = {{"ctx", p.ctx},           {"parallel", p.parallel},        {"kv_tokens", p.kv_tokens},
                      {"kv_blocks", p.kv.n_blocks}, {"n_batch", p.n_batch},       {"threads", p.ws.threads},
                      {"cpu_kernels", cpu_kernels_name()}, {"weights", p.weight_bytes}, {"file", p.file_bytes},
-                     {"kv_cache", p.kv.bytes()},   {"workspace", p.ws.bytes()},  {"total", p.total()}};
+                     {"kv_cache", p.kv.bytes()},   {"workspace", p.ws.bytes()},  {"packed_weights", p.packed_bytes}, {"total", p.total()}};
   if (o.device == "cpu" && o.tp == 1) {
     r.device = "cpu";
     add_cpu_lines(r, p, c, f->tensors().size(), type_mix(f->tensors()));
