@@ -472,8 +472,8 @@ void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta
   }
 }
 
-void softmax(float* x, int64_t n) {
-  if (const x86::Kernels* k = active_kernels()) return k->softmax(x, n);
+float softmax(float* x, int64_t n, float* max_out) {
+  if (const x86::Kernels* k = active_kernels()) return k->softmax(x, n, max_out);
   float mx = x[0];
   for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
   double sum = 0.0;
@@ -483,6 +483,8 @@ void softmax(float* x, int64_t n) {
   }
   const float inv = float(1.0 / sum);
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+  if (max_out) *max_out = mx;
+  return float(sum);
 }
 
 void swiglu(float* gate, const float* up, int64_t n) {

@@ -159,7 +159,9 @@ void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta
 
 /// In-place softmax over x[n] (max-subtracted). The SIMD levels use a vector e^x (about 2 ulp)
 /// and fp32 lane sums; the scalar level std::exp and an fp64 sum.
-void softmax(float* x, int64_t n);
+/// Returns l = Σ_i e^(x_i - m) (before normalizing) and, if max_out, stores m = max_i x_i: what
+/// merging the softmaxes of several ranges of positions needs (split decode attention).
+float softmax(float* x, int64_t n, float* max_out = nullptr);
 
 /// SwiGLU (Shazeer 2020): gate[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + e^-g)
 /// (vector e^x at the SIMD levels, as softmax).

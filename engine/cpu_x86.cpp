@@ -532,7 +532,7 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
-void softmax(float* x, int64_t n) {
+float softmax(float* x, int64_t n, float* max_out) {
   float m = x[0];
   int64_t i = 0;
   if (n >= 8) {
@@ -560,8 +560,10 @@ void softmax(float* x, int64_t n) {
     }
     sum = _mm256_add_ps(sum, e);
   }
-  const float inv = 1.0f / hsum(sum);
+  const float total = hsum(sum), inv = 1.0f / total;
   for (i = 0; i < n; ++i) x[i] *= inv;
+  if (max_out) *max_out = m;
+  return total;
 }
 
 void swiglu(float* gate, const float* up, int64_t n) {
@@ -1321,7 +1323,7 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-void softmax(float* x, int64_t n) {
+float softmax(float* x, int64_t n, float* max_out) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + i));
@@ -1335,11 +1337,14 @@ void softmax(float* x, int64_t n) {
     _mm512_mask_storeu_ps(x + i, k, e);
     sum = _mm512_mask_add_ps(sum, k, sum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / hsum(sum));
+  const float total = hsum(sum);
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
   for (i = 0; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
     _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
   }
+  if (max_out) *max_out = m;
+  return total;
 }
 
 void swiglu(float* gate, const float* up, int64_t n) {

@@ -54,7 +54,7 @@ struct Kernels {
   void (*attn_accumulate)(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
                           int64_t hd);
   /// llmq::softmax with a vector e^x (about 2 ulp) and an fp32 lane sum.
-  void (*softmax)(float* x, int64_t n);
+  float (*softmax)(float* x, int64_t n, float* max_out);
   /// llmq::swiglu with the same vector e^x.
   void (*swiglu)(float* gate, const float* up, int64_t n);
   /// Bytes of a [rows, cols] weight of `type` in this level's packed layout (0: not packed for

@@ -8,9 +8,11 @@ KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens)
     : KVCache(c, n_blocks, block_tokens, std::vector<int64_t>{c.kv_dim()}) {}
 
 KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims)
-    : n_layers_(c.n_layers), bt_(block_tokens), n_blocks_(n_blocks), kv_dim_(shard_kv_dims) {
-  if (n_blocks <= 0 || block_tokens <= 0 || kv_dim_.empty())
+    : n_layers_(c.n_layers), head_dim_(c.head_dim), bt_(block_tokens), n_blocks_(n_blocks), kv_dim_(shard_kv_dims) {
+  if (n_blocks <= 0 || block_tokens <= 0 || kv_dim_.empty() || head_dim_ <= 0)
     throw UsageError("KV cache: block count, block size and pool count must be positive");
+  for (int64_t d : kv_dim_)
+    if (d % head_dim_ != 0) throw UsageError("KV cache: a pool's width is not a whole number of KV heads");
   for (int64_t d : kv_dim_) {
     const size_t floats = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(d);
     k_.emplace_back(floats, 0.0f);

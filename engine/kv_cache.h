@@ -13,10 +13,13 @@ namespace llmq {
 
 class KVCache {
  public:
-  /// A pool of n_blocks blocks of block_tokens positions, fp32. Per block and layer, V is
-  /// [block_tokens, kv_dim] (position-major) and K is stored transposed, [kv_dim, block_tokens]
-  /// (element (j, p) = dimension j of the block's position p), so that attention scores are
-  /// vectorized along positions (llmq::attn_scores). Throws UsageError for non-positive sizes.
+  /// A pool of n_blocks blocks of block_tokens positions, fp32, laid out per layer and KV
+  /// head: [n_layers, n_kv_heads, n_blocks] blocks, so that one head's blocks of one layer are
+  /// adjacent (a sequence's blocks, taken in order from a fresh pool, form one sequential
+  /// stream per head). Per block, V is [block_tokens, head_dim] and K is stored transposed,
+  /// [head_dim, block_tokens] (element (j, p) = dimension j of the block's position p), so
+  /// attention scores are vectorized along positions (llmq::attn_scores).
+  /// Throws UsageError for non-positive sizes.
   KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens = 16);
   /// Tensor parallelism: one K and V pool per rank, pool r with rank r's KV width
   /// shard_kv_dims[r] (its KV heads x head_dim), all sharing one block table, so a sequence's
@@ -51,14 +54,15 @@ class KVCache {
   /// Positions seq can hold without reserving more.
   int64_t capacity(int32_t seq) const { return int64_t(seqs_.at(size_t(seq)).blocks.size()) * bt_; }
 
-  /// K of one layer for a block of seq in pool `shard`: [kv_dim(shard), block_tokens]
-  /// (transposed), V: [block_tokens, kv_dim(shard)], positions block*block_tokens ... The
-  /// block must be reserved.
-  float* key_block(int64_t layer, int32_t seq, int64_t block, int shard = 0) {
-    return k_[size_t(shard)].data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)], shard);
+  /// K of one layer and KV head (numbered within the pool) for a block of seq in pool `shard`:
+  /// [head_dim, block_tokens] (transposed), positions block*block_tokens ... The block must be
+  /// reserved.
+  float* key_block(int64_t layer, int32_t seq, int64_t block, int64_t kv_head, int shard = 0) {
+    return k_[size_t(shard)].data() + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
   }
-  float* value_block(int64_t layer, int32_t seq, int64_t block, int shard = 0) {
-    return v_[size_t(shard)].data() + offset(layer, seqs_[size_t(seq)].blocks[size_t(block)], shard);
+  /// V of the same: [block_tokens, head_dim].
+  float* value_block(int64_t layer, int32_t seq, int64_t block, int64_t kv_head, int shard = 0) {
+    return v_[size_t(shard)].data() + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
   }
   int64_t kv_dim(int shard = 0) const { return kv_dim_[size_t(shard)]; }
 
@@ -68,12 +72,13 @@ class KVCache {
     int64_t length = 0;
     std::vector<int32_t> blocks;  // block table: block i holds positions [i*bt, (i+1)*bt)
   };
-  size_t offset(int64_t layer, int32_t block, int shard) const {
-    return (size_t(block) * size_t(n_layers_) + size_t(layer)) * size_t(bt_ * kv_dim_[size_t(shard)]);
+  size_t offset(int64_t layer, int64_t kv_head, int32_t block, int shard) const {
+    const size_t heads = size_t(kv_dim_[size_t(shard)] / head_dim_);
+    return ((size_t(layer) * heads + size_t(kv_head)) * size_t(n_blocks_) + size_t(block)) * size_t(bt_ * head_dim_);
   }
-  int64_t n_layers_, bt_, n_blocks_;
+  int64_t n_layers_, head_dim_, bt_, n_blocks_;
   std::vector<int64_t> kv_dim_;           // [shards]
-  std::vector<std::vector<float>> k_, v_;  // [shards][n_blocks, n_layers, bt, kv_dim(shard)]
+  std::vector<std::vector<float>> k_, v_;  // [shards][n_layers, kv_heads(shard), n_blocks, block]
   std::vector<int32_t> free_;    // free block ids
   std::vector<Seq> seqs_;
 };

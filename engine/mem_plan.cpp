@@ -64,6 +64,7 @@ std::vector<PlannedBuffer> WorkspacePlan::buffers() const {
       f32("ws.h2 (FFN up)", h2, rows(h2)),
       PlannedBuffer{"ws.pos", fmt::format("[{}] i64", pos), uint64_t(pos) * sizeof(int64_t)},
       PlannedBuffer{"ws.att (scores, per thread)", fmt::format("{} x [{}] f32", threads, att), uint64_t(threads) * att * sizeof(float)},
+      f32("ws.att_part (split decode attention)", att_part, fmt::format("[{}]", att_part)),
       f32("ws.logits", logits, fmt::format("[{}, {}]", logits_rows, logits_rows > 0 ? logits / size_t(logits_rows) : 0)),
       PlannedBuffer{"ws.matmul scratch (" + std::string(cpu_kernels_name()) + ")",
                     fmt::format("xq {} blocks, prep {} B, {} x {} B per thread", matmul.xq, matmul.prep, matmul.threads,
@@ -87,9 +88,12 @@ WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>&
   p.k = p.v = B * size_t(c.kv_dim());
   p.h1 = p.h2 = B * size_t(c.hidden_dim);
   p.pos = B;
-  // forward_batch scores G query heads per work item: the GQA group in a batch, 1 in decode.
-  const int64_t G = p.capacity > 1 ? c.n_heads / c.n_kv_heads : 1;
+  // forward_batch scores G query heads per work item: the GQA group (1 for uneven TP splits).
+  const int64_t G = c.n_heads / c.n_kv_heads;
   p.att = size_t(G * p.max_ctx);
+  // Decode with fewer (token, KV head) items than 2 · threads splits positions into parts:
+  // fewer than 4 · threads parts in all (engine/model.cpp, split_parts).
+  p.att_part = size_t(4 * std::max(1, p.threads)) * size_t(G) * size_t(c.head_dim + 2);
   p.logits = size_t(p.logits_rows * c.vocab_size);
   p.matmul.threads = p.threads;
   for (const MatmulUse& u : matmuls) plan_matmul_scratch(p.matmul, u.type, u.cols, u.max_tokens, p.threads);

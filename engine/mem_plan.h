@@ -67,11 +67,12 @@ struct WorkspacePlan {
   // Elements (floats unless noted): [capacity, ...] activations
   size_t x = 0, xb = 0, q = 0, k = 0, v = 0, att_out = 0, h1 = 0, h2 = 0;
   size_t pos = 0;     ///< int64 positions [capacity]
-  size_t att = 0;     ///< per thread: attention scores [G, max_ctx], G = GQA group (1 when capacity is 1)
+  size_t att = 0;     ///< per thread: attention scores [G, max_ctx], G = GQA group
+  size_t att_part = 0;  ///< split decode attention: per part m, l and output [4 · threads · G, head_dim + 2]
   size_t logits = 0;  ///< [logits_rows, vocab]
   MatmulScratchPlan matmul;
 
-  /// Total bytes: 4 · (x + xb + q + k + v + att_out + h1 + h2 + threads·att + logits)
+  /// Total bytes: 4 · (x + xb + q + k + v + att_out + h1 + h2 + threads·att + att_part + logits)
   /// + 8 · pos + matmul.bytes().
   uint64_t bytes() const;
   /// The buffers one by one (the report's detail lines).

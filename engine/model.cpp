@@ -139,6 +139,7 @@ Workspace::Workspace(const Model&, const WorkspacePlan& p) : cap_(p.capacity) {
   h2_.resize(p.h2);
   plan_.pos.reserve(p.pos);
   att_.assign(size_t(p.threads), std::vector<float>(p.att));
+  att_part_.resize(p.att_part);
   logits_.resize(p.logits);
   reserve_matmul_scratch(scratch_, p.matmul);
 }
@@ -147,6 +148,7 @@ uint64_t Workspace::bytes() const {
   size_t floats = x_.capacity() + xb_.capacity() + q_.capacity() + k_.capacity() + v_.capacity() + att_out_.capacity() +
                   h1_.capacity() + h2_.capacity() + logits_.capacity() + gathered_.capacity();
   for (const auto& a : att_) floats += a.capacity();
+  floats += att_part_.capacity();
   return floats * sizeof(float) + plan_.pos.capacity() * sizeof(int64_t) + matmul_scratch_bytes(scratch_);
 }
 
@@ -227,43 +229,88 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
       rope(ws.q_.data() + t * Q, R.n_heads, hd, pos[t], c.rope_theta, c.rope_layout);
       rope(ws.k_.data() + t * KV, R.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
       const int64_t blk = pos[t] / bt, slot = pos[t] % bt;
-      float* kT = cache.key_block(l, batch[t].seq, blk, pool_id);  // [KV, bt]: keys transposed
-      for (int64_t j = 0; j < KV; ++j) kT[j * bt + slot] = ws.k_[size_t(t * KV + j)];
-      std::memcpy(cache.value_block(l, batch[t].seq, blk, pool_id) + slot * KV, ws.v_.data() + t * KV, size_t(KV) * sizeof(float));
+      for (int64_t h = 0; h < KV / hd; ++h) {
+        float* kT = cache.key_block(l, batch[t].seq, blk, h, pool_id);  // [hd, bt]: keys transposed
+        for (int64_t d = 0; d < hd; ++d) kT[d * bt + slot] = ws.k_[size_t(t * KV + h * hd + d)];
+        std::memcpy(cache.value_block(l, batch[t].seq, blk, h, pool_id) + slot * hd, ws.v_.data() + t * KV + h * hd,
+                    size_t(hd) * sizeof(float));
+      }
     }
     // Causal attention: the token at position p sees its sequence's positions 0..p, block by
-    // block. A work item is one token and G query heads: in a batch, the G = group heads that
-    // share a KV head, so each K/V block is read once and reused from L1 for all of them; in
-    // decode (T = 1), single heads, for more items than threads. Items are head-major and, within
-    // a head, take tokens in the order 0, T-1, 1, T-2, ... so that contiguous ranges of items
-    // (one per thread) carry the same causal work. Each head's arithmetic is the same in both.
-    // A rank whose heads do not start and end on KV-group boundaries (uneven TP splits) uses
-    // single heads throughout. Local head h is global head R.head0 + h; its KV head is
-    // (R.head0 + h) / group, local index that minus R.kv_head0.
+    // block. A work item is one token, G query heads and a part of the positions. G = group, the
+    // heads that share a KV head, so each K/V block is read once for all of them (a rank whose
+    // heads do not start and end on KV-group boundaries, in uneven TP splits, uses G = 1). With
+    // enough (token, head group) pairs for the threads (prefill, big batches) a part is all
+    // the positions; items are head-major and, within a head, take tokens in the order 0, T-1,
+    // 1, T-2, ... so that contiguous ranges of items (one per thread) carry the same causal work.
+    // Otherwise (decode) the positions are split into `parts` ranges of whole blocks, each
+    // item keeps its max m, exponential sum l and normalized output o, and the parts are merged
+    // afterwards (flash-decoding, Dao et al. 2023): out = Σ_c l_c e^(m_c - M) o_c / Σ_c l_c e^(m_c - M),
+    // M = max_c m_c. Local head h is global head R.head0 + h; its KV head is (R.head0 + h) / group,
+    // local index that minus R.kv_head0.
     const bool aligned = R.head0 % group == 0 && R.n_heads % group == 0;
-    const int64_t G = T > 1 && aligned ? group : 1;
-    pool.parallel_for(T * (R.n_heads / G), [&](int64_t i0, int64_t i1, int thread) {
+    const int64_t G = aligned ? group : 1, n_groups = R.n_heads / G;
+    const int64_t threads = pool.size(), pair_count = T * n_groups;
+    const int64_t part_floats = G * (hd + 2);  // per item: [G, hd] outputs, then G maxima, G sums
+    int64_t parts = 1;
+    if (pair_count < 2 * threads) {
+      parts = (2 * threads + pair_count - 1) / pair_count;
+      parts = std::min(parts, int64_t(ws.att_part_.size()) / (pair_count * part_floats));  // within the plan
+      parts = std::max<int64_t>(1, parts);
+    }
+    pool.parallel_for(pair_count * parts, [&](int64_t i0, int64_t i1, int thread) {
       std::vector<float>& att = ws.att_[size_t(thread)];  // [G, max_pos] scores
       if (att.size() < size_t(G * max_pos)) att.resize(size_t(G * max_pos));
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t j = i % T, t = j % 2 == 0 ? j / 2 : T - 1 - j / 2;
-        const int64_t h0 = (i / T) * G, kvh = (R.head0 + h0) / group - R.kv_head0;
+        const int64_t pair = i / parts, part = i % parts;
+        const int64_t j = pair % T, t = j % 2 == 0 ? j / 2 : T - 1 - j / 2;
+        const int64_t h0 = (pair / T) * G, kvh = (R.head0 + h0) / group - R.kv_head0;
         const int32_t seq = batch[t].seq;
-        const int64_t n_pos = pos[t] + 1;
+        const int64_t n_pos = pos[t] + 1, n_blk = (n_pos + bt - 1) / bt;
+        // This part's positions [lo, hi): blocks [n_blk·part/parts, n_blk·(part+1)/parts).
+        const int64_t lo = std::min(n_pos, n_blk * part / parts * bt), hi = std::min(n_pos, n_blk * (part + 1) / parts * bt);
         const float* q = ws.q_.data() + t * Q + h0 * hd;  // [G, hd]
-        for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
-          const float* kT = cache.key_block(l, seq, p0 / bt, pool_id) + kvh * hd * bt;  // [hd, bt] of head kvh
-          attn_scores(att.data() + p0, max_pos, q, G, kT, std::min(bt, n_pos - p0), bt, hd, att_scale);
-        }
-        for (int64_t g = 0; g < G; ++g) softmax(att.data() + g * max_pos, n_pos);
-        float* out = ws.att_out_.data() + t * Q + h0 * hd;  // [G, hd]
+        float* out = parts == 1 ? ws.att_out_.data() + t * Q + h0 * hd : ws.att_part_.data() + i * part_floats;  // [G, hd]
         std::fill(out, out + G * hd, 0.0f);
-        for (int64_t p0 = 0; p0 < n_pos; p0 += bt) {
-          const float* vb = cache.value_block(l, seq, p0 / bt, pool_id) + kvh * hd;  // [bt, KV] from head kvh
-          attn_accumulate(out, att.data() + p0, max_pos, G, vb, std::min(bt, n_pos - p0), KV, hd);
+        if (hi <= lo) {  // an empty part (fewer blocks than parts): weight 0 in the merge
+          for (int64_t g = 0; g < G; ++g) out[G * hd + g] = -INFINITY, out[G * hd + G + g] = 0.0f;
+          continue;
+        }
+        for (int64_t p0 = lo; p0 < hi; p0 += bt) {
+          const float* kT = cache.key_block(l, seq, p0 / bt, kvh, pool_id);  // [hd, bt]
+          attn_scores(att.data() + p0 - lo, max_pos, q, G, kT, std::min(bt, hi - p0), bt, hd, att_scale);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float m = 0.0f;
+          const float sum = softmax(att.data() + g * max_pos, hi - lo, &m);
+          if (parts > 1) out[G * hd + g] = m, out[G * hd + G + g] = sum;
+        }
+        for (int64_t p0 = lo; p0 < hi; p0 += bt) {
+          const float* vb = cache.value_block(l, seq, p0 / bt, kvh, pool_id);  // [bt, hd]
+          attn_accumulate(out, att.data() + p0 - lo, max_pos, G, vb, std::min(bt, hi - p0), hd, hd);
         }
       }
     });
+    if (parts > 1)  // merge the parts of each (token, head)
+      for (int64_t pair = 0; pair < pair_count; ++pair) {
+        const int64_t j = pair % T, t = j % 2 == 0 ? j / 2 : T - 1 - j / 2, h0 = (pair / T) * G;
+        const float* part0 = ws.att_part_.data() + pair * parts * part_floats;
+        for (int64_t g = 0; g < G; ++g) {
+          float M = -INFINITY;
+          for (int64_t c = 0; c < parts; ++c) M = std::max(M, part0[c * part_floats + G * hd + g]);
+          float* out = ws.att_out_.data() + t * Q + (h0 + g) * hd;
+          std::fill(out, out + hd, 0.0f);
+          double denom = 0.0;
+          for (int64_t c = 0; c < parts; ++c) {
+            const float* pc = part0 + c * part_floats;
+            const float wgt = pc[G * hd + G + g] * std::exp(pc[G * hd + g] - M);  // l_c e^(m_c - M); 0 for empty parts
+            denom += wgt;
+            if (wgt != 0.0f) axpy_f32(out, wgt, pc + g * hd, hd);
+          }
+          const float inv = float(1.0 / denom);
+          for (int64_t d = 0; d < hd; ++d) out[d] *= inv;
+        }
+      }
     matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), T, w.wo);  // [T, D] (partial sum when split)
     if (comm) comm->all_reduce_sum(ws.xb_.data(), T * D);
     if (w.bo) add_bias(ws.xb_.data(), w.bo, T, D);  // [D], replicated: added once, after the sum

@@ -146,7 +146,8 @@ class Workspace {
   int64_t cap_;
   std::vector<float> x_, xb_, q_, k_, v_, att_out_, h1_, h2_;  // [capacity, ...] (local widths)
   BatchPlan plan_;                           // forward_batch's plan (reused)
-  std::vector<std::vector<float>> att_;      // per thread: attention scores [context]
+  std::vector<std::vector<float>> att_;      // per thread: attention scores [G, context]
+  std::vector<float> att_part_;              // split decode attention: per part [G, head_dim + 2]
   std::vector<float> logits_;                // [n_logits, n_vocab] this rank's logits
   std::vector<float> gathered_;              // root: [n_logits, vocab] all ranks' logits
   MatmulScratch scratch_;
