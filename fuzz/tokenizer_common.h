@@ -15,6 +15,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -117,4 +118,33 @@ inline void run_tokenizer_input(const std::vector<TokenizerCase>& cases, const u
   }
 }
 
+/// The cases `build()` returns, built once (the first call); a failure to load them (missing
+/// files in ../shared) prints which and exits 1: a setup error, not a finding.
+template <class F>
+const std::vector<TokenizerCase>& load_cases_once(const char* target, F build) {
+  static const std::vector<TokenizerCase> cases = [&] {
+    try {
+      return build();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: cannot load the vocabularies (set LLMQ_SHARED_DIR): %s\n", target, e.what());
+      std::exit(1);
+    }
+  }();
+  return cases;
+}
+
 }  // namespace llmq::fuzz
+
+/// The libFuzzer entry points of a tokenizer target whose cases come from `cases_fn()`:
+/// LLVMFuzzerInitialize loads the vocabularies before the first input (seconds under ASan, which
+/// must not count against libFuzzer's per-input -timeout); every input goes through
+/// run_tokenizer_input.
+#define LLMQ_TOKENIZER_FUZZ_TARGET(cases_fn)                                   \
+  extern "C" int LLVMFuzzerInitialize(int*, char***) {                         \
+    cases_fn();                                                                \
+    return 0;                                                                  \
+  }                                                                            \
+  extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {   \
+    llmq::fuzz::run_tokenizer_input(cases_fn(), data, size);                   \
+    return 0;                                                                  \
+  }

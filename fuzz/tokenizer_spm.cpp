@@ -2,9 +2,6 @@
 // "llama") on arbitrary bytes and arbitrary ids, built once from real vocabularies in
 // ../shared: llama2.c's tok512.bin, Llama-2's tokenizer.model, and llama.cpp's llama-spm and
 // phi-3 vocabulary GGUFs. Input layout and checks: fuzz/tokenizer_common.h.
-#include <cstdio>
-#include <cstdlib>
-
 #include "formats/gguf.h"
 #include "formats/tokenizer_files.h"
 #include "fuzz/tokenizer_common.h"
@@ -14,36 +11,20 @@ using namespace llmq;
 namespace {
 
 const std::vector<fuzz::TokenizerCase>& cases() {
-  static const std::vector<fuzz::TokenizerCase> c = [] {
+  return fuzz::load_cases_once("tokenizer_spm", [] {
     std::vector<fuzz::TokenizerCase> v;
     auto add = [&](const std::string& name, Vocab voc) {
       v.push_back({name, Tokenizer(std::move(voc)), false});
       if (v.back().tok.byte_level()) fuzz::fail(name + " is not a SentencePiece vocabulary");
     };
-    try {
-      add("tok512.bin", read_llama2c_tokenizer(fuzz::shared("models/stories260K/tok512.bin")));
-      add("llama2 tokenizer.model", read_sentencepiece_model(fuzz::shared("tokenizers/llama2/tokenizer.model")));
-      for (const char* g : {"ggml-vocab-llama-spm.gguf", "ggml-vocab-phi-3.gguf"})
-        add(g, vocab_from_gguf(*GgufFile::open(fuzz::shared(std::string("tokenizers/llamacpp-vocab/") + g))));
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "tokenizer_spm: cannot load the vocabularies (set LLMQ_SHARED_DIR): %s\n", e.what());
-      std::exit(1);
-    }
+    add("tok512.bin", read_llama2c_tokenizer(fuzz::shared("models/stories260K/tok512.bin")));
+    add("llama2 tokenizer.model", read_sentencepiece_model(fuzz::shared("tokenizers/llama2/tokenizer.model")));
+    for (const char* g : {"ggml-vocab-llama-spm.gguf", "ggml-vocab-phi-3.gguf"})
+      add(g, vocab_from_gguf(*GgufFile::open(fuzz::shared(std::string("tokenizers/llamacpp-vocab/") + g))));
     return v;
-  }();
-  return c;
+  });
 }
 
 }  // namespace
 
-// Loads the vocabularies before the first input, so their loading (seconds under ASan) does
-// not count against libFuzzer's per-input -timeout.
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  cases();
-  return 0;
-}
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  fuzz::run_tokenizer_input(cases(), data, size);
-  return 0;
-}
+LLMQ_TOKENIZER_FUZZ_TARGET(cases)

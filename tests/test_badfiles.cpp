@@ -85,9 +85,7 @@ struct RunResult {
 /// Kills it (SIGKILL) if it runs longer than timeout_s. The child's address space is capped
 /// at 4 GiB, so a file that makes a tool allocate absurdly fails fast instead of swapping.
 RunResult run_tool(const std::vector<std::string>& argv, double timeout_s = 20.0) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
+  std::vector<char*> args = llmq::test::exec_args(argv);
   int pfd[2];
   if (pipe2(pfd, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
   const auto t0 = std::chrono::steady_clock::now();

@@ -79,9 +79,7 @@ std::string load_error(const std::string& path) {
 /// caps the size of files it may write (RLIMIT_FSIZE; SIGXFSZ ignored, so a write past the
 /// limit fails with EFBIG, as on a full disk).
 pid_t spawn(const std::vector<std::string>& argv, int* err_fd = nullptr, rlim_t fsize_limit = 0) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
+  std::vector<char*> args = llmq::test::exec_args(argv);
   int pfd[2] = {-1, -1};
   if (err_fd && pipe2(pfd, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
   const pid_t pid = fork();

@@ -44,6 +44,14 @@ inline int run(const std::string& cmd) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+/// argv as the null-terminated char* array execv takes (pointing into `argv`, which must outlive it).
+inline std::vector<char*> exec_args(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  return args;
+}
+
 /// Caps the memory of a child process about to exec a tool (call between fork and exec), so a
 /// file that makes a tool allocate absurdly fails fast (std::bad_alloc) instead of swapping:
 /// normally an address-space limit of 4 GiB (RLIMIT_AS). AddressSanitizer reserves terabytes
