@@ -1,6 +1,11 @@
 // x86-64 SIMD kernels; see cpu_x86.h for the contract and the numerics.
 //
 // Block-quantized weights (Q8_0/Q4_0/Q4_1), activations quantized per block of 32 to int8:
+// - Packed (AVX-512, what the engine runs): Model::load repacks the matrices once into panels of
+//   16 rows (section "Packed weights" below) with the nibbles still packed, the file's bytes
+//   rearranged; decode reads one panel after the other as a single stream and prefill reuses
+//   each panel from cache for every tile of 8 tokens. The two paths below serve weights that
+//   were not packed (AVX2, LLMQ_PACK=0, tests); all give bit-identical results.
 // - GEMV (decode, one token; AVX2: up to 15 or 31 tokens): weight rows are read in place, one
 //   row after the other (a single sequential stream per thread). An AVX-512 step takes 2 blocks,
 //   decodes their quants to 64 bytes and takes the integer dot product with the token's
