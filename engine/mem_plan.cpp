@@ -88,12 +88,14 @@ WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>&
   p.k = p.v = B * size_t(c.kv_dim());
   p.h1 = p.h2 = B * size_t(c.hidden_dim);
   p.pos = B;
-  // forward_batch scores G query heads per work item: the GQA group (1 for uneven TP splits).
+  // forward_batch scores G query heads per work item: the GQA group (1 for uneven TP splits),
+  // over parts of kAttnPartTokens positions (engine/model.cpp, attention).
   const int64_t G = c.n_heads / c.n_kv_heads;
-  p.att = size_t(G * p.max_ctx);
-  // Decode with fewer (token, KV head) items than 2 · threads splits positions into parts:
-  // fewer than 4 · threads parts in all (engine/model.cpp, split_parts).
-  p.att_part = size_t(4 * std::max(1, p.threads)) * size_t(G) * size_t(c.head_dim + 2);
+  const auto max_parts = size_t(std::max<int64_t>(1, (p.max_ctx + kAttnPartTokens - 1) / kAttnPartTokens));
+  const auto part_floats = size_t(G * (c.head_dim + 2));
+  p.att = size_t(G * kAttnPartTokens) + max_parts * part_floats;
+  // Fewer (token, head group) items than 2 · threads (decode): each part is an item of its own.
+  p.att_part = size_t(2 * std::max(1, p.threads)) * max_parts * part_floats;
   p.logits = size_t(p.logits_rows * c.vocab_size);
   p.matmul.threads = p.threads;
   for (const MatmulUse& u : matmuls) plan_matmul_scratch(p.matmul, u.type, u.cols, u.max_tokens, p.threads);

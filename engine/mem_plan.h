@@ -15,6 +15,10 @@ namespace llmq {
 
 /// Positions per KV-cache block (engine/kv_cache.h), the granularity of every KV allocation.
 constexpr int64_t kKvBlockTokens = 16;
+/// Attention runs over a token's positions in parts of this many (a multiple of the KV block),
+/// merged by their softmax maxima and sums (engine/model.cpp); fixed, so that a token's result
+/// does not depend on the batch or the thread count.
+constexpr int64_t kAttnPartTokens = 128;
 
 /// One buffer of a plan: what it holds, its shape and its size.
 struct PlannedBuffer {
@@ -67,8 +71,9 @@ struct WorkspacePlan {
   // Elements (floats unless noted): [capacity, ...] activations
   size_t x = 0, xb = 0, q = 0, k = 0, v = 0, att_out = 0, h1 = 0, h2 = 0;
   size_t pos = 0;     ///< int64 positions [capacity]
-  size_t att = 0;     ///< per thread: attention scores [G, max_ctx], G = GQA group
-  size_t att_part = 0;  ///< split decode attention: per part m, l and output [4 · threads · G, head_dim + 2]
+  size_t att = 0;       ///< per thread: scores [G, part] + the parts of one item [max_parts, G, head_dim + 2]
+  size_t att_part = 0;  ///< decode: the parts of every item when parts run on separate threads
+                        ///< [2 · threads, max_parts, G, head_dim + 2]
   size_t logits = 0;  ///< [logits_rows, vocab]
   MatmulScratchPlan matmul;
 

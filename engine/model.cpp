@@ -195,7 +195,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
   const int pool_id = R.rank;                      // this rank's KV-cache pool
   const float eps = float(c.norm_eps);
   const float att_scale = float(1.0 / std::sqrt(double(hd)));
-  const int64_t max_pos = plan.max_pos, n_logits = plan.n_logits;
+  const int64_t n_logits = plan.n_logits;
   if (ws.att_.size() < size_t(pool.size())) ws.att_.resize(size_t(pool.size()));
   const int64_t* pos = plan.pos.data();
   float* x = ws.x_.data();  // [T, D] residual stream (replicated on every rank)
@@ -236,81 +236,101 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
                     size_t(hd) * sizeof(float));
       }
     }
-    // Causal attention: the token at position p sees its sequence's positions 0..p, block by
-    // block. A work item is one token, G query heads and a part of the positions. G = group, the
-    // heads that share a KV head, so each K/V block is read once for all of them (a rank whose
-    // heads do not start and end on KV-group boundaries, in uneven TP splits, uses G = 1). With
-    // enough (token, head group) pairs for the threads (prefill, big batches) a part is all
-    // the positions; items are head-major and, within a head, take tokens in the order 0, T-1,
-    // 1, T-2, ... so that contiguous ranges of items (one per thread) carry the same causal work.
-    // Otherwise (decode) the positions are split into `parts` ranges of whole blocks, each
-    // item keeps its max m, exponential sum l and normalized output o, and the parts are merged
-    // afterwards (flash-decoding, Dao et al. 2023): out = Σ_c l_c e^(m_c - M) o_c / Σ_c l_c e^(m_c - M),
-    // M = max_c m_c. Local head h is global head R.head0 + h; its KV head is (R.head0 + h) / group,
-    // local index that minus R.kv_head0.
+    // Causal attention: the token at position p sees its sequence's positions 0..p. A work item
+    // is one token and G query heads: G = group, the heads that share a KV head, so each K/V
+    // block is read once for all of them (a rank whose heads do not start and end on KV-group
+    // boundaries, in uneven TP splits, uses G = 1). Positions are taken in parts of
+    // kAttnPartTokens; each part keeps its softmax max m and sum l and its normalized output o,
+    // and the parts are merged: out = Σ_c l_c e^(m_c - M) o_c / Σ_c l_c e^(m_c - M), M = max_c m_c
+    // (the flash-decoding merge, Dao et al. 2023). The parts of a token are fixed by its position,
+    // so its result is the same in any batch and on any thread count. With enough (token, head
+    // group) items for the threads (prefill, big batches) an item runs its parts in turn; items
+    // are head-major and, within a head, take tokens in the order 0, T-1, 1, T-2, ... so that
+    // contiguous ranges of items (one per thread) carry the same causal work. With fewer
+    // (decode), every part is an item of its own and the merge follows. Local head h is global
+    // head R.head0 + h; its KV head is (R.head0 + h) / group, local index that minus R.kv_head0.
     const bool aligned = R.head0 % group == 0 && R.n_heads % group == 0;
-    const int64_t G = aligned ? group : 1, n_groups = R.n_heads / G;
-    const int64_t threads = pool.size(), pair_count = T * n_groups;
-    const int64_t part_floats = G * (hd + 2);  // per item: [G, hd] outputs, then G maxima, G sums
-    int64_t parts = 1;
-    if (pair_count < 2 * threads) {
-      parts = (2 * threads + pair_count - 1) / pair_count;
-      parts = std::min(parts, int64_t(ws.att_part_.size()) / (pair_count * part_floats));  // within the plan
-      parts = std::max<int64_t>(1, parts);
-    }
-    pool.parallel_for(pair_count * parts, [&](int64_t i0, int64_t i1, int thread) {
-      std::vector<float>& att = ws.att_[size_t(thread)];  // [G, max_pos] scores
-      if (att.size() < size_t(G * max_pos)) att.resize(size_t(G * max_pos));
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t pair = i / parts, part = i % parts;
-        const int64_t j = pair % T, t = j % 2 == 0 ? j / 2 : T - 1 - j / 2;
-        const int64_t h0 = (pair / T) * G, kvh = (R.head0 + h0) / group - R.kv_head0;
-        const int32_t seq = batch[t].seq;
-        const int64_t n_pos = pos[t] + 1, n_blk = (n_pos + bt - 1) / bt;
-        // This part's positions [lo, hi): blocks [n_blk·part/parts, n_blk·(part+1)/parts).
-        const int64_t lo = std::min(n_pos, n_blk * part / parts * bt), hi = std::min(n_pos, n_blk * (part + 1) / parts * bt);
-        const float* q = ws.q_.data() + t * Q + h0 * hd;  // [G, hd]
-        float* out = parts == 1 ? ws.att_out_.data() + t * Q + h0 * hd : ws.att_part_.data() + i * part_floats;  // [G, hd]
-        std::fill(out, out + G * hd, 0.0f);
-        if (hi <= lo) {  // an empty part (fewer blocks than parts): weight 0 in the merge
-          for (int64_t g = 0; g < G; ++g) out[G * hd + g] = -INFINITY, out[G * hd + G + g] = 0.0f;
-          continue;
-        }
-        for (int64_t p0 = lo; p0 < hi; p0 += bt) {
-          const float* kT = cache.key_block(l, seq, p0 / bt, kvh, pool_id);  // [hd, bt]
-          attn_scores(att.data() + p0 - lo, max_pos, q, G, kT, std::min(bt, hi - p0), bt, hd, att_scale);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float m = 0.0f;
-          const float sum = softmax(att.data() + g * max_pos, hi - lo, &m);
-          if (parts > 1) out[G * hd + g] = m, out[G * hd + G + g] = sum;
-        }
-        for (int64_t p0 = lo; p0 < hi; p0 += bt) {
-          const float* vb = cache.value_block(l, seq, p0 / bt, kvh, pool_id);  // [bt, hd]
-          attn_accumulate(out, att.data() + p0 - lo, max_pos, G, vb, std::min(bt, hi - p0), hd, hd);
-        }
+    const int64_t G = aligned ? group : 1, n_groups = R.n_heads / G, pair_count = T * n_groups;
+    const int64_t part_blocks = std::max<int64_t>(1, kAttnPartTokens / bt), part_len = part_blocks * bt;
+    const int64_t part_floats = G * (hd + 2);  // per part: o [G, hd], then m [G], then l [G]
+    auto parts_of = [&](int64_t t) { return (pos[t] + part_len) / part_len; };  // ceil((pos + 1) / part_len)
+    auto token_of = [&](int64_t pair) {
+      const int64_t j = pair % T;
+      return j % 2 == 0 ? j / 2 : T - 1 - j / 2;
+    };
+    // Part c of (token t, heads h0 ...): o, m, l at dst; `scores` holds [G, part_len].
+    auto attend_part = [&](int64_t t, int64_t h0, int64_t c, float* scores, float* dst) {
+      const int64_t kvh = (R.head0 + h0) / group - R.kv_head0;
+      const int32_t seq = batch[t].seq;
+      const int64_t lo = c * part_len, hi = std::min(pos[t] + 1, lo + part_len);
+      const float* q = ws.q_.data() + t * Q + h0 * hd;  // [G, hd]
+      for (int64_t p0 = lo; p0 < hi; p0 += bt) {
+        const float* kT = cache.key_block(l, seq, p0 / bt, kvh, pool_id);  // [hd, bt]
+        attn_scores(scores + p0 - lo, part_len, q, G, kT, std::min(bt, hi - p0), bt, hd, att_scale);
       }
-    });
-    if (parts > 1)  // merge the parts of each (token, head)
+      for (int64_t g = 0; g < G; ++g) dst[G * hd + G + g] = softmax(scores + g * part_len, hi - lo, &dst[G * hd + g]);
+      std::fill(dst, dst + G * hd, 0.0f);
+      for (int64_t p0 = lo; p0 < hi; p0 += bt) {
+        const float* vb = cache.value_block(l, seq, p0 / bt, kvh, pool_id);  // [bt, hd]
+        attn_accumulate(dst, scores + p0 - lo, part_len, G, vb, std::min(bt, hi - p0), hd, hd);
+      }
+    };
+    // out [G, hd] from n parts [n, part_floats].
+    auto merge = [&](const float* parts, int64_t n, float* out) {
+      if (n == 1) {
+        std::copy(parts, parts + G * hd, out);
+        return;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float M = -INFINITY;
+        for (int64_t c = 0; c < n; ++c) M = std::max(M, parts[c * part_floats + G * hd + g]);
+        float* o = out + g * hd;
+        std::fill(o, o + hd, 0.0f);
+        float denom = 0.0f;
+        for (int64_t c = 0; c < n; ++c) {
+          const float* pc = parts + c * part_floats;
+          const float wgt = pc[G * hd + G + g] * std::exp(pc[G * hd + g] - M);  // l_c e^(m_c - M)
+          denom += wgt;
+          axpy_f32(o, wgt, pc + g * hd, hd);
+        }
+        const float inv = 1.0f / denom;
+        for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+      }
+    };
+    int64_t max_parts = 1;
+    for (int64_t t = 0; t < T; ++t) max_parts = std::max(max_parts, parts_of(t));
+    const int64_t threads = pool.size();
+    const bool split = pair_count < 2 * threads && max_parts > 1 &&
+                       ws.att_part_.size() >= size_t(pair_count * max_parts * part_floats);
+    auto thread_buf = [&](int thread) {  // [G, part_len] scores, then [max_parts, part_floats]
+      std::vector<float>& a = ws.att_[size_t(thread)];
+      const size_t need = size_t(G * part_len + max_parts * part_floats);
+      if (a.size() < need) a.resize(need);
+      return a.data();
+    };
+    if (!split) {
+      pool.parallel_for(pair_count, [&](int64_t i0, int64_t i1, int thread) {
+        float* scores = thread_buf(thread);
+        float* parts = scores + G * part_len;
+        for (int64_t pair = i0; pair < i1; ++pair) {
+          const int64_t t = token_of(pair), h0 = (pair / T) * G, n = parts_of(t);
+          for (int64_t c = 0; c < n; ++c) attend_part(t, h0, c, scores, parts + c * part_floats);
+          merge(parts, n, ws.att_out_.data() + t * Q + h0 * hd);
+        }
+      });
+    } else {
+      pool.parallel_for(pair_count * max_parts, [&](int64_t i0, int64_t i1, int thread) {
+        float* scores = thread_buf(thread);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t pair = i / max_parts, c = i % max_parts, t = token_of(pair);
+          if (c < parts_of(t)) attend_part(t, (pair / T) * G, c, scores, ws.att_part_.data() + i * part_floats);
+        }
+      });
       for (int64_t pair = 0; pair < pair_count; ++pair) {
-        const int64_t j = pair % T, t = j % 2 == 0 ? j / 2 : T - 1 - j / 2, h0 = (pair / T) * G;
-        const float* part0 = ws.att_part_.data() + pair * parts * part_floats;
-        for (int64_t g = 0; g < G; ++g) {
-          float M = -INFINITY;
-          for (int64_t c = 0; c < parts; ++c) M = std::max(M, part0[c * part_floats + G * hd + g]);
-          float* out = ws.att_out_.data() + t * Q + (h0 + g) * hd;
-          std::fill(out, out + hd, 0.0f);
-          double denom = 0.0;
-          for (int64_t c = 0; c < parts; ++c) {
-            const float* pc = part0 + c * part_floats;
-            const float wgt = pc[G * hd + G + g] * std::exp(pc[G * hd + g] - M);  // l_c e^(m_c - M); 0 for empty parts
-            denom += wgt;
-            if (wgt != 0.0f) axpy_f32(out, wgt, pc + g * hd, hd);
-          }
-          const float inv = float(1.0 / denom);
-          for (int64_t d = 0; d < hd; ++d) out[d] *= inv;
-        }
+        const int64_t t = token_of(pair), h0 = (pair / T) * G;
+        merge(ws.att_part_.data() + pair * max_parts * part_floats, parts_of(t), ws.att_out_.data() + t * Q + h0 * hd);
       }
+    }
     matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), T, w.wo);  // [T, D] (partial sum when split)
     if (comm) comm->all_reduce_sum(ws.xb_.data(), T * D);
     if (w.bo) add_bias(ws.xb_.data(), w.bo, T, D);  // [D], replicated: added once, after the sum
