@@ -579,7 +579,15 @@ void swiglu(float* gate, const float* up, int64_t n) {
     const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
     _mm256_storeu_ps(gate + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
   }
-  for (; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  if (i < n) {  // the tail through the same vector e^x, so an element's result does not depend on n
+    alignas(32) float g8[8] = {}, u8[8] = {};
+    std::memcpy(g8, gate + i, size_t(n - i) * sizeof(float));
+    std::memcpy(u8, up + i, size_t(n - i) * sizeof(float));
+    const __m256 g = _mm256_load_ps(g8);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_store_ps(g8, _mm256_mul_ps(silu, _mm256_load_ps(u8)));
+    std::memcpy(gate + i, g8, size_t(n - i) * sizeof(float));
+  }
 }
 
 // Keys transposed ([hd, bt]): 8 positions per vector, four partial sums over j mod 4 per head.
