@@ -11,7 +11,7 @@
 
 namespace llmq {
 
-/// A weight matrix used in place from the mapped file: W [rows, cols], row-major, each row
+/// A weight matrix in the mapped file: W [rows, cols], row-major, each row
 /// `row_bytes(type, cols)` bytes.
 struct Weight {
   DType type = DType::F32;

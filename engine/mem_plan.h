@@ -28,7 +28,7 @@ struct PlannedBuffer {
 };
 
 /// The KV cache: n_blocks blocks of block_tokens positions; K and V each
-/// [n_blocks, n_layers, block_tokens, kv_dim] of elem_bytes.
+/// [n_layers, n_kv_heads, n_blocks, block_tokens · head_dim] of elem_bytes (engine/kv_cache.h).
 /// bytes = 2 · n_blocks · block_tokens · n_layers · kv_dim · elem_bytes
 /// (= 2 · layers · kv_heads · head_dim · bytes · tokens rounded up to whole blocks; the
 /// PagedAttention layout of Kwon et al., SOSP 2023).
