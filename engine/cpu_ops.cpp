@@ -271,8 +271,6 @@ uint64_t matmul_scratch_bytes(const MatmulScratch& s) {
   return n;
 }
 
-void PackedWeights::Free::operator()(uint8_t* p) const { std::free(p); }
-
 namespace {
 bool packing_enabled() {
   const char* env = std::getenv("LLMQ_PACK");
@@ -293,11 +291,9 @@ PackedWeights pack_weights(const std::vector<Weight*>& ws) {
   const uint64_t total = packed_weights_bytes(std::vector<const Weight*>(ws.begin(), ws.end()));
   if (total == 0) return out;
   const x86::Kernels* k = active_kernels();
-  void* p = nullptr;
-  if (posix_memalign(&p, 64, size_t(total)) != 0) throw std::bad_alloc();
-  out.data.reset(static_cast<uint8_t*>(p));
+  out.data = HugeBuffer(total);
   out.bytes = total;
-  uint8_t* dst = out.data.get();
+  uint8_t* dst = out.data.data();
   for (Weight* w : ws) {
     const size_t n = k->packed_bytes(w->type, w->rows, w->cols);
     if (n == 0) continue;

@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/buffer.h"
 #include "engine/threadpool.h"
 #include "formats/quant.h"
 #include "models/llama.h"
@@ -87,12 +88,9 @@ void set_cpu_level(CpuLevel level);
 /// Name of the active level, cpu_level_name(cpu_level()), for tools to print ("avx512", ...).
 const char* cpu_kernels_name();
 
-/// Weights repacked by pack_weights: one 64-byte-aligned allocation holding every packed matrix.
+/// Weights repacked by pack_weights: one allocation (huge pages) holding every packed matrix.
 struct PackedWeights {
-  struct Free {
-    void operator()(uint8_t* p) const;
-  };
-  std::unique_ptr<uint8_t, Free> data;
+  HugeBuffer data;
   uint64_t bytes = 0;  ///< bytes allocated (0: nothing packed)
 };
 

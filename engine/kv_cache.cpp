@@ -15,8 +15,8 @@ KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, c
     if (d % head_dim_ != 0) throw UsageError("KV cache: a pool's width is not a whole number of KV heads");
   for (int64_t d : kv_dim_) {
     const size_t floats = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(d);
-    k_.emplace_back(floats, 0.0f);
-    v_.emplace_back(floats, 0.0f);
+    k_.emplace_back(floats * sizeof(float));  // zero-filled, huge pages (engine/buffer.h)
+    v_.emplace_back(floats * sizeof(float));
   }
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
 }

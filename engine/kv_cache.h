@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "engine/buffer.h"
 #include "models/llama.h"
 
 namespace llmq {
@@ -32,7 +33,7 @@ class KVCache {
   /// Bytes of the K and V pools (all ranks).
   uint64_t bytes() const;
   /// Bytes of rank r's K and V pools.
-  uint64_t shard_bytes(int r) const { return uint64_t(k_.at(size_t(r)).size() + v_.at(size_t(r)).size()) * sizeof(float); }
+  uint64_t shard_bytes(int r) const { return k_.at(size_t(r)).bytes() + v_.at(size_t(r)).bytes(); }
   /// Pools (tensor-parallel ranks): 1 unless built with shard_kv_dims.
   int n_shards() const { return int(k_.size()); }
   /// Blocks needed for n positions.
@@ -58,11 +59,11 @@ class KVCache {
   /// [head_dim, block_tokens] (transposed), positions block*block_tokens ... The block must be
   /// reserved.
   float* key_block(int64_t layer, int32_t seq, int64_t block, int64_t kv_head, int shard = 0) {
-    return k_[size_t(shard)].data() + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
+    return reinterpret_cast<float*>(k_[size_t(shard)].data()) + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
   }
   /// V of the same: [block_tokens, head_dim].
   float* value_block(int64_t layer, int32_t seq, int64_t block, int64_t kv_head, int shard = 0) {
-    return v_[size_t(shard)].data() + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
+    return reinterpret_cast<float*>(v_[size_t(shard)].data()) + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
   }
   int64_t kv_dim(int shard = 0) const { return kv_dim_[size_t(shard)]; }
 
@@ -78,7 +79,7 @@ class KVCache {
   }
   int64_t n_layers_, head_dim_, bt_, n_blocks_;
   std::vector<int64_t> kv_dim_;           // [shards]
-  std::vector<std::vector<float>> k_, v_;  // [shards][n_layers, kv_heads(shard), n_blocks, block]
+  std::vector<HugeBuffer> k_, v_;  // [shards] f32 [n_layers, kv_heads(shard), n_blocks, block]
   std::vector<int32_t> free_;    // free block ids
   std::vector<Seq> seqs_;
 };

@@ -7,6 +7,8 @@
 #include <memory>
 #include <vector>
 
+#include "engine/buffer.h"
+
 namespace llmq {
 
 ForwardCost forward_cost(const Model& m, int64_t n_tokens, int64_t pos0) {
@@ -72,19 +74,21 @@ double measure_read_bandwidth(ThreadPool& pool, const uint8_t* data, uint64_t by
 
 ReadBandwidth measure_read_bandwidth(ThreadPool& pool, uint64_t bytes, int passes) {
   bytes = std::max<uint64_t>(bytes / 64 * 64, 64);
-  std::unique_ptr<uint8_t[]> buf(new uint8_t[bytes]);
-  // Fault the pages in with distinct values (all threads, as the reads will).
+  // Huge pages, as the engine's packed weights and KV cache (engine/buffer.h): the machine's
+  // best streaming read, not one slowed by TLB misses.
+  HugeBuffer buf(bytes);
+  // Distinct values in every page (all threads, as the reads will).
   pool.parallel_for(int64_t(bytes / 4096 + 1), [&](int64_t i0, int64_t i1, int) {
     for (int64_t i = i0; i < i1; ++i) {
       const uint64_t a = uint64_t(i) * 4096, b = std::min(bytes, a + 4096);
-      if (a < b) std::memset(buf.get() + a, int(i & 0xff), b - a);
+      if (a < b) std::memset(buf.data() + a, int(i & 0xff), b - a);
     }
   });
   ReadBandwidth r;
   r.buffer_bytes = bytes;
   r.threads = pool.size();
   r.passes = passes;
-  r.bytes_per_s = measure_read_bandwidth(pool, buf.get(), bytes, passes);
+  r.bytes_per_s = measure_read_bandwidth(pool, buf.data(), bytes, passes);
   return r;
 }
 
