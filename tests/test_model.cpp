@@ -114,6 +114,27 @@ TEST_CASE("batched prefill equals token-by-token decoding for every type", "[mod
   set_cpu_level(saved);
 }
 
+// Past kAttnPartTokens positions attention merges parts; in decode with fewer (token, KV head)
+// items than 2 · threads each part runs as an item of its own (4 KV heads < 2 · 3 threads). The
+// merged result must still equal the batched one bit for bit.
+TEST_CASE("decoding past the attention part length equals batched prefill, parts split over threads", "[model]") {
+  auto m = Model::load(stories("q8_0"));
+  const auto ids = golden_ids();
+  REQUIRE(ids.size() >= 200);
+  REQUIRE(m->config.n_kv_heads < 2 * 3);
+  ThreadPool pool(3);
+  Session a(*m, pool, 256, 200), b(*m, pool, 256, 200);
+  const float* batch = a.forward(ids.data(), 200, true);  // [200, 512]
+  std::vector<float> all(batch, batch + 200 * 512);
+  double worst = 0;
+  for (int p = 0; p < 200; ++p) {
+    const float* one = b.forward(&ids[size_t(p)], 1);
+    for (int v = 0; v < 512; ++v) worst = std::max(worst, std::fabs(double(one[v]) - all[size_t(p * 512 + v)]));
+  }
+  INFO("max abs diff " << worst);
+  CHECK(worst == 0.0);
+}
+
 TEST_CASE("F16 and Q8_0: the first 64 greedy tokens equal the golden ones; Q4_0 reported", "[model][golden]") {
   const auto want = golden_ids();
   for (const char* type : {"f16", "q8_0"}) {
