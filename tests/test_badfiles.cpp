@@ -92,10 +92,7 @@ RunResult run_tool(const std::vector<std::string>& argv, double timeout_s = 20.0
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
-    const int null = open("/dev/null", O_RDWR);
-    dup2(null, 0);
-    dup2(null, 1);
-    dup2(pfd[1], 2);
+    llmq::test::child_stdio(pfd[1]);
     llmq::test::cap_child_memory();
     execv(args[0], args.data());
     _exit(127);

@@ -85,10 +85,7 @@ pid_t spawn(const std::vector<std::string>& argv, int* err_fd = nullptr, rlim_t 
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
-    const int null = open("/dev/null", O_RDWR);
-    dup2(null, 0);
-    dup2(null, 1);
-    dup2(err_fd ? pfd[1] : null, 2);
+    llmq::test::child_stdio(err_fd ? pfd[1] : -1);
     if (fsize_limit > 0) {
       signal(SIGXFSZ, SIG_IGN);
       const rlimit lim{fsize_limit, fsize_limit};

@@ -1,5 +1,6 @@
 // Helpers shared by the tests: where the real data and the built tools are.
 #pragma once
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -9,6 +10,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace llmq::test {
 
@@ -50,6 +52,15 @@ inline std::vector<char*> exec_args(const std::vector<std::string>& argv) {
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   return args;
+}
+
+/// In a child about to exec a tool: stdin and stdout on /dev/null, stderr to err_fd (or also
+/// /dev/null when err_fd < 0).
+inline void child_stdio(int err_fd) {
+  const int null = open("/dev/null", O_RDWR);
+  dup2(null, 0);
+  dup2(null, 1);
+  dup2(err_fd >= 0 ? err_fd : null, 2);
 }
 
 /// Caps the memory of a child process about to exec a tool (call between fork and exec), so a
