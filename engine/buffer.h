@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 namespace llmq {
 
@@ -14,6 +15,12 @@ class HugeBuffer {
  public:
   HugeBuffer() = default;
   explicit HugeBuffer(uint64_t bytes);
+  HugeBuffer(HugeBuffer&& o) noexcept : p_(std::move(o.p_)), bytes_(std::exchange(o.bytes_, 0)) {}
+  HugeBuffer& operator=(HugeBuffer&& o) noexcept {
+    p_ = std::move(o.p_);
+    bytes_ = std::exchange(o.bytes_, 0);
+    return *this;
+  }
   uint8_t* data() const { return p_.get(); }
   uint64_t bytes() const { return bytes_; }
 

@@ -291,9 +291,8 @@ PackedWeights pack_weights(const std::vector<Weight*>& ws) {
   const uint64_t total = packed_weights_bytes(std::vector<const Weight*>(ws.begin(), ws.end()));
   if (total == 0) return out;
   const x86::Kernels* k = active_kernels();
-  out.data = HugeBuffer(total);
-  out.bytes = total;
-  uint8_t* dst = out.data.data();
+  out = HugeBuffer(total);
+  uint8_t* dst = out.data();
   for (Weight* w : ws) {
     const size_t n = k->packed_bytes(w->type, w->rows, w->cols);
     if (n == 0) continue;

@@ -88,11 +88,9 @@ void set_cpu_level(CpuLevel level);
 /// Name of the active level, cpu_level_name(cpu_level()), for tools to print ("avx512", ...).
 const char* cpu_kernels_name();
 
-/// Weights repacked by pack_weights: one allocation (huge pages) holding every packed matrix.
-struct PackedWeights {
-  HugeBuffer data;
-  uint64_t bytes = 0;  ///< bytes allocated (0: nothing packed)
-};
+/// Weights repacked by pack_weights: one allocation (huge pages) holding every packed matrix;
+/// bytes() == 0 when nothing was packed.
+using PackedWeights = HugeBuffer;
 
 /// Bytes pack_weights would allocate for `ws` at the active level (0 when the level has no
 /// packed layout, or LLMQ_PACK=0).
@@ -101,7 +99,8 @@ uint64_t packed_weights_bytes(const std::vector<const Weight*>& ws);
 /// Repacks every weight of `ws` whose type has a packed layout at the active CPU level (AVX-512:
 /// Q8_0, Q4_0, Q4_1 into 16-row panels, the file's bytes rearranged so that one panel is one
 /// sequential stream; engine/cpu_x86.cpp) and points its `packed` at the copy. Other weights and
-/// other levels are left alone. The environment variable LLMQ_PACK=0 turns packing off.
+/// other levels are left alone. The environment variable LLMQ_PACK=0 turns packing off (the
+/// AVX-512 kernels then pack each panel per call: for measurements only).
 /// Results of matmul are bit-identical with and without packing. The weights' `data` stays
 /// valid (the AVX2 and scalar levels read it). Throws std::bad_alloc if the copy does not fit.
 PackedWeights pack_weights(const std::vector<Weight*>& ws);

@@ -1,23 +1,16 @@
 // x86-64 SIMD kernels; see cpu_x86.h for the contract and the numerics.
 //
 // Block-quantized weights (Q8_0/Q4_0/Q4_1), activations quantized per block of 32 to int8:
-// - Packed (AVX-512, what the engine runs): Model::load repacks the matrices once into panels of
-//   16 rows (section "Packed weights" below) with the nibbles still packed, the file's bytes
-//   rearranged; decode reads one panel after the other as a single stream and prefill reuses
-//   each panel from cache for every tile of 8 tokens. The two paths below serve weights that
-//   were not packed (AVX2, LLMQ_PACK=0, tests); all give bit-identical results.
-// - GEMV (decode, one token; AVX2: up to 15 or 31 tokens): weight rows are read in place, one
-//   row after the other (a single sequential stream per thread). An AVX-512 step takes 2 blocks,
-//   decodes their quants to 64 bytes and takes the integer dot product with the token's
-//   activations, which were laid out once per matmul in the same byte order (prepare_quant);
-//   the int32 lanes are scaled by d_w·d_x in fp32 lanes, summed once per output at the end.
-//   AVX2 does one block per step with `_mm256_maddubs_epi16`.
-// - GEMM (prefill): 16 weight rows (8 with AVX2) are repacked into a panel where one 64-byte
-//   vector holds 4 consecutive quants of each of the 16 rows, so one `vpdpbusd` with a
-//   broadcast 4-byte group of one token's activations does 64 multiply-adds for 16 rows; 8 of
-//   them cover a block, lanes are rows, and no horizontal sum is needed. The panel is built
-//   once per 16 rows and reused for every token. AVX2 does the same with
-//   `_mm256_maddubs_epi16` on 8 rows (see its section for the int16 range argument).
+// - AVX-512: the weights are repacked into panels of 16 rows (section "Packed weights" below):
+//   one 64-byte vector holds 4 consecutive quants of each of the 16 rows (Q4: nibbles still
+//   packed), so one `vpdpbusd` with a broadcast 4-byte group of one token's activations does 64
+//   multiply-adds for 16 rows, lanes are rows, and no horizontal sum is needed. Model::load packs
+//   every matrix once, so decode reads one panel after the other as a single stream and prefill
+//   reuses each panel from cache for every tile of 8 tokens; a weight not packed at load has each
+//   panel packed into the thread's scratch per call. Decode and prefill run the same tiles.
+// - AVX2, GEMV (up to 15 or 31 tokens): weight rows are read in place, one after the other, one
+//   block per step with `_mm256_maddubs_epi16`; GEMM: 8 rows repacked per panel as above, with
+//   `_mm256_maddubs_epi16` (see its section for the int16 range argument).
 // `vpdpbusd` and `_mm256_maddubs_epi16` multiply unsigned by signed bytes. With AVX-512 the
 // weights are made unsigned and the offset is removed exactly by an integer correction:
 // Q8_0 as w+128 (corr = -128·Σx), Q4_0 as the raw nibble q = w+8 (corr = -8·Σx); Q4_1's
@@ -775,258 +768,12 @@ void matmul_float(float* y, const float* x, int64_t T, const Weight& w, int64_t 
 
 // ---- Q8_0 / Q4_0 / Q4_1
 
-// Tokens from which the repacked GEMM beats the in-place GEMV (dev/cpu/bench_matmul on Zen 4:
-// already at 2 tokens, so the GEMV serves decode only).
-constexpr int64_t kGemmMinT = 2;
+// Only the integer corrections: the packed tiles read the activations as quantize_act wrote them.
+size_t prep_bytes(DType, int64_t, int64_t) { return 0; }
 
-// GEMV activation layout: per token, per step of 2 blocks b0, b1, 2 vectors of 64 bytes, in the
-// order the step's weight quants are decoded to (so that no weight-side shuffle is needed):
-// Q8_0 [b0: 32 | b1: 32], Q4_0/Q4_1 [b0 0-15 | b1 0-15 | b0 16-31 | b1 16-31] (nibble order).
-//   [0, 64)    q_x of the 2 blocks in that order (int8; the missing odd block is zeros)
-//   [64, 128)  integer correction lanes: corr_factor · Σ of the lane's 4 quants (int32), so
-//              that the lanes of a block sum to its exact corrected dot product
-constexpr size_t kStepBytes = 128;
-
-size_t prep_bytes(DType, int64_t T, int64_t K) {
-  if (T >= kGemmMinT) return 0;
-  return size_t(T) * size_t((K / QK + 1) / 2) * kStepBytes;
-}
-
-void prepare_quant(DType type, const int32_t* sums, QuantActs& a, int32_t* corr, uint8_t* prep) {
+void prepare_quant(DType type, const int32_t* sums, QuantActs& a, int32_t* corr, uint8_t*) {
   fill_corr(type, sums, a.T * a.nb, corr);
   a.corr = corr;
-  if (a.T >= kGemmMinT) return;
-  const int64_t nb = a.nb, nsteps = (nb + 1) / 2;
-  const __m512i k = _mm512_set1_epi32(corr_factor(type)), ones = _mm512_set1_epi8(1);
-  const __m256i zero = _mm256_setzero_si256();
-  for (int64_t t = 0; t < a.T; ++t)
-    for (int64_t s = 0; s < nsteps; ++s) {
-      uint8_t* P = prep + size_t(t * nsteps + s) * kStepBytes;
-      const BlockQ8Act* x0 = &a.xq[t * nb + 2 * s];
-      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0->qs));
-      const __m256i q1 = 2 * s + 1 < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0[1].qs)) : zero;
-      __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);  // [b0 | b1]
-      if (type != DType::Q8_0) x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));  // [b0 lo, b1 lo, b0 hi, b1 hi]
-      _mm512_store_si512(P, x);
-      _mm512_store_si512(P + 64, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, x), k));
-    }
-  a.prep = prep;
-}
-
-// The quants of blocks at p0 and p1 (p1 may be null: zeros) as unsigned bytes: Q8_0 as w + 128
-// in natural order; Q4_0/Q4_1 as the nibbles, in natural order [b0 | b1] when Natural, else in
-// decode order [b0 lo | b1 lo | b0 hi | b1 hi] (16 bytes each), one shuffle less.
-template <DType D, bool Natural>
-inline __m512i quants2(const uint8_t* p0, const uint8_t* p1) {
-  if constexpr (D == DType::Q8_0) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 2));
-    const __m256i b = p1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 2)) : _mm256_setzero_si256();
-    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1), _mm512_set1_epi8(char(0x80)));
-  } else {
-    constexpr size_t off = quant_offset<D>();
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + off));
-    const __m128i b = p1 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + off)) : _mm_setzero_si128();
-    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);  // [qs0 | qs1]
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-    z = _mm512_and_si512(z, _mm512_set1_epi8(0x0f));  // [lo0, lo1, hi0, hi1] (16 bytes each)
-    if constexpr (Natural) return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));  // [lo0, hi0, lo1, hi1]
-    else return z;
-  }
-}
-
-// Partial sums [p0, p1, p2, p3] of the int32 lanes of a GEMV step (lane order of the layout
-// above) with p0 + p1 = block b0's dot product and p2 + p3 = block b1's.
-template <DType D>
-inline __m128i step_partials(__m512i v) {
-  const __m256i lo = _mm512_castsi512_si256(v), hi = _mm512_extracti64x4_epi64(v, 1);
-  if constexpr (D == DType::Q8_0) {  // lanes 0-7: b0, 8-15: b1
-    const __m256i c = _mm256_hadd_epi32(lo, hi);
-    return _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-  } else {  // lanes 0-3 and 8-11: b0, 4-7 and 12-15: b1
-    const __m256i c = _mm256_add_epi32(lo, hi);
-    return _mm_hadd_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-  }
-}
-
-// Scratch of the GEMV, per step of 2 blocks, for 16 rows: the partial sums [16][4] int32 and
-// the raw fp16 scales [16][4] (d0, m0, d1, m1; m = 0 but for Q4_1).
-constexpr size_t kGemvStepScratch = 16 * 16 + 16 * 8;
-size_t gemv_scratch_bytes(int64_t nb) { return size_t((nb + 1) / 2) * kGemvStepScratch; }
-
-// Decode (T < kGemmMinT, i.e. one token). The weights are read one row after the other, a single
-// sequential stream per thread (dev/cpu: interleaving rows or repacking them into the GEMM's
-// panels loses up to half the DRAM bandwidth). Each step stores its partial integer sums and
-// raw scales; per 16 rows the sums are finished and transposed so that rows are lanes, and the
-// fp32 part runs the very instruction sequence of gemm_tile: acc = fma(float(dot), d_w·d_x, acc)
-// (+ fma(m, s_x, acc)) over the blocks in order. Decode and batched prefill thus give
-// bit-identical results.
-template <DType D>
-void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  constexpr size_t BS = block_size<D>();
-  const int64_t M = w.rows, T = a.T, nb = a.nb, nsteps = (nb + 1) / 2;
-  const size_t rs = w.row_stride();
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  // fp16 scales of 16 rows × [d0, m0, d1, m1] in two vectors -> [d0 × 16 | m0 × 16], [d1 | m1]
-  __m512i sidx0, sidx1;
-  {
-    alignas(64) int16_t i0[32], i1[32];
-    for (int j = 0; j < 16; ++j) {
-      const int base = j < 8 ? j * 4 : 32 + (j - 8) * 4;
-      i0[j] = int16_t(base), i0[16 + j] = int16_t(base + 1), i1[j] = int16_t(base + 2), i1[16 + j] = int16_t(base + 3);
-    }
-    sidx0 = _mm512_load_si512(i0), sidx1 = _mm512_load_si512(i1);
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    const uint8_t* P0 = a.prep + size_t(t * nsteps) * kStepBytes;
-    const BlockQ8Act* xq = a.xq + t * nb;
-    for (int64_t g = r0; g < r1; g += 16) {
-      const int n = int(std::min<int64_t>(16, r1 - g));
-      if (n < 16) std::memset(scratch, 0, gemv_scratch_bytes(nb));
-      for (int i = 0; i < n; ++i) {
-        const uint8_t* p = w.data + size_t(g + i) * rs;
-        const uint8_t* P = P0;
-        uint8_t* S = scratch;
-        for (int64_t s = 0; s < nsteps; ++s, p += 2 * BS, P += kStepBytes, S += kGemvStepScratch) {
-          const bool pair = 2 * s + 1 < nb;
-          const __m512i q = quants2<D, false>(p, pair ? p + BS : nullptr);
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512(P + 64), q, _mm512_load_si512(P));
-          _mm_store_si128(reinterpret_cast<__m128i*>(S + 16 * i), step_partials<D>(dot));
-          uint64_t sc;
-          if constexpr (D == DType::Q4_1) sc = uint64_t(load_u32(p)) | (pair ? uint64_t(load_u32(p + BS)) << 32 : 0);
-          else sc = uint64_t(load_u16(p)) | (pair ? uint64_t(load_u16(p + BS)) << 32 : 0);
-          std::memcpy(S + 256 + 8 * i, &sc, 8);
-        }
-      }
-      __m512 acc = _mm512_setzero_ps();  // as gemm_tile, lanes = rows g .. g+15
-      const uint8_t* S = scratch;
-      for (int64_t s = 0; s < nsteps; ++s, S += kGemvStepScratch) {
-        const __m512i* Z = reinterpret_cast<const __m512i*>(S);
-        const __m512i s01 = _mm512_add_epi32(_mm512_permutex2var_epi32(Z[0], even, Z[1]), _mm512_permutex2var_epi32(Z[0], odd, Z[1]));
-        const __m512i s23 = _mm512_add_epi32(_mm512_permutex2var_epi32(Z[2], even, Z[3]), _mm512_permutex2var_epi32(Z[2], odd, Z[3]));
-        const __m512i h0 = _mm512_permutex2var_epi16(Z[4], sidx0, Z[5]), h1 = _mm512_permutex2var_epi16(Z[4], sidx1, Z[5]);
-        const int64_t b = 2 * s;
-        const __m512 dw0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h0));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(s01, even, s23)), _mm512_mul_ps(dw0, _mm512_set1_ps(xq[b].d)), acc);
-        if constexpr (D == DType::Q4_1) acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1)), _mm512_set1_ps(xq[b].s), acc);
-        if (b + 1 < nb) {
-          const __m512 dw1 = _mm512_cvtph_ps(_mm512_castsi512_si256(h1));
-          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(s01, odd, s23)), _mm512_mul_ps(dw1, _mm512_set1_ps(xq[b + 1].d)), acc);
-          if constexpr (D == DType::Q4_1) acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1)), _mm512_set1_ps(xq[b + 1].s), acc);
-        }
-      }
-      _mm512_mask_storeu_ps(y + t * M + g, __mmask16((1u << n) - 1), acc);
-    }
-  }
-}
-
-// GEMM panel: per block, 8 vectors of 16 rows × 4 quants (unsigned), then d_w[16], then m[16]
-// (Q4_1), 64 bytes each.
-template <DType D>
-constexpr size_t panel_block_bytes() {
-  return D == DType::Q4_1 ? 640 : 576;
-}
-
-// Quants of one block of two rows as unsigned bytes, natural order: [row 0: 32 | row 1: 32].
-template <DType D>
-inline __m512i row_pair_quants(const uint8_t* b0, const uint8_t* b1) {
-  return quants2<D, true>(b0, b1);  // the layout of two consecutive blocks of one row is the same
-}
-
-// Stands in for the blocks of the padding rows of a partial panel (zero quants and scales).
-alignas(64) constexpr uint8_t kZeroBlock[64] = {};
-
-// Panel of 16 rows: for each block, the 16 rows × 8 dwords of quants transposed to 8 vectors
-// of 16 rows (three rounds of two-source dword permutes), then d_w and m.
-template <DType D>
-void build_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb) {
-  constexpr size_t BS = block_size<D>(), PB = panel_block_bytes<D>();
-  // Round 1: rows (2i, 2i+1) pairs -> 4-row groups, columns 0-3 (A) and 4-7 (B):
-  // position r'*4 + j' takes row r' (0..3) column j' (+4 for B).
-  const __m512i idxA = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i idxB = _mm512_add_epi32(idxA, _mm512_set1_epi32(4));
-  // Round 2: 4-row groups -> 8-row groups, column pairs: position r''*2 + j'' takes row r'' (0..7).
-  const __m512i idxC0 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-  const __m512i idxC1 = _mm512_add_epi32(idxC0, _mm512_set1_epi32(2));
-  // Round 3: 8-row groups -> all 16 rows of one column.
-  const __m512i idxD0 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i idxD1 = _mm512_add_epi32(idxD0, _mm512_set1_epi32(1));
-  const uint8_t* rows[16];
-  for (int i = 0; i < 16; ++i) rows[i] = i < nrows ? w.row(r + i) : nullptr;
-  auto blk = [&](int i, size_t off) { return rows[i] ? rows[i] + off : kZeroBlock; };
-  alignas(64) uint16_t dh[16], mh[16];
-  for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* pb = panel + size_t(b) * PB;
-    const size_t off = size_t(b) * BS;
-    __m512i z[8];
-    for (int i = 0; i < 8; ++i)
-      z[i] = row_pair_quants<D>(blk(2 * i, off), blk(2 * i + 1, off));
-    __m512i A[4], B[4];
-    for (int q = 0; q < 4; ++q) {
-      A[q] = _mm512_permutex2var_epi32(z[2 * q], idxA, z[2 * q + 1]);
-      B[q] = _mm512_permutex2var_epi32(z[2 * q], idxB, z[2 * q + 1]);
-    }
-    __m512i P[4][2];  // column pairs (0,1), (2,3), (4,5), (6,7) of rows 0-7 and 8-15
-    for (int u = 0; u < 2; ++u) {
-      P[0][u] = _mm512_permutex2var_epi32(A[2 * u], idxC0, A[2 * u + 1]);
-      P[1][u] = _mm512_permutex2var_epi32(A[2 * u], idxC1, A[2 * u + 1]);
-      P[2][u] = _mm512_permutex2var_epi32(B[2 * u], idxC0, B[2 * u + 1]);
-      P[3][u] = _mm512_permutex2var_epi32(B[2 * u], idxC1, B[2 * u + 1]);
-    }
-    for (int c = 0; c < 4; ++c) {
-      _mm512_store_si512(pb + 64 * (2 * c), _mm512_permutex2var_epi32(P[c][0], idxD0, P[c][1]));
-      _mm512_store_si512(pb + 64 * (2 * c + 1), _mm512_permutex2var_epi32(P[c][0], idxD1, P[c][1]));
-    }
-    for (int i = 0; i < 16; ++i) {
-      dh[i] = load_u16(blk(i, off));
-      if constexpr (D == DType::Q4_1) mh[i] = load_u16(blk(i, off) + 2);
-    }
-    _mm512_store_ps(reinterpret_cast<float*>(pb + 512), _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh))));
-    if constexpr (D == DType::Q4_1)
-      _mm512_store_ps(reinterpret_cast<float*>(pb + 576), _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mh))));
-  }
-}
-
-// 16 rows (panel) × C tokens: y[c*M + 0..15] for the rows in `rmask`.
-template <DType D, int C>
-void gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, __mmask16 rmask) {
-  constexpr size_t PB = panel_block_bytes<D>();
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* pb = panel + size_t(b) * PB;
-    __m512i wq[8];
-    for (int j = 0; j < 8; ++j) wq[j] = _mm512_load_si512(pb + 64 * j);
-    const __m512 dw = _mm512_load_ps(reinterpret_cast<const float*>(pb + 512));
-    // C independent integer accumulators, interleaved so that no long dependency chain forms.
-    __m512i s[C];
-    for (int c = 0; c < C; ++c)
-      s[c] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(corr[c * nb + b]);
-    for (int j = 0; j < 8; ++j)
-      for (int c = 0; c < C; ++c)
-        s[c] = _mm512_dpbusd_epi32(s[c], wq[j], _mm512_set1_epi32(int(load_u32(xq[c * nb + b].qs + 4 * j))));
-    for (int c = 0; c < C; ++c) {
-      const BlockQ8Act& xa = xq[c * nb + b];
-      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[c]), _mm512_mul_ps(dw, _mm512_set1_ps(xa.d)), acc[c]);
-      if constexpr (D == DType::Q4_1)
-        acc[c] = _mm512_fmadd_ps(_mm512_load_ps(reinterpret_cast<const float*>(pb + 576)), _mm512_set1_ps(xa.s), acc[c]);
-    }
-  }
-  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * M, rmask, acc[c]);
-}
-
-template <DType D>
-void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* panel) {
-  constexpr int C = 8;
-  const int64_t M = w.rows, T = a.T, nb = a.nb;
-  for (int64_t r = r0; r < r1; r += 16) {
-    const int nrows = int(std::min<int64_t>(16, r1 - r));
-    build_panel<D>(panel, w, r, nrows, nb);
-    const __mmask16 rmask = __mmask16((1u << nrows) - 1);
-    int64_t t = 0;
-    for (; t + C <= T; t += C) gemm_tile<D, C>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
-    for (; t < T; ++t) gemm_tile<D, 1>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
-  }
 }
 
 // ---- Packed weights (Weight::packed): the GEMM's panels built once at load, nibbles kept packed.
@@ -1041,7 +788,8 @@ void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1,
 // scales: d of the 16 rows as fp16 (32 bytes), then Q4_1's m as fp16 (32 bytes).
 // Q4_0 pair = 2·256 + 2·32 = 576 bytes for 32 rows' worth of blocks (= 16 rows × 2 blocks × 18),
 // Q4_1 640, Q8_0 1088: the file's bytes, rearranged (a multiple of 64, so every load is aligned).
-// One panel is one sequential stream, which decode reads at the DRAM bandwidth; prefill reuses
+// One panel is one sequential stream, which decode reads at the DRAM bandwidth (16 rows read in
+// place, 16 streams, lost up to half of it: dev/README.md #5, #14); prefill reuses
 // each panel (up to 27 KiB for K = 1536 at Q4_0) from L1/L2 for every tile of 8 tokens.
 template <DType D>
 constexpr size_t pk_quant_bytes() { return D == DType::Q8_0 ? 512 : 256; }
@@ -1062,29 +810,34 @@ size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
   }
 }
 
+// Rows 16p .. 16p+15 of w as one packed panel at out (pk_panel_bytes; rows past the matrix zero).
 template <DType D>
-void pack_t(const Weight& w, uint8_t* out) {
+void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
   constexpr size_t BS = block_size<D>(), QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
   constexpr size_t off = quant_offset<D>();
-  const int64_t nb = w.cols / QK, panels = (w.rows + 15) / 16;
-  const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
-  std::memset(out, 0, size_t(panels) * panel_bytes);
-  for (int64_t p = 0; p < panels; ++p)
-    for (int i = 0; i < 16 && p * 16 + i < w.rows; ++i) {
-      const uint8_t* row = w.row(p * 16 + i);
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + size_t(b) * BS;
-        uint8_t* q = out + size_t(p) * panel_bytes + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
-        uint8_t* sc = out + size_t(p) * panel_bytes + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
-        for (size_t j = 0; j < QB / 64; ++j)
-          for (int k = 0; k < 4; ++k) {
-            const uint8_t v = blk[off + 4 * j + size_t(k)];
-            q[64 * j + 4 * size_t(i) + size_t(k)] = D == DType::Q8_0 ? uint8_t(v ^ 0x80) : v;
-          }
-        std::memcpy(sc + 2 * i, blk, 2);                                   // d
-        if constexpr (D == DType::Q4_1) std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
-      }
+  const int64_t nb = w.cols / QK, nrows = std::min<int64_t>(16, w.rows - p * 16);
+  if (nrows < 16 || nb % 2) std::memset(out, 0, pk_panel_bytes<D>(w.cols));  // padding rows, odd last block
+  for (int i = 0; i < nrows; ++i) {
+    const uint8_t* row = w.row(p * 16 + i);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + size_t(b) * BS;
+      uint8_t* q = out + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
+      uint8_t* sc = out + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
+      for (size_t j = 0; j < QB / 64; ++j)
+        for (int k = 0; k < 4; ++k) {
+          const uint8_t v = blk[off + 4 * j + size_t(k)];
+          q[64 * j + 4 * size_t(i) + size_t(k)] = D == DType::Q8_0 ? uint8_t(v ^ 0x80) : v;
+        }
+      std::memcpy(sc + 2 * i, blk, 2);                                           // d
+      if constexpr (D == DType::Q4_1) std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
     }
+  }
+}
+
+template <DType D>
+void pack_t(const Weight& w, uint8_t* out) {
+  const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
+  for (int64_t p = 0; p < (w.rows + 15) / 16; ++p) pack_panel<D>(w, p, out + size_t(p) * panel_bytes);
 }
 
 void pack_quant(const Weight& w, uint8_t* out) {
@@ -1097,8 +850,8 @@ void pack_quant(const Weight& w, uint8_t* out) {
 }
 
 // 16 packed rows × C tokens: the integer dot of every block (two accumulators per token, summed
-// exactly), then gemm_tile's fp32 sequence acc = fma(float(dot), d_w·d_x, acc) (+ fma(m, s_x,
-// acc)) over the blocks in order; so results are bit-identical with gemm and gemv.
+// exactly), then acc = fma(float(dot), d_w·d_x, acc) (+ fma(m, s_x, acc)) over the blocks in
+// order: the same instructions for an output whatever the number of tokens.
 template <DType D, int C>
 void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr,
                  __mmask16 rmask) {
@@ -1148,14 +901,17 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
   for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * M, rmask, acc[c]);
 }
 
-// Rows [r0, r1) (r0 a multiple of 16) of a packed weight, all T tokens, 8 tokens per tile.
+// Rows [r0, r1) (r0 a multiple of 16), all T tokens, 8 tokens per tile. A weight that was not
+// packed at load (tests, LLMQ_PACK=0) has each of its panels packed into the thread's scratch
+// first: the same tiles, so the same bits, at the cost of a repack per call.
 template <DType D>
-void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1) {
+void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
   constexpr int C = 8;
   const int64_t M = w.rows, T = a.T, nb = a.nb;
   const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
   for (int64_t r = r0; r < r1; r += 16) {
     const uint8_t* panel = w.packed + size_t(r / 16) * panel_bytes;
+    if (!w.packed) pack_panel<D>(w, r / 16, scratch), panel = scratch;
     const __mmask16 rmask = __mmask16((1u << std::min<int64_t>(16, r1 - r)) - 1);
     int64_t t = 0;
     for (; t + C <= T; t += C) packed_tile<D, C>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
@@ -1163,32 +919,16 @@ void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, in
   }
 }
 
-size_t thread_bytes(DType type, int64_t T, int64_t K) {
-  if (T < kGemmMinT) return gemv_scratch_bytes(K / QK);
-  return size_t(K / QK) * (type == DType::Q4_1 ? panel_block_bytes<DType::Q4_1>() : panel_block_bytes<DType::Q8_0>());
+// Scratch: one panel, for weights that were not packed at load.
+size_t thread_bytes(DType type, int64_t, int64_t K) {
+  return type == DType::Q4_1 ? pk_panel_bytes<DType::Q4_1>(K) : pk_panel_bytes<DType::Q8_0>(K);
 }
 
 void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  if (w.packed) {
-    switch (w.type) {
-      case DType::Q8_0: packed_matmul<DType::Q8_0>(y, a, w, r0, r1); break;
-      case DType::Q4_0: packed_matmul<DType::Q4_0>(y, a, w, r0, r1); break;
-      default: packed_matmul<DType::Q4_1>(y, a, w, r0, r1); break;
-    }
-    return;
-  }
-  if (a.T < kGemmMinT) {
-    switch (w.type) {
-      case DType::Q8_0: gemv<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
-      case DType::Q4_0: gemv<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
-      default: gemv<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
-    }
-    return;
-  }
   switch (w.type) {
-    case DType::Q8_0: gemm<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
-    case DType::Q4_0: gemm<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
-    default: gemm<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+    case DType::Q8_0: packed_matmul<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+    case DType::Q4_0: packed_matmul<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+    default: packed_matmul<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
   }
 }
 

@@ -26,8 +26,6 @@ Weight copy_columns(ModelShard& s, const Weight& w, int64_t c0, int64_t n) {
   return Weight{w.type, dst, w.rows, n};
 }
 
-// Rows [r0, r0 + n) of W [rows, cols]: a view, nothing copied (packed panels too when aligned).
-Weight take_rows(const Weight& w, int64_t r0, int64_t n) { return weight_rows(w, r0, n); }
 
 }  // namespace
 
@@ -122,25 +120,25 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
   for (const ShardRanges& o : all) s.vocab_bounds.push_back(o.vocab0);
   s.vocab_bounds.push_back(all.back().vocab0 + all.back().n_vocab);
   if (all.size() > 1 && all[1].n_vocab == 0) s.vocab_bounds.assign({0, c.vocab_size});  // rank 0 computes all
-  s.token_embd = take_rows(m.token_embd, R.embd0, R.n_embd);
+  s.token_embd = weight_rows(m.token_embd, R.embd0, R.n_embd);
   for (const LayerWeights& w : m.layers) {
     LayerWeights l = w;  // norms (and anything not split) as in the model
-    l.wq = take_rows(w.wq, R.head0 * hd, R.n_heads * hd);
-    l.wk = take_rows(w.wk, R.kv_head0 * hd, R.n_kv_heads * hd);
-    l.wv = take_rows(w.wv, R.kv_head0 * hd, R.n_kv_heads * hd);
+    l.wq = weight_rows(w.wq, R.head0 * hd, R.n_heads * hd);
+    l.wk = weight_rows(w.wk, R.kv_head0 * hd, R.n_kv_heads * hd);
+    l.wv = weight_rows(w.wv, R.kv_head0 * hd, R.n_kv_heads * hd);
     if (w.bq) {  // q/k/v biases follow their weights' rows; bo [dim] is replicated (added after the sum)
       l.bq = w.bq + R.head0 * hd;     // [n_heads * hd]
       l.bk = w.bk + R.kv_head0 * hd;  // [n_kv_heads * hd]
       l.bv = w.bv + R.kv_head0 * hd;  // [n_kv_heads * hd]
     }
     l.wo = copy_columns(s, w.wo, R.head0 * hd, R.n_heads * hd);
-    l.w_gate = take_rows(w.w_gate, R.ffn0, R.ffn_dim);
-    l.w_up = take_rows(w.w_up, R.ffn0, R.ffn_dim);
+    l.w_gate = weight_rows(w.w_gate, R.ffn0, R.ffn_dim);
+    l.w_up = weight_rows(w.w_up, R.ffn0, R.ffn_dim);
     l.w_down = copy_columns(s, w.w_down, R.ffn0, R.ffn_dim);
     s.layers.push_back(l);
   }
   s.output_norm = m.output_norm;
-  s.output = take_rows(m.output, R.vocab0, R.n_vocab);
+  s.output = weight_rows(m.output, R.vocab0, R.n_vocab);
   // Pack what the model's packed panels do not cover (the column copies, unaligned row ranges).
   std::vector<Weight*> unpacked;
   for (LayerWeights& l : s.layers)
@@ -148,7 +146,7 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
       if (!w->packed) unpacked.push_back(w);
   if (!s.output.packed) unpacked.push_back(&s.output);
   s.packed = pack_weights(unpacked);
-  if (s.packed.bytes > 0)  // copying the columns read the model's released pages back in
+  if (s.packed.bytes() > 0)  // copying the columns read the model's released pages back in
     for (const LayerWeights& w : m.layers)
       for (const Weight* src : {&w.wo, &w.w_down})
         if (src->packed) m.file->release(src->data, uint64_t(src->rows) * src->row_stride());

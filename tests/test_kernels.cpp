@@ -217,8 +217,8 @@ TEST_CASE("packed weights give bit-identical matmul results", "[kernels]") {
       std::vector<Weight*> one{&pw};
       const PackedWeights packed = pack_weights(one);
       REQUIRE(pw.packed != nullptr);
-      REQUIRE(packed.bytes == packed_weights_bytes({&w.w}));
-      REQUIRE(packed.bytes % 64 == 0);
+      REQUIRE(packed.bytes() == packed_weights_bytes({&w.w}));
+      REQUIRE(packed.bytes() % 64 == 0);
       for (int64_t T : Ts) {
         INFO(dtype_name(t) << " rows " << sh.rows << " cols " << sh.cols << " T " << T);
         const auto x = gaussian(size_t(T * sh.cols), rng);

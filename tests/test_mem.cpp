@@ -301,8 +301,8 @@ TEST_CASE("The inference plan equals the engine's allocation after real forward 
     o.ctx = 200, o.n_batch = 48, o.threads = 2;
     const InferencePlan plan = infer_plan(*model->file, model->config, o);
     Session s(*model, pool, 200, 48);
-    const uint64_t at_load = model->file->file_size() + model->packed.bytes + s.state_bytes();
-    CHECK(plan.packed_bytes == model->packed.bytes);  // 0 unless the CPU kernels repack (AVX-512)
+    const uint64_t at_load = model->file->file_size() + model->packed.bytes() + s.state_bytes();
+    CHECK(plan.packed_bytes == model->packed.bytes());  // 0 unless the CPU kernels repack (AVX-512)
     CHECK(at_load == plan.total());
     // A prompt longer than the batch, then decode: nothing may grow past the plan.
     std::vector<int32_t> prompt(120);
@@ -312,7 +312,7 @@ TEST_CASE("The inference plan equals the engine's allocation after real forward 
       const int32_t t = int32_t(3 + i);
       s.forward(&t, 1);
     }
-    CHECK(model->file->file_size() + model->packed.bytes + s.state_bytes() == plan.total());
+    CHECK(model->file->file_size() + model->packed.bytes() + s.state_bytes() == plan.total());
     CHECK(s.kv_bytes() == plan.kv.bytes());
     CHECK(s.workspace_bytes() == plan.ws.bytes());
     CHECK(plan.weight_bytes == model->weight_bytes());

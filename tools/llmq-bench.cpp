@@ -161,11 +161,11 @@ int main(int argc, char** argv) {
       const auto& t = model->file->tensors();
       const uint8_t* w0 = model->file->data(t.front());
       const uint8_t* w1 = model->file->data(t.back()) + t.back().nbytes;
-      if (model->packed.bytes > 0) w0 = model->packed.data.data(), w1 = w0 + model->packed.bytes;
+      if (model->packed.bytes() > 0) w0 = model->packed.data(), w1 = w0 + model->packed.bytes();
       const double weights_bw = measure_read_bandwidth(pool, w0, uint64_t(w1 - w0));
       j["read_bandwidth_gb_s"] = bw.bytes_per_s / 1e9;           // heap buffer, bandwidth_mib
       j["weights_read_bandwidth_gb_s"] = weights_bw / 1e9;       // the model's weights (packed or mapped)
-      j["packed_weight_bytes"] = model->packed.bytes;
+      j["packed_weight_bytes"] = model->packed.bytes();
       j["decode_bandwidth_fraction"] = decode.bytes() / best.decode_s / bw.bytes_per_s;
     }
     std::printf("%s\n", j.dump(2).c_str());

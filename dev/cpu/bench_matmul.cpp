@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
           MatmulScratch s;
           const bool cold = T == 1 && !hot;
           // The engine's layout: weights packed at load where the level has a packed layout
-          // (AVX-512 Q8_0/Q4_0/Q4_1; LLMQ_PACK=0 measures the file layout). One packed copy per
+          // (AVX-512 Q8_0/Q4_0/Q4_1; LLMQ_PACK=0 measures packing per call). One packed copy per
           // file copy that a cold run cycles through.
           std::vector<Weight> ws(cold ? copies : 1);
           for (size_t i = 0; i < ws.size(); ++i) ws[i] = Weight{type, many + i * stride, rows, cols};
