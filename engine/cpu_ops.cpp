@@ -192,17 +192,33 @@ void run_units(ThreadPool& pool, bool inline_work, int64_t units, const std::fun
   else pool.parallel_for(units, fn);
 }
 
-// matmul with the SIMD kernels of one level (see cpu_x86.h). Work is split over threads in
-// units of 16 weight rows; every output element gets the same instructions whatever the split.
-void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_t T,
-                 const Weight& w) {
-  const int64_t M = w.rows, K = w.cols;
-  const int64_t units = (M + 15) / 16;
-  const bool inline_work =
-      T == 1 && size_t(M) * w.row_stride() <= (pool.spins() ? kInlineDecodeBytesSpin : kInlineDecodeBytes);
-  if (!is_block_quant(w.type)) {
+// matmul with the SIMD kernels of one level (see cpu_x86.h) for n weights of the same type
+// and column count: the activations are quantized once, and the rows of all the weights, in
+// units of 16, are split over the threads in one operation. Every output element gets the same
+// instructions whatever the split and whichever weights share the call.
+void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, const float* x, int64_t T,
+                 const MatmulOut* outs, size_t n_outs) {
+  const int64_t K = outs[0].w->cols;
+  const DType type = outs[0].w->type;
+  int64_t units = 0;
+  size_t bytes = 0;
+  int64_t first_unit[8];  // first unit of each weight (n_outs <= 8)
+  for (size_t i = 0; i < n_outs; ++i) {
+    first_unit[i] = units;
+    units += (outs[i].w->rows + 15) / 16;
+    bytes += size_t(outs[i].w->rows) * outs[i].w->row_stride();
+  }
+  const bool inline_work = T == 1 && bytes <= (pool.spins() ? kInlineDecodeBytesSpin : kInlineDecodeBytes);
+  // Units [u0, u1) of the concatenated weights as row ranges of each weight.
+  auto for_rows = [&](int64_t u0, int64_t u1, const auto& fn) {
+    for (size_t i = 0; i < n_outs; ++i) {
+      const int64_t M = outs[i].w->rows, a = std::max(u0, first_unit[i]), b = std::min(u1, first_unit[i] + (M + 15) / 16);
+      if (a < b) fn(outs[i], (a - first_unit[i]) * 16, std::min(M, (b - first_unit[i]) * 16));
+    }
+  };
+  if (!is_block_quant(type)) {
     run_units(pool, inline_work, units, [&](int64_t u0, int64_t u1, int) {
-      k.matmul_float(y, x, T, w, u0 * 16, std::min(M, u1 * 16));
+      for_rows(u0, u1, [&](const MatmulOut& o, int64_t r0, int64_t r1) { k.matmul_float(o.y, x, T, *o.w, r0, r1); });
     });
     return;
   }
@@ -220,12 +236,13 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, floa
   a.xq = xq;
   a.T = T;
   a.nb = nb;
-  k.prepare_quant(w.type, xsum, a, s.corr.data(), aligned_buffer(s.prep, k.prep_bytes(w.type, T, K)));
-  const size_t tb = k.thread_bytes(w.type, T, K);
+  k.prepare_quant(type, xsum, a, s.corr.data(), aligned_buffer(s.prep, k.prep_bytes(type, T, K)));
+  const size_t tb = k.thread_bytes(type, T, K);
   if (s.tbuf.size() < size_t(pool.size())) s.tbuf.resize(size_t(pool.size()));
   for (auto& b : s.tbuf) aligned_buffer(b, tb);
   run_units(pool, inline_work, units, [&](int64_t u0, int64_t u1, int thread) {
-    k.matmul_quant(y, a, w, u0 * 16, std::min(M, u1 * 16), aligned_buffer(s.tbuf[size_t(thread)], tb));
+    uint8_t* scratch = aligned_buffer(s.tbuf[size_t(thread)], tb);
+    for_rows(u0, u1, [&](const MatmulOut& o, int64_t r0, int64_t r1) { k.matmul_quant(o.y, a, *o.w, r0, r1, scratch); });
   });
 }
 
@@ -349,8 +366,20 @@ void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const fl
 
 // ---------------------------------------------------------------- matmul
 
+void matmul_many(ThreadPool& pool, MatmulScratch& s, const float* x, int64_t T, std::initializer_list<MatmulOut> outs) {
+  const x86::Kernels* k = active_kernels();
+  bool shared = k && outs.size() <= 8;
+  for (const MatmulOut& o : outs)
+    shared = shared && o.w->type == outs.begin()->w->type && o.w->cols == outs.begin()->w->cols;
+  if (shared) return matmul_simd(*k, pool, s, x, T, outs.begin(), outs.size());
+  for (const MatmulOut& o : outs) matmul(pool, s, o.y, x, T, *o.w);
+}
+
 void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_t T, const Weight& w) {
-  if (const x86::Kernels* k = active_kernels()) return matmul_simd(*k, pool, s, y, x, T, w);
+  if (const x86::Kernels* k = active_kernels()) {
+    const MatmulOut out{y, &w};
+    return matmul_simd(*k, pool, s, x, T, &out, 1);
+  }
   const int64_t M = w.rows, K = w.cols;
   if (is_block_quant(w.type)) {
     const int64_t nb = K / QK;

@@ -2,6 +2,7 @@
 // ground truth) where the fast version differs from the obvious loop.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -114,6 +115,18 @@ Weight weight_rows(const Weight& w, int64_t r0, int64_t n);
 /// F32/F16/BF16 weights use fp32 activations; Q8_0/Q4_0/Q4_1 weights use activations
 /// quantized to 8 bits per block of 32 (as llama.cpp does) and integer dot products.
 void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_t T, const Weight& w);
+
+/// One product of matmul_many: y [T, w->rows].
+struct MatmulOut {
+  float* y;
+  const Weight* w;
+};
+
+/// y_i = x [T, cols] · W_iᵀ for up to 8 weights that read the same activations (Q, K and V;
+/// the FFN's gate and up): when they share type and column count, the activations are quantized
+/// once and the rows of all of them are split over the threads in one operation, else it is
+/// one matmul per weight. Results are bit-identical with separate matmul calls.
+void matmul_many(ThreadPool& pool, MatmulScratch& s, const float* x, int64_t T, std::initializer_list<MatmulOut> outs);
 
 /// Reference for matmul: every weight row dequantized to fp32, fp64 accumulation, fp32 activations.
 void ref_matmul(float* y, const float* x, int64_t T, const Weight& w);

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 
 #include "engine/tp.h"
@@ -138,6 +139,7 @@ Workspace::Workspace(const Model&, const WorkspacePlan& p) : cap_(p.capacity) {
   h1_.resize(p.h1);
   h2_.resize(p.h2);
   plan_.pos.reserve(p.pos);
+  plan_.out.reserve(p.pos);
   att_.assign(size_t(p.threads), std::vector<float>(p.att));
   att_part_.resize(p.att_part);
   logits_.resize(p.logits);
@@ -149,7 +151,8 @@ uint64_t Workspace::bytes() const {
                   h1_.capacity() + h2_.capacity() + logits_.capacity() + gathered_.capacity();
   for (const auto& a : att_) floats += a.capacity();
   floats += att_part_.capacity();
-  return floats * sizeof(float) + plan_.pos.capacity() * sizeof(int64_t) + matmul_scratch_bytes(scratch_);
+  return floats * sizeof(float) + (plan_.pos.capacity() + plan_.out.capacity()) * sizeof(int64_t) +
+         matmul_scratch_bytes(scratch_);
 }
 
 void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity,
@@ -159,6 +162,7 @@ void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, i
   // Positions: each sequence continues from its cached length.
   std::map<int32_t, int64_t> next;
   plan.pos.resize(size_t(T));
+  plan.out.clear();
   plan.n_logits = 0, plan.max_pos = 0;
   for (int64_t i = 0; i < T; ++i) {
     const BatchToken& b = batch[i];
@@ -168,8 +172,9 @@ void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, i
     plan.pos[size_t(i)] = it->second++;
     if (plan.pos[size_t(i)] >= cache.capacity(b.seq)) throw UsageError("forward: KV cache positions not reserved");
     plan.max_pos = std::max(plan.max_pos, plan.pos[size_t(i)] + 1);
-    plan.n_logits += b.logits;
+    if (b.logits) plan.out.push_back(i);
   }
+  plan.n_logits = int64_t(plan.out.size());
   plan.ends.assign(next.begin(), next.end());
 }
 
@@ -212,58 +217,84 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     comm->all_reduce_sum(x, T * D);
   }
 
+  // Per-token work (norms, RoPE, residual adds) runs on the pool when there are enough tokens
+  // to pay for the hand-off; a token's result does not depend on the split.
+  auto per_token = [&](int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+    if (n < 4) return fn(0, n);
+    pool.parallel_for(n, [&](int64_t t0, int64_t t1, int) { fn(t0, t1); });
+  };
+
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = layers[size_t(l)];
+    // Every layer writes K and V of all T tokens, but only the flagged tokens' hidden states
+    // reach the logits: the last layer computes its queries, attention and FFN for those To
+    // tokens alone (as llama.cpp does), row i standing for batch token tok(i).
+    const bool last = l + 1 == c.n_layers;
+    const int64_t To = last ? n_logits : T;
+    auto tok = [&](int64_t i) { return last ? plan.out[size_t(i)] : i; };
 
     // Attention block: xb = RMSNorm(x); q, k, v = xb·Wqᵀ, xb·Wkᵀ, xb·Wvᵀ (this rank's heads)
-    for (int64_t t = 0; t < T; ++t) rmsnorm(ws.xb_.data() + t * D, x + t * D, w.attn_norm, D, eps);
-    matmul(pool, ws.scratch_, ws.q_.data(), ws.xb_.data(), T, w.wq);  // [T, Q]
-    matmul(pool, ws.scratch_, ws.k_.data(), ws.xb_.data(), T, w.wk);  // [T, KV]
-    matmul(pool, ws.scratch_, ws.v_.data(), ws.xb_.data(), T, w.wv);  // [T, KV]
+    per_token(T, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) rmsnorm(ws.xb_.data() + t * D, x + t * D, w.attn_norm, D, eps);
+    });
+    if (!last) {
+      matmul_many(pool, ws.scratch_, ws.xb_.data(), T,
+                  {{ws.q_.data(), &w.wq}, {ws.k_.data(), &w.wk}, {ws.v_.data(), &w.wv}});  // [T, Q], [T, KV], [T, KV]
+    } else {
+      matmul_many(pool, ws.scratch_, ws.xb_.data(), T, {{ws.k_.data(), &w.wk}, {ws.v_.data(), &w.wv}});  // [T, KV] x2
+      for (int64_t i = 0; i < To; ++i)  // xb rows of the flagged tokens to the front (tok(i) >= i)
+        if (tok(i) != i) std::memcpy(ws.xb_.data() + i * D, ws.xb_.data() + tok(i) * D, size_t(D) * sizeof(float));
+      if (To > 0) matmul(pool, ws.scratch_, ws.q_.data(), ws.xb_.data(), To, w.wq);  // [To, Q]
+    }
     if (w.bq) {  // q, k, v += their biases (before RoPE, as in Qwen2 and HF Llama)
-      add_bias(ws.q_.data(), w.bq, T, Q);
+      add_bias(ws.q_.data(), w.bq, To, Q);
       add_bias(ws.k_.data(), w.bk, T, KV);
       add_bias(ws.v_.data(), w.bv, T, KV);
     }
-    for (int64_t t = 0; t < T; ++t) {
-      rope(ws.q_.data() + t * Q, R.n_heads, hd, pos[t], c.rope_theta, c.rope_layout);
-      rope(ws.k_.data() + t * KV, R.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
-      const int64_t blk = pos[t] / bt, slot = pos[t] % bt;
-      for (int64_t h = 0; h < KV / hd; ++h) {
-        float* kT = cache.key_block(l, batch[t].seq, blk, h, pool_id);  // [hd, bt]: keys transposed
-        for (int64_t d = 0; d < hd; ++d) kT[d * bt + slot] = ws.k_[size_t(t * KV + h * hd + d)];
-        std::memcpy(cache.value_block(l, batch[t].seq, blk, h, pool_id) + slot * hd, ws.v_.data() + t * KV + h * hd,
-                    size_t(hd) * sizeof(float));
+    per_token(T, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        rope(ws.k_.data() + t * KV, R.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
+        const int64_t blk = pos[t] / bt, slot = pos[t] % bt;
+        for (int64_t h = 0; h < KV / hd; ++h) {
+          float* kT = cache.key_block(l, batch[t].seq, blk, h, pool_id);  // [hd, bt]: keys transposed
+          for (int64_t d = 0; d < hd; ++d) kT[d * bt + slot] = ws.k_[size_t(t * KV + h * hd + d)];
+          std::memcpy(cache.value_block(l, batch[t].seq, blk, h, pool_id) + slot * hd, ws.v_.data() + t * KV + h * hd,
+                      size_t(hd) * sizeof(float));
+        }
       }
-    }
+    });
+    if (To == 0) break;  // last layer, no logits wanted: only its K and V were needed
+    per_token(To, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) rope(ws.q_.data() + i * Q, R.n_heads, hd, pos[tok(i)], c.rope_theta, c.rope_layout);
+    });
     // Causal attention: the token at position p sees its sequence's positions 0..p. A work item
-    // is one token and G query heads: G = group, the heads that share a KV head, so each K/V
-    // block is read once for all of them (a rank whose heads do not start and end on KV-group
-    // boundaries, in uneven TP splits, uses G = 1). Positions are taken in parts of
-    // kAttnPartTokens; each part keeps its softmax max m and sum l and its normalized output o,
-    // and the parts are merged: out = Σ_c l_c e^(m_c - M) o_c / Σ_c l_c e^(m_c - M), M = max_c m_c
-    // (the flash-decoding merge, Dao et al. 2023). The parts of a token are fixed by its position,
-    // so its result is the same in any batch and on any thread count. With enough (token, head
-    // group) items for the threads (prefill, big batches) an item runs its parts in turn; items
-    // are head-major and, within a head, take tokens in the order 0, T-1, 1, T-2, ... so that
-    // contiguous ranges of items (one per thread) carry the same causal work. With fewer
+    // is one output row i (batch token tok(i)) and G query heads: G = group, the heads that
+    // share a KV head, so each K/V block is read once for all of them (a rank whose heads do not
+    // start and end on KV-group boundaries, in uneven TP splits, uses G = 1). Positions are taken
+    // in parts of kAttnPartTokens; each part keeps its softmax max m and sum l and its normalized
+    // output o, and the parts are merged: out = Σ_c l_c e^(m_c - M) o_c / Σ_c l_c e^(m_c - M),
+    // M = max_c m_c (the flash-decoding merge, Dao et al. 2023). The parts of a token are fixed by
+    // its position, so its result is the same in any batch and on any thread count. With enough
+    // (token, head group) items for the threads (prefill, big batches) an item runs its parts in
+    // turn; items are head-major and, within a head, take rows in the order 0, To-1, 1, To-2, ...
+    // so that contiguous ranges of items (one per thread) carry the same causal work. With fewer
     // (decode), every part is an item of its own and the merge follows. Local head h is global
     // head R.head0 + h; its KV head is (R.head0 + h) / group, local index that minus R.kv_head0.
     const bool aligned = R.head0 % group == 0 && R.n_heads % group == 0;
-    const int64_t G = aligned ? group : 1, n_groups = R.n_heads / G, pair_count = T * n_groups;
+    const int64_t G = aligned ? group : 1, n_groups = R.n_heads / G, pair_count = To * n_groups;
     const int64_t part_blocks = std::max<int64_t>(1, kAttnPartTokens / bt), part_len = part_blocks * bt;
     const int64_t part_floats = G * (hd + 2);  // per part: o [G, hd], then m [G], then l [G]
-    auto parts_of = [&](int64_t t) { return (pos[t] + part_len) / part_len; };  // ceil((pos + 1) / part_len)
-    auto token_of = [&](int64_t pair) {
-      const int64_t j = pair % T;
-      return j % 2 == 0 ? j / 2 : T - 1 - j / 2;
+    auto parts_of = [&](int64_t i) { return (pos[tok(i)] + part_len) / part_len; };  // ceil((pos + 1) / part_len)
+    auto row_of = [&](int64_t pair) {
+      const int64_t j = pair % To;
+      return j % 2 == 0 ? j / 2 : To - 1 - j / 2;
     };
-    // Part c of (token t, heads h0 ...): o, m, l at dst; `scores` holds [G, part_len].
-    auto attend_part = [&](int64_t t, int64_t h0, int64_t c, float* scores, float* dst) {
-      const int64_t kvh = (R.head0 + h0) / group - R.kv_head0;
+    // Part c of (row i, heads h0 ...): o, m, l at dst; `scores` holds [G, part_len].
+    auto attend_part = [&](int64_t i, int64_t h0, int64_t c, float* scores, float* dst) {
+      const int64_t kvh = (R.head0 + h0) / group - R.kv_head0, t = tok(i);
       const int32_t seq = batch[t].seq;
       const int64_t lo = c * part_len, hi = std::min(pos[t] + 1, lo + part_len);
-      const float* q = ws.q_.data() + t * Q + h0 * hd;  // [G, hd]
+      const float* q = ws.q_.data() + i * Q + h0 * hd;  // [G, hd]
       for (int64_t p0 = lo; p0 < hi; p0 += bt) {
         const float* kT = cache.key_block(l, seq, p0 / bt, kvh, pool_id);  // [hd, bt]
         attn_scores(scores + p0 - lo, part_len, q, G, kT, std::min(bt, hi - p0), bt, hd, att_scale);
@@ -298,7 +329,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
       }
     };
     int64_t max_parts = 1;
-    for (int64_t t = 0; t < T; ++t) max_parts = std::max(max_parts, parts_of(t));
+    for (int64_t i = 0; i < To; ++i) max_parts = std::max(max_parts, parts_of(i));
     const int64_t threads = pool.size();
     const bool split = pair_count < 2 * threads && max_parts > 1 &&
                        ws.att_part_.size() >= size_t(pair_count * max_parts * part_floats);
@@ -313,44 +344,53 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
         float* scores = thread_buf(thread);
         float* parts = scores + G * part_len;
         for (int64_t pair = i0; pair < i1; ++pair) {
-          const int64_t t = token_of(pair), h0 = (pair / T) * G, n = parts_of(t);
-          for (int64_t c = 0; c < n; ++c) attend_part(t, h0, c, scores, parts + c * part_floats);
-          merge(parts, n, ws.att_out_.data() + t * Q + h0 * hd);
+          const int64_t i = row_of(pair), h0 = (pair / To) * G, n = parts_of(i);
+          for (int64_t c = 0; c < n; ++c) attend_part(i, h0, c, scores, parts + c * part_floats);
+          merge(parts, n, ws.att_out_.data() + i * Q + h0 * hd);
         }
       });
     } else {
       pool.parallel_for(pair_count * max_parts, [&](int64_t i0, int64_t i1, int thread) {
         float* scores = thread_buf(thread);
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t pair = i / max_parts, c = i % max_parts, t = token_of(pair);
-          if (c < parts_of(t)) attend_part(t, (pair / T) * G, c, scores, ws.att_part_.data() + i * part_floats);
+        for (int64_t it = i0; it < i1; ++it) {
+          const int64_t pair = it / max_parts, c = it % max_parts, i = row_of(pair);
+          if (c < parts_of(i)) attend_part(i, (pair / To) * G, c, scores, ws.att_part_.data() + it * part_floats);
         }
       });
       for (int64_t pair = 0; pair < pair_count; ++pair) {
-        const int64_t t = token_of(pair), h0 = (pair / T) * G;
-        merge(ws.att_part_.data() + pair * max_parts * part_floats, parts_of(t), ws.att_out_.data() + t * Q + h0 * hd);
+        const int64_t i = row_of(pair), h0 = (pair / To) * G;
+        merge(ws.att_part_.data() + pair * max_parts * part_floats, parts_of(i), ws.att_out_.data() + i * Q + h0 * hd);
       }
     }
-    matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), T, w.wo);  // [T, D] (partial sum when split)
-    if (comm) comm->all_reduce_sum(ws.xb_.data(), T * D);
-    if (w.bo) add_bias(ws.xb_.data(), w.bo, T, D);  // [D], replicated: added once, after the sum
-    for (int64_t i = 0; i < T * D; ++i) x[i] += ws.xb_[size_t(i)];
+    matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), To, w.wo);  // [To, D] (partial sum when split)
+    if (comm) comm->all_reduce_sum(ws.xb_.data(), To * D);
+    if (w.bo) add_bias(ws.xb_.data(), w.bo, To, D);  // [D], replicated: added once, after the sum
+    if (last)  // the flagged tokens' residual rows to the front too
+      for (int64_t i = 0; i < To; ++i)
+        if (tok(i) != i) std::memcpy(x + i * D, x + tok(i) * D, size_t(D) * sizeof(float));
 
     // FFN block: x += W_down · (silu(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)
-    for (int64_t t = 0; t < T; ++t) rmsnorm(ws.xb_.data() + t * D, x + t * D, w.ffn_norm, D, eps);
-    matmul(pool, ws.scratch_, ws.h1_.data(), ws.xb_.data(), T, w.w_gate);  // [T, H]
-    matmul(pool, ws.scratch_, ws.h2_.data(), ws.xb_.data(), T, w.w_up);    // [T, H]
-    swiglu(ws.h1_.data(), ws.h2_.data(), T * H);
-    matmul(pool, ws.scratch_, ws.xb_.data(), ws.h1_.data(), T, w.w_down);  // [T, D] (partial sum when split)
-    if (comm) comm->all_reduce_sum(ws.xb_.data(), T * D);
-    for (int64_t i = 0; i < T * D; ++i) x[i] += ws.xb_[size_t(i)];
+    per_token(To, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t i = t * D; i < (t + 1) * D; ++i) x[i] += ws.xb_[size_t(i)];
+        rmsnorm(ws.xb_.data() + t * D, x + t * D, w.ffn_norm, D, eps);
+      }
+    });
+    matmul_many(pool, ws.scratch_, ws.xb_.data(), To, {{ws.h1_.data(), &w.w_gate}, {ws.h2_.data(), &w.w_up}});  // [To, H] x2
+    per_token(To, [&](int64_t t0, int64_t t1) { swiglu(ws.h1_.data() + t0 * H, ws.h2_.data() + t0 * H, (t1 - t0) * H); });
+    matmul(pool, ws.scratch_, ws.xb_.data(), ws.h1_.data(), To, w.w_down);  // [To, D] (partial sum when split)
+    if (comm) comm->all_reduce_sum(ws.xb_.data(), To * D);
+    per_token(To, [&](int64_t t0, int64_t t1) {
+      for (int64_t i = t0 * D; i < t1 * D; ++i) x[i] += ws.xb_[size_t(i)];
+    });
   }
 
-  // Final norm and the output projection for the flagged tokens only.
+  // Final norm and the output projection for the flagged tokens only (the last layer left their
+  // rows at the front of x).
   if (n_logits == 0) return nullptr;
-  int64_t r = 0;
-  for (int64_t t = 0; t < T; ++t)
-    if (batch[t].logits) rmsnorm(ws.xb_.data() + (r++) * D, x + t * D, m.output_norm, D, eps);
+  per_token(n_logits, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rmsnorm(ws.xb_.data() + r * D, x + r * D, m.output_norm, D, eps);
+  });
   const Weight& out_w = shard ? shard->output : m.output;
   const int64_t NV = R.n_vocab;  // this rank's logit rows
   if (ws.logits_.size() < size_t(n_logits * NV)) ws.logits_.resize(size_t(n_logits * NV));

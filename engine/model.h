@@ -116,6 +116,7 @@ struct BatchToken {
 struct BatchPlan {
   std::vector<int64_t> pos;                            // [T] position of each batch token
   std::vector<std::pair<int32_t, int64_t>> ends;       // per sequence: cache length afterwards
+  std::vector<int64_t> out;                            // [n_logits] batch index of each flagged token
   int64_t n_logits = 0;                                // tokens flagged for logits
   int64_t max_pos = 0;                                 // 1 + the largest position
 };

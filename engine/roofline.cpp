@@ -14,23 +14,33 @@ namespace llmq {
 ForwardCost forward_cost(const Model& m, int64_t n_tokens, int64_t pos0) {
   const LlamaConfig& c = m.config;
   ForwardCost cost;
-  double matmul_weights = 0;  // weights (not bytes) multiplied per token
+  // Weights multiplied per token: by every token (layer matrices), and by the last token only
+  // (the last layer's Q, output and FFN matrices, the output projection: forward_shard computes
+  // only the flagged token's hidden state there, and the logits of the last token).
+  double all_tokens = 0, last_token = 0;
+  const std::string last_layer = "blk." + std::to_string(c.n_layers - 1) + ".";
   for (const TensorInfo& t : m.file->tensors()) {
     if (t.name == "token_embd.weight") continue;  // counted below
     cost.weight_bytes += double(t.nbytes);
-    if (t.shape.size() == 2) matmul_weights += double(t.numel());
+    if (t.shape.size() != 2) continue;
+    const bool kv = t.name.find(".attn_k.") != std::string::npos || t.name.find(".attn_v.") != std::string::npos;
+    const bool to_last = t.name == "output.weight" || (t.name.rfind(last_layer, 0) == 0 && !kv);
+    (to_last ? last_token : all_tokens) += double(t.numel());
   }
   const Weight& e = m.token_embd;
   if (c.tied_embeddings) {  // the output matmul reads the whole embedding matrix
     cost.weight_bytes += double(e.rows) * double(e.row_stride());
-    matmul_weights += double(e.rows) * double(e.cols);
+    last_token += double(e.rows) * double(e.cols);
   } else {
     cost.weight_bytes += double(n_tokens) * double(e.row_stride());
   }
-  // Positions pos0 .. pos0 + n - 1 each attend to (p + 1) positions.
+  // Positions pos0 .. pos0 + n - 1 each attend to (p + 1) positions (in the last layer only the
+  // last one does).
   const double attended = double(n_tokens) * double(pos0) + double(n_tokens) * double(n_tokens + 1) / 2;
+  const double attended_last = double(pos0 + n_tokens);
   cost.kv_bytes = double(c.n_layers) * 2.0 * attended * double(c.kv_dim()) * sizeof(float);
-  cost.flops = 2.0 * double(n_tokens) * matmul_weights + double(c.n_layers) * 4.0 * attended * double(c.q_dim());
+  cost.flops = 2.0 * (double(n_tokens) * all_tokens + last_token) +
+               4.0 * double(c.q_dim()) * (double(c.n_layers - 1) * attended + attended_last);
   return cost;
 }
 

@@ -23,8 +23,12 @@ struct ForwardCost {
                             ///< covers them)
   double kv_bytes = 0;      ///< K and V read by attention: per layer and token at position p,
                             ///< 2 * (p + 1) * kv_dim * 4 bytes (each position once per KV head)
-  double flops = 0;         ///< 2 * n_tokens * (matmul weights) + attention: per layer and
-                            ///< token, 4 * (p + 1) * q_dim (q.k scores and the weighted sum of V)
+  double flops = 0;         ///< the arithmetic forward_shard does for logits of the last token:
+                            ///< 2 * weights per matmul and token (every token through the layer
+                            ///< matrices, except the last layer's Q, output and FFN matrices and
+                            ///< the output projection, which see the last token only) +
+                            ///< attention: 4 * (p + 1) * q_dim per layer and token at position p
+                            ///< (q.k scores and the weighted sum of V; last layer: last token)
   double bytes() const { return weight_bytes + kv_bytes; }
 };
 
