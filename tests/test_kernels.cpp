@@ -249,6 +249,45 @@ TEST_CASE("packed weights give bit-identical matmul results", "[kernels]") {
   }
 }
 
+TEST_CASE("matmul_many equals one matmul per weight, bit for bit, at every CPU level", "[kernels]") {
+  LevelGuard guard;
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  ThreadPool pool3(3);
+  for (CpuLevel level : {CpuLevel::Scalar, CpuLevel::Avx2, CpuLevel::Avx512}) {
+    if (!cpu_level_supported(level)) continue;
+    set_cpu_level(level);
+    for (DType t : {DType::F32, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+      // Q, K, V-like shapes (rows not multiples of 16), then a mixed-type group (per-weight path).
+      OwnedWeight a(t, 70, 96, rng), b(t, 24, 96, rng), c(t, 17, 96, rng);
+      OwnedWeight d(t == DType::Q8_0 ? DType::Q4_0 : DType::Q8_0, 33, 96, rng);
+      Weight pa = a.w, pb = b.w, pc = c.w;
+      std::vector<Weight*> ws{&pa, &pb, &pc};
+      const PackedWeights packed = pack_weights(ws);
+      for (int64_t T : {1, 5, 9}) {
+        INFO(cpu_level_name(level) << " " << dtype_name(t) << " T " << T);
+        const auto x = gaussian(size_t(T * 96), rng);
+        std::vector<float> ya(size_t(T * 70), NAN), yb(size_t(T * 24), NAN), yc(size_t(T * 17), NAN), yd(size_t(T * 33), NAN);
+        auto ra = ya, rb = yb, rc = yc, rd = yd;
+        MatmulScratch s1, s2;
+        matmul(pool3, s1, ra.data(), x.data(), T, pa);
+        matmul(pool3, s1, rb.data(), x.data(), T, pb);
+        matmul(pool3, s1, rc.data(), x.data(), T, pc);
+        matmul(pool3, s1, rd.data(), x.data(), T, d.w);
+        matmul_many(pool3, s2, x.data(), T, {{ya.data(), &pa}, {yb.data(), &pb}, {yc.data(), &pc}});
+        CHECK(std::memcmp(ya.data(), ra.data(), ya.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(yb.data(), rb.data(), yb.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(yc.data(), rc.data(), yc.size() * sizeof(float)) == 0);
+        std::fill(ya.begin(), ya.end(), NAN);
+        matmul_many(pool3, s2, x.data(), T, {{ya.data(), &pa}, {yd.data(), &d.w}});
+        CHECK(std::memcmp(ya.data(), ra.data(), ya.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(yd.data(), rd.data(), yd.size() * sizeof(float)) == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("quantize_act_q8, dot_f32 and axpy_f32 agree across CPU levels", "[kernels]") {
   LevelGuard guard;
   std::mt19937_64 rng(fresh_seed());
