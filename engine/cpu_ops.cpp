@@ -443,48 +443,20 @@ void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
 }
 
-namespace {
 
-// cos and sin of every pair's angle at one position, computed exactly as before (fp64, then
-// rounded to fp32) but kept per thread: q and k of a token are rotated at the same position, and
-// the frequencies θ^(-2i/d) only change with the model.
-struct RopeTable {
-  int64_t head_dim = -1, pos = -1;
-  double theta = 0;
-  std::vector<double> freq;  // [head_dim/2]
-  std::vector<float> c, s;   // [head_dim/2] at `pos`
-};
-
-const RopeTable& rope_table(int64_t head_dim, int64_t pos, double theta) {
-  thread_local RopeTable t;
+void rope_angles(float* cs, int64_t head_dim, int64_t pos, double theta) {
   const int64_t half = head_dim / 2;
-  if (t.head_dim != head_dim || t.theta != theta) {
-    t.head_dim = head_dim;
-    t.theta = theta;
-    t.pos = -1;
-    t.freq.resize(size_t(half));
-    t.c.resize(size_t(half));
-    t.s.resize(size_t(half));
-    for (int64_t i = 0; i < half; ++i) t.freq[size_t(i)] = std::pow(theta, -2.0 * double(i) / double(head_dim));
+  for (int64_t i = 0; i < half; ++i) {
+    const double angle = double(pos) * std::pow(theta, -2.0 * double(i) / double(head_dim));
+    cs[i] = float(std::cos(angle));
+    cs[half + i] = float(std::sin(angle));
   }
-  if (t.pos != pos) {
-    t.pos = pos;
-    for (int64_t i = 0; i < half; ++i) {
-      const double angle = double(pos) * t.freq[size_t(i)];
-      t.c[size_t(i)] = float(std::cos(angle));
-      t.s[size_t(i)] = float(std::sin(angle));
-    }
-  }
-  return t;
 }
 
-}  // namespace
-
-void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta, RopeLayout layout) {
+void rope_rotate(float* v, int64_t n_heads, int64_t head_dim, const float* cs, RopeLayout layout) {
   const int64_t half = head_dim / 2;
-  const RopeTable& table = rope_table(head_dim, pos, theta);
   for (int64_t i = 0; i < half; ++i) {
-    const float c = table.c[size_t(i)], s = table.s[size_t(i)];
+    const float c = cs[i], s = cs[half + i];
     const int64_t a = layout == RopeLayout::Interleaved ? 2 * i : i;
     const int64_t b = layout == RopeLayout::Interleaved ? 2 * i + 1 : i + half;
     for (int64_t h = 0; h < n_heads; ++h) {
@@ -494,6 +466,12 @@ void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta
       p[b] = x0 * s + x1 * c;
     }
   }
+}
+
+void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta, RopeLayout layout) {
+  std::vector<float> cs(size_t(head_dim / 2) * 2);
+  rope_angles(cs.data(), head_dim, pos, theta);
+  rope_rotate(v, n_heads, head_dim, cs.data(), layout);
 }
 
 float softmax(float* x, int64_t n, float* max_out) {

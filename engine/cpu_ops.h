@@ -167,6 +167,14 @@ void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps);
 /// (2i, 2i+1); rotate-half pairs are (i, i + head_dim/2).
 void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta, RopeLayout layout);
 
+/// The angles rope uses at position `pos`, for rope_rotate: cs[i] = cos(pos·θ^(-2i/head_dim)),
+/// cs[head_dim/2 + i] = its sine, i < head_dim/2 (fp64, rounded to fp32). A batch computes them
+/// once per token for every layer, q and k.
+void rope_angles(float* cs, int64_t head_dim, int64_t pos, double theta);
+/// rope with the angles of rope_angles: rope(v, ..., pos, θ, layout) ==
+/// rope_rotate(v, ..., rope_angles(pos, θ), layout) bit for bit.
+void rope_rotate(float* v, int64_t n_heads, int64_t head_dim, const float* cs, RopeLayout layout);
+
 /// In-place softmax over x[n] (max-subtracted). The SIMD levels use a vector e^x (about 2 ulp)
 /// and fp32 lane sums; the scalar level std::exp and an fp64 sum.
 /// Returns l = Σ_i e^(x_i - m) (before normalizing) and, if max_out, stores m = max_i x_i: what

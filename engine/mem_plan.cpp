@@ -62,6 +62,7 @@ std::vector<PlannedBuffer> WorkspacePlan::buffers() const {
       f32("ws.att_out", att_out, rows(att_out)),
       f32("ws.h1 (FFN gate)", h1, rows(h1)),
       f32("ws.h2 (FFN up)", h2, rows(h2)),
+      f32("ws.rope (RoPE cos, sin per token)", rope, rows(rope)),
       PlannedBuffer{"ws.pos, ws.out (positions, flagged tokens)", fmt::format("2 x [{}] i64", pos),
                     2 * uint64_t(pos) * sizeof(int64_t)},
       PlannedBuffer{"ws.att (scores, per thread)", fmt::format("{} x [{}] f32", threads, att), uint64_t(threads) * att * sizeof(float)},
@@ -89,6 +90,7 @@ WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>&
   p.k = p.v = B * size_t(c.kv_dim());
   p.h1 = p.h2 = B * size_t(c.hidden_dim);
   p.pos = B;
+  p.rope = B * size_t(c.head_dim);
   // forward_batch scores G query heads per work item: the GQA group (1 for uneven TP splits),
   // over parts of kAttnPartTokens positions (engine/model.cpp, attention).
   const int64_t G = c.n_heads / c.n_kv_heads;

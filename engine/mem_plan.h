@@ -70,6 +70,7 @@ struct WorkspacePlan {
   int threads = 0;          ///< ThreadPool::size()
   // Elements (floats unless noted): [capacity, ...] activations
   size_t x = 0, xb = 0, q = 0, k = 0, v = 0, att_out = 0, h1 = 0, h2 = 0;
+  size_t rope = 0;    ///< RoPE angles [capacity, head_dim]
   size_t pos = 0;     ///< int64 positions [capacity], and as many batch indexes of flagged tokens
   size_t att = 0;       ///< per thread: scores [G, part] + the parts of one item [max_parts, G, head_dim + 2]
   size_t att_part = 0;  ///< decode: the parts of every item when parts run on separate threads
@@ -77,7 +78,7 @@ struct WorkspacePlan {
   size_t logits = 0;  ///< [logits_rows, vocab]
   MatmulScratchPlan matmul;
 
-  /// Total bytes: 4 · (x + xb + q + k + v + att_out + h1 + h2 + threads·att + att_part + logits)
+  /// Total bytes: 4 · (x + xb + q + k + v + att_out + h1 + h2 + rope + threads·att + att_part + logits)
   /// + 2 · 8 · pos + matmul.bytes().
   uint64_t bytes() const;
   /// The buffers one by one (the report's detail lines).

@@ -142,13 +142,14 @@ Workspace::Workspace(const Model&, const WorkspacePlan& p) : cap_(p.capacity) {
   plan_.out.reserve(p.pos);
   att_.assign(size_t(p.threads), std::vector<float>(p.att));
   att_part_.resize(p.att_part);
+  rope_.resize(p.rope);
   logits_.resize(p.logits);
   reserve_matmul_scratch(scratch_, p.matmul);
 }
 
 uint64_t Workspace::bytes() const {
   size_t floats = x_.capacity() + xb_.capacity() + q_.capacity() + k_.capacity() + v_.capacity() + att_out_.capacity() +
-                  h1_.capacity() + h2_.capacity() + logits_.capacity() + gathered_.capacity();
+                  h1_.capacity() + h2_.capacity() + logits_.capacity() + gathered_.capacity() + rope_.capacity();
   for (const auto& a : att_) floats += a.capacity();
   floats += att_part_.capacity();
   return floats * sizeof(float) + (plan_.pos.capacity() + plan_.out.capacity()) * sizeof(int64_t) +
@@ -224,6 +225,12 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     pool.parallel_for(n, [&](int64_t t0, int64_t t1, int) { fn(t0, t1); });
   };
 
+  // RoPE angles of every token, for all layers: [T, hd] (cos, then sin, of each pair).
+  float* angles = ws.rope_.data();
+  per_token(T, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rope_angles(angles + t * hd, hd, pos[t], c.rope_theta);
+  });
+
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = layers[size_t(l)];
     // Every layer writes K and V of all T tokens, but only the flagged tokens' hidden states
@@ -253,7 +260,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     }
     per_token(T, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        rope(ws.k_.data() + t * KV, R.n_kv_heads, hd, pos[t], c.rope_theta, c.rope_layout);
+        rope_rotate(ws.k_.data() + t * KV, R.n_kv_heads, hd, angles + t * hd, c.rope_layout);
         const int64_t blk = pos[t] / bt, slot = pos[t] % bt;
         for (int64_t h = 0; h < KV / hd; ++h) {
           float* kT = cache.key_block(l, batch[t].seq, blk, h, pool_id);  // [hd, bt]: keys transposed
@@ -265,7 +272,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     });
     if (To == 0) break;  // last layer, no logits wanted: only its K and V were needed
     per_token(To, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) rope(ws.q_.data() + i * Q, R.n_heads, hd, pos[tok(i)], c.rope_theta, c.rope_layout);
+      for (int64_t i = i0; i < i1; ++i) rope_rotate(ws.q_.data() + i * Q, R.n_heads, hd, angles + tok(i) * hd, c.rope_layout);
     });
     // Causal attention: the token at position p sees its sequence's positions 0..p. A work item
     // is one output row i (batch token tok(i)) and G query heads: G = group, the heads that

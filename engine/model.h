@@ -149,6 +149,7 @@ class Workspace {
   BatchPlan plan_;                           // forward_batch's plan (reused)
   std::vector<std::vector<float>> att_;      // per thread: attention scores [G, context]
   std::vector<float> att_part_;              // split decode attention: per part [G, head_dim + 2]
+  std::vector<float> rope_;                  // [capacity, head_dim] RoPE cos, sin per token
   std::vector<float> logits_;                // [n_logits, n_vocab] this rank's logits
   std::vector<float> gathered_;              // root: [n_logits, vocab] all ranks' logits
   MatmulScratch scratch_;
