@@ -111,6 +111,33 @@ uint64_t shard_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>&
   return b;
 }
 
+uint64_t shard_packed_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R) {
+  const int64_t hd = c.head_dim;
+  std::vector<Weight> own;  // shapes only, as make_shard leaves them unpacked
+  auto rows = [&](const std::string& name, int64_t r0, int64_t n) {  // weight_rows keeps the model's panels at r0 % 16 == 0
+    const TensorInfo& t = tensor(tensors, name);
+    if (r0 % 16 != 0 && n > 0) own.push_back(Weight{t.type, nullptr, n, t.shape[1]});
+  };
+  auto cols = [&](const std::string& name, int64_t c0, int64_t n) {  // copy_columns: a copy unless it is the whole matrix
+    const TensorInfo& t = tensor(tensors, name);
+    if (!(c0 == 0 && n == t.shape[1])) own.push_back(Weight{t.type, nullptr, t.shape[0], n});
+  };
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    auto name = [&](const char* what) { return llama_layer_tensor(l, what); };
+    rows(name("attn_q"), R.head0 * hd, R.n_heads * hd);
+    rows(name("attn_k"), R.kv_head0 * hd, R.n_kv_heads * hd);
+    rows(name("attn_v"), R.kv_head0 * hd, R.n_kv_heads * hd);
+    cols(name("attn_output"), R.head0 * hd, R.n_heads * hd);
+    rows(name("ffn_gate"), R.ffn0, R.ffn_dim);
+    rows(name("ffn_up"), R.ffn0, R.ffn_dim);
+    cols(name("ffn_down"), R.ffn0, R.ffn_dim);
+  }
+  rows(c.tied_embeddings ? "token_embd.weight" : "output.weight", R.vocab0, R.n_vocab);
+  std::vector<const Weight*> ptrs;
+  for (const Weight& w : own) ptrs.push_back(&w);
+  return packed_weights_bytes(ptrs);
+}
+
 ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank) {
   const LlamaConfig& c = m.config;
   const ShardRanges& R = all.at(size_t(rank));

@@ -54,6 +54,13 @@ std::vector<ShardRanges> plan_shards(const LlamaConfig& c, const std::vector<Ten
 /// biases sliced).
 uint64_t shard_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R);
 
+/// Bytes of the packed copies the rank with ranges R makes for itself (ModelShard::packed, the
+/// same sum as its bytes()): at the active CPU level, every matrix of the rank that the model's
+/// own packed panels do not cover, i.e. the column slices of Wo and W_down and the row slices
+/// that do not start on a 16-row panel (weight_rows). The model's panels themselves
+/// (Model::packed, plan_inference's packed_bytes) are one allocation all ranks share.
+uint64_t shard_packed_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R);
+
 /// Rank r's view of the model for ranges r (from plan_shards): slices the weights (see above),
 /// copying the row-parallel ones into owned buffers. vocab_bounds is filled from `all`.
 ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank);

@@ -78,12 +78,19 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, con
     const uint64_t kv = 2 * uint64_t(p.kv.n_blocks) * uint64_t(p.kv.block_tokens) * uint64_t(c.n_layers) *
                         uint64_t(R.n_kv_heads * c.head_dim) * sizeof(float);
     const uint64_t ws = rank_workspace_plan(c, f.tensors(), R, p.n_batch, threads).bytes();
+    const uint64_t packed = shard_packed_bytes(c, f.tensors(), R);
     r.lines.push_back({fmt::format("rank {}: weights", R.rank), double(w),
                        fmt::format("heads {}-{}, KV heads {}-{}, FFN {}-{}, vocab {}-{}: row slices of q/k/v/gate/up/embedding/output, "
                                    "column slices of attn_output/ffn_down (copied), norms replicated",
                                    R.head0, R.head0 + R.n_heads - 1, R.kv_head0, R.kv_head0 + R.n_kv_heads - 1, R.ffn0,
                                    R.ffn0 + R.ffn_dim - 1, R.vocab0, R.vocab0 + R.n_vocab - 1),
                        kMegatron, Place::Device, Basis::Exact});
+    if (packed > 0)
+      r.lines.push_back({fmt::format("rank {}: packed copies", R.rank), double(packed),
+                         fmt::format("{} kernels' panels of the rank's own slices (column slices of attn_output/ffn_down, row "
+                                     "slices not starting on a 16-row panel)",
+                                     cpu_kernels_name()),
+                         kPlan, Place::Device, Basis::Exact});
     r.lines.push_back({fmt::format("rank {}: KV cache", R.rank), double(kv),
                        fmt::format("2 x {} blocks x {} tokens x {} layers x {} KV heads x {} head_dim x 4 B", p.kv.n_blocks,
                                    p.kv.block_tokens, c.n_layers, R.n_kv_heads, c.head_dim),
@@ -93,8 +100,15 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, con
                                    "grow with use)",
                                    p.n_batch, threads),
                        kPlan, Place::Device, Basis::Exact});
-    per_rank.push_back({{"rank", R.rank}, {"weights", w}, {"kv_cache", kv}, {"workspace", ws}, {"threads", threads}});
+    per_rank.push_back(
+        {{"rank", R.rank}, {"weights", w}, {"packed", packed}, {"kv_cache", kv}, {"workspace", ws}, {"threads", threads}});
   }
+  if (p.packed_bytes > 0)
+    r.lines.push_back({"weights repacked for the CPU kernels (shared)", double(p.packed_bytes),
+                       fmt::format("{} kernels' 16-row panels of the whole model's matrices, one allocation the ranks' row slices "
+                                   "point into (Model::load); their {} in the mapping are released",
+                                   cpu_kernels_name(), format_bytes(double(p.packed_from_file))),
+                       kPlan, Place::Device, Basis::Exact});
   r.extra["ranks"] = per_rank;
   r.notes.push_back("weights per rank are what its tensors point at or own (TensorParallel, engine/tp.h); the ranks are threads of "
                     "one process sharing one mapping of the file, so the process maps the file once and adds the row-parallel copies");

@@ -439,6 +439,11 @@ TEST_CASE("TP: llmq-mem infer --tp reports each rank's weights, KV cache and wor
       for (int r = 0; r < n; ++r) {
         INFO(path << " TP=" << n << " rank " << r);
         CHECK(line("rank " + std::to_string(r) + ": weights") == tp->shard(r).weight_bytes());
+        const uint64_t packed = tp->shard(r).packed.bytes();
+        bool has_packed_line = false;
+        for (const auto& l : rep.lines) has_packed_line = has_packed_line || l.name == "rank " + std::to_string(r) + ": packed copies";
+        CHECK(has_packed_line == (packed > 0));
+        if (packed > 0) CHECK(line("rank " + std::to_string(r) + ": packed copies") == packed);
         CHECK(line("rank " + std::to_string(r) + ": KV cache") == s.cache().shard_bytes(r));
         CHECK(line("rank " + std::to_string(r) + ": workspace") == tp->rank_workspace_bytes(r));
       }
