@@ -229,14 +229,17 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, cons
   if (s.corr.size() < n) s.corr.resize(n);
   BlockQ8Act* xq = s.xq.data();
   int32_t* xsum = s.xsum.data();
-  pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
-    k.quantize_act(x + t0 * K, xq + t0 * nb, xsum + t0 * nb, (t1 - t0) * K);
-  });
   x86::QuantActs a;
   a.xq = xq;
   a.T = T;
   a.nb = nb;
-  k.prepare_quant(type, xsum, a, s.corr.data(), aligned_buffer(s.prep, k.prep_bytes(type, T, K)));
+  a.corr = s.corr.data();
+  uint8_t* prep = aligned_buffer(s.prep, k.prep_bytes(type, T, K));
+  a.prep = prep;
+  pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
+    k.quantize_act(x + t0 * K, xq + t0 * nb, xsum + t0 * nb, (t1 - t0) * K);
+    k.prepare_quant(type, a, xsum, t0, t1, s.corr.data(), prep);
+  });
   const size_t tb = k.thread_bytes(type, T, K);
   if (s.tbuf.size() < size_t(pool.size())) s.tbuf.resize(size_t(pool.size()));
   for (auto& b : s.tbuf) aligned_buffer(b, tb);

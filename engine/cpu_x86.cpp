@@ -459,9 +459,8 @@ void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1,
 }
 
 size_t prep_bytes(DType, int64_t, int64_t) { return 0; }
-void prepare_quant(DType type, const int32_t* sums, QuantActs& a, int32_t* corr, uint8_t*) {
-  fill_corr(type, sums, a.T * a.nb, corr);
-  a.corr = corr;
+void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr, uint8_t*) {
+  fill_corr(type, sums + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
 }
 size_t thread_bytes(DType type, int64_t T, int64_t K) {
   if (T < gemm_min_t(type)) return gemv_scratch_bytes(K / QK);
@@ -768,12 +767,28 @@ void matmul_float(float* y, const float* x, int64_t T, const Weight& w, int64_t 
 
 // ---- Q8_0 / Q4_0 / Q4_1
 
-// Only the integer corrections: the packed tiles read the activations as quantize_act wrote them.
-size_t prep_bytes(DType, int64_t, int64_t) { return 0; }
+// The GEMM's tiles of kTile tokens read their activations from `prep`, rearranged so that one
+// pointer reaches all of them: per tile and block, the kTile tokens' BlockQ8Act, then their
+// integer corrections (kTileBlockBytes). The tokens past the last whole tile (and decode) read
+// xq and corr as they are.
+constexpr int kTile = 8;
+constexpr size_t kTileBlockBytes = kTile * sizeof(BlockQ8Act) + kTile * sizeof(int32_t);
 
-void prepare_quant(DType type, const int32_t* sums, QuantActs& a, int32_t* corr, uint8_t*) {
-  fill_corr(type, sums, a.T * a.nb, corr);
-  a.corr = corr;
+size_t prep_bytes(DType, int64_t T, int64_t K) { return size_t(T / kTile) * size_t(K / QK) * kTileBlockBytes; }
+
+void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr,
+                   uint8_t* prep) {
+  const int64_t nb = a.nb, tiled = a.T / kTile * kTile;
+  fill_corr(type, sums + t0 * nb, (t1 - t0) * nb, corr + t0 * nb);
+  for (int64_t t = t0; t < std::min(t1, tiled); ++t) {
+    uint8_t* tile = prep + size_t(t / kTile) * size_t(nb) * kTileBlockBytes;
+    const size_t c = size_t(t % kTile);
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* tb = tile + size_t(b) * kTileBlockBytes;
+      std::memcpy(tb + c * sizeof(BlockQ8Act), a.xq + t * nb + b, sizeof(BlockQ8Act));
+      std::memcpy(tb + kTile * sizeof(BlockQ8Act) + c * sizeof(int32_t), corr + t * nb + b, sizeof(int32_t));
+    }
+  }
 }
 
 // ---- Packed weights (Weight::packed): the GEMM's panels built once at load, nibbles kept packed.
@@ -852,9 +867,29 @@ void pack_quant(const Weight& w, uint8_t* out) {
 // 16 packed rows × C tokens: the integer dot of every block (two accumulators per token, summed
 // exactly), then acc = fma(float(dot), d_w·d_x, acc) (+ fma(m, s_x, acc)) over the blocks in
 // order: the same instructions for an output whatever the number of tokens.
+// Token c's activations of block b: with C = kTile from one tile of prep (xq points at it, corr
+// unused; constant offsets from one pointer), with C = 1 from xq and corr as quantized.
+template <int C>
+inline const BlockQ8Act& tile_act(const BlockQ8Act* xq, int64_t nb, int c, int64_t b) {
+  if constexpr (C == kTile)
+    return *reinterpret_cast<const BlockQ8Act*>(reinterpret_cast<const uint8_t*>(xq) + size_t(b) * kTileBlockBytes +
+                                                size_t(c) * sizeof(BlockQ8Act));
+  else
+    return xq[c * nb + b];
+}
+template <int C>
+inline int32_t tile_corr(const BlockQ8Act* xq, const int32_t* corr, int64_t nb, int c, int64_t b) {
+  if constexpr (C == kTile)
+    return *reinterpret_cast<const int32_t*>(reinterpret_cast<const uint8_t*>(xq) + size_t(b) * kTileBlockBytes +
+                                             kTile * sizeof(BlockQ8Act) + size_t(c) * sizeof(int32_t));
+  else
+    return corr[c * nb + b];
+}
+
 template <DType D, int C>
 void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr,
                  __mmask16 rmask) {
+  static_assert(C == 1 || C == kTile, "tiles of one token or kTile tokens");
   constexpr size_t QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
   // Integer accumulators per token: with one token, two chains (even and odd quant vectors)
   // halve the vpdpbusd dependency chain; with 8 tokens there are 8 chains already (and more
@@ -868,21 +903,22 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
     const uint8_t* sc = panel + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
     __m512i s[C][NS];
     for (int c = 0; c < C; ++c) {
-      s[c][0] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(corr[c * nb + b]);
+      s[c][0] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(tile_corr<C>(xq, corr, nb, c, b));
       if constexpr (NS > 1) s[c][NS - 1] = _mm512_setzero_si512();
     }
     if constexpr (D == DType::Q8_0) {
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_load_si512(q + 64 * j);
         for (int c = 0; c < C; ++c)
-          s[c][j % NS] = _mm512_dpbusd_epi32(s[c][j % NS], v, _mm512_set1_epi32(int(load_u32(xq[c * nb + b].qs + 4 * j))));
+          s[c][j % NS] =
+              _mm512_dpbusd_epi32(s[c][j % NS], v, _mm512_set1_epi32(int(load_u32(tile_act<C>(xq, nb, c, b).qs + 4 * j))));
       }
     } else {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_load_si512(q + 64 * j);
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int c = 0; c < C; ++c) {
-          const int8_t* x = xq[c * nb + b].qs;
+          const int8_t* x = tile_act<C>(xq, nb, c, b).qs;
           s[c][0] = _mm512_dpbusd_epi32(s[c][0], lo, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
           s[c][NS - 1] = _mm512_dpbusd_epi32(s[c][NS - 1], hi, _mm512_set1_epi32(int(load_u32(x + 16 + 4 * j))));
         }
@@ -890,7 +926,7 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
     for (int c = 0; c < C; ++c) {
-      const BlockQ8Act& xa = xq[c * nb + b];
+      const BlockQ8Act& xa = tile_act<C>(xq, nb, c, b);
       const __m512i dot = NS > 1 ? _mm512_add_epi32(s[c][0], s[c][NS - 1]) : s[c][0];
       acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xa.d)), acc[c]);
       if constexpr (D == DType::Q4_1)
@@ -906,7 +942,7 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
 // first: the same tiles, so the same bits, at the cost of a repack per call.
 template <DType D>
 void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  constexpr int C = 8;
+  constexpr int C = kTile;
   const int64_t M = w.rows, T = a.T, nb = a.nb;
   const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
   for (int64_t r = r0; r < r1; r += 16) {
@@ -914,7 +950,10 @@ void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, in
     if (!w.packed) pack_panel<D>(w, r / 16, scratch), panel = scratch;
     const __mmask16 rmask = __mmask16((1u << std::min<int64_t>(16, r1 - r)) - 1);
     int64_t t = 0;
-    for (; t + C <= T; t += C) packed_tile<D, C>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
+    for (; t + C <= T; t += C) {
+      const auto* tile = reinterpret_cast<const BlockQ8Act*>(a.prep + size_t(t / C) * size_t(nb) * kTileBlockBytes);
+      packed_tile<D, C>(y + t * M + r, M, panel, nb, tile, nullptr, rmask);
+    }
     for (; t < T; ++t) packed_tile<D, 1>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
   }
 }

@@ -23,7 +23,7 @@ namespace llmq::x86 {
 struct QuantActs {
   const BlockQ8Act* xq = nullptr;  // [T, nb] quantized activations (scale d, s = d·Σq, q)
   const int32_t* corr = nullptr;   // [T, nb] integer offset correction per block (see prepare)
-  const uint8_t* prep = nullptr;   // kernel-specific layout built by prepare (GEMV path), 64-aligned
+  const uint8_t* prep = nullptr;   // kernel-specific layout built by prepare_quant, 64-aligned
   int64_t T = 0, nb = 0;
 };
 
@@ -37,8 +37,11 @@ struct Kernels {
   void (*matmul_float)(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1);
   /// Bytes of `prep` that prepare_quant needs for T tokens of K columns (0 when unused).
   size_t (*prep_bytes)(DType type, int64_t T, int64_t K);
-  /// Fills a.corr (int32 [T, nb], caller-owned, from `sums`) and a.prep for weight type `type`.
-  void (*prepare_quant)(DType type, const int32_t* sums, QuantActs& a, int32_t* corr, uint8_t* prep);
+  /// Fills corr (int32 [T, nb], from `sums` [T, nb]) and prep (prep_bytes) for tokens [t0, t1)
+  /// of the a.T tokens of a.xq, for weight type `type`; threads may fill disjoint token ranges
+  /// at once. The caller then points a.corr and a.prep at them.
+  void (*prepare_quant)(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr,
+                        uint8_t* prep);
   /// Bytes of per-thread scratch (64-aligned by the caller) matmul_quant needs for K columns.
   size_t (*thread_bytes)(DType type, int64_t T, int64_t K);
   /// y[t, r] for rows r in [r0, r1) and all tokens of a Q8_0/Q4_0/Q4_1 weight.
