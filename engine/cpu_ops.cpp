@@ -440,12 +440,17 @@ void ref_matmul(float* y, const float* x, int64_t T, const Weight& w) {
 // ---------------------------------------------------------------- element-wise ops
 
 void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps) {
-  double ss = 0.0;
-  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * double(x[i]);
+  // Σx² in fp64 over 8 interleaved partial sums (i mod 8), added in a fixed order: 8 independent
+  // chains instead of one long one (the sum was a visible part of prefill), same at every level.
+  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i0 = 0;
+  for (; i0 + 8 <= n; i0 += 8)
+    for (int k = 0; k < 8; ++k) part[k] += double(x[i0 + k]) * double(x[i0 + k]);
+  for (int k = 0; i0 + k < n; ++k) part[k] += double(x[i0 + k]) * double(x[i0 + k]);
+  const double ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
   const float scale = float(1.0 / std::sqrt(ss / double(n) + double(eps)));
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
 }
-
 
 void rope_angles(float* cs, int64_t head_dim, int64_t pos, double theta) {
   const int64_t half = head_dim / 2;
