@@ -369,6 +369,14 @@ void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const fl
 
 // ---------------------------------------------------------------- matmul
 
+uint64_t int8_dot_peak_loop(int64_t rounds) {
+  const x86::Kernels* k = active_kernels();
+  if (!k || !k->int8_dot_loop) return 0;
+  static std::atomic<int64_t> sink{0};
+  sink.fetch_add(k->int8_dot_loop(rounds), std::memory_order_relaxed);
+  return uint64_t(rounds) * 12 * 64;
+}
+
 void matmul_many(ThreadPool& pool, MatmulScratch& s, const float* x, int64_t T, std::initializer_list<MatmulOut> outs) {
   const x86::Kernels* k = active_kernels();
   bool shared = k && outs.size() <= 8;

@@ -131,6 +131,11 @@ void matmul_many(ThreadPool& pool, MatmulScratch& s, const float* x, int64_t T, 
 /// Reference for matmul: every weight row dequantized to fp32, fp64 accumulation, fp32 activations.
 void ref_matmul(float* y, const float* x, int64_t T, const Weight& w);
 
+/// Runs `rounds` rounds of the active level's int8 peak loop (12 independent `vpdpbusd` per
+/// round at the AVX-512 level: engine/cpu_x86.h, Kernels::int8_dot_loop) on the calling thread
+/// and returns the multiply-adds done (12 · 64 · rounds); 0 when the level has no such loop.
+uint64_t int8_dot_peak_loop(int64_t rounds);
+
 /// Quantizes n activations (n a multiple of 32) into n/32 BlockQ8Act: d = max|x|/127,
 /// q = round-to-nearest-even(x/d), s = d·Σq. Every level gives bit-identical results.
 void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n);

@@ -1139,6 +1139,25 @@ float softmax(float* x, int64_t n, float* max_out) {
   return total;
 }
 
+int64_t int8_dot_loop(int64_t rounds) {
+  // Twelve accumulators with distinct starting values (else the compiler merges them), each a
+  // chain of vpdpbusd; the inputs pass through an empty asm every round so nothing is hoisted.
+  __m512i a0 = _mm512_set1_epi32(0), a1 = _mm512_set1_epi32(1), a2 = _mm512_set1_epi32(2), a3 = _mm512_set1_epi32(3);
+  __m512i a4 = _mm512_set1_epi32(4), a5 = _mm512_set1_epi32(5), a6 = _mm512_set1_epi32(6), a7 = _mm512_set1_epi32(7);
+  __m512i a8 = _mm512_set1_epi32(8), a9 = _mm512_set1_epi32(9), a10 = _mm512_set1_epi32(10), a11 = _mm512_set1_epi32(11);
+  __m512i u = _mm512_set1_epi32(0x01020304), v = _mm512_set1_epi32(0x05060708);
+  for (int64_t r = 0; r < rounds; ++r) {
+    asm volatile("" : "+v"(u), "+v"(v));
+    a0 = _mm512_dpbusd_epi32(a0, u, v), a1 = _mm512_dpbusd_epi32(a1, u, v), a2 = _mm512_dpbusd_epi32(a2, u, v);
+    a3 = _mm512_dpbusd_epi32(a3, u, v), a4 = _mm512_dpbusd_epi32(a4, u, v), a5 = _mm512_dpbusd_epi32(a5, u, v);
+    a6 = _mm512_dpbusd_epi32(a6, u, v), a7 = _mm512_dpbusd_epi32(a7, u, v), a8 = _mm512_dpbusd_epi32(a8, u, v);
+    a9 = _mm512_dpbusd_epi32(a9, u, v), a10 = _mm512_dpbusd_epi32(a10, u, v), a11 = _mm512_dpbusd_epi32(a11, u, v);
+  }
+  const __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+                                     _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11))));
+}
+
 void swiglu(float* gate, const float* up, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
@@ -1163,7 +1182,8 @@ const Kernels* kernels_avx2() {
                          avx2::prep_bytes, avx2::prepare_quant, avx2::thread_bytes,
                          avx2::matmul_quant, avx2::dot,         avx2::axpy,
                          avx2::attn_scores, avx2::attn_accumulate, avx2::softmax,
-                         avx2::swiglu,      nullptr,             nullptr};
+                         avx2::swiglu,      nullptr,             nullptr,
+                         nullptr};
   return &k;
 }
 
@@ -1172,7 +1192,8 @@ const Kernels* kernels_avx512() {
                          avx512::prep_bytes, avx512::prepare_quant, avx512::thread_bytes,
                          avx512::matmul_quant, avx512::dot,         avx512::axpy,
                          avx512::attn_scores, avx512::attn_accumulate, avx512::softmax,
-                         avx512::swiglu,    avx512::packed_bytes, avx512::pack_quant};
+                         avx512::swiglu,    avx512::packed_bytes, avx512::pack_quant,
+                         avx512::int8_dot_loop};
   return &k;
 }
 

@@ -66,6 +66,11 @@ struct Kernels {
   /// Writes w (type with packed_bytes > 0) in the packed layout to out (64-byte aligned,
   /// packed_bytes(...) bytes); matmul_quant then reads w.packed instead of w.data.
   void (*pack_quant)(const Weight& w, uint8_t* out);
+  /// `rounds` rounds of 12 independent vpdpbusd (zmm: 64 unsigned × signed byte products
+  /// added into int32 lanes), the instruction the packed GEMM is built on, with nothing else:
+  /// the int8 multiply-add peak of one core is 12 · 64 · rounds / seconds. Returns a value
+  /// that depends on every result. Null when the level has no such loop.
+  int64_t (*int8_dot_loop)(int64_t rounds);
 };
 
 /// True when the CPU (and OS) supports AVX2, FMA and F16C.

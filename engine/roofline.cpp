@@ -102,4 +102,31 @@ ReadBandwidth measure_read_bandwidth(ThreadPool& pool, uint64_t bytes, int passe
   return r;
 }
 
+double measure_int8_peak(ThreadPool& pool, double seconds) {
+  if (int8_dot_peak_loop(1) == 0) return 0;
+  // Rounds per thread for about `seconds`, from a short calibration on this thread.
+  int64_t rounds = 1 << 16;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    int8_dot_peak_loop(rounds);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s > 0.02 || rounds > (int64_t(1) << 40)) {
+      rounds = std::max<int64_t>(1, int64_t(double(rounds) * seconds / s));
+      break;
+    }
+    rounds *= 4;
+  }
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::atomic<uint64_t> macs{0};
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.parallel_for(int64_t(pool.size()), [&](int64_t i0, int64_t i1, int) {
+      for (int64_t i = i0; i < i1; ++i) macs.fetch_add(int8_dot_peak_loop(rounds), std::memory_order_relaxed);
+    });
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 2.0 * double(macs.load()) / s);
+  }
+  return best;
+}
+
 }  // namespace llmq

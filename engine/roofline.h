@@ -54,4 +54,11 @@ ReadBandwidth measure_read_bandwidth(ThreadPool& pool, uint64_t bytes = uint64_t
 /// of `passes` passes over [data, data + bytes), in bytes/s.
 double measure_read_bandwidth(ThreadPool& pool, const uint8_t* data, uint64_t bytes, int passes = 5);
 
+/// The int8 multiply-add peak of the active CPU level on all of `pool`'s threads at once: each
+/// runs int8_dot_peak_loop (nothing but `vpdpbusd`) for about `seconds`; returns
+/// 2 · multiply-adds / wall seconds (operations per second, a multiply and an add each), the best
+/// of 3 runs, or 0 when the level has no such loop. What a block-quantized prefill's integer
+/// dot products could reach at most on this machine.
+double measure_int8_peak(ThreadPool& pool, double seconds = 0.2);
+
 }  // namespace llmq

@@ -150,6 +150,14 @@ int main(int argc, char** argv) {
     j["cpu_model"] = cpu_model_name();
     j["peak_rss_bytes"] = cli::peak_rss_bytes();  // before the bandwidth buffer below
     j["prefill_gflop_s"] = prefill.flops / best.prefill_s / 1e9;
+    {
+      // The int8 multiply-add peak with the same threads: block-quantized prefill's ceiling.
+      ThreadPool pool(total_threads);
+      if (const double peak = measure_int8_peak(pool); peak > 0) {
+        j["int8_peak_gop_s"] = peak / 1e9;
+        j["prefill_fraction_of_int8_peak"] = prefill.flops / best.prefill_s / peak;
+      }
+    }
     j["decode_bytes_per_token"] = decode.bytes() / double(n_gen);
     j["decode_gb_s"] = decode.bytes() / best.decode_s / 1e9;
     if (bandwidth_mib > 0) {
