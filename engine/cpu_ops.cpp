@@ -367,6 +367,37 @@ void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const fl
     }
 }
 
+void attn_scores_bf16(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n, int64_t bt,
+                      int64_t hd, float scale) {
+  if (const x86::Kernels* kk = active_kernels(); kk && kk->attn_scores_bf16)
+    return kk->attn_scores_bf16(s, ss, q, G, k, n, bt, hd, scale);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < n; ++p) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < hd / 2; ++i) {
+        const uint16_t* kp = k + (i * bt + p) * 2;
+        acc += bf16_to_fp32(q[g * hd + 2 * i]) * bf16_to_fp32(kp[0]) + bf16_to_fp32(q[g * hd + 2 * i + 1]) * bf16_to_fp32(kp[1]);
+      }
+      s[g * ss + p] = acc * scale;
+    }
+}
+
+void attn_accumulate_bf16(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n, int64_t hd) {
+  if (const x86::Kernels* kk = active_kernels(); kk && kk->attn_accumulate_bf16)
+    return kk->attn_accumulate_bf16(out, a, as, G, v, n, hd);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < (n + 1) / 2; ++i) {
+      const float a0 = bf16_to_fp32(a[g * as + 2 * i]), a1 = bf16_to_fp32(a[g * as + 2 * i + 1]);
+      const uint16_t* vp = v + i * hd * 2;
+      for (int64_t j = 0; j < hd; ++j) out[g * hd + j] += a0 * bf16_to_fp32(vp[2 * j]) + a1 * bf16_to_fp32(vp[2 * j + 1]);
+    }
+}
+
+void to_bf16(uint16_t* dst, const float* src, int64_t n) {
+  if (const x86::Kernels* k = active_kernels(); k && k->to_bf16) return k->to_bf16(dst, src, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp32_to_bf16(src[i]);
+}
+
 // ---------------------------------------------------------------- matmul
 
 uint64_t int8_dot_peak_loop(int64_t rounds) {

@@ -164,6 +164,26 @@ void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* k
 void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
                      int64_t hd);
 
+/// bf16 KV-cache blocks (KvType::BF16 in engine/kv_cache.h) pair their values for `vdpbf16ps`:
+/// K [hd/2, bt, 2]: element (j, p) at ((j/2)·bt + p)·2 + j%2 (dimensions 2i, 2i+1 of a
+/// position side by side); V [bt/2, hd, 2]: element (p, j) at ((p/2)·hd + j)·2 + p%2
+/// (positions 2i, 2i+1 of a dimension side by side).
+/// attn_scores on bf16 operands: q [G, hd] in bf16, k one bf16 K block;
+///   s[g·ss + p] = scale · Σ_j q[g·hd + j]·k(j, p)   for g < G, p < n,
+/// products exact in fp32 (bf16 × bf16), sums in fp32 (at the AVX-512 level `vdpbf16ps` where
+/// the CPU has AVX512_BF16, two partial sums over pairs i mod 2). Relative error about 2^-8 from
+/// rounding q and k to bf16; hd even.
+void attn_scores_bf16(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n, int64_t bt,
+                      int64_t hd, float scale);
+/// attn_accumulate on bf16 operands: out[g·hd + j] += Σ_{p<n} a[g·as + p]·v(p, j), a the softmax
+/// weights rounded to bf16, v one bf16 V block; positions in pairs (2i, 2i+1) in order, so when
+/// n is odd a[g·as + n] must be 0 (and v(n, j) finite).
+void attn_accumulate_bf16(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n, int64_t hd);
+
+/// dst[i] = src[i] rounded to bf16 (nearest even; formats/quant.h fp32_to_bf16) for i < n. The
+/// AVX-512 level (`vcvtneps2bf16`) flushes denormal inputs to zero.
+void to_bf16(uint16_t* dst, const float* src, int64_t n);
+
 /// out[n] = x[n] / sqrt(mean(x²) + eps) * w[n]   (RMSNorm, Zhang & Sennrich 2019).
 void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps);
 

@@ -46,6 +46,7 @@ bool cpu_has_avx2() { return false; }
 bool cpu_has_avx512() { return false; }
 const Kernels* kernels_avx2() { return nullptr; }
 const Kernels* kernels_avx512() { return nullptr; }
+bool cpu_has_avx512bf16() { return false; }
 
 #else
 
@@ -59,6 +60,14 @@ bool cpu_has_avx2() {
   static const bool ok = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+  }();
+  return ok;
+}
+
+bool cpu_has_avx512bf16() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
   }();
   return ok;
 }
@@ -1139,6 +1148,111 @@ float softmax(float* x, int64_t n, float* max_out) {
   return total;
 }
 
+// ---- Attention on bf16 KV blocks (layouts in cpu_ops.h): `vdpbf16ps` multiplies the bf16
+// pairs of a 32-bit lane and adds both products to an fp32 lane, twice the multiply-adds of
+// an fp32 FMA per instruction. These functions also need AVX512_BF16 (cpu_has_avx512bf16).
+#define LLMQ_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")))
+
+LLMQ_AVX512BF16 inline __m512 dp_bf16(__m512 acc, __m512i x, __m512i y) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(x), reinterpret_cast<__m512bh&>(y));
+}
+
+// fp32 -> bf16, 16 at a time (`vcvtneps2bf16`: nearest even; it flushes denormals to zero).
+LLMQ_AVX512BF16 void to_bf16(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i));
+    _mm256_mask_storeu_epi16(dst + i, m, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+// 16 positions per vector, R heads sharing each K load, two partial sums over pairs i mod 2.
+template <int R>
+LLMQ_AVX512BF16 void scores_bf16_rows(float* s, int64_t ss, const uint16_t* q, const uint16_t* k, int64_t n, int64_t bt,
+                                      int64_t hd, float scale) {
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    const __mmask16 m = n - p0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - p0)) - 1);
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hd / 2; i += 2)
+      for (int u = 0; u < 2 && i + u < hd / 2; ++u) {
+        const __m512i kv = _mm512_maskz_loadu_epi32(m, k + ((i + u) * bt + p0) * 2);
+        for (int r = 0; r < R; ++r)
+          a[r][u] = dp_bf16(a[r][u], kv, _mm512_set1_epi32(int(load_u32(q + r * hd + 2 * (i + u)))));
+      }
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(s + r * ss + p0, m, _mm512_mul_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_set1_ps(scale)));
+  }
+}
+
+LLMQ_AVX512BF16 void attn_scores_bf16(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n,
+                                      int64_t bt, int64_t hd, float scale) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) scores_bf16_rows<4>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
+  switch (G - g) {
+    case 3: return scores_bf16_rows<3>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
+    case 2: return scores_bf16_rows<2>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
+    case 1: return scores_bf16_rows<1>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
+    default: return;
+  }
+}
+
+// R heads × hd = 16·NV outputs in registers; per pair of positions one V load per vector.
+template <int NV, int R>
+LLMQ_AVX512BF16 void accumulate_bf16_rows(float* out, const uint16_t* a, int64_t as, const uint16_t* v, int64_t n) {
+  constexpr int64_t hd = 16 * NV;
+  __m512 o[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) o[r][i] = _mm512_loadu_ps(out + r * hd + 16 * i);
+  for (int64_t pp = 0; pp < (n + 1) / 2; ++pp) {
+    __m512i vv[NV];
+    for (int i = 0; i < NV; ++i) {
+      vv[i] = _mm512_loadu_si512(v + (pp * hd + 16 * i) * 2);
+      if constexpr (R > 1) asm("" : "+v"(vv[i]));  // one load per pair row of V, not one per head
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i ap = _mm512_set1_epi32(int(load_u32(a + r * as + 2 * pp)));
+      for (int i = 0; i < NV; ++i) o[r][i] = dp_bf16(o[r][i], vv[i], ap);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + r * hd + 16 * i, o[r][i]);
+}
+
+template <int NV>
+LLMQ_AVX512BF16 void accumulate_bf16_heads(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n) {
+  constexpr int RMAX = NV >= 16 ? 1 : 16 / NV;
+  constexpr int64_t hd = 16 * NV;
+  int64_t g = 0;
+  for (; g + RMAX <= G; g += RMAX) accumulate_bf16_rows<NV, RMAX>(out + g * hd, a + g * as, as, v, n);
+  if constexpr (RMAX >= 3)
+    if (G - g >= 3) accumulate_bf16_rows<NV, 3>(out + g * hd, a + g * as, as, v, n), g += 3;
+  if constexpr (RMAX >= 2)
+    if (G - g >= 2) accumulate_bf16_rows<NV, 2>(out + g * hd, a + g * as, as, v, n), g += 2;
+  for (; g < G; ++g) accumulate_bf16_rows<NV, 1>(out + g * hd, a + g * as, as, v, n);
+}
+
+LLMQ_AVX512BF16 void attn_accumulate_bf16(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n,
+                                          int64_t hd) {
+  switch (hd) {
+    case 32: return accumulate_bf16_heads<2>(out, a, as, G, v, n);
+    case 64: return accumulate_bf16_heads<4>(out, a, as, G, v, n);
+    case 80: return accumulate_bf16_heads<5>(out, a, as, G, v, n);
+    case 96: return accumulate_bf16_heads<6>(out, a, as, G, v, n);
+    case 128: return accumulate_bf16_heads<8>(out, a, as, G, v, n);
+    default: break;
+  }
+  for (int64_t g = 0; g < G; ++g)  // other head sizes: 16 dimensions at a time, masked tail
+    for (int64_t j = 0; j < hd; j += 16) {
+      const __mmask16 m = hd - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (hd - j)) - 1);
+      __m512 o = _mm512_maskz_loadu_ps(m, out + g * hd + j);
+      for (int64_t pp = 0; pp < (n + 1) / 2; ++pp)
+        o = dp_bf16(o, _mm512_maskz_loadu_epi32(m, v + (pp * hd + j) * 2),
+                    _mm512_set1_epi32(int(load_u32(a + g * as + 2 * pp))));
+      _mm512_mask_storeu_ps(out + g * hd + j, m, o);
+    }
+}
+
 int64_t int8_dot_loop(int64_t rounds) {
   // Twelve accumulators with distinct starting values (else the compiler merges them), each a
   // chain of vpdpbusd; the inputs pass through an empty asm every round so nothing is hoisted.
@@ -1181,7 +1295,7 @@ const Kernels* kernels_avx2() {
   static const Kernels k{"avx2",          avx2::quantize_act,  avx2::matmul_float,
                          avx2::prep_bytes, avx2::prepare_quant, avx2::thread_bytes,
                          avx2::matmul_quant, avx2::dot,         avx2::axpy,
-                         avx2::attn_scores, avx2::attn_accumulate, avx2::softmax,
+                         avx2::attn_scores, avx2::attn_accumulate, nullptr, nullptr, nullptr, avx2::softmax,
                          avx2::swiglu,      nullptr,             nullptr,
                          nullptr};
   return &k;
@@ -1191,7 +1305,10 @@ const Kernels* kernels_avx512() {
   static const Kernels k{"avx512",          avx512::quantize_act,  avx512::matmul_float,
                          avx512::prep_bytes, avx512::prepare_quant, avx512::thread_bytes,
                          avx512::matmul_quant, avx512::dot,         avx512::axpy,
-                         avx512::attn_scores, avx512::attn_accumulate, avx512::softmax,
+                         avx512::attn_scores, avx512::attn_accumulate,
+                         cpu_has_avx512bf16() ? avx512::attn_scores_bf16 : nullptr,
+                         cpu_has_avx512bf16() ? avx512::attn_accumulate_bf16 : nullptr,
+                         cpu_has_avx512bf16() ? avx512::to_bf16 : nullptr, avx512::softmax,
                          avx512::swiglu,    avx512::packed_bytes, avx512::pack_quant,
                          avx512::int8_dot_loop};
   return &k;

@@ -56,6 +56,14 @@ struct Kernels {
   /// llmq::attn_accumulate (positions in order, one fused multiply-add per term).
   void (*attn_accumulate)(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
                           int64_t hd);
+  /// llmq::attn_scores_bf16 and llmq::attn_accumulate_bf16 (`vdpbf16ps`); null where the CPU
+  /// lacks AVX512_BF16 (llmq falls back to the portable loops).
+  void (*attn_scores_bf16)(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n, int64_t bt,
+                           int64_t hd, float scale);
+  void (*attn_accumulate_bf16)(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n,
+                               int64_t hd);
+  /// llmq::to_bf16 (`vcvtneps2bf16`, which flushes denormals to zero); null without AVX512_BF16.
+  void (*to_bf16)(uint16_t* dst, const float* src, int64_t n);
   /// llmq::softmax with a vector e^x (about 2 ulp) and an fp32 lane sum.
   float (*softmax)(float* x, int64_t n, float* max_out);
   /// llmq::swiglu with the same vector e^x.
@@ -77,6 +85,8 @@ struct Kernels {
 bool cpu_has_avx2();
 /// True when the CPU (and OS) supports AVX-512 F, BW, VL, DQ and VNNI, plus the AVX2 set.
 bool cpu_has_avx512();
+/// True when the CPU also has AVX512_BF16 (`vdpbf16ps`, the bf16 KV-cache attention kernels).
+bool cpu_has_avx512bf16();
 /// The AVX2 kernel table, or nullptr on non-x86 builds. Call only if cpu_has_avx2().
 const Kernels* kernels_avx2();
 /// The AVX-512 kernel table, or nullptr on non-x86 builds. Call only if cpu_has_avx512().

@@ -101,18 +101,18 @@ PerplexityResult perplexity_on(Session& s, const std::vector<int32_t>& tokens, i
 }  // namespace
 
 PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
-                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
+                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks, KvType kv_type) {
   check_perplexity_args(tokens, n_ctx);
-  Session s(m, pool, n_ctx, n_ctx, n_ctx);  // every position's logits
+  Session s(m, pool, n_ctx, n_ctx, n_ctx, kv_type);  // every position's logits
   return perplexity_on(s, tokens, n_ctx, on_chunk, max_chunks);
 }
 
 PerplexityResult perplexity(TensorParallel& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
-                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
+                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks, KvType kv_type) {
   check_perplexity_args(tokens, n_ctx);
   if (tp.capacity() < n_ctx)
     throw UsageError("perplexity: the forward capacity " + std::to_string(tp.capacity()) + " is below --ctx " + std::to_string(n_ctx));
-  Session s(tp, n_ctx);
+  Session s(tp, n_ctx, kv_type);
   return perplexity_on(s, tokens, n_ctx, on_chunk, max_chunks);
 }
 

@@ -45,12 +45,15 @@ struct PerplexityResult {
 /// first = n_ctx/2, the tokens at positions first+1 .. n_ctx-1 are scored, each from the logits
 /// of the position before it. on_chunk(i, ppl_so_far) is called after each chunk.
 /// Throws UsageError if there is not one whole chunk.
-/// max_chunks > 0 scores only the first max_chunks chunks (llama.cpp's --chunks).
+/// max_chunks > 0 scores only the first max_chunks chunks (llama.cpp's --chunks). kv_type: the
+/// KV cache's element type (engine/kv_cache.h).
 PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens, int64_t n_ctx,
-                            const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0);
+                            const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0,
+                            KvType kv_type = KvType::F32);
 /// The same on a tensor-parallel runner (engine/tp.h); tp.capacity() must be at least n_ctx
 /// (UsageError otherwise).
 PerplexityResult perplexity(TensorParallel& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
-                            const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0);
+                            const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0,
+                            KvType kv_type = KvType::F32);
 
 }  // namespace llmq

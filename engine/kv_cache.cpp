@@ -4,19 +4,30 @@
 
 namespace llmq {
 
-KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens)
-    : KVCache(c, n_blocks, block_tokens, std::vector<int64_t>{c.kv_dim()}) {}
+const char* kv_type_name(KvType t) { return t == KvType::BF16 ? "bf16" : "f32"; }
 
-KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims)
-    : n_layers_(c.n_layers), head_dim_(c.head_dim), bt_(block_tokens), n_blocks_(n_blocks), kv_dim_(shard_kv_dims) {
+KvType kv_type_from_name(const std::string& name) {
+  if (name == "f32") return KvType::F32;
+  if (name == "bf16") return KvType::BF16;
+  throw UsageError("KV cache type must be f32 or bf16, not '" + name + "'");
+}
+
+KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, KvType type)
+    : KVCache(c, n_blocks, block_tokens, std::vector<int64_t>{c.kv_dim()}, type) {}
+
+KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
+                 KvType type)
+    : n_layers_(c.n_layers), head_dim_(c.head_dim), bt_(block_tokens), n_blocks_(n_blocks), type_(type), kv_dim_(shard_kv_dims) {
   if (n_blocks <= 0 || block_tokens <= 0 || kv_dim_.empty() || head_dim_ <= 0)
     throw UsageError("KV cache: block count, block size and pool count must be positive");
+  if (type == KvType::BF16 && (block_tokens % 2 != 0 || head_dim_ % 2 != 0))
+    throw UsageError("KV cache: bf16 blocks pair positions and dimensions (block size and head_dim must be even)");
   for (int64_t d : kv_dim_)
     if (d % head_dim_ != 0) throw UsageError("KV cache: a pool's width is not a whole number of KV heads");
   for (int64_t d : kv_dim_) {
-    const size_t floats = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(d);
-    k_.emplace_back(floats * sizeof(float));  // zero-filled, huge pages (engine/buffer.h)
-    v_.emplace_back(floats * sizeof(float));
+    const size_t elems = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(d);
+    k_.emplace_back(elems * size_t(kv_elem_bytes(type)));  // zero-filled, huge pages (engine/buffer.h)
+    v_.emplace_back(elems * size_t(kv_elem_bytes(type)));
   }
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
 }

@@ -5,12 +5,26 @@
 // it has, and a finished sequence returns its blocks at once.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "engine/buffer.h"
 #include "models/llama.h"
 
 namespace llmq {
+
+/// Element type of the KV cache: fp32, or bf16 (half the bytes; attention then multiplies bf16
+/// q·k and softmax·v pairs with fp32 sums: attn_scores_bf16 / attn_accumulate_bf16 in
+/// engine/cpu_ops.h, which also gives the paired block layouts). llama.cpp's default KV cache is
+/// f16 for the same reason.
+enum class KvType { F32, BF16 };
+
+/// "f32" or "bf16".
+const char* kv_type_name(KvType t);
+/// Parses "f32" or "bf16"; throws UsageError for anything else.
+KvType kv_type_from_name(const std::string& name);
+/// Bytes per element: 4 or 2.
+inline int kv_elem_bytes(KvType t) { return t == KvType::BF16 ? 2 : 4; }
 
 class KVCache {
  public:
@@ -20,12 +34,17 @@ class KVCache {
   /// stream per head). Per block, V is [block_tokens, head_dim] and K is stored transposed,
   /// [head_dim, block_tokens] (element (j, p) = dimension j of the block's position p), so
   /// attention scores are vectorized along positions (llmq::attn_scores).
+  /// With KvType::BF16 the blocks hold bf16 pairs instead (K [head_dim/2, block_tokens, 2],
+  /// V [block_tokens/2, head_dim, 2]; block_tokens must be even).
   /// Throws UsageError for non-positive sizes.
-  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens = 16);
+  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens = 16, KvType type = KvType::F32);
   /// Tensor parallelism: one K and V pool per rank, pool r with rank r's KV width
   /// shard_kv_dims[r] (its KV heads x head_dim), all sharing one block table, so a sequence's
   /// block b is block b of every pool. Throws UsageError for non-positive sizes.
-  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims);
+  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
+          KvType type = KvType::F32);
+
+  KvType type() const { return type_; }
 
   int64_t block_tokens() const { return bt_; }
   int64_t n_blocks() const { return n_blocks_; }
@@ -65,6 +84,14 @@ class KVCache {
   float* value_block(int64_t layer, int32_t seq, int64_t block, int64_t kv_head, int shard = 0) {
     return reinterpret_cast<float*>(v_[size_t(shard)].data()) + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
   }
+  /// The same blocks of a KvType::BF16 cache: K [head_dim/2, block_tokens, 2], V
+  /// [block_tokens/2, head_dim, 2] (pairs for `vdpbf16ps`, engine/cpu_ops.h).
+  uint16_t* key_block_bf16(int64_t layer, int32_t seq, int64_t block, int64_t kv_head, int shard = 0) {
+    return reinterpret_cast<uint16_t*>(k_[size_t(shard)].data()) + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
+  }
+  uint16_t* value_block_bf16(int64_t layer, int32_t seq, int64_t block, int64_t kv_head, int shard = 0) {
+    return reinterpret_cast<uint16_t*>(v_[size_t(shard)].data()) + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
+  }
   int64_t kv_dim(int shard = 0) const { return kv_dim_[size_t(shard)]; }
 
  private:
@@ -78,8 +105,9 @@ class KVCache {
     return ((size_t(layer) * heads + size_t(kv_head)) * size_t(n_blocks_) + size_t(block)) * size_t(bt_ * head_dim_);
   }
   int64_t n_layers_, head_dim_, bt_, n_blocks_;
+  KvType type_;
   std::vector<int64_t> kv_dim_;           // [shards]
-  std::vector<HugeBuffer> k_, v_;  // [shards] f32 [n_layers, kv_heads(shard), n_blocks, block]
+  std::vector<HugeBuffer> k_, v_;  // [shards] [n_layers, kv_heads(shard), n_blocks, block] f32 or bf16
   std::vector<int32_t> free_;    // free block ids
   std::vector<Seq> seqs_;
 };

@@ -96,7 +96,9 @@ WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>&
   const int64_t G = c.n_heads / c.n_kv_heads;
   const auto max_parts = size_t(std::max<int64_t>(1, (p.max_ctx + kAttnPartTokens - 1) / kAttnPartTokens));
   const auto part_floats = size_t(G * (c.head_dim + 2));
-  p.att = size_t(G * kAttnPartTokens) + max_parts * part_floats;
+  // Scores [G, part], the bf16 copies of q and of the softmax weights (bf16 KV cache) and the
+  // parts of one item.
+  p.att = size_t(G * kAttnPartTokens) + size_t(G * (c.head_dim + kAttnPartTokens) + 1) / 2 + max_parts * part_floats;
   // Fewer (token, head group) items than 2 · threads (decode): each part is an item of its own.
   p.att_part = size_t(2 * std::max(1, p.threads)) * max_parts * part_floats;
   p.logits = size_t(p.logits_rows * c.vocab_size);

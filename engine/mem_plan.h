@@ -72,7 +72,8 @@ struct WorkspacePlan {
   size_t x = 0, xb = 0, q = 0, k = 0, v = 0, att_out = 0, h1 = 0, h2 = 0;
   size_t rope = 0;    ///< RoPE angles [capacity, head_dim]
   size_t pos = 0;     ///< int64 positions [capacity], and as many batch indexes of flagged tokens
-  size_t att = 0;       ///< per thread: scores [G, part] + the parts of one item [max_parts, G, head_dim + 2]
+  size_t att = 0;       ///< per thread: scores [G, part] + bf16 q and weights [G, head_dim + part] / 2
+                        ///< + the parts of one item [max_parts, G, head_dim + 2]
   size_t att_part = 0;  ///< decode: the parts of every item when parts run on separate threads
                         ///< [2 · threads, max_parts, G, head_dim + 2]
   size_t logits = 0;  ///< [logits_rows, vocab]

@@ -10,6 +10,8 @@
 
 namespace llmq {
 
+constexpr int64_t kMaxHeadDim = 4096;  // the bound LlamaConfig checks (models/llama.cpp)
+
 // ---------------------------------------------------------------- loading
 
 std::unique_ptr<Model> Model::load(const std::string& path, bool verify) {
@@ -198,6 +200,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
   const int64_t Q = R.n_heads * hd, KV = R.n_kv_heads * hd, H = R.ffn_dim;
   const int64_t group = c.n_heads / c.n_kv_heads;  // query heads per KV head (GQA)
   const int64_t bt = cache.block_tokens();
+  const bool bf16 = cache.type() == KvType::BF16;  // bf16 KV blocks and attention on bf16 operands
   const int pool_id = R.rank;                      // this rank's KV-cache pool
   const float eps = float(c.norm_eps);
   const float att_scale = float(1.0 / std::sqrt(double(hd)));
@@ -262,11 +265,24 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
       for (int64_t t = t0; t < t1; ++t) {
         rope_rotate(ws.k_.data() + t * KV, R.n_kv_heads, hd, angles + t * hd, c.rope_layout);
         const int64_t blk = pos[t] / bt, slot = pos[t] % bt;
+        const float* kt = ws.k_.data() + t * KV;
+        const float* vt = ws.v_.data() + t * KV;
         for (int64_t h = 0; h < KV / hd; ++h) {
+          if (bf16) {  // K [hd/2, bt, 2], V [bt/2, hd, 2]: bf16 pairs (engine/cpu_ops.h)
+            uint16_t kv16[2 * kMaxHeadDim];
+            to_bf16(kv16, kt + h * hd, hd);
+            to_bf16(kv16 + hd, vt + h * hd, hd);
+            uint16_t* kb = cache.key_block_bf16(l, batch[t].seq, blk, h, pool_id);
+            uint16_t* vb = cache.value_block_bf16(l, batch[t].seq, blk, h, pool_id) + (slot / 2) * hd * 2 + slot % 2;
+            for (int64_t d = 0; d < hd; ++d) {
+              kb[((d / 2) * bt + slot) * 2 + d % 2] = kv16[d];
+              vb[2 * d] = kv16[hd + d];
+            }
+            continue;
+          }
           float* kT = cache.key_block(l, batch[t].seq, blk, h, pool_id);  // [hd, bt]: keys transposed
-          for (int64_t d = 0; d < hd; ++d) kT[d * bt + slot] = ws.k_[size_t(t * KV + h * hd + d)];
-          std::memcpy(cache.value_block(l, batch[t].seq, blk, h, pool_id) + slot * hd, ws.v_.data() + t * KV + h * hd,
-                      size_t(hd) * sizeof(float));
+          for (int64_t d = 0; d < hd; ++d) kT[d * bt + slot] = kt[h * hd + d];
+          std::memcpy(cache.value_block(l, batch[t].seq, blk, h, pool_id) + slot * hd, vt + h * hd, size_t(hd) * sizeof(float));
         }
       }
     });
@@ -296,21 +312,37 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
       const int64_t j = pair % To;
       return j % 2 == 0 ? j / 2 : To - 1 - j / 2;
     };
-    // Part c of (row i, heads h0 ...): o, m, l at dst; `scores` holds [G, part_len].
+    // Part c of (row i, heads h0 ...): o, m, l at dst; `scores` holds [G, part_len], then (bf16
+    // cache) the bf16 copies of q [G, hd] and of the softmax weights [G, part_len].
     auto attend_part = [&](int64_t i, int64_t h0, int64_t c, float* scores, float* dst) {
       const int64_t kvh = (R.head0 + h0) / group - R.kv_head0, t = tok(i);
       const int32_t seq = batch[t].seq;
       const int64_t lo = c * part_len, hi = std::min(pos[t] + 1, lo + part_len);
       const float* q = ws.q_.data() + i * Q + h0 * hd;  // [G, hd]
+      auto* qb = reinterpret_cast<uint16_t*>(scores + G * part_len);  // bf16 only: [G, hd]
+      uint16_t* ab = qb + G * hd;                                      // bf16 only: [G, part_len]
+      if (bf16) to_bf16(qb, q, G * hd);
       for (int64_t p0 = lo; p0 < hi; p0 += bt) {
-        const float* kT = cache.key_block(l, seq, p0 / bt, kvh, pool_id);  // [hd, bt]
-        attn_scores(scores + p0 - lo, part_len, q, G, kT, std::min(bt, hi - p0), bt, hd, att_scale);
+        const int64_t n = std::min(bt, hi - p0);
+        if (bf16)
+          attn_scores_bf16(scores + p0 - lo, part_len, qb, G, cache.key_block_bf16(l, seq, p0 / bt, kvh, pool_id), n, bt, hd,
+                           att_scale);
+        else
+          attn_scores(scores + p0 - lo, part_len, q, G, cache.key_block(l, seq, p0 / bt, kvh, pool_id), n, bt, hd, att_scale);
       }
       for (int64_t g = 0; g < G; ++g) dst[G * hd + G + g] = softmax(scores + g * part_len, hi - lo, &dst[G * hd + g]);
       std::fill(dst, dst + G * hd, 0.0f);
+      if (bf16)
+        for (int64_t g = 0; g < G; ++g) {
+          to_bf16(ab + g * part_len, scores + g * part_len, hi - lo);
+          if ((hi - lo) % 2) ab[g * part_len + hi - lo] = 0;  // the odd last position's pair partner
+        }
       for (int64_t p0 = lo; p0 < hi; p0 += bt) {
-        const float* vb = cache.value_block(l, seq, p0 / bt, kvh, pool_id);  // [bt, hd]
-        attn_accumulate(dst, scores + p0 - lo, part_len, G, vb, std::min(bt, hi - p0), hd, hd);
+        const int64_t n = std::min(bt, hi - p0);
+        if (bf16)
+          attn_accumulate_bf16(dst, ab + p0 - lo, part_len, G, cache.value_block_bf16(l, seq, p0 / bt, kvh, pool_id), n, hd);
+        else
+          attn_accumulate(dst, scores + p0 - lo, part_len, G, cache.value_block(l, seq, p0 / bt, kvh, pool_id), n, hd, hd);
       }
     };
     // out [G, hd] from n parts [n, part_floats].
@@ -337,19 +369,20 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     };
     int64_t max_parts = 1;
     for (int64_t i = 0; i < To; ++i) max_parts = std::max(max_parts, parts_of(i));
+    const size_t bf16_floats = size_t(G * (hd + part_len) + 1) / 2;  // room for the bf16 copies (always planned)
     const int64_t threads = pool.size();
     const bool split = pair_count < 2 * threads && max_parts > 1 &&
                        ws.att_part_.size() >= size_t(pair_count * max_parts * part_floats);
-    auto thread_buf = [&](int thread) {  // [G, part_len] scores, then [max_parts, part_floats]
+    auto thread_buf = [&](int thread) {  // [G, part_len] scores, bf16 [G, hd + part_len], then [max_parts, part_floats]
       std::vector<float>& a = ws.att_[size_t(thread)];
-      const size_t need = size_t(G * part_len + max_parts * part_floats);
+      const size_t need = size_t(G * part_len + max_parts * part_floats) + bf16_floats;
       if (a.size() < need) a.resize(need);
       return a.data();
     };
     if (!split) {
       pool.parallel_for(pair_count, [&](int64_t i0, int64_t i1, int thread) {
         float* scores = thread_buf(thread);
-        float* parts = scores + G * part_len;
+        float* parts = scores + G * part_len + bf16_floats;
         for (int64_t pair = i0; pair < i1; ++pair) {
           const int64_t i = row_of(pair), h0 = (pair / To) * G, n = parts_of(i);
           for (int64_t c = 0; c < n; ++c) attend_part(i, h0, c, scores, parts + c * part_floats);
@@ -426,7 +459,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
 
 // ---------------------------------------------------------------- Session
 
-Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch, int64_t logits_rows)
+Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch, int64_t logits_rows, KvType kv_type)
     : m_(model),
       ctx_(session_sizes(model.config, ctx, n_batch).ctx),
       n_batch_(session_sizes(model.config, ctx, n_batch).n_batch),
@@ -436,15 +469,15 @@ Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_ba
                               rows, pool.size());
       }())),
       tp_(*own_),
-      cache_(tp_.make_cache(plan_kv(model.config, ctx_).n_blocks, kKvBlockTokens)),
+      cache_(tp_.make_cache(plan_kv(model.config, ctx_).n_blocks, kKvBlockTokens, kv_type)),
       seq_(cache_.add_sequence()) {}
 
-Session::Session(TensorParallel& tp, int64_t ctx)
+Session::Session(TensorParallel& tp, int64_t ctx, KvType kv_type)
     : m_(tp.model()),
       ctx_(session_sizes(m_.config, ctx, tp.capacity()).ctx),
       n_batch_(session_sizes(m_.config, ctx, tp.capacity()).n_batch),
       tp_(tp),
-      cache_(tp_.make_cache(plan_kv(m_.config, ctx_).n_blocks, kKvBlockTokens)),
+      cache_(tp_.make_cache(plan_kv(m_.config, ctx_).n_blocks, kKvBlockTokens, kv_type)),
       seq_(cache_.add_sequence()) {}
 
 Session::~Session() = default;

@@ -190,11 +190,13 @@ class Session {
   /// this size); logits_rows: logits rows the workspace reserves (1 for generation; a forward
   /// with all_logits over more tokens grows it). Sizes come from the memory plan
   /// (engine/mem_plan.h: session_sizes, plan_kv, plan_workspace), as `llmq-mem infer` reports.
-  Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1);
+  /// kv_type: the KV cache's element type (engine/kv_cache.h).
+  Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1,
+          KvType kv_type = KvType::F32);
   /// The same on a tensor-parallel runner (engine/tp.h, any number of ranks), which must
   /// outlive the session and serve one session at a time; prompts are cut into chunks of at
   /// most tp.capacity() tokens; the KV cache holds ctx positions (plan_kv), one pool per rank.
-  Session(TensorParallel& tp, int64_t ctx);
+  Session(TensorParallel& tp, int64_t ctx, KvType kv_type = KvType::F32);
   ~Session();
 
   /// Runs `tokens` [n] at positions pos() .. pos()+n-1, appending to the KV cache, and returns

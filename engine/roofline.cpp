@@ -11,7 +11,7 @@
 
 namespace llmq {
 
-ForwardCost forward_cost(const Model& m, int64_t n_tokens, int64_t pos0) {
+ForwardCost forward_cost(const Model& m, int64_t n_tokens, int64_t pos0, int kv_elem_bytes) {
   const LlamaConfig& c = m.config;
   ForwardCost cost;
   // Weights multiplied per token: by every token (layer matrices), and by the last token only
@@ -38,7 +38,7 @@ ForwardCost forward_cost(const Model& m, int64_t n_tokens, int64_t pos0) {
   // last one does).
   const double attended = double(n_tokens) * double(pos0) + double(n_tokens) * double(n_tokens + 1) / 2;
   const double attended_last = double(pos0 + n_tokens);
-  cost.kv_bytes = double(c.n_layers) * 2.0 * attended * double(c.kv_dim()) * sizeof(float);
+  cost.kv_bytes = double(c.n_layers) * 2.0 * attended * double(c.kv_dim()) * double(kv_elem_bytes);
   cost.flops = 2.0 * (double(n_tokens) * all_tokens + last_token) +
                4.0 * double(c.q_dim()) * (double(c.n_layers - 1) * attended + attended_last);
   return cost;

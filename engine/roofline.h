@@ -15,14 +15,14 @@
 namespace llmq {
 
 /// Bytes and arithmetic of one forward pass of `n_tokens` tokens of one sequence at positions
-/// pos0 .. pos0 + n_tokens - 1 (llmq's CPU engine: f32 KV cache).
+/// pos0 .. pos0 + n_tokens - 1 (llmq's CPU engine).
 struct ForwardCost {
   double weight_bytes = 0;  ///< weights read once per pass: every 2-D matmul weight as stored
                             ///< (scales included), the output matrix, the 1-D norms, and the
                             ///< n_tokens embedding rows (none extra when tied: the output read
                             ///< covers them)
   double kv_bytes = 0;      ///< K and V read by attention: per layer and token at position p,
-                            ///< 2 * (p + 1) * kv_dim * 4 bytes (each position once per KV head)
+                            ///< 2 * (p + 1) * kv_dim * element bytes (each position once per KV head)
   double flops = 0;         ///< the arithmetic forward_shard does for logits of the last token:
                             ///< 2 * weights per matmul and token (every token through the layer
                             ///< matrices, except the last layer's Q, output and FFN matrices and
@@ -33,7 +33,8 @@ struct ForwardCost {
 };
 
 /// The cost of running tokens pos0 .. pos0 + n_tokens - 1 through `m` (see ForwardCost).
-ForwardCost forward_cost(const Model& m, int64_t n_tokens, int64_t pos0);
+/// kv_elem_bytes: 4 (f32 KV cache) or 2 (bf16).
+ForwardCost forward_cost(const Model& m, int64_t n_tokens, int64_t pos0, int kv_elem_bytes = 4);
 
 /// A measured streaming-read bandwidth.
 struct ReadBandwidth {

@@ -104,7 +104,7 @@ class TensorParallel {
   /// Rank r's weights; for N = 1 a view of the whole model.
   const ModelShard& shard(int r) const { return *shards_.at(size_t(r)); }
   /// A KV cache for these ranks: one pool per rank, each with its KV heads only.
-  KVCache make_cache(int64_t n_blocks, int64_t block_tokens = 16) const;
+  KVCache make_cache(int64_t n_blocks, int64_t block_tokens = 16, KvType type = KvType::F32) const;
   /// The forward pass over a batch as forward_batch (same contract and errors), every rank on
   /// its shard, the cache lengths advanced once at the end. Returns logits [n_flagged, vocab]
   /// (rank 0's buffer) or nullptr. After a rank failed, every call throws.

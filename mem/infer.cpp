@@ -76,7 +76,7 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, con
     const int threads = std::max(1, total / o.tp + (R.rank < total % o.tp));
     const uint64_t w = shard_weight_bytes(c, f.tensors(), R);
     const uint64_t kv = 2 * uint64_t(p.kv.n_blocks) * uint64_t(p.kv.block_tokens) * uint64_t(c.n_layers) *
-                        uint64_t(R.n_kv_heads * c.head_dim) * sizeof(float);
+                        uint64_t(R.n_kv_heads * c.head_dim) * uint64_t(p.kv.elem_bytes);
     const uint64_t ws = rank_workspace_plan(c, f.tensors(), R, p.n_batch, threads).bytes();
     const uint64_t packed = shard_packed_bytes(c, f.tensors(), R);
     r.lines.push_back({fmt::format("rank {}: weights", R.rank), double(w),
@@ -92,8 +92,8 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, con
                                      cpu_kernels_name()),
                          kPlan, Place::Device, Basis::Exact});
     r.lines.push_back({fmt::format("rank {}: KV cache", R.rank), double(kv),
-                       fmt::format("2 x {} blocks x {} tokens x {} layers x {} KV heads x {} head_dim x 4 B", p.kv.n_blocks,
-                                   p.kv.block_tokens, c.n_layers, R.n_kv_heads, c.head_dim),
+                       fmt::format("2 x {} blocks x {} tokens x {} layers x {} KV heads x {} head_dim x {} B", p.kv.n_blocks,
+                                   p.kv.block_tokens, c.n_layers, R.n_kv_heads, c.head_dim, p.kv.elem_bytes),
                        kPaged, Place::Device, Basis::Exact});
     r.lines.push_back({fmt::format("rank {}: workspace", R.rank), double(ws),
                        fmt::format("activations of the rank's widths for {} tokens, matmul scratch for {} threads (scores and logits "
@@ -119,13 +119,15 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, con
 int resolve_threads(int threads) { return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency())); }
 
 InferencePlan infer_plan(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o) {
-  return plan_inference(f, c, o.ctx, o.n_batch, resolve_threads(o.threads), o.parallel, o.server, o.kv_tokens);
+  InferencePlan p = plan_inference(f, c, o.ctx, o.n_batch, resolve_threads(o.threads), o.parallel, o.server, o.kv_tokens);
+  p.kv.elem_bytes = o.kv_type == "f32" ? 4 : 2;  // bf16 (CPU) or f16 (CUDA plan)
+  return p;
 }
 
 MemReport infer_report(const std::string& path, const InferOptions& o) {
   if (o.device != "cpu" && o.device != "cuda") throw UsageError("--device must be cpu or cuda");
-  if (o.kv_type != "f32" && o.kv_type != "f16") throw UsageError("--kv-type must be f32 or f16");
-  if (o.device == "cpu" && o.kv_type != "f32") throw UsageError("the CPU engine stores the KV cache as f32 (--kv-type f32)");
+  if (o.kv_type != "f32" && o.kv_type != "bf16" && o.kv_type != "f16") throw UsageError("--kv-type must be f32, bf16 or f16");
+  if (o.device == "cpu" && o.kv_type == "f16") throw UsageError("the CPU engine stores the KV cache as f32 or bf16 (--kv-type)");
   if (o.tp < 1) throw UsageError("--tp must be >= 1");
   auto f = LlmqFile::open(path, /*verify=*/false);
   const LlamaConfig c = file_config(*f);
@@ -163,7 +165,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
                                  "by columns; norms replicated",
                                  o.tp),
                      kMegatron, Place::Device, Basis::Exact});
-  const int kv_bytes = o.kv_type == "f16" ? 2 : 4;
+  const int kv_bytes = o.kv_type == "f32" ? 4 : 2;
   const KVPlan kv = plan_kv(c, p.kv_tokens, kv_bytes);
   r.lines.push_back({"KV cache per rank", double(kv.bytes()) / o.tp,
                      fmt::format("2 x {} layers x {} kv heads / tp {} x {} head_dim x {} B x {} tokens ({} blocks)", c.n_layers, c.n_kv_heads,

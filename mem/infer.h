@@ -18,7 +18,7 @@ struct InferOptions {
   int64_t kv_tokens = 0;  ///< server KV cache in tokens (0: server_kv_tokens's default)
   int64_t n_batch = 512;  ///< most tokens per forward pass
   int threads = 0;        ///< ThreadPool size (0: every core, as ThreadPool(0))
-  std::string kv_type = "f32";  ///< f32 (CPU engine) | f16 (planned CUDA backend)
+  std::string kv_type = "f32";  ///< f32 | bf16 (CPU engine, --kv-type) | f16 (planned CUDA backend)
   std::string device = "cpu";   ///< cpu | cuda
   int tp = 1;                   ///< tensor-parallel ranks (cpu: the engine's shards, engine/tp.h; cuda: Megatron estimate)
   std::optional<double> budget; ///< bytes available

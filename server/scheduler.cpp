@@ -83,7 +83,8 @@ Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOption
       }())),
       tp_(*own_),
       opt_(opt),
-      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens)) {
+      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
+                            opt.kv_type)) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -91,7 +92,8 @@ Scheduler::Scheduler(TensorParallel& tp, const SchedulerOptions& opt)
     : m_(tp.model()),
       tp_(tp),
       opt_(opt),
-      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens)) {
+      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
+                            opt.kv_type)) {
   thread_ = std::thread([this] { loop(); });
 }
 

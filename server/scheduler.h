@@ -74,6 +74,7 @@ struct SchedulerOptions {
   int64_t max_queue = 64;   ///< most requests waiting; more are refused (HTTP 429)
   int64_t n_batch = 512;    ///< most tokens in one forward pass
   int64_t kv_tokens = 0;    ///< KV-cache size in tokens over all sequences (0: server_kv_tokens() in engine/mem_plan.h)
+  KvType kv_type = KvType::F32;  ///< KV-cache element type (engine/kv_cache.h)
 };
 
 /// Counters for /metrics, read without stopping the loop.

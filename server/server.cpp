@@ -372,6 +372,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-queue", max_queue, "most requests waiting; more get HTTP 429");
   app.add_option("--kv-tokens", kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass");
+  std::string kv_type = "f32";
+  app.add_option("--kv-type", kv_type, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
   app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
   app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process)");
@@ -405,7 +408,7 @@ int main(int argc, char** argv) {
       auto f = LlmqFile::open(model_path, false);
       const LlamaConfig c = mem::file_config(*f);
       mem::InferOptions o;
-      o.ctx = ctx, o.parallel = parallel, o.server = true, o.n_batch = n_batch, o.threads = threads;
+      o.ctx = ctx, o.parallel = parallel, o.server = true, o.n_batch = n_batch, o.threads = threads, o.kv_type = kv_type;
       const mem::FitResult r = mem::fit_inference(*f, c, o, budget, ctx > 0, par_opt->count() > 0);
       std::fprintf(stderr, "llmq-server: fit plan: %s\n", mem::fit_json(r, budget).dump().c_str());
       if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)));
@@ -526,13 +529,14 @@ int main(int argc, char** argv) {
         so.max_queue = max_queue;
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
+        so.kv_type = kv_type_from_name(kv_type);
         st->scheduler = st->runner ? std::make_unique<Scheduler>(*st->runner, so) : std::make_unique<Scheduler>(*st->model, *st->pool, so);
         st->ready = true;
-        const uint64_t file_bytes = st->model->file->file_size(), kv_b = st->scheduler->kv_bytes(),
+        const uint64_t file_bytes = st->model->file->file_size() + st->model->packed.bytes(), kv_b = st->scheduler->kv_bytes(),
                        ws_b = st->scheduler->workspace_bytes();
         std::fprintf(stderr,
                      "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n"
-                     "llmq-server: memory: model file %s, KV cache %s, workspace %s; total %llu bytes (%s)\n",
+                     "llmq-server: memory: model file and repacked weights %s, KV cache %s, workspace %s; total %llu bytes (%s)\n",
                      st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx, cli::human_bytes(kv_b).c_str(), tp,
                      cli::human_bytes(cli::peak_rss_bytes()).c_str(), cli::human_bytes(file_bytes).c_str(),
                      cli::human_bytes(kv_b).c_str(), cli::human_bytes(ws_b).c_str(),

@@ -713,7 +713,7 @@ std::vector<float> numpy_logits16(const std::string& venv, const std::string& di
   return v;
 }
 
-TEST_CASE("hf: attention biases (Qwen2 q/k/v; Llama attention_bias q/k/v/o) match a NumPy reference", "[hf]") {
+TEST_CASE("hf: attention biases (Qwen2 q/k/v - Llama attention_bias q/k/v/o) match a NumPy reference", "[hf]") {
   const std::string venv = python_venv();
   if (venv.empty()) return;
 

@@ -380,6 +380,74 @@ TEST_CASE("attn_scores and attn_accumulate match fp64 at every CPU level", "[ker
 
 // The vector e^x of softmax and swiglu at every level: lengths around the vector widths, wide
 // ranges (softmax terms down to e^-150 underflow, swiglu gates up to ±120 saturate).
+// bf16 KV blocks: the reference is fp64 over the bf16-rounded operands (so only the fp32 sums
+// differ: bound 1e-5 relative to Σ|terms|), plus the check that rounding the operands costs
+// about 2^-8 against the fp32 values.
+TEST_CASE("attn_scores_bf16, attn_accumulate_bf16 and to_bf16 match fp64 at every CPU level", "[kernels]") {
+  LevelGuard guard;
+  std::mt19937_64 rng(fresh_seed());
+  auto bf = [](float x) { return bf16_to_fp32(fp32_to_bf16(x)); };
+  for (CpuLevel level : supported_levels()) {
+    set_cpu_level(level);
+    {  // to_bf16 == fp32_to_bf16 on normal values, any length
+      const auto x = gaussian(37, rng);
+      std::vector<uint16_t> h(37, 0xdead);
+      to_bf16(h.data(), x.data(), 37);
+      for (size_t i = 0; i < x.size(); ++i) CHECK(h[i] == fp32_to_bf16(x[i]));
+    }
+    for (int64_t hd : {48, 64, 128}) {
+      for (int64_t n : {1, 5, 16}) {
+        for (int64_t G : {1, 3, 5}) {
+          const int64_t bt = 16, ss = n + 2, as = 18;  // as >= n + 1, even
+          const auto q = gaussian(size_t(G * hd), rng), kf = gaussian(size_t(hd * bt), rng);
+          const auto vf = gaussian(size_t(bt * hd), rng);
+          std::vector<float> a = gaussian(size_t(G * as), rng);
+          for (float& x : a) x = std::fabs(x) * 0.1f;  // softmax weights are non-negative
+          const auto out0 = gaussian(size_t(G * hd), rng);
+          // Paired layouts: K (j, p) at ((j/2)·bt + p)·2 + j%2, V (p, j) at ((p/2)·hd + j)·2 + p%2.
+          std::vector<uint16_t> qb(q.size()), kb(size_t(hd * bt)), vb(size_t(bt * hd)), ab(a.size());
+          to_bf16(qb.data(), q.data(), int64_t(q.size()));
+          for (int64_t j = 0; j < hd; ++j)
+            for (int64_t p = 0; p < bt; ++p) {
+              kb[size_t(((j / 2) * bt + p) * 2 + j % 2)] = fp32_to_bf16(kf[size_t(j * bt + p)]);
+              vb[size_t(((p / 2) * hd + j) * 2 + p % 2)] = fp32_to_bf16(vf[size_t(p * hd + j)]);
+            }
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t p = 0; p < as; ++p) ab[size_t(g * as + p)] = p < n ? fp32_to_bf16(a[size_t(g * as + p)]) : 0;
+          std::vector<float> s(size_t(G * ss), 7.0f), out = out0;
+          attn_scores_bf16(s.data(), ss, qb.data(), G, kb.data(), n, bt, hd, 0.125f);
+          attn_accumulate_bf16(out.data(), ab.data(), as, G, vb.data(), n, hd);
+          INFO(cpu_level_name(level) << " hd " << hd << " n " << n << " G " << G);
+          double worst_s = 0, worst_o = 0, round_s = 0;
+          for (int64_t g = 0; g < G; ++g) {
+            for (int64_t p = 0; p < n; ++p) {
+              double acc = 0, mag = 0, exact = 0;
+              for (int64_t j = 0; j < hd; ++j) {
+                const double t = double(bf(q[size_t(g * hd + j)])) * bf(kf[size_t(j * bt + p)]);
+                acc += t, mag += std::fabs(t), exact += double(q[size_t(g * hd + j)]) * kf[size_t(j * bt + p)];
+              }
+              worst_s = std::max(worst_s, std::fabs(s[size_t(g * ss + p)] - 0.125 * acc) / (0.125 * mag));
+              round_s = std::max(round_s, std::fabs(acc - exact) / mag);
+            }
+            CHECK(s[size_t(g * ss + n)] == 7.0f);  // nothing written past n
+            for (int64_t j = 0; j < hd; ++j) {
+              double acc = out0[size_t(g * hd + j)], mag = std::fabs(acc);
+              for (int64_t p = 0; p < n; ++p) {
+                const double t = double(bf(a[size_t(g * as + p)])) * bf(vf[size_t(p * hd + j)]);
+                acc += t, mag += std::fabs(t);
+              }
+              worst_o = std::max(worst_o, std::fabs(out[size_t(g * hd + j)] - acc) / mag);
+            }
+          }
+          CHECK(worst_s < 1e-5);
+          CHECK(worst_o < 1e-5);
+          CHECK(round_s < 1e-2);  // what bf16 operands cost against fp32 ones (about 2^-8)
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("softmax and swiglu at every CPU level match fp64 on wide ranges", "[kernels]") {
   LevelGuard guard;
   std::mt19937_64 rng(fresh_seed());

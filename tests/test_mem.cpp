@@ -326,10 +326,26 @@ TEST_CASE("The inference plan equals the engine's allocation after real forward 
     Scheduler sched(*model, pool, so);
     CHECK(sched.kv_bytes() == sp.kv.bytes());
     CHECK(sched.workspace_bytes() == sp.ws.bytes());
+
+    // --kv-type bf16: half the KV cache, the rest unchanged.
+    InferOptions ob = o;
+    ob.kv_type = "bf16";
+    const InferencePlan bp = infer_plan(*model->file, model->config, ob);
+    Session sb(*model, pool, 200, 48, 1, KvType::BF16);
+    sb.forward(prompt.data(), int64_t(prompt.size()));
+    CHECK(sb.kv_bytes() == bp.kv.bytes());
+    CHECK(bp.kv.bytes() * 2 == plan.kv.bytes());
+    CHECK(sb.workspace_bytes() == bp.ws.bytes());
+    SchedulerOptions sob = so;
+    sob.kv_type = KvType::BF16;
+    InferOptions osb = os;
+    osb.kv_type = "bf16";
+    Scheduler schedb(*model, pool, sob);
+    CHECK(schedb.kv_bytes() == infer_plan(*model->file, model->config, osb).kv.bytes());
   }
 }
 
-TEST_CASE("llmq-mem infer predicts what llmq-run reports at load (within 1%; equal by construction)", "[mem][tools]") {
+TEST_CASE("llmq-mem infer predicts what llmq-run reports at load (within 1% - equal by construction)", "[mem][tools]") {
   std::vector<std::string> models = {test::stories("q8_0")};
   if (!smollm2_llmq().empty()) models.push_back(smollm2_llmq());
   const std::string dir = test::scratch("mem-infer");
@@ -349,7 +365,7 @@ TEST_CASE("llmq-mem infer predicts what llmq-run reports at load (within 1%; equ
   }
 }
 
-TEST_CASE("llmq-mem infer --fit picks the largest context that fits; llmq-run --fit uses it", "[mem][tools]") {
+TEST_CASE("llmq-mem infer --fit picks the largest context that fits - llmq-run --fit uses it", "[mem][tools]") {
   const std::string path = test::stories("q8_0");
   auto f = LlmqFile::open(path, false);
   const LlamaConfig c = LlamaConfig::from_metadata(f->meta());

@@ -135,7 +135,51 @@ TEST_CASE("decoding past the attention part length equals batched prefill, parts
   CHECK(worst == 0.0);
 }
 
-TEST_CASE("F16 and Q8_0: the first 64 greedy tokens equal the golden ones; Q4_0 reported", "[model][golden]") {
+// The bf16 KV cache (--kv-type bf16): the same bit-for-bit contract between decode and batched
+// prefill at every level (past the attention part length too), logits close to the f32 cache's,
+// and perplexity within 0.5% of it.
+TEST_CASE("bf16 KV cache: decode equals batched prefill at every level - logits and perplexity near the f32 cache", "[model]") {
+  const CpuLevel saved = cpu_level();
+  const auto ids = golden_ids();
+  REQUIRE(ids.size() >= 200);
+  for (CpuLevel level : {CpuLevel::Scalar, CpuLevel::Avx2, CpuLevel::Avx512})
+    for (const char* type : {"f32", "q8_0"}) {
+      if (!cpu_level_supported(level)) continue;
+      set_cpu_level(level);
+      auto m = Model::load(stories(type));
+      ThreadPool pool(3);
+      Session a(*m, pool, 256, 200, 200, KvType::BF16), b(*m, pool, 256, 200, 1, KvType::BF16), f(*m, pool, 256, 200, 200);
+      CHECK(a.kv_bytes() * 2 == f.kv_bytes());
+      const float* batch = a.forward(ids.data(), 200, true);  // [200, 512]
+      std::vector<float> all(batch, batch + 200 * 512);
+      const float* ref = f.forward(ids.data(), 200, true);  // f32 cache
+      double worst = 0, err2 = 0, ref2 = 0;  // ||bf16 - f32|| / ||f32|| over all logits
+      for (int p = 0; p < 200; ++p) {
+        const float* one = b.forward(&ids[size_t(p)], 1);
+        for (int v = 0; v < 512; ++v) {
+          const double x = all[size_t(p * 512 + v)], r = ref[p * 512 + v];
+          worst = std::max(worst, std::fabs(double(one[v]) - x));
+          err2 += (x - r) * (x - r), ref2 += r * r;
+        }
+      }
+      const double rel = std::sqrt(err2 / ref2);
+      INFO(cpu_level_name(level) << " " << type << " decode vs batched " << worst << ", bf16 vs f32 cache rel. err " << rel);
+      CHECK(worst == 0.0);
+      // f32 weights: 0.25% here; Q8_0 re-quantizes the activations of every matmul, which turns
+      // small differences into whole quantization steps (about 1% here).
+      CHECK(rel < (std::string(type) == "f32" ? 5e-3 : 3e-2));
+    }
+  set_cpu_level(saved);
+  auto m = Model::load(stories("f32"));
+  const auto tokens = m->tokenizer->encode(read_file(shared("text/tinystories-valid-head.txt")), true);
+  ThreadPool pool(2);
+  const double f32 = perplexity(*m, pool, tokens, 256, {}, 8).ppl;
+  const double bf16 = perplexity(*m, pool, tokens, 256, {}, 8, KvType::BF16).ppl;
+  INFO("ppl f32 cache " << f32 << ", bf16 cache " << bf16);
+  CHECK(std::fabs(bf16 / f32 - 1) < 5e-3);
+}
+
+TEST_CASE("F16 and Q8_0: the first 64 greedy tokens equal the golden ones - Q4_0 reported", "[model][golden]") {
   const auto want = golden_ids();
   for (const char* type : {"f16", "q8_0"}) {
     auto m = Model::load(stories(type));
@@ -172,7 +216,7 @@ TEST_CASE("perplexity (llama.cpp method, ctx 256) on TinyStories: F32 6.423, F16
   CHECK(std::fabs(ppl["q8_0"] / ppl["f32"] - 1) < 1e-2);
 }
 
-TEST_CASE("sampling with a seed is reproducible; different seeds differ", "[model][sampler]") {
+TEST_CASE("sampling with a seed is reproducible - different seeds differ", "[model][sampler]") {
   auto m = Model::load(stories("q8_0"));
   ThreadPool pool(2);
   auto run = [&](uint64_t seed) {

@@ -228,7 +228,7 @@ TEST_CASE("The code point regex splits as std::regex does (ASCII patterns)", "[t
     CHECK_THROWS_AS(uc::Regex(bad), UsageError);
 }
 
-TEST_CASE("Every known pre-tokenizer compiles; an unknown one is an error naming the known ones", "[tokenizer]") {
+TEST_CASE("Every known pre-tokenizer compiles - an unknown one is an error naming the known ones", "[tokenizer]") {
   const std::vector<std::string> names = Tokenizer::known_pre_tokenizers();
   CHECK(names.size() >= 40);
   CHECK(std::is_sorted(names.begin(), names.end()));

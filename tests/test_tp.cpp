@@ -189,7 +189,7 @@ TEST_CASE("host communicator: all-reduce in rank order, gather, abort", "[tp]") 
   CHECK_THROWS_AS(g2.rank(0).barrier(), CommAborted);
 }
 
-TEST_CASE("TP on stories260K F32: TP=2/4 split KV heads, TP=8 replicates them; logits = TP=1 within 1e-5", "[tp][model]") {
+TEST_CASE("TP on stories260K F32: TP=2/4 split KV heads, TP=8 replicates them - logits = TP=1 within 1e-5", "[tp][model]") {
   auto m = Model::load(test::stories("f32"));
   REQUIRE(m->config.n_heads == 8);
   REQUIRE(m->config.n_kv_heads == 4);
@@ -223,7 +223,7 @@ TEST_CASE("TP on stories260K F32: greedy decoding from BOS equals TP=1 for 128 t
 // ties (real_argmax_flips).
 constexpr double kQuantBound = 5e-2;
 
-TEST_CASE("TP on stories260K Q8_0: TP=2 agrees with TP=1; TP=4 cuts a Q8_0 block and is refused", "[tp][model]") {
+TEST_CASE("TP on stories260K Q8_0: TP=2 agrees with TP=1 - TP=4 cuts a Q8_0 block and is refused", "[tp][model]") {
   auto m = Model::load(test::stories("q8_0"));
   const double worst = check_against_tp1(*m, {2}, kQuantBound, false);
   WARN("stories260K Q8_0, TP=2 vs TP=1: worst relative logit difference " << worst);

@@ -74,6 +74,8 @@ int main(int argc, char** argv) {
                              "total thread count is measured too (interleaved) and the speed-up reported");
   app.add_option("--tp-output", tp_output, "TP placement of embedding and output: vocab (vocab-parallel) or replicated");
   app.add_flag("--no-baseline", no_baseline, "with --tp N > 1: skip the TP=1 measurement");
+  std::string kv_type_s = "f32";
+  app.add_option("--kv-type", kv_type_s, "KV cache element type: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   app.add_flag("--no-verify", no_verify, "skip checksum verification at load");
   app.add_option("--bandwidth-mib", bandwidth_mib,
                  "buffer for the read-bandwidth measurement, MiB (0: skip it)");
@@ -90,9 +92,10 @@ int main(int argc, char** argv) {
     const int total_threads = runner.threads();
     std::unique_ptr<TensorParallel> base;  // TP=1 at the same total thread count
     if (tp > 1 && !no_baseline) base = std::make_unique<TensorParallel>(*model, 1, total_threads, n_prompt);
-    Session s(runner, n_prompt + n_gen);
+    const KvType kv_type = kv_type_from_name(kv_type_s);
+    Session s(runner, n_prompt + n_gen, kv_type);
     std::unique_ptr<Session> bs;
-    if (base) bs = std::make_unique<Session>(*base, n_prompt + n_gen);
+    if (base) bs = std::make_unique<Session>(*base, n_prompt + n_gen, kv_type);
     std::mt19937 rng(1234);
     std::uniform_int_distribution<int32_t> pick(0, int32_t(model->config.vocab_size - 1));
     std::vector<int32_t> prompt(static_cast<size_t>(n_prompt));
@@ -104,10 +107,10 @@ int main(int argc, char** argv) {
       measure(s, prompt, n_gen, best);
     }
     // What the runs had to read and compute (engine/roofline.h), for the whole model.
-    const ForwardCost prefill = forward_cost(*model, n_prompt, 0);
+    const ForwardCost prefill = forward_cost(*model, n_prompt, 0, kv_elem_bytes(kv_type));
     ForwardCost decode;
     for (int64_t i = 0; i < n_gen; ++i) {
-      const ForwardCost c = forward_cost(*model, 1, n_prompt + i);
+      const ForwardCost c = forward_cost(*model, 1, n_prompt + i, kv_elem_bytes(kv_type));
       decode.weight_bytes += c.weight_bytes;
       decode.kv_bytes += c.kv_bytes;
       decode.flops += c.flops;
@@ -120,6 +123,7 @@ int main(int argc, char** argv) {
     j["device"] = "cpu";
     j["cpu_kernels"] = cpu_kernels_name();  // scalar | avx2 | avx512 (LLMQ_CPU overrides)
     j["tp"] = runner.size();
+    j["kv_type"] = kv_type_name(kv_type);
     j["prompt_tokens"] = n_prompt;
     j["gen_tokens"] = n_gen;
     j["prefill_tok_s"] = double(n_prompt) / best.prefill_s;

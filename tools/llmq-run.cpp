@@ -75,6 +75,9 @@ int main(int argc, char** argv) {
   app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process)");
   app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
+  std::string kv_type_s = "f32";
+  app.add_option("--kv-type", kv_type_s, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--temp", sp.temperature, "temperature (0: greedy)");
   app.add_option("--top-k", sp.top_k, "top-k (0: off)");
   app.add_option("--top-p", sp.top_p, "top-p (1: off)");
@@ -104,12 +107,13 @@ int main(int argc, char** argv) {
       auto f = LlmqFile::open(model_path, false);
       const LlamaConfig c = mem::file_config(*f);
       mem::InferOptions o;
-      o.ctx = ctx, o.n_batch = n_batch, o.threads = threads;
+      o.ctx = ctx, o.n_batch = n_batch, o.threads = threads, o.kv_type = kv_type_s;
       const mem::FitResult r = mem::fit_inference(*f, c, o, budget, ctx > 0, true);
       std::fprintf(stderr, "llmq-run: fit plan: %s\n", mem::fit_json(r, budget).dump().c_str());
       if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)) + " even with the smallest context");
       ctx = r.options.ctx;
     }
+    const KvType kv_type = kv_type_from_name(kv_type_s);
     auto model = Model::load(model_path, !no_verify);
     const Tokenizer& tok = *model->tokenizer;
     sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
@@ -141,23 +145,26 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "llmq-run: perplexity over %s: %zu tokens, %lld chunks of %lld\n", ppl_file.c_str(), tokens.size(),
                    (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
       const auto progress = [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); };
-      const PerplexityResult r = runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks)
-                                        : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks);
+      const PerplexityResult r = runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks, kv_type)
+                                        : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks, kv_type);
       std::printf("PPL = %.4f +/- %.4f (%lld chunks, %lld tokens scored, ctx %lld, model %s)\n", r.ppl, r.ppl_err,
                   (long long)r.chunks, (long long)r.scored, (long long)n_ctx, model->weight_type().c_str());
       return 0;
     }
 
     const std::unique_ptr<Session> session_ptr =
-        runner ? std::make_unique<Session>(*runner, ctx) : std::make_unique<Session>(*model, *pool, ctx, n_batch);
+        runner ? std::make_unique<Session>(*runner, ctx, kv_type) : std::make_unique<Session>(*model, *pool, ctx, n_batch, 1, kv_type);
     Session& session = *session_ptr;
-    // Measured at load: bytes of our own buffers (the mapping, the KV cache, the workspace).
-    const uint64_t file_bytes = model->file->file_size();
-    std::fprintf(stderr, "llmq-run: memory: model file %s (weights %s), KV cache %s, workspace %s; total %llu bytes (%s), ctx %lld\n",
-                 cli::human_bytes(file_bytes).c_str(), cli::human_bytes(model->weight_bytes()).c_str(),
-                 cli::human_bytes(session.kv_bytes()).c_str(), cli::human_bytes(session.workspace_bytes()).c_str(),
-                 (unsigned long long)(file_bytes + session.state_bytes()), cli::human_bytes(file_bytes + session.state_bytes()).c_str(),
-                 (long long)session.ctx());
+    // Measured at load: bytes of our own buffers (the mapping, the weights the CPU kernels
+    // repacked, the KV cache, the workspace), what llmq-mem infer predicts.
+    const uint64_t file_bytes = model->file->file_size(), packed = model->packed.bytes();
+    const uint64_t mem_total = file_bytes + packed + session.state_bytes();
+    std::fprintf(stderr,
+                 "llmq-run: memory: model file %s (weights %s), repacked weights %s, KV cache %s (%s), workspace %s; total %llu bytes "
+                 "(%s), ctx %lld\n",
+                 cli::human_bytes(file_bytes).c_str(), cli::human_bytes(model->weight_bytes()).c_str(), cli::human_bytes(packed).c_str(),
+                 cli::human_bytes(session.kv_bytes()).c_str(), kv_type_name(kv_type), cli::human_bytes(session.workspace_bytes()).c_str(),
+                 (unsigned long long)mem_total, cli::human_bytes(mem_total).c_str(), (long long)session.ctx());
     Sampler sampler(sp);
     const std::vector<int32_t> stop_ids = default_stop_ids(model->vocab);
     std::vector<int32_t> history;  // every token of the conversation (prompt and replies)
