@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LLMQ_X86 1
@@ -1070,18 +1071,25 @@ void accumulate_rows(float* out, const float* a, int64_t as, const float* v, int
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + r * 16 * NV + 16 * i, o[r][i]);
 }
 
-// Heads in groups of up to 16/NV (at most 16 accumulators).
+// Heads in groups of up to 16/NV, so that a group's R·NV output vectors stay in registers (at
+// most 16): rows(std::integral_constant<int, R>{}, g) for the R heads from head g on.
+template <int NV, class Rows>
+inline void for_head_groups(int64_t G, const Rows& rows) {
+  constexpr int RMAX = NV >= 16 ? 1 : 16 / NV;
+  int64_t g = 0;
+  for (; g + RMAX <= G; g += RMAX) rows(std::integral_constant<int, RMAX>{}, g);
+  if constexpr (RMAX >= 3)
+    if (G - g >= 3) rows(std::integral_constant<int, 3>{}, g), g += 3;
+  if constexpr (RMAX >= 2)
+    if (G - g >= 2) rows(std::integral_constant<int, 2>{}, g), g += 2;
+  for (; g < G; ++g) rows(std::integral_constant<int, 1>{}, g);
+}
+
 template <int NV>
 void accumulate_heads(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride) {
-  constexpr int RMAX = NV >= 16 ? 1 : 16 / NV;
-  constexpr int64_t hd = 16 * NV;
-  int64_t g = 0;
-  for (; g + RMAX <= G; g += RMAX) accumulate_rows<NV, RMAX>(out + g * hd, a + g * as, as, v, n, stride);
-  if constexpr (RMAX >= 3)
-    if (G - g >= 3) accumulate_rows<NV, 3>(out + g * hd, a + g * as, as, v, n, stride), g += 3;
-  if constexpr (RMAX >= 2)
-    if (G - g >= 2) accumulate_rows<NV, 2>(out + g * hd, a + g * as, as, v, n, stride), g += 2;
-  for (; g < G; ++g) accumulate_rows<NV, 1>(out + g * hd, a + g * as, as, v, n, stride);
+  for_head_groups<NV>(G, [&](auto R, int64_t g) {
+    accumulate_rows<NV, decltype(R)::value>(out + g * 16 * NV, a + g * as, as, v, n, stride);
+  });
 }
 
 void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
@@ -1221,15 +1229,9 @@ LLMQ_AVX512BF16 void accumulate_bf16_rows(float* out, const uint16_t* a, int64_t
 
 template <int NV>
 LLMQ_AVX512BF16 void accumulate_bf16_heads(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n) {
-  constexpr int RMAX = NV >= 16 ? 1 : 16 / NV;
-  constexpr int64_t hd = 16 * NV;
-  int64_t g = 0;
-  for (; g + RMAX <= G; g += RMAX) accumulate_bf16_rows<NV, RMAX>(out + g * hd, a + g * as, as, v, n);
-  if constexpr (RMAX >= 3)
-    if (G - g >= 3) accumulate_bf16_rows<NV, 3>(out + g * hd, a + g * as, as, v, n), g += 3;
-  if constexpr (RMAX >= 2)
-    if (G - g >= 2) accumulate_bf16_rows<NV, 2>(out + g * hd, a + g * as, as, v, n), g += 2;
-  for (; g < G; ++g) accumulate_bf16_rows<NV, 1>(out + g * hd, a + g * as, as, v, n);
+  for_head_groups<NV>(G, [&](auto R, int64_t g) {
+    accumulate_bf16_rows<NV, decltype(R)::value>(out + g * 16 * NV, a + g * as, as, v, n);
+  });
 }
 
 LLMQ_AVX512BF16 void attn_accumulate_bf16(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n,
