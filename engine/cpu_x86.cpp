@@ -1037,16 +1037,25 @@ void scores_rows(float* s, int64_t ss, const float* q, const float* kT, int64_t 
   }
 }
 
-void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
-                 float scale) {
+// Heads in groups of 4 (R·4 score accumulators), then one group of the 1-3 left:
+// rows(std::integral_constant<int, R>{}, g) for the R heads from head g on.
+template <class Rows>
+inline void for_score_groups(int64_t G, const Rows& rows) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) scores_rows<4>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
+  for (; g + 4 <= G; g += 4) rows(std::integral_constant<int, 4>{}, g);
   switch (G - g) {
-    case 3: return scores_rows<3>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
-    case 2: return scores_rows<2>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
-    case 1: return scores_rows<1>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
+    case 3: return rows(std::integral_constant<int, 3>{}, g);
+    case 2: return rows(std::integral_constant<int, 2>{}, g);
+    case 1: return rows(std::integral_constant<int, 1>{}, g);
     default: return;
   }
+}
+
+void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
+                 float scale) {
+  for_score_groups(G, [&](auto R, int64_t g) {
+    scores_rows<decltype(R)::value>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
+  });
 }
 
 // R heads × hd = 16·NV: the R·NV output vectors stay in registers, each value row is loaded
@@ -1195,14 +1204,9 @@ LLMQ_AVX512BF16 void scores_bf16_rows(float* s, int64_t ss, const uint16_t* q, c
 
 LLMQ_AVX512BF16 void attn_scores_bf16(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n,
                                       int64_t bt, int64_t hd, float scale) {
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) scores_bf16_rows<4>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
-  switch (G - g) {
-    case 3: return scores_bf16_rows<3>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
-    case 2: return scores_bf16_rows<2>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
-    case 1: return scores_bf16_rows<1>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
-    default: return;
-  }
+  for_score_groups(G, [&](auto R, int64_t g) {
+    scores_bf16_rows<decltype(R)::value>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
+  });
 }
 
 // R heads × hd = 16·NV outputs in registers; per pair of positions one V load per vector.
