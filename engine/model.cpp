@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <map>
 
 #include "engine/tp.h"
@@ -223,7 +222,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
 
   // Per-token work (norms, RoPE, residual adds) runs on the pool when there are enough tokens
   // to pay for the hand-off; a token's result does not depend on the split.
-  auto per_token = [&](int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  auto per_token = [&](int64_t n, const auto& fn) {  // fn(t0, t1); a template: no std::function on decode's path
     if (n < 4) return fn(0, n);
     pool.parallel_for(n, [&](int64_t t0, int64_t t1, int) { fn(t0, t1); });
   };
