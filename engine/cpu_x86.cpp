@@ -1273,9 +1273,12 @@ int64_t int8_dot_loop(int64_t rounds) {
     a6 = _mm512_dpbusd_epi32(a6, u, v), a7 = _mm512_dpbusd_epi32(a7, u, v), a8 = _mm512_dpbusd_epi32(a8, u, v);
     a9 = _mm512_dpbusd_epi32(a9, u, v), a10 = _mm512_dpbusd_epi32(a10, u, v), a11 = _mm512_dpbusd_epi32(a11, u, v);
   }
-  const __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
-                                     _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11))));
+  // Lane-wise sums (they wrap; _mm512_reduce_add_epi32 adds in signed scalar arithmetic, which
+  // overflows: undefined behaviour, caught by UBSan), then lane 0: it depends on every chain.
+  __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+                               _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
+  s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11)));
+  return _mm_cvtsi128_si32(_mm512_castsi512_si128(s));
 }
 
 void swiglu(float* gate, const float* up, int64_t n) {
