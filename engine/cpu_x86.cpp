@@ -627,6 +627,46 @@ void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const fl
   }
 }
 
+// bf16 KV blocks (layouts in cpu_ops.h) without `vdpbf16ps`: a 32-bit lane holds a pair, its low
+// half widens to fp32 by a 16-bit shift and its high half by masking, then two FMAs. Also what
+// the AVX-512 level uses on CPUs without AVX512_BF16.
+inline __m256 bf16_lo(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 bf16_hi(__m256i pairs) { return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u)))); }
+
+void attn_scores_bf16(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n, int64_t bt,
+                      int64_t hd, float scale) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* qg = q + g * hd;
+    for (int64_t p0 = 0; p0 < n; p0 += 8) {
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - p0))), lane);
+      __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t i = 0; i < hd / 2; i += 2)
+        for (int u = 0; u < 2 && i + u < hd / 2; ++u) {
+          const __m256i kv = _mm256_maskload_epi32(reinterpret_cast<const int*>(k + ((i + u) * bt + p0) * 2), m);
+          a[u] = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_fp32(qg[2 * (i + u)])), bf16_lo(kv), a[u]);
+          a[u] = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_fp32(qg[2 * (i + u) + 1])), bf16_hi(kv), a[u]);
+        }
+      _mm256_maskstore_ps(s + g * ss + p0, m, _mm256_mul_ps(_mm256_add_ps(a[0], a[1]), _mm256_set1_ps(scale)));
+    }
+  }
+}
+
+void attn_accumulate_bf16(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n, int64_t hd) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < hd; j += 8) {
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, hd - j))), lane);
+      __m256 o = _mm256_maskload_ps(out + g * hd + j, m);
+      for (int64_t pp = 0; pp < (n + 1) / 2; ++pp) {
+        const __m256i vv = _mm256_maskload_epi32(reinterpret_cast<const int*>(v + (pp * hd + j) * 2), m);
+        o = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_fp32(a[g * as + 2 * pp])), bf16_lo(vv), o);
+        o = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_fp32(a[g * as + 2 * pp + 1])), bf16_hi(vv), o);
+      }
+      _mm256_maskstore_ps(out + g * hd + j, m, o);
+    }
+}
+
 }  // namespace
 }  // namespace avx2
 
@@ -1304,7 +1344,8 @@ const Kernels* kernels_avx2() {
   static const Kernels k{"avx2",          avx2::quantize_act,  avx2::matmul_float,
                          avx2::prep_bytes, avx2::prepare_quant, avx2::thread_bytes,
                          avx2::matmul_quant, avx2::dot,         avx2::axpy,
-                         avx2::attn_scores, avx2::attn_accumulate, nullptr, nullptr, nullptr, avx2::softmax,
+                         avx2::attn_scores, avx2::attn_accumulate, avx2::attn_scores_bf16,
+                         avx2::attn_accumulate_bf16, nullptr, avx2::softmax,
                          avx2::swiglu,      nullptr,             nullptr,
                          nullptr};
   return &k;
@@ -1315,8 +1356,8 @@ const Kernels* kernels_avx512() {
                          avx512::prep_bytes, avx512::prepare_quant, avx512::thread_bytes,
                          avx512::matmul_quant, avx512::dot,         avx512::axpy,
                          avx512::attn_scores, avx512::attn_accumulate,
-                         cpu_has_avx512bf16() ? avx512::attn_scores_bf16 : nullptr,
-                         cpu_has_avx512bf16() ? avx512::attn_accumulate_bf16 : nullptr,
+                         cpu_has_avx512bf16() ? avx512::attn_scores_bf16 : avx2::attn_scores_bf16,
+                         cpu_has_avx512bf16() ? avx512::attn_accumulate_bf16 : avx2::attn_accumulate_bf16,
                          cpu_has_avx512bf16() ? avx512::to_bf16 : nullptr, avx512::softmax,
                          avx512::swiglu,    avx512::packed_bytes, avx512::pack_quant,
                          avx512::int8_dot_loop};

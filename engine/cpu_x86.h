@@ -56,8 +56,8 @@ struct Kernels {
   /// llmq::attn_accumulate (positions in order, one fused multiply-add per term).
   void (*attn_accumulate)(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
                           int64_t hd);
-  /// llmq::attn_scores_bf16 and llmq::attn_accumulate_bf16 (`vdpbf16ps`); null where the CPU
-  /// lacks AVX512_BF16 (llmq falls back to the portable loops).
+  /// llmq::attn_scores_bf16 and llmq::attn_accumulate_bf16: `vdpbf16ps` at the AVX-512 level
+  /// when the CPU has AVX512_BF16, else the AVX2 versions (pairs widened by shift and mask, FMAs).
   void (*attn_scores_bf16)(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n, int64_t bt,
                            int64_t hd, float scale);
   void (*attn_accumulate_bf16)(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n,
