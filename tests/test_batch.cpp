@@ -1,11 +1,14 @@
 // Continuous batching: a forward pass over several sequences at different positions gives the
 // same logits as running each sequence alone; the paged KV cache hands out and takes back blocks.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 
 #include "engine/model.h"
 #include "formats/error.h"
+#include "server/scheduler.h"
 #include "test_util.h"
 
 using namespace llmq;
@@ -76,4 +79,52 @@ TEST_CASE("a mixed batch of sequences equals each sequence run alone", "[batch][
   const int32_t extra = kv.add_sequence();
   BatchToken t{extra, 5, true};
   CHECK_THROWS_AS(forward_batch(*m, kv, ws, pool, &t, 1), UsageError);
+}
+
+// The server's scheduler with a bf16 KV cache (llmq-server --kv-type bf16): three greedy
+// requests batched together produce the tokens a Session with the same cache type produces
+// for each alone (decode and batched prefill agree bit for bit, so the batch cannot change them).
+TEST_CASE("scheduler with a bf16 KV cache: batched greedy requests equal each one alone", "[batch][model]") {
+  auto m = Model::load(test::stories("q8_0"));
+  ThreadPool pool(2);
+  std::vector<std::vector<int32_t>> prompts = {{1, 400, 20}, {1, 17, 300, 41, 99}, {1, 250}};
+  std::vector<std::vector<int32_t>> want;
+  for (const auto& p : prompts) {
+    Session s(*m, pool, 128, 64, 1, KvType::BF16);
+    std::vector<int32_t> out;
+    const float* logits = s.forward(p.data(), int64_t(p.size()));
+    for (int i = 0; i < 12; ++i) {
+      const int32_t t = int32_t(std::max_element(logits, logits + 512) - logits);
+      out.push_back(t);
+      logits = s.forward(&t, 1);
+    }
+    want.push_back(out);
+  }
+  SchedulerOptions so;
+  so.parallel = 3, so.ctx = 128, so.n_batch = 32, so.kv_type = KvType::BF16;
+  Scheduler sched(*m, pool, so);
+  std::vector<std::shared_ptr<GenRequest>> reqs;
+  for (const auto& p : prompts) {
+    GenParams g;
+    g.prompt = p;
+    g.max_tokens = 12;
+    g.sampling.temperature = 0;  // greedy
+    reqs.push_back(std::make_shared<GenRequest>(g));
+    REQUIRE(sched.submit(reqs.back()) == Scheduler::Submit::Ok);
+  }
+  for (size_t r = 0; r < reqs.size(); ++r) {
+    std::vector<int32_t> got;
+    std::vector<GenEvent> ev;
+    while (reqs[r]->wait(&ev, 10000)) {
+      for (const GenEvent& e : ev)
+        for (const TokenInfo& t : e.tokens) got.push_back(t.id);
+      ev.clear();
+    }
+    for (const GenEvent& e : ev)
+      for (const TokenInfo& t : e.tokens) got.push_back(t.id);
+    INFO("request " << r << ": " << got.size() << " tokens, finish " << reqs[r]->finish_reason);
+    REQUIRE(!got.empty());
+    CHECK(got == std::vector<int32_t>(want[r].begin(), want[r].begin() + int64_t(got.size())));
+    CHECK((got.size() == 12 || reqs[r]->finish_reason == "stop"));
+  }
 }
