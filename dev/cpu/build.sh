@@ -8,3 +8,4 @@ g++ -std=c++20 -O2 -I. dev/cpu/bench_matmul.cpp -o build-simd/dev/bench_matmul \
   build-simd/libllmq_core.a -lfmt $(pkg-config --libs sentencepiece libxxhash) -lpthread
 g++ -std=c++20 -O2 -I. dev/cpu/bench_attn.cpp -o build-simd/dev/bench_attn \
   build-simd/libllmq_core.a -lfmt $(pkg-config --libs sentencepiece libxxhash) -lpthread
+g++ -std=c++20 -O2 dev/cpu/bench_peak.cpp -o build-simd/dev/bench_peak
