@@ -515,12 +515,6 @@ void rope_rotate(float* v, int64_t n_heads, int64_t head_dim, const float* cs, R
   }
 }
 
-void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta, RopeLayout layout) {
-  std::vector<float> cs(size_t(head_dim / 2) * 2);
-  rope_angles(cs.data(), head_dim, pos, theta);
-  rope_rotate(v, n_heads, head_dim, cs.data(), layout);
-}
-
 float softmax(float* x, int64_t n, float* max_out) {
   if (const x86::Kernels* k = active_kernels()) return k->softmax(x, n, max_out);
   float mx = x[0];

@@ -187,17 +187,13 @@ void to_bf16(uint16_t* dst, const float* src, int64_t n);
 /// out[n] = x[n] / sqrt(mean(x²) + eps) * w[n]   (RMSNorm, Zhang & Sennrich 2019).
 void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps);
 
-/// Rotary embedding (Su et al. 2021) of n_heads vectors of head_dim at position `pos`, in place:
-/// pair i (i < head_dim/2) rotates by pos * theta^(-2i/head_dim). Interleaved pairs are
-/// (2i, 2i+1); rotate-half pairs are (i, i + head_dim/2).
-void rope(float* v, int64_t n_heads, int64_t head_dim, int64_t pos, double theta, RopeLayout layout);
-
-/// The angles rope uses at position `pos`, for rope_rotate: cs[i] = cos(pos·θ^(-2i/head_dim)),
-/// cs[head_dim/2 + i] = its sine, i < head_dim/2 (fp64, rounded to fp32). A batch computes them
-/// once per token for every layer, q and k.
+/// Rotary embedding (Su et al. 2021), in two steps so that a batch computes each token's angles
+/// once for every layer, q and k. rope_angles: the angles at position `pos`,
+/// cs[i] = cos(pos·θ^(-2i/head_dim)), cs[head_dim/2 + i] = its sine, i < head_dim/2 (fp64,
+/// rounded to fp32).
 void rope_angles(float* cs, int64_t head_dim, int64_t pos, double theta);
-/// rope with the angles of rope_angles: rope(v, ..., pos, θ, layout) ==
-/// rope_rotate(v, ..., rope_angles(pos, θ), layout) bit for bit.
+/// Rotates n_heads vectors of head_dim in place by the angles cs (rope_angles): pair i turns by
+/// angle i. Interleaved pairs are (2i, 2i+1); rotate-half pairs are (i, i + head_dim/2).
 void rope_rotate(float* v, int64_t n_heads, int64_t head_dim, const float* cs, RopeLayout layout);
 
 /// In-place softmax over x[n] (max-subtracted). The SIMD levels use a vector e^x (about 2 ulp)

@@ -914,9 +914,6 @@ void pack_quant(const Weight& w, uint8_t* out) {
   }
 }
 
-// 16 packed rows × C tokens: the integer dot of every block (two accumulators per token, summed
-// exactly), then acc = fma(float(dot), d_w·d_x, acc) (+ fma(m, s_x, acc)) over the blocks in
-// order: the same instructions for an output whatever the number of tokens.
 // Token c's activations of block b: with C = kTile from one tile of prep (xq points at it, corr
 // unused; constant offsets from one pointer), with C = 1 from xq and corr as quantized.
 template <int C>
@@ -936,6 +933,9 @@ inline int32_t tile_corr(const BlockQ8Act* xq, const int32_t* corr, int64_t nb, 
     return corr[c * nb + b];
 }
 
+// 16 packed rows × C tokens: the integer dot of every block (two accumulators per token, summed
+// exactly), then acc = fma(float(dot), d_w·d_x, acc) (+ fma(m, s_x, acc)) over the blocks in
+// order: the same instructions for an output whatever the number of tokens.
 template <DType D, int C>
 void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr,
                  __mmask16 rmask) {

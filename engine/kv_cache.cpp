@@ -1,5 +1,8 @@
 #include "engine/kv_cache.h"
 
+#include <cstring>
+
+#include "engine/cpu_ops.h"
 #include "formats/error.h"
 
 namespace llmq {
@@ -30,6 +33,28 @@ KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, c
     v_.emplace_back(elems * size_t(kv_elem_bytes(type)));
   }
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
+}
+
+void KVCache::store(int64_t layer, int32_t seq, int64_t pos, const float* k, const float* v, int shard) {
+  constexpr int64_t kMaxHeadDim = 4096;  // the bound LlamaConfig checks (models/llama.cpp)
+  const int64_t hd = head_dim_, blk = pos / bt_, slot = pos % bt_;
+  for (int64_t h = 0; h < kv_dim_[size_t(shard)] / hd; ++h, k += hd, v += hd) {
+    if (type_ == KvType::BF16) {  // K [hd/2, bt, 2], V [bt/2, hd, 2]
+      uint16_t kv16[2 * kMaxHeadDim];
+      to_bf16(kv16, k, hd);
+      to_bf16(kv16 + hd, v, hd);
+      uint16_t* kb = key_block_bf16(layer, seq, blk, h, shard);
+      uint16_t* vb = value_block_bf16(layer, seq, blk, h, shard) + (slot / 2) * hd * 2 + slot % 2;
+      for (int64_t d = 0; d < hd; ++d) {
+        kb[((d / 2) * bt_ + slot) * 2 + d % 2] = kv16[d];
+        vb[2 * d] = kv16[hd + d];
+      }
+    } else {  // K [hd, bt] (transposed), V [bt, hd]
+      float* kT = key_block(layer, seq, blk, h, shard);
+      for (int64_t d = 0; d < hd; ++d) kT[d * bt_ + slot] = k[d];
+      std::memcpy(value_block(layer, seq, blk, h, shard) + slot * hd, v, size_t(hd) * sizeof(float));
+    }
+  }
 }
 
 uint64_t KVCache::bytes() const {

@@ -94,6 +94,11 @@ class KVCache {
   }
   int64_t kv_dim(int shard = 0) const { return kv_dim_[size_t(shard)]; }
 
+  /// Writes one token's K and V (k, v [kv_dim(shard)], its KV heads one after the other) at
+  /// position `pos` of seq in layer `layer` of pool `shard`, in this cache's block layout (f32: K
+  /// transposed; bf16: rounded to nearest even and paired). The position's block must be reserved.
+  void store(int64_t layer, int32_t seq, int64_t pos, const float* k, const float* v, int shard = 0);
+
  private:
   struct Seq {
     bool live = false;

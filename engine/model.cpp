@@ -9,8 +9,6 @@
 
 namespace llmq {
 
-constexpr int64_t kMaxHeadDim = 4096;  // the bound LlamaConfig checks (models/llama.cpp)
-
 // ---------------------------------------------------------------- loading
 
 std::unique_ptr<Model> Model::load(const std::string& path, bool verify) {
@@ -263,26 +261,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     per_token(T, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         rope_rotate(ws.k_.data() + t * KV, R.n_kv_heads, hd, angles + t * hd, c.rope_layout);
-        const int64_t blk = pos[t] / bt, slot = pos[t] % bt;
-        const float* kt = ws.k_.data() + t * KV;
-        const float* vt = ws.v_.data() + t * KV;
-        for (int64_t h = 0; h < KV / hd; ++h) {
-          if (bf16) {  // K [hd/2, bt, 2], V [bt/2, hd, 2]: bf16 pairs (engine/cpu_ops.h)
-            uint16_t kv16[2 * kMaxHeadDim];
-            to_bf16(kv16, kt + h * hd, hd);
-            to_bf16(kv16 + hd, vt + h * hd, hd);
-            uint16_t* kb = cache.key_block_bf16(l, batch[t].seq, blk, h, pool_id);
-            uint16_t* vb = cache.value_block_bf16(l, batch[t].seq, blk, h, pool_id) + (slot / 2) * hd * 2 + slot % 2;
-            for (int64_t d = 0; d < hd; ++d) {
-              kb[((d / 2) * bt + slot) * 2 + d % 2] = kv16[d];
-              vb[2 * d] = kv16[hd + d];
-            }
-            continue;
-          }
-          float* kT = cache.key_block(l, batch[t].seq, blk, h, pool_id);  // [hd, bt]: keys transposed
-          for (int64_t d = 0; d < hd; ++d) kT[d * bt + slot] = kt[h * hd + d];
-          std::memcpy(cache.value_block(l, batch[t].seq, blk, h, pool_id) + slot * hd, vt + h * hd, size_t(hd) * sizeof(float));
-        }
+        cache.store(l, batch[t].seq, pos[t], ws.k_.data() + t * KV, ws.v_.data() + t * KV, pool_id);
       }
     });
     if (To == 0) break;  // last layer, no logits wanted: only its K and V were needed

@@ -512,7 +512,7 @@ TEST_CASE("rmsnorm, softmax and swiglu match fp64 formulas", "[kernels]") {
 
 // RoPE as a complex rotation (Su et al. 2021, eq. 34): pair j of each head is multiplied by
 // e^{i·pos·θ^(-2j/d)}; the layouts differ only in which two dimensions form pair j.
-TEST_CASE("rope matches the complex-rotation formula in both layouts", "[kernels]") {
+TEST_CASE("rope_angles + rope_rotate match the complex-rotation formula in both layouts", "[kernels]") {
   std::mt19937_64 rng(fresh_seed());
   const int64_t heads = 3, hd = 16;
   for (RopeLayout layout : {RopeLayout::Interleaved, RopeLayout::RotateHalf}) {
@@ -528,7 +528,9 @@ TEST_CASE("rope matches the complex-rotation formula in both layouts", "[kernels
           ref[h * hd + a] = float(r.real());
           ref[h * hd + b] = float(r.imag());
         }
-      rope(v.data(), heads, hd, pos, 10000.0, layout);
+      std::vector<float> cs(static_cast<size_t>(hd));
+      rope_angles(cs.data(), hd, pos, 10000.0);
+      rope_rotate(v.data(), heads, hd, cs.data(), layout);
       INFO("layout " << rope_layout_name(layout) << " pos " << pos);
       CHECK(rel_err(v.data(), ref.data(), v.size()) < 1e-6);
     }
