@@ -23,7 +23,7 @@ std::vector<int32_t> default_stop_ids(const Vocab& v) {
   return ids;
 }
 
-GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict,
+GenerateStats generate(SessionBase& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict,
                        const std::vector<int32_t>& stop_ids, const std::function<bool(int32_t)>& on_token,
                        const std::atomic<bool>* stop) {
   GenerateStats st;
@@ -61,7 +61,7 @@ void check_perplexity_args(const std::vector<int32_t>& tokens, int64_t n_ctx) {
 }
 
 // The scoring loop over a session whose context and batch hold n_ctx tokens.
-PerplexityResult perplexity_on(Session& s, const std::vector<int32_t>& tokens, int64_t n_ctx,
+PerplexityResult perplexity_on(SessionBase& s, const std::vector<int32_t>& tokens, int64_t n_ctx,
                                const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
   const Model& m = s.model();
   int64_t n_chunks = int64_t(tokens.size()) / n_ctx;
@@ -113,6 +113,15 @@ PerplexityResult perplexity(TensorParallel& tp, const std::vector<int32_t>& toke
   if (tp.capacity() < n_ctx)
     throw UsageError("perplexity: the forward capacity " + std::to_string(tp.capacity()) + " is below --ctx " + std::to_string(n_ctx));
   Session s(tp, n_ctx, kv_type);
+  return perplexity_on(s, tokens, n_ctx, on_chunk, max_chunks);
+}
+
+PerplexityResult perplexity(SessionBase& s, const std::vector<int32_t>& tokens, int64_t n_ctx,
+                            const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks) {
+  check_perplexity_args(tokens, n_ctx);
+  if (s.ctx() < n_ctx || s.n_batch() < n_ctx)
+    throw UsageError("perplexity: the session holds " + std::to_string(std::min(s.ctx(), s.n_batch())) + " tokens, below --ctx " +
+                     std::to_string(n_ctx));
   return perplexity_on(s, tokens, n_ctx, on_chunk, max_chunks);
 }
 

@@ -26,7 +26,7 @@ struct GenerateStats {
 /// history (so the next turn continues after it) but not passed to on_token. Also stops when
 /// on_token returns false, when *stop becomes true, or when the KV cache is full.
 /// Throws UsageError if nothing is pending or the prompt overflows the cache.
-GenerateStats generate(Session& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict,
+GenerateStats generate(SessionBase& s, Sampler& sampler, std::vector<int32_t>& history, int64_t n_predict,
                        const std::vector<int32_t>& stop_ids, const std::function<bool(int32_t)>& on_token,
                        const std::atomic<bool>* stop = nullptr);
 
@@ -55,5 +55,10 @@ PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<
 PerplexityResult perplexity(TensorParallel& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
                             const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0,
                             KvType kv_type = KvType::F32);
+
+/// The same on any session (a GPU session, say) whose context and batch hold n_ctx tokens
+/// (UsageError otherwise). The session is reset before each chunk.
+PerplexityResult perplexity(SessionBase& s, const std::vector<int32_t>& tokens, int64_t n_ctx,
+                            const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0);
 
 }  // namespace llmq

@@ -11,7 +11,7 @@ namespace llmq {
 
 // ---------------------------------------------------------------- loading
 
-std::unique_ptr<Model> Model::load(const std::string& path, bool verify) {
+std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack) {
   auto model = std::make_unique<Model>();
   model->file = LlmqFile::open(path, verify);
   const LlmqFile& f = *model->file;
@@ -73,6 +73,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify) {
 
   // Repack the matmul weights for the CPU kernels and drop the file's copy of them from memory
   // (the embedding rows are still read from the file: a tied output is packed separately).
+  if (!pack) return model;
   std::vector<Weight*> mats;
   for (LayerWeights& l : model->layers)
     for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) mats.push_back(w);

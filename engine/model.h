@@ -53,7 +53,8 @@ struct Model {
   /// tensor of the Llama table (models/llama.h), checking names, shapes and that 1-D tensors
   /// are F32.
   /// Throws FileError for any fault (the message names the file).
-  static std::unique_ptr<Model> load(const std::string& path, bool verify = true);
+  /// pack = false leaves the matrices unpacked (a model whose weights go to a GPU).
+  static std::unique_ptr<Model> load(const std::string& path, bool verify = true, bool pack = true);
   /// Bytes of weights in the file (all tensors).
   uint64_t weight_bytes() const;
   /// The type holding most 2-D weights, e.g. "q8_0" (for reports).
@@ -182,8 +183,36 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
 
 class TensorParallel;  // engine/tp.h
 
-/// One sequence with its own KV cache: the simple interface for single-stream generation.
-class Session {
+/// One sequence's forward pass over its own KV cache, whatever runs it: Session (the CPU, one
+/// rank or tensor-parallel ranks) or cuda::CudaSession (a GPU, engine/cuda/session.h). What
+/// generate(), perplexity() and the tools drive.
+class SessionBase {
+ public:
+  virtual ~SessionBase() = default;
+  /// Runs `tokens` [n] at positions pos() .. pos()+n-1, appending to the KV cache, and returns
+  /// logits: [n, vocab] if all_logits, else [vocab] for the last token (host memory, valid until
+  /// the next call). Throws UsageError if the cache would overflow or a token is out of range.
+  virtual const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) = 0;
+  virtual const Model& model() const = 0;
+  /// Tokens in the KV cache (the next token's position).
+  virtual int64_t pos() const = 0;
+  /// KV-cache length in tokens.
+  virtual int64_t ctx() const = 0;
+  /// Most tokens per forward call (longer prompts are cut into chunks of this size).
+  virtual int64_t n_batch() const = 0;
+  /// Keeps only the first n cached positions (n <= pos()), e.g. to re-use a shared prompt prefix.
+  virtual void truncate(int64_t n) = 0;
+  /// Forgets the cache (the next forward starts at position 0).
+  void reset() { truncate(0); }
+  /// Bytes of the KV cache and of the scratch buffers (all ranks; device bytes on a GPU).
+  virtual uint64_t kv_bytes() const = 0;
+  virtual uint64_t workspace_bytes() const = 0;
+  uint64_t state_bytes() const { return kv_bytes() + workspace_bytes(); }
+};
+
+/// One sequence with its own KV cache on the CPU: the simple interface for single-stream
+/// generation.
+class Session : public SessionBase {
  public:
   /// ctx: KV-cache length in tokens (<= 0: the model's context length, at most
   /// kDefaultMaxCtx); n_batch: most tokens per forward call (prompts are cut into chunks of
@@ -199,24 +228,14 @@ class Session {
   Session(TensorParallel& tp, int64_t ctx, KvType kv_type = KvType::F32);
   ~Session();
 
-  /// Runs `tokens` [n] at positions pos() .. pos()+n-1, appending to the KV cache, and returns
-  /// logits: [n, vocab] if all_logits, else [vocab] for the last token. The pointer stays valid
-  /// until the next call. Throws UsageError if the cache would overflow or a token is out of range.
-  const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false);
-
-  const Model& model() const { return m_; }
-  int64_t pos() const { return cache_.length(seq_); }
-  int64_t ctx() const { return ctx_; }
-  /// Most tokens per forward call.
-  int64_t n_batch() const { return n_batch_; }
-  /// Forgets the cache (the next forward starts at position 0).
-  void reset() { cache_.truncate(seq_, 0); }
-  /// Keeps only the first n cached positions (n <= pos()), e.g. to re-use a shared prompt prefix.
-  void truncate(int64_t n) { cache_.truncate(seq_, n); }
-  /// Bytes held by the KV cache and the scratch buffers (all ranks).
-  uint64_t state_bytes() const { return kv_bytes() + workspace_bytes(); }
-  uint64_t kv_bytes() const { return cache_.bytes(); }
-  uint64_t workspace_bytes() const;
+  const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
+  const Model& model() const override { return m_; }
+  int64_t pos() const override { return cache_.length(seq_); }
+  int64_t ctx() const override { return ctx_; }
+  int64_t n_batch() const override { return n_batch_; }
+  void truncate(int64_t n) override { cache_.truncate(seq_, n); }
+  uint64_t kv_bytes() const override { return cache_.bytes(); }
+  uint64_t workspace_bytes() const override;
   /// The KV cache (one pool per tensor-parallel rank).
   const KVCache& cache() const { return cache_; }
 

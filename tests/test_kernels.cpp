@@ -9,31 +9,15 @@
 #include <vector>
 
 #include "engine/cpu_ops.h"
+#include "test_util.h"
 
 using namespace llmq;
 
 namespace {
 
-uint64_t fresh_seed() {
-  std::random_device rd;
-  return (uint64_t(rd()) << 32) | rd();
-}
-
-std::vector<float> gaussian(size_t n, std::mt19937_64& rng) {
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-double rel_err(const float* a, const float* ref, size_t n) {
-  double e = 0, r = 0;
-  for (size_t i = 0; i < n; ++i) {
-    e += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    r += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(e / r);
-}
+using test::fresh_seed;
+using test::gaussian;
+using test::rel_err;
 
 // A random weight matrix [rows, cols] stored in type t.
 struct OwnedWeight {

@@ -5,9 +5,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -80,6 +83,31 @@ inline void cap_child_memory() {
   const rlimit as{rlim_t(4) << 30, rlim_t(4) << 30};
   setrlimit(RLIMIT_AS, &as);
 #endif
+}
+
+/// A seed from std::random_device: fresh random inputs every run (print it with INFO so a
+/// failure can be replayed).
+inline uint64_t fresh_seed() {
+  std::random_device rd;
+  return (uint64_t(rd()) << 32) | rd();
+}
+
+/// n samples of N(0, 1).
+inline std::vector<float> gaussian(size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+/// ||a - ref|| / ||ref|| in fp64 (the relative error every kernel test states a bound for).
+inline double rel_err(const float* a, const float* ref, size_t n) {
+  double e = 0, r = 0;
+  for (size_t i = 0; i < n; ++i) {
+    e += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    r += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(e / r);
 }
 
 /// stories260K (../shared) converted by the real llmq-convert to `type`, once per test run.

@@ -5,6 +5,11 @@
 // thread count (speed-up in the output).
 //
 //   llmq-bench -m model.llmq [-p 512] [-n 128] [-t N] [-r 3] [--bandwidth-mib 512] [--tp N]
+//   llmq-bench --device cuda (-m model.llmq | --synthetic llama-2-7b --type q4_0) [-p 512] [-n 128]
+// On a GPU: decode at batch 1 (greedy on the GPU, the step a replayed CUDA graph), prefill of
+// the prompt, the achieved bandwidth against a device-to-device copy measured here, and prefill
+// FLOP/s against cuBLAS's bf16 GEMM measured here. --synthetic makes random weights with a
+// preset's exact shapes on the device (mem/shape.h presets), so nothing large has to travel.
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -14,11 +19,20 @@
 #include <string>
 
 #include "engine/cpu_ops.h"
+#include "engine/device.h"
 #include "engine/model.h"
 #include "engine/roofline.h"
 #include "engine/tp.h"
 #include "formats/error.h"
+#include "mem/shape.h"
 #include "tools/cli_common.h"
+
+#ifdef LLMQ_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "engine/cuda/cuda.h"
+#include "engine/cuda/session.h"
+#endif
 
 using namespace llmq;
 
@@ -56,6 +70,70 @@ void measure(Session& s, const std::vector<int32_t>& prompt, int64_t n_gen, Spee
   best.decode_s = std::min(best.decode_s, std::chrono::duration<double>(clock::now() - t0).count());
 }
 
+#ifdef LLMQ_HAVE_CUDA
+// --device cuda: the model (`model`, or random weights of `type` with config c) on GPU 0.
+nlohmann::json bench_cuda(const Model* model, const LlamaConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps) {
+  using clock = std::chrono::steady_clock;
+  cuda::check(cudaSetDevice(0), "cudaSetDevice");
+  std::unique_ptr<cuda::CudaModel> dm =
+      model ? std::make_unique<cuda::CudaModel>(*model, true) : std::make_unique<cuda::CudaModel>(c, type, 1234);
+  cuda::CudaSession s(*dm, model, n_prompt + n_gen, n_prompt, 1);
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int32_t> pick(0, int32_t(c.vocab_size - 1));
+  std::vector<int32_t> prompt(static_cast<size_t>(n_prompt));
+  for (auto& t : prompt) t = pick(rng);
+  double prefill_s = 1e30, decode_s = 1e30;
+  for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up (graph capture, cuBLAS heuristics)
+    s.reset();
+    auto t0 = clock::now();
+    s.prefill(prompt.data(), n_prompt);
+    const double tp = std::chrono::duration<double>(clock::now() - t0).count();
+    t0 = clock::now();
+    int32_t tok = prompt.back();
+    for (int64_t i = 0; i < n_gen; ++i) tok = s.decode_greedy(tok);
+    const double td = std::chrono::duration<double>(clock::now() - t0).count();
+    if (r > 0) prefill_s = std::min(prefill_s, tp), decode_s = std::min(decode_s, td);
+  }
+  // Bytes a decode step reads: every weight but the embedding table (one row of it, unless the
+  // output is the table), and K and V of positions 0 .. p in every layer (fp16).
+  const auto& e = dm->token_embd;
+  const uint64_t embd = cuda::split_weight_bytes(e.type, e.rows, e.cols);
+  const double weights = double(dm->weight_bytes()) - (c.tied_embeddings ? 0.0 : double(embd) - double(embd / uint64_t(e.rows)));
+  double kv = 0;
+  for (int64_t i = 0; i < n_gen; ++i) kv += double(c.n_layers) * 2.0 * double(n_prompt + i + 1) * double(c.kv_dim()) * 2.0;
+  const double decode_bytes = weights + kv / double(n_gen);
+  // Prefill arithmetic: 2 FLOP per matrix weight and token, attention 4 (p + 1) q_dim per layer and token.
+  const double matrix_weights = double(c.n_layers) * double(c.dim) * double(2 * c.q_dim() + 2 * c.kv_dim() + 3 * c.hidden_dim) +
+                                double(c.vocab_size) * double(c.dim) / double(n_prompt);  // output: the last token only
+  const double prefill_flops = 2.0 * matrix_weights * double(n_prompt) +
+                               4.0 * double(c.q_dim()) * double(c.n_layers) * double(n_prompt) * double(n_prompt + 1) / 2.0;
+  const double copy_bw = cuda::measure_copy_bandwidth();
+  const double gemm = cuda::measure_cublas_bf16_flops(c.hidden_dim, n_prompt, c.dim);
+  nlohmann::json j;
+  j["device"] = "cuda";
+  j["gpu"] = cuda::device_description(0);
+  j["type"] = model ? model->weight_type() : std::string(dtype_name(type));
+  j["weight_bytes"] = dm->weight_bytes();
+  j["kv_cache_bytes"] = s.kv_bytes();
+  j["workspace_bytes"] = s.workspace_bytes();
+  j["device_bytes_measured"] = dm->measured_bytes() + s.measured_bytes();
+  j["prompt_tokens"] = n_prompt;
+  j["gen_tokens"] = n_gen;
+  j["cuda_graphs"] = !(std::getenv("LLMQ_CUDA_GRAPH") && std::string(std::getenv("LLMQ_CUDA_GRAPH")) == "0");
+  j["prefill_tok_s"] = double(n_prompt) / prefill_s;
+  j["decode_tok_s"] = double(n_gen) / decode_s;
+  j["decode_bytes_per_token"] = decode_bytes;
+  j["decode_gb_s"] = decode_bytes * double(n_gen) / decode_s / 1e9;
+  j["copy_bandwidth_gb_s"] = copy_bw / 1e9;
+  j["decode_fraction_of_copy"] = decode_bytes * double(n_gen) / decode_s / copy_bw;
+  j["prefill_tflop_s"] = prefill_flops / prefill_s / 1e12;
+  j["cublas_bf16_tflop_s"] = gemm / 1e12;
+  j["cublas_bf16_shape"] = {c.hidden_dim, n_prompt, c.dim};
+  j["prefill_fraction_of_cublas"] = prefill_flops / prefill_s / gemm;
+  return j;
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -65,7 +143,11 @@ int main(int argc, char** argv) {
   int threads = 0, reps = 3, tp = 1;
   bool no_verify = false, no_baseline = false;
   int64_t bandwidth_mib = 512;
-  app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
+  std::string device_s = "cpu", synthetic, type_s = "q4_0";
+  app.add_option("-m,--model", model_path, "model file (.llmq)");
+  app.add_option("--device", device_s, "cpu or cuda (GPU 0)")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--synthetic", synthetic, "with --device cuda, instead of -m: random weights with a preset's shapes (llama-2-7b, llama-3-8b, ...)");
+  app.add_option("--type", type_s, "weight type of --synthetic: q4_0, q4_1, q8_0, f16 or bf16");
   app.add_option("-p,--prompt-tokens", n_prompt, "prompt length for the prefill measurement");
   app.add_option("-n,--gen-tokens", n_gen, "tokens decoded one at a time after the prompt");
   app.add_option("-t,--threads", threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
@@ -85,6 +167,28 @@ int main(int argc, char** argv) {
     if (n_prompt < 1 || n_gen < 1 || reps < 1) throw UsageError("-p, -n and -r must be positive");
     if (tp_output != "vocab" && tp_output != "replicated") throw UsageError("--tp-output must be vocab or replicated");
     if (bandwidth_mib < 0 || bandwidth_mib > (int64_t(1) << 20)) throw UsageError("--bandwidth-mib out of range");
+    if (model_path.empty() == synthetic.empty()) throw UsageError("give a model (-m) or --synthetic NAME, one of them");
+    const Device device = pick_device(device_s);
+    if (!synthetic.empty() && device != Device::Cuda) throw UsageError("--synthetic runs on --device cuda");
+    if (device == Device::Cuda) {
+      if (tp != 1) throw UsageError("--tp with --device cuda: tensor parallelism runs on the CPU only, so far");
+#ifdef LLMQ_HAVE_CUDA
+      std::unique_ptr<Model> m;
+      LlamaConfig c;
+      if (!synthetic.empty()) {
+        const mem::ModelShape sh = mem::preset(synthetic);
+        c.dim = sh.dim, c.hidden_dim = sh.hidden, c.n_layers = sh.layers, c.n_heads = sh.heads, c.n_kv_heads = sh.kv_heads;
+        c.head_dim = sh.head_dim, c.vocab_size = sh.vocab, c.context_length = sh.context, c.tied_embeddings = sh.tied;
+      } else {
+        m = Model::load(model_path, !no_verify, /*pack=*/false);
+        c = m->config;
+      }
+      nlohmann::json j = bench_cuda(m.get(), c, dtype_from_name(type_s), n_prompt, n_gen, reps);
+      j["model"] = synthetic.empty() ? model_path : "synthetic " + synthetic;
+      std::printf("%s\n", j.dump(2).c_str());
+      return 0;
+#endif
+    }
     auto model = Model::load(model_path, !no_verify);
     TpOptions opt;
     opt.vocab_parallel = tp_output == "vocab";

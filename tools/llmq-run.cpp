@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "engine/chat.h"
+#include "engine/device.h"
 #include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
@@ -78,6 +79,9 @@ int main(int argc, char** argv) {
   std::string kv_type_s = "f32";
   app.add_option("--kv-type", kv_type_s, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands)")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  std::string device_s = "cpu";
+  app.add_option("--device", device_s, "where the forward pass runs: cpu, cuda (GPU 0; f16 KV cache) or auto (the GPU when one is present)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   app.add_option("--temp", sp.temperature, "temperature (0: greedy)");
   app.add_option("--top-k", sp.top_k, "top-k (0: off)");
   app.add_option("--top-p", sp.top_p, "top-p (1: off)");
@@ -114,7 +118,10 @@ int main(int argc, char** argv) {
       ctx = r.options.ctx;
     }
     const KvType kv_type = kv_type_from_name(kv_type_s);
-    auto model = Model::load(model_path, !no_verify);
+    const Device device = pick_device(device_s);
+    if (device == Device::Cuda && tp != 1) throw UsageError("--tp with --device cuda: tensor parallelism runs on the CPU only, so far");
+    if (device == Device::Cuda && kv_type != KvType::F32) throw UsageError("--kv-type: the GPU's KV cache is f16 (leave --kv-type out)");
+    auto model = Model::load(model_path, !no_verify, /*pack=*/device == Device::Cpu);
     const Tokenizer& tok = *model->tokenizer;
     sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
     const int64_t ppl_ctx = ctx > 0 ? ctx : 512;
@@ -122,7 +129,9 @@ int main(int argc, char** argv) {
     // --tp N: N rank threads sharing `threads`, each with its slices of the weights.
     std::unique_ptr<ThreadPool> pool;
     std::unique_ptr<TensorParallel> runner;
-    if (tp == 1) {
+    if (device == Device::Cuda) {
+      // the GPU runs everything but sampling
+    } else if (tp == 1) {
       pool = std::make_unique<ThreadPool>(threads);
     } else {
       const int64_t cap = ppl_file.empty() ? session_sizes(model->config, ctx, n_batch).n_batch : ppl_ctx;
@@ -145,21 +154,27 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "llmq-run: perplexity over %s: %zu tokens, %lld chunks of %lld\n", ppl_file.c_str(), tokens.size(),
                    (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
       const auto progress = [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); };
-      const PerplexityResult r = runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks, kv_type)
-                                        : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks, kv_type);
+      std::unique_ptr<SessionBase> gpu;
+      if (device == Device::Cuda) gpu = make_cuda_session(*model, n_ctx, n_ctx, n_ctx);
+      const PerplexityResult r = gpu      ? perplexity(*gpu, tokens, n_ctx, progress, ppl_chunks)
+                                 : runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks, kv_type)
+                                          : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks, kv_type);
       std::printf("PPL = %.4f +/- %.4f (%lld chunks, %lld tokens scored, ctx %lld, model %s)\n", r.ppl, r.ppl_err,
                   (long long)r.chunks, (long long)r.scored, (long long)n_ctx, model->weight_type().c_str());
       return 0;
     }
 
-    const std::unique_ptr<Session> session_ptr =
-        runner ? std::make_unique<Session>(*runner, ctx, kv_type) : std::make_unique<Session>(*model, *pool, ctx, n_batch, 1, kv_type);
-    Session& session = *session_ptr;
+    std::unique_ptr<SessionBase> session_ptr;
+    if (device == Device::Cuda) session_ptr = make_cuda_session(*model, ctx, n_batch);  // prints the GPU's memory
+    else if (runner) session_ptr = std::make_unique<Session>(*runner, ctx, kv_type);
+    else session_ptr = std::make_unique<Session>(*model, *pool, ctx, n_batch, 1, kv_type);
+    SessionBase& session = *session_ptr;
     // Measured at load: bytes of our own buffers (the mapping, the weights the CPU kernels
     // repacked, the KV cache, the workspace), what llmq-mem infer predicts.
     const uint64_t file_bytes = model->file->file_size(), packed = model->packed.bytes();
     const uint64_t mem_total = file_bytes + packed + session.state_bytes();
-    std::fprintf(stderr,
+    if (device == Device::Cpu)
+      std::fprintf(stderr,
                  "llmq-run: memory: model file %s (weights %s), repacked weights %s, KV cache %s (%s), workspace %s; total %llu bytes "
                  "(%s), ctx %lld\n",
                  cli::human_bytes(file_bytes).c_str(), cli::human_bytes(model->weight_bytes()).c_str(), cli::human_bytes(packed).c_str(),

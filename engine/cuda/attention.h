@@ -1,0 +1,36 @@
+// Causal attention on the GPU over one sequence's fp16 KV cache, decode and prefill alike.
+//
+// A CUDA block takes one query token, one KV head and one part of the positions, with one warp
+// per query head of the KV head's group (GQA: the group's warps share each K/V tile read).
+// Tiles of 32 positions go through shared memory; lane j scores position j of a tile against
+// the warp's query, and the softmax is kept online (running max m, sum l, output o; Milakov &
+// Gimelshein 2018, FlashAttention, Dao et al. 2022): no [T, T] score matrix in memory.
+// Positions are cut into n_splits parts of part_len (flash-decoding, Dao et al. 2023): each
+// part writes (o, m, l) and attention_merge combines them,
+//   out = Σ_c e^(m_c - M) o_c / Σ_c e^(m_c - M) l_c,  M = max_c m_c.
+// Decode uses many parts (enough blocks for the GPU at batch 1) with a fixed count, so a CUDA
+// graph can replay it at any position: parts past the token's position write l = 0 and leave.
+// CPU reference: the attention of engine/model.cpp (forward_shard).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace llmq::cuda {
+
+/// Largest head_dim the kernel takes (each lane holds head_dim / 32 outputs in registers).
+constexpr int64_t kMaxHeadDim = 256;
+
+/// Attention for T tokens of one sequence. q: [T, ldq], head h at column h · hd, already
+/// rotated; kc, vc: the layer's cache [positions, n_kv · hd] fp16; pos: [T] device int32, token
+/// t attends to positions 0 .. pos[t]; out: [T, ldo], head h at column h · hd.
+/// n_splits == 1: out written directly (part_len must cover every position). n_splits > 1:
+/// parts of part_len positions (a multiple of 32) written to `partial`
+/// [T, n_heads, n_splits, hd + 2] (o unnormalized, then m, l), then merged into out.
+/// scale: the score factor, 1/sqrt(hd). Throws UsageError for hd > kMaxHeadDim, odd hd, or
+/// n_heads not a multiple of n_kv.
+void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T,
+               int64_t n_heads, int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial,
+               float* out, int64_t ldo, cudaStream_t s);
+
+}  // namespace llmq::cuda

@@ -1,0 +1,41 @@
+// Device helpers shared by the kernel files: warp reductions and type conversions.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace llmq::cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+/// Sum over the 32 lanes of a warp (butterfly: every lane gets the result).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+/// Maximum over the 32 lanes of a warp (every lane gets the result).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+/// Sum over a whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+/// `red` is shared scratch of 32 floats. Contains __syncthreads: call from all threads.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be read from an earlier call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? red[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float fp16_bits_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+
+}  // namespace llmq::cuda

@@ -1,0 +1,118 @@
+#include "engine/cuda/cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+
+namespace llmq::cuda {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CudaError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" / "no device" error
+    return 0;
+  }
+  return n;
+}
+
+std::string device_description(int dev) {
+  cudaDeviceProp p{};
+  check(cudaGetDeviceProperties(&p, dev), "cudaGetDeviceProperties");
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%.256s (sm_%d%d, %d SMs, %.1f GiB)", p.name, p.major, p.minor, p.multiProcessorCount,
+                double(p.totalGlobalMem) / double(1ull << 30));
+  return buf;
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  return n;
+}
+
+MemInfo mem_info() {
+  size_t free = 0, total = 0;
+  check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return {uint64_t(free), uint64_t(total)};
+}
+
+double measure_copy_bandwidth(uint64_t bytes, int reps) {
+  DeviceBuffer a(bytes), b(bytes);
+  check(cudaMemset(a.get(), 1, bytes), "cudaMemset");
+  cudaEvent_t e0, e1;
+  check(cudaEventCreate(&e0), "cudaEventCreate");
+  check(cudaEventCreate(&e1), "cudaEventCreate");
+  float best_ms = 1e30f;
+  for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up
+    check(cudaEventRecord(e0), "cudaEventRecord");
+    check(cudaMemcpy(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy (D2D)");
+    check(cudaEventRecord(e1), "cudaEventRecord");
+    check(cudaEventSynchronize(e1), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+    if (r > 0) best_ms = std::min(best_ms, ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return 2.0 * double(bytes) / (double(best_ms) * 1e-3);
+}
+
+DeviceBuffer::DeviceBuffer(size_t bytes) : n_(bytes) {
+  if (bytes == 0) return;
+  const cudaError_t e = cudaMalloc(&p_, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    p_ = nullptr, n_ = 0;
+    throw CudaError("cudaMalloc of " + std::to_string(bytes) + " bytes: " + cudaGetErrorString(e));
+  }
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (p_) cudaFree(p_);
+    p_ = o.p_, n_ = o.n_;
+    o.p_ = nullptr, o.n_ = 0;
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (p_) cudaFree(p_);
+}
+
+void DeviceBuffer::upload(const void* src, size_t n, size_t off) {
+  if (off + n > n_) throw CudaError("DeviceBuffer::upload past the end");
+  check(cudaMemcpy(static_cast<uint8_t*>(p_) + off, src, n, cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
+}
+
+void DeviceBuffer::download(void* dst, size_t n, size_t off) const {
+  if (off + n > n_) throw CudaError("DeviceBuffer::download past the end");
+  check(cudaMemcpy(dst, static_cast<const uint8_t*>(p_) + off, n, cudaMemcpyDeviceToHost), "cudaMemcpy (download)");
+}
+
+PinnedBuffer::PinnedBuffer(size_t bytes) : n_(bytes) {
+  if (bytes) check(cudaMallocHost(&p_, bytes), "cudaMallocHost");
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (p_) cudaFreeHost(p_);
+    p_ = o.p_, n_ = o.n_;
+    o.p_ = nullptr, o.n_ = 0;
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (p_) cudaFreeHost(p_);
+}
+
+}  // namespace llmq::cuda

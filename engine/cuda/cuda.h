@@ -1,0 +1,91 @@
+// Host-side CUDA utilities: error checks, the device present, owning device buffers.
+// Plain C++ (compiled by the host compiler); kernels live in the .cu files beside it.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace llmq::cuda {
+
+/// A failed CUDA runtime or cuBLAS call; the message names the call and the error.
+struct CudaError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Throws CudaError("<what>: <cudaGetErrorString(e)>") unless e == cudaSuccess.
+void check(cudaError_t e, const char* what);
+/// After a kernel launch: throws CudaError if the launch failed (bad configuration).
+void check_launch(const char* kernel);
+
+/// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).
+int device_count();
+/// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.1 GiB)" for device `dev`.
+std::string device_description(int dev);
+/// Streaming multiprocessors of the current device.
+int sm_count();
+
+/// Free and total bytes of the current device (cudaMemGetInfo).
+struct MemInfo {
+  uint64_t free = 0, total = 0;
+};
+MemInfo mem_info();
+
+/// Device-to-device copy bandwidth of the current GPU: the best of `reps` cudaMemcpy of
+/// `bytes` between two buffers, counted as bytes read + bytes written per second (as
+/// NVIDIA's bandwidthTest does). The reference for "fraction of the memory bandwidth".
+double measure_copy_bandwidth(uint64_t bytes = 1ull << 30, int reps = 10);
+
+/// One device allocation (cudaMalloc), freed by the destructor. Move-only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  /// Allocates `bytes` (none for 0); throws CudaError when the device is out of memory.
+  explicit DeviceBuffer(size_t bytes);
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+
+  size_t bytes() const { return n_; }
+  void* get() const { return p_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  /// Copies `n` bytes from host memory to offset `off` (synchronous).
+  void upload(const void* src, size_t n, size_t off = 0);
+  /// Copies `n` bytes from offset `off` to host memory (synchronous).
+  void download(void* dst, size_t n, size_t off = 0) const;
+
+ private:
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+/// Pinned (page-locked) host memory, for copies a CUDA graph replays. Move-only.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t bytes);
+  PinnedBuffer(PinnedBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer();
+  size_t bytes() const { return n_; }
+  void* get() const { return p_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+}  // namespace llmq::cuda

@@ -1,0 +1,520 @@
+// Matrix products on the GPU (engine/cuda/matmul.h): the split weight layout, activation
+// quantization, the GEMV kernels of decode and the cuBLAS path of prefill.
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "engine/cuda/common.cuh"
+#include "engine/cuda/matmul.h"
+#include "formats/error.h"
+
+namespace llmq::cuda {
+
+namespace {
+
+bool is_block_type(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
+
+// Bytes of one row of the q array.
+size_t q_row_bytes(DType t, int64_t cols) {
+  switch (t) {
+    case DType::Q8_0: return size_t(cols);
+    case DType::Q4_0:
+    case DType::Q4_1: return size_t(cols / 2);
+    case DType::F32: return size_t(cols) * 4;
+    case DType::F16:
+    case DType::BF16: return size_t(cols) * 2;
+  }
+  throw UsageError("CUDA: unsupported weight type");
+}
+
+void check_cublas(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS) throw CudaError(std::string(what) + ": " + cublasGetStatusString(st));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- layout
+
+uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols) { return uint64_t(rows) * row_bytes(t, cols); }
+
+void split_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst) {
+  const size_t rb = row_bytes(t, cols);
+  if (!is_block_type(t)) {
+    std::memcpy(dst, src, size_t(rows) * rb);
+    return;
+  }
+  const int64_t nb = cols / QK;
+  const size_t qrow = q_row_bytes(t, cols), bb = dtype_info(t).block_bytes, qb = t == DType::Q8_0 ? QK : QK / 2;
+  uint8_t* q = dst;
+  uint8_t* d = dst + size_t(rows) * qrow;   // [rows, nb] fp16
+  uint8_t* m = d + size_t(rows * nb) * 2;   // [rows, nb] fp16 (Q4_1)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = src + size_t(r) * rb + size_t(b) * bb;
+      const size_t i = size_t(r * nb + b);
+      std::memcpy(d + 2 * i, blk, 2);
+      if (t == DType::Q4_1) std::memcpy(m + 2 * i, blk + 2, 2);
+      const size_t head = t == DType::Q4_1 ? 4 : 2;
+      std::memcpy(q + size_t(r) * qrow + size_t(b) * qb, blk + head, qb);
+    }
+}
+
+DeviceWeight split_weight_view(DType t, int64_t rows, int64_t cols, const uint8_t* base) {
+  DeviceWeight w;
+  w.type = t, w.rows = rows, w.cols = cols, w.q = base;
+  if (is_block_type(t)) {
+    w.d = reinterpret_cast<const uint16_t*>(base + size_t(rows) * q_row_bytes(t, cols));
+    if (t == DType::Q4_1) w.m = w.d + rows * (cols / QK);
+  }
+  return w;
+}
+
+DeviceWeight weight_rows(const DeviceWeight& w, int64_t r0, int64_t n) {
+  DeviceWeight v = w;
+  v.rows = n;
+  v.q = w.q + size_t(r0) * q_row_bytes(w.type, w.cols);
+  if (w.d) v.d = w.d + r0 * (w.cols / QK);
+  if (w.m) v.m = w.m + r0 * (w.cols / QK);
+  return v;
+}
+
+// ---------------------------------------------------------------- random weights
+
+namespace {
+
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {  // splitmix64's finalizer
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return uint32_t((x ^ (x >> 31)) >> 16);
+}
+__device__ __forceinline__ float uniform01(uint64_t seed, uint64_t i) { return float(hash32(seed * 0x100000001b3ull + i) >> 8) * (1.0f / 16777216.0f); }
+
+__global__ void fill_bytes_kernel(uint8_t* p, uint64_t n, uint64_t seed) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
+    p[i] = uint8_t(hash32(seed * 0x100000001b3ull + i));
+}
+
+// kind 0: fp32 values, 1: fp16 values, 2: bf16 values (all in ±amp); 3: fp16 values in amp·[0.5, 1.5).
+__global__ void fill_values_kernel(void* p, uint64_t n, uint64_t seed, int kind, float amp) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+    const float u = uniform01(seed, i);
+    if (kind == 0) static_cast<float*>(p)[i] = (2.0f * u - 1.0f) * amp;
+    else if (kind == 1) static_cast<__half*>(p)[i] = __float2half((2.0f * u - 1.0f) * amp);
+    else if (kind == 2) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16((2.0f * u - 1.0f) * amp);
+    else static_cast<__half*>(p)[i] = __float2half((0.5f + u) * amp);
+  }
+}
+
+__global__ void neg_scaled_kernel(uint16_t* dst, const uint16_t* src, uint64_t n, float k) {  // dst = -k * src (fp16)
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
+    dst[i] = __half_as_ushort(__float2half(-k * fp16_bits_to_float(src[i])));
+}
+
+constexpr int kFillBlocks = 1024, kFillThreads = 256;
+
+}  // namespace
+
+void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
+  const uint64_t n = uint64_t(w.rows) * uint64_t(w.cols), nb = n / QK;
+  auto* q = const_cast<uint8_t*>(w.q);
+  auto* d = const_cast<uint16_t*>(w.d);
+  switch (w.type) {
+    case DType::F32: fill_values_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(q, n, seed, 0, 0.03f); break;
+    case DType::F16: fill_values_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(q, n, seed, 1, 0.03f); break;
+    case DType::BF16: fill_values_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(q, n, seed, 2, 0.03f); break;
+    case DType::Q8_0:
+    case DType::Q4_0:
+    case DType::Q4_1: {
+      fill_bytes_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(q, w.type == DType::Q8_0 ? n : n / 2, seed);
+      // |q| averages ~64 (Q8_0) or ~4 (Q4_0 centred on 8): scales give weights of about 0.01-0.02.
+      fill_values_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(d, nb, seed + 1, 3, w.type == DType::Q8_0 ? 2.5e-4f : 4e-3f);
+      if (w.type == DType::Q4_1)  // m = -8 d: the weights centred on zero, as Q4_0's
+        neg_scaled_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(const_cast<uint16_t*>(w.m), w.d, nb, 8.0f);
+      break;
+    }
+  }
+  check_launch("fill_random");
+}
+
+// ---------------------------------------------------------------- activation quantization
+
+namespace {
+
+// One warp per block of 32 activations: d = max|x| / 127, q = rint(x / d) (round half to even,
+// as the CPU's nearbyint), s = d · Σq.
+__global__ void quantize_act_kernel(const float* __restrict__ x, int8_t* __restrict__ q, float* __restrict__ d,
+                                    float* __restrict__ s, int64_t n_blocks) {
+  const int64_t b = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (b >= n_blocks) return;  // whole warps leave together
+  const float v = x[b * 32 + lane];
+  const float amax = warp_max(fabsf(v));
+  const float dd = amax / 127.0f;
+  const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+  const float qv = rintf(v * id);
+  q[b * 32 + lane] = int8_t(qv);
+  const float sum = warp_sum(qv);
+  if (lane == 0) d[b] = dd, s[b] = dd * sum;
+}
+
+}  // namespace
+
+void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t cols, cudaStream_t s) {
+  const int64_t n_blocks = T * cols / QK;
+  if (n_blocks == 0) return;
+  const int threads = 256;
+  const int64_t grid = (n_blocks * 32 + threads - 1) / threads;
+  quantize_act_kernel<<<unsigned(grid), threads, 0, s>>>(x, out.q, out.d, out.s, n_blocks);
+  check_launch("quantize_act");
+}
+
+// ---------------------------------------------------------------- GEMV (decode)
+
+namespace {
+
+// A block is kGemvWarps warps, one weight row each; lanes stride over the row in 16-byte chunks,
+// and every chunk read is used for all T tokens (acc[t]), so the weights are read once.
+constexpr int kGemvWarps = 4;
+
+__device__ __forceinline__ int dp4a4(uint4 a, int4 b, int acc) {
+  acc = __dp4a(int(a.x), b.x, acc);
+  acc = __dp4a(int(a.y), b.y, acc);
+  acc = __dp4a(int(a.z), b.z, acc);
+  return __dp4a(int(a.w), b.w, acc);
+}
+
+__device__ __forceinline__ void store_rows(float (&acc)[kGemvMaxTokens], float* y, int64_t ldy, int64_t row, int T) {
+#pragma unroll
+  for (int t = 0; t < kGemvMaxTokens; ++t)
+    if (t < T) {
+      const float v = warp_sum(acc[t]);
+      if (threadIdx.x == 0) y[t * ldy + row] = v;
+    }
+}
+
+// Q8_0: a chunk is half a block (16 quants); w·x = Σ_blocks d_w · d_x · Σ q_w q_x.
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q8_0_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
+                                                                   const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  const int64_t row = int64_t(blockIdx.x) * kGemvWarps + threadIdx.y;
+  if (row >= rows) return;
+  const int64_t nb = cols / 32, n16 = cols / 16;
+  const uint4* w = reinterpret_cast<const uint4*>(wq + row * cols);
+  const uint16_t* d = wd + row * nb;
+  float acc[kGemvMaxTokens] = {};
+#pragma unroll 4
+  for (int64_t c = threadIdx.x; c < n16; c += 32) {
+    const uint4 wv = __ldg(w + c);
+    const float dw = fp16_bits_to_float(__ldg(d + c / 2));
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const int4 xv = *reinterpret_cast<const int4*>(xq + t * cols + c * 16);
+        acc[t] += dw * xd[t * nb + c / 2] * float(dp4a4(wv, xv, 0));
+      }
+  }
+  store_rows(acc, y, ldy, row, T);
+}
+
+// Q4_0 / Q4_1: a chunk is one block (16 bytes of nibbles). Low nibbles are weights 0..15 of the
+// block, high nibbles 16..31. Q4_0: w = d (q - 8), so w·x = d (d_x Σ q q_x - 8 s_x);
+// Q4_1: w = d q + m, so w·x = d d_x Σ q q_x + m s_x (s_x = d_x Σ q_x, from quantize_act).
+template <bool kMin>
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q4_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
+                                                                 const uint16_t* __restrict__ wm, const int8_t* __restrict__ xq,
+                                                                 const float* __restrict__ xd, const float* __restrict__ xs,
+                                                                 float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  const int64_t row = int64_t(blockIdx.x) * kGemvWarps + threadIdx.y;
+  if (row >= rows) return;
+  const int64_t nb = cols / 32;
+  const uint4* w = reinterpret_cast<const uint4*>(wq + row * (cols / 2));
+  const uint16_t* d = wd + row * nb;
+  float acc[kGemvMaxTokens] = {};
+#pragma unroll 4
+  for (int64_t b = threadIdx.x; b < nb; b += 32) {
+    const uint4 wv = __ldg(w + b);
+    const float dw = fp16_bits_to_float(__ldg(d + b));
+    const float mw = kMin ? fp16_bits_to_float(__ldg(wm + row * nb + b)) : 0.0f;
+    const uint4 lo = make_uint4(wv.x & 0x0f0f0f0fu, wv.y & 0x0f0f0f0fu, wv.z & 0x0f0f0f0fu, wv.w & 0x0f0f0f0fu);
+    const uint4 hi = make_uint4((wv.x >> 4) & 0x0f0f0f0fu, (wv.y >> 4) & 0x0f0f0f0fu, (wv.z >> 4) & 0x0f0f0f0fu,
+                                (wv.w >> 4) & 0x0f0f0f0fu);
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const int4* xb = reinterpret_cast<const int4*>(xq + t * cols + b * 32);
+        const int sum = dp4a4(hi, xb[1], dp4a4(lo, xb[0], 0));
+        const float dx = xd[t * nb + b], sx = xs[t * nb + b];
+        if (kMin) acc[t] += dw * dx * float(sum) + mw * sx;
+        else acc[t] += dw * (dx * float(sum) - 8.0f * sx);
+      }
+  }
+  store_rows(acc, y, ldy, row, T);
+}
+
+// 16 bytes of weights as floats: 4 (F32) or 8 (F16, BF16).
+template <class E>
+__device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
+  if constexpr (std::is_same_v<E, float>) {
+    out[0] = __uint_as_float(raw.x), out[1] = __uint_as_float(raw.y), out[2] = __uint_as_float(raw.z), out[3] = __uint_as_float(raw.w);
+  } else {
+    const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<E, __half>) {
+        out[2 * i] = fp16_bits_to_float(uint16_t(u[i] & 0xffff)), out[2 * i + 1] = fp16_bits_to_float(uint16_t(u[i] >> 16));
+      } else {
+        out[2 * i] = __uint_as_float(u[i] << 16), out[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+      }
+    }
+  }
+}
+
+template <class E>
+__device__ __forceinline__ float load1(const E* p) {
+  if constexpr (std::is_same_v<E, float>) return __ldg(p);
+  else if constexpr (std::is_same_v<E, __half>) return fp16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
+  else return bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
+}
+
+// F32 / F16 / BF16 weights against fp32 activations: 16-byte loads when the rows are 16-byte
+// aligned (cols a multiple of 16 / sizeof(E)), else one element per lane and step.
+template <class E>
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_float_kernel(const E* __restrict__ wq, const float* __restrict__ x,
+                                                                    float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  const int64_t row = int64_t(blockIdx.x) * kGemvWarps + threadIdx.y;
+  if (row >= rows) return;
+  constexpr int kVec = 16 / sizeof(E);
+  const E* w = wq + row * cols;
+  float acc[kGemvMaxTokens] = {};
+  if (cols % kVec == 0) {
+    const uint4* w4 = reinterpret_cast<const uint4*>(w);
+#pragma unroll 4
+    for (int64_t c = threadIdx.x; c < cols / kVec; c += 32) {
+      float wf[kVec];
+      unpack16<E>(__ldg(w4 + c), wf);
+#pragma unroll
+      for (int t = 0; t < kGemvMaxTokens; ++t)
+        if (t < T) {
+          const float* xr = x + t * cols + c * kVec;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) acc[t] += wf[j] * xr[j];
+        }
+    }
+  } else {
+    for (int64_t k = threadIdx.x; k < cols; k += 32) {
+      const float wv = load1<E>(w + k);
+#pragma unroll
+      for (int t = 0; t < kGemvMaxTokens; ++t)
+        if (t < T) acc[t] += wv * x[t * cols + k];
+    }
+  }
+  store_rows(acc, y, ldy, row, T);
+}
+
+}  // namespace
+
+void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s) {
+  if (T < 1 || T > kGemvMaxTokens) throw UsageError("gemv: T must be 1.." + std::to_string(kGemvMaxTokens));
+  if (w.rows == 0) return;
+  const dim3 block(32, kGemvWarps);
+  const unsigned grid = unsigned((w.rows + kGemvWarps - 1) / kGemvWarps);
+  const int nt = int(T);
+  if (ldy == 0) ldy = w.rows;
+  switch (w.type) {
+    case DType::Q8_0: gemv_q8_0_kernel<<<grid, block, 0, s>>>(w.q, w.d, xq.q, xq.d, y, ldy, w.rows, w.cols, nt); break;
+    case DType::Q4_0: gemv_q4_kernel<false><<<grid, block, 0, s>>>(w.q, w.d, nullptr, xq.q, xq.d, xq.s, y, ldy, w.rows, w.cols, nt); break;
+    case DType::Q4_1: gemv_q4_kernel<true><<<grid, block, 0, s>>>(w.q, w.d, w.m, xq.q, xq.d, xq.s, y, ldy, w.rows, w.cols, nt); break;
+    case DType::F32:
+      gemv_float_kernel<float><<<grid, block, 0, s>>>(reinterpret_cast<const float*>(w.q), x, y, ldy, w.rows, w.cols, nt);
+      break;
+    case DType::F16:
+      gemv_float_kernel<__half><<<grid, block, 0, s>>>(reinterpret_cast<const __half*>(w.q), x, y, ldy, w.rows, w.cols, nt);
+      break;
+    case DType::BF16:
+      gemv_float_kernel<__nv_bfloat16><<<grid, block, 0, s>>>(reinterpret_cast<const __nv_bfloat16*>(w.q), x, y, ldy, w.rows, w.cols, nt);
+      break;
+  }
+  check_launch("gemv");
+}
+
+// ---------------------------------------------------------------- prefill: dequantize + cuBLAS
+
+namespace {
+
+// One thread per block of 32 weights, written as 4 x 16 bytes of fp16.
+template <DType kType>
+__global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
+                                      const uint16_t* __restrict__ wm, __half* __restrict__ out, int64_t n_blocks) {
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= n_blocks) return;
+  const float d = fp16_bits_to_float(wd[b]);
+  __align__(16) __half v[32];
+  if constexpr (kType == DType::Q8_0) {
+    const int4* q4 = reinterpret_cast<const int4*>(wq + b * 32);
+    __align__(16) int8_t q[32];
+    reinterpret_cast<int4*>(q)[0] = q4[0];
+    reinterpret_cast<int4*>(q)[1] = q4[1];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) v[j] = __float2half(d * float(q[j]));
+  } else {
+    const float m = kType == DType::Q4_1 ? fp16_bits_to_float(wm[b]) : -8.0f * d;
+    __align__(16) uint8_t q[16];
+    *reinterpret_cast<uint4*>(q) = reinterpret_cast<const uint4*>(wq)[b];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      v[j] = __float2half(d * float(q[j] & 0x0f) + m);
+      v[j + 16] = __float2half(d * float(q[j] >> 4) + m);
+    }
+  }
+  uint4* o = reinterpret_cast<uint4*>(out + b * 32);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = reinterpret_cast<const uint4*>(v)[i];
+}
+
+// fp32 → fp16 (bf16 = false) or bf16.
+__global__ void convert_kernel(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n, bool bf16) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16(x[i])) : __half_as_ushort(__float2half(x[i]));
+}
+
+}  // namespace
+
+void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t* out, cudaStream_t s) {
+  const DeviceWeight v = weight_rows(w, r0, n);
+  if (w.type == DType::F16) {
+    check(cudaMemcpyAsync(out, v.q, size_t(n * w.cols) * 2, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+    return;
+  }
+  const int64_t n_blocks = n * w.cols / QK;
+  if (n_blocks == 0) return;
+  const unsigned grid = unsigned((n_blocks + 255) / 256);
+  auto* o = reinterpret_cast<__half*>(out);
+  switch (w.type) {
+    case DType::Q8_0: dequantize_f16_kernel<DType::Q8_0><<<grid, 256, 0, s>>>(v.q, v.d, v.m, o, n_blocks); break;
+    case DType::Q4_0: dequantize_f16_kernel<DType::Q4_0><<<grid, 256, 0, s>>>(v.q, v.d, v.m, o, n_blocks); break;
+    case DType::Q4_1: dequantize_f16_kernel<DType::Q4_1><<<grid, 256, 0, s>>>(v.q, v.d, v.m, o, n_blocks); break;
+    default: throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));
+  }
+  check_launch("dequantize_rows_f16");
+}
+
+namespace {
+
+constexpr uint64_t kTileBytes = 64ull << 20;  // the prefill dequantization tile
+
+int64_t tile_rows_for(int64_t max_cols) {
+  if (max_cols <= 0) return 0;
+  return std::max<int64_t>(128, int64_t(kTileBytes / (uint64_t(max_cols) * 2)) / 128 * 128);
+}
+
+int64_t padded32(int64_t n) { return (n + 31) / 32 * 32; }
+
+}  // namespace
+
+uint64_t MatmulContext::planned_bytes(int64_t cap, int64_t max_cols) {
+  const uint64_t c = uint64_t(padded32(max_cols)), T = uint64_t(cap);
+  uint64_t n = T * c + 2 * T * (c / 32) * 4;  // DeviceActQ8
+  if (cap > kGemvMaxTokens) n += T * c * 2 + uint64_t(tile_rows_for(max_cols)) * c * 2 + kCublasWorkspace;
+  return n;
+}
+
+MatmulContext::MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream)
+    : stream_(stream), cap_(cap_tokens), max_cols_(max_cols), tile_rows_(tile_rows_for(max_cols)) {
+  const size_t c = size_t(padded32(max_cols)), T = size_t(cap_tokens);
+  act_q_ = DeviceBuffer(T * c);
+  act_d_ = DeviceBuffer(T * (c / 32) * 4);
+  act_s_ = DeviceBuffer(T * (c / 32) * 4);
+  if (cap_tokens > kGemvMaxTokens) {
+    act_h_ = DeviceBuffer(T * c * 2);
+    tile_ = DeviceBuffer(size_t(tile_rows_) * c * 2);
+    cublas_ws_ = DeviceBuffer(kCublasWorkspace);
+    cublasHandle_t h = nullptr;
+    check_cublas(cublasCreate(&h), "cublasCreate");
+    cublas_ = h;
+    check_cublas(cublasSetStream(h, stream), "cublasSetStream");
+    check_cublas(cublasSetWorkspace(h, cublas_ws_.get(), cublas_ws_.bytes()), "cublasSetWorkspace");
+  }
+}
+
+MatmulContext::~MatmulContext() {
+  if (cublas_) cublasDestroy(static_cast<cublasHandle_t>(cublas_));
+}
+
+uint64_t MatmulContext::bytes() const {
+  return act_q_.bytes() + act_d_.bytes() + act_s_.bytes() + act_h_.bytes() + tile_.bytes() + cublas_ws_.bytes();
+}
+
+void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, int64_t T, int64_t ldy) {
+  if (T < 1 || T > c.cap_) throw UsageError("CUDA matmul: " + std::to_string(T) + " tokens (capacity " + std::to_string(c.cap_) + ")");
+  if (w.cols > c.max_cols_) throw UsageError("CUDA matmul: matrix wider than the planned scratch");
+  cudaStream_t s = c.stream_;
+  if (T <= kGemvMaxTokens) {
+    const DeviceActQ8 xq{c.act_q_.as<int8_t>(), c.act_d_.as<float>(), c.act_s_.as<float>()};
+    if (is_block_type(w.type)) quantize_act(x, xq, T, w.cols, s);
+    gemv(w, x, xq, y, T, ldy, s);
+    return;
+  }
+  // Row-major y [T, rows] is column-major [rows, T]: C = op(A) B with A = W (column-major
+  // [cols, rows], transposed), B = x (column-major [cols, T]).
+  auto h = static_cast<cublasHandle_t>(c.cublas_);
+  const float one = 1.0f, zero = 0.0f;
+  const int m = int(w.rows), n = int(T), k = int(w.cols), ldc = int(ldy ? ldy : w.rows);
+  if (w.type == DType::F32) {
+    check_cublas(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, reinterpret_cast<const float*>(w.q), k, x, k, &zero, y, ldc),
+                 "cublasSgemm");
+    return;
+  }
+  const bool bf16 = w.type == DType::BF16;
+  const cudaDataType_t ab = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  auto* xh = c.act_h_.as<uint16_t>();
+  const int64_t nx = T * w.cols;
+  convert_kernel<<<unsigned(std::min<int64_t>((nx + 255) / 256, 4096)), 256, 0, s>>>(x, xh, nx, bf16);
+  check_launch("convert");
+  if (w.type == DType::F16 || bf16) {
+    check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w.q, ab, k, xh, ab, k, &zero, y, CUDA_R_32F, ldc,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx");
+    return;
+  }
+  for (int64_t r0 = 0; r0 < w.rows; r0 += c.tile_rows_) {
+    const int64_t nr = std::min(c.tile_rows_, w.rows - r0);
+    dequantize_rows_f16(w, r0, nr, c.tile_.as<uint16_t>(), s);
+    check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(nr), n, k, &one, c.tile_.get(), CUDA_R_16F, k, xh, CUDA_R_16F, k, &zero,
+                              y + r0, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx");
+  }
+}
+
+double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps) {
+  DeviceBuffer a(size_t(m * k) * 2), b(size_t(k * n) * 2), c(size_t(m * n) * 4), ws(MatmulContext::kCublasWorkspace);
+  check(cudaMemset(a.get(), 0x3c, a.bytes()), "cudaMemset");  // bf16 0x3c3c ~ 0.0115
+  check(cudaMemset(b.get(), 0x3c, b.bytes()), "cudaMemset");
+  cublasHandle_t h = nullptr;
+  check_cublas(cublasCreate(&h), "cublasCreate");
+  check_cublas(cublasSetWorkspace(h, ws.get(), ws.bytes()), "cublasSetWorkspace");
+  cudaEvent_t e0, e1;
+  check(cudaEventCreate(&e0), "cudaEventCreate");
+  check(cudaEventCreate(&e1), "cudaEventCreate");
+  const float one = 1.0f, zero = 0.0f;
+  float best_ms = 1e30f;
+  for (int r = 0; r < reps + 1; ++r) {
+    check(cudaEventRecord(e0), "cudaEventRecord");
+    check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(n), int(k), &one, a.get(), CUDA_R_16BF, int(k), b.get(), CUDA_R_16BF,
+                              int(k), &zero, c.get(), CUDA_R_32F, int(m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx");
+    check(cudaEventRecord(e1), "cudaEventRecord");
+    check(cudaEventSynchronize(e1), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+    if (r > 0) best_ms = std::min(best_ms, ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cublasDestroy(h);
+  return 2.0 * double(m) * double(n) * double(k) / (double(best_ms) * 1e-3);
+}
+
+}  // namespace llmq::cuda

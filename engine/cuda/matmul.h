@@ -1,0 +1,109 @@
+// Matrix products on the GPU: y [T, rows] = x [T, cols] · Wᵀ for weights in every stored type.
+//   decode (T <= kGemvMaxTokens): our GEMV kernels, dequantization fused in registers, 16-byte
+//     loads, int8 dot products (dp4a) against activations quantized per block of 32 (as the
+//     CPU path and llama.cpp's MMVQ do);
+//   prefill (larger T): the weight dequantized to fp16 tiles of rows, then cuBLAS on the tensor
+//     cores (fp32 accumulation).
+// CPU references: engine/cpu_ops.h ref_matmul (fp32 activations, fp64 sums) and the block dot
+// products of engine/cpu_ops.cpp; tests/test_cuda.cpp compares every type on odd shapes.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "engine/cuda/cuda.h"
+#include "formats/quant.h"
+
+namespace llmq::cuda {
+
+/// A weight matrix [rows, cols] on the device in the split layout the kernels read with aligned
+/// 16-byte loads: the file's blocks (formats/quant.h) taken apart into arrays. Same bytes in
+/// all as the file's tensor (row_bytes(type, cols) · rows), only rearranged:
+///   Q8_0: q = int8 quants [rows, cols], d = fp16 scales [rows, cols/32]
+///   Q4_0: q = nibbles [rows, cols/2] (per block of 32: 16 bytes, weight j in the low nibble of
+///         byte j, weight j+16 in the high one, as in the file), d = fp16 scales [rows, cols/32]
+///   Q4_1: as Q4_0, plus m = fp16 minimums [rows, cols/32]
+///   F32, F16, BF16: q = the elements [rows, cols] (d, m null)
+struct DeviceWeight {
+  DType type = DType::F32;
+  int64_t rows = 0, cols = 0;
+  const uint8_t* q = nullptr;
+  const uint16_t* d = nullptr;
+  const uint16_t* m = nullptr;
+};
+
+/// Bytes of the split layout of a [rows, cols] matrix of type t: the file's bytes.
+uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols);
+/// Rearranges a matrix from the file layout (host memory, rows · row_bytes(t, cols) bytes at
+/// src) into the split layout at dst (host memory, split_weight_bytes): q, then d, then m.
+void split_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst);
+/// The view of a split-layout matrix stored at device address `base`.
+DeviceWeight split_weight_view(DType t, int64_t rows, int64_t cols, const uint8_t* base);
+/// Rows [r0, r0 + n) of w as a matrix of their own (a view).
+DeviceWeight weight_rows(const DeviceWeight& w, int64_t r0, int64_t n);
+
+/// Fills a split-layout matrix on the device with random weights (a hash of seed and index):
+/// Q types get uniform quants and scales ~ 0.02/|q| (weights of std ~0.01-0.02, as a trained
+/// Llama's), float types uniform values in ±0.03. For synthetic benchmarks: nothing travels.
+void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s);
+
+/// Activations quantized per block of 32 for the integer GEMV, as engine/cpu_ops.h's
+/// BlockQ8Act: d = max|x| / 127, q = round(x / d), s = d · Σq. Arrays [T, cols], [T, cols/32] x2.
+struct DeviceActQ8 {
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  float* s = nullptr;
+};
+
+/// Most tokens the GEMV kernels take in one call (each weight row is read once for all).
+constexpr int kGemvMaxTokens = 8;
+
+/// Device scratch and the cuBLAS handle for matmul(), sized once for up to `cap_tokens` tokens
+/// and matrices of at most max_cols columns. The prefill path dequantizes at most `tile_rows`
+/// weight rows at a time into an fp16 buffer [tile_rows, max_cols] (64 MiB at most) and runs
+/// one cuBLAS GEMM per tile. Throws CudaError when the device is out of memory.
+class MatmulContext {
+ public:
+  MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream);
+  ~MatmulContext();
+  MatmulContext(const MatmulContext&) = delete;
+  MatmulContext& operator=(const MatmulContext&) = delete;
+
+  /// Device bytes held: activation scratch, the dequantization tile, cuBLAS's workspace.
+  uint64_t bytes() const;
+  cudaStream_t stream() const { return stream_; }
+
+  /// Bytes matmul scratch takes for these sizes (what the constructor allocates).
+  static uint64_t planned_bytes(int64_t cap_tokens, int64_t max_cols);
+  /// The cuBLAS workspace given to cublasSetWorkspace: 32 MiB (NVIDIA's advice for Hopper).
+  static constexpr uint64_t kCublasWorkspace = 32ull << 20;
+
+ private:
+  friend void matmul(MatmulContext&, const DeviceWeight&, const float*, float*, int64_t, int64_t);
+  cudaStream_t stream_;
+  int64_t cap_, max_cols_, tile_rows_;
+  void* cublas_ = nullptr;  // cublasHandle_t
+  DeviceBuffer act_q_, act_d_, act_s_;  // DeviceActQ8 for [cap, max_cols]
+  DeviceBuffer act_h_;                  // [cap, max_cols] fp16 / bf16 activations (prefill)
+  DeviceBuffer tile_;                   // [tile_rows, max_cols] fp16 dequantized weights (prefill)
+  DeviceBuffer cublas_ws_;
+};
+
+/// y [T, w.rows] = x [T, w.cols] · wᵀ on ctx's stream (asynchronous); row t of y starts at
+/// y + t · ldy (ldy = 0: w.rows), so several matrices can fill column ranges of one output.
+/// T <= kGemvMaxTokens: GEMV kernels (captured into CUDA graphs: no allocation, no cuBLAS);
+/// larger T: cuBLAS. Throws UsageError (formats/error.h) for T > the context's capacity or
+/// w.cols > max_cols.
+void matmul(MatmulContext& ctx, const DeviceWeight& w, const float* x, float* y, int64_t T, int64_t ldy = 0);
+
+/// cuBLAS's bf16 GEMM rate on this GPU (FLOP/s, best of `reps`): C [m, n] fp32 = A [m, k] ·
+/// B [k, n], bf16 inputs, fp32 accumulation: the reference for the prefill target.
+double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps = 10);
+
+/// The kernels behind matmul, exposed for the parity tests and the dev lab.
+void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t cols, cudaStream_t s);
+void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
+/// Rows [r0, r0 + n) of w dequantized to fp16 [n, w.cols] at out (Q types and F16 → fp16).
+void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t* out, cudaStream_t s);
+
+}  // namespace llmq::cuda

@@ -1,0 +1,39 @@
+// The small per-token kernels of the forward pass on the GPU: RMSNorm (with the residual add
+// fused in), RoPE with the KV-cache write fused in, SwiGLU, residual add, bias add, embedding
+// lookup. Every one has a CPU reference in engine/cpu_ops.h; tests/test_cuda.cpp compares them.
+// All pointers are device pointers; every call is asynchronous on stream s.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "engine/cuda/matmul.h"
+#include "models/llama.h"
+
+namespace llmq::cuda {
+
+/// out [T, n] = x · w / sqrt(mean(x²) + eps) per row (Zhang & Sennrich 2019; CPU: rmsnorm).
+void rmsnorm(float* out, const float* x, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s);
+/// x [T, n] += y [T, n], then out = rmsnorm(x): the residual add and the next norm in one pass.
+void add_rmsnorm(float* x, const float* y, float* out, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s);
+
+/// The attention projections' output qkv [T, ld]: q [n_heads · hd] at column 0, k [n_kv · hd]
+/// at n_heads · hd, v [n_kv · hd] after it. Rotates q and k in place by RoPE (Su et al. 2021;
+/// angles pos[t] · θ^(-2i/hd) in fp64 rounded to fp32, exactly as the CPU's rope_angles; pairs
+/// by `layout`, as rope_rotate) and writes the rotated k and v, as fp16, to the layer's KV
+/// cache kc, vc [positions, n_kv · hd] at row pos[t]. pos: [T] device int32.
+void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, int64_t T, int64_t n_heads, int64_t n_kv, int64_t hd,
+                   double theta, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s);
+
+/// SwiGLU (Shazeer 2020) on h [T, 2H] holding gate in columns [0, H) and up in [H, 2H):
+/// out [T, H] = silu(gate) ⊙ up, silu(g) = g / (1 + e^-g). out may not alias h.
+void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s);
+/// x [n] += y [n].
+void add(float* x, const float* y, int64_t n, cudaStream_t s);
+/// x [T, ld] columns [0, n) += b [n] per row (a linear layer's bias).
+void add_bias(float* x, int64_t ld, const float* b, int64_t T, int64_t n, cudaStream_t s);
+/// x [T, table.cols] = rows tokens[t] of the embedding table (any stored type, dequantized to
+/// fp32; CPU: embedding_row). tokens: [T] device int32, each in [0, table.rows).
+void embedding(float* x, const DeviceWeight& table, const int32_t* tokens, int64_t T, cudaStream_t s);
+
+}  // namespace llmq::cuda

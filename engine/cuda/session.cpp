@@ -1,0 +1,357 @@
+// The GPU forward pass (engine/cuda/session.h): upload, buffers, and the layer loop.
+#include "engine/cuda/session.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+
+#include "engine/cuda/attention.h"
+#include "engine/cuda/ops.h"
+#include "engine/cuda/sampling.h"
+#include "formats/error.h"
+
+namespace llmq::cuda {
+
+// ---------------------------------------------------------------- CudaModel
+
+namespace {
+
+constexpr uint64_t kAlign = 256;  // every tensor starts on a 256-byte boundary
+
+uint64_t aligned(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+CudaModel::CudaModel(const Model& m, bool progress) : c_(m.config) { build(&m, DType::F32, 0, progress); }
+
+CudaModel::CudaModel(const LlamaConfig& c, DType type, uint64_t seed) : c_(c) { build(nullptr, type, seed, false); }
+
+// Two passes: first every tensor gets its offset in one allocation (recorded as a job), then
+// the allocation is made and each job uploads (or, synthetic, generates) its tensor.
+void CudaModel::build(const Model* m, DType type, uint64_t seed, bool progress) {
+  const LlamaConfig& c = c_;
+  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
+  uint64_t total = 0;
+  auto take = [&](uint64_t bytes) {
+    const uint64_t off = total;
+    total += aligned(bytes);
+    return off;
+  };
+  struct MatJob {
+    uint64_t off;
+    DType type;
+    int64_t rows, cols;
+    std::vector<Weight> parts;  // host model: the matrices whose rows are stacked (file layout)
+    DeviceWeight* dst;
+  };
+  struct VecJob {
+    uint64_t off;
+    std::vector<std::pair<const float*, int64_t>> parts;  // host vectors stacked; empty: all ones
+    int64_t n;
+    const float** dst;
+  };
+  std::vector<MatJob> mats;
+  std::vector<VecJob> vecs;
+  auto mat = [&](DeviceWeight* dst, DType t, int64_t rows, int64_t cols, std::vector<Weight> parts) {
+    if (t != DType::F32 && t != DType::F16 && t != DType::BF16 && !row_fits(t, cols))
+      throw UsageError("CUDA: a matrix of " + std::to_string(cols) + " columns cannot be " + dtype_name(t));
+    mats.push_back({take(split_weight_bytes(t, rows, cols)), t, rows, cols, std::move(parts), dst});
+  };
+  auto vec = [&](const float** dst, int64_t n, std::vector<std::pair<const float*, int64_t>> parts) {
+    vecs.push_back({take(uint64_t(n) * 4), std::move(parts), n, dst});
+  };
+  // Stacks matrices of one type into one matrix (one view) or keeps them apart (one each).
+  auto stacked = [&](std::vector<DeviceWeight>& views, const std::vector<const Weight*>& ws, int64_t cols) {
+    bool same = true;
+    for (const Weight* w : ws) same = same && w->type == ws[0]->type;
+    if (same) {
+      views.resize(1);
+      int64_t rows = 0;
+      std::vector<Weight> parts;
+      for (const Weight* w : ws) rows += w->rows, parts.push_back(*w);
+      mat(&views[0], ws[0]->type, rows, cols, parts);
+    } else {
+      views.resize(ws.size());
+      for (size_t i = 0; i < ws.size(); ++i) mat(&views[i], ws[i]->type, ws[i]->rows, cols, {*ws[i]});
+    }
+  };
+
+  layers.resize(size_t(c.n_layers));
+  if (m) {
+    mat(&token_embd, m->token_embd.type, V, D, {m->token_embd});
+    for (int64_t i = 0; i < c.n_layers; ++i) {
+      const LayerWeights& l = m->layers[size_t(i)];
+      DeviceLayer& d = layers[size_t(i)];
+      vec(&d.attn_norm, D, {{l.attn_norm, D}});
+      stacked(d.qkv, {&l.wq, &l.wk, &l.wv}, D);
+      if (l.bq) vec(&d.bqkv, Q + 2 * KV, {{l.bq, Q}, {l.bk, KV}, {l.bv, KV}});
+      mat(&d.wo, l.wo.type, D, Q, {l.wo});
+      if (l.bo) vec(&d.bo, D, {{l.bo, D}});
+      vec(&d.ffn_norm, D, {{l.ffn_norm, D}});
+      stacked(d.gate_up, {&l.w_gate, &l.w_up}, D);
+      mat(&d.w_down, l.w_down.type, D, H, {l.w_down});
+    }
+    vec(&output_norm, D, {{m->output_norm, D}});
+    if (!c.tied_embeddings) mat(&output, m->output.type, V, D, {m->output});
+  } else {
+    mat(&token_embd, type, V, D, {});
+    for (DeviceLayer& d : layers) {
+      vec(&d.attn_norm, D, {});
+      d.qkv.resize(1);
+      mat(&d.qkv[0], type, Q + 2 * KV, D, {});
+      mat(&d.wo, type, D, Q, {});
+      vec(&d.ffn_norm, D, {});
+      d.gate_up.resize(1);
+      mat(&d.gate_up[0], type, 2 * H, D, {});
+      mat(&d.w_down, type, D, H, {});
+    }
+    vec(&output_norm, D, {});
+    if (!c.tied_embeddings) mat(&output, type, V, D, {});
+  }
+
+  const uint64_t free0 = mem_info().free;
+  buf_ = DeviceBuffer(total);
+  measured_ = free0 - mem_info().free;
+  uint8_t* base = buf_.as<uint8_t>();
+  std::vector<uint8_t> file_rows, split;
+  uint64_t done = 0, shown = 0;
+  uint64_t k = 0;
+  for (MatJob& j : mats) {
+    *j.dst = split_weight_view(j.type, j.rows, j.cols, base + j.off);
+    if (!m) {
+      fill_random(*j.dst, seed * 1000003 + k++, nullptr);
+      continue;
+    }
+    const size_t rb = row_bytes(j.type, j.cols), bytes = size_t(j.rows) * rb;
+    file_rows.resize(bytes);
+    size_t at = 0;
+    for (const Weight& w : j.parts) {
+      std::memcpy(file_rows.data() + at, w.data, size_t(w.rows) * rb);
+      at += size_t(w.rows) * rb;
+    }
+    split.resize(bytes);
+    split_weight(j.type, file_rows.data(), j.rows, j.cols, split.data());
+    check(cudaMemcpy(base + j.off, split.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy (weights)");
+    done += bytes;
+    if (progress && (done - shown) * 20 >= total) {
+      shown = done;
+      std::fprintf(stderr, "\rllmq: uploading weights to the GPU: %3d%%", int(100 * done / std::max<uint64_t>(total, 1)));
+    }
+  }
+  if (progress && shown) std::fprintf(stderr, "\rllmq: uploading weights to the GPU: 100%%\n");
+  for (VecJob& j : vecs) {
+    auto* p = reinterpret_cast<float*>(base + j.off);
+    *j.dst = p;
+    std::vector<float> host(size_t(j.n), 1.0f);
+    size_t at = 0;
+    for (const auto& [src, n] : j.parts) std::copy(src, src + n, host.begin() + ptrdiff_t(at)), at += size_t(n);
+    check(cudaMemcpy(p, host.data(), host.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy (vectors)");
+  }
+  if (c.tied_embeddings) output = token_embd;
+  check(cudaDeviceSynchronize(), "upload");
+}
+
+// ---------------------------------------------------------------- CudaSession
+
+namespace {
+
+constexpr int64_t kDecodePartTokens = 64;  // positions per decode attention part (a multiple of 32)
+
+}  // namespace
+
+CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64_t n_batch, int64_t logits_rows)
+    : dm_(dm), m_(m) {
+  const LlamaConfig& c = dm.config();
+  const SessionSizes sz = session_sizes(c, ctx, n_batch, logits_rows);
+  ctx_ = sz.ctx, n_batch_ = sz.n_batch, logits_rows_ = std::min(sz.logits_rows, n_batch_);
+  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
+  if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
+  if (c.n_heads % c.n_kv_heads || c.n_heads / c.n_kv_heads > 32)
+    throw UsageError("CUDA: n_heads must be a multiple of n_kv_heads, at most 32 times it");
+  const char* g = std::getenv("LLMQ_CUDA_GRAPH");
+  use_graphs_ = !(g && std::string(g) == "0");
+  n_parts_ = (ctx_ + kDecodePartTokens - 1) / kDecodePartTokens;
+  part_len_ = n_parts_ == 1 ? (ctx_ + 31) / 32 * 32 : kDecodePartTokens;
+
+  const uint64_t free0 = mem_info().free;
+  check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  const size_t T = size_t(n_batch_), f = sizeof(float);
+  kv_ = DeviceBuffer(size_t(c.n_layers) * 2 * size_t(ctx_) * size_t(KV) * 2);
+  tokens_ = DeviceBuffer(T * 4);
+  pos_buf_ = DeviceBuffer(T * 4);
+  next_ = DeviceBuffer(4);
+  x_ = DeviceBuffer(T * size_t(D) * f);
+  xb_ = DeviceBuffer(T * size_t(D) * f);
+  qkv_ = DeviceBuffer(T * size_t(Q + 2 * KV) * f);
+  att_ = DeviceBuffer(T * size_t(Q) * f);
+  h_ = DeviceBuffer(T * size_t(2 * H) * f);
+  hs_ = DeviceBuffer(T * size_t(H) * f);
+  logits_ = DeviceBuffer(size_t(logits_rows_) * size_t(V) * f);
+  partial_ = DeviceBuffer(n_parts_ > 1 ? size_t(c.n_heads) * size_t(n_parts_) * size_t(hd + 2) * f : 0);
+  mm_ = std::make_unique<MatmulContext>(n_batch_, std::max({D, Q, H}), stream_);
+  measured_ = free0 - mem_info().free;
+  h_tokens_ = PinnedBuffer(T * 4);
+  h_pos_ = PinnedBuffer(T * 4);
+  h_next_ = PinnedBuffer(4);
+  h_logits_ = PinnedBuffer(size_t(logits_rows_) * size_t(V) * f);
+}
+
+CudaSession::~CudaSession() {
+  if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
+  if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
+  mm_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+const Model& CudaSession::model() const {
+  if (!m_) throw UsageError("a synthetic CUDA session has no host model");
+  return *m_;
+}
+
+void CudaSession::truncate(int64_t n) {
+  if (n < 0 || n > pos_) throw UsageError("truncate: " + std::to_string(n) + " is past the cached " + std::to_string(pos_));
+  pos_ = n;
+}
+
+uint64_t CudaSession::workspace_bytes() const {
+  return tokens_.bytes() + pos_buf_.bytes() + next_.bytes() + x_.bytes() + xb_.bytes() + qkv_.bytes() + att_.bytes() + h_.bytes() +
+         hs_.bytes() + logits_.bytes() + partial_.bytes() + mm_->bytes();
+}
+
+void CudaSession::check_tokens(const int32_t* tokens, int64_t n) const {
+  if (n <= 0) throw UsageError("forward: no tokens");
+  if (pos_ + n > ctx_)
+    throw UsageError("context full: " + std::to_string(pos_) + " + " + std::to_string(n) + " tokens exceed the KV cache of " +
+                     std::to_string(ctx_));
+  for (int64_t i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= dm_.config().vocab_size) throw UsageError("token id " + std::to_string(tokens[i]) + " out of range");
+}
+
+void CudaSession::stage(const int32_t* tokens, int64_t n) {
+  std::memcpy(h_tokens_.as<int32_t>(), tokens, size_t(n) * 4);
+  for (int64_t i = 0; i < n; ++i) h_pos_.as<int32_t>()[i] = int32_t(pos_ + i);
+}
+
+// Shapes: T tokens, D = dim, Q = n_heads · hd, KV = n_kv · hd, H = hidden, V = vocab.
+void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out) {
+  const LlamaConfig& c = dm_.config();
+  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
+  const int64_t QKV = Q + 2 * KV;
+  const float eps = float(c.norm_eps), scale = float(1.0 / std::sqrt(double(hd)));
+  cudaStream_t s = stream_;
+  auto* tok = tokens_.as<int32_t>();
+  auto* pos = pos_buf_.as<int32_t>();
+  float *x = x_.as<float>(), *xb = xb_.as<float>(), *qkv = qkv_.as<float>(), *att = att_.as<float>();
+  float *h = h_.as<float>(), *hs = hs_.as<float>();
+  const size_t layer_kv = size_t(ctx_) * size_t(KV);  // fp16 elements of one layer's K (or V)
+  auto* kv = kv_.as<uint16_t>();
+  // Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column.
+  auto matmul_cols = [&](const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld) {
+    int64_t col = 0;
+    for (const DeviceWeight& w : ws) matmul(*mm_, w, in, y + col, T, ld), col += w.rows;
+  };
+
+  check(cudaMemcpyAsync(tok, h_tokens_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (tokens)");
+  check(cudaMemcpyAsync(pos, h_pos_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (positions)");
+  embedding(x, dm_.token_embd, tok, T, s);                            // x [T, D]
+  rmsnorm(xb, x, dm_.layers[0].attn_norm, T, D, eps, s);              // xb [T, D]
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const DeviceLayer& w = dm_.layers[size_t(l)];
+    uint16_t* kc = kv + size_t(2 * l) * layer_kv;  // [ctx, KV]
+    uint16_t* vc = kc + layer_kv;                  // [ctx, KV]
+    // Attention: qkv = xb · [Wq; Wk; Wv]ᵀ (+ biases), RoPE on q and k, k and v to the cache.
+    matmul_cols(w.qkv, xb, qkv, QKV);                                 // qkv [T, Q + 2KV]
+    if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, s);
+    rope_store_kv(qkv, QKV, pos, T, c.n_heads, c.n_kv_heads, hd, c.rope_theta, c.rope_layout, kc, vc, s);
+    if (T == 1 && n_parts_ > 1)  // decode: flash-decoding parts, a fixed count (graph-safe)
+      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, n_parts_, part_len_, partial_.as<float>(), att, Q, s);
+    else
+      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, ctx_, nullptr, att, Q, s);  // att [T, Q]
+    matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D]
+    if (w.bo) add_bias(xb, D, w.bo, T, D, s);
+    add_rmsnorm(x, xb, xb, w.ffn_norm, T, D, eps, s);                 // x += xb; xb = RMSNorm(x)
+    // FFN: x += W_down · (silu(xb · W_gateᵀ) ⊙ (xb · W_upᵀ))
+    matmul_cols(w.gate_up, xb, h, 2 * H);                             // h [T, 2H]
+    swiglu(hs, h, T, H, s);                                           // hs [T, H]
+    matmul(*mm_, w.w_down, hs, xb, T);                                // xb [T, D]
+    const float* next_norm = l + 1 < c.n_layers ? dm_.layers[size_t(l + 1)].attn_norm : dm_.output_norm;
+    add_rmsnorm(x, xb, xb, next_norm, T, D, eps, s);                  // x += xb; xb = RMSNorm(x) for what follows
+  }
+  if (rows == 0 || out == Out::None) return;
+  float* logits = logits_.as<float>();
+  matmul(*mm_, dm_.output, xb + r0 * D, logits, rows);                // logits [rows, V]
+  if (out == Out::Greedy) {
+    argmax(logits, V, next_.as<int32_t>(), s);
+    check(cudaMemcpyAsync(h_next_.get(), next_.get(), 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (token)");
+  } else {
+    check(cudaMemcpyAsync(h_logits_.get(), logits, size_t(rows * V) * 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (logits)");
+  }
+}
+
+void CudaSession::run_decode(Out out) {
+  if (!use_graphs_) {
+    enqueue(1, 0, 1, out);
+  } else {
+    cudaGraphExec_t& exec = out == Out::Greedy ? graph_greedy_ : graph_logits_;
+    if (!exec) {  // capture the step once: every pointer is fixed, the position is read on the device
+      check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+      cudaGraph_t graph = nullptr;
+      try {
+        enqueue(1, 0, 1, out);
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &graph);
+        if (graph) cudaGraphDestroy(graph);
+        throw;
+      }
+      check(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
+      const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      check(e, "cudaGraphInstantiate");
+    }
+    check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
+  }
+  check(cudaStreamSynchronize(stream_), "decode step");
+}
+
+const float* CudaSession::forward(const int32_t* tokens, int64_t n, bool all_logits) {
+  check_tokens(tokens, n);
+  if (all_logits && n > logits_rows_)
+    throw UsageError("forward: all_logits for " + std::to_string(n) + " tokens, the session keeps " + std::to_string(logits_rows_));
+  for (int64_t i = 0; i < n; i += n_batch_) {
+    const int64_t len = std::min(n_batch_, n - i);
+    const bool last = i + len == n;
+    stage(tokens + i, len);
+    if (len == 1 && !all_logits) {
+      run_decode(Out::Logits);
+    } else {
+      enqueue(len, all_logits ? 0 : len - 1, all_logits ? len : (last ? 1 : 0), Out::Logits);
+      check(cudaStreamSynchronize(stream_), "forward");
+    }
+    pos_ += len;
+  }
+  return h_logits_.as<float>();
+}
+
+int32_t CudaSession::decode_greedy(int32_t token) {
+  check_tokens(&token, 1);
+  stage(&token, 1);
+  run_decode(Out::Greedy);
+  ++pos_;
+  return *h_next_.as<int32_t>();
+}
+
+void CudaSession::prefill(const int32_t* tokens, int64_t n) {
+  check_tokens(tokens, n);
+  if (n > n_batch_) throw UsageError("prefill: more tokens than n_batch");
+  stage(tokens, n);
+  enqueue(n, 0, 0, Out::None);
+  check(cudaStreamSynchronize(stream_), "prefill");
+  pos_ += n;
+}
+
+}  // namespace llmq::cuda

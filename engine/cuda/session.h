@@ -1,0 +1,123 @@
+// The Llama forward pass on one NVIDIA GPU: the weights uploaded once (CudaModel) and one
+// sequence with its fp16 KV cache (CudaSession). The kernels are in the files beside this one:
+// matmul.h (GEMV, cuBLAS), ops.h (norms, RoPE, SwiGLU, embedding), attention.h, sampling.h.
+// The CPU forward pass it mirrors, step for step, is forward_shard in engine/model.cpp.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/cuda/cuda.h"
+#include "engine/cuda/matmul.h"
+#include "engine/model.h"
+
+namespace llmq::cuda {
+
+/// One transformer block's weights on the GPU (views into CudaModel's allocation).
+struct DeviceLayer {
+  const float* attn_norm = nullptr;    // [D]
+  std::vector<DeviceWeight> qkv;       // wq [Q, D], wk [KV, D], wv [KV, D], or one [Q + 2KV, D] matrix
+  const float* bqkv = nullptr;         // [Q + 2KV] or null (Qwen2-style biases)
+  DeviceWeight wo;                     // [D, Q]
+  const float* bo = nullptr;           // [D] or null
+  const float* ffn_norm = nullptr;     // [D]
+  std::vector<DeviceWeight> gate_up;   // w_gate [H, D], w_up [H, D], or one [2H, D] matrix
+  DeviceWeight w_down;                 // [D, H]
+};
+
+/// A model's weights on the current GPU, in one device allocation: every matrix in the split
+/// layout of matmul.h (the file's bytes rearranged, none added), norms and biases as fp32.
+/// Q/K/V (and gate/up) of the same type are stored as one matrix, so one GEMV reads them.
+class CudaModel {
+ public:
+  /// Uploads the weights of m (progress on stderr when `progress`). Throws CudaError when
+  /// they do not fit on the device.
+  explicit CudaModel(const Model& m, bool progress = false);
+  /// Weights of type `type` with the shapes of c, random and made on the device (norms 1, no
+  /// biases, untied output unless c.tied_embeddings): for synthetic benchmarks of large shapes
+  /// without a file. Throws CudaError when they do not fit.
+  CudaModel(const LlamaConfig& c, DType type, uint64_t seed);
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const LlamaConfig& config() const { return c_; }
+  /// Bytes of the weight allocation (the file's tensor bytes plus alignment padding).
+  uint64_t weight_bytes() const { return buf_.bytes(); }
+  /// Device memory the upload took, measured with cudaMemGetInfo before and after.
+  uint64_t measured_bytes() const { return measured_; }
+
+  DeviceWeight token_embd;           // [V, D]
+  std::vector<DeviceLayer> layers;   // [n_layers]
+  const float* output_norm = nullptr;  // [D]
+  DeviceWeight output;               // [V, D] (the embedding when tied)
+
+ private:
+  void build(const Model* m, DType type, uint64_t seed, bool progress);
+  LlamaConfig c_;
+  DeviceBuffer buf_;
+  uint64_t measured_ = 0;
+};
+
+/// One sequence on the GPU: its fp16 KV cache [n_layers, 2, ctx, KV], the activation buffers
+/// for n_batch tokens and the decode step captured as a CUDA graph (replayed for every token;
+/// LLMQ_CUDA_GRAPH=0 turns graphs off). All device memory is allocated at construction.
+class CudaSession : public SessionBase {
+ public:
+  /// ctx, n_batch as Session (engine/mem_plan.h session_sizes); logits_rows: logits rows kept
+  /// for forward(..., all_logits) (at most n_batch). `m` is the host model (config, tokenizer);
+  /// null for a synthetic model, whose session has no model(). Throws CudaError when the
+  /// buffers do not fit, UsageError for shapes the kernels do not take.
+  CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1);
+  ~CudaSession() override;
+  /// Hands the session its model upload to keep (freed with the session).
+  void own(std::unique_ptr<CudaModel> dm) { own_model_ = std::move(dm); }
+  const CudaModel& device_model() const { return dm_; }
+
+  const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
+  /// Feeds `token` at pos() and returns the greedy next token, chosen on the GPU (only the id
+  /// is copied back).
+  int32_t decode_greedy(int32_t token);
+  /// Runs `tokens` [n] (n <= n_batch) without copying logits back: for measuring prefill.
+  void prefill(const int32_t* tokens, int64_t n);
+
+  const Model& model() const override;
+  int64_t pos() const override { return pos_; }
+  int64_t ctx() const override { return ctx_; }
+  int64_t n_batch() const override { return n_batch_; }
+  void truncate(int64_t n) override;
+  uint64_t kv_bytes() const override { return kv_.bytes(); }
+  uint64_t workspace_bytes() const override;
+  /// Device memory the session's allocations took, measured with cudaMemGetInfo.
+  uint64_t measured_bytes() const { return measured_; }
+  /// Positions per part of decode attention (flash-decoding), and the number of parts.
+  int64_t decode_part_len() const { return part_len_; }
+  int64_t decode_parts() const { return n_parts_; }
+
+ private:
+  enum class Out { None, Logits, Greedy };
+  void check_tokens(const int32_t* tokens, int64_t n) const;
+  void stage(const int32_t* tokens, int64_t n);  // tokens and positions into the pinned buffers
+  // The forward pass of T staged tokens, enqueued on the stream: logits of rows [r0, r0 + rows)
+  // (Out::Logits: copied to the host buffer; Out::Greedy: rows = 1, argmax copied back).
+  void enqueue(int64_t T, int64_t r0, int64_t rows, Out out);
+  void run_decode(Out out);  // one staged token: the graph of this Out (captured on first use)
+
+  std::unique_ptr<CudaModel> own_model_;  // set by own(); destroyed after every buffer below
+  const CudaModel& dm_;
+  const Model* m_;
+  int64_t ctx_, n_batch_, logits_rows_, pos_ = 0;
+  int64_t part_len_ = 0, n_parts_ = 1;
+  cudaStream_t stream_ = nullptr;
+  bool use_graphs_ = true;
+  cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr;
+  DeviceBuffer kv_;                         // [L, 2, ctx, KV] fp16
+  DeviceBuffer tokens_, pos_buf_, next_;    // [n_batch] int32 x2, [1] int32
+  DeviceBuffer x_, xb_, qkv_, att_, h_, hs_, logits_, partial_;
+  PinnedBuffer h_tokens_, h_pos_, h_next_, h_logits_;
+  std::unique_ptr<MatmulContext> mm_;
+  uint64_t measured_ = 0;
+};
+
+}  // namespace llmq::cuda

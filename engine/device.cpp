@@ -1,0 +1,60 @@
+#include "engine/device.h"
+
+#include <cstdio>
+
+#include "formats/error.h"
+
+#ifdef LLMQ_HAVE_CUDA
+#include "engine/cuda/cuda.h"
+#include "engine/cuda/session.h"
+#endif
+
+namespace llmq {
+
+#ifdef LLMQ_HAVE_CUDA
+bool cuda_built() { return true; }
+int cuda_device_count() { return cuda::device_count(); }
+#else
+bool cuda_built() { return false; }
+int cuda_device_count() { return 0; }
+#endif
+
+const char* device_name(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
+
+Device pick_device(const std::string& name) {
+  if (name == "cpu") return Device::Cpu;
+  if (name == "auto") return cuda_device_count() > 0 ? Device::Cuda : Device::Cpu;
+  if (name == "cuda") {
+    if (!cuda_built()) throw UsageError("--device cuda: this build has no CUDA backend (nvcc was not found when it was configured)");
+    if (cuda_device_count() == 0) throw UsageError("--device cuda: no CUDA device is present (or no NVIDIA driver)");
+    return Device::Cuda;
+  }
+  throw UsageError("--device must be cpu, cuda or auto, not '" + name + "'");
+}
+
+std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress) {
+#ifdef LLMQ_HAVE_CUDA
+  using cuda::mem_info;
+  cuda::check(cudaSetDevice(0), "cudaSetDevice");
+  cuda::check(cudaFree(nullptr), "CUDA context");  // creates the context, so it is not counted below
+  const cuda::MemInfo before = mem_info();
+  auto dm = std::make_unique<cuda::CudaModel>(m, progress);
+  auto s = std::make_unique<cuda::CudaSession>(*dm, &m, ctx, n_batch, logits_rows);
+  const cuda::MemInfo after = mem_info();
+  auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
+  std::fprintf(stderr,
+               "llmq: GPU 0: %s\n"
+               "llmq: GPU memory: weights %.1f MiB, KV cache %.1f MiB (f16, ctx %lld), workspace %.1f MiB (n_batch %lld); "
+               "allocated %.1f MiB, measured %.1f MiB (cudaMemGetInfo); CUDA context and other processes before loading: %.1f MiB\n",
+               cuda::device_description(0).c_str(), mib(dm->weight_bytes()), mib(s->kv_bytes()), (long long)s->ctx(),
+               mib(s->workspace_bytes()), (long long)s->n_batch(), mib(dm->weight_bytes() + s->state_bytes()),
+               mib(before.free - after.free), mib(before.total - before.free));
+  s->own(std::move(dm));
+  return s;
+#else
+  (void)m, (void)ctx, (void)n_batch, (void)logits_rows, (void)progress;
+  throw UsageError("this build has no CUDA backend");
+#endif
+}
+
+}  // namespace llmq

@@ -1,0 +1,33 @@
+// Where the forward pass runs: `--device cpu|cuda|auto` on every tool.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "engine/model.h"
+
+namespace llmq {
+
+enum class Device { Cpu, Cuda };
+
+/// True when this build has the CUDA backend (engine/cuda/, built whenever nvcc was found).
+bool cuda_built();
+/// Number of CUDA devices usable now (0 in a CPU-only build, without a driver or a GPU).
+int cuda_device_count();
+
+/// "cpu", "cuda" or "auto" (auto: CUDA when the build has it and a GPU is present, else the
+/// CPU). Throws UsageError for "cuda" when the build has no CUDA backend or no GPU is present
+/// (the message says which), and for any other name.
+Device pick_device(const std::string& name);
+const char* device_name(Device d);  ///< "cpu" | "cuda"
+
+/// The model's weights uploaded to GPU 0 and one sequence there (engine/cuda/session.h), as
+/// one session object that owns both. ctx, n_batch, logits_rows as Session. Prints the device
+/// and its memory at load on stderr: weights, KV cache, workspace, each as allocated, and
+/// the device memory the load took, measured (cudaMemGetInfo before and after), beside the
+/// CUDA context's own (measured before loading). Throws UsageError in a build without CUDA,
+/// CudaError (a std::runtime_error) when the model does not fit.
+std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1,
+                                               bool progress = true);
+
+}  // namespace llmq
