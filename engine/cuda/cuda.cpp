@@ -44,25 +44,30 @@ MemInfo mem_info() {
   return {uint64_t(free), uint64_t(total)};
 }
 
-double measure_copy_bandwidth(uint64_t bytes, int reps) {
-  DeviceBuffer a(bytes), b(bytes);
-  check(cudaMemset(a.get(), 1, bytes), "cudaMemset");
+double best_time_ms(int reps, const std::function<void()>& op) {
   cudaEvent_t e0, e1;
   check(cudaEventCreate(&e0), "cudaEventCreate");
   check(cudaEventCreate(&e1), "cudaEventCreate");
-  float best_ms = 1e30f;
+  float best = 1e30f;
   for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up
     check(cudaEventRecord(e0), "cudaEventRecord");
-    check(cudaMemcpy(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy (D2D)");
+    op();
     check(cudaEventRecord(e1), "cudaEventRecord");
     check(cudaEventSynchronize(e1), "cudaEventSynchronize");
     float ms = 0;
     check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
-    if (r > 0) best_ms = std::min(best_ms, ms);
+    if (r > 0) best = std::min(best, ms);
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  return 2.0 * double(bytes) / (double(best_ms) * 1e-3);
+  return double(best);
+}
+
+double measure_copy_bandwidth(uint64_t bytes, int reps) {
+  DeviceBuffer a(bytes), b(bytes);
+  check(cudaMemset(a.get(), 1, bytes), "cudaMemset");
+  const double ms = best_time_ms(reps, [&] { check(cudaMemcpy(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy (D2D)"); });
+  return 2.0 * double(bytes) / (ms * 1e-3);
 }
 
 DeviceBuffer::DeviceBuffer(size_t bytes) : n_(bytes) {

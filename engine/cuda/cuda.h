@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -32,6 +33,10 @@ struct MemInfo {
   uint64_t free = 0, total = 0;
 };
 MemInfo mem_info();
+
+/// Times `op` (work it enqueues on the legacy default stream) with CUDA events: one warm-up run,
+/// then the best of `reps`, in milliseconds.
+double best_time_ms(int reps, const std::function<void()>& op);
 
 /// Device-to-device copy bandwidth of the current GPU: the best of `reps` cudaMemcpy of
 /// `bytes` between two buffers, counted as bytes read + bytes written per second (as

@@ -495,26 +495,14 @@ double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps) {
   cublasHandle_t h = nullptr;
   check_cublas(cublasCreate(&h), "cublasCreate");
   check_cublas(cublasSetWorkspace(h, ws.get(), ws.bytes()), "cublasSetWorkspace");
-  cudaEvent_t e0, e1;
-  check(cudaEventCreate(&e0), "cudaEventCreate");
-  check(cudaEventCreate(&e1), "cudaEventCreate");
   const float one = 1.0f, zero = 0.0f;
-  float best_ms = 1e30f;
-  for (int r = 0; r < reps + 1; ++r) {
-    check(cudaEventRecord(e0), "cudaEventRecord");
+  const double ms = best_time_ms(reps, [&] {
     check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(n), int(k), &one, a.get(), CUDA_R_16BF, int(k), b.get(), CUDA_R_16BF,
                               int(k), &zero, c.get(), CUDA_R_32F, int(m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "cublasGemmEx");
-    check(cudaEventRecord(e1), "cudaEventRecord");
-    check(cudaEventSynchronize(e1), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
-    if (r > 0) best_ms = std::min(best_ms, ms);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  });
   cublasDestroy(h);
-  return 2.0 * double(m) * double(n) * double(k) / (double(best_ms) * 1e-3);
+  return 2.0 * double(m) * double(n) * double(k) / (ms * 1e-3);
 }
 
 }  // namespace llmq::cuda
