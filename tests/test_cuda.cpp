@@ -206,7 +206,8 @@ TEST_CASE("CUDA RMSNorm, SwiGLU, bias, embedding match the CPU", "[cuda]") {
     cuda::add_bias(xd.as<float>(), ld, bd.as<float>(), T, n, nullptr);
     CHECK(from_device<float>(xd, x.size()) == ref);
   }
-  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1}) {  // embedding rows, exactly
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1}) {  // embedding rows
+    // Exact but for Q4_1's d·q + m, which the GPU may fuse into one FMA (one rounding, not two).
     const int64_t rows = 37, cols = dtype_info(t).block > 1 ? 96 : 33;
     TestWeight w(t, rows, cols, rng);
     const std::vector<int32_t> tokens = {0, 36, 5, 5, 17};
@@ -215,7 +216,8 @@ TEST_CASE("CUDA RMSNorm, SwiGLU, bias, embedding match the CPU", "[cuda]") {
     DeviceBuffer td = to_device(tokens), od(ref.size() * 4);
     cuda::embedding(od.as<float>(), w.view, td.as<int32_t>(), int64_t(tokens.size()), nullptr);
     INFO(dtype_name(t));
-    CHECK(from_device<float>(od, ref.size()) == ref);
+    const auto out = from_device<float>(od, ref.size());
+    CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-7);
   }
 }
 
@@ -338,13 +340,16 @@ void compare_model(const std::string& path, double bound, int64_t n_batch = 512)
   Session cpu(*m, pool, 256, 512, n);
   cuda::CudaModel dm(*m);
   cuda::CudaSession gpu(dm, m.get(), 256, n_batch, n);
-  const float* lc = cpu.forward(prompt.data(), n, true);
-  const std::vector<float> ref(lc, lc + n * V);
-  const float* lg = gpu.forward(prompt.data(), n, true);
+  // Every position's logits when the prompt fits one GPU batch, else (chunks) the last one's.
+  const bool all = n <= n_batch;
+  const int64_t rows = all ? n : 1;
+  const float* lc = cpu.forward(prompt.data(), n, all);
+  const std::vector<float> ref(lc, lc + rows * V);
+  const float* lg = gpu.forward(prompt.data(), n, all);
   const double err = rel_err(lg, ref.data(), ref.size());
   INFO(path << " n_batch " << n_batch << ": prompt logits rel err " << err << " (bound " << bound << ")");
   CHECK(err < bound);
-  int32_t tc = Sampler::argmax(ref.data() + (n - 1) * V, V), tg = Sampler::argmax(lg + (n - 1) * V, V);
+  int32_t tc = Sampler::argmax(ref.data() + (rows - 1) * V, V), tg = Sampler::argmax(lg + (rows - 1) * V, V);
   std::vector<int32_t> seq_c, seq_g;
   double worst = 0;
   for (int i = 0; i < 64; ++i) {
