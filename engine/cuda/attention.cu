@@ -20,7 +20,7 @@ __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const
                                  const __half* __restrict__ vc, const int32_t* __restrict__ pos, int n_heads, int n_kv, int hd,
                                  float scale, int n_splits, int part_len, float* __restrict__ partial, float* __restrict__ out,
                                  int64_t ldo) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* smem = dynamic_smem();
   const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   const int G = blockDim.y, g = threadIdx.y, lane = threadIdx.x;
   const int h = kvh * G + g;
@@ -125,12 +125,14 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   const size_t smem = size_t(kTile) * (hd + 2) * 2 + size_t(kTile) * hd * 2 + size_t(G * hd) * 4;
   const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(G), 1};
   if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
-    check(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), "cudaFuncSetAttribute");
-  attention_kernel<<<grid, block, smem, s>>>(q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos,
+    check(cudaFuncSetAttribute(reinterpret_cast<const void*>(attention_kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "cudaFuncSetAttribute");
+  LLMQ_LAUNCH(attention_kernel, grid, block, smem, s)(q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos,
                                              int(n_heads), int(n_kv), int(hd), scale, int(n_splits), int(part_len), partial, out, ldo);
   check_launch("attention");
   if (n_splits > 1) {
-    attention_merge_kernel<<<dim3{unsigned(T), unsigned(n_heads), 1}, 32, 0, s>>>(partial, int(n_heads), int(hd), int(n_splits), out, ldo);
+    const dim3 merge_grid{unsigned(T), unsigned(n_heads), 1};
+    LLMQ_LAUNCH(attention_merge_kernel, merge_grid, 32, 0, s)(partial, int(n_heads), int(hd), int(n_splits), out, ldo);
     check_launch("attention_merge");
   }
 }

@@ -5,7 +5,23 @@
 
 #include <cstdint>
 
+// Kernel launches are written LLMQ_LAUNCH(kernel, grid, block, smem, stream)(args...): the
+// <<<...>>> launch here, a call into the CPU emulator in its build (engine/cuda/emu/emu.h).
+#ifndef LLMQ_LAUNCH
+#define LLMQ_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+
 namespace llmq::cuda {
+
+/// The launch's dynamic shared memory (the extern __shared__ array), 16-byte aligned.
+#ifdef LLMQ_CUDA_EMU
+inline unsigned char* dynamic_smem() { return emu::dynamic_smem(); }
+#else
+__device__ __forceinline__ unsigned char* dynamic_smem() {
+  extern __shared__ __align__(16) unsigned char smem_[];
+  return smem_;
+}
+#endif
 
 constexpr unsigned kFullMask = 0xffffffffu;
 

@@ -122,17 +122,17 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
   auto* q = const_cast<uint8_t*>(w.q);
   auto* d = const_cast<uint16_t*>(w.d);
   switch (w.type) {
-    case DType::F32: fill_values_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(q, n, seed, 0, 0.03f); break;
-    case DType::F16: fill_values_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(q, n, seed, 1, 0.03f); break;
-    case DType::BF16: fill_values_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(q, n, seed, 2, 0.03f); break;
+    case DType::F32: LLMQ_LAUNCH(fill_values_kernel, kFillBlocks, kFillThreads, 0, s)(q, n, seed, 0, 0.03f); break;
+    case DType::F16: LLMQ_LAUNCH(fill_values_kernel, kFillBlocks, kFillThreads, 0, s)(q, n, seed, 1, 0.03f); break;
+    case DType::BF16: LLMQ_LAUNCH(fill_values_kernel, kFillBlocks, kFillThreads, 0, s)(q, n, seed, 2, 0.03f); break;
     case DType::Q8_0:
     case DType::Q4_0:
     case DType::Q4_1: {
-      fill_bytes_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(q, w.type == DType::Q8_0 ? n : n / 2, seed);
+      LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, w.type == DType::Q8_0 ? n : n / 2, seed);
       // |q| averages ~64 (Q8_0) or ~4 (Q4_0 centred on 8): scales give weights of about 0.01-0.02.
-      fill_values_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(d, nb, seed + 1, 3, w.type == DType::Q8_0 ? 2.5e-4f : 4e-3f);
+      LLMQ_LAUNCH(fill_values_kernel, kFillBlocks, kFillThreads, 0, s)(d, nb, seed + 1, 3, w.type == DType::Q8_0 ? 2.5e-4f : 4e-3f);
       if (w.type == DType::Q4_1)  // m = -8 d: the weights centred on zero, as Q4_0's
-        neg_scaled_kernel<<<kFillBlocks, kFillThreads, 0, s>>>(const_cast<uint16_t*>(w.m), w.d, nb, 8.0f);
+        LLMQ_LAUNCH(neg_scaled_kernel, kFillBlocks, kFillThreads, 0, s)(const_cast<uint16_t*>(w.m), w.d, nb, 8.0f);
       break;
     }
   }
@@ -167,7 +167,7 @@ void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t col
   if (n_blocks == 0) return;
   const int threads = 256;
   const int64_t grid = (n_blocks * 32 + threads - 1) / threads;
-  quantize_act_kernel<<<unsigned(grid), threads, 0, s>>>(x, out.q, out.d, out.s, n_blocks);
+  LLMQ_LAUNCH(quantize_act_kernel, unsigned(grid), threads, 0, s)(x, out.q, out.d, out.s, n_blocks);
   check_launch("quantize_act");
 }
 
@@ -324,17 +324,17 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
   const int nt = int(T);
   if (ldy == 0) ldy = w.rows;
   switch (w.type) {
-    case DType::Q8_0: gemv_q8_0_kernel<<<grid, block, 0, s>>>(w.q, w.d, xq.q, xq.d, y, ldy, w.rows, w.cols, nt); break;
-    case DType::Q4_0: gemv_q4_kernel<false><<<grid, block, 0, s>>>(w.q, w.d, nullptr, xq.q, xq.d, xq.s, y, ldy, w.rows, w.cols, nt); break;
-    case DType::Q4_1: gemv_q4_kernel<true><<<grid, block, 0, s>>>(w.q, w.d, w.m, xq.q, xq.d, xq.s, y, ldy, w.rows, w.cols, nt); break;
+    case DType::Q8_0: LLMQ_LAUNCH(gemv_q8_0_kernel, grid, block, 0, s)(w.q, w.d, xq.q, xq.d, y, ldy, w.rows, w.cols, nt); break;
+    case DType::Q4_0: LLMQ_LAUNCH(gemv_q4_kernel<false>, grid, block, 0, s)(w.q, w.d, nullptr, xq.q, xq.d, xq.s, y, ldy, w.rows, w.cols, nt); break;
+    case DType::Q4_1: LLMQ_LAUNCH(gemv_q4_kernel<true>, grid, block, 0, s)(w.q, w.d, w.m, xq.q, xq.d, xq.s, y, ldy, w.rows, w.cols, nt); break;
     case DType::F32:
-      gemv_float_kernel<float><<<grid, block, 0, s>>>(reinterpret_cast<const float*>(w.q), x, y, ldy, w.rows, w.cols, nt);
+      LLMQ_LAUNCH(gemv_float_kernel<float>, grid, block, 0, s)(reinterpret_cast<const float*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
     case DType::F16:
-      gemv_float_kernel<__half><<<grid, block, 0, s>>>(reinterpret_cast<const __half*>(w.q), x, y, ldy, w.rows, w.cols, nt);
+      LLMQ_LAUNCH(gemv_float_kernel<__half>, grid, block, 0, s)(reinterpret_cast<const __half*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
     case DType::BF16:
-      gemv_float_kernel<__nv_bfloat16><<<grid, block, 0, s>>>(reinterpret_cast<const __nv_bfloat16*>(w.q), x, y, ldy, w.rows, w.cols, nt);
+      LLMQ_LAUNCH(gemv_float_kernel<__nv_bfloat16>, grid, block, 0, s)(reinterpret_cast<const __nv_bfloat16*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
   }
   check_launch("gemv");
@@ -393,9 +393,9 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
   const unsigned grid = unsigned((n_blocks + 255) / 256);
   auto* o = reinterpret_cast<__half*>(out);
   switch (w.type) {
-    case DType::Q8_0: dequantize_f16_kernel<DType::Q8_0><<<grid, 256, 0, s>>>(v.q, v.d, v.m, o, n_blocks); break;
-    case DType::Q4_0: dequantize_f16_kernel<DType::Q4_0><<<grid, 256, 0, s>>>(v.q, v.d, v.m, o, n_blocks); break;
-    case DType::Q4_1: dequantize_f16_kernel<DType::Q4_1><<<grid, 256, 0, s>>>(v.q, v.d, v.m, o, n_blocks); break;
+    case DType::Q8_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q8_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, n_blocks); break;
+    case DType::Q4_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, n_blocks); break;
+    case DType::Q4_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_1>, grid, 256, 0, s)(v.q, v.d, v.m, o, n_blocks); break;
     default: throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));
   }
   check_launch("dequantize_rows_f16");
@@ -471,7 +471,7 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
   const cudaDataType_t ab = bf16 ? CUDA_R_16BF : CUDA_R_16F;
   auto* xh = c.act_h_.as<uint16_t>();
   const int64_t nx = T * w.cols;
-  convert_kernel<<<unsigned(std::min<int64_t>((nx + 255) / 256, 4096)), 256, 0, s>>>(x, xh, nx, bf16);
+  LLMQ_LAUNCH(convert_kernel, unsigned(std::min<int64_t>((nx + 255) / 256, 4096)), 256, 0, s)(x, xh, nx, bf16);
   check_launch("convert");
   if (w.type == DType::F16 || bf16) {
     check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w.q, ab, k, xh, ab, k, &zero, y, CUDA_R_32F, ldc,

@@ -33,13 +33,13 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(float* out, float
 
 void rmsnorm(float* out, const float* x, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s) {
   if (T == 0) return;
-  rmsnorm_kernel<<<unsigned(T), kNormThreads, 0, s>>>(out, const_cast<float*>(x), nullptr, w, n, eps);
+  LLMQ_LAUNCH(rmsnorm_kernel, unsigned(T), kNormThreads, 0, s)(out, const_cast<float*>(x), nullptr, w, n, eps);
   check_launch("rmsnorm");
 }
 
 void add_rmsnorm(float* x, const float* y, float* out, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s) {
   if (T == 0) return;
-  rmsnorm_kernel<<<unsigned(T), kNormThreads, 0, s>>>(out, x, y, w, n, eps);
+  LLMQ_LAUNCH(rmsnorm_kernel, unsigned(T), kNormThreads, 0, s)(out, x, y, w, n, eps);
   check_launch("add_rmsnorm");
 }
 
@@ -85,7 +85,7 @@ void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, int64_t T, int64_
   if (T == 0) return;
   const int64_t items = (n_heads + 2 * n_kv) * (hd / 2);
   const dim3 grid(unsigned((items + 127) / 128), unsigned(T));
-  rope_store_kv_kernel<<<grid, 128, 0, s>>>(qkv, ld, pos, int(n_heads), int(n_kv), int(hd), theta, layout == RopeLayout::Interleaved,
+  LLMQ_LAUNCH(rope_store_kv_kernel, grid, 128, 0, s)(qkv, ld, pos, int(n_heads), int(n_kv), int(hd), theta, layout == RopeLayout::Interleaved,
                                             reinterpret_cast<__half*>(kc), reinterpret_cast<__half*>(vc));
   check_launch("rope_store_kv");
 }
@@ -144,26 +144,26 @@ unsigned grid_for(int64_t n, int threads) { return unsigned(std::min<int64_t>((n
 
 void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s) {
   if (T * H == 0) return;
-  swiglu_kernel<<<grid_for(T * H, 256), 256, 0, s>>>(out, h, T, H);
+  LLMQ_LAUNCH(swiglu_kernel, grid_for(T * H, 256), 256, 0, s)(out, h, T, H);
   check_launch("swiglu");
 }
 
 void add(float* x, const float* y, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  add_kernel<<<grid_for(n, 256), 256, 0, s>>>(x, y, n);
+  LLMQ_LAUNCH(add_kernel, grid_for(n, 256), 256, 0, s)(x, y, n);
   check_launch("add");
 }
 
 void add_bias(float* x, int64_t ld, const float* b, int64_t T, int64_t n, cudaStream_t s) {
   if (T * n == 0) return;
-  add_bias_kernel<<<grid_for(T * n, 256), 256, 0, s>>>(x, ld, b, T, n);
+  LLMQ_LAUNCH(add_bias_kernel, grid_for(T * n, 256), 256, 0, s)(x, ld, b, T, n);
   check_launch("add_bias");
 }
 
 void embedding(float* x, const DeviceWeight& table, const int32_t* tokens, int64_t T, cudaStream_t s) {
   if (T == 0) return;
   const dim3 grid(unsigned((table.cols + 255) / 256), unsigned(T));
-  embedding_kernel<<<grid, 256, 0, s>>>(x, table.type, table.q, table.d, table.m, table.cols, tokens);
+  LLMQ_LAUNCH(embedding_kernel, grid, 256, 0, s)(x, table.type, table.q, table.d, table.m, table.cols, tokens);
   check_launch("embedding");
 }
 

@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const float* __r
 }  // namespace
 
 void argmax(const float* logits, int64_t n, int32_t* out, cudaStream_t s) {
-  argmax_kernel<<<1, kArgmaxThreads, 0, s>>>(logits, n, out);
+  LLMQ_LAUNCH(argmax_kernel, 1, kArgmaxThreads, 0, s)(logits, n, out);
   check_launch("argmax");
 }
 
