@@ -29,23 +29,30 @@ GenerateStats generate(SessionBase& s, Sampler& sampler, std::vector<int32_t>& h
   GenerateStats st;
   const int64_t pending = int64_t(history.size()) - s.pos();
   if (pending <= 0) throw UsageError("generate: no new tokens to feed");
-  const int64_t vocab = s.model().config.vocab_size;
+  if (n_predict == 0) {  // the prompt into the cache, nothing drawn
+    double t0 = now_s();
+    s.forward(history.data() + s.pos(), pending);
+    st.prefill_s = now_s() - t0;
+    st.prompt_tokens = pending;
+    return st;
+  }
+  // forward_sample: the session draws each token (a GPU copies back only what the draw needs).
   double t0 = now_s();
-  const float* logits = s.forward(history.data() + s.pos(), pending);
+  int32_t id = s.forward_sample(history.data() + s.pos(), pending, sampler, history);
   st.prefill_s = now_s() - t0;
   st.prompt_tokens = pending;
 
   t0 = now_s();
   for (int64_t i = 0; n_predict < 0 || i < n_predict; ++i) {
     if (stop && stop->load()) break;
-    const int32_t id = sampler.sample(logits, vocab, history);
     history.push_back(id);
     if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) break;
     ++st.generated_tokens;
     if (!on_token(id)) break;
     if (s.pos() >= s.ctx()) break;  // KV cache full
     if (n_predict >= 0 && i + 1 >= n_predict) break;
-    logits = s.forward(&id, 1);
+    const int32_t prev = id;
+    id = s.forward_sample(&prev, 1, sampler, history);
   }
   st.decode_s = now_s() - t0;
   return st;

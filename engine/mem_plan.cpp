@@ -169,4 +169,65 @@ uint64_t tensor_bytes_per_rank(const TensorInfo& t, int tp) {
   return uint64_t(t.rows()) * row_bytes(t.type, t.cols() / tp);
 }
 
+CudaMatmulPlan plan_cuda_matmul(int64_t cap, int64_t max_cols) {
+  CudaMatmulPlan p;
+  p.cols = (max_cols + 31) / 32 * 32;
+  const uint64_t T = uint64_t(cap), c = uint64_t(p.cols);
+  p.act_q = T * c, p.act_d = p.act_s = T * (c / 32) * 4;
+  if (cap > 8) {  // prefill through cuBLAS (engine/cuda/matmul.h kGemvMaxTokens = 8)
+    constexpr uint64_t kTileBytes = 64ull << 20;
+    p.tile_rows = max_cols > 0 ? std::max<int64_t>(128, int64_t(kTileBytes / (uint64_t(max_cols) * 2)) / 128 * 128) : 0;
+    p.act_h = T * c * 2, p.tile = uint64_t(p.tile_rows) * c * 2, p.cublas_workspace = 32ull << 20;
+  }
+  return p;
+}
+
+CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows) {
+  const SessionSizes sz = session_sizes(c, ctx, n_batch, logits_rows);
+  CudaPlan p;
+  p.ctx = sz.ctx, p.n_batch = sz.n_batch, p.logits_rows = std::min(sz.logits_rows, sz.n_batch);
+  p.decode_parts = (p.ctx + kCudaDecodePartTokens - 1) / kCudaDecodePartTokens;
+  p.decode_part_len = p.decode_parts == 1 ? (p.ctx + 31) / 32 * 32 : kCudaDecodePartTokens;
+  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
+  const uint64_t T = uint64_t(p.n_batch);
+  p.kv = uint64_t(c.n_layers) * 2 * uint64_t(p.ctx) * uint64_t(KV) * 2;
+  p.io = 2 * T * 4 + 4 + 2 * uint64_t(kCudaMaxTopK) * 4;
+  p.activations = T * uint64_t(2 * D + (Q + 2 * KV) + Q + 2 * H + H) * 4;
+  p.logits = uint64_t(p.logits_rows) * uint64_t(V) * 4;
+  p.attn_parts = p.decode_parts > 1 ? uint64_t(c.n_heads) * uint64_t(p.decode_parts) * uint64_t(hd + 2) * 4 : 0;
+  p.matmul = plan_cuda_matmul(p.n_batch, std::max({D, Q, H}));
+  // Weights as CudaModel lays them out (engine/cuda/session.cpp): 256-byte aligned pieces.
+  if (tensors.empty()) return p;  // the session's buffers only
+  std::map<std::string, const TensorInfo*> by_name;
+  for (const TensorInfo& t : tensors) by_name[t.name] = &t;
+  auto find = [&](const std::string& name) -> const TensorInfo& {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) throw UsageError("plan_cuda: no tensor " + name);
+    return *it->second;
+  };
+  auto al = [](uint64_t n) { return (n + 255) / 256 * 256; };
+  auto stacked = [&](std::initializer_list<std::string> names) {
+    bool same = true;
+    uint64_t sum = 0, apart = 0;
+    for (const auto& n : names) {
+      const TensorInfo& t = find(n);
+      same = same && t.type == find(*names.begin()).type;
+      sum += t.nbytes, apart += al(t.nbytes);
+    }
+    return same ? al(sum) : apart;
+  };
+  const uint64_t vec = al(uint64_t(D) * 4);
+  p.weights = al(find("token_embd.weight").nbytes) + vec;  // + output_norm
+  if (!c.tied_embeddings) p.weights += al(find("output.weight").nbytes);
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    p.weights += 2 * vec;  // attn_norm, ffn_norm
+    p.weights += stacked({llama_layer_tensor(i, "attn_q"), llama_layer_tensor(i, "attn_k"), llama_layer_tensor(i, "attn_v")});
+    p.weights += stacked({llama_layer_tensor(i, "ffn_gate"), llama_layer_tensor(i, "ffn_up")});
+    p.weights += al(find(llama_layer_tensor(i, "attn_output")).nbytes) + al(find(llama_layer_tensor(i, "ffn_down")).nbytes);
+    if (c.attn_qkv_bias) p.weights += al(uint64_t(Q + 2 * KV) * 4);
+    if (c.attn_out_bias) p.weights += vec;
+  }
+  return p;
+}
+
 }  // namespace llmq

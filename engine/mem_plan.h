@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/cpu_ops.h"
+#include "engine/cuda_plan.h"
 #include "formats/llmq_file.h"
 #include "models/llama.h"
 
@@ -128,6 +129,26 @@ int64_t server_kv_tokens(int64_t ctx, int64_t parallel, int64_t kv_tokens);
 /// tokens). `file` is only read for its metadata and tensor directory.
 InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t ctx, int64_t n_batch, int threads,
                              int64_t parallel = 1, bool server = false, int64_t kv_tokens = 0);
+
+/// Device memory of the CUDA backend for one model and one sequence (engine/cuda/session.h:
+/// CudaModel and CudaSession allocate exactly these sizes; tests/test_cuda.cpp checks it).
+struct CudaPlan {
+  int64_t ctx = 0, n_batch = 0, logits_rows = 0;
+  int64_t decode_parts = 1, decode_part_len = 0;  ///< decode attention: parts of part_len positions
+  uint64_t weights = 0;      ///< every tensor, Q/K/V and gate/up stacked when of one type, each 256-byte aligned
+  uint64_t kv = 0;           ///< fp16 [n_layers, 2, ctx, kv_dim]
+  uint64_t io = 0;           ///< token ids and positions [n_batch] int32, the sampled id, top-k candidates
+  uint64_t activations = 0;  ///< x, xb [n_batch, dim], qkv [n_batch, q + 2 kv], att [n_batch, q], h [n_batch, 2 hidden], hs [n_batch, hidden], fp32
+  uint64_t logits = 0;       ///< [logits_rows, vocab] fp32
+  uint64_t attn_parts = 0;   ///< decode attention parts [n_heads, parts, head_dim + 2] fp32 (parts > 1)
+  CudaMatmulPlan matmul;
+  uint64_t workspace() const { return io + activations + logits + attn_parts + matmul.bytes(); }
+  uint64_t total() const { return weights + kv + workspace(); }
+};
+/// The plan of a CUDA session on the model whose tensor directory is `tensors` (empty: weights
+/// left 0): ctx, n_batch, logits_rows as session_sizes (logits_rows at most n_batch). Throws
+/// UsageError when a tensor of the Llama table is missing.
+CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1);
 
 /// Bytes a tensor holds on one of `tp` tensor-parallel ranks under the Megatron-LM split
 /// (Shoeybi et al. 2019): column-parallel attn_q/attn_k/attn_v/ffn_gate/ffn_up and the

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 
+#include "engine/sampler.h"
 #include "engine/tp.h"
 #include "formats/error.h"
 
@@ -437,6 +438,10 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
 }
 
 // ---------------------------------------------------------------- Session
+
+int32_t SessionBase::forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) {
+  return sampler.sample(forward(tokens, n), model().config.vocab_size, history);
+}
 
 Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch, int64_t logits_rows, KvType kv_type)
     : m_(model),

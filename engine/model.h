@@ -182,6 +182,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
                            Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan);
 
 class TensorParallel;  // engine/tp.h
+class Sampler;         // engine/sampler.h
 
 /// One sequence's forward pass over its own KV cache, whatever runs it: Session (the CPU, one
 /// rank or tensor-parallel ranks) or cuda::CudaSession (a GPU, engine/cuda/session.h). What
@@ -204,6 +205,11 @@ class SessionBase {
   virtual void truncate(int64_t n) = 0;
   /// Forgets the cache (the next forward starts at position 0).
   void reset() { truncate(0); }
+  /// Runs tokens as forward() does and draws the next token from the last position's logits
+  /// with `sampler` (history: the sequence so far, for its penalties). The CPU samples the
+  /// logits; a GPU session copies back only what the draw needs: the token id (greedy), the
+  /// top_k candidates (Sampler::top_k_suffices), else all logits. Same token either way.
+  virtual int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history);
   /// Bytes of the KV cache and of the scratch buffers (all ranks; device bytes on a GPU).
   virtual uint64_t kv_bytes() const = 0;
   virtual uint64_t workspace_bytes() const = 0;

@@ -1,5 +1,7 @@
 #include "engine/sampler.h"
 
+#include "formats/error.h"
+
 #include <algorithm>
 #include <cmath>
 #include <unordered_map>
@@ -69,6 +71,27 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
   } else {
     std::sort(cand_.begin(), cand_.end(), by_logit);
   }
+  return draw_sorted();
+}
+
+namespace {
+bool penalizes(const SamplerParams& p) {
+  return (p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) && p.repeat_last_n != 0;
+}
+}  // namespace
+
+bool Sampler::greedy() const { return p_.temperature <= 0.0f && !penalizes(p_); }
+
+bool Sampler::top_k_suffices() const { return p_.temperature > 0.0f && p_.top_k > 0 && !penalizes(p_); }
+
+int32_t Sampler::sample_top(const int32_t* ids, const float* logits, int64_t k) {
+  if (k < 1) throw UsageError("sample_top: no candidates");
+  cand_.resize(size_t(k));
+  for (int64_t i = 0; i < k; ++i) cand_[size_t(i)] = {ids[i], logits[i], 0.0f};
+  return draw_sorted();
+}
+
+int32_t Sampler::draw_sorted() {
   auto normalize = [&](float temp) {
     double sum = 0.0;
     const float mx = cand_[0].logit;

@@ -25,6 +25,17 @@ class Sampler {
   /// Picks a token from logits [n_vocab]; `history` is the sequence so far (for the penalty).
   /// Order of filters (as llama.cpp): penalty, top-k, top-p, min-p, temperature, draw.
   int32_t sample(const float* logits, int64_t n_vocab, const std::vector<int32_t>& history);
+  /// True when sample() is the plain argmax (temperature <= 0, no penalties).
+  bool greedy() const;
+  /// True when the draw depends only on the top_k largest logits: temperature > 0, top_k > 0,
+  /// no penalties. A GPU then copies back those k candidates (sample_top), not all logits.
+  bool top_k_suffices() const;
+  /// The top_k setting (the candidates sample_top expects).
+  int32_t top_k() const { return p_.top_k; }
+  /// sample() from the k = min(top_k, n_vocab) largest logits only: ids [k] and logits [k]
+  /// sorted by logit, descending, ties by lower id (as sample's own order). Draws the same token
+  /// as sample() on the whole vector, when top_k_suffices(). Throws UsageError for k < 1.
+  int32_t sample_top(const int32_t* ids, const float* logits, int64_t k);
   /// Index of the largest logit (ties: the lowest index).
   static int32_t argmax(const float* logits, int64_t n);
   /// log softmax of logits [n] at `id`, and the `top` most likely ids with their log
@@ -33,6 +44,7 @@ class Sampler {
 
  private:
   double uniform();  // [0, 1)
+  int32_t draw_sorted();  // top-p, min-p, temperature and the draw over cand_ (sorted, descending)
   SamplerParams p_;
   uint64_t state_;
   struct Cand { int32_t id; float logit; float p; };

@@ -63,6 +63,43 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
   r.lines.insert(r.lines.end(), rest.begin(), rest.end());
 }
 
+// llmq-run --device cuda: every device buffer of the backend, from the plan it allocates from
+// (engine/mem_plan.h plan_cuda); the CUDA context is measured at load, not predicted here.
+void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferOptions& o) {
+  const CudaPlan p = plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1);
+  const int64_t hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd;
+  r.device = "cuda (GPU 0)";
+  r.title = fmt::format("{}: llmq-run --device cuda, ctx {}, batch {}", f.path(), p.ctx, p.n_batch);
+  r.lines.push_back({"weights", double(p.weights),
+                     fmt::format("Σ bytes of {} tensors ({}), rearranged into quants / scales arrays (none added); each tensor, or "
+                                 "Q/K/V and gate/up stacked when of one type, 256-byte aligned",
+                                 f.tensors().size(), type_mix(f.tensors())),
+                     kPlan, Place::Device, Basis::Exact});
+  r.lines.push_back({"KV cache", double(p.kv),
+                     fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} tokens", c.n_layers, c.kv_dim(), p.ctx), kPlan,
+                     Place::Device, Basis::Exact});
+  r.lines.push_back({"workspace: activations", double(p.activations),
+                     fmt::format("{} tokens x (2 x {} x, xb + {} qkv + {} att + 3 x {} h, hs) x 4 B", p.n_batch, c.dim, Q + 2 * KV, Q,
+                                 c.hidden_dim),
+                     kPlan, Place::Device, Basis::Exact});
+  r.lines.push_back({"workspace: logits", double(p.logits), fmt::format("{} row x {} vocab x 4 B", p.logits_rows, c.vocab_size), kPlan,
+                     Place::Device, Basis::Exact});
+  r.lines.push_back({"workspace: decode attention parts", double(p.attn_parts),
+                     fmt::format("{} heads x {} parts of {} positions x ({} + 2) x 4 B", c.n_heads, p.decode_parts, p.decode_part_len, hd),
+                     kPlan, Place::Device, Basis::Exact});
+  r.lines.push_back({"workspace: matmul scratch", double(p.matmul.bytes() - p.matmul.cublas_workspace),
+                     fmt::format("int8 activations [{} x {}] + scales; prefill: fp16 activations + a dequantized tile of {} rows", p.n_batch,
+                                 p.matmul.cols, p.matmul.tile_rows),
+                     kPlan, Place::Device, Basis::Exact});
+  r.lines.push_back({"workspace: token ids, positions, top-k", double(p.io), "", kPlan, Place::Device, Basis::Exact});
+  r.lines.push_back({"cuBLAS workspace", double(p.matmul.cublas_workspace), "cublasSetWorkspace, 32 MiB (prefill only)", kPlan,
+                     Place::Device, Basis::Exact});
+  r.lines.push_back({"CUDA context", 0, "not predicted: llmq-run --device cuda prints it at load (cudaMemGetInfo before the load)", "",
+                     Place::GpuOther, Basis::NotMeasured});
+  r.notes.push_back("exact: CudaModel and CudaSession allocate these sizes (tests/test_cuda.cpp checks); cudaMalloc rounds each "
+                    "allocation up (2 MiB pages for large ones), which the measured line of llmq-run --device cuda includes");
+}
+
 // llmq-run/llmq-server --tp N on the CPU: per rank, the weights of its slices, its pool of the
 // KV cache (its KV heads) and its workspace, all from the plan TensorParallel allocates from
 // (engine/tp.h: plan_shards, shard_weight_bytes, rank_workspace_plan). The ranks share one
@@ -153,6 +190,12 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
     add_cpu_tp_lines(r, *f, c, p, o);
     return r;
   }
+  if (o.tp == 1) {  // one GPU: the plan CudaModel and CudaSession allocate from (engine/cuda/session.h)
+    if (server) throw UsageError("the CUDA backend runs one sequence (llmq-run) so far: leave --parallel out");
+    if (o.kv_type == "bf16") throw UsageError("the CUDA backend's KV cache is f16 (--kv-type f16)");
+    add_cuda_lines(r, *f, c, o);
+    return r;
+  }
   // Per tensor-parallel rank (rank 0; others differ only by vocab rows when vocab % tp != 0).
   if (c.n_heads % o.tp != 0 || c.n_kv_heads % o.tp != 0 || c.hidden_dim % o.tp != 0)
     throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, c.n_heads, c.n_kv_heads,
@@ -171,7 +214,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
                      fmt::format("2 x {} layers x {} kv heads / tp {} x {} head_dim x {} B x {} tokens ({} blocks)", c.n_layers, c.n_kv_heads,
                                  o.tp, c.head_dim, kv_bytes, kv.tokens(), kv.n_blocks),
                      kPaged, Place::Device, Basis::Exact});
-  const char* why = o.device == "cuda" ? "not measured: no CUDA backend yet" : "not measured: the CPU engine has no tensor parallelism yet";
+  const char* why = o.device == "cuda" ? "not measured: no CUDA backend for tensor parallelism yet" : "not measured: the CPU engine has no tensor parallelism yet";
   r.lines.push_back({"activations and workspace", 0, why, "", Place::Device, Basis::NotMeasured});
   if (o.device == "cuda") {
     r.lines.push_back({"cuBLAS workspace", 0, why, "", Place::GpuOther, Basis::NotMeasured});

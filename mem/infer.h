@@ -28,8 +28,9 @@ struct InferOptions {
 int resolve_threads(int threads);
 
 /// The report for `path` (a `.llmq` file, opened without reading weights). CPU: every line is
-/// exact (plan = allocation). CUDA: weights and KV cache per rank are exact, the backend's
-/// buffers are marked "not measured: no CUDA backend yet". Throws FileError / UsageError.
+/// exact (plan = allocation). CUDA, one GPU: every buffer from plan_cuda (exact), the CUDA
+/// context "not measured" (llmq-run measures it at load); CUDA with --tp > 1: weights and KV
+/// cache per rank exact, the rest "not measured". Throws FileError / UsageError.
 MemReport infer_report(const std::string& path, const InferOptions& o);
 
 /// The model's hyper-parameters from a `.llmq` file's metadata; FileError (naming the file) when

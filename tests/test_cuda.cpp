@@ -4,6 +4,7 @@
 // path; then whole models, GPU against CPU. Without a GPU, or in a build without CUDA, each
 // case prints SKIPPED and passes; `--device cuda` must then fail with a clear message.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +13,7 @@
 
 #include "engine/cpu_ops.h"
 #include "engine/device.h"
+#include "engine/mem_plan.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/threadpool.h"
@@ -344,6 +346,68 @@ TEST_CASE("CUDA argmax: the largest logit, ties to the lowest index", "[cuda]") 
     INFO("n " << n);
     CHECK(from_device<int32_t>(od, 1)[0] == Sampler::argmax(x.data(), n));
   }
+}
+
+TEST_CASE("CUDA top-k: the k largest logits in Sampler's order, ties by index", "[cuda]") {
+  if (!have_gpu()) return;
+  std::mt19937_64 rng(fresh_seed());
+  for (int64_t n : {7, 512, 32000}) {
+    auto x = gaussian(size_t(n), rng);
+    for (size_t i = 0; i < x.size(); i += 3) x[i] = std::round(x[i] * 2) / 2;  // ties
+    std::vector<int32_t> order(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) order[size_t(i)] = int32_t(i);
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return x[size_t(a)] > x[size_t(b)] || (x[size_t(a)] == x[size_t(b)] && a < b); });
+    DeviceBuffer xd = to_device(x), ids(size_t(cuda::kMaxTopK) * 4), vals(size_t(cuda::kMaxTopK) * 4);
+    for (int k : {1, 5, 40, 256}) {
+      if (k > n) continue;
+      cuda::top_k(xd.as<float>(), n, k, ids.as<int32_t>(), vals.as<float>(), nullptr);
+      const auto gi = from_device<int32_t>(ids, size_t(k));
+      const auto gv = from_device<float>(vals, size_t(k));
+      INFO("n " << n << " k " << k);
+      CHECK(gi == std::vector<int32_t>(order.begin(), order.begin() + k));
+      for (int i = 0; i < k; ++i) CHECK(gv[size_t(i)] == x[size_t(gi[size_t(i)])]);
+    }
+  }
+}
+
+// forward_sample copies back the id (greedy) or the top-k candidates: the same tokens as the
+// full logits sampled on the host, on the same GPU.
+TEST_CASE("CUDA forward_sample draws what the host draws from the GPU's logits", "[cuda]") {
+  if (!have_gpu()) return;
+  auto m = Model::load(test::stories("q8_0"));
+  cuda::CudaModel dm(*m);
+  for (float temp : {0.0f, 0.9f}) {
+    SamplerParams sp;
+    sp.temperature = temp, sp.seed = 7;
+    Sampler s1(sp), s2(sp);
+    cuda::CudaSession a(dm, m.get(), 128), b(dm, m.get(), 128);
+    std::vector<int32_t> ha = {m->vocab.bos_id}, hb = ha;
+    int32_t ta = a.forward_sample(ha.data(), 1, s1, ha), tb = s2.sample(b.forward(hb.data(), 1), m->config.vocab_size, hb);
+    for (int i = 0; i < 40; ++i) {
+      REQUIRE(ta == tb);
+      ha.push_back(ta), hb.push_back(tb);
+      ta = a.forward_sample(&ha.back(), 1, s1, ha);
+      tb = s2.sample(b.forward(&hb.back(), 1), m->config.vocab_size, hb);
+    }
+  }
+}
+
+// llmq-mem infer --device cuda reports plan_cuda; the backend must allocate exactly that.
+TEST_CASE("CUDA memory: the backend allocates what plan_cuda (llmq-mem) predicts", "[cuda][mem]") {
+  if (!have_gpu()) return;
+  for (const char* type : {"f32", "q8_0", "q4_1"})
+    for (int64_t n_batch : {8, 64}) {
+      auto m = Model::load(test::stories(type));
+      cuda::CudaModel dm(*m);
+      cuda::CudaSession s(dm, m.get(), 300, n_batch, 1);
+      const CudaPlan p = plan_cuda(m->config, m->file->tensors(), 300, n_batch, 1);
+      INFO(type << " n_batch " << n_batch);
+      CHECK(dm.weight_bytes() == p.weights);
+      CHECK(s.kv_bytes() == p.kv);
+      CHECK(s.workspace_bytes() == p.workspace());
+      CHECK(s.decode_parts() == p.decode_parts);
+      CHECK(dm.measured_bytes() + s.measured_bytes() >= p.weights + p.kv);  // cudaMalloc rounds up, never down
+    }
 }
 
 namespace {

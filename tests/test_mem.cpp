@@ -413,6 +413,16 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
   bool marked = false;
   for (const auto& l : r.lines) marked |= l.basis == Basis::NotMeasured && l.formula.find("no CUDA backend") != std::string::npos;
   CHECK(marked);
+  // One GPU: every line from the plan the backend allocates from, the CUDA context not predicted.
+  o.tp = 1;
+  const MemReport g = infer_report(path, o);
+  const CudaPlan cp = plan_cuda(file_config(*f), f->tensors(), 512, 512, 1);
+  CHECK(lines_sum(g, {"weights"}) == double(cp.weights));
+  CHECK(lines_sum(g, {"KV cache"}) == 2.0 * 5 * 4 * 8 * 2 * 512);
+  CHECK(cp.weights >= whole);
+  CHECK(cp.total() == uint64_t(lines_sum(g, {"weights", "KV cache", "workspace: activations", "workspace: logits",
+                                              "workspace: decode attention parts", "workspace: matmul scratch",
+                                              "workspace: token ids, positions, top-k", "cuBLAS workspace"})));
   InferOptions cpu_f16;
   cpu_f16.kv_type = "f16";
   CHECK_THROWS_AS(infer_report(path, cpu_f16), UsageError);

@@ -1,9 +1,11 @@
 // The whole model on real weights: stories260K converted by the real llmq-convert, checked
 // against the golden outputs of an independent fp64 implementation (../shared/reference).
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 
 #include "engine/generate.h"
@@ -233,6 +235,39 @@ TEST_CASE("sampling with a seed is reproducible - different seeds differ", "[mod
   CHECK(a == b);
   CHECK(a != c);
   CHECK(a.size() == 101);
+}
+
+// What a GPU session relies on when it copies back only the top_k candidates: sample_top over
+// the k largest logits (sorted, ties by id) draws the same tokens as sample over all of them.
+TEST_CASE("sample_top on the top-k candidates draws what sample draws on all logits", "[sampler]") {
+  std::mt19937_64 rng(test::fresh_seed());
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  struct P { float temp, top_p, min_p; int32_t top_k; };
+  for (const P& p : {P{0.8f, 0.95f, 0.05f, 40}, P{1.5f, 1.0f, 0.0f, 5}, P{0.3f, 0.5f, 0.0f, 1}, P{1.0f, 0.9f, 0.1f, 600}}) {
+    SamplerParams sp;
+    sp.temperature = p.temp, sp.top_p = p.top_p, sp.min_p = p.min_p, sp.top_k = p.top_k, sp.seed = rng();
+    Sampler all(sp), top(sp);
+    REQUIRE(top.top_k_suffices());
+    const int64_t n = 512;
+    for (int draw = 0; draw < 200; ++draw) {
+      std::vector<float> logits(static_cast<size_t>(n));
+      for (auto& l : logits) l = std::round(nd(rng) * 4) / 4;  // coarse values: many ties
+      std::vector<int32_t> ids(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) ids[size_t(i)] = int32_t(i);
+      std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b); });
+      const int64_t k = std::min<int64_t>(p.top_k, n);
+      std::vector<float> vals(static_cast<size_t>(k));
+      for (int64_t i = 0; i < k; ++i) vals[size_t(i)] = logits[size_t(ids[size_t(i)])];
+      INFO("temp " << p.temp << " top_k " << p.top_k << " draw " << draw);
+      REQUIRE(top.sample_top(ids.data(), vals.data(), k) == all.sample(logits.data(), n, {}));
+    }
+  }
+  SamplerParams greedy;
+  greedy.temperature = 0;
+  CHECK(Sampler(greedy).greedy());
+  greedy.repeat_penalty = 1.1f;
+  CHECK(!Sampler(greedy).greedy());
+  CHECK(!Sampler(greedy).top_k_suffices());
 }
 
 // llama2.c's versioned exports, made here from the real legacy weights: v1 (fp32) must give

@@ -401,36 +401,15 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
   check_launch("dequantize_rows_f16");
 }
 
-namespace {
-
-constexpr uint64_t kTileBytes = 64ull << 20;  // the prefill dequantization tile
-
-int64_t tile_rows_for(int64_t max_cols) {
-  if (max_cols <= 0) return 0;
-  return std::max<int64_t>(128, int64_t(kTileBytes / (uint64_t(max_cols) * 2)) / 128 * 128);
-}
-
-int64_t padded32(int64_t n) { return (n + 31) / 32 * 32; }
-
-}  // namespace
-
-uint64_t MatmulContext::planned_bytes(int64_t cap, int64_t max_cols) {
-  const uint64_t c = uint64_t(padded32(max_cols)), T = uint64_t(cap);
-  uint64_t n = T * c + 2 * T * (c / 32) * 4;  // DeviceActQ8
-  if (cap > kGemvMaxTokens) n += T * c * 2 + uint64_t(tile_rows_for(max_cols)) * c * 2 + kCublasWorkspace;
-  return n;
-}
-
 MatmulContext::MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream)
-    : stream_(stream), cap_(cap_tokens), max_cols_(max_cols), tile_rows_(tile_rows_for(max_cols)) {
-  const size_t c = size_t(padded32(max_cols)), T = size_t(cap_tokens);
-  act_q_ = DeviceBuffer(T * c);
-  act_d_ = DeviceBuffer(T * (c / 32) * 4);
-  act_s_ = DeviceBuffer(T * (c / 32) * 4);
+    : stream_(stream), cap_(cap_tokens), max_cols_(max_cols), plan_(plan_cuda_matmul(cap_tokens, max_cols)) {
+  act_q_ = DeviceBuffer(plan_.act_q);
+  act_d_ = DeviceBuffer(plan_.act_d);
+  act_s_ = DeviceBuffer(plan_.act_s);
   if (cap_tokens > kGemvMaxTokens) {
-    act_h_ = DeviceBuffer(T * c * 2);
-    tile_ = DeviceBuffer(size_t(tile_rows_) * c * 2);
-    cublas_ws_ = DeviceBuffer(kCublasWorkspace);
+    act_h_ = DeviceBuffer(plan_.act_h);
+    tile_ = DeviceBuffer(plan_.tile);
+    cublas_ws_ = DeviceBuffer(plan_.cublas_workspace);
     cublasHandle_t h = nullptr;
     check_cublas(cublasCreate(&h), "cublasCreate");
     cublas_ = h;
@@ -479,8 +458,8 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
                  "cublasGemmEx");
     return;
   }
-  for (int64_t r0 = 0; r0 < w.rows; r0 += c.tile_rows_) {
-    const int64_t nr = std::min(c.tile_rows_, w.rows - r0);
+  for (int64_t r0 = 0; r0 < w.rows; r0 += c.plan_.tile_rows) {
+    const int64_t nr = std::min(c.plan_.tile_rows, w.rows - r0);
     dequantize_rows_f16(w, r0, nr, c.tile_.as<uint16_t>(), s);
     check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(nr), n, k, &one, c.tile_.get(), CUDA_R_16F, k, xh, CUDA_R_16F, k, &zero,
                               y + r0, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -489,7 +468,7 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
 }
 
 double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps) {
-  DeviceBuffer a(size_t(m * k) * 2), b(size_t(k * n) * 2), c(size_t(m * n) * 4), ws(MatmulContext::kCublasWorkspace);
+  DeviceBuffer a(size_t(m * k) * 2), b(size_t(k * n) * 2), c(size_t(m * n) * 4), ws(plan_cuda_matmul(9, 32).cublas_workspace);
   check(cudaMemset(a.get(), 0x3c, a.bytes()), "cudaMemset");  // bf16 0x3c3c ~ 0.0115
   check(cudaMemset(b.get(), 0x3c, b.bytes()), "cudaMemset");
   cublasHandle_t h = nullptr;

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "engine/cuda/cuda.h"
+#include "engine/cuda_plan.h"
 #include "formats/quant.h"
 
 namespace llmq::cuda {
@@ -59,9 +60,10 @@ struct DeviceActQ8 {
 constexpr int kGemvMaxTokens = 8;
 
 /// Device scratch and the cuBLAS handle for matmul(), sized once for up to `cap_tokens` tokens
-/// and matrices of at most max_cols columns. The prefill path dequantizes at most `tile_rows`
-/// weight rows at a time into an fp16 buffer [tile_rows, max_cols] (64 MiB at most) and runs
-/// one cuBLAS GEMM per tile. Throws CudaError when the device is out of memory.
+/// and matrices of at most max_cols columns, as engine/cuda_plan.h's plan_cuda_matmul says (what
+/// llmq-mem reports). The prefill path dequantizes at most tile_rows weight rows at a time into
+/// an fp16 tile and runs one cuBLAS GEMM per tile. Throws CudaError when the device is out of
+/// memory.
 class MatmulContext {
  public:
   MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream);
@@ -73,15 +75,12 @@ class MatmulContext {
   uint64_t bytes() const;
   cudaStream_t stream() const { return stream_; }
 
-  /// Bytes matmul scratch takes for these sizes (what the constructor allocates).
-  static uint64_t planned_bytes(int64_t cap_tokens, int64_t max_cols);
-  /// The cuBLAS workspace given to cublasSetWorkspace: 32 MiB (NVIDIA's advice for Hopper).
-  static constexpr uint64_t kCublasWorkspace = 32ull << 20;
 
  private:
   friend void matmul(MatmulContext&, const DeviceWeight&, const float*, float*, int64_t, int64_t);
   cudaStream_t stream_;
-  int64_t cap_, max_cols_, tile_rows_;
+  int64_t cap_, max_cols_;
+  CudaMatmulPlan plan_;
   void* cublas_ = nullptr;  // cublasHandle_t
   DeviceBuffer act_q_, act_d_, act_s_;  // DeviceActQ8 for [cap, max_cols]
   DeviceBuffer act_h_;                  // [cap, max_cols] fp16 / bf16 activations (prefill)

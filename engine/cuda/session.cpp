@@ -13,6 +13,8 @@
 #include "engine/cuda/attention.h"
 #include "engine/cuda/ops.h"
 #include "engine/cuda/sampling.h"
+#include "engine/sampler.h"
+#include "engine/mem_plan.h"
 #include "formats/error.h"
 
 namespace llmq::cuda {
@@ -158,52 +160,52 @@ void CudaModel::build(const Model* m, DType type, uint64_t seed, bool progress) 
 
 // ---------------------------------------------------------------- CudaSession
 
-namespace {
 
-constexpr int64_t kDecodePartTokens = 64;  // positions per decode attention part (a multiple of 32)
-
-}  // namespace
-
+// Every size comes from the plan (engine/mem_plan.h plan_cuda), which llmq-mem reports.
 CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64_t n_batch, int64_t logits_rows)
     : dm_(dm), m_(m) {
   const LlamaConfig& c = dm.config();
-  const SessionSizes sz = session_sizes(c, ctx, n_batch, logits_rows);
-  ctx_ = sz.ctx, n_batch_ = sz.n_batch, logits_rows_ = std::min(sz.logits_rows, n_batch_);
+  const CudaPlan p = plan_cuda(c, {}, ctx, n_batch, logits_rows);
+  ctx_ = p.ctx, n_batch_ = p.n_batch, logits_rows_ = p.logits_rows;
+  n_parts_ = p.decode_parts, part_len_ = p.decode_part_len;
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
   if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
   if (c.n_heads % c.n_kv_heads || c.n_heads / c.n_kv_heads > 32)
     throw UsageError("CUDA: n_heads must be a multiple of n_kv_heads, at most 32 times it");
   const char* g = std::getenv("LLMQ_CUDA_GRAPH");
   use_graphs_ = !(g && std::string(g) == "0");
-  n_parts_ = (ctx_ + kDecodePartTokens - 1) / kDecodePartTokens;
-  part_len_ = n_parts_ == 1 ? (ctx_ + 31) / 32 * 32 : kDecodePartTokens;
 
   const uint64_t free0 = mem_info().free;
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   const size_t T = size_t(n_batch_), f = sizeof(float);
-  kv_ = DeviceBuffer(size_t(c.n_layers) * 2 * size_t(ctx_) * size_t(KV) * 2);
+  kv_ = DeviceBuffer(p.kv);
   tokens_ = DeviceBuffer(T * 4);
   pos_buf_ = DeviceBuffer(T * 4);
   next_ = DeviceBuffer(4);
+  topk_ids_ = DeviceBuffer(size_t(kMaxTopK) * 4);
+  topk_vals_ = DeviceBuffer(size_t(kMaxTopK) * 4);
   x_ = DeviceBuffer(T * size_t(D) * f);
   xb_ = DeviceBuffer(T * size_t(D) * f);
   qkv_ = DeviceBuffer(T * size_t(Q + 2 * KV) * f);
   att_ = DeviceBuffer(T * size_t(Q) * f);
   h_ = DeviceBuffer(T * size_t(2 * H) * f);
   hs_ = DeviceBuffer(T * size_t(H) * f);
-  logits_ = DeviceBuffer(size_t(logits_rows_) * size_t(V) * f);
-  partial_ = DeviceBuffer(n_parts_ > 1 ? size_t(c.n_heads) * size_t(n_parts_) * size_t(hd + 2) * f : 0);
+  logits_ = DeviceBuffer(p.logits);
+  partial_ = DeviceBuffer(p.attn_parts);
   mm_ = std::make_unique<MatmulContext>(n_batch_, std::max({D, Q, H}), stream_);
   measured_ = free0 - mem_info().free;
   h_tokens_ = PinnedBuffer(T * 4);
   h_pos_ = PinnedBuffer(T * 4);
   h_next_ = PinnedBuffer(4);
+  h_topk_ids_ = PinnedBuffer(size_t(kMaxTopK) * 4);
+  h_topk_vals_ = PinnedBuffer(size_t(kMaxTopK) * 4);
   h_logits_ = PinnedBuffer(size_t(logits_rows_) * size_t(V) * f);
 }
 
 CudaSession::~CudaSession() {
   if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
   if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
+  if (graph_topk_) cudaGraphExecDestroy(graph_topk_);
   mm_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -219,7 +221,7 @@ void CudaSession::truncate(int64_t n) {
 }
 
 uint64_t CudaSession::workspace_bytes() const {
-  return tokens_.bytes() + pos_buf_.bytes() + next_.bytes() + x_.bytes() + xb_.bytes() + qkv_.bytes() + att_.bytes() + h_.bytes() +
+  return tokens_.bytes() + pos_buf_.bytes() + next_.bytes() + topk_ids_.bytes() + topk_vals_.bytes() + x_.bytes() + xb_.bytes() + qkv_.bytes() + att_.bytes() + h_.bytes() +
          hs_.bytes() + logits_.bytes() + partial_.bytes() + mm_->bytes();
 }
 
@@ -288,6 +290,10 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out) {
   if (out == Out::Greedy) {
     argmax(logits, V, next_.as<int32_t>(), s);
     check(cudaMemcpyAsync(h_next_.get(), next_.get(), 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (token)");
+  } else if (out == Out::TopK) {
+    top_k(logits, V, top_k_, topk_ids_.as<int32_t>(), topk_vals_.as<float>(), s);
+    check(cudaMemcpyAsync(h_topk_ids_.get(), topk_ids_.get(), size_t(top_k_) * 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (top-k)");
+    check(cudaMemcpyAsync(h_topk_vals_.get(), topk_vals_.get(), size_t(top_k_) * 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (top-k)");
   } else {
     check(cudaMemcpyAsync(h_logits_.get(), logits, size_t(rows * V) * 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (logits)");
   }
@@ -297,7 +303,7 @@ void CudaSession::run_decode(Out out) {
   if (!use_graphs_) {
     enqueue(1, 0, 1, out);
   } else {
-    cudaGraphExec_t& exec = out == Out::Greedy ? graph_greedy_ : graph_logits_;
+    cudaGraphExec_t& exec = out == Out::Greedy ? graph_greedy_ : out == Out::TopK ? graph_topk_ : graph_logits_;
     if (!exec) {  // capture the step once: every pointer is fixed, the position is read on the device
       check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
       cudaGraph_t graph = nullptr;
@@ -343,6 +349,23 @@ int32_t CudaSession::decode_greedy(int32_t token) {
   run_decode(Out::Greedy);
   ++pos_;
   return *h_next_.as<int32_t>();
+}
+
+int32_t CudaSession::forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) {
+  const int64_t V = dm_.config().vocab_size;
+  const int64_t k = std::min<int64_t>(sampler.top_k(), V);
+  if (n == 1 && sampler.greedy()) return decode_greedy(tokens[0]);
+  if (n != 1 || !sampler.top_k_suffices() || k > kMaxTopK) return sampler.sample(forward(tokens, n), V, history);
+  check_tokens(tokens, 1);
+  if (graph_topk_ && top_k_ != int(k)) {  // the graph holds k: capture again for another
+    cudaGraphExecDestroy(graph_topk_);
+    graph_topk_ = nullptr;
+  }
+  top_k_ = int(k);
+  stage(tokens, 1);
+  run_decode(Out::TopK);
+  ++pos_;
+  return sampler.sample_top(h_topk_ids_.as<int32_t>(), h_topk_vals_.as<float>(), k);
 }
 
 void CudaSession::prefill(const int32_t* tokens, int64_t n) {

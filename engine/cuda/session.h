@@ -79,6 +79,10 @@ class CudaSession : public SessionBase {
   /// Feeds `token` at pos() and returns the greedy next token, chosen on the GPU (only the id
   /// is copied back).
   int32_t decode_greedy(int32_t token);
+  /// One token through the step whose graph copies back only what `sampler` needs: the id
+  /// (greedy: argmax on the GPU), or the top_k candidates (top_k <= kMaxTopK, no penalties:
+  /// Sampler::sample_top draws from them); otherwise, and for prompts, forward() + sample().
+  int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
   /// Runs `tokens` [n] (n <= n_batch) without copying logits back: for measuring prefill.
   void prefill(const int32_t* tokens, int64_t n);
 
@@ -96,11 +100,12 @@ class CudaSession : public SessionBase {
   int64_t decode_parts() const { return n_parts_; }
 
  private:
-  enum class Out { None, Logits, Greedy };
+  enum class Out { None, Logits, Greedy, TopK };
   void check_tokens(const int32_t* tokens, int64_t n) const;
   void stage(const int32_t* tokens, int64_t n);  // tokens and positions into the pinned buffers
   // The forward pass of T staged tokens, enqueued on the stream: logits of rows [r0, r0 + rows)
-  // (Out::Logits: copied to the host buffer; Out::Greedy: rows = 1, argmax copied back).
+  // (Out::Logits: copied to the host buffer; Out::Greedy: rows = 1, argmax copied back;
+  // Out::TopK: rows = 1, the top_k_ candidates copied back).
   void enqueue(int64_t T, int64_t r0, int64_t rows, Out out);
   void run_decode(Out out);  // one staged token: the graph of this Out (captured on first use)
 
@@ -111,11 +116,13 @@ class CudaSession : public SessionBase {
   int64_t part_len_ = 0, n_parts_ = 1;
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
-  cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr;
+  cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr, graph_topk_ = nullptr;
+  int top_k_ = 0;                           // k of graph_topk_
   DeviceBuffer kv_;                         // [L, 2, ctx, KV] fp16
   DeviceBuffer tokens_, pos_buf_, next_;    // [n_batch] int32 x2, [1] int32
+  DeviceBuffer topk_ids_, topk_vals_;       // [kMaxTopK] int32, float
   DeviceBuffer x_, xb_, qkv_, att_, h_, hs_, logits_, partial_;
-  PinnedBuffer h_tokens_, h_pos_, h_next_, h_logits_;
+  PinnedBuffer h_tokens_, h_pos_, h_next_, h_logits_, h_topk_ids_, h_topk_vals_;
   std::unique_ptr<MatmulContext> mm_;
   uint64_t measured_ = 0;
 };

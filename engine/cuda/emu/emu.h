@@ -106,6 +106,16 @@ inline int __dp4a(int a, int b, int c) {
   for (int i = 0; i < 4; ++i) c += int(int8_t(uint32_t(a) >> (8 * i))) * int(int8_t(uint32_t(b) >> (8 * i)));
   return c;
 }
+inline int atomicAdd(int* p, int v) {  // fibers take turns: a plain add is atomic
+  const int old = *p;
+  *p += v;
+  return old;
+}
+inline uint32_t __float_as_uint(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __uint_as_float(uint32_t u) {
   float f;

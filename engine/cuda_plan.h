@@ -1,0 +1,27 @@
+// Sizes of the CUDA backend's buffers that its kernels' host code needs too (engine/cuda/
+// compiles as C++17 under nvcc: this header stays free of the C++20 engine headers). The rest
+// of the CUDA plan is engine/mem_plan.h's CudaPlan.
+#pragma once
+#include <cstdint>
+
+namespace llmq {
+
+/// The CUDA backend's matmul scratch (engine/cuda/matmul.h, MatmulContext) for up to
+/// cap_tokens tokens and matrices of at most max_cols columns: int8 activations for the GEMV,
+/// and for prefill (cap_tokens > 8) fp16 activations, one dequantized weight tile of at most
+/// 64 MiB (tile_rows x cols fp16) and the cuBLAS workspace (32 MiB, NVIDIA's advice for Hopper).
+struct CudaMatmulPlan {
+  int64_t cols = 0;       ///< max_cols rounded up to a multiple of 32
+  int64_t tile_rows = 0;  ///< weight rows dequantized per cuBLAS call
+  uint64_t act_q = 0, act_d = 0, act_s = 0;            ///< [cap, cols] int8; [cap, cols/32] fp32 x2
+  uint64_t act_h = 0, tile = 0, cublas_workspace = 0;  ///< prefill only: [cap, cols] fp16; the tile; cuBLAS's
+  uint64_t bytes() const { return act_q + act_d + act_s + act_h + tile + cublas_workspace; }
+};
+CudaMatmulPlan plan_cuda_matmul(int64_t cap_tokens, int64_t max_cols);
+
+/// Positions per part of the CUDA backend's decode attention (flash-decoding; a multiple of 32).
+constexpr int64_t kCudaDecodePartTokens = 64;
+
+/// Top-k candidates a CUDA session keeps room for (engine/cuda/sampling.h kMaxTopK).
+constexpr int64_t kCudaMaxTopK = 256;
+}  // namespace llmq
