@@ -17,15 +17,21 @@
 
 namespace llmq::test {
 
+/// A folder compiled in, unless the environment variable of the same name overrides it (a test
+/// binary carried to another machine, e.g. the GPU machine: scripts/gpu_pack.sh).
+inline std::string dir_setting(const char* env, const char* compiled) {
+  const char* v = std::getenv(env);
+  return v && *v ? std::string(v) : std::string(compiled);
+}
 /// Path inside ../shared (the real models, tokenizers, reference outputs).
-inline std::string shared(const std::string& rel) { return std::string(LLMQ_SHARED_DIR) + "/" + rel; }
+inline std::string shared(const std::string& rel) { return dir_setting("LLMQ_SHARED_DIR", LLMQ_SHARED_DIR) + "/" + rel; }
 /// Path of a built tool, e.g. bin("llmq-run").
-inline std::string bin(const std::string& name) { return std::string(LLMQ_BIN_DIR) + "/" + name; }
+inline std::string bin(const std::string& name) { return dir_setting("LLMQ_BIN_DIR", LLMQ_BIN_DIR) + "/" + name; }
 /// This process's scratch root, LLMQ_TEST_TMP/<pid> (CTest runs test cases as parallel
 /// processes), removed when the process exits.
 inline const std::filesystem::path& scratch_root() {
   struct Root {
-    std::filesystem::path path = std::filesystem::path(LLMQ_TEST_TMP) / std::to_string(::getpid());
+    std::filesystem::path path = std::filesystem::path(dir_setting("LLMQ_TEST_TMP", LLMQ_TEST_TMP)) / std::to_string(::getpid());
     ~Root() {
       std::error_code ec;
       std::filesystem::remove_all(path, ec);
