@@ -19,6 +19,9 @@ struct CudaMatmulPlan {
 };
 CudaMatmulPlan plan_cuda_matmul(int64_t cap_tokens, int64_t max_cols);
 
+/// Most tokens the CUDA GEMV kernels take per call; more go through cuBLAS (prefill).
+constexpr int kCudaGemvMaxTokens = 8;
+
 /// Positions per part of the CUDA backend's decode attention (flash-decoding; a multiple of 32).
 constexpr int64_t kCudaDecodePartTokens = 64;
 

@@ -174,7 +174,7 @@ CudaMatmulPlan plan_cuda_matmul(int64_t cap, int64_t max_cols) {
   p.cols = (max_cols + 31) / 32 * 32;
   const uint64_t T = uint64_t(cap), c = uint64_t(p.cols);
   p.act_q = T * c, p.act_d = p.act_s = T * (c / 32) * 4;
-  if (cap > 8) {  // prefill through cuBLAS (engine/cuda/matmul.h kGemvMaxTokens = 8)
+  if (cap > kCudaGemvMaxTokens) {  // prefill through cuBLAS
     constexpr uint64_t kTileBytes = 64ull << 20;
     p.tile_rows = max_cols > 0 ? std::max<int64_t>(128, int64_t(kTileBytes / (uint64_t(max_cols) * 2)) / 128 * 128) : 0;
     p.act_h = T * c * 2, p.tile = uint64_t(p.tile_rows) * c * 2, p.cublas_workspace = 32ull << 20;
@@ -191,8 +191,11 @@ CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors,
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
   const uint64_t T = uint64_t(p.n_batch);
   p.kv = uint64_t(c.n_layers) * 2 * uint64_t(p.ctx) * uint64_t(KV) * 2;
-  p.io = 2 * T * 4 + 4 + 2 * uint64_t(kCudaMaxTopK) * 4;
-  p.activations = T * uint64_t(2 * D + (Q + 2 * KV) + Q + 2 * H + H) * 4;
+  p.tokens = T * 4, p.top_k = uint64_t(kCudaMaxTopK) * 4;
+  p.io = 2 * p.tokens + 4 + 2 * p.top_k;
+  p.x = T * uint64_t(D) * 4, p.qkv = T * uint64_t(Q + 2 * KV) * 4, p.att = T * uint64_t(Q) * 4;
+  p.h = T * uint64_t(2 * H) * 4, p.hs = T * uint64_t(H) * 4;
+  p.activations = 2 * p.x + p.qkv + p.att + p.h + p.hs;
   p.logits = uint64_t(p.logits_rows) * uint64_t(V) * 4;
   p.attn_parts = p.decode_parts > 1 ? uint64_t(c.n_heads) * uint64_t(p.decode_parts) * uint64_t(hd + 2) * 4 : 0;
   p.matmul = plan_cuda_matmul(p.n_batch, std::max({D, Q, H}));

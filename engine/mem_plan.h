@@ -137,8 +137,11 @@ struct CudaPlan {
   int64_t decode_parts = 1, decode_part_len = 0;  ///< decode attention: parts of part_len positions
   uint64_t weights = 0;      ///< every tensor, Q/K/V and gate/up stacked when of one type, each 256-byte aligned
   uint64_t kv = 0;           ///< fp16 [n_layers, 2, ctx, kv_dim]
-  uint64_t io = 0;           ///< token ids and positions [n_batch] int32, the sampled id, top-k candidates
-  uint64_t activations = 0;  ///< x, xb [n_batch, dim], qkv [n_batch, q + 2 kv], att [n_batch, q], h [n_batch, 2 hidden], hs [n_batch, hidden], fp32
+  uint64_t tokens = 0;       ///< token ids, and again positions: [n_batch] int32 each
+  uint64_t top_k = 0;        ///< top-k candidate ids, and again their logits: [kCudaMaxTopK] x 4 B each
+  uint64_t io = 0;           ///< 2 tokens + the sampled id (4 B) + 2 top_k
+  uint64_t x = 0, qkv = 0, att = 0, h = 0, hs = 0;  ///< fp32 [n_batch, dim] (x and xb), [n_batch, q + 2 kv], [n_batch, q], [n_batch, 2 hidden], [n_batch, hidden]
+  uint64_t activations = 0;  ///< 2 x + qkv + att + h + hs
   uint64_t logits = 0;       ///< [logits_rows, vocab] fp32
   uint64_t attn_parts = 0;   ///< decode attention parts [n_heads, parts, head_dim + 2] fp32 (parts > 1)
   CudaMatmulPlan matmul;

@@ -31,13 +31,6 @@ std::string device_description(int dev) {
   return buf;
 }
 
-int sm_count() {
-  int dev = 0, n = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  return n;
-}
-
 MemInfo mem_info() {
   size_t free = 0, total = 0;
   check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");

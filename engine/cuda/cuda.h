@@ -25,8 +25,6 @@ void check_launch(const char* kernel);
 int device_count();
 /// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.1 GiB)" for device `dev`.
 std::string device_description(int dev);
-/// Streaming multiprocessors of the current device.
-int sm_count();
 
 /// Free and total bytes of the current device (cudaMemGetInfo).
 struct MemInfo {

@@ -384,10 +384,6 @@ __global__ void convert_kernel(const float* __restrict__ x, uint16_t* __restrict
 
 void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t* out, cudaStream_t s) {
   const DeviceWeight v = weight_rows(w, r0, n);
-  if (w.type == DType::F16) {
-    check(cudaMemcpyAsync(out, v.q, size_t(n * w.cols) * 2, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
-    return;
-  }
   const int64_t n_blocks = n * w.cols / QK;
   if (n_blocks == 0) return;
   const unsigned grid = unsigned((n_blocks + 255) / 256);

@@ -57,7 +57,7 @@ struct DeviceActQ8 {
 };
 
 /// Most tokens the GEMV kernels take in one call (each weight row is read once for all).
-constexpr int kGemvMaxTokens = 8;
+constexpr int kGemvMaxTokens = kCudaGemvMaxTokens;
 
 /// Device scratch and the cuBLAS handle for matmul(), sized once for up to `cap_tokens` tokens
 /// and matrices of at most max_cols columns, as engine/cuda_plan.h's plan_cuda_matmul says (what
@@ -102,7 +102,8 @@ double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps = 10)
 /// The kernels behind matmul, exposed for the parity tests and the dev lab.
 void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t cols, cudaStream_t s);
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
-/// Rows [r0, r0 + n) of w dequantized to fp16 [n, w.cols] at out (Q types and F16 → fp16).
+/// Rows [r0, r0 + n) of a Q8_0/Q4_0/Q4_1 matrix w dequantized to fp16 [n, w.cols] at out
+/// (F16 and BF16 weights go to cuBLAS as they are; other types: UsageError).
 void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t* out, cudaStream_t s);
 
 }  // namespace llmq::cuda

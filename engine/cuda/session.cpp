@@ -168,7 +168,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64
   const CudaPlan p = plan_cuda(c, {}, ctx, n_batch, logits_rows);
   ctx_ = p.ctx, n_batch_ = p.n_batch, logits_rows_ = p.logits_rows;
   n_parts_ = p.decode_parts, part_len_ = p.decode_part_len;
-  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
+  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, H = c.hidden_dim;
   if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
   if (c.n_heads % c.n_kv_heads || c.n_heads / c.n_kv_heads > 32)
     throw UsageError("CUDA: n_heads must be a multiple of n_kv_heads, at most 32 times it");
@@ -177,29 +177,28 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64
 
   const uint64_t free0 = mem_info().free;
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-  const size_t T = size_t(n_batch_), f = sizeof(float);
   kv_ = DeviceBuffer(p.kv);
-  tokens_ = DeviceBuffer(T * 4);
-  pos_buf_ = DeviceBuffer(T * 4);
+  tokens_ = DeviceBuffer(p.tokens);
+  pos_buf_ = DeviceBuffer(p.tokens);
   next_ = DeviceBuffer(4);
-  topk_ids_ = DeviceBuffer(size_t(kMaxTopK) * 4);
-  topk_vals_ = DeviceBuffer(size_t(kMaxTopK) * 4);
-  x_ = DeviceBuffer(T * size_t(D) * f);
-  xb_ = DeviceBuffer(T * size_t(D) * f);
-  qkv_ = DeviceBuffer(T * size_t(Q + 2 * KV) * f);
-  att_ = DeviceBuffer(T * size_t(Q) * f);
-  h_ = DeviceBuffer(T * size_t(2 * H) * f);
-  hs_ = DeviceBuffer(T * size_t(H) * f);
+  topk_ids_ = DeviceBuffer(p.top_k);
+  topk_vals_ = DeviceBuffer(p.top_k);
+  x_ = DeviceBuffer(p.x);
+  xb_ = DeviceBuffer(p.x);
+  qkv_ = DeviceBuffer(p.qkv);
+  att_ = DeviceBuffer(p.att);
+  h_ = DeviceBuffer(p.h);
+  hs_ = DeviceBuffer(p.hs);
   logits_ = DeviceBuffer(p.logits);
   partial_ = DeviceBuffer(p.attn_parts);
   mm_ = std::make_unique<MatmulContext>(n_batch_, std::max({D, Q, H}), stream_);
   measured_ = free0 - mem_info().free;
-  h_tokens_ = PinnedBuffer(T * 4);
-  h_pos_ = PinnedBuffer(T * 4);
+  h_tokens_ = PinnedBuffer(p.tokens);
+  h_pos_ = PinnedBuffer(p.tokens);
   h_next_ = PinnedBuffer(4);
-  h_topk_ids_ = PinnedBuffer(size_t(kMaxTopK) * 4);
-  h_topk_vals_ = PinnedBuffer(size_t(kMaxTopK) * 4);
-  h_logits_ = PinnedBuffer(size_t(logits_rows_) * size_t(V) * f);
+  h_topk_ids_ = PinnedBuffer(p.top_k);
+  h_topk_vals_ = PinnedBuffer(p.top_k);
+  h_logits_ = PinnedBuffer(p.logits);
 }
 
 CudaSession::~CudaSession() {
