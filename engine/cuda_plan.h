@@ -7,9 +7,10 @@
 namespace llmq {
 
 /// The CUDA backend's matmul scratch (engine/cuda/matmul.h, MatmulContext) for up to
-/// cap_tokens tokens and matrices of at most max_cols columns: int8 activations for the GEMV,
-/// and for prefill (cap_tokens > 8) fp16 activations, one dequantized weight tile of at most
-/// 64 MiB (tile_rows x cols fp16) and the cuBLAS workspace (32 MiB, NVIDIA's advice for Hopper).
+/// cap_tokens tokens and matrices of at most max_cols columns and max_rows rows (0: any): int8
+/// activations for the GEMV, and for prefill (cap_tokens > 8) fp16 activations, one dequantized
+/// weight tile of at most 64 MiB (tile_rows x cols fp16, tile_rows no more than max_rows rounded
+/// up to 128) and the cuBLAS workspace (32 MiB, NVIDIA's advice for Hopper).
 struct CudaMatmulPlan {
   int64_t cols = 0;       ///< max_cols rounded up to a multiple of 32
   int64_t tile_rows = 0;  ///< weight rows dequantized per cuBLAS call
@@ -17,7 +18,7 @@ struct CudaMatmulPlan {
   uint64_t act_h = 0, tile = 0, cublas_workspace = 0;  ///< prefill only: [cap, cols] fp16; the tile; cuBLAS's
   uint64_t bytes() const { return act_q + act_d + act_s + act_h + tile + cublas_workspace; }
 };
-CudaMatmulPlan plan_cuda_matmul(int64_t cap_tokens, int64_t max_cols);
+CudaMatmulPlan plan_cuda_matmul(int64_t cap_tokens, int64_t max_cols, int64_t max_rows = 0);
 
 /// Most tokens the CUDA GEMV kernels take per call; more go through cuBLAS (prefill).
 constexpr int kCudaGemvMaxTokens = 8;

@@ -57,4 +57,31 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
 #endif
 }
 
+std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens,
+                                                    bool progress) {
+#ifdef LLMQ_HAVE_CUDA
+  using cuda::mem_info;
+  cuda::check(cudaSetDevice(0), "cudaSetDevice");
+  cuda::check(cudaFree(nullptr), "CUDA context");
+  const cuda::MemInfo before = mem_info();
+  auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress);
+  const cuda::MemInfo after = mem_info();
+  const CudaPlan& p = r->plan();
+  auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
+  std::fprintf(stderr,
+               "llmq: GPU 0: %s\n"
+               "llmq: GPU memory: weights %.1f MiB, KV cache %.1f MiB (f16, %lld blocks of %lld positions, paged over %lld sequences), "
+               "workspace %.1f MiB (batch %lld); allocated %.1f MiB, measured %.1f MiB (cudaMemGetInfo); CUDA context and other "
+               "processes before loading: %.1f MiB\n",
+               cuda::device_description(0).c_str(), mib(r->device_model().weight_bytes()), mib(r->session().kv_bytes()),
+               (long long)p.kv_blocks, (long long)p.block_tokens, (long long)p.parallel, mib(r->session().workspace_bytes()),
+               (long long)p.n_batch, mib(r->device_model().weight_bytes() + r->session().state_bytes()), mib(before.free - after.free),
+               mib(before.total - before.free));
+  return r;
+#else
+  (void)m, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress;
+  throw UsageError("this build has no CUDA backend");
+#endif
+}
+
 }  // namespace llmq

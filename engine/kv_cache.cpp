@@ -20,6 +20,14 @@ KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, K
 
 KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
                  KvType type)
+    : KVCache(c, n_blocks, block_tokens, shard_kv_dims, type, true) {}
+
+KVCache KVCache::tables_only(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens) {
+  return KVCache(c, n_blocks, block_tokens, {c.kv_dim()}, KvType::F32, false);
+}
+
+KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
+                 KvType type, bool allocate)
     : n_layers_(c.n_layers), head_dim_(c.head_dim), bt_(block_tokens), n_blocks_(n_blocks), type_(type), kv_dim_(shard_kv_dims) {
   if (n_blocks <= 0 || block_tokens <= 0 || kv_dim_.empty() || head_dim_ <= 0)
     throw UsageError("KV cache: block count, block size and pool count must be positive");
@@ -27,7 +35,7 @@ KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, c
     throw UsageError("KV cache: bf16 blocks pair positions and dimensions (block size and head_dim must be even)");
   for (int64_t d : kv_dim_)
     if (d % head_dim_ != 0) throw UsageError("KV cache: a pool's width is not a whole number of KV heads");
-  for (int64_t d : kv_dim_) {
+  for (int64_t d : allocate ? kv_dim_ : std::vector<int64_t>{}) {
     const size_t elems = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(d);
     k_.emplace_back(elems * size_t(kv_elem_bytes(type)));  // zero-filled, huge pages (engine/buffer.h)
     v_.emplace_back(elems * size_t(kv_elem_bytes(type)));

@@ -44,6 +44,12 @@ class KVCache {
   KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
           KvType type = KvType::F32);
 
+  /// The block bookkeeping alone (block tables, free list, lengths), with no K and V pools
+  /// (bytes() == 0, n_shards() == 0): for a cache whose storage lives elsewhere, a GPU's paged
+  /// cache (engine/cuda/session.h); key_block and store must not be called on it.
+  /// Throws UsageError for non-positive sizes.
+  static KVCache tables_only(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens);
+
   KvType type() const { return type_; }
 
   int64_t block_tokens() const { return bt_; }
@@ -71,6 +77,8 @@ class KVCache {
   void set_length(int32_t seq, int64_t n);
   /// Keeps the first n positions of seq and frees the blocks past them.
   void truncate(int32_t seq, int64_t n);
+  /// The block table of seq: block i holds positions [i · block_tokens, (i + 1) · block_tokens).
+  const std::vector<int32_t>& blocks(int32_t seq) const { return seqs_.at(size_t(seq)).blocks; }
   /// Positions seq can hold without reserving more.
   int64_t capacity(int32_t seq) const { return int64_t(seqs_.at(size_t(seq)).blocks.size()) * bt_; }
 
@@ -105,6 +113,8 @@ class KVCache {
     int64_t length = 0;
     std::vector<int32_t> blocks;  // block table: block i holds positions [i*bt, (i+1)*bt)
   };
+  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims, KvType type,
+          bool allocate);
   size_t offset(int64_t layer, int64_t kv_head, int32_t block, int shard) const {
     const size_t heads = size_t(kv_dim_[size_t(shard)] / head_dim_);
     return ((size_t(layer) * heads + size_t(kv_head)) * size_t(n_blocks_) + size_t(block)) * size_t(bt_ * head_dim_);

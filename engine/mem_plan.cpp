@@ -169,7 +169,7 @@ uint64_t tensor_bytes_per_rank(const TensorInfo& t, int tp) {
   return uint64_t(t.rows()) * row_bytes(t.type, t.cols() / tp);
 }
 
-CudaMatmulPlan plan_cuda_matmul(int64_t cap, int64_t max_cols) {
+CudaMatmulPlan plan_cuda_matmul(int64_t cap, int64_t max_cols, int64_t max_rows) {
   CudaMatmulPlan p;
   p.cols = (max_cols + 31) / 32 * 32;
   const uint64_t T = uint64_t(cap), c = uint64_t(p.cols);
@@ -177,28 +177,39 @@ CudaMatmulPlan plan_cuda_matmul(int64_t cap, int64_t max_cols) {
   if (cap > kCudaGemvMaxTokens) {  // prefill through cuBLAS
     constexpr uint64_t kTileBytes = 64ull << 20;
     p.tile_rows = max_cols > 0 ? std::max<int64_t>(128, int64_t(kTileBytes / (uint64_t(max_cols) * 2)) / 128 * 128) : 0;
+    if (max_rows > 0) p.tile_rows = std::min(p.tile_rows, (max_rows + 127) / 128 * 128);  // a small model needs no 64 MiB
     p.act_h = T * c * 2, p.tile = uint64_t(p.tile_rows) * c * 2, p.cublas_workspace = 32ull << 20;
   }
   return p;
 }
 
-CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows) {
-  const SessionSizes sz = session_sizes(c, ctx, n_batch, logits_rows);
-  CudaPlan p;
-  p.ctx = sz.ctx, p.n_batch = sz.n_batch, p.logits_rows = std::min(sz.logits_rows, sz.n_batch);
+int64_t cuda_matmul_max_rows(const LlamaConfig& c) {
+  return std::max({c.vocab_size, c.n_heads * c.head_dim + 2 * c.kv_dim(), 2 * c.hidden_dim, c.dim});
+}
+
+namespace {
+
+// The plan of a session of p.ctx tokens per sequence, p.n_batch tokens per pass, p.logits_rows
+// logits rows, p.kv_rows cache rows, and p.parallel sequences (0: one, contiguous).
+CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, CudaPlan p) {
   p.decode_parts = (p.ctx + kCudaDecodePartTokens - 1) / kCudaDecodePartTokens;
   p.decode_part_len = p.decode_parts == 1 ? (p.ctx + 31) / 32 * 32 : kCudaDecodePartTokens;
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
   const uint64_t T = uint64_t(p.n_batch);
-  p.kv = uint64_t(c.n_layers) * 2 * uint64_t(p.ctx) * uint64_t(KV) * 2;
+  p.kv = uint64_t(c.n_layers) * 2 * uint64_t(p.kv_rows) * uint64_t(KV) * 2;
   p.tokens = T * 4, p.top_k = uint64_t(kCudaMaxTopK) * 4;
   p.io = 2 * p.tokens + 4 + 2 * p.top_k;
+  if (p.parallel > 0)
+    p.paging = 2 * p.tokens + uint64_t(p.parallel) * uint64_t((p.ctx + p.block_tokens - 1) / p.block_tokens) * 4 +
+               uint64_t(p.logits_rows) * 4;
   p.x = T * uint64_t(D) * 4, p.qkv = T * uint64_t(Q + 2 * KV) * 4, p.att = T * uint64_t(Q) * 4;
   p.h = T * uint64_t(2 * H) * 4, p.hs = T * uint64_t(H) * 4;
   p.activations = 2 * p.x + p.qkv + p.att + p.h + p.hs;
   p.logits = uint64_t(p.logits_rows) * uint64_t(V) * 4;
-  p.attn_parts = p.decode_parts > 1 ? uint64_t(c.n_heads) * uint64_t(p.decode_parts) * uint64_t(hd + 2) * 4 : 0;
-  p.matmul = plan_cuda_matmul(p.n_batch, std::max({D, Q, H}));
+  p.attn_parts = p.decode_parts > 1
+                     ? uint64_t(std::max<int64_t>(1, p.parallel)) * uint64_t(c.n_heads) * uint64_t(p.decode_parts) * uint64_t(hd + 2) * 4
+                     : 0;
+  p.matmul = plan_cuda_matmul(p.n_batch, std::max({D, Q, H}), cuda_matmul_max_rows(c));
   // Weights as CudaModel lays them out (engine/cuda/session.cpp): 256-byte aligned pieces.
   if (tensors.empty()) return p;  // the session's buffers only
   std::map<std::string, const TensorInfo*> by_name;
@@ -231,6 +242,29 @@ CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors,
     if (c.attn_out_bias) p.weights += vec;
   }
   return p;
+}
+
+}  // namespace
+
+CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows) {
+  const SessionSizes sz = session_sizes(c, ctx, n_batch, logits_rows);
+  CudaPlan p;
+  p.ctx = p.kv_rows = sz.ctx, p.n_batch = sz.n_batch, p.logits_rows = std::min(sz.logits_rows, sz.n_batch);
+  return plan_cuda_buffers(c, tensors, p);
+}
+
+CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
+                          int64_t parallel, int64_t kv_tokens) {
+  if (parallel < 1) throw UsageError("--parallel must be at least 1");
+  CudaPlan p;
+  p.ctx = ctx > 0 ? ctx : std::min(c.context_length, kDefaultMaxCtx);
+  p.parallel = parallel;
+  p.n_batch = std::max<int64_t>({1, n_batch, parallel});  // the Scheduler's capacity
+  p.logits_rows = std::min(parallel, p.n_batch);
+  p.block_tokens = kKvBlockTokens;
+  p.kv_blocks = plan_kv(c, server_kv_tokens(p.ctx, parallel, kv_tokens)).n_blocks;
+  p.kv_rows = p.kv_blocks * p.block_tokens;
+  return plan_cuda_buffers(c, tensors, p);
 }
 
 }  // namespace llmq

@@ -130,28 +130,42 @@ int64_t server_kv_tokens(int64_t ctx, int64_t parallel, int64_t kv_tokens);
 InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t ctx, int64_t n_batch, int threads,
                              int64_t parallel = 1, bool server = false, int64_t kv_tokens = 0);
 
-/// Device memory of the CUDA backend for one model and one sequence (engine/cuda/session.h:
-/// CudaModel and CudaSession allocate exactly these sizes; tests/test_cuda.cpp checks it).
+/// Device memory of the CUDA backend for one model and one sequence, or, for llmq-server, many
+/// sequences over a paged KV cache (engine/cuda/session.h: CudaModel and CudaSession allocate
+/// exactly these sizes; tests/test_cuda.cpp checks it).
 struct CudaPlan {
   int64_t ctx = 0, n_batch = 0, logits_rows = 0;
+  int64_t parallel = 0;      ///< 0: one sequence; else the most sequences of a paged cache
+  int64_t kv_rows = 0;       ///< KV-cache positions per layer: ctx, or paged kv_blocks x block_tokens
+  int64_t kv_blocks = 0, block_tokens = 0;  ///< paged: the cache's blocks (KVCache::tables_only)
   int64_t decode_parts = 1, decode_part_len = 0;  ///< decode attention: parts of part_len positions
   uint64_t weights = 0;      ///< every tensor, Q/K/V and gate/up stacked when of one type, each 256-byte aligned
-  uint64_t kv = 0;           ///< fp16 [n_layers, 2, ctx, kv_dim]
+  uint64_t kv = 0;           ///< fp16 [n_layers, 2, kv_rows, kv_dim]
   uint64_t tokens = 0;       ///< token ids, and again positions: [n_batch] int32 each
   uint64_t top_k = 0;        ///< top-k candidate ids, and again their logits: [kCudaMaxTopK] x 4 B each
   uint64_t io = 0;           ///< 2 tokens + the sampled id (4 B) + 2 top_k
+  uint64_t paging = 0;       ///< paged: cache rows and table rows [n_batch] int32 each, block tables [parallel, ceil(ctx / block_tokens)] int32, logits rows [logits_rows] int32
   uint64_t x = 0, qkv = 0, att = 0, h = 0, hs = 0;  ///< fp32 [n_batch, dim] (x and xb), [n_batch, q + 2 kv], [n_batch, q], [n_batch, 2 hidden], [n_batch, hidden]
   uint64_t activations = 0;  ///< 2 x + qkv + att + h + hs
   uint64_t logits = 0;       ///< [logits_rows, vocab] fp32
-  uint64_t attn_parts = 0;   ///< decode attention parts [n_heads, parts, head_dim + 2] fp32 (parts > 1)
+  uint64_t attn_parts = 0;   ///< decode attention parts [max(1, parallel), n_heads, parts, head_dim + 2] fp32 (parts > 1)
   CudaMatmulPlan matmul;
-  uint64_t workspace() const { return io + activations + logits + attn_parts + matmul.bytes(); }
+  uint64_t workspace() const { return io + paging + activations + logits + attn_parts + matmul.bytes(); }
   uint64_t total() const { return weights + kv + workspace(); }
 };
+/// Most rows of a matrix the CUDA backend multiplies by: the output's vocabulary rows, stacked
+/// Q/K/V, stacked gate/up, or dim (plan_cuda_matmul's max_rows).
+int64_t cuda_matmul_max_rows(const LlamaConfig& c);
 /// The plan of a CUDA session on the model whose tensor directory is `tensors` (empty: weights
 /// left 0): ctx, n_batch, logits_rows as session_sizes (logits_rows at most n_batch). Throws
 /// UsageError when a tensor of the Llama table is missing.
 CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1);
+/// The plan of llmq-server on a GPU (cuda::CudaBatchRunner): `parallel` sequences of up to ctx
+/// tokens over a paged cache of server_kv_tokens(ctx, parallel, kv_tokens) tokens in blocks of
+/// kKvBlockTokens, forward passes of max(n_batch, parallel) tokens with logits for up to
+/// `parallel` of them (the scheduler's). Throws UsageError as plan_cuda, or for parallel < 1.
+CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
+                          int64_t parallel, int64_t kv_tokens = 0);
 
 /// Bytes a tensor holds on one of `tp` tensor-parallel ranks under the Megatron-LM split
 /// (Shoeybi et al. 2019): column-parallel attn_q/attn_k/attn_v/ffn_gate/ffn_up and the

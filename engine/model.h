@@ -184,6 +184,28 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
 class TensorParallel;  // engine/tp.h
 class Sampler;         // engine/sampler.h
 
+/// What runs batched forward passes over a paged KV cache for the continuous-batching scheduler
+/// (server/scheduler.h), whatever the device: the CPU ranks (TensorParallel, engine/tp.h) or a
+/// GPU (cuda::CudaBatchRunner, engine/cuda/session.h).
+class BatchRunner {
+ public:
+  virtual ~BatchRunner() = default;
+  virtual const Model& model() const = 0;
+  /// Most tokens per forward call.
+  virtual int64_t capacity() const = 0;
+  /// The KV cache the forward passes run over: n_blocks blocks of block_tokens positions.
+  /// `type` is the CPU's element type (a GPU keeps fp16 and ignores it). Call once.
+  virtual KVCache make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) = 0;
+  /// The forward pass over a batch that may mix sequences, with forward_batch's contract and
+  /// errors: returns logits [n_flagged, vocab] for the flagged tokens in batch order (host
+  /// memory, valid until the next call) or nullptr, and advances the cache lengths.
+  virtual const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) = 0;
+  /// Bytes of the KV cache's storage (device bytes on a GPU).
+  virtual uint64_t kv_bytes(const KVCache& cache) const { return cache.bytes(); }
+  /// Bytes of the scratch buffers (all ranks; device bytes on a GPU).
+  virtual uint64_t workspace_bytes() const = 0;
+};
+
 /// One sequence's forward pass over its own KV cache, whatever runs it: Session (the CPU, one
 /// rank or tensor-parallel ranks) or cuda::CudaSession (a GPU, engine/cuda/session.h). What
 /// generate(), perplexity() and the tools drive.

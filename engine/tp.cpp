@@ -241,7 +241,7 @@ int TensorParallel::threads() const {
 
 int TensorParallel::rank_threads(int r) const { return single_pool_ ? single_pool_->size() : pools_.at(size_t(r))->size(); }
 
-KVCache TensorParallel::make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) const {
+KVCache TensorParallel::make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) {
   std::vector<int64_t> dims;
   for (const auto& s : shards_) dims.push_back(s->ranges.n_kv_heads * m_.config.head_dim);
   return KVCache(m_.config, n_blocks, block_tokens, dims, type);

@@ -75,7 +75,7 @@ WorkspacePlan rank_workspace_plan(const LlamaConfig& c, const std::vector<Tensor
 /// own ThreadPool, its weight shard and its Workspace; they meet in a HostCommGroup. With
 /// N = 1 it wraps a given pool and runs forward_batch's code with no extra thread or copy.
 /// Used by Session, Scheduler and perplexity to run a model either way.
-class TensorParallel {
+class TensorParallel : public BatchRunner {
  public:
   /// N = 1: the whole model on `pool` (which must outlive this object); forward passes of up to
   /// `capacity` tokens.
@@ -88,11 +88,11 @@ class TensorParallel {
   /// from its slices (rank_workspace_plan). Throws UsageError (see plan_shards) when the ranks
   /// cannot be formed.
   TensorParallel(const Model& m, int n_ranks, int total_threads, int64_t capacity, const TpOptions& opt = {});
-  ~TensorParallel();
+  ~TensorParallel() override;
   TensorParallel(const TensorParallel&) = delete;
   TensorParallel& operator=(const TensorParallel&) = delete;
 
-  const Model& model() const { return m_; }
+  const Model& model() const override { return m_; }
   /// Ranks N.
   int size() const { return int(shards_.size()); }
   /// Threads over all ranks (rank threads included).
@@ -100,17 +100,17 @@ class TensorParallel {
   /// Threads of rank r's pool.
   int rank_threads(int r) const;
   /// Most tokens per forward call.
-  int64_t capacity() const { return cap_; }
+  int64_t capacity() const override { return cap_; }
   /// Rank r's weights; for N = 1 a view of the whole model.
   const ModelShard& shard(int r) const { return *shards_.at(size_t(r)); }
   /// A KV cache for these ranks: one pool per rank, each with its KV heads only.
-  KVCache make_cache(int64_t n_blocks, int64_t block_tokens = 16, KvType type = KvType::F32) const;
+  KVCache make_cache(int64_t n_blocks, int64_t block_tokens = 16, KvType type = KvType::F32) override;
   /// The forward pass over a batch as forward_batch (same contract and errors), every rank on
   /// its shard, the cache lengths advanced once at the end. Returns logits [n_flagged, vocab]
   /// (rank 0's buffer) or nullptr. After a rank failed, every call throws.
-  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n);
+  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) override;
   /// Bytes of all ranks' scratch buffers.
-  uint64_t workspace_bytes() const;
+  uint64_t workspace_bytes() const override;
   /// Bytes of rank r's scratch buffers.
   uint64_t rank_workspace_bytes(int r) const { return ws_.at(size_t(r))->bytes(); }
 

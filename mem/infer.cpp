@@ -63,41 +63,53 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
   r.lines.insert(r.lines.end(), rest.begin(), rest.end());
 }
 
-// llmq-run --device cuda: every device buffer of the backend, from the plan it allocates from
-// (engine/mem_plan.h plan_cuda); the CUDA context is measured at load, not predicted here.
-void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferOptions& o) {
-  const CudaPlan p = plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1);
+// llmq-run --device cuda (one sequence) or llmq-server --device cuda (server: a paged cache):
+// every device buffer of the backend, from the plan it allocates from (engine/mem_plan.h
+// plan_cuda, plan_cuda_server); the CUDA context is measured at load, not predicted here.
+void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, bool server) {
+  const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens)
+                            : plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1);
   const int64_t hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd;
   r.device = "cuda (GPU 0)";
-  r.title = fmt::format("{}: llmq-run --device cuda, ctx {}, batch {}", f.path(), p.ctx, p.n_batch);
+  r.title = server ? fmt::format("{}: llmq-server --device cuda, parallel {}, ctx {}, batch {}", f.path(), p.parallel, p.ctx, p.n_batch)
+                   : fmt::format("{}: llmq-run --device cuda, ctx {}, batch {}", f.path(), p.ctx, p.n_batch);
   r.lines.push_back({"weights", double(p.weights),
                      fmt::format("Σ bytes of {} tensors ({}), rearranged into quants / scales arrays (none added); each tensor, or "
                                  "Q/K/V and gate/up stacked when of one type, 256-byte aligned",
                                  f.tensors().size(), type_mix(f.tensors())),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"KV cache", double(p.kv),
-                     fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} tokens", c.n_layers, c.kv_dim(), p.ctx), kPlan,
-                     Place::Device, Basis::Exact});
+                     server ? fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} blocks of {} tokens (paged, shared by {} "
+                                          "sequences)",
+                                          c.n_layers, c.kv_dim(), p.kv_blocks, p.block_tokens, p.parallel)
+                            : fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} tokens", c.n_layers, c.kv_dim(), p.ctx),
+                     kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"workspace: activations", double(p.activations),
                      fmt::format("{} tokens x (2 x {} x, xb + {} qkv + {} att + 3 x {} h, hs) x 4 B", p.n_batch, c.dim, Q + 2 * KV, Q,
                                  c.hidden_dim),
                      kPlan, Place::Device, Basis::Exact});
-  r.lines.push_back({"workspace: logits", double(p.logits), fmt::format("{} row x {} vocab x 4 B", p.logits_rows, c.vocab_size), kPlan,
-                     Place::Device, Basis::Exact});
+  r.lines.push_back({"workspace: logits", double(p.logits), fmt::format("{} row(s) x {} vocab x 4 B", p.logits_rows, c.vocab_size),
+                     kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"workspace: decode attention parts", double(p.attn_parts),
-                     fmt::format("{} heads x {} parts of {} positions x ({} + 2) x 4 B", c.n_heads, p.decode_parts, p.decode_part_len, hd),
+                     fmt::format("{} token(s) x {} heads x {} parts of {} positions x ({} + 2) x 4 B", std::max<int64_t>(1, p.parallel),
+                                 c.n_heads, p.decode_parts, p.decode_part_len, hd),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"workspace: matmul scratch", double(p.matmul.bytes() - p.matmul.cublas_workspace),
                      fmt::format("int8 activations [{} x {}] + scales; prefill: fp16 activations + a dequantized tile of {} rows", p.n_batch,
                                  p.matmul.cols, p.matmul.tile_rows),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"workspace: token ids, positions, top-k", double(p.io), "", kPlan, Place::Device, Basis::Exact});
+  if (server)
+    r.lines.push_back({"workspace: block tables", double(p.paging),
+                       fmt::format("cache rows and table rows [{}] + tables [{} x {}] + logits rows [{}], int32", p.n_batch, p.parallel,
+                                   (p.ctx + p.block_tokens - 1) / p.block_tokens, p.logits_rows),
+                       kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"cuBLAS workspace", double(p.matmul.cublas_workspace), "cublasSetWorkspace, 32 MiB (prefill only)", kPlan,
                      Place::Device, Basis::Exact});
-  r.lines.push_back({"CUDA context", 0, "not predicted: llmq-run --device cuda prints it at load (cudaMemGetInfo before the load)", "",
+  r.lines.push_back({"CUDA context", 0, "not predicted: llmq-run/llmq-server --device cuda print it at load (cudaMemGetInfo before the load)", "",
                      Place::GpuOther, Basis::NotMeasured});
   r.notes.push_back("exact: CudaModel and CudaSession allocate these sizes (tests/test_cuda.cpp checks); cudaMalloc rounds each "
-                    "allocation up (2 MiB pages for large ones), which the measured line of llmq-run --device cuda includes");
+                    "allocation up (2 MiB pages for large ones), which the measured line printed at load includes");
 }
 
 // llmq-run/llmq-server --tp N on the CPU: per rank, the weights of its slices, its pool of the
@@ -191,9 +203,8 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
     return r;
   }
   if (o.tp == 1) {  // one GPU: the plan CudaModel and CudaSession allocate from (engine/cuda/session.h)
-    if (server) throw UsageError("the CUDA backend runs one sequence (llmq-run) so far: leave --parallel out");
     if (o.kv_type == "bf16") throw UsageError("the CUDA backend's KV cache is f16 (--kv-type f16)");
-    add_cuda_lines(r, *f, c, o);
+    add_cuda_lines(r, *f, c, o, server);
     return r;
   }
   // Per tensor-parallel rank (rank 0; others differ only by vocab rows when vocab % tp != 0).

@@ -81,23 +81,23 @@ Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOption
         return plan_workspace(model.config, llama_matmuls(model.config, model.file->tensors(), cap, opt.parallel), cap, opt.ctx,
                               opt.parallel, pool.size());
       }())),
-      tp_(*own_),
+      run_(*own_),
       opt_(opt),
-      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
+      cache_(run_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
                             opt.kv_type)) {
   thread_ = std::thread([this] { loop(); });
 }
 
-Scheduler::Scheduler(TensorParallel& tp, const SchedulerOptions& opt)
-    : m_(tp.model()),
-      tp_(tp),
+Scheduler::Scheduler(BatchRunner& runner, const SchedulerOptions& opt)
+    : m_(runner.model()),
+      run_(runner),
       opt_(opt),
-      cache_(tp_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
+      cache_(run_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
                             opt.kv_type)) {
   thread_ = std::thread([this] { loop(); });
 }
 
-uint64_t Scheduler::workspace_bytes() const { return tp_.workspace_bytes(); }
+uint64_t Scheduler::workspace_bytes() const { return run_.workspace_bytes(); }
 
 Scheduler::~Scheduler() {
   {
@@ -223,7 +223,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
   std::vector<BatchToken> batch;
   std::vector<std::pair<Seq*, int64_t>> fed;  // sequence, tokens it feeds this step
   std::vector<Seq*> sample_for;               // owners of the logits rows, in batch order
-  int64_t budget = tp_.capacity();
+  int64_t budget = run_.capacity();
   for (int pass = 0; pass < 2; ++pass)
     for (auto& sp : active) {
       Seq& s = *sp;
@@ -239,7 +239,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
       budget -= n;
     }
   if (batch.empty()) return;
-  const float* logits = tp_.forward(cache_, batch.data(), int64_t(batch.size()));
+  const float* logits = run_.forward(cache_, batch.data(), int64_t(batch.size()));
   for (auto& [s, n] : fed) s->fed += size_t(n);
 
   const Tokenizer& tok = *m_.tokenizer;

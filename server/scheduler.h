@@ -86,9 +86,10 @@ class Scheduler {
  public:
   /// Starts the loop thread. The model and pool must outlive the scheduler.
   Scheduler(const Model& model, ThreadPool& pool, const SchedulerOptions& opt);
-  /// The same on a tensor-parallel runner (engine/tp.h), which must outlive the scheduler and
-  /// serve it alone; a step feeds at most tp.capacity() tokens (opt.n_batch is not used).
-  Scheduler(TensorParallel& tp, const SchedulerOptions& opt);
+  /// The same on another runner (engine/model.h BatchRunner: tensor-parallel CPU ranks,
+  /// engine/tp.h, or a GPU, engine/cuda/session.h), which must outlive the scheduler and serve it
+  /// alone; a step feeds at most runner.capacity() tokens (opt.n_batch is not used).
+  Scheduler(BatchRunner& runner, const SchedulerOptions& opt);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
@@ -99,9 +100,9 @@ class Scheduler {
   Submit submit(const std::shared_ptr<GenRequest>& r);
   SchedulerStats stats() const;
   const SchedulerOptions& options() const { return opt_; }
-  /// Bytes of the KV cache (all tensor-parallel ranks) and of the workspaces (measured: the
-  /// buffers' capacities).
-  uint64_t kv_bytes() const { return cache_.bytes(); }
+  /// Bytes of the KV cache (all tensor-parallel ranks, or the GPU's) and of the workspaces
+  /// (measured: the buffers' capacities).
+  uint64_t kv_bytes() const { return run_.kv_bytes(cache_); }
   uint64_t workspace_bytes() const;
 
  private:
@@ -113,7 +114,7 @@ class Scheduler {
 
   const Model& m_;
   std::unique_ptr<TensorParallel> own_;  // the one-rank runner of the (model, pool) constructor
-  TensorParallel& tp_;
+  BatchRunner& run_;
   SchedulerOptions opt_;
   KVCache cache_;
   mutable std::mutex mu_;

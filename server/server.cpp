@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "engine/chat.h"
+#include "engine/device.h"
 #include "engine/model.h"
 #include "engine/tp.h"
 #include "formats/error.h"
@@ -53,7 +54,7 @@ struct ServerState {
   std::string load_error;
   std::unique_ptr<Model> model;
   std::unique_ptr<ThreadPool> pool;        // --tp 1: the forward passes on one pool
-  std::unique_ptr<TensorParallel> runner;  // --tp N > 1: N ranks
+  std::unique_ptr<BatchRunner> runner;     // --tp N > 1: N ranks; --device cuda: the GPU
   std::unique_ptr<Scheduler> scheduler;
   std::optional<ChatTemplate> tmpl;
   std::string model_id;
@@ -358,7 +359,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
 
 int main(int argc, char** argv) {
   CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
-  std::string model_path, host = "127.0.0.1", api_key, device = "auto", template_name;
+  std::string model_path, host = "127.0.0.1", api_key, device = "cpu", template_name;
   int port = 8080, threads = 0, parallel = 4, tp = 1;
   int64_t ctx = 0, max_queue = 64, kv_tokens = 0, n_batch = 512;
   int timeout_s = 30;
@@ -366,14 +367,14 @@ int main(int argc, char** argv) {
   app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
   app.add_option("--host", host, "address to bind (default 127.0.0.1: this machine only)");
   app.add_option("--port", port, "TCP port");
-  app.add_option("--device", device, "cpu | cuda | auto");
+  app.add_option("--device", device, "cpu | cuda | auto (auto: the GPU when one is present)");
   app.add_option("-c,--ctx", ctx, "most tokens per sequence (default: the model's context, at most 4096)");
   auto* par_opt = app.add_option("--parallel", parallel, "most sequences generated at once (continuous batching)");
   app.add_option("--max-queue", max_queue, "most requests waiting; more get HTTP 429");
   app.add_option("--kv-tokens", kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass");
   std::string kv_type = "f32";
-  app.add_option("--kv-type", kv_type, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands)")
+  auto* kv_type_opt = app.add_option("--kv-type", kv_type, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
   app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
@@ -400,8 +401,10 @@ int main(int argc, char** argv) {
   mallopt(M_MMAP_THRESHOLD, 128 * 1024);
 #endif
   return cli::run_guarded("llmq-server", [&] {
-    if (device == "cuda") throw UsageError("--device cuda: this build has no CUDA backend yet; use --device cpu");
-    if (device != "cpu" && device != "auto") throw UsageError("--device must be cpu, cuda or auto");
+    const bool gpu = pick_device(device) == Device::Cuda;
+    if (gpu && tp != 1) throw UsageError("--tp with --device cuda: tensor parallelism runs on CPU ranks only so far");
+    if (gpu && kv_type_opt->count()) throw UsageError("--kv-type is the CPU's KV-cache type; the GPU's KV cache is f16");
+    if (gpu && fit) throw UsageError("--fit plans CPU memory; with --device cuda give --ctx and --parallel (llmq-mem infer --device cuda)");
     if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
     if (fit) {  // plan first, from the file's metadata and tensor directory only (llmq-mem infer --fit)
       const double budget = mem_budget.empty() ? double(mem::available_memory()) : mem::parse_size(mem_budget);
@@ -515,17 +518,19 @@ int main(int argc, char** argv) {
     // Load in the background: /health answers 503 until the model is ready.
     std::thread loader([&] {
       try {
-        st->model = Model::load(model_path, !no_verify);
+        st->model = Model::load(model_path, !no_verify, /*pack=*/!gpu);
         // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
         // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());
-        if (tp == 1) st->pool = std::make_unique<ThreadPool>(threads);
+        const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
+        if (gpu) st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens);
+        else if (tp == 1) st->pool = std::make_unique<ThreadPool>(threads);
         else st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;
         so.parallel = parallel;
-        so.ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
+        so.ctx = seq_ctx;
         so.max_queue = max_queue;
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
@@ -535,12 +540,13 @@ int main(int argc, char** argv) {
         const uint64_t file_bytes = st->model->file->file_size() + st->model->packed.bytes(), kv_b = st->scheduler->kv_bytes(),
                        ws_b = st->scheduler->workspace_bytes();
         std::fprintf(stderr,
-                     "llmq-server: %s ready on http://%s:%d (parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n"
-                     "llmq-server: memory: model file and repacked weights %s, KV cache %s, workspace %s; total %llu bytes (%s)\n",
-                     st->model_id.c_str(), host.c_str(), port, parallel, (long long)so.ctx, cli::human_bytes(kv_b).c_str(), tp,
+                     "llmq-server: %s ready on http://%s:%d (%s, parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n"
+                     "llmq-server: memory: model file and repacked weights %s, KV cache %s, workspace %s; total %llu bytes (%s)%s\n",
+                     st->model_id.c_str(), host.c_str(), port, device_name(gpu ? Device::Cuda : Device::Cpu), parallel, (long long)so.ctx, cli::human_bytes(kv_b).c_str(), tp,
                      cli::human_bytes(cli::peak_rss_bytes()).c_str(), cli::human_bytes(file_bytes).c_str(),
                      cli::human_bytes(kv_b).c_str(), cli::human_bytes(ws_b).c_str(),
-                     (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str());
+                     (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str(),
+                     gpu ? " (KV cache and workspace on the GPU, the weights uploaded beside them: see the GPU memory line)" : "");
       } catch (const std::exception& e) {
         st->load_error = e.what();
         std::fprintf(stderr, "llmq-server: error: %s\n", e.what());

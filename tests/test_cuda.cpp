@@ -17,7 +17,9 @@
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/threadpool.h"
+#include "engine/tp.h"
 #include "formats/error.h"
+#include "server/scheduler.h"
 #include "formats/quant.h"
 #include "test_util.h"
 
@@ -48,7 +50,7 @@ bool have_gpu() {
 
 // Runs everywhere: without a GPU, --device cuda is one clear error and a non-zero exit, and
 // --device auto falls back to the CPU.
-TEST_CASE("llmq-run --device cuda without a GPU fails clearly, auto falls back to the CPU", "[cuda][tools]") {
+TEST_CASE("llmq-run and llmq-server --device cuda without a GPU fail clearly, auto falls back to the CPU", "[cuda][tools]") {
   if (cuda_device_count() > 0) {
     WARN("SKIPPED: a CUDA device is present");
     return;
@@ -63,6 +65,12 @@ TEST_CASE("llmq-run --device cuda without a GPU fails clearly, auto falls back t
   INFO(err);
   CHECK(err.find("--device cuda") != std::string::npos);
   CHECK(test::run(test::bin("llmq-run") + " -m " + model + " -p 'Once' -n 4 --temp 0 --device auto > /dev/null 2>&1") == 0);
+  // llmq-server checks the device before it listens or loads.
+  CHECK(test::run(test::bin("llmq-server") + " -m " + model + " --port 0 --device cuda > /dev/null 2> " + dir + "/server.txt") != 0);
+  std::ifstream sin(dir + "/server.txt");
+  const std::string serr((std::istreambuf_iterator<char>(sin)), std::istreambuf_iterator<char>());
+  INFO(serr);
+  CHECK(serr.find("--device cuda") != std::string::npos);
   CHECK_THROWS_AS(pick_device("tpu"), UsageError);
   CHECK(pick_device("auto") == Device::Cpu);
 }
@@ -135,7 +143,8 @@ TEST_CASE("CUDA matmul matches the CPU reference for every type, path and odd sh
     const bool block = dtype_info(t).block > 1;
     for (const Shape& s : block ? block_shapes : float_shapes) {
       TestWeight w(t, s.rows, s.cols, rng);
-      cuda::MatmulContext ctx(64, s.cols, nullptr);
+      // max_rows 128: weights of more rows go through cuBLAS in several dequantized tiles.
+      cuda::MatmulContext ctx(64, s.cols, nullptr, 128);
       for (int64_t T : Ts) {
         const auto x = gaussian(size_t(T * s.cols), rng);
         std::vector<float> ref(size_t(T * s.rows));
@@ -260,7 +269,7 @@ TEST_CASE("CUDA RoPE with the KV-cache write matches the CPU", "[cuda]") {
         rope_rotate(ref.data() + t * ld + Q, n_kv, hd, cs.data(), layout);
       }
       DeviceBuffer qd = to_device(qkv), pd = to_device(pos), kc(size_t(ctx * KV) * 2), vc(size_t(ctx * KV) * 2);
-      cuda::rope_store_kv(qd.as<float>(), ld, pd.as<int32_t>(), T, n_heads, n_kv, hd, 10000.0, layout, kc.as<uint16_t>(),
+      cuda::rope_store_kv(qd.as<float>(), ld, pd.as<int32_t>(), nullptr, T, n_heads, n_kv, hd, 10000.0, layout, kc.as<uint16_t>(),
                           vc.as<uint16_t>(), nullptr);
       const auto out = from_device<float>(qd, qkv.size());
       const auto k = from_device<uint16_t>(kc, size_t(ctx * KV)), v = from_device<uint16_t>(vc, size_t(ctx * KV));
@@ -332,6 +341,88 @@ TEST_CASE("CUDA attention matches an fp64 reference, prefill and split decode, G
       INFO("heads " << c.n_heads << " kv " << c.n_kv << " hd " << c.hd << " T " << T << " splits " << run.n_splits << " err " << err);
       CHECK(err < 1e-4);
     }
+  }
+}
+
+// A paged cache (llmq-server): the same keys and values scattered over blocks of 16 rows in a
+// shuffled pool, found through block tables, must give what the contiguous cache gives, for
+// several sequences in one launch (a decode token of each, a prompt chunk of one), with and
+// without split parts. The contiguous kernel is checked against fp64 above; here the tiles
+// are the same positions in the same order, so the results must agree to rounding (1e-6).
+TEST_CASE("CUDA paged attention and KV rows match the contiguous cache", "[cuda]") {
+  if (!have_gpu()) return;
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int64_t n_heads = 8, n_kv = 2, hd = 64, Q = n_heads * hd, KV = n_kv * hd, bt = 16, ctx = 256, stride = ctx / bt;
+  const std::vector<int64_t> lens = {150, 70, 33};  // cached positions per sequence
+  const int64_t n_blocks = 40;
+  std::vector<int32_t> perm(static_cast<size_t>(n_blocks));
+  for (int32_t i = 0; i < int32_t(n_blocks); ++i) perm[size_t(i)] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t> tables(lens.size() * size_t(stride), -1);
+  std::vector<uint16_t> pool_k(size_t(n_blocks * bt * KV)), pool_v(pool_k.size());
+  std::vector<std::vector<uint16_t>> ks, vs;  // contiguous [ctx, KV] per sequence
+  size_t next = 0;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    std::vector<uint16_t> k(size_t(ctx * KV)), v(k.size());
+    const auto kf = gaussian(k.size(), rng), vf = gaussian(v.size(), rng);
+    for (size_t i = 0; i < k.size(); ++i) k[i] = fp32_to_fp16(kf[i]), v[i] = fp32_to_fp16(vf[i]);
+    for (int64_t b = 0; b < (lens[s] + bt - 1) / bt; ++b) {
+      const int32_t blk = perm[next++];
+      tables[s * size_t(stride) + size_t(b)] = blk;
+      std::copy_n(k.begin() + b * bt * KV, bt * KV, pool_k.begin() + blk * bt * KV);
+      std::copy_n(v.begin() + b * bt * KV, bt * KV, pool_v.begin() + blk * bt * KV);
+    }
+    ks.push_back(std::move(k)), vs.push_back(std::move(v));
+  }
+  // Tokens: sequence 0 and 2 decode at their last position, sequence 1 a chunk of 6 positions.
+  std::vector<int32_t> seq = {0, 1, 1, 1, 1, 1, 1, 2}, pos = {149, 64, 65, 66, 67, 68, 69, 32};
+  const int64_t T = int64_t(seq.size());
+  const auto q = gaussian(size_t(T * Q), rng);
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  DeviceBuffer qd = to_device(q), pkd = to_device(pool_k), pvd = to_device(pool_v), sd = to_device(seq), pd = to_device(pos),
+               td = to_device(tables);
+  for (int64_t n_splits : {int64_t(1), int64_t(4)}) {
+    const int64_t part_len = n_splits == 1 ? ctx : 64;
+    DeviceBuffer od(size_t(T * Q) * 4), part(size_t(T * n_heads * n_splits * (hd + 2)) * 4);
+    cuda::KvPages pages{sd.as<int32_t>(), td.as<int32_t>(), stride, bt};
+    cuda::attention(qd.as<float>(), Q, pkd.as<uint16_t>(), pvd.as<uint16_t>(), pd.as<int32_t>(), T, n_heads, n_kv, hd, scale, n_splits,
+                    part_len, part.as<float>(), od.as<float>(), Q, nullptr, pages);
+    const auto out = from_device<float>(od, size_t(T * Q));
+    for (int64_t t = 0; t < T; ++t) {  // the same token against its own contiguous cache
+      const size_t sq = size_t(seq[size_t(t)]);
+      DeviceBuffer kd = to_device(ks[sq]), vd = to_device(vs[sq]), q1 = to_device(std::vector<float>(q.begin() + t * Q, q.begin() + (t + 1) * Q));
+      DeviceBuffer p1 = to_device(std::vector<int32_t>{pos[size_t(t)]}), o1(size_t(Q) * 4), part1(size_t(n_heads * n_splits * (hd + 2)) * 4);
+      cuda::attention(q1.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), p1.as<int32_t>(), 1, n_heads, n_kv, hd, scale, n_splits,
+                      part_len, part1.as<float>(), o1.as<float>(), Q, nullptr);
+      const auto ref = from_device<float>(o1, size_t(Q));
+      INFO("splits " << n_splits << " token " << t);
+      CHECK(rel_err(out.data() + t * Q, ref.data(), size_t(Q)) < 1e-6);
+    }
+  }
+  // rope_store_kv with cache rows: each token's k and v land in its row of the pool.
+  {
+    const int64_t ld = Q + 2 * KV;
+    const auto qkv = gaussian(size_t(T * ld), rng);
+    std::vector<int32_t> rows(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t)
+      rows[size_t(t)] = tables[size_t(seq[size_t(t)]) * size_t(stride) + size_t(pos[size_t(t)] / bt)] * int32_t(bt) + pos[size_t(t)] % int32_t(bt);
+    DeviceBuffer a = to_device(qkv), b = to_device(qkv), rd = to_device(rows), kc(pool_k.size() * 2), vc(pool_k.size() * 2);
+    DeviceBuffer kc1(size_t(ctx * KV) * 2), vc1(size_t(ctx * KV) * 2);
+    cuda::rope_store_kv(a.as<float>(), ld, pd.as<int32_t>(), rd.as<int32_t>(), T, n_heads, n_kv, hd, 10000.0, RopeLayout::RotateHalf,
+                        kc.as<uint16_t>(), vc.as<uint16_t>(), nullptr);
+    cuda::rope_store_kv(b.as<float>(), ld, pd.as<int32_t>(), nullptr, T, n_heads, n_kv, hd, 10000.0, RopeLayout::RotateHalf,
+                        kc1.as<uint16_t>(), vc1.as<uint16_t>(), nullptr);
+    CHECK(from_device<float>(a, qkv.size()) == from_device<float>(b, qkv.size()));
+    const auto k = from_device<uint16_t>(kc, pool_k.size()), v = from_device<uint16_t>(vc, pool_k.size());
+    const auto k1 = from_device<uint16_t>(kc1, size_t(ctx * KV)), v1 = from_device<uint16_t>(vc1, size_t(ctx * KV));
+    bool same = true;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < KV; ++j)
+        same = same && k[size_t(rows[size_t(t)] * KV + j)] == k1[size_t(pos[size_t(t)] * KV + j)] &&
+               v[size_t(rows[size_t(t)] * KV + j)] == v1[size_t(pos[size_t(t)] * KV + j)];
+    CHECK(same);
   }
 }
 
@@ -501,6 +592,145 @@ TEST_CASE("CUDA graphs replay the decode step exactly", "[cuda]") {
   }
   unsetenv("LLMQ_CUDA_GRAPH");
   CHECK(rows[0] == rows[1]);
+}
+
+// llmq-server's GPU path: CudaBatchRunner (paged cache, batches mixing sequences) against the
+// CPU's forward passes (TensorParallel, one rank) on the same batches: prompts of two
+// sequences in one pass, then a third sequence's prompt beside the others' decode tokens, then
+// decode steps of all three, each fed the CPU's greedy token (teacher forcing). A sequence
+// added and removed first leaves the pool's free list out of order, so the block tables are
+// not the identity. Bounds as compare_model; the plan (llmq-mem) equals the allocation.
+TEST_CASE("CUDA continuous batching: mixed batches over a paged cache match the CPU", "[cuda][model][batch]") {
+  if (!have_gpu()) return;
+  for (const char* type : {"f32", "q8_0"}) {
+    auto m = Model::load(test::stories(type));
+    const bool block = dtype_info(dtype_from_name(m->weight_type())).block > 1;
+    const double bound = block ? 5e-2 : 1e-2;
+    const int64_t V = m->config.vocab_size, ctx = 96, parallel = 3;
+    ThreadPool pool(2);
+    TensorParallel cpu(*m, pool, 64);
+    cuda::CudaBatchRunner gpu(*m, ctx, 32, parallel);
+    const CudaPlan& p = gpu.plan();
+    CHECK(gpu.device_model().weight_bytes() == p.weights);
+    CHECK(gpu.kv_bytes(KVCache::tables_only(m->config, 1, 16)) == p.kv);
+    CHECK(gpu.workspace_bytes() == p.workspace());
+    CHECK(p.kv_rows == p.kv_blocks * 16);
+    CHECK_THROWS_AS(gpu.make_cache(p.kv_blocks + 1, 16, KvType::F32), UsageError);
+    KVCache cc = cpu.make_cache(p.kv_blocks, 16), gc = gpu.make_cache(p.kv_blocks, 16, KvType::F32);
+    CHECK(gc.bytes() == 0);
+    std::vector<int32_t> ids;
+    for (KVCache* c : {&cc, &gc}) {
+      const int32_t scratch = c->add_sequence();
+      REQUIRE(c->reserve(scratch, 40));
+      ids.clear();
+      for (int i = 0; i < 3; ++i) {
+        ids.push_back(c->add_sequence());
+        REQUIRE(c->reserve(ids.back(), ctx));
+        if (i == 0) c->remove_sequence(scratch);
+      }
+    }
+    std::vector<std::vector<int32_t>> prompts = {m->tokenizer->encode("Once upon a time, there was a little girl", true),
+                                                 m->tokenizer->encode("The cat sat", true),
+                                                 m->tokenizer->encode("Tom and his dog went to the park to play", true)};
+    auto run_step = [&](const std::vector<BatchToken>& batch, std::vector<int32_t>& next) {
+      const float* lc = cpu.forward(cc, batch.data(), int64_t(batch.size()));
+      int64_t n = 0;
+      for (const BatchToken& b : batch) n += b.logits;
+      std::vector<float> ref(lc, lc + n * V);
+      const float* lg = gpu.forward(gc, batch.data(), int64_t(batch.size()));
+      const double err = rel_err(lg, ref.data(), ref.size());
+      int agree = 0;
+      next.clear();
+      for (int64_t r = 0; r < n; ++r) {
+        next.push_back(Sampler::argmax(ref.data() + r * V, V));
+        agree += Sampler::argmax(lg + r * V, V) == next.back();
+      }
+      return std::pair<double, int>(err, agree);
+    };
+    auto prompt_tokens = [&](int s, std::vector<BatchToken>& batch) {
+      for (size_t i = 0; i < prompts[size_t(s)].size(); ++i)
+        batch.push_back({ids[size_t(s)], prompts[size_t(s)][i], i + 1 == prompts[size_t(s)].size()});
+    };
+    std::vector<BatchToken> batch;
+    std::vector<int32_t> next;
+    prompt_tokens(0, batch), prompt_tokens(1, batch);
+    auto [err, agree] = run_step(batch, next);
+    INFO(type << ": prompts of two sequences: rel err " << err);
+    CHECK(err < bound);
+    double worst = 0;
+    int agreed = agree, steps = 2;
+    batch = {{ids[0], next[0], true}, {ids[1], next[1], true}};
+    prompt_tokens(2, batch);
+    std::tie(err, agree) = run_step(batch, next);
+    worst = std::max(worst, err), agreed += agree, steps += 3;
+    for (int step = 0; step < 24; ++step) {
+      batch = {{ids[0], next[0], true}, {ids[1], next[1], true}, {ids[2], next[2], true}};
+      std::tie(err, agree) = run_step(batch, next);
+      worst = std::max(worst, err), agreed += agree, steps += 3;
+    }
+    INFO(type << ": worst rel err " << worst << ", argmax agreed in " << agreed << " of " << steps);
+    CHECK(worst < bound);
+    CHECK(agreed >= (block ? steps - steps / 16 : steps));
+    for (int i = 0; i < 3; ++i) CHECK(gc.length(ids[size_t(i)]) == cc.length(ids[size_t(i)]));
+    // Errors as forward_batch's: unreserved positions, too many sequences at once.
+    gc.truncate(ids[0], gc.length(ids[0]));  // frees the blocks past its length
+    const int32_t extra = gc.add_sequence();
+    REQUIRE(gc.reserve(extra, 4));
+    std::vector<BatchToken> four = {{ids[0], 1, true}, {ids[1], 1, true}, {ids[2], 1, true}, {extra, 1, true}};
+    CHECK_THROWS_AS(gpu.forward(gc, four.data(), 4), UsageError);
+  }
+}
+
+// The scheduler of llmq-server on the GPU runner: three greedy requests at once give the
+// tokens the GPU gives each alone (a CudaSession of one sequence: the same fp16 KV cache).
+// Not the CPU's: for the first prompt the CPU's 10th token is a near-tie (logits 10.96937 and
+// 10.96902) that the GPU's fp16 KV cache resolves the other way.
+TEST_CASE("CUDA llmq-server scheduler: batched greedy requests equal each one alone", "[cuda][model][batch]") {
+  if (!have_gpu()) return;
+  auto m = Model::load(test::stories("f32"));
+  std::vector<std::vector<int32_t>> prompts = {{1, 400, 20}, {1, 17, 300, 41, 99}, {1, 250}};
+  std::vector<std::vector<int32_t>> want;
+  cuda::CudaModel dm(*m);
+  for (const auto& pr : prompts) {
+    cuda::CudaSession s(dm, m.get(), 128, 64);
+    std::vector<int32_t> out;
+    const float* logits = s.forward(pr.data(), int64_t(pr.size()));
+    for (int i = 0; i < 16; ++i) {
+      const int32_t t = Sampler::argmax(logits, m->config.vocab_size);
+      out.push_back(t);
+      logits = s.forward(&t, 1);
+    }
+    want.push_back(out);
+  }
+  SchedulerOptions so;
+  so.parallel = 3, so.ctx = 128, so.n_batch = 32;
+  cuda::CudaBatchRunner gpu(*m, so.ctx, so.n_batch, so.parallel);
+  Scheduler sched(gpu, so);
+  CHECK(sched.kv_bytes() == gpu.plan().kv);
+  std::vector<std::shared_ptr<GenRequest>> reqs;
+  for (const auto& pr : prompts) {
+    GenParams g;
+    g.prompt = pr;
+    g.max_tokens = 16;
+    g.sampling.temperature = 0;
+    reqs.push_back(std::make_shared<GenRequest>(g));
+    REQUIRE(sched.submit(reqs.back()) == Scheduler::Submit::Ok);
+  }
+  for (size_t r = 0; r < reqs.size(); ++r) {
+    std::vector<int32_t> got;
+    std::vector<GenEvent> ev;
+    bool more = true;
+    while (more) {
+      more = reqs[r]->wait(&ev, 60000);
+      for (const GenEvent& e : ev)
+        for (const TokenInfo& t : e.tokens) got.push_back(t.id);
+      ev.clear();
+    }
+    INFO("request " << r << ": " << got.size() << " tokens, finish " << reqs[r]->finish_reason);
+    REQUIRE(!got.empty());
+    CHECK(got == std::vector<int32_t>(want[r].begin(), want[r].begin() + int64_t(got.size())));
+    CHECK((got.size() == 16 || reqs[r]->finish_reason == "stop"));
+  }
 }
 
 TEST_CASE("CUDA whole model: SmolLM2-135M logits and greedy tokens equal the CPU's", "[cuda][model]") {

@@ -423,6 +423,17 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
   CHECK(cp.total() == uint64_t(lines_sum(g, {"weights", "KV cache", "workspace: activations", "workspace: logits",
                                               "workspace: decode attention parts", "workspace: matmul scratch",
                                               "workspace: token ids, positions, top-k", "cuBLAS workspace"})));
+  // llmq-server on one GPU: a paged cache for --parallel sequences (plan_cuda_server).
+  o.parallel = 4, o.ctx = 256;
+  const MemReport gs = infer_report(path, o);
+  const CudaPlan sp = plan_cuda_server(file_config(*f), f->tensors(), 256, 512, 4);
+  CHECK(sp.kv_rows == 1024);  // server_kv_tokens: 4 x 256, in blocks of 16
+  CHECK(lines_sum(gs, {"KV cache"}) == 2.0 * 5 * 4 * 8 * 2 * 1024);
+  CHECK(sp.total() == uint64_t(lines_sum(gs, {"weights", "KV cache", "workspace: activations", "workspace: logits",
+                                               "workspace: decode attention parts", "workspace: matmul scratch",
+                                               "workspace: token ids, positions, top-k", "workspace: block tables",
+                                               "cuBLAS workspace"})));
+  CHECK(sp.matmul.tile_rows == 512);  // the largest matrix (the 512-row output), not 64 MiB
   InferOptions cpu_f16;
   cpu_f16.kv_type = "f16";
   CHECK_THROWS_AS(infer_report(path, cpu_f16), UsageError);

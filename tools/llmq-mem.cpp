@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   inf->add_option("-b,--batch", io.n_batch, "most tokens per forward pass");
   inf->add_option("-t,--threads", io.threads, "threads (default: all cores; per-thread scratch depends on it)");
   inf->add_option("--kv-type", io.kv_type, "KV cache type: f32 or bf16 (the CPU engine), f16 (CUDA plan)");
-  inf->add_option("--device", io.device, "cpu (exact) or cuda (weights and KV exact; backend buffers not measured: no CUDA backend yet)");
+  inf->add_option("--device", io.device, "cpu or cuda: the plan the engine allocates from (GPU 0; with --tp, weights and KV per rank only)");
   inf->add_option("--tp", io.tp, "tensor-parallel ranks: weights and KV per rank by the Megatron split (report only)");
   inf->add_option("--mem,--gpu-mem", mem_budget, "memory budget, e.g. 8GiB (default for --fit: MemAvailable)");
   inf->add_flag("--fit", fit,

@@ -17,7 +17,8 @@ constexpr int kOut = int(kMaxHeadDim) / 32;   // outputs per lane: dims lane, la
 // Shared memory: K tile [kTile, hd + 2] fp16 (rows padded so lane j's reads of row j fall in
 // distinct banks), V tile [kTile, hd] fp16, the group's queries [G, hd] fp32 (scaled).
 __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const __half* __restrict__ kc,
-                                 const __half* __restrict__ vc, const int32_t* __restrict__ pos, int n_heads, int n_kv, int hd,
+                                 const __half* __restrict__ vc, const int32_t* __restrict__ pos, const int32_t* __restrict__ seq,
+                                 const int32_t* __restrict__ tables, int64_t table_stride, int bt, int n_heads, int n_kv, int hd,
                                  float scale, int n_splits, int part_len, float* __restrict__ partial, float* __restrict__ out,
                                  int64_t ldo) {
   unsigned char* smem = dynamic_smem();
@@ -31,6 +32,7 @@ __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const
   float* qs = reinterpret_cast<float*>(Vs + kTile * hd);
 
   const int lo = split * part_len, hi = min(pos[t] + 1, lo + part_len);
+  const int32_t* table = tables ? tables + int64_t(seq[t]) * table_stride : nullptr;  // paged: this token's block table
   for (int i = lane; i < hd; i += 32) qs[g * hd + i] = q[int64_t(t) * ldq + int64_t(h) * hd + i] * scale;
 
   float m = -INFINITY, l = 0.0f, o[kOut];
@@ -41,8 +43,9 @@ __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const
     const int n = min(kTile, hi - p0);
     __syncthreads();  // the previous tile is consumed (and qs written, the first time)
     for (int idx = tid; idx < n * half_hd; idx += threads) {
-      const int r = idx / half_hd, c = idx % half_hd;
-      const int64_t src = (int64_t(p0) + r) * kv_dim + int64_t(kvh) * hd;
+      const int r = idx / half_hd, c = idx % half_hd, p = p0 + r;
+      const int64_t row = table ? int64_t(table[p / bt]) * bt + p % bt : p;
+      const int64_t src = row * kv_dim + int64_t(kvh) * hd;
       reinterpret_cast<__half2*>(Ks + r * kpitch)[c] = reinterpret_cast<const __half2*>(kc + src)[c];
       reinterpret_cast<__half2*>(Vs + r * hd)[c] = reinterpret_cast<const __half2*>(vc + src)[c];
     }
@@ -115,10 +118,11 @@ __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_
 
 void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T, int64_t n_heads,
                int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial, float* out, int64_t ldo,
-               cudaStream_t s) {
+               cudaStream_t s, const KvPages& pages) {
   if (hd > kMaxHeadDim || hd % 2 != 0) throw UsageError("CUDA attention: head_dim " + std::to_string(hd) + " (even, at most 256)");
   if (n_kv <= 0 || n_heads % n_kv != 0) throw UsageError("CUDA attention: n_heads must be a multiple of n_kv_heads");
   if (n_splits > 1 && part_len % kTile != 0) throw UsageError("CUDA attention: part_len must be a multiple of 32");
+  if (pages.tables && (pages.block_tokens <= 0 || !pages.seq)) throw UsageError("CUDA attention: paged cache without block size or sequences");
   if (T == 0) return;
   const int64_t G = n_heads / n_kv;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
@@ -128,7 +132,7 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     check(cudaFuncSetAttribute(reinterpret_cast<const void*>(attention_kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
           "cudaFuncSetAttribute");
   LLMQ_LAUNCH(attention_kernel, grid, block, smem, s)(q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos,
-                                             int(n_heads), int(n_kv), int(hd), scale, int(n_splits), int(part_len), partial, out, ldo);
+                                             pages.seq, pages.tables, pages.table_stride, int(pages.block_tokens), int(n_heads), int(n_kv), int(hd), scale, int(n_splits), int(part_len), partial, out, ldo);
   check_launch("attention");
   if (n_splits > 1) {
     const dim3 merge_grid{unsigned(T), unsigned(n_heads), 1};

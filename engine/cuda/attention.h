@@ -21,16 +21,27 @@ namespace llmq::cuda {
 /// Largest head_dim the kernel takes (each lane holds head_dim / 32 outputs in registers).
 constexpr int64_t kMaxHeadDim = 256;
 
-/// Attention for T tokens of one sequence. q: [T, ldq], head h at column h · hd, already
-/// rotated; kc, vc: the layer's cache [positions, n_kv · hd] fp16; pos: [T] device int32, token
-/// t attends to positions 0 .. pos[t]; out: [T, ldo], head h at column h · hd.
+/// Where a paged KV cache keeps each token's positions (PagedAttention, Kwon et al. 2023; the
+/// block tables of engine/kv_cache.h): position p of token t is cache row
+///   tables[seq[t] · table_stride + p / block_tokens] · block_tokens + p % block_tokens.
+/// seq: [T] device int32 (the token's row of `tables`); tables: [sequences, table_stride]
+/// device int32. Default (tables null): one sequence, position p at row p.
+struct KvPages {
+  const int32_t* seq = nullptr;
+  const int32_t* tables = nullptr;
+  int64_t table_stride = 0, block_tokens = 0;
+};
+
+/// Attention for T tokens of one sequence, or of several over a paged cache (`pages`). q: [T, ldq], head h at column h · hd, already
+/// rotated; kc, vc: the layer's cache [rows, n_kv · hd] fp16 (rows as `pages` says); pos: [T]
+/// device int32, token t attends to its sequence's positions 0 .. pos[t]; out: [T, ldo], head h at column h · hd.
 /// n_splits == 1: out written directly (part_len must cover every position). n_splits > 1:
 /// parts of part_len positions (a multiple of 32) written to `partial`
 /// [T, n_heads, n_splits, hd + 2] (o unnormalized, then m, l), then merged into out.
 /// scale: the score factor, 1/sqrt(hd). Throws UsageError for hd > kMaxHeadDim, odd hd, or
-/// n_heads not a multiple of n_kv.
+/// n_heads not a multiple of n_kv, or tables without a positive block size.
 void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T,
                int64_t n_heads, int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial,
-               float* out, int64_t ldo, cudaStream_t s);
+               float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {});
 
 }  // namespace llmq::cuda

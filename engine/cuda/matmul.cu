@@ -397,8 +397,8 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
   check_launch("dequantize_rows_f16");
 }
 
-MatmulContext::MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream)
-    : stream_(stream), cap_(cap_tokens), max_cols_(max_cols), plan_(plan_cuda_matmul(cap_tokens, max_cols)) {
+MatmulContext::MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream, int64_t max_rows)
+    : stream_(stream), cap_(cap_tokens), max_cols_(max_cols), plan_(plan_cuda_matmul(cap_tokens, max_cols, max_rows)) {
   act_q_ = DeviceBuffer(plan_.act_q);
   act_d_ = DeviceBuffer(plan_.act_d);
   act_s_ = DeviceBuffer(plan_.act_s);

@@ -60,13 +60,14 @@ struct DeviceActQ8 {
 constexpr int kGemvMaxTokens = kCudaGemvMaxTokens;
 
 /// Device scratch and the cuBLAS handle for matmul(), sized once for up to `cap_tokens` tokens
-/// and matrices of at most max_cols columns, as engine/cuda_plan.h's plan_cuda_matmul says (what
+/// and matrices of at most max_cols columns and max_rows rows (0: any), as engine/cuda_plan.h's
+/// plan_cuda_matmul says (what
 /// llmq-mem reports). The prefill path dequantizes at most tile_rows weight rows at a time into
 /// an fp16 tile and runs one cuBLAS GEMM per tile. Throws CudaError when the device is out of
 /// memory.
 class MatmulContext {
  public:
-  MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream);
+  MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream, int64_t max_rows = 0);
   ~MatmulContext();
   MatmulContext(const MatmulContext&) = delete;
   MatmulContext& operator=(const MatmulContext&) = delete;

@@ -47,7 +47,8 @@ namespace {
 
 // One thread per rotation pair of q and k ((n_heads + n_kv) · hd/2 per token), then one per
 // pair of v elements (n_kv · hd/2): grid.y is the token.
-__global__ void rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const int32_t* __restrict__ pos, int n_heads,
+__global__ void rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const int32_t* __restrict__ pos,
+                                     const int32_t* __restrict__ rows, int n_heads,
                                      int n_kv, int hd, double theta, bool interleaved, __half* __restrict__ kc,
                                      __half* __restrict__ vc) {
   const int64_t t = blockIdx.y;
@@ -56,7 +57,7 @@ __global__ void rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const 
   const int idx = int(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rot_pairs + v_pairs) return;
   float* row = qkv + t * ld;
-  const int64_t p = pos[t];
+  const int64_t p = pos[t], r = rows ? rows[t] : p;  // position (angles), cache row (store)
   if (idx < rot_pairs) {
     const int head = idx / half, i = idx % half;
     const double angle = double(p) * pow(theta, -2.0 * double(i) / double(hd));
@@ -67,25 +68,25 @@ __global__ void rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const 
     const float r0 = x0 * c - x1 * sn, r1 = x0 * sn + x1 * c;
     v[a] = r0, v[b] = r1;
     if (head >= n_heads) {  // a k head: to the cache
-      __half* krow = kc + p * kv_dim + int64_t(head - n_heads) * hd;
+      __half* krow = kc + r * kv_dim + int64_t(head - n_heads) * hd;
       krow[a] = __float2half(r0), krow[b] = __float2half(r1);
     }
   } else {
     const int j = 2 * (idx - rot_pairs);  // element pair of v
     const float* v = row + int64_t(n_heads + n_kv) * hd;
-    vc[p * kv_dim + j] = __float2half(v[j]);
-    vc[p * kv_dim + j + 1] = __float2half(v[j + 1]);
+    vc[r * kv_dim + j] = __float2half(v[j]);
+    vc[r * kv_dim + j + 1] = __float2half(v[j + 1]);
   }
 }
 
 }  // namespace
 
-void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, int64_t T, int64_t n_heads, int64_t n_kv, int64_t hd,
-                   double theta, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s) {
+void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, const int32_t* rows, int64_t T, int64_t n_heads, int64_t n_kv,
+                   int64_t hd, double theta, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s) {
   if (T == 0) return;
   const int64_t items = (n_heads + 2 * n_kv) * (hd / 2);
   const dim3 grid(unsigned((items + 127) / 128), unsigned(T));
-  LLMQ_LAUNCH(rope_store_kv_kernel, grid, 128, 0, s)(qkv, ld, pos, int(n_heads), int(n_kv), int(hd), theta, layout == RopeLayout::Interleaved,
+  LLMQ_LAUNCH(rope_store_kv_kernel, grid, 128, 0, s)(qkv, ld, pos, rows, int(n_heads), int(n_kv), int(hd), theta, layout == RopeLayout::Interleaved,
                                             reinterpret_cast<__half*>(kc), reinterpret_cast<__half*>(vc));
   check_launch("rope_store_kv");
 }
@@ -165,6 +166,23 @@ void embedding(float* x, const DeviceWeight& table, const int32_t* tokens, int64
   const dim3 grid(unsigned((table.cols + 255) / 256), unsigned(T));
   LLMQ_LAUNCH(embedding_kernel, grid, 256, 0, s)(x, table.type, table.q, table.d, table.m, table.cols, tokens);
   check_launch("embedding");
+}
+
+namespace {
+
+__global__ void gather_rows_kernel(float* __restrict__ out, const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t n) {
+  const float* src = x + int64_t(idx[blockIdx.y]) * n;
+  float* dst = out + int64_t(blockIdx.y) * n;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) dst[i] = src[i];
+}
+
+}  // namespace
+
+void gather_rows(float* out, const float* x, const int32_t* idx, int64_t rows, int64_t n, cudaStream_t s) {
+  if (rows == 0) return;
+  const dim3 grid{unsigned(std::min<int64_t>((n + 255) / 256, 64)), unsigned(rows), 1};
+  LLMQ_LAUNCH(gather_rows_kernel, grid, 256, 0, s)(out, x, idx, n);
+  check_launch("gather_rows");
 }
 
 }  // namespace llmq::cuda

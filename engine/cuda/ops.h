@@ -21,9 +21,11 @@ void add_rmsnorm(float* x, const float* y, float* out, const float* w, int64_t T
 /// at n_heads · hd, v [n_kv · hd] after it. Rotates q and k in place by RoPE (Su et al. 2021;
 /// angles pos[t] · θ^(-2i/hd) in fp64 rounded to fp32, exactly as the CPU's rope_angles; pairs
 /// by `layout`, as rope_rotate) and writes the rotated k and v, as fp16, to the layer's KV
-/// cache kc, vc [positions, n_kv · hd] at row pos[t]. pos: [T] device int32.
-void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, int64_t T, int64_t n_heads, int64_t n_kv, int64_t hd,
-                   double theta, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s);
+/// cache kc, vc [rows, n_kv · hd] at row rows[t], or at row pos[t] when rows is null (one
+/// sequence, contiguous). pos, rows: [T] device int32 (rows: the paged cache's row of each token,
+/// block · block_tokens + pos % block_tokens, attention.h KvPages).
+void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, const int32_t* rows, int64_t T, int64_t n_heads, int64_t n_kv,
+                   int64_t hd, double theta, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s);
 
 /// SwiGLU (Shazeer 2020) on h [T, 2H] holding gate in columns [0, H) and up in [H, 2H):
 /// out [T, H] = silu(gate) ⊙ up, silu(g) = g / (1 + e^-g). out may not alias h.
@@ -32,6 +34,9 @@ void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s);
 void add(float* x, const float* y, int64_t n, cudaStream_t s);
 /// x [T, ld] columns [0, n) += b [n] per row (a linear layer's bias).
 void add_bias(float* x, int64_t ld, const float* b, int64_t T, int64_t n, cudaStream_t s);
+/// out [rows, n] = x [., n] rows idx[0], idx[1], ... (idx: [rows] device int32), e.g. the
+/// tokens of a batch that want logits.
+void gather_rows(float* out, const float* x, const int32_t* idx, int64_t rows, int64_t n, cudaStream_t s);
 /// x [T, table.cols] = rows tokens[t] of the embedding table (any stored type, dequantized to
 /// fp32; CPU: embedding_row). tokens: [T] device int32, each in [0, table.rows).
 void embedding(float* x, const DeviceWeight& table, const int32_t* tokens, int64_t T, cudaStream_t s);

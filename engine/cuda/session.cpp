@@ -161,13 +161,16 @@ void CudaModel::build(const Model* m, DType type, uint64_t seed, bool progress) 
 // ---------------------------------------------------------------- CudaSession
 
 
-// Every size comes from the plan (engine/mem_plan.h plan_cuda), which llmq-mem reports.
 CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64_t n_batch, int64_t logits_rows)
-    : dm_(dm), m_(m) {
+    : CudaSession(dm, m, plan_cuda(dm.config(), {}, ctx, n_batch, logits_rows)) {}
+
+// Every size comes from the plan (engine/mem_plan.h plan_cuda), which llmq-mem reports.
+CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p) : dm_(dm), m_(m), plan_(p) {
   const LlamaConfig& c = dm.config();
-  const CudaPlan p = plan_cuda(c, {}, ctx, n_batch, logits_rows);
   ctx_ = p.ctx, n_batch_ = p.n_batch, logits_rows_ = p.logits_rows;
   n_parts_ = p.decode_parts, part_len_ = p.decode_part_len;
+  kv_rows_ = p.kv_rows, part_tokens_ = std::max<int64_t>(1, p.parallel);
+  table_stride_ = p.parallel > 0 ? (p.ctx + p.block_tokens - 1) / p.block_tokens : 0;
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, H = c.hidden_dim;
   if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
   if (c.n_heads % c.n_kv_heads || c.n_heads / c.n_kv_heads > 32)
@@ -191,7 +194,8 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64
   hs_ = DeviceBuffer(p.hs);
   logits_ = DeviceBuffer(p.logits);
   partial_ = DeviceBuffer(p.attn_parts);
-  mm_ = std::make_unique<MatmulContext>(n_batch_, std::max({D, Q, H}), stream_);
+  if (p.paging) paging_ = DeviceBuffer(p.paging);
+  mm_ = std::make_unique<MatmulContext>(n_batch_, std::max({D, Q, H}), stream_, cuda_matmul_max_rows(c));
   measured_ = free0 - mem_info().free;
   h_tokens_ = PinnedBuffer(p.tokens);
   h_pos_ = PinnedBuffer(p.tokens);
@@ -199,6 +203,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64
   h_topk_ids_ = PinnedBuffer(p.top_k);
   h_topk_vals_ = PinnedBuffer(p.top_k);
   h_logits_ = PinnedBuffer(p.logits);
+  if (p.paging) h_paging_ = PinnedBuffer(p.paging);
 }
 
 CudaSession::~CudaSession() {
@@ -220,8 +225,8 @@ void CudaSession::truncate(int64_t n) {
 }
 
 uint64_t CudaSession::workspace_bytes() const {
-  return tokens_.bytes() + pos_buf_.bytes() + next_.bytes() + topk_ids_.bytes() + topk_vals_.bytes() + x_.bytes() + xb_.bytes() + qkv_.bytes() + att_.bytes() + h_.bytes() +
-         hs_.bytes() + logits_.bytes() + partial_.bytes() + mm_->bytes();
+  return tokens_.bytes() + pos_buf_.bytes() + next_.bytes() + topk_ids_.bytes() + topk_vals_.bytes() + paging_.bytes() + x_.bytes() +
+         xb_.bytes() + qkv_.bytes() + att_.bytes() + h_.bytes() + hs_.bytes() + logits_.bytes() + partial_.bytes() + mm_->bytes();
 }
 
 void CudaSession::check_tokens(const int32_t* tokens, int64_t n) const {
@@ -239,7 +244,7 @@ void CudaSession::stage(const int32_t* tokens, int64_t n) {
 }
 
 // Shapes: T tokens, D = dim, Q = n_heads · hd, KV = n_kv · hd, H = hidden, V = vocab.
-void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out) {
+void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool paged) {
   const LlamaConfig& c = dm_.config();
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
   const int64_t QKV = Q + 2 * KV;
@@ -249,7 +254,7 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out) {
   auto* pos = pos_buf_.as<int32_t>();
   float *x = x_.as<float>(), *xb = xb_.as<float>(), *qkv = qkv_.as<float>(), *att = att_.as<float>();
   float *h = h_.as<float>(), *hs = hs_.as<float>();
-  const size_t layer_kv = size_t(ctx_) * size_t(KV);  // fp16 elements of one layer's K (or V)
+  const size_t layer_kv = size_t(kv_rows_) * size_t(KV);  // fp16 elements of one layer's K (or V)
   auto* kv = kv_.as<uint16_t>();
   // Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column.
   auto matmul_cols = [&](const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld) {
@@ -259,6 +264,17 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out) {
 
   check(cudaMemcpyAsync(tok, h_tokens_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (tokens)");
   check(cudaMemcpyAsync(pos, h_pos_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (positions)");
+  // Paged: per token its cache row and its sequence's row of the block tables; the logits rows.
+  const int32_t* kv_row = nullptr;
+  KvPages pages;
+  const int32_t* out_rows = nullptr;
+  if (paged) {
+    check(cudaMemcpyAsync(paging_.get(), h_paging_.get(), paging_.bytes(), cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (block tables)");
+    const auto* base = paging_.as<int32_t>();
+    kv_row = base;
+    pages = {base + n_batch_, base + 2 * n_batch_, table_stride_, plan_.block_tokens};
+    out_rows = pages.tables + plan_.parallel * table_stride_;
+  }
   embedding(x, dm_.token_embd, tok, T, s);                            // x [T, D]
   rmsnorm(xb, x, dm_.layers[0].attn_norm, T, D, eps, s);              // xb [T, D]
   for (int64_t l = 0; l < c.n_layers; ++l) {
@@ -268,11 +284,11 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out) {
     // Attention: qkv = xb · [Wq; Wk; Wv]ᵀ (+ biases), RoPE on q and k, k and v to the cache.
     matmul_cols(w.qkv, xb, qkv, QKV);                                 // qkv [T, Q + 2KV]
     if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, s);
-    rope_store_kv(qkv, QKV, pos, T, c.n_heads, c.n_kv_heads, hd, c.rope_theta, c.rope_layout, kc, vc, s);
-    if (T == 1 && n_parts_ > 1)  // decode: flash-decoding parts, a fixed count (graph-safe)
-      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, n_parts_, part_len_, partial_.as<float>(), att, Q, s);
+    rope_store_kv(qkv, QKV, pos, kv_row, T, c.n_heads, c.n_kv_heads, hd, c.rope_theta, c.rope_layout, kc, vc, s);
+    if (T <= part_tokens_ && n_parts_ > 1)  // decode: flash-decoding parts, a fixed count (graph-safe)
+      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, n_parts_, part_len_, partial_.as<float>(), att, Q, s, pages);
     else
-      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, ctx_, nullptr, att, Q, s);  // att [T, Q]
+      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (ctx_ + 31) / 32 * 32, nullptr, att, Q, s, pages);  // att [T, Q]
     matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D]
     if (w.bo) add_bias(xb, D, w.bo, T, D, s);
     add_rmsnorm(x, xb, xb, w.ffn_norm, T, D, eps, s);                 // x += xb; xb = RMSNorm(x)
@@ -285,7 +301,12 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out) {
   }
   if (rows == 0 || out == Out::None) return;
   float* logits = logits_.as<float>();
-  matmul(*mm_, dm_.output, xb + r0 * D, logits, rows);                // logits [rows, V]
+  const float* final_rows = xb + r0 * D;
+  if (out_rows) {  // paged: the flagged tokens' rows, gathered into x (the residual is spent)
+    gather_rows(x, xb, out_rows, rows, D, s);                         // x [rows, D]
+    final_rows = x;
+  }
+  matmul(*mm_, dm_.output, final_rows, logits, rows);                 // logits [rows, V]
   if (out == Out::Greedy) {
     argmax(logits, V, next_.as<int32_t>(), s);
     check(cudaMemcpyAsync(h_next_.get(), next_.get(), 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (token)");
@@ -374,6 +395,63 @@ void CudaSession::prefill(const int32_t* tokens, int64_t n) {
   enqueue(n, 0, 0, Out::None);
   check(cudaStreamSynchronize(stream_), "prefill");
   pos_ += n;
+}
+
+const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch, int64_t T) {
+  if (plan_.parallel == 0) throw UsageError("forward_batch: this CUDA session holds one sequence (make it from plan_cuda_server)");
+  if (!m_) throw UsageError("forward_batch: a synthetic CUDA session has no host model");
+  if (tables.n_blocks() != plan_.kv_blocks || tables.block_tokens() != plan_.block_tokens)
+    throw UsageError("forward_batch: the block tables were not made for this session's cache");
+  plan_batch(*m_, tables, batch, T, n_batch_, bplan_);
+  if (bplan_.n_logits > logits_rows_)
+    throw UsageError("forward_batch: logits for " + std::to_string(bplan_.n_logits) + " tokens, the session keeps " +
+                     std::to_string(logits_rows_));
+  // Stage tokens, positions, cache rows, per-token table rows, the tables and the logits rows.
+  auto* rows = h_paging_.as<int32_t>();
+  int32_t* seq_row = rows + n_batch_;
+  int32_t* tab = seq_row + n_batch_;
+  int32_t* out = tab + plan_.parallel * table_stride_;
+  std::vector<int32_t> seqs;  // the batch's sequences in order of first appearance
+  const int64_t bt = plan_.block_tokens;
+  for (int64_t i = 0; i < T; ++i) {
+    const int32_t seq = batch[i].seq;
+    auto it = std::find(seqs.begin(), seqs.end(), seq);
+    if (it == seqs.end()) {
+      if (int64_t(seqs.size()) == plan_.parallel)
+        throw UsageError("forward_batch: more than " + std::to_string(plan_.parallel) + " sequences in one batch");
+      const std::vector<int32_t>& blocks = tables.blocks(seq);
+      if (int64_t(blocks.size()) > table_stride_)
+        throw UsageError("forward_batch: a sequence holds more than the context of " + std::to_string(ctx_) + " positions");
+      std::copy(blocks.begin(), blocks.end(), tab + int64_t(seqs.size()) * table_stride_);
+      it = seqs.insert(seqs.end(), seq);
+    }
+    const int64_t p = bplan_.pos[size_t(i)];
+    h_tokens_.as<int32_t>()[i] = batch[i].token;
+    h_pos_.as<int32_t>()[i] = int32_t(p);
+    seq_row[i] = int32_t(it - seqs.begin());
+    rows[i] = int32_t(tables.blocks(seq)[size_t(p / bt)] * bt + p % bt);
+  }
+  for (int64_t i = 0; i < bplan_.n_logits; ++i) out[i] = int32_t(bplan_.out[size_t(i)]);
+  enqueue(T, 0, bplan_.n_logits, Out::Logits, true);
+  check(cudaStreamSynchronize(stream_), "forward_batch");
+  for (const auto& [seq, end] : bplan_.ends) tables.set_length(seq, end);
+  return bplan_.n_logits ? h_logits_.as<float>() : nullptr;
+}
+
+// ---------------------------------------------------------------- CudaBatchRunner
+
+CudaBatchRunner::CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens, bool progress)
+    : m_(m), plan_(plan_cuda_server(m.config, m.file->tensors(), ctx, n_batch, parallel, kv_tokens)) {
+  dm_ = std::make_unique<CudaModel>(m, progress);
+  session_ = std::make_unique<CudaSession>(*dm_, &m, plan_);
+}
+
+KVCache CudaBatchRunner::make_cache(int64_t n_blocks, int64_t block_tokens, KvType) {
+  if (n_blocks != plan_.kv_blocks || block_tokens != plan_.block_tokens)
+    throw UsageError("CUDA: a KV cache of " + std::to_string(n_blocks) + " blocks of " + std::to_string(block_tokens) +
+                     " positions was asked for; the GPU's holds " + std::to_string(plan_.kv_blocks) + " of " +
+                     std::to_string(plan_.block_tokens));
+  return KVCache::tables_only(m_.config, n_blocks, block_tokens);
 }
 
 }  // namespace llmq::cuda

@@ -63,6 +63,9 @@ class CudaModel {
 /// One sequence on the GPU: its fp16 KV cache [n_layers, 2, ctx, KV], the activation buffers
 /// for n_batch tokens and the decode step captured as a CUDA graph (replayed for every token;
 /// LLMQ_CUDA_GRAPH=0 turns graphs off). All device memory is allocated at construction.
+/// Made from plan_cuda_server instead, the cache is a pool of paged blocks
+/// [n_layers, 2, kv_blocks · block_tokens, KV] that forward_batch runs many sequences over
+/// (continuous batching; CudaBatchRunner below).
 class CudaSession : public SessionBase {
  public:
   /// ctx, n_batch as Session (engine/mem_plan.h session_sizes); logits_rows: logits rows kept
@@ -70,6 +73,8 @@ class CudaSession : public SessionBase {
   /// null for a synthetic model, whose session has no model(). Throws CudaError when the
   /// buffers do not fit, UsageError for shapes the kernels do not take.
   CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1);
+  /// The buffers of `plan` (plan_cuda, or plan_cuda_server for a paged cache); errors as above.
+  CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& plan);
   ~CudaSession() override;
   /// Hands the session its model upload to keep (freed with the session).
   void own(std::unique_ptr<CudaModel> dm) { own_model_ = std::move(dm); }
@@ -85,6 +90,14 @@ class CudaSession : public SessionBase {
   int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
   /// Runs `tokens` [n] (n <= n_batch) without copying logits back: for measuring prefill.
   void prefill(const int32_t* tokens, int64_t n);
+  /// Continuous batching on a session made from plan_cuda_server: a batch mixing the sequences
+  /// of `tables` (a KVCache::tables_only of the plan's kv_blocks and block_tokens, whose block
+  /// tables say where each sequence's positions are in this session's cache), with
+  /// forward_batch's contract (engine/model.h): logits [n_flagged, vocab] in host memory, the
+  /// cache lengths advanced. Throws UsageError as forward_batch, and for more flagged tokens
+  /// than the plan's logits_rows, more sequences than its `parallel`, or a sequence holding
+  /// more than ctx positions; on a session of one sequence.
+  const float* forward_batch(KVCache& tables, const BatchToken* batch, int64_t T);
 
   const Model& model() const override;
   int64_t pos() const override { return pos_; }
@@ -106,14 +119,20 @@ class CudaSession : public SessionBase {
   // The forward pass of T staged tokens, enqueued on the stream: logits of rows [r0, r0 + rows)
   // (Out::Logits: copied to the host buffer; Out::Greedy: rows = 1, argmax copied back;
   // Out::TopK: rows = 1, the top_k_ candidates copied back).
-  void enqueue(int64_t T, int64_t r0, int64_t rows, Out out);
+  // Paged (forward_batch): the cache rows, block tables and logits rows staged in h_paging_.
+  void enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool paged = false);
   void run_decode(Out out);  // one staged token: the graph of this Out (captured on first use)
 
   std::unique_ptr<CudaModel> own_model_;  // set by own(); destroyed after every buffer below
   const CudaModel& dm_;
   const Model* m_;
+  CudaPlan plan_;
   int64_t ctx_, n_batch_, logits_rows_, pos_ = 0;
   int64_t part_len_ = 0, n_parts_ = 1;
+  int64_t kv_rows_ = 0;      // cache rows per layer: ctx, or the paged pool's
+  int64_t part_tokens_ = 1;  // most tokens whose decode attention is split into parts
+  int64_t table_stride_ = 0; // paged: blocks per sequence's table, ceil(ctx / block_tokens)
+  BatchPlan bplan_;          // paged: forward_batch's positions
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
   cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr, graph_topk_ = nullptr;
@@ -122,9 +141,41 @@ class CudaSession : public SessionBase {
   DeviceBuffer tokens_, pos_buf_, next_;    // [n_batch] int32 x2, [1] int32
   DeviceBuffer topk_ids_, topk_vals_;       // [kMaxTopK] int32, float
   DeviceBuffer x_, xb_, qkv_, att_, h_, hs_, logits_, partial_;
-  PinnedBuffer h_tokens_, h_pos_, h_next_, h_logits_, h_topk_ids_, h_topk_vals_;
+  DeviceBuffer paging_;  // paged: rows [n_batch], seq [n_batch], tables [parallel, table_stride], out [logits_rows] int32
+  PinnedBuffer h_tokens_, h_pos_, h_next_, h_logits_, h_topk_ids_, h_topk_vals_, h_paging_;
   std::unique_ptr<MatmulContext> mm_;
   uint64_t measured_ = 0;
+};
+
+/// llmq-server on one GPU: `parallel` sequences of up to ctx tokens over a paged fp16 KV cache
+/// (the block tables of engine/kv_cache.h on the host, the blocks on the device), each forward
+/// pass one batch of the sequences' tokens through CudaSession's kernels (continuous batching;
+/// no CUDA graph, the batch changes every step). Every buffer is allocated at construction,
+/// to the sizes of plan_cuda_server (what `llmq-mem infer --device cuda --parallel N` reports).
+class CudaBatchRunner : public BatchRunner {
+ public:
+  /// Uploads m's weights (progress on stderr when `progress`) and allocates the session.
+  /// ctx, n_batch, parallel, kv_tokens as the Scheduler's options. Throws CudaError when it does
+  /// not fit, UsageError for shapes the kernels do not take.
+  CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens = 0, bool progress = false);
+  const Model& model() const override { return m_; }
+  int64_t capacity() const override { return session_->n_batch(); }
+  /// The block tables for the device cache: n_blocks and block_tokens must be the plan's.
+  KVCache make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) override;
+  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) override {
+    return session_->forward_batch(cache, batch, n);
+  }
+  uint64_t kv_bytes(const KVCache&) const override { return session_->kv_bytes(); }
+  uint64_t workspace_bytes() const override { return session_->workspace_bytes(); }
+  const CudaPlan& plan() const { return plan_; }
+  const CudaModel& device_model() const { return *dm_; }
+  const CudaSession& session() const { return *session_; }
+
+ private:
+  const Model& m_;
+  CudaPlan plan_;
+  std::unique_ptr<CudaModel> dm_;
+  std::unique_ptr<CudaSession> session_;
 };
 
 }  // namespace llmq::cuda
