@@ -21,6 +21,17 @@ int cuda_device_count() { return 0; }
 
 const char* device_name(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 
+uint64_t cuda_free_bytes() {
+#ifdef LLMQ_HAVE_CUDA
+  if (cuda_device_count() == 0) throw UsageError("no CUDA device is present");
+  cuda::check(cudaSetDevice(0), "cudaSetDevice");
+  cuda::check(cudaFree(nullptr), "CUDA context");
+  return cuda::mem_info().free;
+#else
+  throw UsageError("this build has no CUDA backend");
+#endif
+}
+
 Device pick_device(const std::string& name) {
   if (name == "cpu") return Device::Cpu;
   if (name == "auto") return cuda_device_count() > 0 ? Device::Cuda : Device::Cpu;
@@ -32,27 +43,52 @@ Device pick_device(const std::string& name) {
   throw UsageError("--device must be cpu, cuda or auto, not '" + name + "'");
 }
 
-std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress) {
+std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress,
+                                               int64_t gpu_layers, ThreadPool* pool) {
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
+  const int64_t L = m.config.n_layers;
+  if (gpu_layers > L) throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(L) + " layers");
+  const bool partial = gpu_layers >= 0 && gpu_layers < L;
+  if (partial && !pool) throw UsageError("partial offload needs a CPU thread pool");
   cuda::check(cudaSetDevice(0), "cudaSetDevice");
   cuda::check(cudaFree(nullptr), "CUDA context");  // creates the context, so it is not counted below
   const cuda::MemInfo before = mem_info();
-  auto dm = std::make_unique<cuda::CudaModel>(m, progress);
-  auto s = std::make_unique<cuda::CudaSession>(*dm, &m, ctx, n_batch, logits_rows);
+  std::unique_ptr<cuda::CudaModel> dm;
+  std::unique_ptr<SessionBase> s;
+  const cuda::CudaModel* dmp = nullptr;
+  const cuda::CudaSession* gpu = nullptr;
+  cuda::CudaOffloadSession* off = nullptr;
+  if (partial) {
+    auto o = std::make_unique<cuda::CudaOffloadSession>(m, *pool, gpu_layers, ctx, n_batch, logits_rows, progress);
+    off = o.get(), dmp = &o->device_model(), gpu = &o->gpu();
+    s = std::move(o);
+  } else {
+    dm = std::make_unique<cuda::CudaModel>(m, progress);
+    auto c = std::make_unique<cuda::CudaSession>(*dm, &m, ctx, n_batch, logits_rows);
+    dmp = dm.get(), gpu = c.get();
+    s = std::move(c);
+  }
   const cuda::MemInfo after = mem_info();
   auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
   std::fprintf(stderr,
                "llmq: GPU 0: %s\n"
-               "llmq: GPU memory: weights %.1f MiB, KV cache %.1f MiB (f16, ctx %lld), workspace %.1f MiB (n_batch %lld); "
-               "allocated %.1f MiB, measured %.1f MiB (cudaMemGetInfo); CUDA context and other processes before loading: %.1f MiB\n",
-               cuda::device_description(0).c_str(), mib(dm->weight_bytes()), mib(s->kv_bytes()), (long long)s->ctx(),
-               mib(s->workspace_bytes()), (long long)s->n_batch(), mib(dm->weight_bytes() + s->state_bytes()),
-               mib(before.free - after.free), mib(before.total - before.free));
-  s->own(std::move(dm));
+               "llmq: GPU memory: weights %.1f MiB (%lld of %lld layers), KV cache %.1f MiB (f16, ctx %lld), workspace %.1f MiB "
+               "(n_batch %lld); allocated %.1f MiB, measured %.1f MiB (cudaMemGetInfo); CUDA context and other processes before "
+               "loading: %.1f MiB\n",
+               cuda::device_description(0).c_str(), mib(dmp->weight_bytes()), (long long)(L - dmp->first_layer()), (long long)L,
+               mib(gpu->kv_bytes()), (long long)gpu->ctx(), mib(gpu->workspace_bytes()), (long long)gpu->n_batch(),
+               mib(dmp->weight_bytes() + gpu->state_bytes()), mib(before.free - after.free), mib(before.total - before.free));
+  if (off)
+    std::fprintf(stderr,
+                 "llmq: CPU part (partial offload): layers 0-%lld on %d threads, their weights in the mapped file (%.1f MiB repacked), "
+                 "KV cache %.1f MiB (f32), workspace %.1f MiB\n",
+                 (long long)(off->cpu_layers() - 1), pool->size(), mib(m.packed.bytes()), mib(off->host_kv_bytes()),
+                 mib(off->host_workspace_bytes()));
+  if (dm) static_cast<cuda::CudaSession&>(*s).own(std::move(dm));
   return s;
 #else
-  (void)m, (void)ctx, (void)n_batch, (void)logits_rows, (void)progress;
+  (void)m, (void)ctx, (void)n_batch, (void)logits_rows, (void)progress, (void)gpu_layers, (void)pool;
   throw UsageError("this build has no CUDA backend");
 #endif
 }

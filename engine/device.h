@@ -20,15 +20,22 @@ int cuda_device_count();
 /// (the message says which), and for any other name.
 Device pick_device(const std::string& name);
 const char* device_name(Device d);  ///< "cpu" | "cuda"
+/// Free memory of GPU 0 in bytes after creating the CUDA context there (cudaMemGetInfo), for
+/// planning (--gpu-layers auto). Throws UsageError without the CUDA backend or a GPU.
+uint64_t cuda_free_bytes();
 
 /// The model's weights uploaded to GPU 0 and one sequence there (engine/cuda/session.h), as
 /// one session object that owns both. ctx, n_batch, logits_rows as Session. Prints the device
 /// and its memory at load on stderr: weights, KV cache, workspace, each as allocated, and
 /// the device memory the load took, measured (cudaMemGetInfo before and after), beside the
-/// CUDA context's own (measured before loading). Throws UsageError in a build without CUDA,
-/// CudaError (a std::runtime_error) when the model does not fit.
+/// CUDA context's own (measured before loading). gpu_layers in [0, n_layers) (partial offload,
+/// llama.cpp's -ngl): only the last gpu_layers layers and the output go to the GPU, the CPU
+/// runs the others on `pool` (cuda::CudaOffloadSession; load m with pack_layers = n_layers -
+/// gpu_layers); < 0 or n_layers: the whole model on the GPU. Throws UsageError in a build
+/// without CUDA, for gpu_layers > n_layers, or for partial offload without a pool; CudaError (a
+/// std::runtime_error) when the model does not fit.
 std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1,
-                                               bool progress = true);
+                                               bool progress = true, int64_t gpu_layers = -1, ThreadPool* pool = nullptr);
 
 /// llmq-server's forward passes on GPU 0 (cuda::CudaBatchRunner): the weights uploaded and a
 /// paged KV cache for `parallel` sequences of up to ctx tokens (kv_tokens as SchedulerOptions).

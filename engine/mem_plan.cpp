@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include "engine/model.h"
 #include "formats/error.h"
@@ -120,23 +121,33 @@ int64_t server_kv_tokens(int64_t ctx, int64_t parallel, int64_t kv_tokens) {
   return std::max(want, ctx);
 }
 
+uint64_t model_packed_bytes(const std::vector<TensorInfo>& tensors, int64_t n_layers, int64_t gpu_layers, int tp, uint64_t* from_file) {
+  const bool has_output =
+      std::any_of(tensors.begin(), tensors.end(), [](const TensorInfo& t) { return t.name == "output.weight"; });
+  const int64_t cpu_layers = n_layers - std::clamp<int64_t>(gpu_layers, 0, n_layers);
+  std::set<std::string> names;  // the matrices Model::load packs (engine/model.cpp)
+  for (int64_t l = 0; l < cpu_layers; ++l)
+    for (const char* what : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
+      if (tp <= 1 || (std::string(what) != "attn_output" && std::string(what) != "ffn_down")) names.insert(llama_layer_tensor(l, what));
+  if (gpu_layers <= 0) names.insert(has_output ? "output.weight" : "token_embd.weight");
+  uint64_t bytes = 0, file = 0;
+  for (const auto& t : tensors) {
+    if (t.shape.size() != 2 || !names.count(t.name)) continue;
+    const Weight w{t.type, nullptr, t.shape[0], t.shape[1]};
+    const uint64_t n = packed_weights_bytes({&w});
+    if (n > 0) bytes += n, file += t.nbytes;
+  }
+  if (from_file) *from_file = file;
+  return bytes;
+}
+
 InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t ctx, int64_t n_batch, int threads,
                              int64_t parallel, bool server, int64_t kv_tokens) {
   if (parallel < 1) throw UsageError("--parallel must be at least 1");
   InferencePlan p;
   for (const auto& t : file.tensors()) p.weight_bytes += t.nbytes;
   p.file_bytes = file.file_size();
-  // The matrices Model::load packs: every layer matrix, and the output (the embedding if tied).
-  const bool has_output = std::any_of(file.tensors().begin(), file.tensors().end(),
-                                      [](const TensorInfo& t) { return t.name == "output.weight"; });
-  for (const auto& t : file.tensors()) {
-    const bool mat = t.shape.size() == 2 && (t.name.rfind("blk.", 0) == 0 || t.name == "output.weight" ||
-                                             (!has_output && t.name == "token_embd.weight"));
-    if (!mat) continue;
-    const Weight w{t.type, nullptr, t.shape[0], t.shape[1]};
-    const uint64_t n = packed_weights_bytes({&w});
-    if (n > 0) p.packed_bytes += n, p.packed_from_file += t.nbytes;
-  }
+  p.packed_bytes = model_packed_bytes(file.tensors(), c.n_layers, 0, 1, &p.packed_from_file);
   p.parallel = parallel;
   if (parallel == 1 && !server) {  // llmq-run: one Session
     const SessionSizes s = session_sizes(c, ctx, n_batch);
@@ -196,7 +207,7 @@ CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& 
   p.decode_part_len = p.decode_parts == 1 ? (p.ctx + 31) / 32 * 32 : kCudaDecodePartTokens;
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
   const uint64_t T = uint64_t(p.n_batch);
-  p.kv = uint64_t(c.n_layers) * 2 * uint64_t(p.kv_rows) * uint64_t(KV) * 2;
+  p.kv = uint64_t(c.n_layers - p.first_layer) * 2 * uint64_t(p.kv_rows) * uint64_t(KV) * 2;
   p.tokens = T * 4, p.top_k = uint64_t(kCudaMaxTopK) * 4;
   p.io = 2 * p.tokens + 4 + 2 * p.top_k;
   if (p.parallel > 0)
@@ -231,9 +242,10 @@ CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& 
     return same ? al(sum) : apart;
   };
   const uint64_t vec = al(uint64_t(D) * 4);
-  p.weights = al(find("token_embd.weight").nbytes) + vec;  // + output_norm
+  p.weights = vec;  // output_norm
+  if (p.first_layer == 0 || c.tied_embeddings) p.weights += al(find("token_embd.weight").nbytes);
   if (!c.tied_embeddings) p.weights += al(find("output.weight").nbytes);
-  for (int64_t i = 0; i < c.n_layers; ++i) {
+  for (int64_t i = p.first_layer; i < c.n_layers; ++i) {
     p.weights += 2 * vec;  // attn_norm, ffn_norm
     p.weights += stacked({llama_layer_tensor(i, "attn_q"), llama_layer_tensor(i, "attn_k"), llama_layer_tensor(i, "attn_v")});
     p.weights += stacked({llama_layer_tensor(i, "ffn_gate"), llama_layer_tensor(i, "ffn_up")});
@@ -246,9 +258,13 @@ CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& 
 
 }  // namespace
 
-CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows) {
+CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows,
+                   int64_t gpu_layers) {
+  if (gpu_layers > c.n_layers)
+    throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(c.n_layers) + " layers");
   const SessionSizes sz = session_sizes(c, ctx, n_batch, logits_rows);
   CudaPlan p;
+  p.first_layer = gpu_layers < 0 ? 0 : c.n_layers - gpu_layers;
   p.ctx = p.kv_rows = sz.ctx, p.n_batch = sz.n_batch, p.logits_rows = std::min(sz.logits_rows, sz.n_batch);
   return plan_cuda_buffers(c, tensors, p);
 }

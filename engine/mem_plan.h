@@ -123,6 +123,14 @@ SessionSizes session_sizes(const LlamaConfig& c, int64_t ctx, int64_t n_batch, i
 /// 2048)); never less than ctx.
 int64_t server_kv_tokens(int64_t ctx, int64_t parallel, int64_t kv_tokens);
 
+/// Bytes Model::load(..., gpu_layers, tp) packs for the active CPU kernels (Model::packed) from a
+/// tensor directory: every layer matrix of the layers the CPU runs (all but the last gpu_layers)
+/// except, with tp > 1, the attention output and FFN down (each rank packs its own column slice
+/// of those: shard_packed_bytes), and the output (the embedding when tied) unless gpu_layers > 0.
+/// *from_file: the file bytes of those matrices (their pages are released after packing).
+uint64_t model_packed_bytes(const std::vector<TensorInfo>& tensors, int64_t n_layers, int64_t gpu_layers = 0, int tp = 1,
+                            uint64_t* from_file = nullptr);
+
 /// The plan of llmq-run (parallel = 1: a Session of `ctx` tokens) or llmq-server (parallel > 1,
 /// or server = true: a Scheduler with `parallel` sequences of up to `ctx` tokens, a KV cache of
 /// server_kv_tokens(ctx, parallel, kv_tokens) tokens and a workspace of max(n_batch, parallel)
@@ -136,11 +144,12 @@ InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t
 struct CudaPlan {
   int64_t ctx = 0, n_batch = 0, logits_rows = 0;
   int64_t parallel = 0;      ///< 0: one sequence; else the most sequences of a paged cache
+  int64_t first_layer = 0;   ///< partial offload: the GPU holds layers first_layer .. n_layers-1 (the CPU the rest)
   int64_t kv_rows = 0;       ///< KV-cache positions per layer: ctx, or paged kv_blocks x block_tokens
   int64_t kv_blocks = 0, block_tokens = 0;  ///< paged: the cache's blocks (KVCache::tables_only)
   int64_t decode_parts = 1, decode_part_len = 0;  ///< decode attention: parts of part_len positions
   uint64_t weights = 0;      ///< every tensor, Q/K/V and gate/up stacked when of one type, each 256-byte aligned
-  uint64_t kv = 0;           ///< fp16 [n_layers, 2, kv_rows, kv_dim]
+  uint64_t kv = 0;           ///< fp16 [n_layers - first_layer, 2, kv_rows, kv_dim]
   uint64_t tokens = 0;       ///< token ids, and again positions: [n_batch] int32 each
   uint64_t top_k = 0;        ///< top-k candidate ids, and again their logits: [kCudaMaxTopK] x 4 B each
   uint64_t io = 0;           ///< 2 tokens + the sampled id (4 B) + 2 top_k
@@ -157,9 +166,12 @@ struct CudaPlan {
 /// Q/K/V, stacked gate/up, or dim (plan_cuda_matmul's max_rows).
 int64_t cuda_matmul_max_rows(const LlamaConfig& c);
 /// The plan of a CUDA session on the model whose tensor directory is `tensors` (empty: weights
-/// left 0): ctx, n_batch, logits_rows as session_sizes (logits_rows at most n_batch). Throws
-/// UsageError when a tensor of the Llama table is missing.
-CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1);
+/// left 0): ctx, n_batch, logits_rows as session_sizes (logits_rows at most n_batch); gpu_layers
+/// (partial offload, < 0: all) the last layers on the GPU, whose weights (plus the output, and
+/// the embedding only when all layers are there or it is tied) and KV cache it holds. Throws
+/// UsageError when a tensor of the Llama table is missing, or gpu_layers > n_layers.
+CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1,
+                   int64_t gpu_layers = -1);
 /// The plan of llmq-server on a GPU (cuda::CudaBatchRunner): `parallel` sequences of up to ctx
 /// tokens over a paged cache of server_kv_tokens(ctx, parallel, kv_tokens) tokens in blocks of
 /// kKvBlockTokens, forward passes of max(n_batch, parallel) tokens with logits for up to

@@ -12,7 +12,7 @@ namespace llmq {
 
 // ---------------------------------------------------------------- loading
 
-std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack) {
+std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack, int64_t gpu_layers, int tp) {
   auto model = std::make_unique<Model>();
   model->file = LlmqFile::open(path, verify);
   const LlmqFile& f = *model->file;
@@ -76,9 +76,13 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
   // (the embedding rows are still read from the file: a tied output is packed separately).
   if (!pack) return model;
   std::vector<Weight*> mats;
-  for (LayerWeights& l : model->layers)
-    for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) mats.push_back(w);
-  mats.push_back(&model->output);
+  const int64_t n_pack = c.n_layers - std::clamp<int64_t>(gpu_layers, 0, c.n_layers);
+  for (int64_t i = 0; i < n_pack; ++i) {
+    LayerWeights& l = model->layers[size_t(i)];
+    for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.w_gate, &l.w_up}) mats.push_back(w);
+    if (tp <= 1) mats.push_back(&l.wo), mats.push_back(&l.w_down);
+  }
+  if (gpu_layers <= 0) mats.push_back(&model->output);
   model->packed = pack_weights(mats);
   for (const Weight* w : mats)
     if (w->packed) f.release(w->data, uint64_t(w->rows) * w->row_stride());
@@ -191,7 +195,7 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
 // Shapes in comments: T batch tokens, D = dim, Q = this rank's query width (its heads x hd),
 // KV = its KV width, H = its FFN width, V = vocab. With one rank these are the model's widths.
 const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
-                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan) {
+                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end) {
   const LlamaConfig& c = m.config;
   const ShardRanges R = shard ? shard->ranges : ShardRanges::whole(c);
   const std::vector<LayerWeights>& layers = shard ? shard->layers : m.layers;
@@ -233,12 +237,14 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     for (int64_t t = t0; t < t1; ++t) rope_angles(angles + t * hd, hd, pos[t], c.rope_theta);
   });
 
-  for (int64_t l = 0; l < c.n_layers; ++l) {
+  const bool hidden_only = layer_end >= 0;  // partial offload: stop after layer_end layers
+  const int64_t n_layers = hidden_only ? std::min(layer_end, c.n_layers) : c.n_layers;
+  for (int64_t l = 0; l < n_layers; ++l) {
     const LayerWeights& w = layers[size_t(l)];
     // Every layer writes K and V of all T tokens, but only the flagged tokens' hidden states
     // reach the logits: the last layer computes its queries, attention and FFN for those To
     // tokens alone (as llama.cpp does), row i standing for batch token tok(i).
-    const bool last = l + 1 == c.n_layers;
+    const bool last = !hidden_only && l + 1 == c.n_layers;
     const int64_t To = last ? n_logits : T;
     auto tok = [&](int64_t i) { return last ? plan.out[size_t(i)] : i; };
 
@@ -405,6 +411,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     });
   }
 
+  if (hidden_only) return x;  // partial offload: the residual stream [T, D] for the GPU's layers
   // Final norm and the output projection for the flagged tokens only (the last layer left their
   // rows at the front of x).
   if (n_logits == 0) return nullptr;

@@ -53,8 +53,13 @@ struct Model {
   /// tensor of the Llama table (models/llama.h), checking names, shapes and that 1-D tensors
   /// are F32.
   /// Throws FileError for any fault (the message names the file).
-  /// pack = false leaves the matrices unpacked (a model whose weights go to a GPU).
-  static std::unique_ptr<Model> load(const std::string& path, bool verify = true, bool pack = true);
+  /// pack = false leaves the matrices unpacked (a model whose weights go to a GPU);
+  /// gpu_layers > 0 leaves the last gpu_layers layers and the output unpacked (partial offload:
+  /// a GPU runs them, the CPU the layers before); tp > 1 leaves the attention output and FFN
+  /// down unpacked (tensor parallelism: each rank packs its own column slice of them, so the
+  /// model's panels would go unused). model_packed_bytes (engine/mem_plan.h) predicts the bytes.
+  static std::unique_ptr<Model> load(const std::string& path, bool verify = true, bool pack = true, int64_t gpu_layers = 0,
+                                     int tp = 1);
   /// Bytes of weights in the file (all tensors).
   uint64_t weight_bytes() const;
   /// The type holding most 2-D weights, e.g. "q8_0" (for reports).
@@ -144,7 +149,7 @@ class Workspace {
  private:
   friend const float* forward_batch(const Model&, KVCache&, Workspace&, ThreadPool&, const BatchToken*, int64_t);
   friend const float* forward_shard(const Model&, const ModelShard*, KVCache&, Workspace&, ThreadPool&, Communicator*,
-                                    const BatchToken*, int64_t, const BatchPlan&);
+                                    const BatchToken*, int64_t, const BatchPlan&, int64_t);
   int64_t cap_;
   std::vector<float> x_, xb_, q_, k_, v_, att_out_, h1_, h2_;  // [capacity, ...] (local widths)
   BatchPlan plan_;                           // forward_batch's plan (reused)
@@ -177,9 +182,11 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
 /// shard == nullptr (and comm == nullptr) is the whole model on one rank: forward_batch.
 /// Does not advance the cache lengths (the caller sets plan.ends once all ranks are done).
 /// Returns logits [plan.n_logits, vocab] on rank 0 (nullptr when none are flagged), nullptr on
-/// the other ranks.
+/// the other ranks. layer_end >= 0 (partial offload, one rank): runs layers 0 .. layer_end-1
+/// only and returns the residual stream x [T, dim] after them (all T tokens), which a GPU's
+/// layers take on from (cuda::CudaOffloadSession); the cache needs only those layers.
 const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
-                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan);
+                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end = -1);
 
 class TensorParallel;  // engine/tp.h
 class Sampler;         // engine/sampler.h

@@ -173,10 +173,9 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
       if (!w->packed) unpacked.push_back(w);
   if (!s.output.packed) unpacked.push_back(&s.output);
   s.packed = pack_weights(unpacked);
-  if (s.packed.bytes() > 0)  // copying the columns read the model's released pages back in
+  if (all.size() > 1)  // the ranks hold copies: the mapping's pages of these matrices (read back in by the copy) go
     for (const LayerWeights& w : m.layers)
-      for (const Weight* src : {&w.wo, &w.w_down})
-        if (src->packed) m.file->release(src->data, uint64_t(src->rows) * src->row_stride());
+      for (const Weight* src : {&w.wo, &w.w_down}) m.file->release(src->data, uint64_t(src->rows) * src->row_stride());
   return s;
 }
 

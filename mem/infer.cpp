@@ -67,22 +67,24 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
 // every device buffer of the backend, from the plan it allocates from (engine/mem_plan.h
 // plan_cuda, plan_cuda_server); the CUDA context is measured at load, not predicted here.
 void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, bool server) {
+  if (server && o.gpu_layers >= 0) throw UsageError("--gpu-layers: partial offload is llmq-run's (one sequence), not llmq-server's yet");
   const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens)
-                            : plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1);
+                            : plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1, o.gpu_layers);
   const int64_t hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd;
   r.device = "cuda (GPU 0)";
   r.title = server ? fmt::format("{}: llmq-server --device cuda, parallel {}, ctx {}, batch {}", f.path(), p.parallel, p.ctx, p.n_batch)
                    : fmt::format("{}: llmq-run --device cuda, ctx {}, batch {}", f.path(), p.ctx, p.n_batch);
+  const std::string layers = p.first_layer ? fmt::format("layers {}-{} and the output of", p.first_layer, c.n_layers - 1) : "Σ bytes of";
   r.lines.push_back({"weights", double(p.weights),
-                     fmt::format("Σ bytes of {} tensors ({}), rearranged into quants / scales arrays (none added); each tensor, or "
+                     fmt::format("{} {} tensors ({}), rearranged into quants / scales arrays (none added); each tensor, or "
                                  "Q/K/V and gate/up stacked when of one type, 256-byte aligned",
-                                 f.tensors().size(), type_mix(f.tensors())),
+                                 layers, f.tensors().size(), type_mix(f.tensors())),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"KV cache", double(p.kv),
                      server ? fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} blocks of {} tokens (paged, shared by {} "
                                           "sequences)",
                                           c.n_layers, c.kv_dim(), p.kv_blocks, p.block_tokens, p.parallel)
-                            : fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} tokens", c.n_layers, c.kv_dim(), p.ctx),
+                            : fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} tokens", c.n_layers - p.first_layer, c.kv_dim(), p.ctx),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"workspace: activations", double(p.activations),
                      fmt::format("{} tokens x (2 x {} x, xb + {} qkv + {} att + 3 x {} h, hs) x 4 B", p.n_batch, c.dim, Q + 2 * KV, Q,
@@ -110,6 +112,23 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const
                      Place::GpuOther, Basis::NotMeasured});
   r.notes.push_back("exact: CudaModel and CudaSession allocate these sizes (tests/test_cuda.cpp checks); cudaMalloc rounds each "
                     "allocation up (2 MiB pages for large ones), which the measured line printed at load includes");
+  if (p.first_layer > 0) {  // partial offload: the CPU's part (CudaOffloadSession), in host memory
+    LlamaConfig ck = c;
+    ck.n_layers = p.first_layer;
+    const SessionSizes sz = session_sizes(c, o.ctx, o.n_batch, 1);
+    const KVPlan kv = plan_kv(ck, sz.ctx);
+    const WorkspacePlan ws =
+        plan_workspace(c, llama_matmuls(c, f.tensors(), sz.n_batch, 1), sz.n_batch, sz.ctx, 1, resolve_threads(o.threads));
+    r.lines.push_back({"CPU: KV cache (partial offload)", double(kv.bytes()),
+                       fmt::format("2 (K,V) x {} layers x {} kv_dim x 4 B (f32) x {} tokens", ck.n_layers, c.kv_dim(), kv.tokens()), kPlan,
+                       Place::Cpu, Basis::Exact});
+    r.lines.push_back({"CPU: workspace (partial offload)", double(ws.bytes()),
+                       fmt::format("the CPU engine's workspace for {} tokens, {} threads", sz.n_batch, ws.threads), kPlan, Place::Cpu,
+                       Basis::Exact});
+    r.notes.push_back(fmt::format("partial offload: layers 0-{} run on the CPU from the mapped file ({} of it), their matrices "
+                                  "repacked for the CPU kernels at load; the GPU takes the residual stream after them",
+                                  p.first_layer - 1, format_bytes(double(f.file_size()))));
+  }
 }
 
 // llmq-run/llmq-server --tp N on the CPU: per rank, the weights of its slices, its pool of the
@@ -152,11 +171,14 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, con
     per_rank.push_back(
         {{"rank", R.rank}, {"weights", w}, {"packed", packed}, {"kv_cache", kv}, {"workspace", ws}, {"threads", threads}});
   }
-  if (p.packed_bytes > 0)
-    r.lines.push_back({"weights repacked for the CPU kernels (shared)", double(p.packed_bytes),
-                       fmt::format("{} kernels' 16-row panels of the whole model's matrices, one allocation the ranks' row slices "
-                                   "point into (Model::load); their {} in the mapping are released",
-                                   cpu_kernels_name(), format_bytes(double(p.packed_from_file))),
+  uint64_t shared_from = 0;
+  const uint64_t shared = model_packed_bytes(f.tensors(), c.n_layers, 0, o.tp, &shared_from);
+  if (shared > 0)
+    r.lines.push_back({"weights repacked for the CPU kernels (shared)", double(shared),
+                       fmt::format("{} kernels' 16-row panels of the whole model's column-parallel matrices (not attn_output, "
+                                   "ffn_down: each rank packs its columns of those), one allocation the ranks' row slices "
+                                   "point into (Model::load with tp {}); their {} in the mapping are released",
+                                   cpu_kernels_name(), o.tp, format_bytes(double(shared_from))),
                        kPlan, Place::Device, Basis::Exact});
   r.extra["ranks"] = per_rank;
   r.notes.push_back("weights per rank are what its tensors point at or own (TensorParallel, engine/tp.h); the ranks are threads of "
@@ -268,6 +290,18 @@ FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o,
   return FitResult{opt, pl, double(pl.total()) <= budget};
 }
 
+int64_t fit_gpu_layers(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, double gpu_budget) {
+  auto fits = [&](int64_t n) { return double(plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1, n).total()) <= gpu_budget; };
+  if (!fits(0)) return -1;
+  int64_t lo = 0, hi = c.n_layers;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 nlohmann::json fit_json(const FitResult& r, double budget) {
   const InferencePlan& p = r.plan;
   return {{"fits", r.fits},
@@ -282,7 +316,7 @@ nlohmann::json fit_json(const FitResult& r, double budget) {
           {"kv_cache", p.kv.bytes()},
           {"workspace", p.ws.bytes()},
           {"total", p.total()},
-          {"gpu_layers", "n/a (no GPU backend yet: every layer runs on the CPU)"}};
+          {"gpu_layers", "n/a (CPU plan: every layer on the CPU; with --device cuda --fit plans GPU layers)"}};
 }
 
 double parse_size(const std::string& text) {

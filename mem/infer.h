@@ -21,6 +21,7 @@ struct InferOptions {
   std::string kv_type = "f32";  ///< f32 | bf16 (CPU engine, --kv-type) | f16 (planned CUDA backend)
   std::string device = "cpu";   ///< cpu | cuda
   int tp = 1;                   ///< tensor-parallel ranks (cpu: the engine's shards, engine/tp.h; cuda: Megatron estimate)
+  int64_t gpu_layers = -1;      ///< cuda, llmq-run: the last N layers on the GPU, the rest on the CPU (-1: all)
   std::optional<double> budget; ///< bytes available
 };
 
@@ -52,8 +53,14 @@ struct FitResult {
 };
 FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel);
 
+/// --fit with --device cuda (llmq-run --gpu-layers auto): the most layers N in [0, n_layers] whose
+/// GPU plan (plan_cuda with gpu_layers N, the CUDA context not included) fits `gpu_budget` bytes,
+/// for o's ctx and n_batch; -1 when not even the output alone fits. Monotone in N: a binary
+/// search.
+int64_t fit_gpu_layers(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, double gpu_budget);
+
 /// The fit as JSON: {"fits", "budget", "ctx", "parallel", "kv_tokens", "n_batch", "threads",
-/// "total", "weights", "kv_cache", "workspace", "gpu_layers": "n/a (no GPU backend yet)"}.
+/// "total", "weights", "kv_cache", "workspace", "gpu_layers": "n/a (CPU plan ...)"}.
 nlohmann::json fit_json(const FitResult& r, double budget);
 
 /// "8GiB", "512 MiB", "80GB", "1.5G" (G = GiB), or plain bytes. Throws UsageError.

@@ -518,7 +518,7 @@ int main(int argc, char** argv) {
     // Load in the background: /health answers 503 until the model is ready.
     std::thread loader([&] {
       try {
-        st->model = Model::load(model_path, !no_verify, /*pack=*/!gpu);
+        st->model = Model::load(model_path, !no_verify, /*pack=*/!gpu, /*gpu_layers=*/0, tp);
         // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
         // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());

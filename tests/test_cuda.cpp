@@ -65,6 +65,13 @@ TEST_CASE("llmq-run and llmq-server --device cuda without a GPU fail clearly, au
   INFO(err);
   CHECK(err.find("--device cuda") != std::string::npos);
   CHECK(test::run(test::bin("llmq-run") + " -m " + model + " -p 'Once' -n 4 --temp 0 --device auto > /dev/null 2>&1") == 0);
+  CHECK(test::run(test::bin("llmq-run") + " -m " + model + " -p 'Once' -n 4 --gpu-layers 2 > /dev/null 2> " + dir + "/ngl.txt") != 0);
+  {
+    std::ifstream nin(dir + "/ngl.txt");
+    const std::string nerr((std::istreambuf_iterator<char>(nin)), std::istreambuf_iterator<char>());
+    INFO(nerr);
+    CHECK(nerr.find("--gpu-layers needs --device cuda") != std::string::npos);
+  }
   // llmq-server checks the device before it listens or loads.
   CHECK(test::run(test::bin("llmq-server") + " -m " + model + " --port 0 --device cuda > /dev/null 2> " + dir + "/server.txt") != 0);
   std::ifstream sin(dir + "/server.txt");
@@ -513,23 +520,36 @@ namespace {
 // 64 tokens for the float types; for the block types each step's argmax must agree in at least
 // 60 of 64 steps (near-ties may flip). decode_greedy (argmax on the GPU, graph replayed) must
 // give the GPU's own forward-and-argmax tokens exactly.
-void compare_model(const std::string& path, int64_t n_batch = 512) {
-  auto m = Model::load(path);
+// gpu_layers >= 0 and < n_layers: partial offload (CudaOffloadSession, the first layers on the
+// CPU); the model is loaded as llmq-run loads it for that.
+void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_layers = -1) {
+  auto probe = Model::load(path, false, false);
+  const bool partial = gpu_layers >= 0 && gpu_layers < probe->config.n_layers;
+  probe.reset();
+  auto m = partial ? Model::load(path, true, true, gpu_layers) : Model::load(path);
   const bool block = dtype_info(dtype_from_name(m->weight_type())).block > 1;
   const double bound = block ? 5e-2 : 1e-2;
   ThreadPool pool(2);
   std::vector<int32_t> prompt = m->tokenizer->encode("Once upon a time, there was a little girl who", true);
   const int64_t n = int64_t(prompt.size()), V = m->config.vocab_size;
   Session cpu(*m, pool, 256, 512, n);
-  cuda::CudaModel dm(*m);
-  cuda::CudaSession gpu(dm, m.get(), 256, n_batch, n);
+  std::unique_ptr<cuda::CudaModel> dm;
+  std::unique_ptr<SessionBase> gpu_ptr;
+  if (partial) {
+    gpu_ptr = std::make_unique<cuda::CudaOffloadSession>(*m, pool, gpu_layers, 256, n_batch, n);
+  } else {
+    dm = std::make_unique<cuda::CudaModel>(*m);
+    gpu_ptr = std::make_unique<cuda::CudaSession>(*dm, m.get(), 256, n_batch, n);
+  }
+  SessionBase& gpu = *gpu_ptr;
   const bool all = n <= n_batch;
   const int64_t rows = all ? n : 1;
   const float* lc = cpu.forward(prompt.data(), n, all);
   std::vector<float> ref(lc, lc + rows * V);
   const float* lg = gpu.forward(prompt.data(), n, all);
   const double err = rel_err(lg, ref.data(), ref.size());
-  INFO(path << " (" << m->weight_type() << "), GPU n_batch " << n_batch << ": prompt logits rel err " << err << ", bound " << bound);
+  INFO(path << " (" << m->weight_type() << "), GPU n_batch " << n_batch << ", gpu_layers " << gpu_layers << ": prompt logits rel err "
+            << err << ", bound " << bound);
   CHECK(err < bound);
   int32_t t = Sampler::argmax(ref.data() + (rows - 1) * V, V);
   int agree = Sampler::argmax(lg + (rows - 1) * V, V) == t;
@@ -547,7 +567,8 @@ void compare_model(const std::string& path, int64_t n_batch = 512) {
   INFO("decode logits worst rel err " << worst << ", argmax agreed in " << agree << " of 64 steps");
   CHECK(worst < bound);
   CHECK(agree >= (block ? 60 : 64));
-  // The GPU on its own from the prompt: forward + argmax on the host, then decode_greedy.
+  // The GPU on its own from the prompt: forward + argmax on the host, then greedy sampling
+  // through forward_sample (CudaSession: decode_greedy, argmax on the GPU, graph replayed).
   gpu.reset();
   const float* l = gpu.forward(prompt.data(), n);
   std::vector<int32_t> seq_g = {Sampler::argmax(l, V)};
@@ -557,8 +578,11 @@ void compare_model(const std::string& path, int64_t n_batch = 512) {
   }
   if (!block) CHECK(seq_g == seq_c);
   gpu.truncate(n);
+  SamplerParams greedy;
+  greedy.temperature = 0;
+  Sampler sampler(greedy);
   std::vector<int32_t> seq_d = {seq_g[0]};
-  for (int i = 1; i < 64; ++i) seq_d.push_back(gpu.decode_greedy(seq_d.back()));
+  for (int i = 1; i < 64; ++i) seq_d.push_back(gpu.forward_sample(&seq_d.back(), 1, sampler, seq_d));
   CHECK(seq_d == seq_g);
 }
 
@@ -573,6 +597,29 @@ TEST_CASE("CUDA whole model: stories260K logits and 64 greedy tokens equal the C
 #endif
     compare_model(test::stories(type), 8);  // the prompt through the GEMV path (chunks of 8)
   }
+}
+
+// Partial offload (llmq-run --gpu-layers N): the first layers on the CPU, the rest and the
+// output on the GPU, against the CPU alone with compare_model's bounds; -ngl 0 leaves the GPU
+// only the output. The GPU part allocates what plan_cuda(..., gpu_layers) says.
+TEST_CASE("CUDA partial offload: CPU layers then GPU layers give the CPU's logits and tokens", "[cuda][model]") {
+  if (!have_gpu()) return;
+  compare_model(test::stories("f32"), 512, 0);
+  compare_model(test::stories("f32"), 512, 4);
+  compare_model(test::stories("q8_0"), 512, 2);
+  compare_model(test::stories("f32"), 8, 3);  // prompts in chunks: CPU layers, then GPU prefill, per chunk
+  auto m = Model::load(test::stories("q4_0"), true, true, 3);
+  ThreadPool pool(2);
+  cuda::CudaOffloadSession s(*m, pool, 3, 200, 64);
+  const CudaPlan p = plan_cuda(m->config, m->file->tensors(), 200, 64, 1, 3);
+  CHECK(p.first_layer == 2);
+  CHECK(s.device_model().weight_bytes() == p.weights);
+  CHECK(s.gpu().kv_bytes() == p.kv);
+  CHECK(s.gpu().workspace_bytes() == p.workspace());
+  CHECK(s.host_kv_bytes() == plan_kv(m->config, 200).bytes() * 2 / 5);  // 2 of 5 layers on the CPU
+  CHECK(p.weights < plan_cuda(m->config, m->file->tensors(), 200, 64).weights);
+  CHECK_THROWS_AS(cuda::CudaOffloadSession(*m, pool, 5, 200), UsageError);  // all layers: CudaSession
+  CHECK_THROWS_AS(plan_cuda(m->config, m->file->tensors(), 200, 64, 1, 6), UsageError);
 }
 
 TEST_CASE("CUDA graphs replay the decode step exactly", "[cuda]") {

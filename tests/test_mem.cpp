@@ -434,6 +434,25 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
                                                "workspace: token ids, positions, top-k", "workspace: block tables",
                                                "cuBLAS workspace"})));
   CHECK(sp.matmul.tile_rows == 512);  // the largest matrix (the 512-row output), not 64 MiB
+  // Partial offload (llmq-run --gpu-layers N): the GPU's share shrinks with N, the CPU's lines
+  // appear; --fit picks the most layers within a GPU budget.
+  o.parallel = 1, o.gpu_layers = 2;
+  const MemReport po = infer_report(path, o);
+  const CudaPlan pp = plan_cuda(file_config(*f), f->tensors(), 256, 512, 1, 2);
+  CHECK(pp.first_layer == 3);
+  CHECK(lines_sum(po, {"KV cache"}) == 2.0 * 2 * 4 * 8 * 2 * 256);
+  CHECK(lines_sum(po, {"CPU: KV cache (partial offload)"}) == 2.0 * 3 * 4 * 8 * 4 * 256);
+  CHECK(lines_sum(po, {"weights"}) == double(pp.weights));
+  uint64_t prev = 0;
+  for (int64_t n = 0; n <= 5; ++n) {
+    const uint64_t t = plan_cuda(file_config(*f), f->tensors(), 256, 8, 1, n).total();
+    CHECK(t > prev);  // monotone: fit_gpu_layers' binary search relies on it
+    o.gpu_layers = -1, o.n_batch = 8;
+    CHECK(fit_gpu_layers(*f, file_config(*f), o, double(t)) == n);
+    CHECK(fit_gpu_layers(*f, file_config(*f), o, double(t) - 1) == n - 1);
+    prev = t;
+  }
+  o.n_batch = 512;
   InferOptions cpu_f16;
   cpu_f16.kv_type = "f16";
   CHECK_THROWS_AS(infer_report(path, cpu_f16), UsageError);

@@ -417,8 +417,8 @@ TEST_CASE("TP with attention biases: q/k/v biases sliced with their rows, the ou
 
 TEST_CASE("TP: llmq-mem infer --tp reports each rank's weights, KV cache and workspace as allocated", "[tp][mem]") {
   for (const std::string& path : {test::stories("f32"), test::stories("q8_0"), synthetic("mem-gqa6x2", 6, 2, 32, 256, DType::Q8_0, 9, true)}) {
-    auto m = Model::load(path);
     for (int n : {2, 3}) {
+      auto m = Model::load(path, true, true, 0, n);  // as llmq-run --tp n: attn_output, ffn_down left to the ranks
       mem::InferOptions o;
       o.tp = n, o.threads = n, o.ctx = 64, o.n_batch = 32;
       std::unique_ptr<TensorParallel> tp;
@@ -447,6 +447,10 @@ TEST_CASE("TP: llmq-mem infer --tp reports each rank's weights, KV cache and wor
         CHECK(line("rank " + std::to_string(r) + ": KV cache") == s.cache().shard_bytes(r));
         CHECK(line("rank " + std::to_string(r) + ": workspace") == tp->rank_workspace_bytes(r));
       }
+      uint64_t shared = 0;  // the model's own panels, shared by the ranks
+      for (const auto& l : rep.lines)
+        if (l.name == "weights repacked for the CPU kernels (shared)") shared = uint64_t(l.bytes);
+      CHECK(shared == m->packed.bytes());
     }
   }
 }

@@ -65,6 +65,7 @@ int main(int argc, char** argv) {
   inf->add_option("-t,--threads", io.threads, "threads (default: all cores; per-thread scratch depends on it)");
   inf->add_option("--kv-type", io.kv_type, "KV cache type: f32 or bf16 (the CPU engine), f16 (CUDA plan)");
   inf->add_option("--device", io.device, "cpu or cuda: the plan the engine allocates from (GPU 0; with --tp, weights and KV per rank only)");
+  inf->add_option("--gpu-layers,--n-gpu-layers", io.gpu_layers, "with --device cuda: the last N layers on the GPU, the rest on the CPU (llmq-run's partial offload)");
   inf->add_option("--tp", io.tp, "tensor-parallel ranks: weights and KV per rank by the Megatron split (report only)");
   inf->add_option("--mem,--gpu-mem", mem_budget, "memory budget, e.g. 8GiB (default for --fit: MemAvailable)");
   inf->add_flag("--fit", fit,
@@ -116,8 +117,21 @@ int main(int argc, char** argv) {
   return cli::run_guarded("llmq-mem", [&] {
     if (inf->parsed()) {
       if (!mem_budget.empty()) io.budget = parse_size(mem_budget);
+      if (fit && io.device == "cuda") {  // the most layers on the GPU within --gpu-mem (llmq-run --gpu-layers auto)
+        if (!io.budget) throw UsageError("--fit --device cuda needs --gpu-mem (the GPU memory to plan for)");
+        auto f = LlmqFile::open(model_path, false);
+        const LlamaConfig c = file_config(*f);
+        const int64_t n = fit_gpu_layers(*f, c, io, *io.budget);
+        InferOptions o = io;
+        o.gpu_layers = n;
+        const nlohmann::json j = {{"fits", n >= 0}, {"gpu_budget", std::llround(*io.budget)}, {"gpu_layers", n}, {"n_layers", c.n_layers},
+                                  {"gpu_total", n >= 0 ? plan_cuda(c, f->tensors(), io.ctx, io.n_batch, 1, n).total() : 0},
+                                  {"note", "the CUDA context (measured at load by llmq-run) is not included: leave room for it"}};
+        std::printf("%s\n", j.dump(json ? 2 : -1).c_str());
+        if (n >= 0 && !svg.empty()) write_file(svg, render_svg({infer_report(model_path, o)}));
+        return n >= 0 ? 0 : 3;
+      }
       if (fit) {
-        if (io.device != "cpu") throw UsageError("--fit plans the CPU engine only (no CUDA backend yet, so no --gpu-layers)");
         const double budget = io.budget ? *io.budget : double(available_memory());
         if (budget <= 0) throw UsageError("--fit needs --mem (MemAvailable is unknown here)");
         auto f = LlmqFile::open(model_path, false);

@@ -99,13 +99,23 @@ int main(int argc, char** argv) {
   std::string mem_budget;
   app.add_flag("--fit", fit,
                "before loading, pick the largest context (multiple of 16, at most the model's) that fits --mem and print the "
-               "plan as JSON on stderr (llmq-mem infer --fit); GPU layer offload needs the CUDA backend: not available yet");
+               "plan as JSON on stderr (llmq-mem infer --fit); with --device cuda: --gpu-layers auto within --mem or the GPU's free "
+               "memory");
   app.add_option("--mem", mem_budget, "memory budget for --fit, e.g. 2GiB (default: MemAvailable)");
+  std::string gpu_layers_s = "all";
+  app.add_option("--gpu-layers,--n-gpu-layers", gpu_layers_s,
+                 "with --device cuda: the last N layers (and the output) on the GPU, the others on the CPU (partial offload); "
+                 "'auto': as many as fit the GPU's free memory (or --mem) by llmq-mem's plan; default: all");
   LLMQ_CLI_PARSE(app, argc, argv);
   have_prompt = popt->count() > 0;
 
   return cli::run_guarded("llmq-run", [&] {
-    if (fit) {  // plan first, from the file's metadata and tensor directory only
+    const Device device = pick_device(device_s);
+    if (fit && device == Device::Cuda) {  // on the GPU, --fit picks the layers that fit (--gpu-layers auto)
+      if (gpu_layers_s != "all" && gpu_layers_s != "auto") throw UsageError("--fit with --device cuda chooses --gpu-layers itself");
+      gpu_layers_s = "auto";
+    }
+    if (fit && device == Device::Cpu) {  // plan first, from the file's metadata and tensor directory only
       if (!ppl_file.empty()) throw UsageError("--fit plans generation, not --perplexity");
       const double budget = mem_budget.empty() ? double(mem::available_memory()) : mem::parse_size(mem_budget);
       auto f = LlmqFile::open(model_path, false);
@@ -118,10 +128,37 @@ int main(int argc, char** argv) {
       ctx = r.options.ctx;
     }
     const KvType kv_type = kv_type_from_name(kv_type_s);
-    const Device device = pick_device(device_s);
     if (device == Device::Cuda && tp != 1) throw UsageError("--tp with --device cuda: tensor parallelism runs on the CPU only, so far");
     if (device == Device::Cuda && kv_type != KvType::F32) throw UsageError("--kv-type: the GPU's KV cache is f16 (leave --kv-type out)");
-    auto model = Model::load(model_path, !no_verify, /*pack=*/device == Device::Cpu);
+    int64_t gpu_layers = -1;  // all
+    if (gpu_layers_s != "all") {
+      if (device != Device::Cuda) throw UsageError("--gpu-layers needs --device cuda (or auto with a GPU)");
+      auto f = LlmqFile::open(model_path, false);
+      const LlamaConfig c = mem::file_config(*f);
+      if (gpu_layers_s == "auto") {  // the plan of llmq-mem infer --device cuda --fit
+        const double budget = mem_budget.empty() ? double(cuda_free_bytes()) : mem::parse_size(mem_budget);
+        mem::InferOptions o;
+        o.ctx = ctx, o.n_batch = n_batch;
+        gpu_layers = mem::fit_gpu_layers(*f, c, o, budget);
+        if (gpu_layers < 0) throw UsageError("--gpu-layers auto: not even the output layer fits in " + cli::human_bytes(uint64_t(budget)));
+        std::fprintf(stderr, "llmq-run: --gpu-layers auto: %lld of %lld layers on the GPU (%s to plan for)\n", (long long)gpu_layers,
+                     (long long)c.n_layers, cli::human_bytes(uint64_t(budget)).c_str());
+      } else {
+        try {
+          size_t used = 0;
+          gpu_layers = std::stoll(gpu_layers_s, &used);
+          if (used != gpu_layers_s.size() || gpu_layers < 0) throw std::invalid_argument("");
+        } catch (const std::exception&) {
+          throw UsageError("--gpu-layers must be a number of layers, 'auto' or 'all', not '" + gpu_layers_s + "'");
+        }
+        if (gpu_layers > c.n_layers) throw UsageError("--gpu-layers " + gpu_layers_s + ": the model has " + std::to_string(c.n_layers) + " layers");
+      }
+    }
+    // The CPU kernels' packed copies only for what the CPU runs (engine/model.h; with -ngl 0 the
+    // output is packed too, unused).
+    auto model = Model::load(model_path, !no_verify, /*pack=*/device == Device::Cpu || gpu_layers >= 0,
+                             /*gpu_layers=*/device == Device::Cpu ? 0 : gpu_layers, tp);
+    const bool partial = device == Device::Cuda && gpu_layers >= 0 && gpu_layers < model->config.n_layers;
     const Tokenizer& tok = *model->tokenizer;
     sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
     const int64_t ppl_ctx = ctx > 0 ? ctx : 512;
@@ -129,7 +166,7 @@ int main(int argc, char** argv) {
     // --tp N: N rank threads sharing `threads`, each with its slices of the weights.
     std::unique_ptr<ThreadPool> pool;
     std::unique_ptr<TensorParallel> runner;
-    if (device == Device::Cuda) {
+    if (device == Device::Cuda && !partial) {
       // the GPU runs everything but sampling
     } else if (tp == 1) {
       pool = std::make_unique<ThreadPool>(threads);
@@ -155,7 +192,7 @@ int main(int argc, char** argv) {
                    (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
       const auto progress = [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); };
       std::unique_ptr<SessionBase> gpu;
-      if (device == Device::Cuda) gpu = make_cuda_session(*model, n_ctx, n_ctx, n_ctx);
+      if (device == Device::Cuda) gpu = make_cuda_session(*model, n_ctx, n_ctx, n_ctx, true, gpu_layers, pool.get());
       const PerplexityResult r = gpu      ? perplexity(*gpu, tokens, n_ctx, progress, ppl_chunks)
                                  : runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks, kv_type)
                                           : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks, kv_type);
@@ -165,7 +202,7 @@ int main(int argc, char** argv) {
     }
 
     std::unique_ptr<SessionBase> session_ptr;
-    if (device == Device::Cuda) session_ptr = make_cuda_session(*model, ctx, n_batch);  // prints the GPU's memory
+    if (device == Device::Cuda) session_ptr = make_cuda_session(*model, ctx, n_batch, 1, true, gpu_layers, pool.get());  // prints the GPU's memory
     else if (runner) session_ptr = std::make_unique<Session>(*runner, ctx, kv_type);
     else session_ptr = std::make_unique<Session>(*model, *pool, ctx, n_batch, 1, kv_type);
     SessionBase& session = *session_ptr;

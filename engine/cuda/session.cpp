@@ -29,7 +29,11 @@ uint64_t aligned(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-CudaModel::CudaModel(const Model& m, bool progress) : c_(m.config) { build(&m, DType::F32, 0, progress); }
+CudaModel::CudaModel(const Model& m, bool progress, int64_t first_layer) : c_(m.config), first_layer_(first_layer) {
+  if (first_layer < 0 || first_layer > c_.n_layers)
+    throw UsageError("CUDA: first GPU layer " + std::to_string(first_layer) + " of a model of " + std::to_string(c_.n_layers) + " layers");
+  build(&m, DType::F32, 0, progress);
+}
 
 CudaModel::CudaModel(const LlamaConfig& c, DType type, uint64_t seed) : c_(c) { build(nullptr, type, seed, false); }
 
@@ -83,12 +87,12 @@ void CudaModel::build(const Model* m, DType type, uint64_t seed, bool progress) 
     }
   };
 
-  layers.resize(size_t(c.n_layers));
+  layers.resize(size_t(c.n_layers - first_layer_));
   if (m) {
-    mat(&token_embd, m->token_embd.type, V, D, {m->token_embd});
-    for (int64_t i = 0; i < c.n_layers; ++i) {
+    if (first_layer_ == 0 || c.tied_embeddings) mat(&token_embd, m->token_embd.type, V, D, {m->token_embd});
+    for (int64_t i = first_layer_; i < c.n_layers; ++i) {
       const LayerWeights& l = m->layers[size_t(i)];
-      DeviceLayer& d = layers[size_t(i)];
+      DeviceLayer& d = layers[size_t(i - first_layer_)];
       vec(&d.attn_norm, D, {{l.attn_norm, D}});
       stacked(d.qkv, {&l.wq, &l.wk, &l.wv}, D);
       if (l.bq) vec(&d.bqkv, Q + 2 * KV, {{l.bq, Q}, {l.bk, KV}, {l.bv, KV}});
@@ -167,6 +171,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64
 // Every size comes from the plan (engine/mem_plan.h plan_cuda), which llmq-mem reports.
 CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p) : dm_(dm), m_(m), plan_(p) {
   const LlamaConfig& c = dm.config();
+  if (p.first_layer != dm.first_layer()) throw UsageError("CUDA: the session's plan starts at another layer than the model upload");
   ctx_ = p.ctx, n_batch_ = p.n_batch, logits_rows_ = p.logits_rows;
   n_parts_ = p.decode_parts, part_len_ = p.decode_part_len;
   kv_rows_ = p.kv_rows, part_tokens_ = std::max<int64_t>(1, p.parallel);
@@ -204,6 +209,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p)
   h_topk_vals_ = PinnedBuffer(p.top_k);
   h_logits_ = PinnedBuffer(p.logits);
   if (p.paging) h_paging_ = PinnedBuffer(p.paging);
+  if (p.first_layer > 0) h_hidden_ = PinnedBuffer(size_t(n_batch_ * D) * 4);
 }
 
 CudaSession::~CudaSession() {
@@ -275,9 +281,13 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     pages = {base + n_batch_, base + 2 * n_batch_, table_stride_, plan_.block_tokens};
     out_rows = pages.tables + plan_.parallel * table_stride_;
   }
-  embedding(x, dm_.token_embd, tok, T, s);                            // x [T, D]
-  rmsnorm(xb, x, dm_.layers[0].attn_norm, T, D, eps, s);              // xb [T, D]
-  for (int64_t l = 0; l < c.n_layers; ++l) {
+  const auto n_layers = int64_t(dm_.layers.size());  // all, or the last ones (partial offload)
+  if (h_hidden_.bytes())  // partial offload: the CPU's layers left the residual stream in h_hidden_
+    check(cudaMemcpyAsync(x, h_hidden_.get(), size_t(T * D) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (hidden state)");
+  else
+    embedding(x, dm_.token_embd, tok, T, s);                          // x [T, D]
+  rmsnorm(xb, x, n_layers ? dm_.layers[0].attn_norm : dm_.output_norm, T, D, eps, s);  // xb [T, D]
+  for (int64_t l = 0; l < n_layers; ++l) {
     const DeviceLayer& w = dm_.layers[size_t(l)];
     uint16_t* kc = kv + size_t(2 * l) * layer_kv;  // [ctx, KV]
     uint16_t* vc = kc + layer_kv;                  // [ctx, KV]
@@ -296,7 +306,7 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     matmul_cols(w.gate_up, xb, h, 2 * H);                             // h [T, 2H]
     swiglu(hs, h, T, H, s);                                           // hs [T, H]
     matmul(*mm_, w.w_down, hs, xb, T);                                // xb [T, D]
-    const float* next_norm = l + 1 < c.n_layers ? dm_.layers[size_t(l + 1)].attn_norm : dm_.output_norm;
+    const float* next_norm = l + 1 < n_layers ? dm_.layers[size_t(l + 1)].attn_norm : dm_.output_norm;
     add_rmsnorm(x, xb, xb, next_norm, T, D, eps, s);                  // x += xb; xb = RMSNorm(x) for what follows
   }
   if (rows == 0 || out == Out::None) return;
@@ -436,6 +446,91 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
   check(cudaStreamSynchronize(stream_), "forward_batch");
   for (const auto& [seq, end] : bplan_.ends) tables.set_length(seq, end);
   return bplan_.n_logits ? h_logits_.as<float>() : nullptr;
+}
+
+// ---------------------------------------------------------------- CudaOffloadSession
+
+namespace {
+
+LlamaConfig first_layers(LlamaConfig c, int64_t n) {
+  c.n_layers = n;
+  return c;
+}
+
+}  // namespace
+
+CudaOffloadSession::CudaOffloadSession(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch,
+                                       int64_t logits_rows, bool progress)
+    : m_(m),
+      pool_(pool),
+      cpu_layers_(m.config.n_layers - gpu_layers),
+      cache_([&] {
+        if (gpu_layers < 0 || gpu_layers >= m.config.n_layers)
+          throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": partial offload takes 0 .. " +
+                           std::to_string(m.config.n_layers - 1) + " layers (all " + std::to_string(m.config.n_layers) +
+                           ": the whole model on the GPU)");
+        const LlamaConfig c = first_layers(m.config, m.config.n_layers - gpu_layers);
+        return KVCache(c, plan_kv(c, session_sizes(m.config, ctx, n_batch).ctx).n_blocks, kKvBlockTokens);
+      }()),
+      seq_(cache_.add_sequence()),
+      ws_(m, [&] {
+        const SessionSizes sz = session_sizes(m.config, ctx, n_batch, 1);  // logits come from the GPU
+        return plan_workspace(m.config, llama_matmuls(m.config, m.file->tensors(), sz.n_batch, 1), sz.n_batch, sz.ctx, 1, pool.size());
+      }()) {
+  dm_ = std::make_unique<CudaModel>(m, progress, cpu_layers_);
+  gpu_ = std::make_unique<CudaSession>(*dm_, &m, plan_cuda(m.config, m.file->tensors(), ctx, n_batch, logits_rows, gpu_layers));
+}
+
+CudaOffloadSession::~CudaOffloadSession() = default;
+
+void CudaOffloadSession::truncate(int64_t n) {
+  gpu_->truncate(n);  // checks n
+  cache_.truncate(seq_, n);
+}
+
+void CudaOffloadSession::check_input(const int32_t* tokens, int64_t n, bool all_logits) const {
+  if (n <= 0) throw UsageError("forward: no tokens");
+  if (pos() + n > ctx())
+    throw UsageError("context full: " + std::to_string(pos()) + " + " + std::to_string(n) + " tokens exceed the KV cache of " +
+                     std::to_string(ctx()));
+  if (all_logits && n > gpu_->n_batch()) throw UsageError("forward: all_logits needs n <= n_batch");
+  for (int64_t i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= m_.config.vocab_size) throw UsageError("token id " + std::to_string(tokens[i]) + " out of range");
+}
+
+void CudaOffloadSession::run_cpu(const int32_t* tokens, int64_t n) {
+  cache_.reserve(seq_, pos() + n);
+  batch_.resize(size_t(n));
+  for (int64_t i = 0; i < n; ++i) batch_[size_t(i)] = {seq_, tokens[i], false};
+  plan_batch(m_, cache_, batch_.data(), n, ws_.capacity(), plan_);
+  const float* x = forward_shard(m_, nullptr, cache_, ws_, pool_, nullptr, batch_.data(), n, plan_, cpu_layers_);  // [n, D]
+  std::memcpy(gpu_->hidden_input(), x, size_t(n * m_.config.dim) * sizeof(float));
+  for (const auto& [seq, end] : plan_.ends) cache_.set_length(seq, end);
+}
+
+const float* CudaOffloadSession::forward(const int32_t* tokens, int64_t n, bool all_logits) {
+  check_input(tokens, n, all_logits);
+  const int64_t nb = gpu_->n_batch();
+  const float* out = nullptr;
+  for (int64_t i = 0; i < n; i += nb) {
+    const int64_t len = std::min(nb, n - i);
+    run_cpu(tokens + i, len);
+    if (i + len < n) gpu_->prefill(tokens + i, len);  // a chunk before the last: no logits
+    else out = gpu_->forward(tokens + i, len, all_logits);
+  }
+  return out;
+}
+
+int32_t CudaOffloadSession::forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) {
+  check_input(tokens, n, false);
+  const int64_t nb = gpu_->n_batch();
+  for (int64_t i = 0; i + nb < n; i += nb) {
+    run_cpu(tokens + i, nb);
+    gpu_->prefill(tokens + i, nb);
+  }
+  const int64_t last = (n - 1) / nb * nb;
+  run_cpu(tokens + last, n - last);
+  return gpu_->forward_sample(tokens + last, n - last, sampler, history);
 }
 
 // ---------------------------------------------------------------- CudaBatchRunner

@@ -33,8 +33,10 @@ struct DeviceLayer {
 class CudaModel {
  public:
   /// Uploads the weights of m (progress on stderr when `progress`). Throws CudaError when
-  /// they do not fit on the device.
-  explicit CudaModel(const Model& m, bool progress = false);
+  /// they do not fit on the device. first_layer > 0 (partial offload, llmq-run --gpu-layers):
+  /// only layers first_layer .. n_layers-1, the output norm and the output (no embedding unless
+  /// tied to the output); the CPU runs the layers before (CudaOffloadSession).
+  explicit CudaModel(const Model& m, bool progress = false, int64_t first_layer = 0);
   /// Weights of type `type` with the shapes of c, random and made on the device (norms 1, no
   /// biases, untied output unless c.tied_embeddings): for synthetic benchmarks of large shapes
   /// without a file. Throws CudaError when they do not fit.
@@ -43,19 +45,22 @@ class CudaModel {
   CudaModel& operator=(const CudaModel&) = delete;
 
   const LlamaConfig& config() const { return c_; }
+  /// The model's first layer held here: layers[i] is model layer first_layer() + i.
+  int64_t first_layer() const { return first_layer_; }
   /// Bytes of the weight allocation (the file's tensor bytes plus alignment padding).
   uint64_t weight_bytes() const { return buf_.bytes(); }
   /// Device memory the upload took, measured with cudaMemGetInfo before and after.
   uint64_t measured_bytes() const { return measured_; }
 
-  DeviceWeight token_embd;           // [V, D]
-  std::vector<DeviceLayer> layers;   // [n_layers]
+  DeviceWeight token_embd;           // [V, D] (empty when first_layer > 0, unless tied)
+  std::vector<DeviceLayer> layers;   // [n_layers - first_layer]
   const float* output_norm = nullptr;  // [D]
   DeviceWeight output;               // [V, D] (the embedding when tied)
 
  private:
   void build(const Model* m, DType type, uint64_t seed, bool progress);
   LlamaConfig c_;
+  int64_t first_layer_ = 0;
   DeviceBuffer buf_;
   uint64_t measured_ = 0;
 };
@@ -88,6 +93,11 @@ class CudaSession : public SessionBase {
   /// (greedy: argmax on the GPU), or the top_k candidates (top_k <= kMaxTopK, no penalties:
   /// Sampler::sample_top draws from them); otherwise, and for prompts, forward() + sample().
   int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
+  /// Partial offload (a model uploaded from first_layer > 0): the residual stream entering the
+  /// first GPU layer, [n_batch, dim] pinned host memory. forward() and forward_sample() then take
+  /// rows 0 .. n-1 of it as the input of their n tokens (the tokens still give the count and
+  /// the positions); the caller fills it first. Null for a whole model.
+  float* hidden_input() { return h_hidden_.bytes() ? h_hidden_.as<float>() : nullptr; }
   /// Runs `tokens` [n] (n <= n_batch) without copying logits back: for measuring prefill.
   void prefill(const int32_t* tokens, int64_t n);
   /// Continuous batching on a session made from plan_cuda_server: a batch mixing the sequences
@@ -143,8 +153,55 @@ class CudaSession : public SessionBase {
   DeviceBuffer x_, xb_, qkv_, att_, h_, hs_, logits_, partial_;
   DeviceBuffer paging_;  // paged: rows [n_batch], seq [n_batch], tables [parallel, table_stride], out [logits_rows] int32
   PinnedBuffer h_tokens_, h_pos_, h_next_, h_logits_, h_topk_ids_, h_topk_vals_, h_paging_;
+  PinnedBuffer h_hidden_;  // partial offload: [n_batch, D] input of the first GPU layer
   std::unique_ptr<MatmulContext> mm_;
   uint64_t measured_ = 0;
+};
+
+/// Partial offload (llmq-run --gpu-layers N, llama.cpp's -ngl): the first n_layers - N layers on
+/// the CPU (their KV cache in host memory; forward_shard with layer_end), the last N layers, the
+/// final norm and the output on the GPU (a CudaSession of a CudaModel uploaded from that layer).
+/// The residual stream [T, dim] crosses to the GPU once per forward pass, through pinned
+/// memory; the GPU part is as CudaSession (decode graph, sampling on the GPU).
+class CudaOffloadSession : public SessionBase {
+ public:
+  /// gpu_layers in [0, n_layers) (all layers: use CudaSession); ctx, n_batch, logits_rows as
+  /// Session; m must have been loaded with pack_layers = n_layers - gpu_layers (or unpacked).
+  /// Throws UsageError for gpu_layers out of range, CudaError when the GPU part does not fit.
+  CudaOffloadSession(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch = 512,
+                     int64_t logits_rows = 1, bool progress = false);
+  ~CudaOffloadSession() override;
+  const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
+  int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
+  const Model& model() const override { return m_; }
+  int64_t pos() const override { return gpu_->pos(); }
+  int64_t ctx() const override { return gpu_->ctx(); }
+  int64_t n_batch() const override { return gpu_->n_batch(); }
+  void truncate(int64_t n) override;
+  /// KV cache bytes: the CPU layers' (host) plus the GPU layers' (device).
+  uint64_t kv_bytes() const override { return cache_.bytes() + gpu_->kv_bytes(); }
+  uint64_t workspace_bytes() const override { return ws_.bytes() + gpu_->workspace_bytes(); }
+  uint64_t host_kv_bytes() const { return cache_.bytes(); }
+  uint64_t host_workspace_bytes() const { return ws_.bytes(); }
+  int64_t cpu_layers() const { return cpu_layers_; }
+  const CudaModel& device_model() const { return *dm_; }
+  const CudaSession& gpu() const { return *gpu_; }
+
+ private:
+  void check_input(const int32_t* tokens, int64_t n, bool all_logits) const;
+  // The CPU's layers for one chunk of tokens at pos(): the residual stream into the GPU's input.
+  void run_cpu(const int32_t* tokens, int64_t n);
+
+  const Model& m_;
+  ThreadPool& pool_;
+  int64_t cpu_layers_;
+  KVCache cache_;  // the CPU layers only
+  int32_t seq_;
+  Workspace ws_;
+  BatchPlan plan_;
+  std::vector<BatchToken> batch_;
+  std::unique_ptr<CudaModel> dm_;
+  std::unique_ptr<CudaSession> gpu_;
 };
 
 /// llmq-server on one GPU: `parallel` sequences of up to ctx tokens over a paged fp16 KV cache
