@@ -12,9 +12,9 @@ cd "$(dirname "$0")/.."
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B build-gpu -DLLMQ_CUDA=ON -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >/dev/null
-cmake --build build-gpu -j"$(nproc)" --target llmq-tests llmq-bench llmq-run llmq-convert llmq-mem
+cmake --build build-gpu -j"$(nproc)" --target llmq-tests llmq-bench llmq-run llmq-convert llmq-mem llmq-server
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib .gpu/shared/models
-cp build-gpu/tests/llmq-tests build-gpu/llmq-bench build-gpu/llmq-run build-gpu/llmq-convert build-gpu/llmq-mem .gpu/bin/
+cp build-gpu/tests/llmq-tests build-gpu/llmq-bench build-gpu/llmq-run build-gpu/llmq-convert build-gpu/llmq-mem build-gpu/llmq-server .gpu/bin/
 strip .gpu/bin/* || true
 # Libraries from Debian packages (the GPU machine's image may lack them); not the CUDA ones.
 for b in .gpu/bin/*; do

@@ -493,7 +493,8 @@ void CudaOffloadSession::check_input(const int32_t* tokens, int64_t n, bool all_
   if (pos() + n > ctx())
     throw UsageError("context full: " + std::to_string(pos()) + " + " + std::to_string(n) + " tokens exceed the KV cache of " +
                      std::to_string(ctx()));
-  if (all_logits && n > gpu_->n_batch()) throw UsageError("forward: all_logits needs n <= n_batch");
+  if (all_logits && n > gpu_->logits_rows())
+    throw UsageError("forward: all_logits for " + std::to_string(n) + " tokens, the session keeps " + std::to_string(gpu_->logits_rows()));
   for (int64_t i = 0; i < n; ++i)
     if (tokens[i] < 0 || tokens[i] >= m_.config.vocab_size) throw UsageError("token id " + std::to_string(tokens[i]) + " out of range");
 }

@@ -113,6 +113,8 @@ class CudaSession : public SessionBase {
   int64_t pos() const override { return pos_; }
   int64_t ctx() const override { return ctx_; }
   int64_t n_batch() const override { return n_batch_; }
+  /// Logits rows forward(..., all_logits) can return.
+  int64_t logits_rows() const { return logits_rows_; }
   void truncate(int64_t n) override;
   uint64_t kv_bytes() const override { return kv_.bytes(); }
   uint64_t workspace_bytes() const override;
