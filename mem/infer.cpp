@@ -267,7 +267,15 @@ FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o,
     t.kv_tokens = session ? 0 : ctx * par;
     return std::pair{t, infer_plan(f, c, t)};
   };
-  auto fits = [&](int64_t ctx, int64_t par) { return double(plan(ctx, par).second.total()) <= budget; };
+  const bool gpu = o.device == "cuda";
+  auto cuda_plan = [&](const InferOptions& t) {
+    return session ? plan_cuda(c, f.tensors(), t.ctx, t.n_batch, 1) : plan_cuda_server(c, f.tensors(), t.ctx, t.n_batch, t.parallel, t.kv_tokens);
+  };
+  auto total = [&](int64_t ctx, int64_t par) {
+    const auto [t, pl] = plan(ctx, par);
+    return gpu ? double(cuda_plan(t).total()) : double(pl.total());
+  };
+  auto fits = [&](int64_t ctx, int64_t par) { return total(ctx, par) <= budget; };
   const int64_t bt = kKvBlockTokens;
   // Largest x in [lo, hi] (in units of step) with ok(x); lo when none.
   auto largest = [](int64_t lo, int64_t hi, const std::function<bool(int64_t)>& ok) {
@@ -287,7 +295,9 @@ FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o,
   }
   if (!fix_parallel) par = largest(1, 256, [&](int64_t p) { return fits(ctx, p); });
   auto [opt, pl] = plan(ctx, par);
-  return FitResult{opt, pl, double(pl.total()) <= budget};
+  FitResult r{opt, pl, std::nullopt, total(ctx, par) <= budget};
+  if (gpu) r.cuda = cuda_plan(opt);
+  return r;
 }
 
 int64_t fit_gpu_layers(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, double gpu_budget) {
@@ -304,6 +314,13 @@ int64_t fit_gpu_layers(const LlmqFile& f, const LlamaConfig& c, const InferOptio
 
 nlohmann::json fit_json(const FitResult& r, double budget) {
   const InferencePlan& p = r.plan;
+  if (r.cuda) {
+    const CudaPlan& g = *r.cuda;
+    return {{"fits", r.fits},         {"device", "cuda"},         {"budget", std::llround(budget)}, {"ctx", g.ctx},
+            {"parallel", r.options.parallel}, {"kv_tokens", g.kv_rows}, {"n_batch", g.n_batch},       {"weights", g.weights},
+            {"kv_cache", g.kv},       {"workspace", g.workspace()}, {"total", g.total()},
+            {"note", "GPU memory; the CUDA context (measured at load) is not included: leave room for it"}};
+  }
   return {{"fits", r.fits},
           {"budget", std::llround(budget)},
           {"ctx", p.ctx},

@@ -46,9 +46,12 @@ InferencePlan infer_plan(const LlmqFile& f, const LlamaConfig& c, const InferOpt
 /// parallel x ctx tokens (every sequence can reach its full context). fix_ctx / fix_parallel
 /// keep o.ctx / o.parallel as given. fits = false when even the smallest plan does not fit
 /// (o then holds the smallest). Monotone in both, so each is a binary search.
+/// o.device == "cuda": the same search over the GPU's plan (plan_cuda for one sequence,
+/// plan_cuda_server for llmq-server; the CUDA context not included), kept in `cuda`.
 struct FitResult {
   InferOptions options;
   InferencePlan plan;
+  std::optional<CudaPlan> cuda;
   bool fits = false;
 };
 FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel);

@@ -387,7 +387,7 @@ int main(int argc, char** argv) {
   app.add_flag("--fit", fit,
                "before loading, pick the largest context (multiple of 16), then the most parallel sequences, that fit --mem, "
                "with a KV cache of parallel x ctx tokens; print the plan as JSON on stderr (--ctx / --parallel given are kept). "
-               "GPU layer offload needs the CUDA backend: not available yet");
+               "With --device cuda the GPU's plan within --mem or the GPU's free memory (all layers on the GPU)");
   app.add_option("--mem", mem_budget, "memory budget for --fit, e.g. 8GiB (default: MemAvailable)");
   LLMQ_CLI_PARSE(app, argc, argv);
 
@@ -404,14 +404,18 @@ int main(int argc, char** argv) {
     const bool gpu = pick_device(device) == Device::Cuda;
     if (gpu && tp != 1) throw UsageError("--tp with --device cuda: tensor parallelism runs on CPU ranks only so far");
     if (gpu && kv_type_opt->count()) throw UsageError("--kv-type is the CPU's KV-cache type; the GPU's KV cache is f16");
-    if (gpu && fit) throw UsageError("--fit plans CPU memory; with --device cuda give --ctx and --parallel (llmq-mem infer --device cuda)");
     if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
     if (fit) {  // plan first, from the file's metadata and tensor directory only (llmq-mem infer --fit)
-      const double budget = mem_budget.empty() ? double(mem::available_memory()) : mem::parse_size(mem_budget);
+      // The budget: --mem, else the host's available memory, or the GPU's free memory (after
+      // the CUDA context is made) with --device cuda.
+      const double budget = !mem_budget.empty() ? mem::parse_size(mem_budget)
+                            : gpu               ? double(cuda_free_bytes())
+                                                : double(mem::available_memory());
       auto f = LlmqFile::open(model_path, false);
       const LlamaConfig c = mem::file_config(*f);
       mem::InferOptions o;
       o.ctx = ctx, o.parallel = parallel, o.server = true, o.n_batch = n_batch, o.threads = threads, o.kv_type = kv_type;
+      o.device = gpu ? "cuda" : "cpu";
       const mem::FitResult r = mem::fit_inference(*f, c, o, budget, ctx > 0, par_opt->count() > 0);
       std::fprintf(stderr, "llmq-server: fit plan: %s\n", mem::fit_json(r, budget).dump().c_str());
       if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)));

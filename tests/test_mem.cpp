@@ -453,6 +453,21 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
     prev = t;
   }
   o.n_batch = 512;
+  // llmq-server --fit --device cuda: the largest ctx, then the most sequences, within a GPU budget.
+  {
+    InferOptions so;
+    so.device = "cuda", so.server = true, so.n_batch = 64;
+    const double budget = 40e6;
+    const FitResult fr = fit_inference(*f, file_config(*f), so, budget, false, false);
+    REQUIRE(fr.cuda);
+    CHECK(fr.fits);
+    CHECK(double(fr.cuda->total()) <= budget);
+    CHECK(fr.cuda->ctx == file_config(*f).context_length);  // a 1 MB model: its whole context fits
+    const CudaPlan more = plan_cuda_server(file_config(*f), f->tensors(), fr.cuda->ctx, 64, fr.options.parallel + 1,
+                                           fr.cuda->ctx * (fr.options.parallel + 1));
+    CHECK((double(more.total()) > budget || fr.options.parallel == 256));
+    CHECK(fit_json(fr, budget)["device"] == "cuda");
+  }
   InferOptions cpu_f16;
   cpu_f16.kv_type = "f16";
   CHECK_THROWS_AS(infer_report(path, cpu_f16), UsageError);
