@@ -44,10 +44,28 @@ Device pick_device(const std::string& name) {
 }
 
 std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress,
-                                               int64_t gpu_layers, ThreadPool* pool) {
+                                               int64_t gpu_layers, ThreadPool* pool, int tp) {
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
   const int64_t L = m.config.n_layers;
+  if (tp > 1) {
+    if (gpu_layers >= 0 && gpu_layers < L) throw UsageError("--gpu-layers with --tp: partial offload runs one rank, so far");
+    cuda::check(cudaSetDevice(0), "cudaSetDevice");
+    cuda::check(cudaFree(nullptr), "CUDA context");
+    const cuda::MemInfo before = mem_info();
+    auto s = std::make_unique<cuda::CudaTpSession>(m, tp, ctx, n_batch, logits_rows, progress);
+    const cuda::MemInfo after = mem_info();
+    auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
+    std::fprintf(stderr, "llmq: GPU 0: %s; tensor parallel over %d ranks on this GPU (host all-reduce)\n",
+                 cuda::device_description(0).c_str(), tp);
+    for (int r = 0; r < tp; ++r) {
+      const cuda::CudaSession& rs = s->rank_session(r);
+      std::fprintf(stderr, "llmq: rank %d: weights %.1f MiB, KV cache %.1f MiB (f16), workspace %.1f MiB\n", r,
+                   mib(s->rank_model(r).weight_bytes()), mib(rs.kv_bytes()), mib(rs.workspace_bytes()));
+    }
+    std::fprintf(stderr, "llmq: GPU memory measured for all ranks: %.1f MiB (cudaMemGetInfo)\n", mib(before.free - after.free));
+    return s;
+  }
   if (gpu_layers > L) throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(L) + " layers");
   const bool partial = gpu_layers >= 0 && gpu_layers < L;
   if (partial && !pool) throw UsageError("partial offload needs a CPU thread pool");
@@ -88,7 +106,7 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
   if (dm) static_cast<cuda::CudaSession&>(*s).own(std::move(dm));
   return s;
 #else
-  (void)m, (void)ctx, (void)n_batch, (void)logits_rows, (void)progress, (void)gpu_layers, (void)pool;
+  (void)m, (void)ctx, (void)n_batch, (void)logits_rows, (void)progress, (void)gpu_layers, (void)pool, (void)tp;
   throw UsageError("this build has no CUDA backend");
 #endif
 }

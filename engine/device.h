@@ -31,11 +31,13 @@ uint64_t cuda_free_bytes();
 /// CUDA context's own (measured before loading). gpu_layers in [0, n_layers) (partial offload,
 /// llama.cpp's -ngl): only the last gpu_layers layers and the output go to the GPU, the CPU
 /// runs the others on `pool` (cuda::CudaOffloadSession; load m with pack_layers = n_layers -
-/// gpu_layers); < 0 or n_layers: the whole model on the GPU. Throws UsageError in a build
-/// without CUDA, for gpu_layers > n_layers, or for partial offload without a pool; CudaError (a
-/// std::runtime_error) when the model does not fit.
+/// gpu_layers); < 0 or n_layers: the whole model on the GPU. tp > 1: tensor parallelism, tp
+/// ranks all on GPU 0 with a host communicator (cuda::CudaTpSession; m loaded unpacked). Throws
+/// UsageError in a build without CUDA, for gpu_layers > n_layers, partial offload without a
+/// pool or with tp > 1, ranks that cannot be formed; CudaError (a std::runtime_error) when the
+/// model does not fit.
 std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1,
-                                               bool progress = true, int64_t gpu_layers = -1, ThreadPool* pool = nullptr);
+                                               bool progress = true, int64_t gpu_layers = -1, ThreadPool* pool = nullptr, int tp = 1);
 
 /// llmq-server's forward passes on GPU 0 (cuda::CudaBatchRunner): the weights uploaded and a
 /// paged KV cache for `parallel` sequences of up to ctx tokens (kv_tokens as SchedulerOptions).

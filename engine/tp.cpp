@@ -138,7 +138,7 @@ uint64_t shard_packed_bytes(const LlamaConfig& c, const std::vector<TensorInfo>&
   return packed_weights_bytes(ptrs);
 }
 
-ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank) {
+ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank, bool pack) {
   const LlamaConfig& c = m.config;
   const ShardRanges& R = all.at(size_t(rank));
   const int64_t hd = c.head_dim;
@@ -166,6 +166,7 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
   }
   s.output_norm = m.output_norm;
   s.output = weight_rows(m.output, R.vocab0, R.n_vocab);
+  if (!pack) return s;
   // Pack what the model's packed panels do not cover (the column copies, unaligned row ranges).
   std::vector<Weight*> unpacked;
   for (LayerWeights& l : s.layers)

@@ -63,7 +63,8 @@ uint64_t shard_packed_bytes(const LlamaConfig& c, const std::vector<TensorInfo>&
 
 /// Rank r's view of the model for ranges r (from plan_shards): slices the weights (see above),
 /// copying the row-parallel ones into owned buffers. vocab_bounds is filled from `all`.
-ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank);
+/// pack = false: no packed copies for the CPU kernels (a shard whose slices go to a GPU).
+ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank, bool pack = true);
 
 /// The workspace plan (engine/mem_plan.h) of a rank: activations of the rank's widths (its
 /// heads, KV heads, FFN units and vocabulary rows) for `capacity` tokens, matmul scratch for its

@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   auto* popt = app.add_option("-p,--prompt", prompt, "prompt; without it llmq-run is an interactive chat");
   app.add_option("-n,--n-predict", n_predict, "tokens to generate (-1: until end of sequence)");
   app.add_option("-t,--threads", threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
-  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process)");
+  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: N ranks on GPU 0, host all-reduce)");
   app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
   std::string kv_type_s = "f32";
@@ -128,7 +128,6 @@ int main(int argc, char** argv) {
       ctx = r.options.ctx;
     }
     const KvType kv_type = kv_type_from_name(kv_type_s);
-    if (device == Device::Cuda && tp != 1) throw UsageError("--tp with --device cuda: tensor parallelism runs on the CPU only, so far");
     if (device == Device::Cuda && kv_type != KvType::F32) throw UsageError("--kv-type: the GPU's KV cache is f16 (leave --kv-type out)");
     int64_t gpu_layers = -1;  // all
     if (gpu_layers_s != "all") {
@@ -167,7 +166,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<ThreadPool> pool;
     std::unique_ptr<TensorParallel> runner;
     if (device == Device::Cuda && !partial) {
-      // the GPU runs everything but sampling
+      // the GPU runs everything but sampling (--tp N: N ranks on it, engine/cuda/session.h CudaTpSession)
     } else if (tp == 1) {
       pool = std::make_unique<ThreadPool>(threads);
     } else {
@@ -192,7 +191,7 @@ int main(int argc, char** argv) {
                    (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
       const auto progress = [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); };
       std::unique_ptr<SessionBase> gpu;
-      if (device == Device::Cuda) gpu = make_cuda_session(*model, n_ctx, n_ctx, n_ctx, true, gpu_layers, pool.get());
+      if (device == Device::Cuda) gpu = make_cuda_session(*model, n_ctx, n_ctx, n_ctx, true, gpu_layers, pool.get(), tp);
       const PerplexityResult r = gpu      ? perplexity(*gpu, tokens, n_ctx, progress, ppl_chunks)
                                  : runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks, kv_type)
                                           : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks, kv_type);
@@ -202,7 +201,8 @@ int main(int argc, char** argv) {
     }
 
     std::unique_ptr<SessionBase> session_ptr;
-    if (device == Device::Cuda) session_ptr = make_cuda_session(*model, ctx, n_batch, 1, true, gpu_layers, pool.get());  // prints the GPU's memory
+    if (device == Device::Cuda)
+      session_ptr = make_cuda_session(*model, ctx, n_batch, 1, true, gpu_layers, pool.get(), tp);  // prints the GPU's memory
     else if (runner) session_ptr = std::make_unique<Session>(*runner, ctx, kv_type);
     else session_ptr = std::make_unique<Session>(*model, *pool, ctx, n_batch, 1, kv_type);
     SessionBase& session = *session_ptr;

@@ -15,6 +15,7 @@
 #include "engine/cuda/sampling.h"
 #include "engine/sampler.h"
 #include "engine/mem_plan.h"
+#include "engine/tp.h"
 #include "formats/error.h"
 
 namespace llmq::cuda {
@@ -32,14 +33,26 @@ uint64_t aligned(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 CudaModel::CudaModel(const Model& m, bool progress, int64_t first_layer) : c_(m.config), first_layer_(first_layer) {
   if (first_layer < 0 || first_layer > c_.n_layers)
     throw UsageError("CUDA: first GPU layer " + std::to_string(first_layer) + " of a model of " + std::to_string(c_.n_layers) + " layers");
-  build(&m, DType::F32, 0, progress);
+  build(&m, nullptr, DType::F32, 0, progress);
 }
 
-CudaModel::CudaModel(const LlamaConfig& c, DType type, uint64_t seed) : c_(c) { build(nullptr, type, seed, false); }
+CudaModel::CudaModel(const Model& m, const ModelShard& shard, bool progress) : c_(m.config) {
+  const ShardRanges& R = shard.ranges;
+  const int64_t group = m.config.n_heads / m.config.n_kv_heads;
+  if (R.head0 % group != 0 || R.n_heads % group != 0)
+    throw UsageError("CUDA tensor parallelism: rank " + std::to_string(R.rank) + "'s query heads do not fall on KV-group boundaries (" +
+                     std::to_string(m.config.n_kv_heads) + " KV heads over " + std::to_string(R.n_ranks) +
+                     " ranks): choose --tp dividing the KV heads");
+  if (R.n_embd != m.config.vocab_size) throw UsageError("CUDA tensor parallelism: the embedding must be replicated");
+  c_.n_heads = R.n_heads, c_.n_kv_heads = R.n_kv_heads, c_.hidden_dim = R.ffn_dim;
+  build(&m, &shard, DType::F32, 0, progress);
+}
+
+CudaModel::CudaModel(const LlamaConfig& c, DType type, uint64_t seed) : c_(c) { build(nullptr, nullptr, type, seed, false); }
 
 // Two passes: first every tensor gets its offset in one allocation (recorded as a job), then
 // the allocation is made and each job uploads (or, synthetic, generates) its tensor.
-void CudaModel::build(const Model* m, DType type, uint64_t seed, bool progress) {
+void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress) {
   const LlamaConfig& c = c_;
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
   uint64_t total = 0;
@@ -89,9 +102,12 @@ void CudaModel::build(const Model* m, DType type, uint64_t seed, bool progress) 
 
   layers.resize(size_t(c.n_layers - first_layer_));
   if (m) {
+    // A tensor-parallel shard: its slices (row ranges and column copies), the config its widths.
+    const std::vector<LayerWeights>& src = shard ? shard->layers : m->layers;
+    const Weight& out = shard ? shard->output : m->output;
     if (first_layer_ == 0 || c.tied_embeddings) mat(&token_embd, m->token_embd.type, V, D, {m->token_embd});
     for (int64_t i = first_layer_; i < c.n_layers; ++i) {
-      const LayerWeights& l = m->layers[size_t(i)];
+      const LayerWeights& l = src[size_t(i)];
       DeviceLayer& d = layers[size_t(i - first_layer_)];
       vec(&d.attn_norm, D, {{l.attn_norm, D}});
       stacked(d.qkv, {&l.wq, &l.wk, &l.wv}, D);
@@ -103,7 +119,7 @@ void CudaModel::build(const Model* m, DType type, uint64_t seed, bool progress) 
       mat(&d.w_down, l.w_down.type, D, H, {l.w_down});
     }
     vec(&output_norm, D, {{m->output_norm, D}});
-    if (!c.tied_embeddings) mat(&output, m->output.type, V, D, {m->output});
+    if (!c.tied_embeddings && out.rows > 0) mat(&output, out.type, out.rows, D, {out});  // rank 0's, under TP
   } else {
     mat(&token_embd, type, V, D, {});
     for (DeviceLayer& d : layers) {
@@ -158,7 +174,7 @@ void CudaModel::build(const Model* m, DType type, uint64_t seed, bool progress) 
     for (const auto& [src, n] : j.parts) std::copy(src, src + n, host.begin() + ptrdiff_t(at)), at += size_t(n);
     check(cudaMemcpy(p, host.data(), host.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy (vectors)");
   }
-  if (c.tied_embeddings) output = token_embd;
+  if (c.tied_embeddings && (!shard || shard->output.rows > 0)) output = token_embd;
   check(cudaDeviceSynchronize(), "upload");
 }
 
@@ -299,17 +315,19 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
       attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, n_parts_, part_len_, partial_.as<float>(), att, Q, s, pages);
     else
       attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (ctx_ + 31) / 32 * 32, nullptr, att, Q, s, pages);  // att [T, Q]
-    matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D]
+    matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D] (a partial sum under TP)
+    if (comm_) all_reduce(xb, T * D);
     if (w.bo) add_bias(xb, D, w.bo, T, D, s);
     add_rmsnorm(x, xb, xb, w.ffn_norm, T, D, eps, s);                 // x += xb; xb = RMSNorm(x)
     // FFN: x += W_down · (silu(xb · W_gateᵀ) ⊙ (xb · W_upᵀ))
     matmul_cols(w.gate_up, xb, h, 2 * H);                             // h [T, 2H]
     swiglu(hs, h, T, H, s);                                           // hs [T, H]
-    matmul(*mm_, w.w_down, hs, xb, T);                                // xb [T, D]
+    matmul(*mm_, w.w_down, hs, xb, T);                                // xb [T, D] (a partial sum under TP)
+    if (comm_) all_reduce(xb, T * D);
     const float* next_norm = l + 1 < n_layers ? dm_.layers[size_t(l + 1)].attn_norm : dm_.output_norm;
     add_rmsnorm(x, xb, xb, next_norm, T, D, eps, s);                  // x += xb; xb = RMSNorm(x) for what follows
   }
-  if (rows == 0 || out == Out::None) return;
+  if (rows == 0 || out == Out::None || dm_.output.rows == 0) return;  // no output here: a rank other than 0
   float* logits = logits_.as<float>();
   const float* final_rows = xb + r0 * D;
   if (out_rows) {  // paged: the flagged tokens' rows, gathered into x (the residual is spent)
@@ -448,6 +466,24 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
   return bplan_.n_logits ? h_logits_.as<float>() : nullptr;
 }
 
+void CudaSession::set_comm(Communicator* comm, bool device_memory) {
+  comm_ = comm, comm_device_ = device_memory;
+  use_graphs_ = false;
+  if (comm && !device_memory) h_reduce_ = PinnedBuffer(size_t(n_batch_ * dm_.config().dim) * 4);
+}
+
+void CudaSession::all_reduce(float* x, int64_t n) {
+  if (comm_device_) {  // NCCL: device buffers, ordered on this stream by the communicator
+    check(cudaStreamSynchronize(stream_), "all-reduce");
+    comm_->all_reduce_sum(x, n);
+    return;
+  }
+  check(cudaMemcpyAsync(h_reduce_.get(), x, size_t(n) * 4, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (all-reduce)");
+  check(cudaStreamSynchronize(stream_), "all-reduce");
+  comm_->all_reduce_sum(h_reduce_.as<float>(), n);
+  check(cudaMemcpyAsync(x, h_reduce_.get(), size_t(n) * 4, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (all-reduce)");
+}
+
 // ---------------------------------------------------------------- CudaOffloadSession
 
 namespace {
@@ -532,6 +568,82 @@ int32_t CudaOffloadSession::forward_sample(const int32_t* tokens, int64_t n, Sam
   const int64_t last = (n - 1) / nb * nb;
   run_cpu(tokens + last, n - last);
   return gpu_->forward_sample(tokens + last, n - last, sampler, history);
+}
+
+// ---------------------------------------------------------------- CudaTpSession
+
+CudaTpSession::CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress) : m_(m) {
+  TpOptions opt;
+  opt.vocab_parallel = false;  // the embedding replicated, the whole output on rank 0
+  const std::vector<ShardRanges> plan = plan_shards(m, n_ranks, opt);
+  for (int r = 0; r < n_ranks; ++r) {
+    const ModelShard shard = make_shard(m, plan, r, /*pack=*/false);  // host copies of its columns, dropped after the upload
+    models_.push_back(std::make_unique<CudaModel>(m, shard, progress));
+    sessions_.push_back(std::make_unique<CudaSession>(*models_.back(), &m, ctx, n_batch, logits_rows));
+  }
+  if (n_ranks > 1) {
+    comm_ = std::make_unique<HostCommGroup>(n_ranks);
+    threads_ = std::make_unique<ThreadPool>(n_ranks);
+    for (int r = 0; r < n_ranks; ++r) sessions_[size_t(r)]->set_comm(&comm_->rank(r), /*device_memory=*/false);
+  }
+}
+
+CudaTpSession::~CudaTpSession() = default;
+
+void CudaTpSession::run(const std::function<void(int)>& fn) {
+  if (failed_) throw UsageError("tensor parallel: a rank failed earlier; the ranks cannot continue");
+  if (!threads_) return fn(0);
+  try {
+    threads_->parallel_for(size(), [&](int64_t r0, int64_t r1, int) {
+      for (int64_t r = r0; r < r1; ++r) {
+        try {
+          fn(int(r));
+        } catch (const CommAborted&) {
+          throw;
+        } catch (...) {
+          comm_->rank(int(r)).abort();  // release the ranks waiting for this one
+          throw;
+        }
+      }
+    });
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+}
+
+const float* CudaTpSession::forward(const int32_t* tokens, int64_t n, bool all_logits) {
+  const float* out = nullptr;
+  run([&](int r) {
+    const float* l = sessions_[size_t(r)]->forward(tokens, n, all_logits);
+    if (r == 0) out = l;
+  });
+  return out;
+}
+
+int32_t CudaTpSession::forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) {
+  int32_t id = -1;
+  run([&](int r) {  // rank 0 holds the output and samples; the others run the same layers
+    if (r == 0) id = sessions_[0]->forward_sample(tokens, n, sampler, history);
+    else sessions_[size_t(r)]->forward(tokens, n);
+  });
+  return id;
+}
+
+void CudaTpSession::truncate(int64_t n) {
+  for (auto& s : sessions_) s->truncate(n);
+}
+
+uint64_t CudaTpSession::kv_bytes() const {
+  uint64_t b = 0;
+  for (const auto& s : sessions_) b += s->kv_bytes();
+  return b;
+}
+
+uint64_t CudaTpSession::workspace_bytes() const {
+  uint64_t b = 0;
+  for (const auto& s : sessions_) b += s->workspace_bytes();
+  return b;
 }
 
 // ---------------------------------------------------------------- CudaBatchRunner

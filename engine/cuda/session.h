@@ -6,11 +6,14 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/matmul.h"
+#include "engine/comm.h"
+#include "engine/comm_host.h"
 #include "engine/model.h"
 
 namespace llmq::cuda {
@@ -37,6 +40,12 @@ class CudaModel {
   /// only layers first_layer .. n_layers-1, the output norm and the output (no embedding unless
   /// tied to the output); the CPU runs the layers before (CudaOffloadSession).
   explicit CudaModel(const Model& m, bool progress = false, int64_t first_layer = 0);
+  /// One tensor-parallel rank's weights (engine/tp.h make_shard: its query and KV heads, FFN
+  /// units and output rows; embedding replicated). config() is then the rank's: n_heads,
+  /// n_kv_heads, hidden_dim of its slices (so the kernels run on its widths). Throws UsageError
+  /// for a shard whose query heads do not start and end on KV-group boundaries (GQA split
+  /// unevenly: replicated KV heads) or with a vocabulary-parallel embedding.
+  CudaModel(const Model& m, const ModelShard& shard, bool progress = false);
   /// Weights of type `type` with the shapes of c, random and made on the device (norms 1, no
   /// biases, untied output unless c.tied_embeddings): for synthetic benchmarks of large shapes
   /// without a file. Throws CudaError when they do not fit.
@@ -58,7 +67,7 @@ class CudaModel {
   DeviceWeight output;               // [V, D] (the embedding when tied)
 
  private:
-  void build(const Model* m, DType type, uint64_t seed, bool progress);
+  void build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress);
   LlamaConfig c_;
   int64_t first_layer_ = 0;
   DeviceBuffer buf_;
@@ -81,6 +90,13 @@ class CudaSession : public SessionBase {
   /// The buffers of `plan` (plan_cuda, or plan_cuda_server for a paged cache); errors as above.
   CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& plan);
   ~CudaSession() override;
+  /// Tensor parallelism: this session is rank comm->rank() of a group whose ranks each run a
+  /// session on their CudaModel shard with the same tokens; after the attention output and FFN
+  /// down projections the partial sums [T, dim] are all-reduced through `comm` (device_memory:
+  /// comm takes device pointers, as NCCL; else they are staged through pinned host memory, as
+  /// for HostComm). Only rank 0 computes logits. CUDA graphs are off (the collectives wait on
+  /// the host). Call before the first forward.
+  void set_comm(Communicator* comm, bool device_memory);
   /// Hands the session its model upload to keep (freed with the session).
   void own(std::unique_ptr<CudaModel> dm) { own_model_ = std::move(dm); }
   const CudaModel& device_model() const { return dm_; }
@@ -156,6 +172,10 @@ class CudaSession : public SessionBase {
   DeviceBuffer paging_;  // paged: rows [n_batch], seq [n_batch], tables [parallel, table_stride], out [logits_rows] int32
   PinnedBuffer h_tokens_, h_pos_, h_next_, h_logits_, h_topk_ids_, h_topk_vals_, h_paging_;
   PinnedBuffer h_hidden_;  // partial offload: [n_batch, D] input of the first GPU layer
+  Communicator* comm_ = nullptr;  // tensor parallelism (set_comm)
+  bool comm_device_ = false;
+  PinnedBuffer h_reduce_;  // host-staged all-reduce: [n_batch, D]
+  void all_reduce(float* x, int64_t n);
   std::unique_ptr<MatmulContext> mm_;
   uint64_t measured_ = 0;
 };
@@ -204,6 +224,42 @@ class CudaOffloadSession : public SessionBase {
   std::vector<BatchToken> batch_;
   std::unique_ptr<CudaModel> dm_;
   std::unique_ptr<CudaSession> gpu_;
+};
+
+/// Tensor parallelism on the GPU (llmq-run --device cuda --tp N): N ranks, each a CudaSession on
+/// its CudaModel shard (engine/tp.h's Megatron-LM split; embedding replicated, the output
+/// projection on rank 0), run at once by N host threads and meeting in a HostCommGroup for the
+/// two all-reduces per layer. Every rank is on GPU 0: this checks the sharded GPU path against
+/// TP = 1 on one device (issue 7); the NCCL communicator (one GPU per rank) plugs into
+/// CudaSession::set_comm the same way.
+class CudaTpSession : public SessionBase {
+ public:
+  /// Throws UsageError when the ranks cannot be formed (plan_shards) or split a KV group,
+  /// CudaError when they do not fit.
+  CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1, bool progress = false);
+  ~CudaTpSession() override;
+  const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
+  int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
+  const Model& model() const override { return m_; }
+  int64_t pos() const override { return sessions_[0]->pos(); }
+  int64_t ctx() const override { return sessions_[0]->ctx(); }
+  int64_t n_batch() const override { return sessions_[0]->n_batch(); }
+  void truncate(int64_t n) override;
+  uint64_t kv_bytes() const override;
+  uint64_t workspace_bytes() const override;
+  int size() const { return int(sessions_.size()); }
+  const CudaModel& rank_model(int r) const { return *models_.at(size_t(r)); }
+  const CudaSession& rank_session(int r) const { return *sessions_.at(size_t(r)); }
+
+ private:
+  void run(const std::function<void(int)>& fn);  // fn(r) for every rank at once, each on its own thread
+
+  const Model& m_;
+  std::unique_ptr<HostCommGroup> comm_;
+  std::unique_ptr<ThreadPool> threads_;
+  std::vector<std::unique_ptr<CudaModel>> models_;
+  std::vector<std::unique_ptr<CudaSession>> sessions_;
+  bool failed_ = false;
 };
 
 /// llmq-server on one GPU: `parallel` sequences of up to ctx tokens over a paged fp16 KV cache

@@ -8,6 +8,7 @@
 #include <exception>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -44,7 +45,7 @@ llmq_emu_switch:
 
 namespace llmq::cuda::emu {
 
-dim3 g_block_idx, g_block_dim, g_grid_dim;
+thread_local dim3 g_block_idx, g_block_dim, g_grid_dim;
 
 namespace {
 
@@ -79,7 +80,7 @@ struct Block {
   std::exception_ptr error;
   std::vector<max_align_t> smem;  // dynamic shared memory
 };
-Block B;
+thread_local Block B;  // each host thread runs its own blocks
 
 void yield() { llmq_emu_switch(&B.cur->sp, B.sched_sp); }
 
@@ -171,7 +172,8 @@ void enqueue(cudaStream_t s, std::function<void()> op) {
   else op();
 }
 
-cudaError_t g_last = cudaSuccess;
+thread_local cudaError_t g_last = cudaSuccess;  // per host thread, as CUDA's
+std::mutex g_mu;                          // guards the three below (host threads share the "device")
 std::map<const void*, int> g_smem_limit;  // cudaFuncSetAttribute(MaxDynamicSharedMemorySize)
 std::map<void*, size_t> g_allocs;
 uint64_t g_allocated = 0;
@@ -191,8 +193,12 @@ unsigned char* dynamic_smem() { return reinterpret_cast<unsigned char*>(B.smem.d
 
 void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, std::function<void()> body) {
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
-  auto lim = g_smem_limit.find(kernel);
-  const size_t smem_max = lim == g_smem_limit.end() ? 48 * 1024 : size_t(lim->second);
+  size_t smem_max = 48 * 1024;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto lim = g_smem_limit.find(kernel);
+    if (lim != g_smem_limit.end()) smem_max = size_t(lim->second);
+  }
   if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535) {
     g_last = cudaErrorInvalidConfiguration;
     return;
@@ -253,11 +259,13 @@ const char* cudaGetErrorString(cudaError_t e) {
 cudaError_t cudaMalloc(void** p, size_t n) {
   *p = std::malloc(n ? n : 1);
   if (!*p) return cudaErrorMemoryAllocation;
+  std::lock_guard<std::mutex> lk(g_mu);
   g_allocs[*p] = n, g_allocated += n;
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
   if (!p) return cudaSuccess;  // cudaFree(nullptr): creates the context on a GPU
+  std::lock_guard<std::mutex> lk(g_mu);
   auto it = g_allocs.find(p);
   if (it == g_allocs.end()) return cudaErrorInvalidValue;
   g_allocated -= it->second;
@@ -274,6 +282,7 @@ cudaError_t cudaFreeHost(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
+  std::lock_guard<std::mutex> lk(g_mu);
   *total = kFakeMemory, *free = kFakeMemory - g_allocated;
   return cudaSuccess;
 }
@@ -334,6 +343,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaFuncSetAttribute(const void* f, cudaFuncAttribute attr, int v) {
+  std::lock_guard<std::mutex> lk(g_mu);
   if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) g_smem_limit[f] = v;
   return cudaSuccess;
 }

@@ -6,8 +6,9 @@
 // header). Every thread of a CUDA block is a fiber (ucontext) of one OS thread; blocks run one
 // after another. __syncthreads and the warp shuffles are barriers between the block's (or the
 // warp's) fibers; a barrier that some live threads never reach is reported as an error (a
-// divergent __syncthreads on a GPU). __shared__ variables are static: one copy, which the
-// block's fibers share. The CUDA runtime and cuBLAS functions the engine calls are defined in
+// divergent __syncthreads on a GPU). __shared__ variables are static thread_local: one copy per
+// OS thread, which the block's fibers share. Host threads may launch at once (tensor-parallel
+// ranks): each runs its own fibers, block state and shared memory. The CUDA runtime and cuBLAS functions the engine calls are defined in
 // emu.cpp against the real headers' declarations (host memory stands for device memory; a
 // stream runs its work at once, or records it while a graph is being captured).
 #pragma once
@@ -28,7 +29,7 @@
 
 namespace llmq::cuda::emu {
 
-extern dim3 g_block_idx, g_block_dim, g_grid_dim;  // of the block running now
+extern thread_local dim3 g_block_idx, g_block_dim, g_grid_dim;  // of the block running now (this host thread's)
 const uint3& thread_idx();                          // of the fiber running now
 int lane();                                         // threadIdx linearized % 32
 void sync_block();                                  // __syncthreads
@@ -83,7 +84,7 @@ T shfl(T v, int src) {
 #define blockDim (::llmq::cuda::emu::g_block_dim)
 #define gridDim (::llmq::cuda::emu::g_grid_dim)
 #undef __shared__
-#define __shared__ static
+#define __shared__ static thread_local
 #define __launch_bounds__(...)
 #define __syncthreads() ::llmq::cuda::emu::sync_block()
 
