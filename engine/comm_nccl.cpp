@@ -21,13 +21,13 @@ void check_nccl(ncclResult_t r, const char* what) {
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-}  // namespace
-
-int cuda_device_count() {
+int gpu_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
   return n;
 }
+
+}  // namespace
 
 ncclUniqueId NcclComm::make_id() {
   ncclUniqueId id;
@@ -36,7 +36,7 @@ ncclUniqueId NcclComm::make_id() {
 }
 
 NcclComm::NcclComm(int rank, int size, const ncclUniqueId& id, int device) : rank_(rank), size_(size), device_(device) {
-  const int gpus = cuda_device_count();
+  const int gpus = gpu_count();
   if (size > gpus)
     throw UsageError("--tp " + std::to_string(size) + " needs " + std::to_string(size) + " GPUs (one rank per GPU): this machine has " +
                      std::to_string(gpus));

@@ -1,10 +1,11 @@
 // NCCL communicator: one tensor-parallel rank per GPU (Megatron-LM's setting, Shoeybi et al.
 // 2019, section 3), over NVIDIA's collective library.
 //
-// Built only when CMake finds the CUDA toolkit and NCCL (target llmq_nccl). This version has no
-// GPU forward pass yet, so nothing in the engine uses it: it compiles against NCCL and is the
-// Communicator a CUDA backend's ranks would use. Buffers handed to its collectives must be
-// device memory of this rank's GPU; every call is synchronous (it waits on the rank's stream).
+// Built only when CMake finds the CUDA toolkit and NCCL (target llmq_nccl, linked into
+// llmq_device): llmq-run --device cuda --tp N uses it when the machine has N GPUs (one rank per
+// GPU, engine/cuda/session.h CudaTpSession; with fewer, the ranks share GPU 0 over HostComm).
+// Buffers handed to its collectives must be device memory of this rank's GPU; every call is
+// synchronous (it waits on the rank's stream).
 //
 // Numerics: NCCL's all-reduce (ring or tree, chosen by NCCL for the topology) adds the partial
 // sums in an order that is fixed for a given topology and rank count, and its final broadcast
@@ -17,9 +18,6 @@
 #include "engine/comm.h"
 
 namespace llmq {
-
-/// Number of CUDA devices visible to this process (0 when none or no driver).
-int cuda_device_count();
 
 class NcclComm final : public Communicator {
  public:

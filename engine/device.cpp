@@ -8,6 +8,13 @@
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/session.h"
 #endif
+#ifdef LLMQ_HAVE_NCCL
+#include <exception>
+#include <thread>
+#include <vector>
+
+#include "engine/comm_nccl.h"
+#endif
 
 namespace llmq {
 
@@ -53,17 +60,43 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
     cuda::check(cudaSetDevice(0), "cudaSetDevice");
     cuda::check(cudaFree(nullptr), "CUDA context");
     const cuda::MemInfo before = mem_info();
-    auto s = std::make_unique<cuda::CudaTpSession>(m, tp, ctx, n_batch, logits_rows, progress);
+    std::unique_ptr<cuda::CudaTpSession> s;
+#ifdef LLMQ_HAVE_NCCL
+    if (cuda_device_count() >= tp) {  // one rank per GPU over NCCL; the ranks join at once (ncclCommInitRank blocks)
+      const ncclUniqueId id = NcclComm::make_id();
+      std::vector<std::unique_ptr<Communicator>> comms(static_cast<size_t>(tp));
+      std::vector<std::exception_ptr> errors(static_cast<size_t>(tp));
+      std::vector<std::thread> joins;
+      for (int r = 0; r < tp; ++r)
+        joins.emplace_back([&, r] {
+          try {
+            comms[size_t(r)] = std::make_unique<NcclComm>(r, tp, id, r);
+          } catch (...) {
+            errors[size_t(r)] = std::current_exception();
+          }
+        });
+      for (auto& t : joins) t.join();
+      for (auto& e : errors)
+        if (e) std::rethrow_exception(e);
+      std::vector<int> devices(static_cast<size_t>(tp));
+      for (int r = 0; r < tp; ++r) devices[size_t(r)] = r;
+      s = std::make_unique<cuda::CudaTpSession>(m, std::move(comms), devices, ctx, n_batch, logits_rows, progress);
+      std::fprintf(stderr, "llmq: tensor parallel over %d GPUs (NCCL all-reduce), GPU 0: %s\n", tp, cuda::device_description(0).c_str());
+    }
+#endif
+    if (!s) {
+      s = std::make_unique<cuda::CudaTpSession>(m, tp, ctx, n_batch, logits_rows, progress);
+      std::fprintf(stderr, "llmq: GPU 0: %s; tensor parallel over %d ranks on this GPU (host all-reduce)\n",
+                   cuda::device_description(0).c_str(), tp);
+    }
     const cuda::MemInfo after = mem_info();
     auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
-    std::fprintf(stderr, "llmq: GPU 0: %s; tensor parallel over %d ranks on this GPU (host all-reduce)\n",
-                 cuda::device_description(0).c_str(), tp);
     for (int r = 0; r < tp; ++r) {
       const cuda::CudaSession& rs = s->rank_session(r);
       std::fprintf(stderr, "llmq: rank %d: weights %.1f MiB, KV cache %.1f MiB (f16), workspace %.1f MiB\n", r,
                    mib(s->rank_model(r).weight_bytes()), mib(rs.kv_bytes()), mib(rs.workspace_bytes()));
     }
-    std::fprintf(stderr, "llmq: GPU memory measured for all ranks: %.1f MiB (cudaMemGetInfo)\n", mib(before.free - after.free));
+    std::fprintf(stderr, "llmq: GPU 0 memory measured at load: %.1f MiB (cudaMemGetInfo)\n", mib(before.free - after.free));
     return s;
   }
   if (gpu_layers > L) throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(L) + " layers");

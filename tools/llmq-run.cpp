@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   auto* popt = app.add_option("-p,--prompt", prompt, "prompt; without it llmq-run is an interactive chat");
   app.add_option("-n,--n-predict", n_predict, "tokens to generate (-1: until end of sequence)");
   app.add_option("-t,--threads", threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
-  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: N ranks on GPU 0, host all-reduce)");
+  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0 with a host all-reduce)");
   app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
   std::string kv_type_s = "f32";

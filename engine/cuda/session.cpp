@@ -573,19 +573,37 @@ int32_t CudaOffloadSession::forward_sample(const int32_t* tokens, int64_t n, Sam
 // ---------------------------------------------------------------- CudaTpSession
 
 CudaTpSession::CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress) : m_(m) {
-  TpOptions opt;
-  opt.vocab_parallel = false;  // the embedding replicated, the whole output on rank 0
-  const std::vector<ShardRanges> plan = plan_shards(m, n_ranks, opt);
-  for (int r = 0; r < n_ranks; ++r) {
-    const ModelShard shard = make_shard(m, plan, r, /*pack=*/false);  // host copies of its columns, dropped after the upload
-    models_.push_back(std::make_unique<CudaModel>(m, shard, progress));
-    sessions_.push_back(std::make_unique<CudaSession>(*models_.back(), &m, ctx, n_batch, logits_rows));
-  }
+  devices_.assign(size_t(std::max(n_ranks, 1)), 0);
+  build(n_ranks, ctx, n_batch, logits_rows, progress);
   if (n_ranks > 1) {
     comm_ = std::make_unique<HostCommGroup>(n_ranks);
-    threads_ = std::make_unique<ThreadPool>(n_ranks);
     for (int r = 0; r < n_ranks; ++r) sessions_[size_t(r)]->set_comm(&comm_->rank(r), /*device_memory=*/false);
   }
+}
+
+CudaTpSession::CudaTpSession(const Model& m, std::vector<std::unique_ptr<Communicator>> comms, const std::vector<int>& devices,
+                             int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress)
+    : m_(m), comms_(std::move(comms)), devices_(devices) {
+  const int n = int(comms_.size());
+  if (int(devices_.size()) != n) throw UsageError("CUDA tensor parallelism: one device per communicator");
+  build(n, ctx, n_batch, logits_rows, progress);
+  for (int r = 0; r < n; ++r) sessions_[size_t(r)]->set_comm(comms_[size_t(r)].get(), /*device_memory=*/true);
+}
+
+// Each rank's shard uploaded to its device (the current device is per host thread: set it for
+// every rank before its allocations, and again in run()).
+void CudaTpSession::build(int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress) {
+  TpOptions opt;
+  opt.vocab_parallel = false;  // the embedding replicated, the whole output on rank 0
+  const std::vector<ShardRanges> plan = plan_shards(m_, n_ranks, opt);
+  for (int r = 0; r < n_ranks; ++r) {
+    check(cudaSetDevice(devices_[size_t(r)]), "cudaSetDevice");
+    const ModelShard shard = make_shard(m_, plan, r, /*pack=*/false);  // host copies of its columns, dropped after the upload
+    models_.push_back(std::make_unique<CudaModel>(m_, shard, progress));
+    sessions_.push_back(std::make_unique<CudaSession>(*models_.back(), &m_, ctx, n_batch, logits_rows));
+  }
+  check(cudaSetDevice(devices_[0]), "cudaSetDevice");
+  if (n_ranks > 1) threads_ = std::make_unique<ThreadPool>(n_ranks);
 }
 
 CudaTpSession::~CudaTpSession() = default;
@@ -597,11 +615,13 @@ void CudaTpSession::run(const std::function<void(int)>& fn) {
     threads_->parallel_for(size(), [&](int64_t r0, int64_t r1, int) {
       for (int64_t r = r0; r < r1; ++r) {
         try {
+          check(cudaSetDevice(devices_[size_t(r)]), "cudaSetDevice");
           fn(int(r));
         } catch (const CommAborted&) {
           throw;
         } catch (...) {
-          comm_->rank(int(r)).abort();  // release the ranks waiting for this one
+          if (comm_) comm_->rank(int(r)).abort();  // release the ranks waiting for this one
+          else comms_[size_t(r)]->abort();
           throw;
         }
       }

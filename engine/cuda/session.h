@@ -237,6 +237,10 @@ class CudaTpSession : public SessionBase {
   /// Throws UsageError when the ranks cannot be formed (plan_shards) or split a KV group,
   /// CudaError when they do not fit.
   CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1, bool progress = false);
+  /// One rank per GPU: rank r on device devices[r] with communicator comms[r] (NcclComm, device
+  /// buffers; comms.size() ranks), which the session keeps.
+  CudaTpSession(const Model& m, std::vector<std::unique_ptr<Communicator>> comms, const std::vector<int>& devices, int64_t ctx,
+                int64_t n_batch = 512, int64_t logits_rows = 1, bool progress = false);
   ~CudaTpSession() override;
   const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
   int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
@@ -254,8 +258,12 @@ class CudaTpSession : public SessionBase {
  private:
   void run(const std::function<void(int)>& fn);  // fn(r) for every rank at once, each on its own thread
 
+  void build(int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress);
+
   const Model& m_;
-  std::unique_ptr<HostCommGroup> comm_;
+  std::unique_ptr<HostCommGroup> comm_;         // ranks on one GPU
+  std::vector<std::unique_ptr<Communicator>> comms_;  // one rank per GPU (NCCL)
+  std::vector<int> devices_;                   // [N] each rank's GPU
   std::unique_ptr<ThreadPool> threads_;
   std::vector<std::unique_ptr<CudaModel>> models_;
   std::vector<std::unique_ptr<CudaSession>> sessions_;
