@@ -19,6 +19,39 @@
 namespace llmq {
 
 #ifdef LLMQ_HAVE_CUDA
+namespace {
+
+// One NCCL communicator per GPU for `tp` ranks when the build has NCCL and the machine has tp
+// GPUs (the ranks join at once: ncclCommInitRank blocks until all have); else none, and the
+// ranks share GPU 0 over a host all-reduce.
+cuda::CudaComms nccl_comms(int tp) {
+  cuda::CudaComms c;
+#ifdef LLMQ_HAVE_NCCL
+  if (tp < 2 || cuda::device_count() < tp) return c;
+  const ncclUniqueId id = NcclComm::make_id();
+  c.comms.resize(size_t(tp));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(tp));
+  std::vector<std::thread> joins;
+  for (int r = 0; r < tp; ++r)
+    joins.emplace_back([&, r] {
+      try {
+        c.comms[size_t(r)] = std::make_unique<NcclComm>(r, tp, id, r);
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : joins) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  for (int r = 0; r < tp; ++r) c.devices.push_back(r);
+#else
+  (void)tp;
+#endif
+  return c;
+}
+
+}  // namespace
+
 bool cuda_built() { return true; }
 int cuda_device_count() { return cuda::device_count(); }
 #else
@@ -60,37 +93,13 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
     cuda::check(cudaSetDevice(0), "cudaSetDevice");
     cuda::check(cudaFree(nullptr), "CUDA context");
     const cuda::MemInfo before = mem_info();
-    std::unique_ptr<cuda::CudaTpSession> s;
-#ifdef LLMQ_HAVE_NCCL
-    if (cuda_device_count() >= tp) {  // one rank per GPU over NCCL; the ranks join at once (ncclCommInitRank blocks)
-      const ncclUniqueId id = NcclComm::make_id();
-      std::vector<std::unique_ptr<Communicator>> comms(static_cast<size_t>(tp));
-      std::vector<std::exception_ptr> errors(static_cast<size_t>(tp));
-      std::vector<std::thread> joins;
-      for (int r = 0; r < tp; ++r)
-        joins.emplace_back([&, r] {
-          try {
-            comms[size_t(r)] = std::make_unique<NcclComm>(r, tp, id, r);
-          } catch (...) {
-            errors[size_t(r)] = std::current_exception();
-          }
-        });
-      for (auto& t : joins) t.join();
-      for (auto& e : errors)
-        if (e) std::rethrow_exception(e);
-      std::vector<int> devices(static_cast<size_t>(tp));
-      for (int r = 0; r < tp; ++r) devices[size_t(r)] = r;
-      s = std::make_unique<cuda::CudaTpSession>(m, std::move(comms), devices, ctx, n_batch, logits_rows, progress);
-      std::fprintf(stderr, "llmq: tensor parallel over %d GPUs (NCCL all-reduce), GPU 0: %s\n", tp, cuda::device_description(0).c_str());
-    }
-#endif
-    if (!s) {
-      s = std::make_unique<cuda::CudaTpSession>(m, tp, ctx, n_batch, logits_rows, progress);
-      std::fprintf(stderr, "llmq: GPU 0: %s; tensor parallel over %d ranks on this GPU (host all-reduce)\n",
-                   cuda::device_description(0).c_str(), tp);
-    }
+    cuda::CudaComms comms = nccl_comms(tp);
+    const bool nccl = !comms.comms.empty();
+    auto s = std::make_unique<cuda::CudaTpSession>(m, tp, ctx, n_batch, logits_rows, progress, std::move(comms));
     const cuda::MemInfo after = mem_info();
     auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
+    std::fprintf(stderr, "llmq: GPU 0: %s; tensor parallel over %d ranks %s\n", cuda::device_description(0).c_str(), tp,
+                 nccl ? "on as many GPUs (NCCL all-reduce)" : "on this GPU (host all-reduce)");
     for (int r = 0; r < tp; ++r) {
       const cuda::CudaSession& rs = s->rank_session(r);
       std::fprintf(stderr, "llmq: rank %d: weights %.1f MiB, KV cache %.1f MiB (f16), workspace %.1f MiB\n", r,
@@ -99,7 +108,6 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
     std::fprintf(stderr, "llmq: GPU 0 memory measured at load: %.1f MiB (cudaMemGetInfo)\n", mib(before.free - after.free));
     return s;
   }
-  if (gpu_layers > L) throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(L) + " layers");
   const bool partial = gpu_layers >= 0 && gpu_layers < L;
   if (partial && !pool) throw UsageError("partial offload needs a CPU thread pool");
   cuda::check(cudaSetDevice(0), "cudaSetDevice");
@@ -145,28 +153,34 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
 }
 
 std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens,
-                                                    bool progress) {
+                                                    bool progress, int tp) {
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
   cuda::check(cudaSetDevice(0), "cudaSetDevice");
   cuda::check(cudaFree(nullptr), "CUDA context");
   const cuda::MemInfo before = mem_info();
-  auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress);
+  cuda::CudaComms comms = nccl_comms(tp);
+  const bool nccl = !comms.comms.empty();
+  auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress, tp, std::move(comms));
   const cuda::MemInfo after = mem_info();
   const CudaPlan& p = r->plan();
   auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
+  uint64_t weights = 0;
+  for (int i = 0; i < r->ranks(); ++i) weights += r->device_model(i).weight_bytes();
   std::fprintf(stderr,
-               "llmq: GPU 0: %s\n"
+               "llmq: GPU 0: %s%s\n"
                "llmq: GPU memory: weights %.1f MiB, KV cache %.1f MiB (f16, %lld blocks of %lld positions, paged over %lld sequences), "
-               "workspace %.1f MiB (batch %lld); allocated %.1f MiB, measured %.1f MiB (cudaMemGetInfo); CUDA context and other "
-               "processes before loading: %.1f MiB\n",
-               cuda::device_description(0).c_str(), mib(r->device_model().weight_bytes()), mib(r->session().kv_bytes()),
-               (long long)p.kv_blocks, (long long)p.block_tokens, (long long)p.parallel, mib(r->session().workspace_bytes()),
-               (long long)p.n_batch, mib(r->device_model().weight_bytes() + r->session().state_bytes()), mib(before.free - after.free),
+               "workspace %.1f MiB (batch %lld); allocated %.1f MiB, measured %.1f MiB on GPU 0 (cudaMemGetInfo); CUDA context and "
+               "other processes before loading: %.1f MiB\n",
+               cuda::device_description(0).c_str(),
+               tp > 1 ? (nccl ? "; tensor parallel, one rank per GPU (NCCL)" : "; tensor parallel, the ranks on this GPU (host all-reduce)") : "",
+               mib(weights), mib(r->kv_bytes(KVCache::tables_only(m.config, 1, 1))), (long long)p.kv_blocks, (long long)p.block_tokens,
+               (long long)p.parallel, mib(r->workspace_bytes()), (long long)p.n_batch,
+               mib(weights + r->kv_bytes(KVCache::tables_only(m.config, 1, 1)) + r->workspace_bytes()), mib(before.free - after.free),
                mib(before.total - before.free));
   return r;
 #else
-  (void)m, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress;
+  (void)m, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress, (void)tp;
   throw UsageError("this build has no CUDA backend");
 #endif
 }

@@ -378,7 +378,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
   app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
-  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process)");
+  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0)");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
@@ -402,7 +402,6 @@ int main(int argc, char** argv) {
 #endif
   return cli::run_guarded("llmq-server", [&] {
     const bool gpu = pick_device(device) == Device::Cuda;
-    if (gpu && tp != 1) throw UsageError("--tp with --device cuda: tensor parallelism runs on CPU ranks only so far");
     if (gpu && kv_type_opt->count()) throw UsageError("--kv-type is the CPU's KV-cache type; the GPU's KV cache is f16");
     if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
     if (fit) {  // plan first, from the file's metadata and tensor directory only (llmq-mem infer --fit)
@@ -522,12 +521,12 @@ int main(int argc, char** argv) {
     // Load in the background: /health answers 503 until the model is ready.
     std::thread loader([&] {
       try {
-        st->model = Model::load(model_path, !no_verify, /*pack=*/!gpu, /*gpu_layers=*/0, tp);
+        st->model = Model::load(model_path, !no_verify, /*pack=*/!gpu, /*gpu_layers=*/0, gpu ? 1 : tp);
         // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
         // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());
         const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
-        if (gpu) st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens);
+        if (gpu) st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp);
         else if (tp == 1) st->pool = std::make_unique<ThreadPool>(threads);
         else st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);

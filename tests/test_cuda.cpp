@@ -591,10 +591,15 @@ void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_l
 TEST_CASE("CUDA whole model: stories260K logits and 64 greedy tokens equal the CPU's", "[cuda][model]") {
   if (!have_gpu()) return;
   for (const char* type : {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"}) {
-    compare_model(test::stories(type));
 #ifdef LLMQ_CUDA_EMU
-    if (std::string(type) != "f32" && std::string(type) != "q8_0") continue;  // the emulator's time: two types suffice
+    // The emulator's time (CI): four types whole (every type's kernels are checked one by one
+    // above), the GEMV prompt path on one; a GPU runs them all.
+    if (std::string(type) == "bf16" || std::string(type) == "q4_1") continue;
+    compare_model(test::stories(type));
+    if (std::string(type) == "f32") compare_model(test::stories(type), 8);
+    continue;
 #endif
+    compare_model(test::stories(type));
     compare_model(test::stories(type), 8);  // the prompt through the GEMV path (chunks of 8)
   }
 }
@@ -776,7 +781,7 @@ TEST_CASE("CUDA continuous batching: mixed batches over a paged cache match the 
 // tokens the GPU gives each alone (a CudaSession of one sequence: the same fp16 KV cache).
 // Not the CPU's: for the first prompt the CPU's 10th token is a near-tie (logits 10.96937 and
 // 10.96902) that the GPU's fp16 KV cache resolves the other way.
-TEST_CASE("CUDA llmq-server scheduler: batched greedy requests equal each one alone", "[cuda][model][batch]") {
+TEST_CASE("CUDA llmq-server scheduler: batched greedy requests equal each one alone, also over TP ranks", "[cuda][model][batch]") {
   if (!have_gpu()) return;
   auto m = Model::load(test::stories("f32"));
   std::vector<std::vector<int32_t>> prompts = {{1, 400, 20}, {1, 17, 300, 41, 99}, {1, 250}};
@@ -795,9 +800,12 @@ TEST_CASE("CUDA llmq-server scheduler: batched greedy requests equal each one al
   }
   SchedulerOptions so;
   so.parallel = 3, so.ctx = 128, so.n_batch = 32;
-  cuda::CudaBatchRunner gpu(*m, so.ctx, so.n_batch, so.parallel);
+  for (int tp : {1, 2}) {  // 2: tensor-parallel ranks on the one GPU (llmq-server --device cuda --tp 2)
+  INFO("tp " << tp);
+  cuda::CudaBatchRunner gpu(*m, so.ctx, so.n_batch, so.parallel, 0, false, tp);
+  REQUIRE(gpu.ranks() == tp);
   Scheduler sched(gpu, so);
-  CHECK(sched.kv_bytes() == gpu.plan().kv);
+  CHECK(sched.kv_bytes() == uint64_t(tp) * gpu.plan().kv);  // 2 ranks: each its KV heads (stories260K: 4 of 4 split 2 + 2)
   std::vector<std::shared_ptr<GenRequest>> reqs;
   for (const auto& pr : prompts) {
     GenParams g;
@@ -821,6 +829,7 @@ TEST_CASE("CUDA llmq-server scheduler: batched greedy requests equal each one al
     REQUIRE(!got.empty());
     CHECK(got == std::vector<int32_t>(want[r].begin(), want[r].begin() + int64_t(got.size())));
     CHECK((got.size() == 16 || reqs[r]->finish_reason == "stop"));
+  }
   }
 }
 

@@ -425,7 +425,7 @@ void CudaSession::prefill(const int32_t* tokens, int64_t n) {
   pos_ += n;
 }
 
-const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch, int64_t T) {
+const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch, int64_t T, bool advance) {
   if (plan_.parallel == 0) throw UsageError("forward_batch: this CUDA session holds one sequence (make it from plan_cuda_server)");
   if (!m_) throw UsageError("forward_batch: a synthetic CUDA session has no host model");
   if (tables.n_blocks() != plan_.kv_blocks || tables.block_tokens() != plan_.block_tokens)
@@ -462,7 +462,8 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
   for (int64_t i = 0; i < bplan_.n_logits; ++i) out[i] = int32_t(bplan_.out[size_t(i)]);
   enqueue(T, 0, bplan_.n_logits, Out::Logits, true);
   check(cudaStreamSynchronize(stream_), "forward_batch");
-  for (const auto& [seq, end] : bplan_.ends) tables.set_length(seq, end);
+  if (advance)
+    for (const auto& [seq, end] : bplan_.ends) tables.set_length(seq, end);
   return bplan_.n_logits ? h_logits_.as<float>() : nullptr;
 }
 
@@ -570,45 +571,41 @@ int32_t CudaOffloadSession::forward_sample(const int32_t* tokens, int64_t n, Sam
   return gpu_->forward_sample(tokens + last, n - last, sampler, history);
 }
 
-// ---------------------------------------------------------------- CudaTpSession
+// ---------------------------------------------------------------- CudaRanks
 
-CudaTpSession::CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress) : m_(m) {
-  devices_.assign(size_t(std::max(n_ranks, 1)), 0);
-  build(n_ranks, ctx, n_batch, logits_rows, progress);
-  if (n_ranks > 1) {
-    comm_ = std::make_unique<HostCommGroup>(n_ranks);
-    for (int r = 0; r < n_ranks; ++r) sessions_[size_t(r)]->set_comm(&comm_->rank(r), /*device_memory=*/false);
+CudaRanks::CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(const LlamaConfig&)>& plan_of, bool progress,
+                     CudaComms comms)
+    : comms_(std::move(comms)) {
+  if (!comms_.comms.empty() && int(comms_.comms.size()) != n_ranks) throw UsageError("CUDA tensor parallelism: one communicator per rank");
+  devices_ = comms_.comms.empty() ? std::vector<int>(size_t(std::max(n_ranks, 1)), 0) : comms_.devices;
+  if (n_ranks <= 1) {  // the whole model, as uploaded for one GPU
+    models_.push_back(std::make_unique<CudaModel>(m, progress));
+    sessions_.push_back(std::make_unique<CudaSession>(*models_.back(), &m, plan_of(m.config)));
+    return;
   }
-}
-
-CudaTpSession::CudaTpSession(const Model& m, std::vector<std::unique_ptr<Communicator>> comms, const std::vector<int>& devices,
-                             int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress)
-    : m_(m), comms_(std::move(comms)), devices_(devices) {
-  const int n = int(comms_.size());
-  if (int(devices_.size()) != n) throw UsageError("CUDA tensor parallelism: one device per communicator");
-  build(n, ctx, n_batch, logits_rows, progress);
-  for (int r = 0; r < n; ++r) sessions_[size_t(r)]->set_comm(comms_[size_t(r)].get(), /*device_memory=*/true);
-}
-
-// Each rank's shard uploaded to its device (the current device is per host thread: set it for
-// every rank before its allocations, and again in run()).
-void CudaTpSession::build(int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress) {
   TpOptions opt;
   opt.vocab_parallel = false;  // the embedding replicated, the whole output on rank 0
-  const std::vector<ShardRanges> plan = plan_shards(m_, n_ranks, opt);
-  for (int r = 0; r < n_ranks; ++r) {
+  const std::vector<ShardRanges> plan = plan_shards(m, n_ranks, opt);
+  for (int r = 0; r < n_ranks; ++r) {  // each rank's allocations on its device (current per host thread)
     check(cudaSetDevice(devices_[size_t(r)]), "cudaSetDevice");
-    const ModelShard shard = make_shard(m_, plan, r, /*pack=*/false);  // host copies of its columns, dropped after the upload
-    models_.push_back(std::make_unique<CudaModel>(m_, shard, progress));
-    sessions_.push_back(std::make_unique<CudaSession>(*models_.back(), &m_, ctx, n_batch, logits_rows));
+    const ModelShard shard = make_shard(m, plan, r, /*pack=*/false);  // host copies of its columns, dropped after the upload
+    models_.push_back(std::make_unique<CudaModel>(m, shard, progress));
+    sessions_.push_back(std::make_unique<CudaSession>(*models_.back(), &m, plan_of(models_.back()->config())));
   }
   check(cudaSetDevice(devices_[0]), "cudaSetDevice");
-  if (n_ranks > 1) threads_ = std::make_unique<ThreadPool>(n_ranks);
+  threads_ = std::make_unique<ThreadPool>(n_ranks);
+  if (comms_.comms.empty()) host_ = std::make_unique<HostCommGroup>(n_ranks);
+  for (int r = 0; r < n_ranks; ++r)
+    sessions_[size_t(r)]->set_comm(host_ ? static_cast<Communicator*>(&host_->rank(r)) : comms_.comms[size_t(r)].get(),
+                                   /*device_memory=*/!host_);
 }
 
-CudaTpSession::~CudaTpSession() = default;
+CudaRanks::~CudaRanks() {
+  sessions_.clear();  // before the communicators they point at
+  models_.clear();
+}
 
-void CudaTpSession::run(const std::function<void(int)>& fn) {
+void CudaRanks::run(const std::function<void(int)>& fn) {
   if (failed_) throw UsageError("tensor parallel: a rank failed earlier; the ranks cannot continue");
   if (!threads_) return fn(0);
   try {
@@ -619,9 +616,9 @@ void CudaTpSession::run(const std::function<void(int)>& fn) {
           fn(int(r));
         } catch (const CommAborted&) {
           throw;
-        } catch (...) {
-          if (comm_) comm_->rank(int(r)).abort();  // release the ranks waiting for this one
-          else comms_[size_t(r)]->abort();
+        } catch (...) {  // release the ranks waiting for this one
+          if (host_) host_->rank(int(r)).abort();
+          else comms_.comms[size_t(r)]->abort();
           throw;
         }
       }
@@ -632,10 +629,29 @@ void CudaTpSession::run(const std::function<void(int)>& fn) {
   }
 }
 
+uint64_t CudaRanks::kv_bytes() const {
+  uint64_t b = 0;
+  for (const auto& s : sessions_) b += s->kv_bytes();
+  return b;
+}
+
+uint64_t CudaRanks::workspace_bytes() const {
+  uint64_t b = 0;
+  for (const auto& s : sessions_) b += s->workspace_bytes();
+  return b;
+}
+
+// ---------------------------------------------------------------- CudaTpSession
+
+CudaTpSession::CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress,
+                             CudaComms comms)
+    : m_(m),
+      ranks_(m, n_ranks, [&](const LlamaConfig& c) { return plan_cuda(c, {}, ctx, n_batch, logits_rows); }, progress, std::move(comms)) {}
+
 const float* CudaTpSession::forward(const int32_t* tokens, int64_t n, bool all_logits) {
   const float* out = nullptr;
-  run([&](int r) {
-    const float* l = sessions_[size_t(r)]->forward(tokens, n, all_logits);
+  ranks_.run([&](int r) {
+    const float* l = ranks_.session(r).forward(tokens, n, all_logits);
     if (r == 0) out = l;
   });
   return out;
@@ -643,35 +659,28 @@ const float* CudaTpSession::forward(const int32_t* tokens, int64_t n, bool all_l
 
 int32_t CudaTpSession::forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) {
   int32_t id = -1;
-  run([&](int r) {  // rank 0 holds the output and samples; the others run the same layers
-    if (r == 0) id = sessions_[0]->forward_sample(tokens, n, sampler, history);
-    else sessions_[size_t(r)]->forward(tokens, n);
+  ranks_.run([&](int r) {  // rank 0 holds the output and samples; the others run the same layers
+    if (r == 0) id = ranks_.session(0).forward_sample(tokens, n, sampler, history);
+    else ranks_.session(r).forward(tokens, n);
   });
   return id;
 }
 
 void CudaTpSession::truncate(int64_t n) {
-  for (auto& s : sessions_) s->truncate(n);
-}
-
-uint64_t CudaTpSession::kv_bytes() const {
-  uint64_t b = 0;
-  for (const auto& s : sessions_) b += s->kv_bytes();
-  return b;
-}
-
-uint64_t CudaTpSession::workspace_bytes() const {
-  uint64_t b = 0;
-  for (const auto& s : sessions_) b += s->workspace_bytes();
-  return b;
+  for (int r = 0; r < ranks_.size(); ++r) ranks_.session(r).truncate(n);
 }
 
 // ---------------------------------------------------------------- CudaBatchRunner
 
-CudaBatchRunner::CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens, bool progress)
-    : m_(m), plan_(plan_cuda_server(m.config, m.file->tensors(), ctx, n_batch, parallel, kv_tokens)) {
-  dm_ = std::make_unique<CudaModel>(m, progress);
-  session_ = std::make_unique<CudaSession>(*dm_, &m, plan_);
+CudaBatchRunner::CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens, bool progress, int tp,
+                                 CudaComms comms)
+    : m_(m),
+      plan_(plan_cuda_server(m.config, tp > 1 ? std::vector<TensorInfo>{} : m.file->tensors(), ctx, n_batch, parallel, kv_tokens)),
+      ranks_(
+          m, tp,
+          [&](const LlamaConfig& c) { return tp > 1 ? plan_cuda_server(c, {}, ctx, n_batch, parallel, kv_tokens) : plan_; },
+          progress, std::move(comms)) {
+  if (tp > 1) plan_ = ranks_.session(0).plan();
 }
 
 KVCache CudaBatchRunner::make_cache(int64_t n_blocks, int64_t block_tokens, KvType) {
@@ -680,6 +689,17 @@ KVCache CudaBatchRunner::make_cache(int64_t n_blocks, int64_t block_tokens, KvTy
                      " positions was asked for; the GPU's holds " + std::to_string(plan_.kv_blocks) + " of " +
                      std::to_string(plan_.block_tokens));
   return KVCache::tables_only(m_.config, n_blocks, block_tokens);
+}
+
+const float* CudaBatchRunner::forward(KVCache& cache, const BatchToken* batch, int64_t n) {
+  if (ranks_.size() == 1) return ranks_.session(0).forward_batch(cache, batch, n);
+  const float* out = nullptr;
+  ranks_.run([&](int r) {  // every rank reads the same tables; the lengths advance once, after all
+    const float* l = ranks_.session(r).forward_batch(cache, batch, n, /*advance=*/false);
+    if (r == 0) out = l;
+  });
+  for (const auto& [seq, end] : ranks_.session(0).batch_plan().ends) cache.set_length(seq, end);
+  return out;
 }
 
 }  // namespace llmq::cuda

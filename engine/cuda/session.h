@@ -123,12 +123,18 @@ class CudaSession : public SessionBase {
   /// cache lengths advanced. Throws UsageError as forward_batch, and for more flagged tokens
   /// than the plan's logits_rows, more sequences than its `parallel`, or a sequence holding
   /// more than ctx positions; on a session of one sequence.
-  const float* forward_batch(KVCache& tables, const BatchToken* batch, int64_t T);
+  /// advance = false leaves the cache lengths (tensor-parallel ranks share one table: their
+  /// driver advances it once, from batch_plan().ends).
+  const float* forward_batch(KVCache& tables, const BatchToken* batch, int64_t T, bool advance = true);
+  /// The positions of the last forward_batch.
+  const BatchPlan& batch_plan() const { return bplan_; }
 
   const Model& model() const override;
   int64_t pos() const override { return pos_; }
   int64_t ctx() const override { return ctx_; }
   int64_t n_batch() const override { return n_batch_; }
+  /// The plan the session was made from.
+  const CudaPlan& plan() const { return plan_; }
   /// Logits rows forward(..., all_logits) can return.
   int64_t logits_rows() const { return logits_rows_; }
   void truncate(int64_t n) override;
@@ -226,79 +232,103 @@ class CudaOffloadSession : public SessionBase {
   std::unique_ptr<CudaSession> gpu_;
 };
 
-/// Tensor parallelism on the GPU (llmq-run --device cuda --tp N): N ranks, each a CudaSession on
-/// its CudaModel shard (engine/tp.h's Megatron-LM split; embedding replicated, the output
-/// projection on rank 0), run at once by N host threads and meeting in a HostCommGroup for the
-/// two all-reduces per layer. Every rank is on GPU 0: this checks the sharded GPU path against
-/// TP = 1 on one device (issue 7); the NCCL communicator (one GPU per rank) plugs into
-/// CudaSession::set_comm the same way.
-class CudaTpSession : public SessionBase {
+/// Communicators for tensor-parallel ranks on GPUs: comms[r] for the rank on device devices[r]
+/// (NCCL, device buffers). Empty: every rank on GPU 0 over a HostCommGroup.
+struct CudaComms {
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<int> devices;
+};
+
+/// N tensor-parallel ranks on the GPU: each a CudaSession on its CudaModel shard (engine/tp.h's
+/// Megatron-LM split; embedding replicated, the output projection on rank 0), run at once by N
+/// host threads, meeting for the two all-reduces per layer in a HostCommGroup (every rank on
+/// GPU 0: what checks the sharded path against TP = 1 on one device) or over NCCL (one rank per
+/// GPU, CudaComms). One rank: the whole model, no thread or communicator.
+class CudaRanks {
  public:
-  /// Throws UsageError when the ranks cannot be formed (plan_shards) or split a KV group,
-  /// CudaError when they do not fit.
-  CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1, bool progress = false);
-  /// One rank per GPU: rank r on device devices[r] with communicator comms[r] (NcclComm, device
-  /// buffers; comms.size() ranks), which the session keeps.
-  CudaTpSession(const Model& m, std::vector<std::unique_ptr<Communicator>> comms, const std::vector<int>& devices, int64_t ctx,
-                int64_t n_batch = 512, int64_t logits_rows = 1, bool progress = false);
-  ~CudaTpSession() override;
-  const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
-  int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
-  const Model& model() const override { return m_; }
-  int64_t pos() const override { return sessions_[0]->pos(); }
-  int64_t ctx() const override { return sessions_[0]->ctx(); }
-  int64_t n_batch() const override { return sessions_[0]->n_batch(); }
-  void truncate(int64_t n) override;
-  uint64_t kv_bytes() const override;
-  uint64_t workspace_bytes() const override;
+  /// plan_of(c) gives the session plan of a rank whose config (widths) is c. Throws UsageError
+  /// when the ranks cannot be formed (plan_shards) or split a KV group, CudaError when they do
+  /// not fit.
+  CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(const LlamaConfig&)>& plan_of, bool progress,
+            CudaComms comms = {});
+  ~CudaRanks();
   int size() const { return int(sessions_.size()); }
-  const CudaModel& rank_model(int r) const { return *models_.at(size_t(r)); }
-  const CudaSession& rank_session(int r) const { return *sessions_.at(size_t(r)); }
+  CudaSession& session(int r) { return *sessions_.at(size_t(r)); }
+  const CudaSession& session(int r) const { return *sessions_.at(size_t(r)); }
+  const CudaModel& model(int r) const { return *models_.at(size_t(r)); }
+  /// fn(r) for every rank at once, each on its own thread with its device current; when one
+  /// throws, the others are released (the communicator aborted) and every later call throws.
+  void run(const std::function<void(int)>& fn);
+  uint64_t kv_bytes() const;
+  uint64_t workspace_bytes() const;
 
  private:
-  void run(const std::function<void(int)>& fn);  // fn(r) for every rank at once, each on its own thread
-
-  void build(int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress);
-
-  const Model& m_;
-  std::unique_ptr<HostCommGroup> comm_;         // ranks on one GPU
-  std::vector<std::unique_ptr<Communicator>> comms_;  // one rank per GPU (NCCL)
-  std::vector<int> devices_;                   // [N] each rank's GPU
+  std::unique_ptr<HostCommGroup> host_;               // ranks on one GPU
+  CudaComms comms_;                                   // one rank per GPU (NCCL)
+  std::vector<int> devices_;                          // [N] each rank's GPU
   std::unique_ptr<ThreadPool> threads_;
   std::vector<std::unique_ptr<CudaModel>> models_;
   std::vector<std::unique_ptr<CudaSession>> sessions_;
   bool failed_ = false;
 };
 
-/// llmq-server on one GPU: `parallel` sequences of up to ctx tokens over a paged fp16 KV cache
+/// Tensor parallelism on the GPU for one sequence (llmq-run --device cuda --tp N): CudaRanks
+/// driven as a session; rank 0 returns the logits and samples.
+class CudaTpSession : public SessionBase {
+ public:
+  /// Errors as CudaRanks.
+  CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1, bool progress = false,
+                CudaComms comms = {});
+  const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
+  int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
+  const Model& model() const override { return m_; }
+  int64_t pos() const override { return ranks_.session(0).pos(); }
+  int64_t ctx() const override { return ranks_.session(0).ctx(); }
+  int64_t n_batch() const override { return ranks_.session(0).n_batch(); }
+  void truncate(int64_t n) override;
+  uint64_t kv_bytes() const override { return ranks_.kv_bytes(); }
+  uint64_t workspace_bytes() const override { return ranks_.workspace_bytes(); }
+  int size() const { return ranks_.size(); }
+  const CudaModel& rank_model(int r) const { return ranks_.model(r); }
+  const CudaSession& rank_session(int r) const { return ranks_.session(r); }
+
+ private:
+  const Model& m_;
+  CudaRanks ranks_;
+};
+
+/// llmq-server on the GPU: `parallel` sequences of up to ctx tokens over a paged fp16 KV cache
 /// (the block tables of engine/kv_cache.h on the host, the blocks on the device), each forward
 /// pass one batch of the sequences' tokens through CudaSession's kernels (continuous batching;
-/// no CUDA graph, the batch changes every step). Every buffer is allocated at construction,
-/// to the sizes of plan_cuda_server (what `llmq-mem infer --device cuda --parallel N` reports).
+/// no CUDA graph, the batch changes every step); with tp > 1 over tensor-parallel ranks
+/// (CudaRanks), each holding its KV heads' part of every block. Every buffer is allocated at
+/// construction, to the sizes of plan_cuda_server (what `llmq-mem infer --device cuda
+/// --parallel N` reports for one rank).
 class CudaBatchRunner : public BatchRunner {
  public:
-  /// Uploads m's weights (progress on stderr when `progress`) and allocates the session.
+  /// Uploads m's weights (progress on stderr when `progress`) and allocates the sessions.
   /// ctx, n_batch, parallel, kv_tokens as the Scheduler's options. Throws CudaError when it does
-  /// not fit, UsageError for shapes the kernels do not take.
-  CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens = 0, bool progress = false);
+  /// not fit, UsageError for shapes the kernels do not take or ranks that cannot be formed.
+  CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens = 0, bool progress = false,
+                  int tp = 1, CudaComms comms = {});
   const Model& model() const override { return m_; }
-  int64_t capacity() const override { return session_->n_batch(); }
+  int64_t capacity() const override { return plan_.n_batch; }
   /// The block tables for the device cache: n_blocks and block_tokens must be the plan's.
   KVCache make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) override;
-  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) override {
-    return session_->forward_batch(cache, batch, n);
-  }
-  uint64_t kv_bytes(const KVCache&) const override { return session_->kv_bytes(); }
-  uint64_t workspace_bytes() const override { return session_->workspace_bytes(); }
+  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) override;
+  uint64_t kv_bytes(const KVCache&) const override { return ranks_.kv_bytes(); }
+  uint64_t workspace_bytes() const override { return ranks_.workspace_bytes(); }
+  /// The session plan of rank 0; with tp = 1 the whole model's, weights included (with tp > 1
+  /// its weights field is 0: the shards are not planned by tensor name).
   const CudaPlan& plan() const { return plan_; }
-  const CudaModel& device_model() const { return *dm_; }
-  const CudaSession& session() const { return *session_; }
+  const CudaModel& device_model(int r = 0) const { return ranks_.model(r); }
+  const CudaSession& session(int r = 0) const { return ranks_.session(r); }
+  int ranks() const { return ranks_.size(); }
 
  private:
   const Model& m_;
   CudaPlan plan_;
-  std::unique_ptr<CudaModel> dm_;
-  std::unique_ptr<CudaSession> session_;
+  CudaRanks ranks_;
 };
 
 }  // namespace llmq::cuda
