@@ -8,6 +8,7 @@
 
 #include "engine/model.h"
 #include "formats/error.h"
+#include "formats/quant.h"
 
 namespace llmq {
 
@@ -200,6 +201,51 @@ int64_t cuda_matmul_max_rows(const LlamaConfig& c) {
 
 namespace {
 
+// Weights as CudaModel uploads them (engine/cuda/session.cpp): 256-byte aligned pieces, Q/K/V
+// and gate/up stacked when of one type; rank R's rows of the column-parallel matrices and
+// columns of the row-parallel ones (R whole: the model), layers from first_layer on, the
+// embedding when all layers are there or it is tied, the output rows R.n_vocab when untied.
+uint64_t cuda_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t first_layer) {
+  std::map<std::string, const TensorInfo*> by_name;
+  for (const TensorInfo& t : tensors) by_name[t.name] = &t;
+  auto find = [&](const std::string& name) -> const TensorInfo& {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) throw UsageError("plan_cuda: no tensor " + name);
+    return *it->second;
+  };
+  auto al = [](uint64_t n) { return (n + 255) / 256 * 256; };
+  struct Piece { DType type; uint64_t bytes; };
+  auto rows = [&](const std::string& name, int64_t n) {  // n rows of [rows, cols]
+    const TensorInfo& t = find(name);
+    return Piece{t.type, uint64_t(n) * uint64_t(row_bytes(t.type, t.shape.back()))};
+  };
+  auto cols = [&](const std::string& name, int64_t n) {  // n columns of [rows, cols]
+    const TensorInfo& t = find(name);
+    return Piece{t.type, uint64_t(t.shape.front()) * uint64_t(row_bytes(t.type, n))};
+  };
+  auto stacked = [&](std::initializer_list<Piece> ps) {
+    bool same = true;
+    uint64_t sum = 0, apart = 0;
+    for (const Piece& q : ps) same = same && q.type == ps.begin()->type, sum += q.bytes, apart += al(q.bytes);
+    return same ? al(sum) : apart;
+  };
+  const int64_t D = c.dim, hd = c.head_dim, Q = R.n_heads * hd, KV = R.n_kv_heads * hd;
+  const uint64_t vec = al(uint64_t(D) * 4);
+  uint64_t w = vec;  // output_norm
+  if (first_layer == 0 || c.tied_embeddings) w += al(rows("token_embd.weight", R.n_embd).bytes);
+  if (!c.tied_embeddings && R.n_vocab > 0) w += al(rows("output.weight", R.n_vocab).bytes);
+  for (int64_t i = first_layer; i < c.n_layers; ++i) {
+    auto name = [&](const char* what) { return llama_layer_tensor(i, what); };
+    w += 2 * vec;  // attn_norm, ffn_norm
+    w += stacked({rows(name("attn_q"), Q), rows(name("attn_k"), KV), rows(name("attn_v"), KV)});
+    w += stacked({rows(name("ffn_gate"), R.ffn_dim), rows(name("ffn_up"), R.ffn_dim)});
+    w += al(cols(name("attn_output"), Q).bytes) + al(cols(name("ffn_down"), R.ffn_dim).bytes);
+    if (c.attn_qkv_bias) w += al(uint64_t(Q + 2 * KV) * 4);
+    if (c.attn_out_bias) w += vec;
+  }
+  return w;
+}
+
 // The plan of a session of p.ctx tokens per sequence, p.n_batch tokens per pass, p.logits_rows
 // logits rows, p.kv_rows cache rows, and p.parallel sequences (0: one, contiguous).
 CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, CudaPlan p) {
@@ -222,37 +268,7 @@ CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& 
                      : 0;
   p.matmul = plan_cuda_matmul(p.n_batch, std::max({D, Q, H}), cuda_matmul_max_rows(c));
   // Weights as CudaModel lays them out (engine/cuda/session.cpp): 256-byte aligned pieces.
-  if (tensors.empty()) return p;  // the session's buffers only
-  std::map<std::string, const TensorInfo*> by_name;
-  for (const TensorInfo& t : tensors) by_name[t.name] = &t;
-  auto find = [&](const std::string& name) -> const TensorInfo& {
-    auto it = by_name.find(name);
-    if (it == by_name.end()) throw UsageError("plan_cuda: no tensor " + name);
-    return *it->second;
-  };
-  auto al = [](uint64_t n) { return (n + 255) / 256 * 256; };
-  auto stacked = [&](std::initializer_list<std::string> names) {
-    bool same = true;
-    uint64_t sum = 0, apart = 0;
-    for (const auto& n : names) {
-      const TensorInfo& t = find(n);
-      same = same && t.type == find(*names.begin()).type;
-      sum += t.nbytes, apart += al(t.nbytes);
-    }
-    return same ? al(sum) : apart;
-  };
-  const uint64_t vec = al(uint64_t(D) * 4);
-  p.weights = vec;  // output_norm
-  if (p.first_layer == 0 || c.tied_embeddings) p.weights += al(find("token_embd.weight").nbytes);
-  if (!c.tied_embeddings) p.weights += al(find("output.weight").nbytes);
-  for (int64_t i = p.first_layer; i < c.n_layers; ++i) {
-    p.weights += 2 * vec;  // attn_norm, ffn_norm
-    p.weights += stacked({llama_layer_tensor(i, "attn_q"), llama_layer_tensor(i, "attn_k"), llama_layer_tensor(i, "attn_v")});
-    p.weights += stacked({llama_layer_tensor(i, "ffn_gate"), llama_layer_tensor(i, "ffn_up")});
-    p.weights += al(find(llama_layer_tensor(i, "attn_output")).nbytes) + al(find(llama_layer_tensor(i, "ffn_down")).nbytes);
-    if (c.attn_qkv_bias) p.weights += al(uint64_t(Q + 2 * KV) * 4);
-    if (c.attn_out_bias) p.weights += vec;
-  }
+  if (!tensors.empty()) p.weights = cuda_weight_bytes(c, tensors, ShardRanges::whole(c), p.first_layer);
   return p;
 }
 
@@ -267,6 +283,20 @@ CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors,
   p.first_layer = gpu_layers < 0 ? 0 : c.n_layers - gpu_layers;
   p.ctx = p.kv_rows = sz.ctx, p.n_batch = sz.n_batch, p.logits_rows = std::min(sz.logits_rows, sz.n_batch);
   return plan_cuda_buffers(c, tensors, p);
+}
+
+LlamaConfig rank_config(const LlamaConfig& c, const ShardRanges& R) {
+  LlamaConfig rc = c;
+  rc.n_heads = R.n_heads, rc.n_kv_heads = R.n_kv_heads, rc.hidden_dim = R.ffn_dim;
+  return rc;
+}
+
+CudaPlan plan_cuda_rank(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t ctx, int64_t n_batch,
+                        int64_t logits_rows, int64_t parallel, int64_t kv_tokens) {
+  const LlamaConfig rc = rank_config(c, R);
+  CudaPlan p = parallel > 0 ? plan_cuda_server(rc, {}, ctx, n_batch, parallel, kv_tokens) : plan_cuda(rc, {}, ctx, n_batch, logits_rows);
+  p.weights = cuda_weight_bytes(c, tensors, R, 0);
+  return p;
 }
 
 CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,

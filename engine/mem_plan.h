@@ -179,6 +179,20 @@ CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors,
 CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
                           int64_t parallel, int64_t kv_tokens = 0);
 
+struct ShardRanges;  // engine/model.h
+
+/// A tensor-parallel rank's config: the model's, with n_heads, n_kv_heads and hidden_dim of the
+/// rank's slices (the widths its kernels run on).
+LlamaConfig rank_config(const LlamaConfig& c, const ShardRanges& R);
+
+/// The plan of tensor-parallel rank R on the GPU (cuda::CudaRanks: CudaModel of its shard,
+/// CudaSession of its widths): weights as CudaModel uploads the shard (its rows of Q/K/V,
+/// gate/up and the output, its columns of the attention output and FFN down, the embedding and
+/// norms whole), buffers as plan_cuda (parallel 0) or plan_cuda_server (parallel > 0) on
+/// rank_config. Throws UsageError as plan_cuda.
+CudaPlan plan_cuda_rank(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t ctx, int64_t n_batch,
+                        int64_t logits_rows = 1, int64_t parallel = 0, int64_t kv_tokens = 0);
+
 /// Bytes a tensor holds on one of `tp` tensor-parallel ranks under the Megatron-LM split
 /// (Shoeybi et al. 2019): column-parallel attn_q/attn_k/attn_v/ffn_gate/ffn_up and the
 /// vocab-parallel token_embd/output split their rows (output features) by tp; row-parallel

@@ -229,32 +229,51 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
     add_cuda_lines(r, *f, c, o, server);
     return r;
   }
-  // Per tensor-parallel rank (rank 0; others differ only by vocab rows when vocab % tp != 0).
-  if (c.n_heads % o.tp != 0 || c.n_kv_heads % o.tp != 0 || c.hidden_dim % o.tp != 0)
-    throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, c.n_heads, c.n_kv_heads,
-                                 c.hidden_dim));
-  uint64_t w = 0;
-  for (const auto& t : f->tensors()) w += tensor_bytes_per_rank(t, o.tp);
-  r.device = fmt::format("{} rank 0 of {}", o.device, o.tp);
-  r.lines.push_back({"weights per rank", double(w),
-                     fmt::format("Megatron split over tp={}: attn_q/k/v, ffn_gate/up, token_embd, output by rows; attn_output, ffn_down "
-                                 "by columns; norms replicated",
-                                 o.tp),
-                     kMegatron, Place::Device, Basis::Exact});
-  const int kv_bytes = o.kv_type == "f32" ? 4 : 2;
-  const KVPlan kv = plan_kv(c, p.kv_tokens, kv_bytes);
-  r.lines.push_back({"KV cache per rank", double(kv.bytes()) / o.tp,
-                     fmt::format("2 x {} layers x {} kv heads / tp {} x {} head_dim x {} B x {} tokens ({} blocks)", c.n_layers, c.n_kv_heads,
-                                 o.tp, c.head_dim, kv_bytes, kv.tokens(), kv.n_blocks),
-                     kPaged, Place::Device, Basis::Exact});
-  const char* why = o.device == "cuda" ? "not measured: no CUDA backend for tensor parallelism yet" : "not measured: the CPU engine has no tensor parallelism yet";
-  r.lines.push_back({"activations and workspace", 0, why, "", Place::Device, Basis::NotMeasured});
-  if (o.device == "cuda") {
-    r.lines.push_back({"cuBLAS workspace", 0, why, "", Place::GpuOther, Basis::NotMeasured});
-    r.lines.push_back({"CUDA context", 0, why + std::string(" (to be a measured constant)"), "", Place::GpuOther, Basis::NotMeasured});
+  // CUDA with --tp N: every rank from the plan CudaRanks allocates from (engine/cuda/session.h):
+  // its shard's weights (embedding replicated, the output on rank 0), its KV heads' cache, its
+  // widths' workspace; ranks on one GPU stage each all-reduce through pinned host memory.
+  if (o.kv_type == "bf16") throw UsageError("the CUDA backend's KV cache is f16 (--kv-type f16)");
+  if (o.gpu_layers >= 0) throw UsageError("--gpu-layers with --tp: partial offload runs one rank, so far");
+  TpOptions topt;
+  topt.vocab_parallel = false;
+  const std::vector<ShardRanges> ranges = plan_shards(c, f->tensors(), o.tp, topt);
+  const int64_t group = c.n_heads / c.n_kv_heads;
+  r.device = fmt::format("cuda, {} ranks", o.tp);
+  r.title = fmt::format("{}: {} --device cuda --tp {}, ctx {}, batch {}", f->path(), server ? "llmq-server" : "llmq-run", o.tp, p.ctx,
+                        p.n_batch);
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (const ShardRanges& R : ranges) {
+    if (R.head0 % group != 0 || R.n_heads % group != 0)
+      throw UsageError(fmt::format("--tp {} on the GPU: rank {}'s query heads do not fall on KV-group boundaries; choose --tp dividing "
+                                   "the {} KV heads",
+                                   o.tp, R.rank, c.n_kv_heads));
+    const CudaPlan rp = plan_cuda_rank(c, f->tensors(), R, o.ctx, o.n_batch, 1, server ? o.parallel : 0, o.kv_tokens);
+    const std::string k = fmt::format("rank {}: ", R.rank);
+    r.lines.push_back({k + "weights", double(rp.weights),
+                       fmt::format("heads {}-{}, KV heads {}-{}, FFN {}-{} (Megatron split), embedding whole{}; 256-byte aligned pieces",
+                                   R.head0, R.head0 + R.n_heads - 1, R.kv_head0, R.kv_head0 + R.n_kv_heads - 1, R.ffn0,
+                                   R.ffn0 + R.ffn_dim - 1, R.n_vocab > 0 ? ", output" : ""),
+                       kPlan, Place::Device, Basis::Exact});
+    r.lines.push_back({k + "KV cache", double(rp.kv),
+                       fmt::format("2 (K,V) x {} layers x {} kv heads x {} head_dim x 2 B (f16) x {} tokens", c.n_layers, R.n_kv_heads,
+                                   c.head_dim, rp.kv_rows),
+                       kPlan, Place::Device, Basis::Exact});
+    r.lines.push_back({k + "workspace (cuBLAS's included)", double(rp.workspace()),
+                       fmt::format("activations for {} tokens at the rank's widths, logits {}, matmul scratch", rp.n_batch,
+                                   R.n_vocab > 0 ? "here" : "on rank 0"),
+                       kPlan, Place::Device, Basis::Exact});
+    r.lines.push_back({k + "all-reduce staging (pinned host)", double(rp.n_batch * c.dim * 4),
+                       fmt::format("[{} tokens, {} dim] fp32, ranks on one GPU (with one GPU per rank NCCL keeps its own buffers)",
+                                   rp.n_batch, c.dim),
+                       kPlan, Place::Cpu, Basis::Exact});
+    per_rank.push_back({{"rank", R.rank}, {"weights", rp.weights}, {"kv_cache", rp.kv}, {"workspace", rp.workspace()}});
   }
-  if (o.tp > 1) r.lines.push_back({"TP communication buffers", 0, why, "", Place::GpuOther, Basis::NotMeasured});
-  r.notes.push_back("the total covers the exact lines only; lines marked 'not measured' are not included");
+  r.extra["ranks"] = per_rank;
+  r.lines.push_back({"CUDA context (per GPU)", 0, "not predicted: measured at load", "", Place::GpuOther, Basis::NotMeasured});
+  r.lines.push_back({"NCCL buffers (one GPU per rank)", 0, "not measured: NCCL allocates its own", "", Place::GpuOther,
+                     Basis::NotMeasured});
+  r.notes.push_back("exact: CudaRanks allocates these sizes per rank (tests/test_cuda.cpp checks); with every rank on one GPU their "
+                    "sum is that GPU's; lines marked 'not measured' are not in the total");
   return r;
 }
 

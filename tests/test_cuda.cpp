@@ -653,6 +653,15 @@ TEST_CASE("CUDA tensor parallelism: TP = 2 and 4 ranks on one GPU give TP = 1's 
       uint64_t w = 0;
       for (int r = 0; r < tp; ++r) w += s.rank_model(r).weight_bytes();
       CHECK(w > dm.weight_bytes());  // the embedding is replicated
+      TpOptions topt;
+      topt.vocab_parallel = false;
+      const auto ranges = plan_shards(*m, tp, topt);
+      for (int r = 0; r < tp; ++r) {  // llmq-mem infer --device cuda --tp's plan = each rank's allocation
+        const CudaPlan rp = plan_cuda_rank(m->config, m->file->tensors(), ranges[size_t(r)], 128, 64, n);
+        CHECK(s.rank_model(r).weight_bytes() == rp.weights);
+        CHECK(s.rank_session(r).kv_bytes() == rp.kv);
+        CHECK(s.rank_session(r).workspace_bytes() == rp.workspace());
+      }
       const float* lt = s.forward(prompt.data(), n, true);
       const double err = rel_err(lt, ref.data(), ref.size());
       INFO(type << " TP=" << tp << ": prompt logits rel err " << err);

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "engine/model.h"
+#include "engine/tp.h"
 #include "formats/error.h"
 #include "mem/infer.h"
 #include "mem/train.h"
@@ -403,15 +404,24 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
   o.device = "cuda", o.kv_type = "f16", o.ctx = 512, o.tp = 2;
   const MemReport r = infer_report(path, o);
   auto f = LlmqFile::open(path, false);
-  uint64_t whole = 0, split = 0;
-  for (const auto& t : f->tensors()) whole += t.nbytes, split += tensor_bytes_per_rank(t, 2);
-  CHECK(lines_sum(r, {"weights per rank"}) == double(split));
-  CHECK(split < whole);
-  CHECK(split > whole / 2);  // norms are replicated
-  // f16 KV, 4 kv heads split 2 ways: 2 x 5 layers x 2 heads x 8 x 2 B x 512 tokens.
-  CHECK(lines_sum(r, {"KV cache per rank"}) == 2.0 * 5 * 2 * 8 * 2 * 512);
+  uint64_t whole = 0;
+  for (const auto& t : f->tensors()) whole += t.nbytes;
+  // GPU ranks (CudaRanks): each its shard, the embedding replicated, the output on rank 0.
+  TpOptions topt;
+  topt.vocab_parallel = false;
+  const auto ranges = plan_shards(file_config(*f), f->tensors(), 2, topt);
+  for (int k = 0; k < 2; ++k) {
+    const CudaPlan rp = plan_cuda_rank(file_config(*f), f->tensors(), ranges[size_t(k)], 512, 512);
+    const std::string wname = "rank " + std::to_string(k) + ": weights", kname = "rank " + std::to_string(k) + ": KV cache";
+    CHECK(lines_sum(r, {wname.c_str()}) == double(rp.weights));
+    // f16 KV, 4 kv heads split 2 ways: 2 x 5 layers x 2 heads x 8 x 2 B x 512 tokens.
+    CHECK(lines_sum(r, {kname.c_str()}) == 2.0 * 5 * 2 * 8 * 2 * 512);
+  }
+  const double split = lines_sum(r, {"rank 0: weights", "rank 1: weights"});
+  CHECK(split > double(whole));  // the embedding on both ranks
+  CHECK(split < 2.0 * double(whole));
   bool marked = false;
-  for (const auto& l : r.lines) marked |= l.basis == Basis::NotMeasured && l.formula.find("no CUDA backend") != std::string::npos;
+  for (const auto& l : r.lines) marked |= l.basis == Basis::NotMeasured && l.name.find("CUDA context") != std::string::npos;
   CHECK(marked);
   // One GPU: every line from the plan the backend allocates from, the CUDA context not predicted.
   o.tp = 1;

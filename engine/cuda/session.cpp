@@ -44,7 +44,7 @@ CudaModel::CudaModel(const Model& m, const ModelShard& shard, bool progress) : c
                      std::to_string(m.config.n_kv_heads) + " KV heads over " + std::to_string(R.n_ranks) +
                      " ranks): choose --tp dividing the KV heads");
   if (R.n_embd != m.config.vocab_size) throw UsageError("CUDA tensor parallelism: the embedding must be replicated");
-  c_.n_heads = R.n_heads, c_.n_kv_heads = R.n_kv_heads, c_.hidden_dim = R.ffn_dim;
+  c_ = rank_config(m.config, R);
   build(&m, &shard, DType::F32, 0, progress);
 }
 
