@@ -153,12 +153,32 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
 }
 
 std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens,
-                                                    bool progress, int tp) {
+                                                    bool progress, int tp, int64_t gpu_layers, ThreadPool* pool) {
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
   cuda::check(cudaSetDevice(0), "cudaSetDevice");
   cuda::check(cudaFree(nullptr), "CUDA context");
   const cuda::MemInfo before = mem_info();
+  const int64_t L = m.config.n_layers;
+  if (gpu_layers > L) throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(L) + " layers");
+  if (gpu_layers >= 0 && gpu_layers < L) {  // partial offload
+    if (tp > 1) throw UsageError("--gpu-layers with --tp: partial offload runs one rank, so far");
+    if (!pool) throw UsageError("partial offload needs a CPU thread pool");
+    auto r = std::make_unique<cuda::CudaOffloadBatchRunner>(m, *pool, gpu_layers, ctx, n_batch, parallel, kv_tokens, progress);
+    const cuda::MemInfo after = mem_info();
+    const CudaPlan& p = r->plan();
+    auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
+    std::fprintf(stderr,
+                 "llmq: GPU 0: %s\n"
+                 "llmq: GPU memory: weights %.1f MiB (%lld of %lld layers), KV cache %.1f MiB (f16, %lld blocks of %lld positions), "
+                 "workspace %.1f MiB; measured %.1f MiB (cudaMemGetInfo)\n"
+                 "llmq: CPU part (partial offload): layers 0-%lld on %d threads, workspace %.1f MiB; their KV cache is the scheduler's "
+                 "(host)\n",
+                 cuda::device_description(0).c_str(), mib(r->device_model().weight_bytes()), (long long)gpu_layers, (long long)L,
+                 mib(r->session().kv_bytes()), (long long)p.kv_blocks, (long long)p.block_tokens, mib(r->session().workspace_bytes()),
+                 mib(before.free - after.free), (long long)(r->cpu_layers() - 1), pool->size(), mib(r->host_workspace_bytes()));
+    return r;
+  }
   cuda::CudaComms comms = nccl_comms(tp);
   const bool nccl = !comms.comms.empty();
   auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress, tp, std::move(comms));
@@ -180,7 +200,7 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
                mib(before.total - before.free));
   return r;
 #else
-  (void)m, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress, (void)tp;
+  (void)m, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress, (void)tp, (void)gpu_layers, (void)pool;
   throw UsageError("this build has no CUDA backend");
 #endif
 }

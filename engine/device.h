@@ -42,8 +42,10 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
 /// llmq-server's forward passes on GPU 0 (cuda::CudaBatchRunner): the weights uploaded and a
 /// paged KV cache for `parallel` sequences of up to ctx tokens (kv_tokens as SchedulerOptions).
 /// Prints the device and its memory at load as make_cuda_session does. tp > 1: tensor-parallel
-/// ranks as make_cuda_session's. Throws as make_cuda_session.
+/// ranks as make_cuda_session's; gpu_layers in [0, n_layers) with `pool`: partial offload
+/// (cuda::CudaOffloadBatchRunner). Throws as make_cuda_session.
 std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel,
-                                                    int64_t kv_tokens = 0, bool progress = true, int tp = 1);
+                                                    int64_t kv_tokens = 0, bool progress = true, int tp = 1, int64_t gpu_layers = -1,
+                                                    ThreadPool* pool = nullptr);
 
 }  // namespace llmq

@@ -300,9 +300,12 @@ CudaPlan plan_cuda_rank(const LlamaConfig& c, const std::vector<TensorInfo>& ten
 }
 
 CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
-                          int64_t parallel, int64_t kv_tokens) {
+                          int64_t parallel, int64_t kv_tokens, int64_t gpu_layers) {
   if (parallel < 1) throw UsageError("--parallel must be at least 1");
+  if (gpu_layers > c.n_layers)
+    throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(c.n_layers) + " layers");
   CudaPlan p;
+  p.first_layer = gpu_layers < 0 ? 0 : c.n_layers - gpu_layers;
   p.ctx = ctx > 0 ? ctx : std::min(c.context_length, kDefaultMaxCtx);
   p.parallel = parallel;
   p.n_batch = std::max<int64_t>({1, n_batch, parallel});  // the Scheduler's capacity

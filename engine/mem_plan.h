@@ -175,9 +175,10 @@ CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors,
 /// The plan of llmq-server on a GPU (cuda::CudaBatchRunner): `parallel` sequences of up to ctx
 /// tokens over a paged cache of server_kv_tokens(ctx, parallel, kv_tokens) tokens in blocks of
 /// kKvBlockTokens, forward passes of max(n_batch, parallel) tokens with logits for up to
-/// `parallel` of them (the scheduler's). Throws UsageError as plan_cuda, or for parallel < 1.
+/// `parallel` of them (the scheduler's); gpu_layers as plan_cuda (partial offload). Throws
+/// UsageError as plan_cuda, or for parallel < 1.
 CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
-                          int64_t parallel, int64_t kv_tokens = 0);
+                          int64_t parallel, int64_t kv_tokens = 0, int64_t gpu_layers = -1);
 
 struct ShardRanges;  // engine/model.h
 

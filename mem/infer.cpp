@@ -67,8 +67,7 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
 // every device buffer of the backend, from the plan it allocates from (engine/mem_plan.h
 // plan_cuda, plan_cuda_server); the CUDA context is measured at load, not predicted here.
 void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, bool server) {
-  if (server && o.gpu_layers >= 0) throw UsageError("--gpu-layers: partial offload is llmq-run's (one sequence), not llmq-server's yet");
-  const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens)
+  const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens, o.gpu_layers)
                             : plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1, o.gpu_layers);
   const int64_t hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd;
   r.device = "cuda (GPU 0)";
@@ -112,18 +111,17 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const
                      Place::GpuOther, Basis::NotMeasured});
   r.notes.push_back("exact: CudaModel and CudaSession allocate these sizes (tests/test_cuda.cpp checks); cudaMalloc rounds each "
                     "allocation up (2 MiB pages for large ones), which the measured line printed at load includes");
-  if (p.first_layer > 0) {  // partial offload: the CPU's part (CudaOffloadSession), in host memory
+  if (p.first_layer > 0) {  // partial offload: the CPU's part (CudaOffloadSession, CudaOffloadBatchRunner), in host memory
     LlamaConfig ck = c;
     ck.n_layers = p.first_layer;
-    const SessionSizes sz = session_sizes(c, o.ctx, o.n_batch, 1);
-    const KVPlan kv = plan_kv(ck, sz.ctx);
+    const KVPlan kv = plan_kv(ck, p.kv_rows);  // a session's ctx, or the server's paged blocks
     const WorkspacePlan ws =
-        plan_workspace(c, llama_matmuls(c, f.tensors(), sz.n_batch, 1), sz.n_batch, sz.ctx, 1, resolve_threads(o.threads));
+        plan_workspace(c, llama_matmuls(c, f.tensors(), p.n_batch, 1), p.n_batch, p.ctx, 1, resolve_threads(o.threads));
     r.lines.push_back({"CPU: KV cache (partial offload)", double(kv.bytes()),
                        fmt::format("2 (K,V) x {} layers x {} kv_dim x 4 B (f32) x {} tokens", ck.n_layers, c.kv_dim(), kv.tokens()), kPlan,
                        Place::Cpu, Basis::Exact});
     r.lines.push_back({"CPU: workspace (partial offload)", double(ws.bytes()),
-                       fmt::format("the CPU engine's workspace for {} tokens, {} threads", sz.n_batch, ws.threads), kPlan, Place::Cpu,
+                       fmt::format("the CPU engine's workspace for {} tokens, {} threads", p.n_batch, ws.threads), kPlan, Place::Cpu,
                        Basis::Exact});
     r.notes.push_back(fmt::format("partial offload: layers 0-{} run on the CPU from the mapped file ({} of it), their matrices "
                                   "repacked for the CPU kernels at load; the GPU takes the residual stream after them",
@@ -320,7 +318,12 @@ FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o,
 }
 
 int64_t fit_gpu_layers(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, double gpu_budget) {
-  auto fits = [&](int64_t n) { return double(plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1, n).total()) <= gpu_budget; };
+  const bool server = o.parallel > 1 || o.server;
+  auto fits = [&](int64_t n) {
+    const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens, n)
+                              : plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1, n);
+    return double(p.total()) <= gpu_budget;
+  };
   if (!fits(0)) return -1;
   int64_t lo = 0, hi = c.n_layers;
   while (lo < hi) {

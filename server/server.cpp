@@ -378,6 +378,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
   app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
+  std::string gpu_layers_s = "all";
+  app.add_option("--gpu-layers,--n-gpu-layers", gpu_layers_s,
+                 "with --device cuda: the last N layers (and the output) on the GPU, the others on the CPU (partial offload); "
+                 "'auto': as many as fit the GPU's free memory (or --mem); default: all");
   app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0)");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
@@ -404,6 +408,7 @@ int main(int argc, char** argv) {
     const bool gpu = pick_device(device) == Device::Cuda;
     if (gpu && kv_type_opt->count()) throw UsageError("--kv-type is the CPU's KV-cache type; the GPU's KV cache is f16");
     if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
+    if (fit && gpu && gpu_layers_s != "all") throw UsageError("--fit with --device cuda plans every layer on the GPU; leave --gpu-layers out");
     if (fit) {  // plan first, from the file's metadata and tensor directory only (llmq-mem infer --fit)
       // The budget: --mem, else the host's available memory, or the GPU's free memory (after
       // the CUDA context is made) with --device cuda.
@@ -420,6 +425,9 @@ int main(int argc, char** argv) {
       if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)));
       ctx = r.options.ctx, parallel = int(r.options.parallel), kv_tokens = r.options.kv_tokens;
     }
+    mem::InferOptions lo;
+    lo.ctx = ctx, lo.n_batch = n_batch, lo.parallel = parallel, lo.server = true, lo.kv_tokens = kv_tokens;
+    const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", gpu_layers_s, gpu, model_path, lo, mem_budget);
     // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -521,14 +529,15 @@ int main(int argc, char** argv) {
     // Load in the background: /health answers 503 until the model is ready.
     std::thread loader([&] {
       try {
-        st->model = Model::load(model_path, !no_verify, /*pack=*/!gpu, /*gpu_layers=*/0, gpu ? 1 : tp);
+        const bool partial = gpu && gpu_layers >= 0;  // the CPU runs the first layers: pack those
+        st->model = Model::load(model_path, !no_verify, /*pack=*/!gpu || partial, /*gpu_layers=*/partial ? gpu_layers : 0, gpu ? 1 : tp);
         // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
         // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());
         const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
-        if (gpu) st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp);
-        else if (tp == 1) st->pool = std::make_unique<ThreadPool>(threads);
-        else st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
+        if ((gpu && partial) || (!gpu && tp == 1)) st->pool = std::make_unique<ThreadPool>(threads);
+        if (gpu) st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get());
+        else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;

@@ -72,6 +72,13 @@ TEST_CASE("llmq-run and llmq-server --device cuda without a GPU fail clearly, au
     INFO(nerr);
     CHECK(nerr.find("--gpu-layers needs --device cuda") != std::string::npos);
   }
+  CHECK(test::run(test::bin("llmq-server") + " -m " + model + " --port 0 --gpu-layers 2 > /dev/null 2> " + dir + "/sngl.txt") != 0);
+  {
+    std::ifstream nin(dir + "/sngl.txt");
+    const std::string nerr((std::istreambuf_iterator<char>(nin)), std::istreambuf_iterator<char>());
+    INFO(nerr);
+    CHECK(nerr.find("--gpu-layers needs --device cuda") != std::string::npos);
+  }
   // llmq-server checks the device before it listens or loads.
   CHECK(test::run(test::bin("llmq-server") + " -m " + model + " --port 0 --device cuda > /dev/null 2> " + dir + "/server.txt") != 0);
   std::ifstream sin(dir + "/server.txt");
@@ -707,22 +714,39 @@ TEST_CASE("CUDA graphs replay the decode step exactly", "[cuda]") {
 // not the identity. Bounds as compare_model; the plan (llmq-mem) equals the allocation.
 TEST_CASE("CUDA continuous batching: mixed batches over a paged cache match the CPU", "[cuda][model][batch]") {
   if (!have_gpu()) return;
-  for (const char* type : {"f32", "q8_0"}) {
-    auto m = Model::load(test::stories(type));
+  // offload < 0: CudaBatchRunner (the whole model on the GPU); else CudaOffloadBatchRunner with
+  // that many GPU layers (llmq-server --gpu-layers), the CPU's layers on the cache's host pools.
+  for (auto [type, offload] : {std::pair<const char*, int>{"f32", -1}, {"q8_0", -1}, {"f32", 3}}) {
+    auto m = offload < 0 ? Model::load(test::stories(type)) : Model::load(test::stories(type), true, true, offload);
     const bool block = dtype_info(dtype_from_name(m->weight_type())).block > 1;
     const double bound = block ? 5e-2 : 1e-2;
     const int64_t V = m->config.vocab_size, ctx = 96, parallel = 3;
     ThreadPool pool(2);
     TensorParallel cpu(*m, pool, 64);
-    cuda::CudaBatchRunner gpu(*m, ctx, 32, parallel);
-    const CudaPlan& p = gpu.plan();
-    CHECK(gpu.device_model().weight_bytes() == p.weights);
-    CHECK(gpu.kv_bytes(KVCache::tables_only(m->config, 1, 16)) == p.kv);
-    CHECK(gpu.workspace_bytes() == p.workspace());
+    std::unique_ptr<BatchRunner> gpu_ptr;
+    CudaPlan p;
+    if (offload < 0) {
+      auto g = std::make_unique<cuda::CudaBatchRunner>(*m, ctx, 32, parallel);
+      p = g->plan();
+      CHECK(g->device_model().weight_bytes() == p.weights);
+      CHECK(g->kv_bytes(KVCache::tables_only(m->config, 1, 16)) == p.kv);
+      CHECK(g->workspace_bytes() == p.workspace());
+      gpu_ptr = std::move(g);
+    } else {
+      auto g = std::make_unique<cuda::CudaOffloadBatchRunner>(*m, pool, offload, ctx, 32, parallel);
+      p = g->plan();
+      CHECK(p.first_layer == m->config.n_layers - offload);
+      CHECK(g->device_model().weight_bytes() == p.weights);
+      CHECK(g->session().kv_bytes() == p.kv);
+      CHECK(g->session().workspace_bytes() == p.workspace());
+      gpu_ptr = std::move(g);
+    }
+    BatchRunner& gpu = *gpu_ptr;
     CHECK(p.kv_rows == p.kv_blocks * 16);
     CHECK_THROWS_AS(gpu.make_cache(p.kv_blocks + 1, 16, KvType::F32), UsageError);
     KVCache cc = cpu.make_cache(p.kv_blocks, 16), gc = gpu.make_cache(p.kv_blocks, 16, KvType::F32);
-    CHECK(gc.bytes() == 0);
+    CHECK(gc.bytes() == (offload < 0 ? 0 : plan_kv(m->config, p.kv_rows).bytes() * uint64_t(m->config.n_layers - offload) /
+                                                 uint64_t(m->config.n_layers)));
     std::vector<int32_t> ids;
     for (KVCache* c : {&cc, &gc}) {
       const int32_t scratch = c->add_sequence();
@@ -760,7 +784,7 @@ TEST_CASE("CUDA continuous batching: mixed batches over a paged cache match the 
     std::vector<int32_t> next;
     prompt_tokens(0, batch), prompt_tokens(1, batch);
     auto [err, agree] = run_step(batch, next);
-    INFO(type << ": prompts of two sequences: rel err " << err);
+    INFO(type << " offload " << offload << ": prompts of two sequences: rel err " << err);
     CHECK(err < bound);
     double worst = 0;
     int agreed = agree, steps = 2;

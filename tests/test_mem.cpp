@@ -463,6 +463,17 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
     prev = t;
   }
   o.n_batch = 512;
+  // llmq-server --device cuda --gpu-layers 2: the GPU's paged cache for 2 layers, the CPU's for 3.
+  {
+    InferOptions so = o;
+    so.parallel = 4, so.ctx = 256, so.gpu_layers = 2;
+    const MemReport sr = infer_report(path, so);
+    const CudaPlan sp2 = plan_cuda_server(file_config(*f), f->tensors(), 256, 512, 4, 0, 2);
+    CHECK(lines_sum(sr, {"KV cache"}) == double(sp2.kv));
+    CHECK(sp2.kv == uint64_t(2 * 2 * 4 * 8 * 2) * uint64_t(sp2.kv_rows));
+    CHECK(lines_sum(sr, {"CPU: KV cache (partial offload)"}) == 2.0 * 3 * 4 * 8 * 4 * double(sp2.kv_rows));
+    CHECK(fit_gpu_layers(*f, file_config(*f), so, double(sp2.total())) == 2);
+  }
   // llmq-server --fit --device cuda: the largest ctx, then the most sequences, within a GPU budget.
   {
     InferOptions so;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "formats/vocab.h"
+#include "mem/infer.h"
 
 /// Parses the command line like CLI11_PARSE, but a usage error exits 1 (help still exits 0),
 /// so every tool has the documented exit codes. Include <CLI/CLI.hpp> first.
@@ -32,5 +33,13 @@ std::string human_bytes(uint64_t bytes);
 /// Loads a tokenizer file: a SentencePiece `tokenizer.model` (protobuf, by extension `.model`)
 /// or a llama2.c `tokenizer.bin` (expected_vocab tokens, -1 = until end of file).
 Vocab load_tokenizer_file(const std::string& path, int64_t expected_vocab);
+
+/// --gpu-layers N|auto|all (partial offload, engine/cuda/session.h): -1 for "all", N, or for
+/// "auto" the most layers whose GPU plan (llmq-mem's fit_gpu_layers for the options o: one
+/// sequence, or llmq-server's when o.parallel > 1 or o.server) fits `budget` (a size; empty:
+/// the GPU's free memory), printed on stderr as `tool`. Throws UsageError for a malformed
+/// value, more layers than the model has, "auto" when nothing fits, or N without cuda.
+int64_t resolve_gpu_layers(const char* tool, const std::string& spec, bool cuda, const std::string& model_path,
+                           const mem::InferOptions& o, const std::string& budget);
 
 }  // namespace llmq::cli

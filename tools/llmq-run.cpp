@@ -129,30 +129,9 @@ int main(int argc, char** argv) {
     }
     const KvType kv_type = kv_type_from_name(kv_type_s);
     if (device == Device::Cuda && kv_type != KvType::F32) throw UsageError("--kv-type: the GPU's KV cache is f16 (leave --kv-type out)");
-    int64_t gpu_layers = -1;  // all
-    if (gpu_layers_s != "all") {
-      if (device != Device::Cuda) throw UsageError("--gpu-layers needs --device cuda (or auto with a GPU)");
-      auto f = LlmqFile::open(model_path, false);
-      const LlamaConfig c = mem::file_config(*f);
-      if (gpu_layers_s == "auto") {  // the plan of llmq-mem infer --device cuda --fit
-        const double budget = mem_budget.empty() ? double(cuda_free_bytes()) : mem::parse_size(mem_budget);
-        mem::InferOptions o;
-        o.ctx = ctx, o.n_batch = n_batch;
-        gpu_layers = mem::fit_gpu_layers(*f, c, o, budget);
-        if (gpu_layers < 0) throw UsageError("--gpu-layers auto: not even the output layer fits in " + cli::human_bytes(uint64_t(budget)));
-        std::fprintf(stderr, "llmq-run: --gpu-layers auto: %lld of %lld layers on the GPU (%s to plan for)\n", (long long)gpu_layers,
-                     (long long)c.n_layers, cli::human_bytes(uint64_t(budget)).c_str());
-      } else {
-        try {
-          size_t used = 0;
-          gpu_layers = std::stoll(gpu_layers_s, &used);
-          if (used != gpu_layers_s.size() || gpu_layers < 0) throw std::invalid_argument("");
-        } catch (const std::exception&) {
-          throw UsageError("--gpu-layers must be a number of layers, 'auto' or 'all', not '" + gpu_layers_s + "'");
-        }
-        if (gpu_layers > c.n_layers) throw UsageError("--gpu-layers " + gpu_layers_s + ": the model has " + std::to_string(c.n_layers) + " layers");
-      }
-    }
+    mem::InferOptions lo;
+    lo.ctx = ctx, lo.n_batch = n_batch;
+    const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-run", gpu_layers_s, device == Device::Cuda, model_path, lo, mem_budget);
     // The CPU kernels' packed copies only for what the CPU runs (engine/model.h; with -ngl 0 the
     // output is packed too, unused).
     auto model = Model::load(model_path, !no_verify, /*pack=*/device == Device::Cpu || gpu_layers >= 0,

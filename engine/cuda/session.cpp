@@ -702,4 +702,41 @@ const float* CudaBatchRunner::forward(KVCache& cache, const BatchToken* batch, i
   return out;
 }
 
+// ---------------------------------------------------------------- CudaOffloadBatchRunner
+
+CudaOffloadBatchRunner::CudaOffloadBatchRunner(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch,
+                                               int64_t parallel, int64_t kv_tokens, bool progress)
+    : m_(m),
+      pool_(pool),
+      cpu_layers_(m.config.n_layers - gpu_layers),
+      plan_([&] {
+        if (gpu_layers < 0 || gpu_layers >= m.config.n_layers)
+          throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": partial offload takes 0 .. " +
+                           std::to_string(m.config.n_layers - 1) + " layers (all " + std::to_string(m.config.n_layers) +
+                           ": the whole model on the GPU)");
+        return plan_cuda_server(m.config, m.file->tensors(), ctx, n_batch, parallel, kv_tokens, gpu_layers);
+      }()),
+      ws_(m, plan_workspace(m.config, llama_matmuls(m.config, m.file->tensors(), plan_.n_batch, 1), plan_.n_batch, plan_.ctx, 1,
+                            pool.size())) {
+  dm_ = std::make_unique<CudaModel>(m, progress, cpu_layers_);
+  session_ = std::make_unique<CudaSession>(*dm_, &m, plan_);
+}
+
+CudaOffloadBatchRunner::~CudaOffloadBatchRunner() = default;
+
+KVCache CudaOffloadBatchRunner::make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) {
+  if (n_blocks != plan_.kv_blocks || block_tokens != plan_.block_tokens)
+    throw UsageError("CUDA: a KV cache of " + std::to_string(n_blocks) + " blocks of " + std::to_string(block_tokens) +
+                     " positions was asked for; the GPU's holds " + std::to_string(plan_.kv_blocks) + " of " +
+                     std::to_string(plan_.block_tokens));
+  return KVCache(first_layers(m_.config, cpu_layers_), n_blocks, block_tokens, type);
+}
+
+const float* CudaOffloadBatchRunner::forward(KVCache& cache, const BatchToken* batch, int64_t n) {
+  plan_batch(m_, cache, batch, n, ws_.capacity(), bplan_);  // the lengths stay until the GPU's forward_batch
+  const float* x = forward_shard(m_, nullptr, cache, ws_, pool_, nullptr, batch, n, bplan_, cpu_layers_);  // [n, D]
+  std::memcpy(session_->hidden_input(), x, size_t(n * m_.config.dim) * sizeof(float));
+  return session_->forward_batch(cache, batch, n);
+}
+
 }  // namespace llmq::cuda

@@ -331,4 +331,42 @@ class CudaBatchRunner : public BatchRunner {
   CudaRanks ranks_;
 };
 
+/// llmq-server with partial offload (--device cuda --gpu-layers N): the first n_layers - N layers
+/// of every batch on the CPU (forward_shard with layer_end, their KV cache the host pools of the
+/// scheduler's KVCache), the last N layers and the output on the GPU (a paged CudaSession from
+/// that layer, reading the same block tables); the residual stream crosses once per step.
+class CudaOffloadBatchRunner : public BatchRunner {
+ public:
+  /// gpu_layers in [0, n_layers); the rest as CudaBatchRunner; m loaded with that gpu_layers
+  /// (engine/model.h). Throws UsageError for gpu_layers out of range, CudaError when the GPU
+  /// part does not fit.
+  CudaOffloadBatchRunner(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch, int64_t parallel,
+                         int64_t kv_tokens = 0, bool progress = false);
+  ~CudaOffloadBatchRunner() override;
+  const Model& model() const override { return m_; }
+  int64_t capacity() const override { return plan_.n_batch; }
+  /// Host K/V pools for the CPU's layers (element type `type`), whose block tables the GPU reads
+  /// for its layers: n_blocks and block_tokens must be the plan's.
+  KVCache make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) override;
+  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) override;
+  /// The CPU layers' pools (host) plus the GPU layers' (device).
+  uint64_t kv_bytes(const KVCache& cache) const override { return cache.bytes() + session_->kv_bytes(); }
+  uint64_t workspace_bytes() const override { return ws_.bytes() + session_->workspace_bytes(); }
+  const CudaPlan& plan() const { return plan_; }
+  const CudaModel& device_model() const { return *dm_; }
+  const CudaSession& session() const { return *session_; }
+  int64_t cpu_layers() const { return cpu_layers_; }
+  uint64_t host_workspace_bytes() const { return ws_.bytes(); }
+
+ private:
+  const Model& m_;
+  ThreadPool& pool_;
+  int64_t cpu_layers_;
+  CudaPlan plan_;
+  Workspace ws_;
+  BatchPlan bplan_;
+  std::unique_ptr<CudaModel> dm_;
+  std::unique_ptr<CudaSession> session_;
+};
+
 }  // namespace llmq::cuda
