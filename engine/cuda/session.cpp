@@ -494,19 +494,30 @@ LlamaConfig first_layers(LlamaConfig c, int64_t n) {
   return c;
 }
 
+// The CPU layers of a partial offload of gpu_layers layers; UsageError out of [0, n_layers).
+int64_t offload_cpu_layers(const LlamaConfig& c, int64_t gpu_layers) {
+  if (gpu_layers < 0 || gpu_layers >= c.n_layers)
+    throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": partial offload takes 0 .. " + std::to_string(c.n_layers - 1) +
+                     " layers (all " + std::to_string(c.n_layers) + ": the whole model on the GPU)");
+  return c.n_layers - gpu_layers;
+}
+
+// A paged runner's cache must be the plan's blocks (the scheduler sizes it the same way).
+void check_cache_shape(const CudaPlan& p, int64_t n_blocks, int64_t block_tokens) {
+  if (n_blocks != p.kv_blocks || block_tokens != p.block_tokens)
+    throw UsageError("CUDA: a KV cache of " + std::to_string(n_blocks) + " blocks of " + std::to_string(block_tokens) +
+                     " positions was asked for; the GPU's holds " + std::to_string(p.kv_blocks) + " of " + std::to_string(p.block_tokens));
+}
+
 }  // namespace
 
 CudaOffloadSession::CudaOffloadSession(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch,
                                        int64_t logits_rows, bool progress)
     : m_(m),
       pool_(pool),
-      cpu_layers_(m.config.n_layers - gpu_layers),
+      cpu_layers_(offload_cpu_layers(m.config, gpu_layers)),
       cache_([&] {
-        if (gpu_layers < 0 || gpu_layers >= m.config.n_layers)
-          throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": partial offload takes 0 .. " +
-                           std::to_string(m.config.n_layers - 1) + " layers (all " + std::to_string(m.config.n_layers) +
-                           ": the whole model on the GPU)");
-        const LlamaConfig c = first_layers(m.config, m.config.n_layers - gpu_layers);
+        const LlamaConfig c = first_layers(m.config, cpu_layers_);
         return KVCache(c, plan_kv(c, session_sizes(m.config, ctx, n_batch).ctx).n_blocks, kKvBlockTokens);
       }()),
       seq_(cache_.add_sequence()),
@@ -684,10 +695,7 @@ CudaBatchRunner::CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, i
 }
 
 KVCache CudaBatchRunner::make_cache(int64_t n_blocks, int64_t block_tokens, KvType) {
-  if (n_blocks != plan_.kv_blocks || block_tokens != plan_.block_tokens)
-    throw UsageError("CUDA: a KV cache of " + std::to_string(n_blocks) + " blocks of " + std::to_string(block_tokens) +
-                     " positions was asked for; the GPU's holds " + std::to_string(plan_.kv_blocks) + " of " +
-                     std::to_string(plan_.block_tokens));
+  check_cache_shape(plan_, n_blocks, block_tokens);
   return KVCache::tables_only(m_.config, n_blocks, block_tokens);
 }
 
@@ -708,14 +716,8 @@ CudaOffloadBatchRunner::CudaOffloadBatchRunner(const Model& m, ThreadPool& pool,
                                                int64_t parallel, int64_t kv_tokens, bool progress)
     : m_(m),
       pool_(pool),
-      cpu_layers_(m.config.n_layers - gpu_layers),
-      plan_([&] {
-        if (gpu_layers < 0 || gpu_layers >= m.config.n_layers)
-          throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": partial offload takes 0 .. " +
-                           std::to_string(m.config.n_layers - 1) + " layers (all " + std::to_string(m.config.n_layers) +
-                           ": the whole model on the GPU)");
-        return plan_cuda_server(m.config, m.file->tensors(), ctx, n_batch, parallel, kv_tokens, gpu_layers);
-      }()),
+      cpu_layers_(offload_cpu_layers(m.config, gpu_layers)),
+      plan_(plan_cuda_server(m.config, m.file->tensors(), ctx, n_batch, parallel, kv_tokens, gpu_layers)),
       ws_(m, plan_workspace(m.config, llama_matmuls(m.config, m.file->tensors(), plan_.n_batch, 1), plan_.n_batch, plan_.ctx, 1,
                             pool.size())) {
   dm_ = std::make_unique<CudaModel>(m, progress, cpu_layers_);
@@ -725,10 +727,7 @@ CudaOffloadBatchRunner::CudaOffloadBatchRunner(const Model& m, ThreadPool& pool,
 CudaOffloadBatchRunner::~CudaOffloadBatchRunner() = default;
 
 KVCache CudaOffloadBatchRunner::make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) {
-  if (n_blocks != plan_.kv_blocks || block_tokens != plan_.block_tokens)
-    throw UsageError("CUDA: a KV cache of " + std::to_string(n_blocks) + " blocks of " + std::to_string(block_tokens) +
-                     " positions was asked for; the GPU's holds " + std::to_string(plan_.kv_blocks) + " of " +
-                     std::to_string(plan_.block_tokens));
+  check_cache_shape(plan_, n_blocks, block_tokens);
   return KVCache(first_layers(m_.config, cpu_layers_), n_blocks, block_tokens, type);
 }
 
