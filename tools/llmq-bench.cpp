@@ -20,6 +20,7 @@
 
 #include "engine/cpu_ops.h"
 #include "engine/device.h"
+#include "engine/sampler.h"
 #include "engine/model.h"
 #include "engine/roofline.h"
 #include "engine/tp.h"
@@ -132,6 +133,52 @@ nlohmann::json bench_cuda(const Model* model, const LlamaConfig& c, DType type, 
   j["prefill_fraction_of_cublas"] = prefill_flops / prefill_s / gemm;
   return j;
 }
+
+// --device cuda --tp N: the model split over N GPU ranks (one per GPU over NCCL, or all on GPU 0
+// with a host all-reduce; make_cuda_session), prefill and greedy decode timed as bench_cuda
+// does, and TP = 1 on GPU 0 beside it unless no_baseline.
+nlohmann::json bench_cuda_tp(const Model& model, int tp, int64_t n_prompt, int64_t n_gen, int reps, bool no_baseline) {
+  using clock = std::chrono::steady_clock;
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int32_t> pick(0, int32_t(model.config.vocab_size - 1));
+  std::vector<int32_t> prompt(static_cast<size_t>(n_prompt));
+  for (auto& t : prompt) t = pick(rng);
+  SamplerParams greedy;
+  greedy.temperature = 0;
+  auto run = [&](int ranks) {
+    std::unique_ptr<SessionBase> s = make_cuda_session(model, n_prompt + n_gen, n_prompt, 1, false, -1, nullptr, ranks);
+    Sampler sampler(greedy);
+    double prefill_s = 1e30, decode_s = 1e30;
+    for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up
+      s->reset();
+      auto t0 = clock::now();
+      std::vector<int32_t> hist(prompt);
+      int32_t tok = s->forward_sample(prompt.data(), n_prompt, sampler, hist);
+      const double tp_s = std::chrono::duration<double>(clock::now() - t0).count();
+      t0 = clock::now();
+      for (int64_t i = 1; i < n_gen; ++i) hist.push_back(tok), tok = s->forward_sample(&tok, 1, sampler, hist);
+      const double td = std::chrono::duration<double>(clock::now() - t0).count();
+      if (r > 0) prefill_s = std::min(prefill_s, tp_s), decode_s = std::min(decode_s, td);
+    }
+    return nlohmann::json{{"tp", ranks}, {"prefill_tok_s", double(n_prompt) / prefill_s},
+                          {"decode_tok_s", double(std::max<int64_t>(n_gen - 1, 1)) / decode_s}, {"kv_cache_bytes", s->kv_bytes()},
+                          {"workspace_bytes", s->workspace_bytes()}};
+  };
+  nlohmann::json j;
+  j["device"] = "cuda";
+  j["gpu"] = cuda::device_description(0);
+  j["gpus"] = cuda::device_count();
+  j["type"] = model.weight_type();
+  j["prompt_tokens"] = n_prompt;
+  j["gen_tokens"] = n_gen;
+  j["split"] = run(tp);
+  if (!no_baseline) {
+    j["baseline"] = run(1);
+    j["decode_speedup"] = j["split"]["decode_tok_s"].get<double>() / j["baseline"]["decode_tok_s"].get<double>();
+    j["prefill_speedup"] = j["split"]["prefill_tok_s"].get<double>() / j["baseline"]["prefill_tok_s"].get<double>();
+  }
+  return j;
+}
 #endif
 
 }  // namespace
@@ -152,8 +199,9 @@ int main(int argc, char** argv) {
   app.add_option("-n,--gen-tokens", n_gen, "tokens decoded one at a time after the prompt");
   app.add_option("-t,--threads", threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
   app.add_option("-r,--repetitions", reps, "repetitions; the best is reported");
-  app.add_option("--tp", tp, "tensor-parallel ranks (CPU: rank threads in this process); with N > 1, TP=1 at the same "
-                             "total thread count is measured too (interleaved) and the speed-up reported");
+  app.add_option("--tp", tp, "tensor-parallel ranks (CPU: rank threads in this process; --device cuda -m FILE: one rank per GPU "
+                             "over NCCL, or all on GPU 0); with N > 1, TP=1 at the same total thread count (or on GPU 0) is measured "
+                             "too and the speed-up reported");
   app.add_option("--tp-output", tp_output, "TP placement of embedding and output: vocab (vocab-parallel) or replicated");
   app.add_flag("--no-baseline", no_baseline, "with --tp N > 1: skip the TP=1 measurement");
   std::string kv_type_s = "f32";
@@ -171,8 +219,15 @@ int main(int argc, char** argv) {
     const Device device = pick_device(device_s);
     if (!synthetic.empty() && device != Device::Cuda) throw UsageError("--synthetic runs on --device cuda");
     if (device == Device::Cuda) {
-      if (tp != 1) throw UsageError("--tp with --device cuda: tensor parallelism runs on the CPU only, so far");
+      if (tp != 1 && !synthetic.empty()) throw UsageError("--tp with --device cuda takes a model file (-m), not --synthetic");
 #ifdef LLMQ_HAVE_CUDA
+      if (tp > 1) {
+        auto m = Model::load(model_path, !no_verify, /*pack=*/false);
+        nlohmann::json j = bench_cuda_tp(*m, tp, n_prompt, n_gen, reps, no_baseline);
+        j["model"] = model_path;
+        std::printf("%s\n", j.dump(2).c_str());
+        return 0;
+      }
       std::unique_ptr<Model> m;
       LlamaConfig c;
       if (!synthetic.empty()) {
