@@ -1,6 +1,8 @@
 #include "engine/device.h"
 
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "formats/error.h"
 
@@ -23,11 +25,22 @@ namespace {
 
 // One NCCL communicator per GPU for `tp` ranks when the build has NCCL and the machine has tp
 // GPUs (the ranks join at once: ncclCommInitRank blocks until all have); else none, and the
-// ranks share GPU 0 over a host all-reduce.
+// ranks share GPU 0 over a host all-reduce. LLMQ_TP_COMM=host forces the latter, =nccl the
+// former (an error without NCCL or with fewer GPUs than ranks).
 cuda::CudaComms nccl_comms(int tp) {
   cuda::CudaComms c;
+  const char* env = std::getenv("LLMQ_TP_COMM");
+  const std::string mode = env ? env : "auto";
+  if (mode != "auto" && mode != "host" && mode != "nccl") throw UsageError("LLMQ_TP_COMM must be auto, host or nccl, not '" + mode + "'");
+  if (tp < 2 || mode == "host") return c;
+  const int gpus = cuda::device_count();
 #ifdef LLMQ_HAVE_NCCL
-  if (tp < 2 || cuda::device_count() < tp) return c;
+  if (gpus < tp) {
+    if (mode == "nccl")
+      throw UsageError("--tp " + std::to_string(tp) + " over NCCL needs " + std::to_string(tp) + " GPUs (one rank per GPU): this machine has " +
+                       std::to_string(gpus));
+    return c;
+  }
   const ncclUniqueId id = NcclComm::make_id();
   c.comms.resize(size_t(tp));
   std::vector<std::exception_ptr> errors(static_cast<size_t>(tp));
@@ -45,7 +58,8 @@ cuda::CudaComms nccl_comms(int tp) {
     if (e) std::rethrow_exception(e);
   for (int r = 0; r < tp; ++r) c.devices.push_back(r);
 #else
-  (void)tp;
+  (void)gpus;
+  if (mode == "nccl") throw UsageError("LLMQ_TP_COMM=nccl: this build has no NCCL communicator (NCCL was not found when it was configured)");
 #endif
   return c;
 }

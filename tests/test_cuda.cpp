@@ -684,6 +684,21 @@ TEST_CASE("CUDA tensor parallelism: TP = 2 and 4 ranks on one GPU give TP = 1's 
   }
   auto m = Model::load(test::stories("f32"), true, false);
   CHECK_THROWS_AS(cuda::CudaTpSession(*m, 3, 64), UsageError);  // 3 ranks would split a KV group of stories260K's 4
+  // The tools' path (make_cuda_session): one GPU, so the ranks share it (host all-reduce); NCCL
+  // asked for (LLMQ_TP_COMM=nccl) is a clear refusal: no NCCL in this build, or too few GPUs.
+  auto s2 = make_cuda_session(*m, 64, 64, 1, false, -1, nullptr, 2);
+  CHECK(dynamic_cast<cuda::CudaTpSession*>(s2.get()) != nullptr);
+  setenv("LLMQ_TP_COMM", "nccl", 1);
+  try {
+    make_cuda_session(*m, 64, 64, 1, false, -1, nullptr, 2);
+    FAIL("LLMQ_TP_COMM=nccl on one GPU was accepted");
+  } catch (const UsageError& e) {
+    INFO(e.what());
+    CHECK((std::string(e.what()).find("NCCL") != std::string::npos || std::string(e.what()).find("GPUs") != std::string::npos));
+  }
+  setenv("LLMQ_TP_COMM", "bogus", 1);
+  CHECK_THROWS_AS(make_cuda_session(*m, 64, 64, 1, false, -1, nullptr, 2), UsageError);
+  unsetenv("LLMQ_TP_COMM");
   CHECK_THROWS_AS(cuda::CudaTpSession(*m, 16, 64), UsageError);  // more ranks than heads
 }
 
