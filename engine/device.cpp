@@ -98,7 +98,7 @@ Device pick_device(const std::string& name) {
 }
 
 std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress,
-                                               int64_t gpu_layers, ThreadPool* pool, int tp) {
+                                               int64_t gpu_layers, ThreadPool* pool, int tp, bool kv_q8) {
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
   const int64_t L = m.config.n_layers;
@@ -109,15 +109,15 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
     const cuda::MemInfo before = mem_info();
     cuda::CudaComms comms = nccl_comms(tp);
     const bool nccl = !comms.comms.empty();
-    auto s = std::make_unique<cuda::CudaTpSession>(m, tp, ctx, n_batch, logits_rows, progress, std::move(comms));
+    auto s = std::make_unique<cuda::CudaTpSession>(m, tp, ctx, n_batch, logits_rows, progress, std::move(comms), kv_q8);
     const cuda::MemInfo after = mem_info();
     auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
     std::fprintf(stderr, "llmq: GPU 0: %s; tensor parallel over %d ranks %s\n", cuda::device_description(0).c_str(), tp,
                  nccl ? "on as many GPUs (NCCL all-reduce)" : "on this GPU (host all-reduce)");
     for (int r = 0; r < tp; ++r) {
       const cuda::CudaSession& rs = s->rank_session(r);
-      std::fprintf(stderr, "llmq: rank %d: weights %.1f MiB, KV cache %.1f MiB (f16), workspace %.1f MiB\n", r,
-                   mib(s->rank_model(r).weight_bytes()), mib(rs.kv_bytes()), mib(rs.workspace_bytes()));
+      std::fprintf(stderr, "llmq: rank %d: weights %.1f MiB, KV cache %.1f MiB (%s), workspace %.1f MiB\n", r,
+                   mib(s->rank_model(r).weight_bytes()), mib(rs.kv_bytes()), kv_q8 ? "q8_0" : "f16", mib(rs.workspace_bytes()));
     }
     std::fprintf(stderr, "llmq: GPU 0 memory measured at load: %.1f MiB (cudaMemGetInfo)\n", mib(before.free - after.free));
     return s;
@@ -133,12 +133,12 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
   const cuda::CudaSession* gpu = nullptr;
   cuda::CudaOffloadSession* off = nullptr;
   if (partial) {
-    auto o = std::make_unique<cuda::CudaOffloadSession>(m, *pool, gpu_layers, ctx, n_batch, logits_rows, progress);
+    auto o = std::make_unique<cuda::CudaOffloadSession>(m, *pool, gpu_layers, ctx, n_batch, logits_rows, progress, kv_q8);
     off = o.get(), dmp = &o->device_model(), gpu = &o->gpu();
     s = std::move(o);
   } else {
     dm = std::make_unique<cuda::CudaModel>(m, progress);
-    auto c = std::make_unique<cuda::CudaSession>(*dm, &m, ctx, n_batch, logits_rows);
+    auto c = std::make_unique<cuda::CudaSession>(*dm, &m, plan_cuda(m.config, {}, ctx, n_batch, logits_rows, -1, kv_q8));
     dmp = dm.get(), gpu = c.get();
     s = std::move(c);
   }
@@ -146,11 +146,11 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
   auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
   std::fprintf(stderr,
                "llmq: GPU 0: %s\n"
-               "llmq: GPU memory: weights %.1f MiB (%lld of %lld layers), KV cache %.1f MiB (f16, ctx %lld), workspace %.1f MiB "
+               "llmq: GPU memory: weights %.1f MiB (%lld of %lld layers), KV cache %.1f MiB (%s, ctx %lld), workspace %.1f MiB "
                "(n_batch %lld); allocated %.1f MiB, measured %.1f MiB (cudaMemGetInfo); CUDA context and other processes before "
                "loading: %.1f MiB\n",
                cuda::device_description(0).c_str(), mib(dmp->weight_bytes()), (long long)(L - dmp->first_layer()), (long long)L,
-               mib(gpu->kv_bytes()), (long long)gpu->ctx(), mib(gpu->workspace_bytes()), (long long)gpu->n_batch(),
+               mib(gpu->kv_bytes()), kv_q8 ? "q8_0" : "f16", (long long)gpu->ctx(), mib(gpu->workspace_bytes()), (long long)gpu->n_batch(),
                mib(dmp->weight_bytes() + gpu->state_bytes()), mib(before.free - after.free), mib(before.total - before.free));
   if (off)
     std::fprintf(stderr,
@@ -161,13 +161,13 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
   if (dm) static_cast<cuda::CudaSession&>(*s).own(std::move(dm));
   return s;
 #else
-  (void)m, (void)ctx, (void)n_batch, (void)logits_rows, (void)progress, (void)gpu_layers, (void)pool, (void)tp;
+  (void)m, (void)ctx, (void)n_batch, (void)logits_rows, (void)progress, (void)gpu_layers, (void)pool, (void)tp, (void)kv_q8;
   throw UsageError("this build has no CUDA backend");
 #endif
 }
 
 std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens,
-                                                    bool progress, int tp, int64_t gpu_layers, ThreadPool* pool) {
+                                                    bool progress, int tp, int64_t gpu_layers, ThreadPool* pool, bool kv_q8) {
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
   cuda::check(cudaSetDevice(0), "cudaSetDevice");
@@ -178,24 +178,25 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
   if (gpu_layers >= 0 && gpu_layers < L) {  // partial offload
     if (tp > 1) throw UsageError("--gpu-layers with --tp: partial offload runs one rank, so far");
     if (!pool) throw UsageError("partial offload needs a CPU thread pool");
-    auto r = std::make_unique<cuda::CudaOffloadBatchRunner>(m, *pool, gpu_layers, ctx, n_batch, parallel, kv_tokens, progress);
+    auto r = std::make_unique<cuda::CudaOffloadBatchRunner>(m, *pool, gpu_layers, ctx, n_batch, parallel, kv_tokens, progress, kv_q8);
     const cuda::MemInfo after = mem_info();
     const CudaPlan& p = r->plan();
     auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
     std::fprintf(stderr,
                  "llmq: GPU 0: %s\n"
-                 "llmq: GPU memory: weights %.1f MiB (%lld of %lld layers), KV cache %.1f MiB (f16, %lld blocks of %lld positions), "
+                 "llmq: GPU memory: weights %.1f MiB (%lld of %lld layers), KV cache %.1f MiB (%s, %lld blocks of %lld positions), "
                  "workspace %.1f MiB; measured %.1f MiB (cudaMemGetInfo)\n"
                  "llmq: CPU part (partial offload): layers 0-%lld on %d threads, workspace %.1f MiB; their KV cache is the scheduler's "
                  "(host)\n",
                  cuda::device_description(0).c_str(), mib(r->device_model().weight_bytes()), (long long)gpu_layers, (long long)L,
-                 mib(r->session().kv_bytes()), (long long)p.kv_blocks, (long long)p.block_tokens, mib(r->session().workspace_bytes()),
+                 mib(r->session().kv_bytes()), kv_q8 ? "q8_0" : "f16", (long long)p.kv_blocks, (long long)p.block_tokens,
+                 mib(r->session().workspace_bytes()),
                  mib(before.free - after.free), (long long)(r->cpu_layers() - 1), pool->size(), mib(r->host_workspace_bytes()));
     return r;
   }
   cuda::CudaComms comms = nccl_comms(tp);
   const bool nccl = !comms.comms.empty();
-  auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress, tp, std::move(comms));
+  auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress, tp, std::move(comms), kv_q8);
   const cuda::MemInfo after = mem_info();
   const CudaPlan& p = r->plan();
   auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
@@ -203,18 +204,19 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
   for (int i = 0; i < r->ranks(); ++i) weights += r->device_model(i).weight_bytes();
   std::fprintf(stderr,
                "llmq: GPU 0: %s%s\n"
-               "llmq: GPU memory: weights %.1f MiB, KV cache %.1f MiB (f16, %lld blocks of %lld positions, paged over %lld sequences), "
+               "llmq: GPU memory: weights %.1f MiB, KV cache %.1f MiB (%s, %lld blocks of %lld positions, paged over %lld sequences), "
                "workspace %.1f MiB (batch %lld); allocated %.1f MiB, measured %.1f MiB on GPU 0 (cudaMemGetInfo); CUDA context and "
                "other processes before loading: %.1f MiB\n",
                cuda::device_description(0).c_str(),
                tp > 1 ? (nccl ? "; tensor parallel, one rank per GPU (NCCL)" : "; tensor parallel, the ranks on this GPU (host all-reduce)") : "",
-               mib(weights), mib(r->kv_bytes(KVCache::tables_only(m.config, 1, 1))), (long long)p.kv_blocks, (long long)p.block_tokens,
+               mib(weights), mib(r->kv_bytes(KVCache::tables_only(m.config, 1, 1))), kv_q8 ? "q8_0" : "f16", (long long)p.kv_blocks,
+               (long long)p.block_tokens,
                (long long)p.parallel, mib(r->workspace_bytes()), (long long)p.n_batch,
                mib(weights + r->kv_bytes(KVCache::tables_only(m.config, 1, 1)) + r->workspace_bytes()), mib(before.free - after.free),
                mib(before.total - before.free));
   return r;
 #else
-  (void)m, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress, (void)tp, (void)gpu_layers, (void)pool;
+  (void)m, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress, (void)tp, (void)gpu_layers, (void)pool, (void)kv_q8;
   throw UsageError("this build has no CUDA backend");
 #endif
 }

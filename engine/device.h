@@ -34,10 +34,11 @@ uint64_t cuda_free_bytes();
 /// gpu_layers); < 0 or n_layers: the whole model on the GPU. tp > 1: tensor parallelism, tp
 /// ranks all on GPU 0 with a host communicator (cuda::CudaTpSession; m loaded unpacked). Throws
 /// UsageError in a build without CUDA, for gpu_layers > n_layers, partial offload without a
-/// pool or with tp > 1, ranks that cannot be formed; CudaError (a std::runtime_error) when the
-/// model does not fit.
+/// pool or with tp > 1, ranks that cannot be formed, kv_q8 (a Q8_0 KV cache) with a head_dim
+/// that is no multiple of 32; CudaError (a std::runtime_error) when the model does not fit.
 std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1,
-                                               bool progress = true, int64_t gpu_layers = -1, ThreadPool* pool = nullptr, int tp = 1);
+                                               bool progress = true, int64_t gpu_layers = -1, ThreadPool* pool = nullptr, int tp = 1,
+                                               bool kv_q8 = false);
 
 /// llmq-server's forward passes on GPU 0 (cuda::CudaBatchRunner): the weights uploaded and a
 /// paged KV cache for `parallel` sequences of up to ctx tokens (kv_tokens as SchedulerOptions).
@@ -46,6 +47,6 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
 /// (cuda::CudaOffloadBatchRunner). Throws as make_cuda_session.
 std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel,
                                                     int64_t kv_tokens = 0, bool progress = true, int tp = 1, int64_t gpu_layers = -1,
-                                                    ThreadPool* pool = nullptr);
+                                                    ThreadPool* pool = nullptr, bool kv_q8 = false);
 
 }  // namespace llmq

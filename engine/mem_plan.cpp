@@ -253,7 +253,10 @@ CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& 
   p.decode_part_len = p.decode_parts == 1 ? (p.ctx + 31) / 32 * 32 : kCudaDecodePartTokens;
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
   const uint64_t T = uint64_t(p.n_batch);
-  p.kv = uint64_t(c.n_layers - p.first_layer) * 2 * uint64_t(p.kv_rows) * uint64_t(KV) * 2;
+  if (p.kv_q8 && c.head_dim % 32 != 0)
+    throw UsageError("a Q8_0 KV cache needs head_dim a multiple of 32 (this model's is " + std::to_string(c.head_dim) + ")");
+  const uint64_t kv_row = p.kv_q8 ? uint64_t(KV) + uint64_t(KV / 32) * 2 : uint64_t(KV) * 2;  // bytes of one position's K (or V)
+  p.kv = uint64_t(c.n_layers - p.first_layer) * 2 * uint64_t(p.kv_rows) * kv_row;
   p.tokens = T * 4, p.top_k = uint64_t(kCudaMaxTopK) * 4;
   p.io = 2 * p.tokens + 4 + 2 * p.top_k;
   if (p.parallel > 0)
@@ -275,12 +278,13 @@ CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& 
 }  // namespace
 
 CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows,
-                   int64_t gpu_layers) {
+                   int64_t gpu_layers, bool kv_q8) {
   if (gpu_layers > c.n_layers)
     throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(c.n_layers) + " layers");
   const SessionSizes sz = session_sizes(c, ctx, n_batch, logits_rows);
   CudaPlan p;
   p.first_layer = gpu_layers < 0 ? 0 : c.n_layers - gpu_layers;
+  p.kv_q8 = kv_q8;
   p.ctx = p.kv_rows = sz.ctx, p.n_batch = sz.n_batch, p.logits_rows = std::min(sz.logits_rows, sz.n_batch);
   return plan_cuda_buffers(c, tensors, p);
 }
@@ -292,20 +296,22 @@ LlamaConfig rank_config(const LlamaConfig& c, const ShardRanges& R) {
 }
 
 CudaPlan plan_cuda_rank(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t ctx, int64_t n_batch,
-                        int64_t logits_rows, int64_t parallel, int64_t kv_tokens) {
+                        int64_t logits_rows, int64_t parallel, int64_t kv_tokens, bool kv_q8) {
   const LlamaConfig rc = rank_config(c, R);
-  CudaPlan p = parallel > 0 ? plan_cuda_server(rc, {}, ctx, n_batch, parallel, kv_tokens) : plan_cuda(rc, {}, ctx, n_batch, logits_rows);
+  CudaPlan p = parallel > 0 ? plan_cuda_server(rc, {}, ctx, n_batch, parallel, kv_tokens, -1, kv_q8)
+                            : plan_cuda(rc, {}, ctx, n_batch, logits_rows, -1, kv_q8);
   p.weights = cuda_weight_bytes(c, tensors, R, 0);
   return p;
 }
 
 CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
-                          int64_t parallel, int64_t kv_tokens, int64_t gpu_layers) {
+                          int64_t parallel, int64_t kv_tokens, int64_t gpu_layers, bool kv_q8) {
   if (parallel < 1) throw UsageError("--parallel must be at least 1");
   if (gpu_layers > c.n_layers)
     throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(c.n_layers) + " layers");
   CudaPlan p;
   p.first_layer = gpu_layers < 0 ? 0 : c.n_layers - gpu_layers;
+  p.kv_q8 = kv_q8;
   p.ctx = ctx > 0 ? ctx : std::min(c.context_length, kDefaultMaxCtx);
   p.parallel = parallel;
   p.n_batch = std::max<int64_t>({1, n_batch, parallel});  // the Scheduler's capacity

@@ -149,7 +149,8 @@ struct CudaPlan {
   int64_t kv_blocks = 0, block_tokens = 0;  ///< paged: the cache's blocks (KVCache::tables_only)
   int64_t decode_parts = 1, decode_part_len = 0;  ///< decode attention: parts of part_len positions
   uint64_t weights = 0;      ///< every tensor, Q/K/V and gate/up stacked when of one type, each 256-byte aligned
-  uint64_t kv = 0;           ///< fp16 [n_layers - first_layer, 2, kv_rows, kv_dim]
+  bool kv_q8 = false;        ///< the KV cache in Q8_0 (int8 and an fp16 scale per 32) instead of fp16
+  uint64_t kv = 0;           ///< per layer from first_layer, K then V: fp16 [kv_rows, kv_dim], or Q8_0 int8 [kv_rows, kv_dim] + fp16 [kv_rows, kv_dim / 32]
   uint64_t tokens = 0;       ///< token ids, and again positions: [n_batch] int32 each
   uint64_t top_k = 0;        ///< top-k candidate ids, and again their logits: [kCudaMaxTopK] x 4 B each
   uint64_t io = 0;           ///< 2 tokens + the sampled id (4 B) + 2 top_k
@@ -169,16 +170,17 @@ int64_t cuda_matmul_max_rows(const LlamaConfig& c);
 /// left 0): ctx, n_batch, logits_rows as session_sizes (logits_rows at most n_batch); gpu_layers
 /// (partial offload, < 0: all) the last layers on the GPU, whose weights (plus the output, and
 /// the embedding only when all layers are there or it is tied) and KV cache it holds. Throws
-/// UsageError when a tensor of the Llama table is missing, or gpu_layers > n_layers.
+/// UsageError when a tensor of the Llama table is missing, or gpu_layers > n_layers. kv_q8: a
+/// Q8_0 KV cache (17/32 of fp16's bytes; head_dim must be a multiple of 32: UsageError).
 CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1,
-                   int64_t gpu_layers = -1);
+                   int64_t gpu_layers = -1, bool kv_q8 = false);
 /// The plan of llmq-server on a GPU (cuda::CudaBatchRunner): `parallel` sequences of up to ctx
 /// tokens over a paged cache of server_kv_tokens(ctx, parallel, kv_tokens) tokens in blocks of
 /// kKvBlockTokens, forward passes of max(n_batch, parallel) tokens with logits for up to
 /// `parallel` of them (the scheduler's); gpu_layers as plan_cuda (partial offload). Throws
 /// UsageError as plan_cuda, or for parallel < 1.
 CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
-                          int64_t parallel, int64_t kv_tokens = 0, int64_t gpu_layers = -1);
+                          int64_t parallel, int64_t kv_tokens = 0, int64_t gpu_layers = -1, bool kv_q8 = false);
 
 struct ShardRanges;  // engine/model.h
 
@@ -192,7 +194,7 @@ LlamaConfig rank_config(const LlamaConfig& c, const ShardRanges& R);
 /// norms whole), buffers as plan_cuda (parallel 0) or plan_cuda_server (parallel > 0) on
 /// rank_config. Throws UsageError as plan_cuda.
 CudaPlan plan_cuda_rank(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t ctx, int64_t n_batch,
-                        int64_t logits_rows = 1, int64_t parallel = 0, int64_t kv_tokens = 0);
+                        int64_t logits_rows = 1, int64_t parallel = 0, int64_t kv_tokens = 0, bool kv_q8 = false);
 
 /// Bytes a tensor holds on one of `tp` tensor-parallel ranks under the Megatron-LM split
 /// (Shoeybi et al. 2019): column-parallel attn_q/attn_k/attn_v/ffn_gate/ffn_up and the

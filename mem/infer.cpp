@@ -67,8 +67,10 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
 // every device buffer of the backend, from the plan it allocates from (engine/mem_plan.h
 // plan_cuda, plan_cuda_server); the CUDA context is measured at load, not predicted here.
 void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, bool server) {
-  const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens, o.gpu_layers)
-                            : plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1, o.gpu_layers);
+  const bool q8 = o.kv_type == "q8_0";
+  const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens, o.gpu_layers, q8)
+                            : plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1, o.gpu_layers, q8);
+  const std::string kv_elem = q8 ? "(1 + 2/32) B (q8_0: int8 and an f16 scale per 32)" : "2 B (f16)";
   const int64_t hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd;
   r.device = "cuda (GPU 0)";
   r.title = server ? fmt::format("{}: llmq-server --device cuda, parallel {}, ctx {}, batch {}", f.path(), p.parallel, p.ctx, p.n_batch)
@@ -80,10 +82,11 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const
                                  layers, f.tensors().size(), type_mix(f.tensors())),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"KV cache", double(p.kv),
-                     server ? fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} blocks of {} tokens (paged, shared by {} "
+                     server ? fmt::format("2 (K,V) x {} layers x {} kv_dim x {} x {} blocks of {} tokens (paged, shared by {} "
                                           "sequences)",
-                                          c.n_layers, c.kv_dim(), p.kv_blocks, p.block_tokens, p.parallel)
-                            : fmt::format("2 (K,V) x {} layers x {} kv_dim x 2 B (f16) x {} tokens", c.n_layers - p.first_layer, c.kv_dim(), p.ctx),
+                                          c.n_layers - p.first_layer, c.kv_dim(), kv_elem, p.kv_blocks, p.block_tokens, p.parallel)
+                            : fmt::format("2 (K,V) x {} layers x {} kv_dim x {} x {} tokens", c.n_layers - p.first_layer, c.kv_dim(), kv_elem,
+                                          p.ctx),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"workspace: activations", double(p.activations),
                      fmt::format("{} tokens x (2 x {} x, xb + {} qkv + {} att + 3 x {} h, hs) x 4 B", p.n_batch, c.dim, Q + 2 * KV, Q,
@@ -195,8 +198,10 @@ InferencePlan infer_plan(const LlmqFile& f, const LlamaConfig& c, const InferOpt
 
 MemReport infer_report(const std::string& path, const InferOptions& o) {
   if (o.device != "cpu" && o.device != "cuda") throw UsageError("--device must be cpu or cuda");
-  if (o.kv_type != "f32" && o.kv_type != "bf16" && o.kv_type != "f16") throw UsageError("--kv-type must be f32, bf16 or f16");
-  if (o.device == "cpu" && o.kv_type == "f16") throw UsageError("the CPU engine stores the KV cache as f32 or bf16 (--kv-type)");
+  if (o.kv_type != "f32" && o.kv_type != "bf16" && o.kv_type != "f16" && o.kv_type != "q8_0")
+    throw UsageError("--kv-type must be f32, bf16, f16 or q8_0");
+  if (o.device == "cpu" && (o.kv_type == "f16" || o.kv_type == "q8_0"))
+    throw UsageError("the CPU engine stores the KV cache as f32 or bf16 (--kv-type)");
   if (o.tp < 1) throw UsageError("--tp must be >= 1");
   auto f = LlmqFile::open(path, /*verify=*/false);
   const LlamaConfig c = file_config(*f);
@@ -223,14 +228,14 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
     return r;
   }
   if (o.tp == 1) {  // one GPU: the plan CudaModel and CudaSession allocate from (engine/cuda/session.h)
-    if (o.kv_type == "bf16") throw UsageError("the CUDA backend's KV cache is f16 (--kv-type f16)");
+    if (o.kv_type == "bf16") throw UsageError("the CUDA backend's KV cache is f16 or q8_0 (--kv-type)");
     add_cuda_lines(r, *f, c, o, server);
     return r;
   }
   // CUDA with --tp N: every rank from the plan CudaRanks allocates from (engine/cuda/session.h):
   // its shard's weights (embedding replicated, the output on rank 0), its KV heads' cache, its
   // widths' workspace; ranks on one GPU stage each all-reduce through pinned host memory.
-  if (o.kv_type == "bf16") throw UsageError("the CUDA backend's KV cache is f16 (--kv-type f16)");
+  if (o.kv_type == "bf16") throw UsageError("the CUDA backend's KV cache is f16 or q8_0 (--kv-type)");
   if (o.gpu_layers >= 0) throw UsageError("--gpu-layers with --tp: partial offload runs one rank, so far");
   TpOptions topt;
   topt.vocab_parallel = false;
@@ -245,7 +250,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
       throw UsageError(fmt::format("--tp {} on the GPU: rank {}'s query heads do not fall on KV-group boundaries; choose --tp dividing "
                                    "the {} KV heads",
                                    o.tp, R.rank, c.n_kv_heads));
-    const CudaPlan rp = plan_cuda_rank(c, f->tensors(), R, o.ctx, o.n_batch, 1, server ? o.parallel : 0, o.kv_tokens);
+    const CudaPlan rp = plan_cuda_rank(c, f->tensors(), R, o.ctx, o.n_batch, 1, server ? o.parallel : 0, o.kv_tokens, o.kv_type == "q8_0");
     const std::string k = fmt::format("rank {}: ", R.rank);
     r.lines.push_back({k + "weights", double(rp.weights),
                        fmt::format("heads {}-{}, KV heads {}-{}, FFN {}-{} (Megatron split), embedding whole{}; 256-byte aligned pieces",
@@ -253,8 +258,8 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
                                    R.ffn0 + R.ffn_dim - 1, R.n_vocab > 0 ? ", output" : ""),
                        kPlan, Place::Device, Basis::Exact});
     r.lines.push_back({k + "KV cache", double(rp.kv),
-                       fmt::format("2 (K,V) x {} layers x {} kv heads x {} head_dim x 2 B (f16) x {} tokens", c.n_layers, R.n_kv_heads,
-                                   c.head_dim, rp.kv_rows),
+                       fmt::format("2 (K,V) x {} layers x {} kv heads x {} head_dim x {} x {} tokens", c.n_layers, R.n_kv_heads,
+                                   c.head_dim, o.kv_type == "q8_0" ? "(1 + 2/32) B (q8_0)" : "2 B (f16)", rp.kv_rows),
                        kPlan, Place::Device, Basis::Exact});
     r.lines.push_back({k + "workspace (cuBLAS's included)", double(rp.workspace()),
                        fmt::format("activations for {} tokens at the rank's widths, logits {}, matmul scratch", rp.n_batch,

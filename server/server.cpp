@@ -374,7 +374,8 @@ int main(int argc, char** argv) {
   app.add_option("--kv-tokens", kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass");
   std::string kv_type = "f32";
-  auto* kv_type_opt = app.add_option("--kv-type", kv_type, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands)")
+  app.add_option("--kv-type", kv_type, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands); "
+                                    "--device cuda: f16 (default) or q8_0 (17/32 of f16's bytes)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
   app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
@@ -406,7 +407,8 @@ int main(int argc, char** argv) {
 #endif
   return cli::run_guarded("llmq-server", [&] {
     const bool gpu = pick_device(device) == Device::Cuda;
-    if (gpu && kv_type_opt->count()) throw UsageError("--kv-type is the CPU's KV-cache type; the GPU's KV cache is f16");
+    if (gpu && kv_type != "f32" && kv_type != "f16" && kv_type != "q8_0") throw UsageError("--kv-type with --device cuda: f16 (the default) or q8_0");
+    const bool gpu_kv_q8 = gpu && kv_type == "q8_0";
     if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
     if (fit && gpu && gpu_layers_s != "all") throw UsageError("--fit with --device cuda plans every layer on the GPU; leave --gpu-layers out");
     if (fit) {  // plan first, from the file's metadata and tensor directory only (llmq-mem infer --fit)
@@ -536,7 +538,8 @@ int main(int argc, char** argv) {
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());
         const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
         if ((gpu && partial) || (!gpu && tp == 1)) st->pool = std::make_unique<ThreadPool>(threads);
-        if (gpu) st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get());
+        if (gpu)
+          st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get(), gpu_kv_q8);
         else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
@@ -546,7 +549,7 @@ int main(int argc, char** argv) {
         so.max_queue = max_queue;
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
-        so.kv_type = kv_type_from_name(kv_type);
+        so.kv_type = gpu ? KvType::F32 : kv_type_from_name(kv_type);  // the CPU's pools (partial offload: f32)
         st->scheduler = st->runner ? std::make_unique<Scheduler>(*st->runner, so) : std::make_unique<Scheduler>(*st->model, *st->pool, so);
         st->ready = true;
         const uint64_t file_bytes = st->model->file->file_size() + st->model->packed.bytes(), kv_b = st->scheduler->kv_bytes(),

@@ -474,6 +474,18 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
     CHECK(lines_sum(sr, {"CPU: KV cache (partial offload)"}) == 2.0 * 3 * 4 * 8 * 4 * double(sp2.kv_rows));
     CHECK(fit_gpu_layers(*f, file_config(*f), so, double(sp2.total())) == 2);
   }
+  // --kv-type q8_0 on the GPU: int8 and an fp16 scale per 32 (head_dim 32 here; stories260K's 8 is refused).
+  {
+    const std::string syn = test::synthetic("mem-q8kv", 4, 2, 32, 96, DType::F32, 3);
+    InferOptions q;
+    q.device = "cuda", q.kv_type = "q8_0", q.ctx = 128;
+    const MemReport rq = infer_report(syn, q);
+    q.kv_type = "f16";
+    const MemReport rf = infer_report(syn, q);
+    CHECK(lines_sum(rq, {"KV cache"}) * 32 == lines_sum(rf, {"KV cache"}) * 17);
+    q.kv_type = "q8_0";
+    CHECK_THROWS_AS(infer_report(path, q), UsageError);
+  }
   // llmq-server --fit --device cuda: the largest ctx, then the most sequences, within a GPU budget.
   {
     InferOptions so;

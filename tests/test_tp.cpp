@@ -64,42 +64,7 @@ double worst_rel(const Run& a, const Run& b) {
   return worst;
 }
 
-// A synthetic Llama model with random weights (uniform, scaled by 1/sqrt(fan-in)), matrices
-// stored as `type`, the 512-token vocabulary of stories260K, untied output.
-std::string synthetic(const std::string& name, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t hidden,
-                      DType type, uint32_t seed, bool biases = false) {
-  static const std::string dir = test::scratch("tp_models");
-  const std::string path = dir + "/" + name + ".llmq";
-  auto src = LlmqFile::open(test::stories("f32"));
-  LlamaConfig c;
-  c.n_heads = n_heads, c.n_kv_heads = n_kv_heads, c.head_dim = head_dim, c.dim = n_heads * head_dim;
-  c.hidden_dim = hidden, c.n_layers = 3, c.vocab_size = 512, c.context_length = 256;
-  c.tied_embeddings = false;
-  c.attn_qkv_bias = c.attn_out_bias = biases;  // with biases: Qwen2's q/k/v and Llama's o
-  LlmqWriter w(path, true);
-  w.meta = src->meta();  // the tokenizer keys
-  c.to_metadata(w.meta);
-  const std::vector<TensorSpec> table = llama_tensor_table(c);
-  for (const TensorSpec& t : table) w.declare(t.name, t.shape.size() == 1 ? DType::F32 : type, t.shape);
-  w.begin();
-  std::mt19937 rng(seed);
-  for (size_t i = 0; i < table.size(); ++i) {
-    const auto& shape = table[i].shape;
-    const int64_t rows = shape.size() == 1 ? 1 : shape[0], cols = shape.back();
-    const float a = shape.size() == 1 ? 0.0f : float(std::sqrt(3.0 / double(cols)));
-    std::uniform_real_distribution<float> u(-a, a);
-    std::vector<float> x(size_t(rows * cols));
-    const bool bias = table[i].name.find(".bias") != std::string::npos;
-    for (float& v : x)
-      v = shape.size() > 1 ? u(rng) : bias ? float(rng() % 1000) / 1000.0f - 0.5f : 1.0f + 0.2f * (float(rng() % 1000) / 1000.0f - 0.5f);
-    std::vector<uint8_t> bytes(w.tensors()[i].nbytes);
-    const DType t = shape.size() == 1 ? DType::F32 : type;
-    for (int64_t r = 0; r < rows; ++r) quantize_row(t, x.data() + r * cols, bytes.data() + size_t(r) * row_bytes(t, cols), cols);
-    w.write_tensor(i, bytes.data(), bytes.size());
-  }
-  w.finish();
-  return path;
-}
+using test::synthetic;
 
 std::vector<int32_t> some_prompt(int n, uint32_t seed) {
   std::mt19937 rng(seed);

@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   inf->add_option("--kv-tokens", io.kv_tokens, "server KV cache in tokens (default as llmq-server: max(ctx, parallel x min(ctx, 2048)))");
   inf->add_option("-b,--batch", io.n_batch, "most tokens per forward pass");
   inf->add_option("-t,--threads", io.threads, "threads (default: all cores; per-thread scratch depends on it)");
-  inf->add_option("--kv-type", io.kv_type, "KV cache type: f32 or bf16 (the CPU engine), f16 (CUDA plan)");
+  inf->add_option("--kv-type", io.kv_type, "KV cache type: f32 or bf16 (the CPU engine), f16 or q8_0 (CUDA)");
   inf->add_option("--device", io.device, "cpu or cuda: the plan the engine allocates from (GPU 0; with --tp, weights and KV per rank only)");
   inf->add_option("--gpu-layers,--n-gpu-layers", io.gpu_layers, "with --device cuda: the last N layers on the GPU, the rest on the CPU (llmq-run's partial offload)");
   inf->add_option("--tp", io.tp, "tensor-parallel ranks: weights and KV per rank by the Megatron split (report only)");

@@ -77,7 +77,8 @@ int main(int argc, char** argv) {
   app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
   std::string kv_type_s = "f32";
-  app.add_option("--kv-type", kv_type_s, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands)")
+  app.add_option("--kv-type", kv_type_s, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands); "
+                                        "--device cuda: f16 (default) or q8_0 (17/32 of f16's bytes)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   std::string device_s = "cpu";
   app.add_option("--device", device_s, "where the forward pass runs: cpu, cuda (GPU 0; f16 KV cache) or auto (the GPU when one is present)")
@@ -127,8 +128,10 @@ int main(int argc, char** argv) {
       if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)) + " even with the smallest context");
       ctx = r.options.ctx;
     }
-    const KvType kv_type = kv_type_from_name(kv_type_s);
-    if (device == Device::Cuda && kv_type != KvType::F32) throw UsageError("--kv-type: the GPU's KV cache is f16 (leave --kv-type out)");
+    if (device == Device::Cuda && kv_type_s != "f32" && kv_type_s != "f16" && kv_type_s != "q8_0")
+      throw UsageError("--kv-type with --device cuda: f16 (the default) or q8_0");
+    const bool gpu_kv_q8 = device == Device::Cuda && kv_type_s == "q8_0";
+    const KvType kv_type = device == Device::Cuda ? KvType::F32 : kv_type_from_name(kv_type_s);  // the CPU's (partial offload: f32)
     mem::InferOptions lo;
     lo.ctx = ctx, lo.n_batch = n_batch;
     const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-run", gpu_layers_s, device == Device::Cuda, model_path, lo, mem_budget);
@@ -170,7 +173,7 @@ int main(int argc, char** argv) {
                    (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
       const auto progress = [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); };
       std::unique_ptr<SessionBase> gpu;
-      if (device == Device::Cuda) gpu = make_cuda_session(*model, n_ctx, n_ctx, n_ctx, true, gpu_layers, pool.get(), tp);
+      if (device == Device::Cuda) gpu = make_cuda_session(*model, n_ctx, n_ctx, n_ctx, true, gpu_layers, pool.get(), tp, gpu_kv_q8);
       const PerplexityResult r = gpu      ? perplexity(*gpu, tokens, n_ctx, progress, ppl_chunks)
                                  : runner ? perplexity(*runner, tokens, n_ctx, progress, ppl_chunks, kv_type)
                                           : perplexity(*model, *pool, tokens, n_ctx, progress, ppl_chunks, kv_type);
@@ -181,7 +184,7 @@ int main(int argc, char** argv) {
 
     std::unique_ptr<SessionBase> session_ptr;
     if (device == Device::Cuda)
-      session_ptr = make_cuda_session(*model, ctx, n_batch, 1, true, gpu_layers, pool.get(), tp);  // prints the GPU's memory
+      session_ptr = make_cuda_session(*model, ctx, n_batch, 1, true, gpu_layers, pool.get(), tp, gpu_kv_q8);  // prints the GPU's memory
     else if (runner) session_ptr = std::make_unique<Session>(*runner, ctx, kv_type);
     else session_ptr = std::make_unique<Session>(*model, *pool, ctx, n_batch, 1, kv_type);
     SessionBase& session = *session_ptr;

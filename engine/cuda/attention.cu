@@ -18,7 +18,9 @@ constexpr int kOut = int(kMaxHeadDim) / 32;   // outputs per lane: dims lane, la
 // distinct banks), V tile [kTile, hd] fp16, the group's queries [G, hd] fp32 (scaled).
 __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const __half* __restrict__ kc,
                                  const __half* __restrict__ vc, const int32_t* __restrict__ pos, const int32_t* __restrict__ seq,
-                                 const int32_t* __restrict__ tables, int64_t table_stride, int bt, int n_heads, int n_kv, int hd,
+                                 const int32_t* __restrict__ tables, int64_t table_stride, int bt, const int8_t* __restrict__ kq,
+                                 const __half* __restrict__ kd, const int8_t* __restrict__ vq, const __half* __restrict__ vd,
+                                 int n_heads, int n_kv, int hd,
                                  float scale, int n_splits, int part_len, float* __restrict__ partial, float* __restrict__ out,
                                  int64_t ldo) {
   unsigned char* smem = dynamic_smem();
@@ -46,8 +48,15 @@ __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const
       const int r = idx / half_hd, c = idx % half_hd, p = p0 + r;
       const int64_t row = table ? int64_t(table[p / bt]) * bt + p % bt : p;
       const int64_t src = row * kv_dim + int64_t(kvh) * hd;
-      reinterpret_cast<__half2*>(Ks + r * kpitch)[c] = reinterpret_cast<const __half2*>(kc + src)[c];
-      reinterpret_cast<__half2*>(Vs + r * hd)[c] = reinterpret_cast<const __half2*>(vc + src)[c];
+      if (kq) {  // Q8_0 cache: element e has scale e / 32 (kv_dim and hd are multiples of 32)
+        const int64_t e = src + 2 * c;
+        const float dk = __half2float(kd[e / 32]), dv = __half2float(vd[e / 32]);
+        Ks[r * kpitch + 2 * c] = __float2half(float(kq[e]) * dk), Ks[r * kpitch + 2 * c + 1] = __float2half(float(kq[e + 1]) * dk);
+        Vs[r * hd + 2 * c] = __float2half(float(vq[e]) * dv), Vs[r * hd + 2 * c + 1] = __float2half(float(vq[e + 1]) * dv);
+      } else {
+        reinterpret_cast<__half2*>(Ks + r * kpitch)[c] = reinterpret_cast<const __half2*>(kc + src)[c];
+        reinterpret_cast<__half2*>(Vs + r * hd)[c] = reinterpret_cast<const __half2*>(vc + src)[c];
+      }
     }
     __syncthreads();
     float sc = -INFINITY;
@@ -118,11 +127,12 @@ __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_
 
 void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T, int64_t n_heads,
                int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial, float* out, int64_t ldo,
-               cudaStream_t s, const KvPages& pages) {
+               cudaStream_t s, const KvPages& pages, const KvQ8& q8) {
   if (hd > kMaxHeadDim || hd % 2 != 0) throw UsageError("CUDA attention: head_dim " + std::to_string(hd) + " (even, at most 256)");
   if (n_kv <= 0 || n_heads % n_kv != 0) throw UsageError("CUDA attention: n_heads must be a multiple of n_kv_heads");
   if (n_splits > 1 && part_len % kTile != 0) throw UsageError("CUDA attention: part_len must be a multiple of 32");
   if (pages.tables && (pages.block_tokens <= 0 || !pages.seq)) throw UsageError("CUDA attention: paged cache without block size or sequences");
+  if (q8.kq && hd % 32 != 0) throw UsageError("CUDA attention: a Q8_0 KV cache needs head_dim a multiple of 32");
   if (T == 0) return;
   const int64_t G = n_heads / n_kv;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
@@ -132,7 +142,8 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     check(cudaFuncSetAttribute(reinterpret_cast<const void*>(attention_kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
           "cudaFuncSetAttribute");
   LLMQ_LAUNCH(attention_kernel, grid, block, smem, s)(q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos,
-                                             pages.seq, pages.tables, pages.table_stride, int(pages.block_tokens), int(n_heads), int(n_kv), int(hd), scale, int(n_splits), int(part_len), partial, out, ldo);
+                                             pages.seq, pages.tables, pages.table_stride, int(pages.block_tokens), q8.kq,
+                                             reinterpret_cast<const __half*>(q8.kd), q8.vq, reinterpret_cast<const __half*>(q8.vd), int(n_heads), int(n_kv), int(hd), scale, int(n_splits), int(part_len), partial, out, ldo);
   check_launch("attention");
   if (n_splits > 1) {
     const dim3 merge_grid{unsigned(T), unsigned(n_heads), 1};

@@ -32,6 +32,16 @@ struct KvPages {
   int64_t table_stride = 0, block_tokens = 0;
 };
 
+/// A Q8_0 KV cache (ops.h store_kv_q8): kq, vq [rows, n_kv · hd] int8 and kd, vd
+/// [rows, n_kv · hd / 32] fp16 scales; when set, attention reads these instead of kc, vc
+/// (dequantized into the same shared-memory tiles).
+struct KvQ8 {
+  const int8_t* kq = nullptr;
+  const uint16_t* kd = nullptr;
+  const int8_t* vq = nullptr;
+  const uint16_t* vd = nullptr;
+};
+
 /// Attention for T tokens of one sequence, or of several over a paged cache (`pages`). q: [T, ldq], head h at column h · hd, already
 /// rotated; kc, vc: the layer's cache [rows, n_kv · hd] fp16 (rows as `pages` says); pos: [T]
 /// device int32, token t attends to its sequence's positions 0 .. pos[t]; out: [T, ldo], head h at column h · hd.
@@ -39,9 +49,10 @@ struct KvPages {
 /// parts of part_len positions (a multiple of 32) written to `partial`
 /// [T, n_heads, n_splits, hd + 2] (o unnormalized, then m, l), then merged into out.
 /// scale: the score factor, 1/sqrt(hd). Throws UsageError for hd > kMaxHeadDim, odd hd, or
-/// n_heads not a multiple of n_kv, or tables without a positive block size.
+/// n_heads not a multiple of n_kv, tables without a positive block size, or a Q8_0 cache whose
+/// head_dim is not a multiple of 32.
 void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T,
                int64_t n_heads, int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial,
-               float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {});
+               float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {}, const KvQ8& q8 = {});
 
 }  // namespace llmq::cuda

@@ -3,6 +3,7 @@
 
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
+#include "formats/error.h"
 
 namespace llmq::cuda {
 
@@ -67,11 +68,11 @@ __global__ void rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const 
     const float x0 = v[a], x1 = v[b];
     const float r0 = x0 * c - x1 * sn, r1 = x0 * sn + x1 * c;
     v[a] = r0, v[b] = r1;
-    if (head >= n_heads) {  // a k head: to the cache
+    if (head >= n_heads && kc) {  // a k head: to the cache
       __half* krow = kc + r * kv_dim + int64_t(head - n_heads) * hd;
       krow[a] = __float2half(r0), krow[b] = __float2half(r1);
     }
-  } else {
+  } else if (vc) {
     const int j = 2 * (idx - rot_pairs);  // element pair of v
     const float* v = row + int64_t(n_heads + n_kv) * hd;
     vc[r * kv_dim + j] = __float2half(v[j]);
@@ -183,6 +184,37 @@ void gather_rows(float* out, const float* x, const int32_t* idx, int64_t rows, i
   const dim3 grid{unsigned(std::min<int64_t>((n + 255) / 256, 64)), unsigned(rows), 1};
   LLMQ_LAUNCH(gather_rows_kernel, grid, 256, 0, s)(out, x, idx, n);
   check_launch("gather_rows");
+}
+
+namespace {
+
+// grid (T, 2 · kv_dim / 32), one warp: block b of the token's k (b < nb) or v (b >= nb) row;
+// lane i holds element i: d = max|x| / 127, q = round(x / d) (Q8_0's rule, formats/quant.h).
+__global__ void store_kv_q8_kernel(const float* __restrict__ qkv, int64_t ld, int64_t q_dim, const int32_t* __restrict__ pos,
+                                   const int32_t* __restrict__ rows, int kv_dim, int8_t* __restrict__ kq, __half* __restrict__ kd,
+                                   int8_t* __restrict__ vq, __half* __restrict__ vd) {
+  const int t = blockIdx.x, nb = kv_dim / 32, lane = threadIdx.x;
+  const bool is_v = int(blockIdx.y) >= nb;
+  const int b = is_v ? int(blockIdx.y) - nb : int(blockIdx.y);
+  const float x = qkv[int64_t(t) * ld + q_dim + (is_v ? kv_dim : 0) + b * 32 + lane];  // k after q, v after k
+  const float d = warp_max(fabsf(x)) / 127.0f;
+  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  const int64_t r = rows ? rows[t] : pos[t];
+  (is_v ? vq : kq)[r * kv_dim + b * 32 + lane] = int8_t(rintf(x * id));
+  if (lane == 0) (is_v ? vd : kd)[r * nb + b] = __float2half(d);
+}
+
+}  // namespace
+
+void store_kv_q8(const float* qkv, int64_t ld, const int32_t* pos, const int32_t* rows, int64_t T, int64_t n_heads, int64_t n_kv,
+                 int64_t hd, int8_t* kq, uint16_t* kd, int8_t* vq, uint16_t* vd, cudaStream_t s) {
+  if (T == 0) return;
+  const int64_t kv_dim = n_kv * hd;
+  if (kv_dim % 32 != 0) throw UsageError("store_kv_q8: the KV width must be a multiple of 32");
+  const dim3 grid{unsigned(T), unsigned(2 * kv_dim / 32), 1};
+  LLMQ_LAUNCH(store_kv_q8_kernel, grid, 32, 0, s)(qkv, ld, n_heads * hd, pos, rows, int(kv_dim), kq, reinterpret_cast<__half*>(kd), vq,
+                                                reinterpret_cast<__half*>(vd));
+  check_launch("store_kv_q8");
 }
 
 }  // namespace llmq::cuda

@@ -27,6 +27,15 @@ void add_rmsnorm(float* x, const float* y, float* out, const float* w, int64_t T
 void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, const int32_t* rows, int64_t T, int64_t n_heads, int64_t n_kv,
                    int64_t hd, double theta, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s);
 
+/// kc, vc null: only the rotation (the cache is written by store_kv_q8).
+///
+/// A Q8_0 KV cache: the rotated k and v of qkv (as rope_store_kv leaves them) quantized per
+/// block of 32 (d = max|x| / 127, q = round(x / d), as Q8_0, formats/quant.h) into kq, vq
+/// [rows, n_kv · hd] int8 and kd, vd [rows, n_kv · hd / 32] fp16 scales, at row rows[t] (or
+/// pos[t] when rows is null). Throws UsageError when n_kv · hd is not a multiple of 32.
+void store_kv_q8(const float* qkv, int64_t ld, const int32_t* pos, const int32_t* rows, int64_t T, int64_t n_heads, int64_t n_kv,
+                 int64_t hd, int8_t* kq, uint16_t* kd, int8_t* vq, uint16_t* vd, cudaStream_t s);
+
 /// SwiGLU (Shazeer 2020) on h [T, 2H] holding gate in columns [0, H) and up in [H, 2H):
 /// out [T, H] = silu(gate) ⊙ up, silu(g) = g / (1 + e^-g). out may not alias h.
 void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s);

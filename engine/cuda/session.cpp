@@ -305,16 +305,29 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
   rmsnorm(xb, x, n_layers ? dm_.layers[0].attn_norm : dm_.output_norm, T, D, eps, s);  // xb [T, D]
   for (int64_t l = 0; l < n_layers; ++l) {
     const DeviceLayer& w = dm_.layers[size_t(l)];
-    uint16_t* kc = kv + size_t(2 * l) * layer_kv;  // [ctx, KV]
-    uint16_t* vc = kc + layer_kv;                  // [ctx, KV]
+    uint16_t* kc = kv + size_t(2 * l) * layer_kv;  // [rows, KV] fp16
+    uint16_t* vc = kc + layer_kv;                  // [rows, KV] fp16
+    KvQ8 q8;  // a Q8_0 cache instead: per layer K int8 [rows, KV], its fp16 scales [rows, KV/32], then V the same
+    if (plan_.kv_q8) {
+      const size_t q_bytes = size_t(kv_rows_) * size_t(KV), half_layer = q_bytes + q_bytes / 32 * 2;
+      uint8_t* base = kv_.as<uint8_t>() + size_t(2 * l) * half_layer;
+      q8 = {reinterpret_cast<int8_t*>(base), reinterpret_cast<uint16_t*>(base + q_bytes), reinterpret_cast<int8_t*>(base + half_layer),
+            reinterpret_cast<uint16_t*>(base + half_layer + q_bytes)};
+      kc = vc = nullptr;
+    }
     // Attention: qkv = xb · [Wq; Wk; Wv]ᵀ (+ biases), RoPE on q and k, k and v to the cache.
     matmul_cols(w.qkv, xb, qkv, QKV);                                 // qkv [T, Q + 2KV]
     if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, s);
     rope_store_kv(qkv, QKV, pos, kv_row, T, c.n_heads, c.n_kv_heads, hd, c.rope_theta, c.rope_layout, kc, vc, s);
+    if (q8.kq)
+      store_kv_q8(qkv, QKV, pos, kv_row, T, c.n_heads, c.n_kv_heads, hd, const_cast<int8_t*>(q8.kq), const_cast<uint16_t*>(q8.kd),
+                  const_cast<int8_t*>(q8.vq), const_cast<uint16_t*>(q8.vd), s);
     if (T <= part_tokens_ && n_parts_ > 1)  // decode: flash-decoding parts, a fixed count (graph-safe)
-      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, n_parts_, part_len_, partial_.as<float>(), att, Q, s, pages);
+      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, n_parts_, part_len_, partial_.as<float>(), att, Q, s, pages,
+                q8);
     else
-      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (ctx_ + 31) / 32 * 32, nullptr, att, Q, s, pages);  // att [T, Q]
+      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (ctx_ + 31) / 32 * 32, nullptr, att, Q, s, pages,
+                q8);  // att [T, Q]
     matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D] (a partial sum under TP)
     if (comm_) all_reduce(xb, T * D);
     if (w.bo) add_bias(xb, D, w.bo, T, D, s);
@@ -512,7 +525,7 @@ void check_cache_shape(const CudaPlan& p, int64_t n_blocks, int64_t block_tokens
 }  // namespace
 
 CudaOffloadSession::CudaOffloadSession(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch,
-                                       int64_t logits_rows, bool progress)
+                                       int64_t logits_rows, bool progress, bool kv_q8)
     : m_(m),
       pool_(pool),
       cpu_layers_(offload_cpu_layers(m.config, gpu_layers)),
@@ -526,7 +539,7 @@ CudaOffloadSession::CudaOffloadSession(const Model& m, ThreadPool& pool, int64_t
         return plan_workspace(m.config, llama_matmuls(m.config, m.file->tensors(), sz.n_batch, 1), sz.n_batch, sz.ctx, 1, pool.size());
       }()) {
   dm_ = std::make_unique<CudaModel>(m, progress, cpu_layers_);
-  gpu_ = std::make_unique<CudaSession>(*dm_, &m, plan_cuda(m.config, m.file->tensors(), ctx, n_batch, logits_rows, gpu_layers));
+  gpu_ = std::make_unique<CudaSession>(*dm_, &m, plan_cuda(m.config, m.file->tensors(), ctx, n_batch, logits_rows, gpu_layers, kv_q8));
 }
 
 CudaOffloadSession::~CudaOffloadSession() = default;
@@ -655,9 +668,11 @@ uint64_t CudaRanks::workspace_bytes() const {
 // ---------------------------------------------------------------- CudaTpSession
 
 CudaTpSession::CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch, int64_t logits_rows, bool progress,
-                             CudaComms comms)
+                             CudaComms comms, bool kv_q8)
     : m_(m),
-      ranks_(m, n_ranks, [&](const LlamaConfig& c) { return plan_cuda(c, {}, ctx, n_batch, logits_rows); }, progress, std::move(comms)) {}
+      ranks_(
+          m, n_ranks, [&](const LlamaConfig& c) { return plan_cuda(c, {}, ctx, n_batch, logits_rows, -1, kv_q8); }, progress,
+          std::move(comms)) {}
 
 const float* CudaTpSession::forward(const int32_t* tokens, int64_t n, bool all_logits) {
   const float* out = nullptr;
@@ -684,12 +699,13 @@ void CudaTpSession::truncate(int64_t n) {
 // ---------------------------------------------------------------- CudaBatchRunner
 
 CudaBatchRunner::CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens, bool progress, int tp,
-                                 CudaComms comms)
+                                 CudaComms comms, bool kv_q8)
     : m_(m),
-      plan_(plan_cuda_server(m.config, tp > 1 ? std::vector<TensorInfo>{} : m.file->tensors(), ctx, n_batch, parallel, kv_tokens)),
+      plan_(plan_cuda_server(m.config, tp > 1 ? std::vector<TensorInfo>{} : m.file->tensors(), ctx, n_batch, parallel, kv_tokens, -1,
+                             kv_q8)),
       ranks_(
           m, tp,
-          [&](const LlamaConfig& c) { return tp > 1 ? plan_cuda_server(c, {}, ctx, n_batch, parallel, kv_tokens) : plan_; },
+          [&](const LlamaConfig& c) { return tp > 1 ? plan_cuda_server(c, {}, ctx, n_batch, parallel, kv_tokens, -1, kv_q8) : plan_; },
           progress, std::move(comms)) {
   if (tp > 1) plan_ = ranks_.session(0).plan();
 }
@@ -713,11 +729,11 @@ const float* CudaBatchRunner::forward(KVCache& cache, const BatchToken* batch, i
 // ---------------------------------------------------------------- CudaOffloadBatchRunner
 
 CudaOffloadBatchRunner::CudaOffloadBatchRunner(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch,
-                                               int64_t parallel, int64_t kv_tokens, bool progress)
+                                               int64_t parallel, int64_t kv_tokens, bool progress, bool kv_q8)
     : m_(m),
       pool_(pool),
       cpu_layers_(offload_cpu_layers(m.config, gpu_layers)),
-      plan_(plan_cuda_server(m.config, m.file->tensors(), ctx, n_batch, parallel, kv_tokens, gpu_layers)),
+      plan_(plan_cuda_server(m.config, m.file->tensors(), ctx, n_batch, parallel, kv_tokens, gpu_layers, kv_q8)),
       ws_(m, plan_workspace(m.config, llama_matmuls(m.config, m.file->tensors(), plan_.n_batch, 1), plan_.n_batch, plan_.ctx, 1,
                             pool.size())) {
   dm_ = std::make_unique<CudaModel>(m, progress, cpu_layers_);

@@ -74,7 +74,7 @@ class CudaModel {
   uint64_t measured_ = 0;
 };
 
-/// One sequence on the GPU: its fp16 KV cache [n_layers, 2, ctx, KV], the activation buffers
+/// One sequence on the GPU: its fp16 KV cache [n_layers, 2, ctx, KV] (or Q8_0, CudaPlan::kv_q8), the activation buffers
 /// for n_batch tokens and the decode step captured as a CUDA graph (replayed for every token;
 /// LLMQ_CUDA_GRAPH=0 turns graphs off). All device memory is allocated at construction.
 /// Made from plan_cuda_server instead, the cache is a pool of paged blocks
@@ -197,7 +197,7 @@ class CudaOffloadSession : public SessionBase {
   /// Session; m must have been loaded with pack_layers = n_layers - gpu_layers (or unpacked).
   /// Throws UsageError for gpu_layers out of range, CudaError when the GPU part does not fit.
   CudaOffloadSession(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch = 512,
-                     int64_t logits_rows = 1, bool progress = false);
+                     int64_t logits_rows = 1, bool progress = false, bool kv_q8 = false);
   ~CudaOffloadSession() override;
   const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
   int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
@@ -278,7 +278,7 @@ class CudaTpSession : public SessionBase {
  public:
   /// Errors as CudaRanks.
   CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1, bool progress = false,
-                CudaComms comms = {});
+                CudaComms comms = {}, bool kv_q8 = false);
   const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
   int32_t forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) override;
   const Model& model() const override { return m_; }
@@ -310,7 +310,7 @@ class CudaBatchRunner : public BatchRunner {
   /// ctx, n_batch, parallel, kv_tokens as the Scheduler's options. Throws CudaError when it does
   /// not fit, UsageError for shapes the kernels do not take or ranks that cannot be formed.
   CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens = 0, bool progress = false,
-                  int tp = 1, CudaComms comms = {});
+                  int tp = 1, CudaComms comms = {}, bool kv_q8 = false);
   const Model& model() const override { return m_; }
   int64_t capacity() const override { return plan_.n_batch; }
   /// The block tables for the device cache: n_blocks and block_tokens must be the plan's.
@@ -341,7 +341,7 @@ class CudaOffloadBatchRunner : public BatchRunner {
   /// (engine/model.h). Throws UsageError for gpu_layers out of range, CudaError when the GPU
   /// part does not fit.
   CudaOffloadBatchRunner(const Model& m, ThreadPool& pool, int64_t gpu_layers, int64_t ctx, int64_t n_batch, int64_t parallel,
-                         int64_t kv_tokens = 0, bool progress = false);
+                         int64_t kv_tokens = 0, bool progress = false, bool kv_q8 = false);
   ~CudaOffloadBatchRunner() override;
   const Model& model() const override { return m_; }
   int64_t capacity() const override { return plan_.n_batch; }
