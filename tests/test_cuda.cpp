@@ -442,8 +442,8 @@ TEST_CASE("CUDA paged attention and KV rows match the contiguous cache", "[cuda]
 
 // The Q8_0 KV cache: store_kv_q8 quantizes each block of 32 of the rotated k and v as Q8_0 does
 // (every value within half a step of the input, d = max|x|/127 stored in fp16: 0.57 d with the
-// scale's rounding), and attention over
-// it matches an fp64 reference on the dequantized values (1e-4), contiguous and paged.
+// scale's rounding), and attention over it matches an fp64 reference on the dequantized values,
+// rounded to fp16 as the kernel's tiles hold them (1e-4), paged, with and without split parts.
 TEST_CASE("CUDA Q8_0 KV cache: the write quantizes as Q8_0, attention reads it", "[cuda]") {
   if (!have_gpu()) return;
   const uint64_t seed = fresh_seed();
@@ -483,9 +483,8 @@ TEST_CASE("CUDA Q8_0 KV cache: the write quantizes as Q8_0, attention reads it",
       }
     INFO("hd " << hd);
     CHECK(within);
-    // Attention of every position's query over the dequantized cache, through the block table
-    // of the paged layout (blocks of 16 rows: table entry b is the block holding positions 16b..).
-    // Here the rows are shuffled one by one, so the pages are one row each: block_tokens 1.
+    // Attention of every position's query over the dequantized cache, through a block table
+    // whose pages are one row each (block_tokens 1: the rows were shuffled one by one).
     const auto q = gaussian(size_t(T * Q), rng);
     const float scale = float(1.0 / std::sqrt(double(hd)));
     std::vector<float> ref(size_t(T * Q));
