@@ -376,7 +376,7 @@ int main(int argc, char** argv) {
   std::string kv_type = "f32";
   app.add_option("--kv-type", kv_type, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands); "
                                     "--device cuda: f16 (default) or q8_0 (17/32 of f16's bytes)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "q8_0"}));
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
   app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
   std::string gpu_layers_s = "all";
@@ -409,6 +409,7 @@ int main(int argc, char** argv) {
     const bool gpu = pick_device(device) == Device::Cuda;
     if (gpu && kv_type != "f32" && kv_type != "f16" && kv_type != "q8_0") throw UsageError("--kv-type with --device cuda: f16 (the default) or q8_0");
     const bool gpu_kv_q8 = gpu && kv_type == "q8_0";
+    if (!gpu) kv_type_from_name(kv_type);  // f32 or bf16 on the CPU: the error before listening
     if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
     if (fit && gpu && gpu_layers_s != "all") throw UsageError("--fit with --device cuda plans every layer on the GPU; leave --gpu-layers out");
     if (fit) {  // plan first, from the file's metadata and tensor directory only (llmq-mem infer --fit)

@@ -79,6 +79,16 @@ TEST_CASE("llmq-run and llmq-server --device cuda without a GPU fail clearly, au
     INFO(nerr);
     CHECK(nerr.find("--gpu-layers needs --device cuda") != std::string::npos);
   }
+  // q8_0 and f16 are the GPU's KV types: on the CPU, one clear error (and no crash in either tool).
+  CHECK(test::run(test::bin("llmq-run") + " -m " + model + " -p 'Once' -n 4 --kv-type q8_0 > /dev/null 2> " + dir + "/kvt.txt") != 0);
+  CHECK(test::run(test::bin("llmq-server") + " -m " + model + " --port 0 --kv-type f16 > /dev/null 2>> " + dir + "/kvt.txt") != 0);
+  {
+    std::ifstream kin(dir + "/kvt.txt");
+    const std::string kerr((std::istreambuf_iterator<char>(kin)), std::istreambuf_iterator<char>());
+    INFO(kerr);
+    CHECK(kerr.find("llmq-run: error: KV cache type must be f32 or bf16") != std::string::npos);
+    CHECK(kerr.find("llmq-server: error: KV cache type must be f32 or bf16") != std::string::npos);
+  }
   // llmq-server checks the device before it listens or loads.
   CHECK(test::run(test::bin("llmq-server") + " -m " + model + " --port 0 --device cuda > /dev/null 2> " + dir + "/server.txt") != 0);
   std::ifstream sin(dir + "/server.txt");

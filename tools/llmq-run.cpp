@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   std::string kv_type_s = "f32";
   app.add_option("--kv-type", kv_type_s, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands); "
                                         "--device cuda: f16 (default) or q8_0 (17/32 of f16's bytes)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "q8_0"}));
   std::string device_s = "cpu";
   app.add_option("--device", device_s, "where the forward pass runs: cpu, cuda (GPU 0; f16 KV cache) or auto (the GPU when one is present)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
