@@ -64,6 +64,16 @@ cuda::CudaComms nccl_comms(int tp) {
   return c;
 }
 
+// Makes GPU 0 current and creates its CUDA context (so a load measured after this does not
+// count it); returns its memory then.
+cuda::MemInfo open_gpu0() {
+  cuda::check(cudaSetDevice(0), "cudaSetDevice");
+  cuda::check(cudaFree(nullptr), "CUDA context");
+  return cuda::mem_info();
+}
+
+double mib(uint64_t bytes) { return double(bytes) / double(1ull << 20); }
+
 }  // namespace
 
 bool cuda_built() { return true; }
@@ -78,9 +88,7 @@ const char* device_name(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 uint64_t cuda_free_bytes() {
 #ifdef LLMQ_HAVE_CUDA
   if (cuda_device_count() == 0) throw UsageError("no CUDA device is present");
-  cuda::check(cudaSetDevice(0), "cudaSetDevice");
-  cuda::check(cudaFree(nullptr), "CUDA context");
-  return cuda::mem_info().free;
+  return open_gpu0().free;
 #else
   throw UsageError("this build has no CUDA backend");
 #endif
@@ -102,16 +110,16 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
   const int64_t L = m.config.n_layers;
+  if (gpu_layers > L) throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(L) + " layers");
+  const bool partial = gpu_layers >= 0 && gpu_layers < L;
+  if (partial && (tp > 1 || !pool))
+    throw UsageError(tp > 1 ? "--gpu-layers with --tp: partial offload runs one rank, so far" : "partial offload needs a CPU thread pool");
+  const cuda::MemInfo before = open_gpu0();
   if (tp > 1) {
-    if (gpu_layers >= 0 && gpu_layers < L) throw UsageError("--gpu-layers with --tp: partial offload runs one rank, so far");
-    cuda::check(cudaSetDevice(0), "cudaSetDevice");
-    cuda::check(cudaFree(nullptr), "CUDA context");
-    const cuda::MemInfo before = mem_info();
     cuda::CudaComms comms = nccl_comms(tp);
     const bool nccl = !comms.comms.empty();
     auto s = std::make_unique<cuda::CudaTpSession>(m, tp, ctx, n_batch, logits_rows, progress, std::move(comms), kv_q8);
     const cuda::MemInfo after = mem_info();
-    auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
     std::fprintf(stderr, "llmq: GPU 0: %s; tensor parallel over %d ranks %s\n", cuda::device_description(0).c_str(), tp,
                  nccl ? "on as many GPUs (NCCL all-reduce)" : "on this GPU (host all-reduce)");
     for (int r = 0; r < tp; ++r) {
@@ -122,11 +130,6 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
     std::fprintf(stderr, "llmq: GPU 0 memory measured at load: %.1f MiB (cudaMemGetInfo)\n", mib(before.free - after.free));
     return s;
   }
-  const bool partial = gpu_layers >= 0 && gpu_layers < L;
-  if (partial && !pool) throw UsageError("partial offload needs a CPU thread pool");
-  cuda::check(cudaSetDevice(0), "cudaSetDevice");
-  cuda::check(cudaFree(nullptr), "CUDA context");  // creates the context, so it is not counted below
-  const cuda::MemInfo before = mem_info();
   std::unique_ptr<cuda::CudaModel> dm;
   std::unique_ptr<SessionBase> s;
   const cuda::CudaModel* dmp = nullptr;
@@ -143,7 +146,6 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
     s = std::move(c);
   }
   const cuda::MemInfo after = mem_info();
-  auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
   std::fprintf(stderr,
                "llmq: GPU 0: %s\n"
                "llmq: GPU memory: weights %.1f MiB (%lld of %lld layers), KV cache %.1f MiB (%s, ctx %lld), workspace %.1f MiB "
@@ -170,9 +172,7 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
                                                     bool progress, int tp, int64_t gpu_layers, ThreadPool* pool, bool kv_q8) {
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
-  cuda::check(cudaSetDevice(0), "cudaSetDevice");
-  cuda::check(cudaFree(nullptr), "CUDA context");
-  const cuda::MemInfo before = mem_info();
+  const cuda::MemInfo before = open_gpu0();
   const int64_t L = m.config.n_layers;
   if (gpu_layers > L) throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(L) + " layers");
   if (gpu_layers >= 0 && gpu_layers < L) {  // partial offload
@@ -181,7 +181,6 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
     auto r = std::make_unique<cuda::CudaOffloadBatchRunner>(m, *pool, gpu_layers, ctx, n_batch, parallel, kv_tokens, progress, kv_q8);
     const cuda::MemInfo after = mem_info();
     const CudaPlan& p = r->plan();
-    auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
     std::fprintf(stderr,
                  "llmq: GPU 0: %s\n"
                  "llmq: GPU memory: weights %.1f MiB (%lld of %lld layers), KV cache %.1f MiB (%s, %lld blocks of %lld positions), "
@@ -199,7 +198,6 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
   auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress, tp, std::move(comms), kv_q8);
   const cuda::MemInfo after = mem_info();
   const CudaPlan& p = r->plan();
-  auto mib = [](uint64_t b) { return double(b) / double(1ull << 20); };
   uint64_t weights = 0;
   for (int i = 0; i < r->ranks(); ++i) weights += r->device_model(i).weight_bytes();
   std::fprintf(stderr,

@@ -259,9 +259,10 @@ CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& 
   p.kv = uint64_t(c.n_layers - p.first_layer) * 2 * uint64_t(p.kv_rows) * kv_row;
   p.tokens = T * 4, p.top_k = uint64_t(kCudaMaxTopK) * 4;
   p.io = 2 * p.tokens + 4 + 2 * p.top_k;
-  if (p.parallel > 0)
-    p.paging = 2 * p.tokens + uint64_t(p.parallel) * uint64_t((p.ctx + p.block_tokens - 1) / p.block_tokens) * 4 +
-               uint64_t(p.logits_rows) * 4;
+  if (p.parallel > 0) {
+    p.table_stride = (p.ctx + p.block_tokens - 1) / p.block_tokens;
+    p.paging = 2 * p.tokens + uint64_t(p.parallel) * uint64_t(p.table_stride) * 4 + uint64_t(p.logits_rows) * 4;
+  }
   p.x = T * uint64_t(D) * 4, p.qkv = T * uint64_t(Q + 2 * KV) * 4, p.att = T * uint64_t(Q) * 4;
   p.h = T * uint64_t(2 * H) * 4, p.hs = T * uint64_t(H) * 4;
   p.activations = 2 * p.x + p.qkv + p.att + p.h + p.hs;

@@ -147,6 +147,7 @@ struct CudaPlan {
   int64_t first_layer = 0;   ///< partial offload: the GPU holds layers first_layer .. n_layers-1 (the CPU the rest)
   int64_t kv_rows = 0;       ///< KV-cache positions per layer: ctx, or paged kv_blocks x block_tokens
   int64_t kv_blocks = 0, block_tokens = 0;  ///< paged: the cache's blocks (KVCache::tables_only)
+  int64_t table_stride = 0;  ///< paged: block-table entries per sequence, ceil(ctx / block_tokens)
   int64_t decode_parts = 1, decode_part_len = 0;  ///< decode attention: parts of part_len positions
   uint64_t weights = 0;      ///< every tensor, Q/K/V and gate/up stacked when of one type, each 256-byte aligned
   bool kv_q8 = false;        ///< the KV cache in Q8_0 (int8 and an fp16 scale per 32) instead of fp16
@@ -154,7 +155,7 @@ struct CudaPlan {
   uint64_t tokens = 0;       ///< token ids, and again positions: [n_batch] int32 each
   uint64_t top_k = 0;        ///< top-k candidate ids, and again their logits: [kCudaMaxTopK] x 4 B each
   uint64_t io = 0;           ///< 2 tokens + the sampled id (4 B) + 2 top_k
-  uint64_t paging = 0;       ///< paged: cache rows and table rows [n_batch] int32 each, block tables [parallel, ceil(ctx / block_tokens)] int32, logits rows [logits_rows] int32
+  uint64_t paging = 0;       ///< paged: cache rows and table rows [n_batch] int32 each, block tables [parallel, table_stride] int32, logits rows [logits_rows] int32
   uint64_t x = 0, qkv = 0, att = 0, h = 0, hs = 0;  ///< fp32 [n_batch, dim] (x and xb), [n_batch, q + 2 kv], [n_batch, q], [n_batch, 2 hidden], [n_batch, hidden]
   uint64_t activations = 0;  ///< 2 x + qkv + att + h + hs
   uint64_t logits = 0;       ///< [logits_rows, vocab] fp32

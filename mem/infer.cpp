@@ -106,7 +106,7 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const
   if (server)
     r.lines.push_back({"workspace: block tables", double(p.paging),
                        fmt::format("cache rows and table rows [{}] + tables [{} x {}] + logits rows [{}], int32", p.n_batch, p.parallel,
-                                   (p.ctx + p.block_tokens - 1) / p.block_tokens, p.logits_rows),
+                                   p.table_stride, p.logits_rows),
                        kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"cuBLAS workspace", double(p.matmul.cublas_workspace), "cublasSetWorkspace, 32 MiB (prefill only)", kPlan,
                      Place::Device, Basis::Exact});

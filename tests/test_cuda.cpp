@@ -124,6 +124,34 @@ std::vector<T> from_device(const DeviceBuffer& b, size_t n) {
   return v;
 }
 
+// Causal attention in fp64: out [T, n_heads · hd] for queries q [T, n_heads · hd], token t
+// seeing positions 0 .. pos[t] whose keys and values are k, v [positions, n_kv · hd] (GQA:
+// head h reads KV head h / (n_heads / n_kv)); scores scaled by `scale`.
+std::vector<float> ref_attention(const std::vector<float>& q, const std::vector<int32_t>& pos, int64_t n_heads, int64_t n_kv, int64_t hd,
+                                 float scale, const std::vector<float>& k, const std::vector<float>& v) {
+  const int64_t T = int64_t(pos.size()), Q = n_heads * hd, KV = n_kv * hd;
+  std::vector<float> out(size_t(T * Q));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < n_heads; ++h) {
+      const int64_t kvh = h / (n_heads / n_kv), n = pos[size_t(t)] + 1;
+      std::vector<double> sc(static_cast<size_t>(n));
+      double mx = -1e300;
+      for (int64_t p = 0; p < n; ++p) {
+        double acc = 0;
+        for (int64_t d = 0; d < hd; ++d) acc += double(q[size_t(t * Q + h * hd + d)]) * double(k[size_t(p * KV + kvh * hd + d)]);
+        sc[size_t(p)] = acc * scale, mx = std::max(mx, sc[size_t(p)]);
+      }
+      double z = 0;
+      for (auto& e : sc) z += (e = std::exp(e - mx));
+      for (int64_t d = 0; d < hd; ++d) {
+        double acc = 0;
+        for (int64_t p = 0; p < n; ++p) acc += sc[size_t(p)] * double(v[size_t(p * KV + kvh * hd + d)]);
+        out[size_t(t * Q + h * hd + d)] = float(acc / z);
+      }
+    }
+  return out;
+}
+
 // A weight [rows, cols] of type t: the file layout on the host, the split layout on the device.
 struct TestWeight {
   std::vector<uint8_t> file;
@@ -321,9 +349,10 @@ TEST_CASE("CUDA attention matches an fp64 reference, prefill and split decode, G
   for (const Cfg& c : {Cfg{4, 4, 8}, Cfg{8, 2, 64}, Cfg{32, 8, 128}, Cfg{6, 3, 40}, Cfg{4, 1, 256}}) {
     const int64_t ctx = 300, Q = c.n_heads * c.hd, KV = c.n_kv * c.hd;
     std::vector<uint16_t> k(size_t(ctx * KV)), v(k.size());
-    {
-      const auto kf = gaussian(k.size(), rng), vf = gaussian(v.size(), rng);
-      for (size_t i = 0; i < k.size(); ++i) k[i] = fp32_to_fp16(kf[i]), v[i] = fp32_to_fp16(vf[i]);
+    std::vector<float> kf = gaussian(k.size(), rng), vf = gaussian(v.size(), rng);
+    for (size_t i = 0; i < k.size(); ++i) {  // the cache in fp16; the reference reads the same values
+      k[i] = fp32_to_fp16(kf[i]), v[i] = fp32_to_fp16(vf[i]);
+      kf[i] = fp16_to_fp32(k[i]), vf[i] = fp16_to_fp32(v[i]);
     }
     DeviceBuffer kd = to_device(k), vd = to_device(v);
     const float scale = float(1.0 / std::sqrt(double(c.hd)));
@@ -336,26 +365,7 @@ TEST_CASE("CUDA attention matches an fp64 reference, prefill and split decode, G
     for (const Run& run : runs) {
       const int64_t T = int64_t(run.pos.size());
       const auto q = gaussian(size_t(T * Q), rng);
-      std::vector<float> ref(size_t(T * Q));
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < c.n_heads; ++h) {
-          const int64_t kvh = h / (c.n_heads / c.n_kv), n = run.pos[size_t(t)] + 1;
-          std::vector<double> s(static_cast<size_t>(n));
-          double mx = -1e300;
-          for (int64_t p = 0; p < n; ++p) {
-            double acc = 0;
-            for (int64_t d = 0; d < c.hd; ++d) acc += double(q[size_t(t * Q + h * c.hd + d)]) * fp16_to_fp32(k[size_t(p * KV + kvh * c.hd + d)]);
-            s[size_t(p)] = acc * scale;
-            mx = std::max(mx, s[size_t(p)]);
-          }
-          double z = 0;
-          for (auto& e : s) z += (e = std::exp(e - mx));
-          for (int64_t d = 0; d < c.hd; ++d) {
-            double acc = 0;
-            for (int64_t p = 0; p < n; ++p) acc += s[size_t(p)] * fp16_to_fp32(v[size_t(p * KV + kvh * c.hd + d)]);
-            ref[size_t(t * Q + h * c.hd + d)] = float(acc / z);
-          }
-        }
+      const std::vector<float> ref = ref_attention(q, run.pos, c.n_heads, c.n_kv, c.hd, scale, kf, vf);
       DeviceBuffer qd = to_device(q), pd = to_device(run.pos), od(ref.size() * 4);
       DeviceBuffer part(size_t(T * c.n_heads * run.n_splits * (c.hd + 2)) * 4);
       cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, c.n_heads, c.n_kv, c.hd, scale,
@@ -497,25 +507,7 @@ TEST_CASE("CUDA Q8_0 KV cache: the write quantizes as Q8_0, attention reads it",
     // whose pages are one row each (block_tokens 1: the rows were shuffled one by one).
     const auto q = gaussian(size_t(T * Q), rng);
     const float scale = float(1.0 / std::sqrt(double(hd)));
-    std::vector<float> ref(size_t(T * Q));
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < n_heads; ++h) {
-        const int64_t kvh = h / (n_heads / n_kv), n = t + 1;
-        std::vector<double> sc(static_cast<size_t>(n));
-        double mx = -1e300;
-        for (int64_t p = 0; p < n; ++p) {
-          double acc = 0;
-          for (int64_t d = 0; d < hd; ++d) acc += double(q[size_t(t * Q + h * hd + d)]) * double(kf[size_t(p * KV + kvh * hd + d)]);
-          sc[size_t(p)] = acc * scale, mx = std::max(mx, sc[size_t(p)]);
-        }
-        double z = 0;
-        for (auto& e : sc) z += (e = std::exp(e - mx));
-        for (int64_t d = 0; d < hd; ++d) {
-          double acc = 0;
-          for (int64_t p = 0; p < n; ++p) acc += sc[size_t(p)] * double(vf[size_t(p * KV + kvh * hd + d)]);
-          ref[size_t(t * Q + h * hd + d)] = float(acc / z);
-        }
-      }
+    const std::vector<float> ref = ref_attention(q, pos, n_heads, n_kv, hd, scale, kf, vf);
     const std::vector<int32_t> seq0(static_cast<size_t>(T), 0);
     DeviceBuffer q_d = to_device(q), sd = to_device(seq0), td = to_device(row_of), od(size_t(T * Q) * 4);
     DeviceBuffer part(size_t(T * n_heads * 3 * (hd + 2)) * 4);

@@ -188,10 +188,6 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64
 CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p) : dm_(dm), m_(m), plan_(p) {
   const LlamaConfig& c = dm.config();
   if (p.first_layer != dm.first_layer()) throw UsageError("CUDA: the session's plan starts at another layer than the model upload");
-  ctx_ = p.ctx, n_batch_ = p.n_batch, logits_rows_ = p.logits_rows;
-  n_parts_ = p.decode_parts, part_len_ = p.decode_part_len;
-  kv_rows_ = p.kv_rows, part_tokens_ = std::max<int64_t>(1, p.parallel);
-  table_stride_ = p.parallel > 0 ? (p.ctx + p.block_tokens - 1) / p.block_tokens : 0;
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, H = c.hidden_dim;
   if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
   if (c.n_heads % c.n_kv_heads || c.n_heads / c.n_kv_heads > 32)
@@ -216,7 +212,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p)
   logits_ = DeviceBuffer(p.logits);
   partial_ = DeviceBuffer(p.attn_parts);
   if (p.paging) paging_ = DeviceBuffer(p.paging);
-  mm_ = std::make_unique<MatmulContext>(n_batch_, std::max({D, Q, H}), stream_, cuda_matmul_max_rows(c));
+  mm_ = std::make_unique<MatmulContext>(plan_.n_batch, std::max({D, Q, H}), stream_, cuda_matmul_max_rows(c));
   measured_ = free0 - mem_info().free;
   h_tokens_ = PinnedBuffer(p.tokens);
   h_pos_ = PinnedBuffer(p.tokens);
@@ -225,7 +221,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p)
   h_topk_vals_ = PinnedBuffer(p.top_k);
   h_logits_ = PinnedBuffer(p.logits);
   if (p.paging) h_paging_ = PinnedBuffer(p.paging);
-  if (p.first_layer > 0) h_hidden_ = PinnedBuffer(size_t(n_batch_ * D) * 4);
+  if (p.first_layer > 0) h_hidden_ = PinnedBuffer(size_t(plan_.n_batch * D) * 4);
 }
 
 CudaSession::~CudaSession() {
@@ -253,9 +249,9 @@ uint64_t CudaSession::workspace_bytes() const {
 
 void CudaSession::check_tokens(const int32_t* tokens, int64_t n) const {
   if (n <= 0) throw UsageError("forward: no tokens");
-  if (pos_ + n > ctx_)
+  if (pos_ + n > plan_.ctx)
     throw UsageError("context full: " + std::to_string(pos_) + " + " + std::to_string(n) + " tokens exceed the KV cache of " +
-                     std::to_string(ctx_));
+                     std::to_string(plan_.ctx));
   for (int64_t i = 0; i < n; ++i)
     if (tokens[i] < 0 || tokens[i] >= dm_.config().vocab_size) throw UsageError("token id " + std::to_string(tokens[i]) + " out of range");
 }
@@ -276,7 +272,7 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
   auto* pos = pos_buf_.as<int32_t>();
   float *x = x_.as<float>(), *xb = xb_.as<float>(), *qkv = qkv_.as<float>(), *att = att_.as<float>();
   float *h = h_.as<float>(), *hs = hs_.as<float>();
-  const size_t layer_kv = size_t(kv_rows_) * size_t(KV);  // fp16 elements of one layer's K (or V)
+  const size_t layer_kv = size_t(plan_.kv_rows) * size_t(KV);  // fp16 elements of one layer's K (or V)
   auto* kv = kv_.as<uint16_t>();
   // Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column.
   auto matmul_cols = [&](const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld) {
@@ -294,8 +290,8 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     check(cudaMemcpyAsync(paging_.get(), h_paging_.get(), paging_.bytes(), cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (block tables)");
     const auto* base = paging_.as<int32_t>();
     kv_row = base;
-    pages = {base + n_batch_, base + 2 * n_batch_, table_stride_, plan_.block_tokens};
-    out_rows = pages.tables + plan_.parallel * table_stride_;
+    pages = {base + plan_.n_batch, base + 2 * plan_.n_batch, plan_.table_stride, plan_.block_tokens};
+    out_rows = pages.tables + plan_.parallel * plan_.table_stride;
   }
   const auto n_layers = int64_t(dm_.layers.size());  // all, or the last ones (partial offload)
   if (h_hidden_.bytes())  // partial offload: the CPU's layers left the residual stream in h_hidden_
@@ -309,7 +305,7 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     uint16_t* vc = kc + layer_kv;                  // [rows, KV] fp16
     KvQ8 q8;  // a Q8_0 cache instead: per layer K int8 [rows, KV], its fp16 scales [rows, KV/32], then V the same
     if (plan_.kv_q8) {
-      const size_t q_bytes = size_t(kv_rows_) * size_t(KV), half_layer = q_bytes + q_bytes / 32 * 2;
+      const size_t q_bytes = size_t(plan_.kv_rows) * size_t(KV), half_layer = q_bytes + q_bytes / 32 * 2;
       uint8_t* base = kv_.as<uint8_t>() + size_t(2 * l) * half_layer;
       q8 = {reinterpret_cast<int8_t*>(base), reinterpret_cast<uint16_t*>(base + q_bytes), reinterpret_cast<int8_t*>(base + half_layer),
             reinterpret_cast<uint16_t*>(base + half_layer + q_bytes)};
@@ -322,11 +318,14 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     if (q8.kq)
       store_kv_q8(qkv, QKV, pos, kv_row, T, c.n_heads, c.n_kv_heads, hd, const_cast<int8_t*>(q8.kq), const_cast<uint16_t*>(q8.kd),
                   const_cast<int8_t*>(q8.vq), const_cast<uint16_t*>(q8.vd), s);
-    if (T <= part_tokens_ && n_parts_ > 1)  // decode: flash-decoding parts, a fixed count (graph-safe)
-      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, n_parts_, part_len_, partial_.as<float>(), att, Q, s, pages,
+    // Decode (one token, or one per sequence of a paged batch): flash-decoding parts, a fixed
+    // count (graph-safe).
+    if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1)
+      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, plan_.decode_parts, plan_.decode_part_len, partial_.as<float>(),
+                att, Q, s, pages,
                 q8);
     else
-      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (ctx_ + 31) / 32 * 32, nullptr, att, Q, s, pages,
+      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (plan_.ctx + 31) / 32 * 32, nullptr, att, Q, s, pages,
                 q8);  // att [T, Q]
     matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D] (a partial sum under TP)
     if (comm_) all_reduce(xb, T * D);
@@ -387,10 +386,10 @@ void CudaSession::run_decode(Out out) {
 
 const float* CudaSession::forward(const int32_t* tokens, int64_t n, bool all_logits) {
   check_tokens(tokens, n);
-  if (all_logits && n > logits_rows_)
-    throw UsageError("forward: all_logits for " + std::to_string(n) + " tokens, the session keeps " + std::to_string(logits_rows_));
-  for (int64_t i = 0; i < n; i += n_batch_) {
-    const int64_t len = std::min(n_batch_, n - i);
+  if (all_logits && n > plan_.logits_rows)
+    throw UsageError("forward: all_logits for " + std::to_string(n) + " tokens, the session keeps " + std::to_string(plan_.logits_rows));
+  for (int64_t i = 0; i < n; i += plan_.n_batch) {
+    const int64_t len = std::min(plan_.n_batch, n - i);
     const bool last = i + len == n;
     stage(tokens + i, len);
     if (len == 1 && !all_logits) {
@@ -431,7 +430,7 @@ int32_t CudaSession::forward_sample(const int32_t* tokens, int64_t n, Sampler& s
 
 void CudaSession::prefill(const int32_t* tokens, int64_t n) {
   check_tokens(tokens, n);
-  if (n > n_batch_) throw UsageError("prefill: more tokens than n_batch");
+  if (n > plan_.n_batch) throw UsageError("prefill: more tokens than n_batch");
   stage(tokens, n);
   enqueue(n, 0, 0, Out::None);
   check(cudaStreamSynchronize(stream_), "prefill");
@@ -443,15 +442,15 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
   if (!m_) throw UsageError("forward_batch: a synthetic CUDA session has no host model");
   if (tables.n_blocks() != plan_.kv_blocks || tables.block_tokens() != plan_.block_tokens)
     throw UsageError("forward_batch: the block tables were not made for this session's cache");
-  plan_batch(*m_, tables, batch, T, n_batch_, bplan_);
-  if (bplan_.n_logits > logits_rows_)
+  plan_batch(*m_, tables, batch, T, plan_.n_batch, bplan_);
+  if (bplan_.n_logits > plan_.logits_rows)
     throw UsageError("forward_batch: logits for " + std::to_string(bplan_.n_logits) + " tokens, the session keeps " +
-                     std::to_string(logits_rows_));
+                     std::to_string(plan_.logits_rows));
   // Stage tokens, positions, cache rows, per-token table rows, the tables and the logits rows.
   auto* rows = h_paging_.as<int32_t>();
-  int32_t* seq_row = rows + n_batch_;
-  int32_t* tab = seq_row + n_batch_;
-  int32_t* out = tab + plan_.parallel * table_stride_;
+  int32_t* seq_row = rows + plan_.n_batch;
+  int32_t* tab = seq_row + plan_.n_batch;
+  int32_t* out = tab + plan_.parallel * plan_.table_stride;
   std::vector<int32_t> seqs;  // the batch's sequences in order of first appearance
   const int64_t bt = plan_.block_tokens;
   for (int64_t i = 0; i < T; ++i) {
@@ -461,9 +460,9 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
       if (int64_t(seqs.size()) == plan_.parallel)
         throw UsageError("forward_batch: more than " + std::to_string(plan_.parallel) + " sequences in one batch");
       const std::vector<int32_t>& blocks = tables.blocks(seq);
-      if (int64_t(blocks.size()) > table_stride_)
-        throw UsageError("forward_batch: a sequence holds more than the context of " + std::to_string(ctx_) + " positions");
-      std::copy(blocks.begin(), blocks.end(), tab + int64_t(seqs.size()) * table_stride_);
+      if (int64_t(blocks.size()) > plan_.table_stride)
+        throw UsageError("forward_batch: a sequence holds more than the context of " + std::to_string(plan_.ctx) + " positions");
+      std::copy(blocks.begin(), blocks.end(), tab + int64_t(seqs.size()) * plan_.table_stride);
       it = seqs.insert(seqs.end(), seq);
     }
     const int64_t p = bplan_.pos[size_t(i)];
@@ -483,7 +482,7 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
 void CudaSession::set_comm(Communicator* comm, bool device_memory) {
   comm_ = comm, comm_device_ = device_memory;
   use_graphs_ = false;
-  if (comm && !device_memory) h_reduce_ = PinnedBuffer(size_t(n_batch_ * dm_.config().dim) * 4);
+  if (comm && !device_memory) h_reduce_ = PinnedBuffer(size_t(plan_.n_batch * dm_.config().dim) * 4);
 }
 
 void CudaSession::all_reduce(float* x, int64_t n) {
@@ -513,6 +512,16 @@ int64_t offload_cpu_layers(const LlamaConfig& c, int64_t gpu_layers) {
     throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": partial offload takes 0 .. " + std::to_string(c.n_layers - 1) +
                      " layers (all " + std::to_string(c.n_layers) + ": the whole model on the GPU)");
   return c.n_layers - gpu_layers;
+}
+
+// Partial offload: the CPU's first `layers` layers for a batch (their K and V into `cache`, whose
+// lengths stay), the residual stream after them into the GPU session's hidden input. Returns the
+// batch's plan in `plan`.
+void run_cpu_layers(const Model& m, KVCache& cache, Workspace& ws, ThreadPool& pool, const BatchToken* batch, int64_t n, int64_t layers,
+                    BatchPlan& plan, CudaSession& gpu) {
+  plan_batch(m, cache, batch, n, ws.capacity(), plan);
+  const float* x = forward_shard(m, nullptr, cache, ws, pool, nullptr, batch, n, plan, layers);  // [n, D]
+  std::memcpy(gpu.hidden_input(), x, size_t(n * m.config.dim) * sizeof(float));
 }
 
 // A paged runner's cache must be the plan's blocks (the scheduler sizes it the same way).
@@ -564,9 +573,7 @@ void CudaOffloadSession::run_cpu(const int32_t* tokens, int64_t n) {
   cache_.reserve(seq_, pos() + n);
   batch_.resize(size_t(n));
   for (int64_t i = 0; i < n; ++i) batch_[size_t(i)] = {seq_, tokens[i], false};
-  plan_batch(m_, cache_, batch_.data(), n, ws_.capacity(), plan_);
-  const float* x = forward_shard(m_, nullptr, cache_, ws_, pool_, nullptr, batch_.data(), n, plan_, cpu_layers_);  // [n, D]
-  std::memcpy(gpu_->hidden_input(), x, size_t(n * m_.config.dim) * sizeof(float));
+  run_cpu_layers(m_, cache_, ws_, pool_, batch_.data(), n, cpu_layers_, plan_, *gpu_);
   for (const auto& [seq, end] : plan_.ends) cache_.set_length(seq, end);
 }
 
@@ -748,9 +755,7 @@ KVCache CudaOffloadBatchRunner::make_cache(int64_t n_blocks, int64_t block_token
 }
 
 const float* CudaOffloadBatchRunner::forward(KVCache& cache, const BatchToken* batch, int64_t n) {
-  plan_batch(m_, cache, batch, n, ws_.capacity(), bplan_);  // the lengths stay until the GPU's forward_batch
-  const float* x = forward_shard(m_, nullptr, cache, ws_, pool_, nullptr, batch, n, bplan_, cpu_layers_);  // [n, D]
-  std::memcpy(session_->hidden_input(), x, size_t(n * m_.config.dim) * sizeof(float));
+  run_cpu_layers(m_, cache, ws_, pool_, batch, n, cpu_layers_, bplan_, *session_);  // the lengths stay for the GPU's pass
   return session_->forward_batch(cache, batch, n);
 }
 

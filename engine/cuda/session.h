@@ -131,20 +131,20 @@ class CudaSession : public SessionBase {
 
   const Model& model() const override;
   int64_t pos() const override { return pos_; }
-  int64_t ctx() const override { return ctx_; }
-  int64_t n_batch() const override { return n_batch_; }
+  int64_t ctx() const override { return plan_.ctx; }
+  int64_t n_batch() const override { return plan_.n_batch; }
   /// The plan the session was made from.
   const CudaPlan& plan() const { return plan_; }
   /// Logits rows forward(..., all_logits) can return.
-  int64_t logits_rows() const { return logits_rows_; }
+  int64_t logits_rows() const { return plan_.logits_rows; }
   void truncate(int64_t n) override;
   uint64_t kv_bytes() const override { return kv_.bytes(); }
   uint64_t workspace_bytes() const override;
   /// Device memory the session's allocations took, measured with cudaMemGetInfo.
   uint64_t measured_bytes() const { return measured_; }
   /// Positions per part of decode attention (flash-decoding), and the number of parts.
-  int64_t decode_part_len() const { return part_len_; }
-  int64_t decode_parts() const { return n_parts_; }
+  int64_t decode_part_len() const { return plan_.decode_part_len; }
+  int64_t decode_parts() const { return plan_.decode_parts; }
 
  private:
   enum class Out { None, Logits, Greedy, TopK };
@@ -160,12 +160,8 @@ class CudaSession : public SessionBase {
   std::unique_ptr<CudaModel> own_model_;  // set by own(); destroyed after every buffer below
   const CudaModel& dm_;
   const Model* m_;
-  CudaPlan plan_;
-  int64_t ctx_, n_batch_, logits_rows_, pos_ = 0;
-  int64_t part_len_ = 0, n_parts_ = 1;
-  int64_t kv_rows_ = 0;      // cache rows per layer: ctx, or the paged pool's
-  int64_t part_tokens_ = 1;  // most tokens whose decode attention is split into parts
-  int64_t table_stride_ = 0; // paged: blocks per sequence's table, ceil(ctx / block_tokens)
+  CudaPlan plan_;            // every size (ctx, n_batch, logits rows, cache rows, decode parts, paging)
+  int64_t pos_ = 0;
   BatchPlan bplan_;          // paged: forward_batch's positions
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
