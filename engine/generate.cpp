@@ -114,7 +114,7 @@ PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<
   return perplexity_on(s, tokens, n_ctx, on_chunk, max_chunks);
 }
 
-PerplexityResult perplexity(TensorParallel& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
+PerplexityResult perplexity(BatchRunner& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
                             const std::function<void(int64_t, double)>& on_chunk, int64_t max_chunks, KvType kv_type) {
   check_perplexity_args(tokens, n_ctx);
   if (tp.capacity() < n_ctx)

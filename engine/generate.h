@@ -52,7 +52,7 @@ PerplexityResult perplexity(const Model& m, ThreadPool& pool, const std::vector<
                             KvType kv_type = KvType::F32);
 /// The same on a tensor-parallel runner (engine/tp.h); tp.capacity() must be at least n_ctx
 /// (UsageError otherwise).
-PerplexityResult perplexity(TensorParallel& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
+PerplexityResult perplexity(BatchRunner& tp, const std::vector<int32_t>& tokens, int64_t n_ctx,
                             const std::function<void(int64_t, double)>& on_chunk = {}, int64_t max_chunks = 0,
                             KvType kv_type = KvType::F32);
 

@@ -117,4 +117,15 @@ void KVCache::truncate(int32_t seq, int64_t n) {
   }
 }
 
+void KVCache::mirror(int32_t seq, const int32_t* blocks, int64_t n_blocks, int64_t length) {
+  if (seq < 0 || seq > (1 << 24)) throw UsageError("KV cache: sequence id " + std::to_string(seq) + " out of range");
+  if (n_blocks < 0 || n_blocks > n_blocks_ || length < 0 || length > n_blocks * bt_)
+    throw UsageError("KV cache: a mirrored table of " + std::to_string(n_blocks) + " blocks and " + std::to_string(length) +
+                     " positions does not fit this pool");
+  for (int64_t i = 0; i < n_blocks; ++i)
+    if (blocks[i] < 0 || blocks[i] >= n_blocks_) throw UsageError("KV cache: mirrored block id " + std::to_string(blocks[i]) + " out of range");
+  if (size_t(seq) >= seqs_.size()) seqs_.resize(size_t(seq) + 1);
+  seqs_[size_t(seq)] = Seq{true, length, std::vector<int32_t>(blocks, blocks + n_blocks)};
+}
+
 }  // namespace llmq

@@ -77,6 +77,12 @@ class KVCache {
   void set_length(int32_t seq, int64_t n);
   /// Keeps the first n positions of seq and frees the blocks past them.
   void truncate(int32_t seq, int64_t n);
+  /// Makes seq (created if new) hold exactly `blocks` [n_blocks] at `length` positions: a
+  /// follower's copy of another cache's table (tensor parallelism over processes: rank 0's cache
+  /// allocates, the other ranks mirror its tables into their own pools before each forward
+  /// pass). A follower never allocates, so its free list is not kept. Throws UsageError for a
+  /// block id outside the pool or a length beyond the blocks.
+  void mirror(int32_t seq, const int32_t* blocks, int64_t n_blocks, int64_t length);
   /// The block table of seq: block i holds positions [i · block_tokens, (i + 1) · block_tokens).
   const std::vector<int32_t>& blocks(int32_t seq) const { return seqs_.at(size_t(seq)).blocks; }
   /// Positions seq can hold without reserving more.

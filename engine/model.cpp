@@ -204,7 +204,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
   const int64_t group = c.n_heads / c.n_kv_heads;  // query heads per KV head (GQA)
   const int64_t bt = cache.block_tokens();
   const bool bf16 = cache.type() == KvType::BF16;  // bf16 KV blocks and attention on bf16 operands
-  const int pool_id = R.rank;                      // this rank's KV-cache pool
+  const int pool_id = cache.n_shards() == 1 ? 0 : R.rank;  // this rank's KV-cache pool (a process rank's cache has one)
   const float eps = float(c.norm_eps);
   const float att_scale = float(1.0 / std::sqrt(double(hd)));
   const int64_t n_logits = plan.n_logits;
@@ -463,7 +463,7 @@ Session::Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_ba
       cache_(tp_.make_cache(plan_kv(model.config, ctx_).n_blocks, kKvBlockTokens, kv_type)),
       seq_(cache_.add_sequence()) {}
 
-Session::Session(TensorParallel& tp, int64_t ctx, KvType kv_type)
+Session::Session(BatchRunner& tp, int64_t ctx, KvType kv_type)
     : m_(tp.model()),
       ctx_(session_sizes(m_.config, ctx, tp.capacity()).ctx),
       n_batch_(session_sizes(m_.config, ctx, tp.capacity()).n_batch),

@@ -257,10 +257,11 @@ class Session : public SessionBase {
   /// kv_type: the KV cache's element type (engine/kv_cache.h).
   Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1,
           KvType kv_type = KvType::F32);
-  /// The same on a tensor-parallel runner (engine/tp.h, any number of ranks), which must
+  /// The same on a batch runner (engine/tp.h: TensorParallel with any number of ranks, or
+  /// ProcessTensorParallel over processes), which must
   /// outlive the session and serve one session at a time; prompts are cut into chunks of at
   /// most tp.capacity() tokens; the KV cache holds ctx positions (plan_kv), one pool per rank.
-  Session(TensorParallel& tp, int64_t ctx, KvType kv_type = KvType::F32);
+  Session(BatchRunner& tp, int64_t ctx, KvType kv_type = KvType::F32);
   ~Session();
 
   const float* forward(const int32_t* tokens, int64_t n, bool all_logits = false) override;
@@ -278,7 +279,7 @@ class Session : public SessionBase {
   const Model& m_;
   int64_t ctx_, n_batch_;
   std::unique_ptr<TensorParallel> own_;  // the one-rank runner of the (model, pool) constructor
-  TensorParallel& tp_;
+  BatchRunner& tp_;
   KVCache cache_;
   int32_t seq_;
   std::vector<BatchToken> batch_;

@@ -23,6 +23,7 @@
 // and end on a block boundary: the FFN split is rounded to 32 columns; a head split that cannot
 // be (head_dim x heads not a multiple of 32 at a boundary) is an error for that N.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -30,6 +31,8 @@
 #include "engine/model.h"
 
 namespace llmq {
+
+class SocketComm;  // engine/comm_socket.h
 
 /// How the output projection and embedding are placed across ranks.
 struct TpOptions {
@@ -127,5 +130,59 @@ class TensorParallel : public BatchRunner {
   BatchPlan plan_;
   bool failed_ = false;
 };
+
+/// Tensor parallelism over processes (engine/comm_socket.h): this process is rank 0 of a
+/// SocketComm group of N, holding rank 0's shard (plan_shards(m, N), as TensorParallel's rank 0)
+/// and the KV cache's tables; every other process runs run_tp_worker on its own shard. Each
+/// forward pass sends the batch and the block tables of its sequences to the other ranks (one
+/// command, engine/tp.cpp), then all ranks run forward_shard, meeting in the SocketComm's
+/// all-reduces: the logits equal TensorParallel's with N in-process ranks bit for bit (the same
+/// shards, the same sums in the same order). The destructor tells the other ranks to stop.
+class ProcessTensorParallel : public BatchRunner {
+ public:
+  /// `comm` (rank 0 of N >= 2) must outlive this object; `threads` (<= 0: all cores) are this
+  /// process's; forward passes of up to `capacity` tokens. Throws UsageError as plan_shards,
+  /// CommAborted when another rank is gone.
+  ProcessTensorParallel(const Model& m, SocketComm& comm, int threads, int64_t capacity, const TpOptions& opt = {});
+  ~ProcessTensorParallel() override;
+  ProcessTensorParallel(const ProcessTensorParallel&) = delete;
+  ProcessTensorParallel& operator=(const ProcessTensorParallel&) = delete;
+
+  const Model& model() const override { return m_; }
+  int64_t capacity() const override { return cap_; }
+  /// Rank 0's weights.
+  const ModelShard& shard() const { return *shard_; }
+  /// Threads of this process's pool.
+  int threads() const;
+  /// A KV cache with this rank's KV heads (one pool); every other rank makes the same for its heads.
+  KVCache make_cache(int64_t n_blocks, int64_t block_tokens = 16, KvType type = KvType::F32) override;
+  /// forward_batch's contract and errors; after any rank failed, every call throws.
+  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) override;
+  /// Bytes of this rank's scratch buffers.
+  uint64_t workspace_bytes() const override;
+
+ private:
+  const Model& m_;
+  SocketComm& comm_;
+  int64_t cap_;
+  std::unique_ptr<ModelShard> shard_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<Workspace> ws_;
+  BatchPlan plan_;
+  std::vector<uint8_t> msg_;
+  bool failed_ = false;
+};
+
+/// Rank comm.rank() > 0 of a group of processes: makes its shard of m (plan_shards(m, N)[rank]),
+/// then runs rank 0's commands (its workspace, its KV cache, forward passes with rank 0's block
+/// tables) on `threads` threads (<= 0: all cores) until rank 0 says stop, and returns. Throws
+/// CommAborted when rank 0 goes away without that, UsageError (after aborting the group) when a
+/// command cannot be run. on_ready(shard, threads), if given, is called once the shard is made.
+void run_tp_worker(const Model& m, SocketComm& comm, int threads, const TpOptions& opt = {},
+                   const std::function<void(const ModelShard&, int)>& on_ready = {});
+
+/// The text every rank of a process group must agree on for model m at tp ranks: the file's
+/// size and shape (SocketComm::join's signature).
+std::string tp_signature(const Model& m, int tp);
 
 }  // namespace llmq

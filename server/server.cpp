@@ -26,6 +26,7 @@
 #include "engine/chat.h"
 #include "engine/device.h"
 #include "engine/model.h"
+#include "engine/comm_socket.h"
 #include "engine/tp.h"
 #include "formats/error.h"
 #include "mem/infer.h"
@@ -54,6 +55,7 @@ struct ServerState {
   std::string load_error;
   std::unique_ptr<Model> model;
   std::unique_ptr<ThreadPool> pool;        // --tp 1: the forward passes on one pool
+  std::unique_ptr<SocketComm> group;       // --tp-init: the other ranks are processes
   std::unique_ptr<BatchRunner> runner;     // --tp N > 1: N ranks; --device cuda: the GPU
   std::unique_ptr<Scheduler> scheduler;
   std::optional<ChatTemplate> tmpl;
@@ -384,6 +386,14 @@ int main(int argc, char** argv) {
                  "with --device cuda: the last N layers (and the output) on the GPU, the others on the CPU (partial offload); "
                  "'auto': as many as fit the GPU's free memory (or --mem); default: all");
   app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0)");
+  std::string tp_init;
+  int tp_rank = 0;
+  app.add_option("--tp-init", tp_init,
+                 "run the --tp ranks as separate processes (CPU), joined here: tcp://HOST:PORT (rank 0 listens there) or "
+                 "file://PATH (rank 0 writes its address there)");
+  app.add_option("--tp-rank", tp_rank,
+                 "this process's rank with --tp-init: 0 serves HTTP; each other rank (llmq-server or llmq-run with the same model and "
+                 "--tp) runs its slice of every layer for rank 0 and exits when rank 0 stops");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
@@ -431,6 +441,12 @@ int main(int argc, char** argv) {
     mem::InferOptions lo;
     lo.ctx = ctx, lo.n_batch = n_batch, lo.parallel = parallel, lo.server = true, lo.kv_tokens = kv_tokens;
     const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", gpu_layers_s, gpu, model_path, lo, mem_budget);
+    cli::check_tp_flags(tp_init, tp_rank, tp, !gpu);
+    if (tp_rank > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
+      auto model = Model::load(model_path, !no_verify, /*pack=*/true, /*gpu_layers=*/0, tp);
+      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, true, *model);
+      return cli::serve_tp_rank("llmq-server", *model, *group, threads);
+    }
     // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -541,7 +557,10 @@ int main(int argc, char** argv) {
         if ((gpu && partial) || (!gpu && tp == 1)) st->pool = std::make_unique<ThreadPool>(threads);
         if (gpu)
           st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get(), gpu_kv_q8);
-        else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
+        else if (!tp_init.empty()) {
+          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, true, *st->model);
+          st->runner = std::make_unique<ProcessTensorParallel>(*st->model, *st->group, threads, std::max<int64_t>(n_batch, parallel));
+        } else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;

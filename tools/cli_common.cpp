@@ -7,10 +7,13 @@
 #include <sys/resource.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "formats/error.h"
 #include "formats/llmq_file.h"
 #include "formats/tokenizer_files.h"
+#include "engine/comm_socket.h"
+#include "engine/tp.h"
 
 namespace llmq::cli {
 
@@ -77,6 +80,53 @@ int64_t resolve_gpu_layers(const char* tool, const std::string& spec, bool cuda,
   }
   if (n > c.n_layers) throw UsageError("--gpu-layers " + spec + ": the model has " + std::to_string(c.n_layers) + " layers");
   return n;
+}
+
+std::string describe_rank(const ModelShard& s, int threads) {
+  const ShardRanges& R = s.ranges;
+  char line[400];
+  std::snprintf(line, sizeof line, "rank %d: %d threads, heads %lld-%lld, KV heads %lld-%lld, FFN %lld-%lld, vocab %lld-%lld, weights %s (%s copied)",
+                R.rank, threads, (long long)R.head0, (long long)(R.head0 + R.n_heads - 1), (long long)R.kv_head0,
+                (long long)(R.kv_head0 + R.n_kv_heads - 1), (long long)R.ffn0, (long long)(R.ffn0 + R.ffn_dim - 1), (long long)R.vocab0,
+                (long long)(R.vocab0 + R.n_vocab - 1), human_bytes(s.weight_bytes()).c_str(), human_bytes(s.owned_bytes).c_str());
+  return line;
+}
+
+void check_tp_flags(const std::string& init, int rank, int tp, bool cpu) {
+  if (init.empty()) {
+    if (rank != 0) throw UsageError("--tp-rank needs --tp-init (the rendezvous of the processes)");
+    return;
+  }
+  if (!cpu) throw UsageError("--tp-init: ranks in separate processes run on the CPU (GPU ranks join in one process: --device cuda --tp N)");
+  if (tp < 2) throw UsageError("--tp-init joins --tp N >= 2 processes");
+  if (init.rfind("tcp://", 0) != 0 && init.rfind("file://", 0) != 0)
+    throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
+  if (rank < 0 || rank >= tp)
+    throw UsageError("--tp-rank " + std::to_string(rank) + " is not a rank of --tp " + std::to_string(tp) + " (0 .. " + std::to_string(tp - 1) + ")");
+}
+
+std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, bool cpu, const Model& m) {
+  check_tp_flags(init, rank, tp, cpu);
+  if (init.empty()) return nullptr;
+  plan_shards(m, tp);  // a split the model cannot take fails here, before waiting for the others
+  double secs = 300;
+  if (const char* e = std::getenv("LLMQ_TP_TIMEOUT")) {
+    char* end = nullptr;
+    secs = std::strtod(e, &end);
+    if (end == e || *end || !(secs > 0) || secs > 1e6) throw UsageError(std::string("LLMQ_TP_TIMEOUT must be a number of seconds, not '") + e + "'");
+  }
+  std::fprintf(stderr, "%s: rank %d of %d joining through %s\n", tool, rank, tp, init.c_str());
+  std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp), std::chrono::milliseconds(int64_t(secs * 1000)));
+  std::fprintf(stderr, "%s: rank %d of %d joined\n", tool, rank, tp);
+  return c;
+}
+
+int serve_tp_rank(const char* tool, const Model& m, SocketComm& comm, int threads) {
+  run_tp_worker(m, comm, threads, {}, [&](const ModelShard& s, int n_threads) {
+    std::fprintf(stderr, "%s: serving rank 0: %s\n", tool, describe_rank(s, n_threads).c_str());
+  });
+  std::fprintf(stderr, "%s: rank %d done (rank 0 stopped)\n", tool, comm.rank());
+  return 0;
 }
 
 }  // namespace llmq::cli

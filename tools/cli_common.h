@@ -1,10 +1,17 @@
 // What every command-line tool shares: exit codes, error reporting, peak memory.
 #pragma once
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "formats/vocab.h"
 #include "mem/infer.h"
+
+namespace llmq {
+class Model;
+class SocketComm;
+struct ModelShard;
+}  // namespace llmq
 
 /// Parses the command line like CLI11_PARSE, but a usage error exits 1 (help still exits 0),
 /// so every tool has the documented exit codes. Include <CLI/CLI.hpp> first.
@@ -41,5 +48,24 @@ Vocab load_tokenizer_file(const std::string& path, int64_t expected_vocab);
 /// value, more layers than the model has, "auto" when nothing fits, or N without cuda.
 int64_t resolve_gpu_layers(const char* tool, const std::string& spec, bool cuda, const std::string& model_path,
                            const mem::InferOptions& o, const std::string& budget);
+
+/// One line on a tensor-parallel rank: its threads, heads, KV heads, FFN units, vocabulary rows
+/// and weight bytes (copied: the row-parallel slices it owns).
+std::string describe_rank(const ModelShard& s, int threads);
+
+/// Checks --tp-init / --tp-rank against --tp and the device before anything is loaded: throws
+/// UsageError for --tp-rank without --tp-init, --tp-init with --tp < 2 or off the CPU, a rank
+/// outside 0 .. tp-1.
+void check_tp_flags(const std::string& init, int rank, int tp, bool cpu);
+
+/// --tp-init / --tp-rank: joins this process as rank `rank` of `tp` processes through the
+/// rendezvous `init` (engine/comm_socket.h), after check_tp_flags; nullptr without --tp-init.
+/// Waits LLMQ_TP_TIMEOUT seconds (default 300) for the other ranks. Prints who joined. Throws
+/// UsageError for bad flags, a refused hello or the timeout.
+std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, bool cpu, const Model& m);
+
+/// A rank other than 0: runs rank 0's forward passes on this process's shard (run_tp_worker)
+/// until rank 0 is done, printing the shard and the end on stderr. Returns the exit code (0).
+int serve_tp_rank(const char* tool, const Model& m, SocketComm& comm, int threads);
 
 }  // namespace llmq::cli

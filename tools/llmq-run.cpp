@@ -20,6 +20,7 @@
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/tokenizer.h"
+#include "engine/comm_socket.h"
 #include "engine/tp.h"
 #include "formats/error.h"
 #include "mem/infer.h"
@@ -74,6 +75,14 @@ int main(int argc, char** argv) {
   app.add_option("-n,--n-predict", n_predict, "tokens to generate (-1: until end of sequence)");
   app.add_option("-t,--threads", threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
   app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0 with a host all-reduce)");
+  std::string tp_init;
+  int tp_rank = 0;
+  app.add_option("--tp-init", tp_init,
+                 "run the --tp ranks as separate processes (CPU), joined here: tcp://HOST:PORT (rank 0 listens there) or "
+                 "file://PATH (rank 0 writes its address there; a file system the machines share)");
+  app.add_option("--tp-rank", tp_rank,
+                 "this process's rank with --tp-init: 0 generates; each other rank (0 < R < N, started with the same model and --tp) "
+                 "runs its slice of every layer for rank 0 and exits when rank 0 is done");
   app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
   std::string kv_type_s = "f32";
@@ -112,6 +121,7 @@ int main(int argc, char** argv) {
 
   return cli::run_guarded("llmq-run", [&] {
     const Device device = pick_device(device_s);
+    cli::check_tp_flags(tp_init, tp_rank, tp, device == Device::Cpu);
     if (fit && device == Device::Cuda) {  // on the GPU, --fit picks the layers that fit (--gpu-layers auto)
       if (gpu_layers_s != "all" && gpu_layers_s != "auto") throw UsageError("--fit with --device cuda chooses --gpu-layers itself");
       gpu_layers_s = "auto";
@@ -140,29 +150,30 @@ int main(int argc, char** argv) {
     auto model = Model::load(model_path, !no_verify, /*pack=*/device == Device::Cpu || gpu_layers >= 0,
                              /*gpu_layers=*/device == Device::Cpu ? 0 : gpu_layers, tp);
     const bool partial = device == Device::Cuda && gpu_layers >= 0 && gpu_layers < model->config.n_layers;
+    // --tp-init: the ranks are processes; those other than 0 serve rank 0 and end here.
+    std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-run", tp_init, tp_rank, tp, device == Device::Cpu, *model);
+    if (group && tp_rank > 0) return cli::serve_tp_rank("llmq-run", *model, *group, threads);
     const Tokenizer& tok = *model->tokenizer;
     sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
     const int64_t ppl_ctx = ctx > 0 ? ctx : 512;
     // TP = 1: one pool of `threads` and the planned workspace (what llmq-mem infer reports);
     // --tp N: N rank threads sharing `threads`, each with its slices of the weights.
     std::unique_ptr<ThreadPool> pool;
-    std::unique_ptr<TensorParallel> runner;
+    std::unique_ptr<BatchRunner> runner;
+    const int64_t tp_cap = ppl_file.empty() ? session_sizes(model->config, ctx, n_batch).n_batch : ppl_ctx;
     if (device == Device::Cuda && !partial) {
       // the GPU runs everything but sampling (--tp N: N ranks on it, engine/cuda/session.h CudaTpSession)
+    } else if (group) {
+      auto p = std::make_unique<ProcessTensorParallel>(*model, *group, threads, tp_cap);
+      std::fprintf(stderr, "llmq-run: tensor parallel over %d processes; %s\n", tp, cli::describe_rank(p->shard(), p->threads()).c_str());
+      runner = std::move(p);
     } else if (tp == 1) {
       pool = std::make_unique<ThreadPool>(threads);
     } else {
-      const int64_t cap = ppl_file.empty() ? session_sizes(model->config, ctx, n_batch).n_batch : ppl_ctx;
-      runner = std::make_unique<TensorParallel>(*model, tp, threads, cap);
-      std::fprintf(stderr, "llmq-run: tensor parallel over %d ranks, %d threads in all\n", runner->size(), runner->threads());
-      for (int r = 0; r < runner->size(); ++r) {
-        const ShardRanges& R = runner->shard(r).ranges;
-        std::fprintf(stderr, "  rank %d: %d threads, heads %lld-%lld, KV heads %lld-%lld, FFN %lld-%lld, vocab %lld-%lld, weights %s (%s copied)\n",
-                     r, runner->rank_threads(r), (long long)R.head0, (long long)(R.head0 + R.n_heads - 1), (long long)R.kv_head0,
-                     (long long)(R.kv_head0 + R.n_kv_heads - 1), (long long)R.ffn0, (long long)(R.ffn0 + R.ffn_dim - 1),
-                     (long long)R.vocab0, (long long)(R.vocab0 + R.n_vocab - 1), cli::human_bytes(runner->shard(r).weight_bytes()).c_str(),
-                     cli::human_bytes(runner->shard(r).owned_bytes).c_str());
-      }
+      auto t = std::make_unique<TensorParallel>(*model, tp, threads, tp_cap);
+      std::fprintf(stderr, "llmq-run: tensor parallel over %d ranks, %d threads in all\n", t->size(), t->threads());
+      for (int r = 0; r < t->size(); ++r) std::fprintf(stderr, "  %s\n", cli::describe_rank(t->shard(r), t->rank_threads(r)).c_str());
+      runner = std::move(t);
     }
 
     if (!ppl_file.empty()) {

@@ -624,3 +624,42 @@ def test_port_in_use(srv, stories_model):
         out, _ = p.communicate()
         pytest.fail(f"a second llmq-server started on port {srv.port}, which the first one holds:\n{out}")
     assert p.returncode == 1 and "cannot listen" in out, out
+
+
+def test_tp_ranks_in_processes(fresh_servers, stories_model, tmp_path):
+    """--tp 2 with rank 1 in another process (an llmq-run joined through --tp-init file://...):
+    greedy completions, one at a time, equal those of the same two ranks in one process (the
+    same sums in the same order: bit-identical logits); concurrent requests (batches mixing
+    sequences, whose block tables rank 1 mirrors) all complete; at SIGTERM rank 0 stops rank 1,
+    which exits 0."""
+    import concurrent.futures
+    import subprocess
+    from conftest import binary
+    init = f"file://{tmp_path / 'rendezvous'}"
+    worker_log = open(tmp_path / "rank1.log", "w")
+    worker = subprocess.Popen([str(binary("llmq-run")), "-m", str(stories_model), "--tp", "2", "--tp-rank", "1",
+                               "--tp-init", init, "-t", "1"], stdout=subprocess.DEVNULL, stderr=worker_log)
+    try:
+        procs = fresh_servers.start(stories_model, "--tp", "2", "--tp-init", init, "-t", "1", "--parallel", "4")
+        one = fresh_servers.start(stories_model, "--tp", "2", "-t", "2", "--parallel", "4")
+        prompts = [PROMPT, "The cat", "Lily and Tom went", "One day"]
+
+        def greedy(s, prompt):
+            r = s.post("/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        for p in prompts:
+            assert greedy(procs, p) == greedy(one, p)
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            texts = list(ex.map(lambda p: greedy(procs, p), prompts * 2))
+        assert all(len(t) > 0 for t in texts)
+        assert "rank 0 of 2 joined" in procs.log_text()
+        fresh_servers.stop_all()  # SIGTERM, exit 0 checked
+        assert worker.wait(timeout=30) == 0, (tmp_path / "rank1.log").read_text()
+        assert "rank 1 done" in (tmp_path / "rank1.log").read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        worker_log.close()

@@ -1,0 +1,373 @@
+#include "engine/comm_socket.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "formats/error.h"
+
+namespace llmq {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr char kMagic[8] = {'L', 'L', 'M', 'Q', 'T', 'P', '0', '1'};
+
+struct Endpoint {
+  std::string host, port;
+};
+
+Endpoint split_host_port(const std::string& s, const std::string& init) {
+  const size_t colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size())
+    throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
+  Endpoint e{s.substr(0, colon), s.substr(colon + 1)};
+  for (char ch : e.port)
+    if (ch < '0' || ch > '9') throw UsageError("--tp-init '" + init + "': the port must be a number");
+  return e;
+}
+
+void close_fd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+// Socket timeouts for the handshake (a silent peer cannot hold a rank forever); 0 clears them.
+void set_timeout(int fd, std::chrono::milliseconds ms) {
+  timeval tv{};
+  if (ms.count() > 0) tv.tv_sec = ms.count() / 1000, tv.tv_usec = (ms.count() % 1000) * 1000;
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+std::chrono::milliseconds left(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+}
+
+// Handshake I/O: false on EOF, timeout or error (the caller names the fault).
+bool write_exact(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t k = ::send(fd, c, n, MSG_NOSIGNAL);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return false;
+    c += k, n -= size_t(k);
+  }
+  return true;
+}
+
+bool read_exact(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t k = ::recv(fd, c, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return false;
+    c += k, n -= size_t(k);
+  }
+  return true;
+}
+
+bool write_string(int fd, const std::string& s) {
+  const uint32_t n = uint32_t(s.size());
+  return write_exact(fd, &n, 4) && write_exact(fd, s.data(), s.size());
+}
+
+bool read_string(int fd, std::string& s, uint32_t max) {
+  uint32_t n = 0;
+  if (!read_exact(fd, &n, 4) || n > max) return false;
+  s.resize(n);
+  return read_exact(fd, s.data(), n);
+}
+
+void tune(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // decode sends small messages, one per layer
+}
+
+int listen_on(const std::string& host, const std::string& port, const std::string& init) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC, hints.ai_socktype = SOCK_STREAM, hints.ai_flags = AI_PASSIVE;
+  const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) throw UsageError("--tp-init '" + init + "': cannot resolve '" + host + "': " + gai_strerror(rc));
+  std::string why = "no address";
+  for (addrinfo* a = res; a; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 64) == 0) {
+      freeaddrinfo(res);
+      return fd;
+    }
+    why = std::strerror(errno);
+    close_fd(fd);
+  }
+  freeaddrinfo(res);
+  throw UsageError("--tp-init '" + init + "': rank 0 cannot listen on " + host + ":" + port + ": " + why);
+}
+
+// Connects to host:port, retrying while rank 0 is not listening yet, until the deadline.
+int connect_to(const Endpoint& e, Clock::time_point deadline, const std::string& init) {
+  std::string why = "timed out";
+  do {
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_family = AF_UNSPEC, hints.ai_socktype = SOCK_STREAM;
+    const int rc = getaddrinfo(e.host.c_str(), e.port.c_str(), &hints, &res);
+    if (rc == 0) {
+      for (addrinfo* a = res; a; a = a->ai_next) {
+        int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+          freeaddrinfo(res);
+          return fd;
+        }
+        why = std::strerror(errno);
+        close_fd(fd);
+      }
+      freeaddrinfo(res);
+    } else {
+      why = gai_strerror(rc);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  } while (Clock::now() < deadline);
+  throw UsageError("--tp-init '" + init + "': cannot reach rank 0 at " + e.host + ":" + e.port + ": " + why);
+}
+
+// file://PATH: the address rank 0 published, once the file exists.
+Endpoint wait_for_file(const std::string& path, Clock::time_point deadline, const std::string& init) {
+  while (true) {
+    std::ifstream f(path);
+    std::string line;
+    if (f && std::getline(f, line) && !line.empty()) return split_host_port(line, init);
+    if (Clock::now() >= deadline) throw UsageError("--tp-init '" + init + "': rank 0 did not publish its address in " + path);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+// Writes "host:port" to path atomically (temp file, fsync, rename).
+void publish(const std::string& path, const std::string& text, const std::string& init) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  bool ok = f && std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
+  if (f) ok = std::fclose(f) == 0 && ok;
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    throw UsageError("--tp-init '" + init + "': cannot write " + path + ": " + why);
+  }
+}
+
+}  // namespace
+
+SocketComm::SocketComm(int rank, int size, std::vector<int> fds, std::string cleanup_path)
+    : rank_(rank), size_(size), fds_(std::move(fds)), cleanup_path_(std::move(cleanup_path)) {}
+
+SocketComm::~SocketComm() {
+  for (int& fd : fds_) close_fd(fd);
+  if (!cleanup_path_.empty()) std::remove(cleanup_path_.c_str());
+}
+
+std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, int size, const std::string& signature,
+                                             std::chrono::milliseconds timeout) {
+  if (size < 2) throw UsageError("--tp-init: a group of processes needs --tp 2 or more");
+  if (rank < 0 || rank >= size)
+    throw UsageError("--tp-rank " + std::to_string(rank) + " is not a rank of --tp " + std::to_string(size) + " (0 .. " +
+                     std::to_string(size - 1) + ")");
+  const bool tcp = init.rfind("tcp://", 0) == 0, file = init.rfind("file://", 0) == 0;
+  if (!tcp && !file) throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
+  const std::string rest = init.substr(tcp ? 6 : 7);
+  if (rest.empty()) throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
+  const Clock::time_point deadline = Clock::now() + timeout;
+  char secs_buf[32];
+  std::snprintf(secs_buf, sizeof secs_buf, "%.1f s", double(timeout.count()) / 1000.0);
+  const std::string secs = secs_buf;
+
+  if (rank != 0) {
+    const Endpoint e = tcp ? split_host_port(rest, init) : wait_for_file(rest, deadline, init);
+    int fd = connect_to(e, deadline, init);
+    set_timeout(fd, left(deadline));
+    const uint32_t hdr[2] = {uint32_t(size), uint32_t(rank)};
+    std::string verdict;
+    uint32_t ok = 0;
+    if (!write_exact(fd, kMagic, 8) || !write_exact(fd, hdr, 8) || !write_string(fd, signature) || !read_exact(fd, &ok, 4) ||
+        !read_string(fd, verdict, 4096)) {
+      close_fd(fd);
+      throw UsageError("--tp-init '" + init + "': rank 0 did not answer rank " + std::to_string(rank) + "'s hello within " + secs);
+    }
+    if (!ok) {
+      close_fd(fd);
+      throw UsageError("tensor parallel: rank 0 refused rank " + std::to_string(rank) + ": " + verdict);
+    }
+    set_timeout(fd, std::chrono::milliseconds(0));
+    tune(fd);
+    return std::unique_ptr<SocketComm>(new SocketComm(rank, size, {fd}, ""));
+  }
+
+  // Rank 0: listen, publish (file://), accept ranks 1 .. size-1 once each.
+  const Endpoint e = tcp ? split_host_port(rest, init) : Endpoint{"", "0"};
+  int lfd = listen_on(e.host, e.port, init);
+  std::vector<int> fds(size_t(size), -1);
+  auto fail = [&](const std::string& msg) -> std::unique_ptr<SocketComm> {
+    close_fd(lfd);
+    for (int& fd : fds) close_fd(fd);
+    if (file) std::remove(rest.c_str());
+    throw UsageError(msg);
+  };
+  if (file) {
+    sockaddr_storage a{};
+    socklen_t len = sizeof a;
+    getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+    const int port = a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&a)->sin6_port)
+                                             : ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+    char host[256] = {};
+    if (gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "localhost");
+    try {
+      publish(rest, std::string(host) + ":" + std::to_string(port) + "\n", init);
+    } catch (const UsageError& err) {
+      return fail(err.what());
+    }
+  }
+  for (int joined = 1; joined < size;) {
+    pollfd p{lfd, POLLIN, 0};
+    const int rc = ::poll(&p, 1, int(left(deadline).count()));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc <= 0)
+      return fail("--tp-init '" + init + "': " + std::to_string(joined - 1) + " of " + std::to_string(size - 1) +
+                  " other ranks joined within " + secs);
+    int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    set_timeout(fd, left(deadline));
+    char magic[8];
+    uint32_t hdr[2];
+    std::string sig;
+    if (!read_exact(fd, magic, 8) || std::memcmp(magic, kMagic, 8) != 0 || !read_exact(fd, hdr, 8) || !read_string(fd, sig, 1 << 16)) {
+      close_fd(fd);  // not one of ours (a port scan, another program): ignore it
+      continue;
+    }
+    const int r = int(hdr[1]);
+    std::string why;
+    if (int(hdr[0]) != size) why = "it was started with --tp " + std::to_string(hdr[0]) + ", rank 0 with --tp " + std::to_string(size);
+    else if (r <= 0 || r >= size) why = "rank " + std::to_string(r) + " is not a rank of --tp " + std::to_string(size);
+    else if (fds[size_t(r)] >= 0) why = "rank " + std::to_string(r) + " joined twice";
+    else if (sig != signature) why = "its model or options differ (rank " + std::to_string(r) + ": " + sig + "; rank 0: " + signature + ")";
+    const uint32_t ok = why.empty();
+    write_exact(fd, &ok, 4);
+    write_string(fd, why);
+    if (!ok) {
+      close_fd(fd);
+      return fail("tensor parallel: rank 0 refused a rank: " + why);
+    }
+    set_timeout(fd, std::chrono::milliseconds(0));
+    tune(fd);
+    fds[size_t(r)] = fd;
+    ++joined;
+  }
+  close_fd(lfd);
+  return std::unique_ptr<SocketComm>(new SocketComm(0, size, std::move(fds), file ? rest : ""));
+}
+
+std::string SocketComm::gone(int peer) const {
+  return "tensor parallel: rank " + std::to_string(peer) + " is gone (its connection to rank " + std::to_string(rank_) +
+         " closed: the process ended or failed)";
+}
+
+void SocketComm::send_all(int peer, const void* p, uint64_t n) {
+  if (aborted_) throw CommAborted("tensor parallel: the group was aborted");
+  const int fd = fd_of(peer);
+  if (!write_exact(fd, &n, 8) || !write_exact(fd, p, size_t(n))) throw CommAborted(gone(peer));
+}
+
+void SocketComm::recv_all(int peer, void* p, uint64_t n) {
+  if (aborted_) throw CommAborted("tensor parallel: the group was aborted");
+  const int fd = fd_of(peer);
+  uint64_t got = 0;
+  if (!read_exact(fd, &got, 8)) throw CommAborted(gone(peer));
+  if (got != n) {
+    abort();
+    throw CommAborted("tensor parallel: ranks out of step (a message of " + std::to_string(got) + " bytes where " + std::to_string(n) +
+                      " were expected)");
+  }
+  if (!read_exact(fd, p, size_t(n))) throw CommAborted(gone(peer));
+}
+
+void SocketComm::all_reduce_sum(float* buf, int64_t n) {
+  if (n <= 0) return;
+  const uint64_t bytes = uint64_t(n) * sizeof(float);
+  if (rank_ != 0) {
+    send_all(0, buf, bytes);
+    recv_all(0, buf, bytes);
+    return;
+  }
+  scratch_.resize(size_t(n));
+  for (int r = 1; r < size_; ++r) {  // ((b0 + b1) + b2) + ...: HostComm's order
+    recv_all(r, scratch_.data(), bytes);
+    for (int64_t i = 0; i < n; ++i) buf[i] += scratch_[size_t(i)];
+  }
+  for (int r = 1; r < size_; ++r) send_all(r, buf, bytes);
+}
+
+void SocketComm::gather(const float* send, int64_t count, float* recv, int root) {
+  if (root != 0) throw UsageError("SocketComm::gather: only rank 0 gathers");
+  if (rank_ != 0) {
+    const int64_t c = count;
+    send_all(0, &c, sizeof c);
+    if (c > 0) send_all(0, send, uint64_t(c) * sizeof(float));
+    return;
+  }
+  std::copy(send, send + count, recv);
+  recv += count;
+  for (int r = 1; r < size_; ++r) {
+    int64_t c = 0;
+    recv_all(r, &c, sizeof c);
+    if (c > 0) recv_all(r, recv, uint64_t(c) * sizeof(float));
+    recv += std::max<int64_t>(c, 0);
+  }
+}
+
+void SocketComm::barrier() {
+  char b = 0;
+  if (rank_ != 0) {
+    send_all(0, &b, 1);
+    recv_all(0, &b, 1);
+    return;
+  }
+  for (int r = 1; r < size_; ++r) recv_all(r, &b, 1);
+  for (int r = 1; r < size_; ++r) send_all(r, &b, 1);
+}
+
+void SocketComm::abort() {
+  aborted_ = true;
+  for (int fd : fds_)
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);  // peers' receives see the end of the stream
+}
+
+void SocketComm::broadcast(const void* bytes, uint64_t n) {
+  if (rank_ != 0) throw UsageError("SocketComm::broadcast: only rank 0 broadcasts");
+  for (int r = 1; r < size_; ++r) send_all(r, bytes, n);
+}
+
+std::vector<uint8_t> SocketComm::recv_broadcast() {
+  if (rank_ == 0) throw UsageError("SocketComm::recv_broadcast: rank 0 broadcasts");
+  if (aborted_) throw CommAborted("tensor parallel: the group was aborted");
+  uint64_t n = 0;
+  if (!read_exact(fd_of(0), &n, 8)) throw CommAborted(gone(0));
+  if (n > (uint64_t(1) << 34)) {
+    abort();
+    throw CommAborted("tensor parallel: ranks out of step (a command of " + std::to_string(n) + " bytes)");
+  }
+  std::vector<uint8_t> out(static_cast<size_t>(n));
+  if (!read_exact(fd_of(0), out.data(), size_t(n))) throw CommAborted(gone(0));
+  return out;
+}
+
+}  // namespace llmq
