@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/comm_socket.h"
 #include "formats/error.h"
 
 namespace llmq {
@@ -231,6 +230,18 @@ TensorParallel::TensorParallel(const Model& m, int n_ranks, int total_threads, i
   ranks_ = std::make_unique<ThreadPool>(N);
 }
 
+TensorParallel::TensorParallel(const Model& m, int n_ranks, int rank, Communicator& comm, int threads, int64_t capacity,
+                               const TpOptions& opt)
+    : m_(m), cap_(std::max<int64_t>(1, capacity)), ext_comm_(&comm) {
+  if (comm.size() != n_ranks || comm.rank() != rank)
+    throw UsageError("tensor parallel: rank " + std::to_string(rank) + " of " + std::to_string(n_ranks) + " given the communicator of rank " +
+                     std::to_string(comm.rank()) + " of " + std::to_string(comm.size()));
+  const std::vector<ShardRanges> plan = plan_shards(m, n_ranks, opt);
+  shards_.push_back(std::make_unique<ModelShard>(make_shard(m, plan, rank)));
+  pools_.push_back(std::make_unique<ThreadPool>(threads));
+  ws_.push_back(std::make_unique<Workspace>(m, rank_workspace_plan(m.config, m.file->tensors(), plan[size_t(rank)], cap_, pools_[0]->size())));
+}
+
 TensorParallel::~TensorParallel() = default;
 
 int TensorParallel::threads() const {
@@ -257,6 +268,22 @@ uint64_t TensorParallel::workspace_bytes() const {
 const float* TensorParallel::forward(KVCache& cache, const BatchToken* batch, int64_t n) {
   if (single_pool_) return forward_batch(m_, cache, *ws_[0], *single_pool_, batch, n);
   if (failed_) throw UsageError("tensor parallel: a rank failed earlier; the ranks cannot continue");
+  if (ext_comm_) {  // one rank of a group over processes: the others run the same batch elsewhere
+    plan_batch(m_, cache, batch, n, cap_, plan_);
+    const float* logits = nullptr;
+    try {
+      logits = forward_shard(m_, shards_[0].get(), cache, *ws_[0], *pools_[0], ext_comm_, batch, n, plan_);
+    } catch (const CommAborted&) {
+      failed_ = true;
+      throw;
+    } catch (...) {
+      failed_ = true;
+      ext_comm_->abort();  // release the ranks waiting for this one
+      throw;
+    }
+    for (const auto& [seq, end] : plan_.ends) cache.set_length(seq, end);
+    return logits;
+  }
   if (cache.n_shards() != size()) throw UsageError("tensor parallel: the KV cache was not made for " + std::to_string(size()) + " ranks");
   plan_batch(m_, cache, batch, n, cap_, plan_);  // validates before any rank starts
   const float* logits = nullptr;
@@ -282,177 +309,10 @@ const float* TensorParallel::forward(KVCache& cache, const BatchToken* batch, in
   return logits;
 }
 
-// ---------------------------------------------------------------- tensor parallel over processes
-//
-// Rank 0's commands, one SocketComm broadcast each (little-endian, packed):
-//   kInit     i64 capacity                       the workspace for forward passes of that size
-//   kCache    i64 n_blocks, i64 block_tokens, i32 KV type
-//   kForward  i64 T, i64 S; T x (i32 seq, i32 token, i32 logits); S x (i32 seq, i64 length,
-//             i64 n_blocks, n_blocks x i32 block): the batch and its sequences' tables before
-//             the pass; then the ranks run forward_shard together
-//   kStop     the worker returns
-
-namespace {
-
-enum : uint32_t { kInit = 1, kCache = 2, kForward = 3, kStop = 4 };
-
-template <class T>
-void put(std::vector<uint8_t>& out, T v) {
-  const size_t at = out.size();
-  out.resize(at + sizeof v);
-  std::memcpy(out.data() + at, &v, sizeof v);
-}
-
-struct Reader {
-  const std::vector<uint8_t>& in;
-  size_t at = 0;
-  template <class T>
-  T get() {
-    T v{};
-    if (at + sizeof v > in.size()) throw UsageError("tensor parallel: a truncated command from rank 0");
-    std::memcpy(&v, in.data() + at, sizeof v);
-    at += sizeof v;
-    return v;
-  }
-};
-
-std::unique_ptr<Workspace> rank_workspace(const Model& m, const ShardRanges& R, int64_t cap, int threads) {
-  return std::make_unique<Workspace>(m, rank_workspace_plan(m.config, m.file->tensors(), R, cap, threads));
-}
-
-}  // namespace
-
 std::string tp_signature(const Model& m, int tp) {
   const LlamaConfig& c = m.config;
   return "model of " + std::to_string(m.file->file_size()) + " bytes (" + m.weight_type() + ", " + std::to_string(c.n_layers) + " layers, dim " +
          std::to_string(c.dim) + ", vocab " + std::to_string(c.vocab_size) + "), --tp " + std::to_string(tp);
-}
-
-ProcessTensorParallel::ProcessTensorParallel(const Model& m, SocketComm& comm, int threads, int64_t capacity, const TpOptions& opt)
-    : m_(m), comm_(comm), cap_(std::max<int64_t>(1, capacity)) {
-  if (comm.rank() != 0) throw UsageError("ProcessTensorParallel runs on rank 0 (the other ranks run run_tp_worker)");
-  const std::vector<ShardRanges> plan = plan_shards(m, comm.size(), opt);
-  shard_ = std::make_unique<ModelShard>(make_shard(m, plan, 0));
-  pool_ = std::make_unique<ThreadPool>(threads);
-  ws_ = rank_workspace(m, plan[0], cap_, pool_->size());
-  msg_.clear();
-  put<uint32_t>(msg_, kInit);
-  put<int64_t>(msg_, cap_);
-  comm_.broadcast(msg_.data(), msg_.size());
-}
-
-ProcessTensorParallel::~ProcessTensorParallel() {
-  if (failed_) return;
-  try {
-    const uint32_t stop = kStop;
-    comm_.broadcast(&stop, sizeof stop);
-  } catch (...) {  // a rank already gone: nothing to stop
-  }
-}
-
-int ProcessTensorParallel::threads() const { return pool_->size(); }
-
-uint64_t ProcessTensorParallel::workspace_bytes() const { return ws_->bytes(); }
-
-KVCache ProcessTensorParallel::make_cache(int64_t n_blocks, int64_t block_tokens, KvType type) {
-  KVCache cache(m_.config, n_blocks, block_tokens, {shard_->ranges.n_kv_heads * m_.config.head_dim}, type);
-  msg_.clear();
-  put<uint32_t>(msg_, kCache);
-  put<int64_t>(msg_, n_blocks);
-  put<int64_t>(msg_, block_tokens);
-  put<int32_t>(msg_, int32_t(type));
-  comm_.broadcast(msg_.data(), msg_.size());
-  return cache;
-}
-
-const float* ProcessTensorParallel::forward(KVCache& cache, const BatchToken* batch, int64_t n) {
-  if (failed_) throw UsageError("tensor parallel: a rank failed earlier; the ranks cannot continue");
-  plan_batch(m_, cache, batch, n, cap_, plan_);  // validates before any rank is told anything
-  msg_.clear();
-  put<uint32_t>(msg_, kForward);
-  put<int64_t>(msg_, n);
-  put<int64_t>(msg_, int64_t(plan_.ends.size()));
-  for (int64_t i = 0; i < n; ++i) {
-    put<int32_t>(msg_, batch[i].seq);
-    put<int32_t>(msg_, batch[i].token);
-    put<int32_t>(msg_, batch[i].logits ? 1 : 0);
-  }
-  for (const auto& [seq, end] : plan_.ends) {
-    const std::vector<int32_t>& blocks = cache.blocks(seq);
-    put<int32_t>(msg_, seq);
-    put<int64_t>(msg_, cache.length(seq));
-    put<int64_t>(msg_, int64_t(blocks.size()));
-    for (int32_t b : blocks) put<int32_t>(msg_, b);
-  }
-  const float* logits = nullptr;
-  try {
-    comm_.broadcast(msg_.data(), msg_.size());
-    logits = forward_shard(m_, shard_.get(), cache, *ws_, *pool_, &comm_, batch, n, plan_);
-  } catch (...) {
-    failed_ = true;
-    comm_.abort();  // the other ranks stop waiting for this one
-    throw;
-  }
-  for (const auto& [seq, end] : plan_.ends) cache.set_length(seq, end);
-  return logits;
-}
-
-void run_tp_worker(const Model& m, SocketComm& comm, int threads, const TpOptions& opt,
-                   const std::function<void(const ModelShard&, int)>& on_ready) {
-  if (comm.rank() == 0) throw UsageError("run_tp_worker runs on the ranks other than 0");
-  const std::vector<ShardRanges> plan = plan_shards(m, comm.size(), opt);
-  const ShardRanges& R = plan[size_t(comm.rank())];
-  ModelShard shard = make_shard(m, plan, comm.rank());
-  ThreadPool pool(threads);
-  if (on_ready) on_ready(shard, pool.size());
-  std::unique_ptr<Workspace> ws;
-  std::unique_ptr<KVCache> cache;
-  BatchPlan bplan;
-  std::vector<BatchToken> batch;
-  try {
-    while (true) {
-      const std::vector<uint8_t> msg = comm.recv_broadcast();
-      Reader in{msg};
-      const uint32_t kind = in.get<uint32_t>();
-      if (kind == kStop) return;
-      if (kind == kInit) {
-        ws = rank_workspace(m, R, std::max<int64_t>(1, in.get<int64_t>()), pool.size());
-      } else if (kind == kCache) {
-        const int64_t n_blocks = in.get<int64_t>(), bt = in.get<int64_t>();
-        const int32_t type = in.get<int32_t>();
-        if (type != int32_t(KvType::F32) && type != int32_t(KvType::BF16)) throw UsageError("tensor parallel: unknown KV cache type from rank 0");
-        cache = std::make_unique<KVCache>(m.config, n_blocks, bt, std::vector<int64_t>{R.n_kv_heads * m.config.head_dim}, KvType(type));
-      } else if (kind == kForward) {
-        if (!ws || !cache) throw UsageError("tensor parallel: a forward pass before the workspace and the KV cache");
-        const int64_t T = in.get<int64_t>(), S = in.get<int64_t>();
-        if (T <= 0 || T > ws->capacity() || S <= 0 || S > T) throw UsageError("tensor parallel: a malformed forward command from rank 0");
-        batch.resize(size_t(T));
-        for (BatchToken& b : batch) {
-          b.seq = in.get<int32_t>();
-          b.token = in.get<int32_t>();
-          b.logits = in.get<int32_t>() != 0;
-        }
-        std::vector<int32_t> blocks;
-        for (int64_t s = 0; s < S; ++s) {
-          const int32_t seq = in.get<int32_t>();
-          const int64_t length = in.get<int64_t>(), nb = in.get<int64_t>();
-          if (nb < 0 || nb > cache->n_blocks()) throw UsageError("tensor parallel: a malformed block table from rank 0");
-          blocks.resize(size_t(nb));
-          for (int32_t& b : blocks) b = in.get<int32_t>();
-          cache->mirror(seq, blocks.data(), nb, length);
-        }
-        plan_batch(m, *cache, batch.data(), T, ws->capacity(), bplan);
-        forward_shard(m, &shard, *cache, *ws, pool, &comm, batch.data(), T, bplan);
-      } else {
-        throw UsageError("tensor parallel: unknown command " + std::to_string(kind) + " from rank 0");
-      }
-    }
-  } catch (const CommAborted&) {
-    throw;
-  } catch (...) {
-    comm.abort();  // rank 0 and the others stop waiting for this rank
-    throw;
-  }
 }
 
 }  // namespace llmq

@@ -23,7 +23,6 @@
 // and end on a block boundary: the FFN split is rounded to 32 columns; a head split that cannot
 // be (head_dim x heads not a multiple of 32 at a boundary) is an error for that N.
 #pragma once
-#include <functional>
 #include <memory>
 #include <vector>
 
@@ -31,8 +30,6 @@
 #include "engine/model.h"
 
 namespace llmq {
-
-class SocketComm;  // engine/comm_socket.h
 
 /// How the output projection and embedding are placed across ranks.
 struct TpOptions {
@@ -92,12 +89,18 @@ class TensorParallel : public BatchRunner {
   /// from its slices (rank_workspace_plan). Throws UsageError (see plan_shards) when the ranks
   /// cannot be formed.
   TensorParallel(const Model& m, int n_ranks, int total_threads, int64_t capacity, const TpOptions& opt = {});
+  /// Rank `rank` of n_ranks whose other ranks live elsewhere (other processes, engine/
+  /// tp_process.h), reached through `comm` (rank() == rank, size() == n_ranks; it must outlive
+  /// this object): this object holds that rank's shard only, on `threads` threads (<= 0: all
+  /// cores); make_cache makes one pool (its KV heads); forward must run on every rank with the
+  /// same batch and tables at once, and returns the logits on rank 0 (nullptr elsewhere).
+  TensorParallel(const Model& m, int n_ranks, int rank, Communicator& comm, int threads, int64_t capacity, const TpOptions& opt = {});
   ~TensorParallel() override;
   TensorParallel(const TensorParallel&) = delete;
   TensorParallel& operator=(const TensorParallel&) = delete;
 
   const Model& model() const override { return m_; }
-  /// Ranks N.
+  /// Ranks held here: N, or 1 for a rank of a group over processes.
   int size() const { return int(shards_.size()); }
   /// Threads over all ranks (rank threads included).
   int threads() const;
@@ -125,64 +128,15 @@ class TensorParallel : public BatchRunner {
   std::vector<std::unique_ptr<ModelShard>> shards_;    // [N]
   std::vector<std::unique_ptr<ThreadPool>> pools_;     // [N] (N > 1)
   std::vector<std::unique_ptr<Workspace>> ws_;         // [N]
-  std::unique_ptr<HostCommGroup> comm_;                // N > 1
+  std::unique_ptr<HostCommGroup> comm_;                // N > 1 in this process
+  Communicator* ext_comm_ = nullptr;                   // one rank of a group over processes
   std::unique_ptr<ThreadPool> ranks_;                  // N > 1: runs rank r on its thread r
   BatchPlan plan_;
   bool failed_ = false;
 };
 
-/// Tensor parallelism over processes (engine/comm_socket.h): this process is rank 0 of a
-/// SocketComm group of N, holding rank 0's shard (plan_shards(m, N), as TensorParallel's rank 0)
-/// and the KV cache's tables; every other process runs run_tp_worker on its own shard. Each
-/// forward pass sends the batch and the block tables of its sequences to the other ranks (one
-/// command, engine/tp.cpp), then all ranks run forward_shard, meeting in the SocketComm's
-/// all-reduces: the logits equal TensorParallel's with N in-process ranks bit for bit (the same
-/// shards, the same sums in the same order). The destructor tells the other ranks to stop.
-class ProcessTensorParallel : public BatchRunner {
- public:
-  /// `comm` (rank 0 of N >= 2) must outlive this object; `threads` (<= 0: all cores) are this
-  /// process's; forward passes of up to `capacity` tokens. Throws UsageError as plan_shards,
-  /// CommAborted when another rank is gone.
-  ProcessTensorParallel(const Model& m, SocketComm& comm, int threads, int64_t capacity, const TpOptions& opt = {});
-  ~ProcessTensorParallel() override;
-  ProcessTensorParallel(const ProcessTensorParallel&) = delete;
-  ProcessTensorParallel& operator=(const ProcessTensorParallel&) = delete;
-
-  const Model& model() const override { return m_; }
-  int64_t capacity() const override { return cap_; }
-  /// Rank 0's weights.
-  const ModelShard& shard() const { return *shard_; }
-  /// Threads of this process's pool.
-  int threads() const;
-  /// A KV cache with this rank's KV heads (one pool); every other rank makes the same for its heads.
-  KVCache make_cache(int64_t n_blocks, int64_t block_tokens = 16, KvType type = KvType::F32) override;
-  /// forward_batch's contract and errors; after any rank failed, every call throws.
-  const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) override;
-  /// Bytes of this rank's scratch buffers.
-  uint64_t workspace_bytes() const override;
-
- private:
-  const Model& m_;
-  SocketComm& comm_;
-  int64_t cap_;
-  std::unique_ptr<ModelShard> shard_;
-  std::unique_ptr<ThreadPool> pool_;
-  std::unique_ptr<Workspace> ws_;
-  BatchPlan plan_;
-  std::vector<uint8_t> msg_;
-  bool failed_ = false;
-};
-
-/// Rank comm.rank() > 0 of a group of processes: makes its shard of m (plan_shards(m, N)[rank]),
-/// then runs rank 0's commands (its workspace, its KV cache, forward passes with rank 0's block
-/// tables) on `threads` threads (<= 0: all cores) until rank 0 says stop, and returns. Throws
-/// CommAborted when rank 0 goes away without that, UsageError (after aborting the group) when a
-/// command cannot be run. on_ready(shard, threads), if given, is called once the shard is made.
-void run_tp_worker(const Model& m, SocketComm& comm, int threads, const TpOptions& opt = {},
-                   const std::function<void(const ModelShard&, int)>& on_ready = {});
-
 /// The text every rank of a process group must agree on for model m at tp ranks: the file's
-/// size and shape (SocketComm::join's signature).
+/// size and shape (SocketComm::join's signature; the tools add their runner's sizes).
 std::string tp_signature(const Model& m, int tp);
 
 }  // namespace llmq

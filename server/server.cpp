@@ -28,6 +28,7 @@
 #include "engine/model.h"
 #include "engine/comm_socket.h"
 #include "engine/tp.h"
+#include "engine/tp_process.h"
 #include "formats/error.h"
 #include "mem/infer.h"
 #include "server/api.h"
@@ -56,6 +57,7 @@ struct ServerState {
   std::unique_ptr<Model> model;
   std::unique_ptr<ThreadPool> pool;        // --tp 1: the forward passes on one pool
   std::unique_ptr<SocketComm> group;       // --tp-init: the other ranks are processes
+  std::unique_ptr<BatchRunner> local;      // --tp-init: this process's rank of the group
   std::unique_ptr<BatchRunner> runner;     // --tp N > 1: N ranks; --device cuda: the GPU
   std::unique_ptr<Scheduler> scheduler;
   std::optional<ChatTemplate> tmpl;
@@ -442,10 +444,14 @@ int main(int argc, char** argv) {
     lo.ctx = ctx, lo.n_batch = n_batch, lo.parallel = parallel, lo.server = true, lo.kv_tokens = kv_tokens;
     const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", gpu_layers_s, gpu, model_path, lo, mem_budget);
     cli::check_tp_flags(tp_init, tp_rank, tp, !gpu);
+    const int64_t tp_cap = std::max<int64_t>(n_batch, parallel);  // tokens per forward pass
+    const std::string tp_runner = "cpu, capacity " + std::to_string(tp_cap);
     if (tp_rank > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
       auto model = Model::load(model_path, !no_verify, /*pack=*/true, /*gpu_layers=*/0, tp);
-      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, true, *model);
-      return cli::serve_tp_rank("llmq-server", *model, *group, threads);
+      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, true, *model, tp_runner);
+      TensorParallel local(*model, tp, tp_rank, *group, threads, tp_cap);
+      std::fprintf(stderr, "llmq-server: %s\n", cli::describe_rank(local.shard(0), local.threads()).c_str());
+      return cli::serve_tp_rank("llmq-server", local, *group);
     }
     // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
     sigset_t sigs;
@@ -558,9 +564,10 @@ int main(int argc, char** argv) {
         if (gpu)
           st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get(), gpu_kv_q8);
         else if (!tp_init.empty()) {
-          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, true, *st->model);
-          st->runner = std::make_unique<ProcessTensorParallel>(*st->model, *st->group, threads, std::max<int64_t>(n_batch, parallel));
-        } else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, std::max<int64_t>(n_batch, parallel));
+          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, true, *st->model, tp_runner);
+          st->local = std::make_unique<TensorParallel>(*st->model, tp, 0, *st->group, threads, tp_cap);
+          st->runner = std::make_unique<ProcessGroupRunner>(*st->local, *st->group);
+        } else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, tp_cap);
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;

@@ -1,5 +1,5 @@
-// Tensor parallelism over processes (engine/comm_socket.h, ProcessTensorParallel and
-// run_tp_worker in engine/tp.h): the socket communicator's collectives give the host
+// Tensor parallelism over processes (engine/comm_socket.h, engine/tp_process.h, and
+// TensorParallel holding one rank of a group): the socket communicator's collectives give the host
 // communicator's bits; ranks joined through a rendezvous give the logits of the same ranks in one
 // process bit for bit (threads stand in for the processes here, the tools run real processes);
 // bad rendezvous, mismatched ranks and ranks that die end with one clear message.
@@ -17,6 +17,7 @@
 #include "engine/comm_host.h"
 #include "engine/comm_socket.h"
 #include "engine/tp.h"
+#include "engine/tp_process.h"
 #include "formats/error.h"
 #include "test_util.h"
 
@@ -100,20 +101,22 @@ std::vector<float> mixed_batch_logits(BatchRunner& runner) {
   return std::vector<float>(l, l + int64_t(mixed.size()) * runner.model().config.vocab_size);
 }
 
-// Runs `body(rank 0's runner)` with ranks 1 .. n-1 served by run_tp_worker on threads.
+// Runs `body(rank 0's runner)` with ranks 1 .. n-1 served (serve_process_group) on threads, each
+// rank a TensorParallel holding its shard over the group's SocketComm, one thread each.
 template <class F>
 void with_process_ranks(const Model& m, int n, const std::string& init, F body) {
   std::vector<std::future<void>> workers;
-  std::vector<std::future<std::unique_ptr<SocketComm>>> joins;
   for (int r = 1; r < n; ++r)
     workers.push_back(std::async(std::launch::async, [&m, n, r, init] {
       auto c = SocketComm::join(init, r, n, tp_signature(m, n), 20s);
-      run_tp_worker(m, *c, 1);
+      TensorParallel local(m, n, r, *c, 1, 64);
+      serve_process_group(local, *c);
     }));
   auto c0 = SocketComm::join(init, 0, n, tp_signature(m, n), 20s);
   {
-    ProcessTensorParallel p(m, *c0, 1, 64);
-    body(p);
+    TensorParallel local(m, n, 0, *c0, 1, 64);
+    ProcessGroupRunner p(local, *c0);
+    body(p, local);
   }  // the destructor stops the workers
   for (auto& w : workers) REQUIRE_NOTHROW(w.get());
 }
@@ -226,10 +229,11 @@ TEST_CASE("TP over processes: ranks joined through a rendezvous give the in-proc
       const std::vector<int32_t> prompt{1, 403, 407, 261, 378, 175, 79};
       const std::vector<float> want = session_logits(in_process, prompt, 24), want_mixed = mixed_batch_logits(in_process);
       std::vector<float> got, got_mixed;
-      with_process_ranks(*m, n, "file://" + test::scratch("tp_proc") + "/rendezvous", [&](ProcessTensorParallel& p) {
+      with_process_ranks(*m, n, "file://" + test::scratch("tp_proc") + "/rendezvous", [&](ProcessGroupRunner& p, TensorParallel& local) {
         got = session_logits(p, prompt, 24);
         got_mixed = mixed_batch_logits(p);
         CHECK(p.workspace_bytes() == in_process.rank_workspace_bytes(0));
+        CHECK(local.shard(0).weight_bytes() == in_process.shard(0).weight_bytes());
       });
       REQUIRE(got.size() == want.size());
       CHECK(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
@@ -248,7 +252,8 @@ TEST_CASE("TP over processes: a worker that fails ends rank 0's forward pass wit
   worker.get();
   std::this_thread::sleep_for(50ms);
   try {
-    ProcessTensorParallel runner(*m, *c0, 1, 16);
+    TensorParallel local(*m, 2, 0, *c0, 1, 16);
+    ProcessGroupRunner runner(local, *c0);
     Session s(runner, 32);
     const int32_t toks[3] = {1, 40, 72};
     CHECK_THROWS_AS(s.forward(toks, 3), CommAborted);

@@ -14,6 +14,7 @@
 #include "formats/tokenizer_files.h"
 #include "engine/comm_socket.h"
 #include "engine/tp.h"
+#include "engine/tp_process.h"
 
 namespace llmq::cli {
 
@@ -105,7 +106,8 @@ void check_tp_flags(const std::string& init, int rank, int tp, bool cpu) {
     throw UsageError("--tp-rank " + std::to_string(rank) + " is not a rank of --tp " + std::to_string(tp) + " (0 .. " + std::to_string(tp - 1) + ")");
 }
 
-std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, bool cpu, const Model& m) {
+std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, bool cpu, const Model& m,
+                                          const std::string& runner) {
   check_tp_flags(init, rank, tp, cpu);
   if (init.empty()) return nullptr;
   plan_shards(m, tp);  // a split the model cannot take fails here, before waiting for the others
@@ -116,15 +118,14 @@ std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& i
     if (end == e || *end || !(secs > 0) || secs > 1e6) throw UsageError(std::string("LLMQ_TP_TIMEOUT must be a number of seconds, not '") + e + "'");
   }
   std::fprintf(stderr, "%s: rank %d of %d joining through %s\n", tool, rank, tp, init.c_str());
-  std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp), std::chrono::milliseconds(int64_t(secs * 1000)));
+  std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp) + ", " + runner, std::chrono::milliseconds(int64_t(secs * 1000)));
   std::fprintf(stderr, "%s: rank %d of %d joined\n", tool, rank, tp);
   return c;
 }
 
-int serve_tp_rank(const char* tool, const Model& m, SocketComm& comm, int threads) {
-  run_tp_worker(m, comm, threads, {}, [&](const ModelShard& s, int n_threads) {
-    std::fprintf(stderr, "%s: serving rank 0: %s\n", tool, describe_rank(s, n_threads).c_str());
-  });
+int serve_tp_rank(const char* tool, BatchRunner& local, SocketComm& comm) {
+  std::fprintf(stderr, "%s: rank %d serving rank 0\n", tool, comm.rank());
+  serve_process_group(local, comm);
   std::fprintf(stderr, "%s: rank %d done (rank 0 stopped)\n", tool, comm.rank());
   return 0;
 }

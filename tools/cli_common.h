@@ -8,6 +8,7 @@
 #include "mem/infer.h"
 
 namespace llmq {
+class BatchRunner;
 class Model;
 class SocketComm;
 struct ModelShard;
@@ -60,12 +61,15 @@ void check_tp_flags(const std::string& init, int rank, int tp, bool cpu);
 
 /// --tp-init / --tp-rank: joins this process as rank `rank` of `tp` processes through the
 /// rendezvous `init` (engine/comm_socket.h), after check_tp_flags; nullptr without --tp-init.
-/// Waits LLMQ_TP_TIMEOUT seconds (default 300) for the other ranks. Prints who joined. Throws
-/// UsageError for bad flags, a refused hello or the timeout.
-std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, bool cpu, const Model& m);
+/// Every rank must agree on the model and on `runner` (the sizes its runner is built with: a
+/// rank that differs is refused). Waits LLMQ_TP_TIMEOUT seconds (default 300) for the other
+/// ranks. Prints who joined. Throws UsageError for bad flags, a refused hello or the timeout.
+std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, bool cpu, const Model& m,
+                                          const std::string& runner);
 
-/// A rank other than 0: runs rank 0's forward passes on this process's shard (run_tp_worker)
-/// until rank 0 is done, printing the shard and the end on stderr. Returns the exit code (0).
-int serve_tp_rank(const char* tool, const Model& m, SocketComm& comm, int threads);
+/// A rank other than 0: runs rank 0's commands on `local`, this rank's runner
+/// (serve_process_group), until rank 0 is done; prints the end on stderr. Returns the exit
+/// code (0).
+int serve_tp_rank(const char* tool, BatchRunner& local, SocketComm& comm);
 
 }  // namespace llmq::cli

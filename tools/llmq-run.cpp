@@ -22,6 +22,7 @@
 #include "engine/tokenizer.h"
 #include "engine/comm_socket.h"
 #include "engine/tp.h"
+#include "engine/tp_process.h"
 #include "formats/error.h"
 #include "mem/infer.h"
 #include "tools/cli_common.h"
@@ -150,23 +151,26 @@ int main(int argc, char** argv) {
     auto model = Model::load(model_path, !no_verify, /*pack=*/device == Device::Cpu || gpu_layers >= 0,
                              /*gpu_layers=*/device == Device::Cpu ? 0 : gpu_layers, tp);
     const bool partial = device == Device::Cuda && gpu_layers >= 0 && gpu_layers < model->config.n_layers;
-    // --tp-init: the ranks are processes; those other than 0 serve rank 0 and end here.
-    std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-run", tp_init, tp_rank, tp, device == Device::Cpu, *model);
-    if (group && tp_rank > 0) return cli::serve_tp_rank("llmq-run", *model, *group, threads);
     const Tokenizer& tok = *model->tokenizer;
     sp.seed = seed >= 0 ? uint64_t(seed) : uint64_t(time(nullptr));
     const int64_t ppl_ctx = ctx > 0 ? ctx : 512;
     // TP = 1: one pool of `threads` and the planned workspace (what llmq-mem infer reports);
     // --tp N: N rank threads sharing `threads`, each with its slices of the weights.
     std::unique_ptr<ThreadPool> pool;
-    std::unique_ptr<BatchRunner> runner;
     const int64_t tp_cap = ppl_file.empty() ? session_sizes(model->config, ctx, n_batch).n_batch : ppl_ctx;
-    if (device == Device::Cuda && !partial) {
+    // --tp-init: the ranks are processes (engine/tp_process.h), each holding its own rank; those
+    // other than 0 serve rank 0 and end here.
+    std::unique_ptr<SocketComm> group =
+        cli::join_tp_group("llmq-run", tp_init, tp_rank, tp, device == Device::Cpu, *model, "cpu, capacity " + std::to_string(tp_cap));
+    std::unique_ptr<TensorParallel> local;  // this process's rank of the group
+    std::unique_ptr<BatchRunner> runner;
+    if (group) {
+      local = std::make_unique<TensorParallel>(*model, tp, tp_rank, *group, threads, tp_cap);
+      std::fprintf(stderr, "llmq-run: tensor parallel over %d processes; %s\n", tp, cli::describe_rank(local->shard(0), local->threads()).c_str());
+      if (tp_rank > 0) return cli::serve_tp_rank("llmq-run", *local, *group);
+      runner = std::make_unique<ProcessGroupRunner>(*local, *group);
+    } else if (device == Device::Cuda && !partial) {
       // the GPU runs everything but sampling (--tp N: N ranks on it, engine/cuda/session.h CudaTpSession)
-    } else if (group) {
-      auto p = std::make_unique<ProcessTensorParallel>(*model, *group, threads, tp_cap);
-      std::fprintf(stderr, "llmq-run: tensor parallel over %d processes; %s\n", tp, cli::describe_rank(p->shard(), p->threads()).c_str());
-      runner = std::move(p);
     } else if (tp == 1) {
       pool = std::make_unique<ThreadPool>(threads);
     } else {
