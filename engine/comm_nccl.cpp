@@ -36,10 +36,7 @@ ncclUniqueId NcclComm::make_id() {
 }
 
 NcclComm::NcclComm(int rank, int size, const ncclUniqueId& id, int device) : rank_(rank), size_(size), device_(device) {
-  const int gpus = gpu_count();
-  if (size > gpus)
-    throw UsageError("--tp " + std::to_string(size) + " needs " + std::to_string(size) + " GPUs (one rank per GPU): this machine has " +
-                     std::to_string(gpus));
+  const int gpus = gpu_count();  // (ranks in other processes may be on other machines: size is not checked against it)
   if (rank < 0 || rank >= size || device < 0 || device >= gpus)
     throw UsageError("NCCL: rank " + std::to_string(rank) + " of " + std::to_string(size) + " on device " + std::to_string(device) +
                      " does not exist");

@@ -2,8 +2,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <vector>
 
+#include "engine/comm_socket.h"
 #include "formats/error.h"
 
 #ifdef LLMQ_HAVE_CUDA
@@ -63,6 +66,22 @@ cuda::CudaComms nccl_comms(int tp) {
 #endif
   return c;
 }
+
+// A communicator owned elsewhere (the tool's SocketComm), handed to CudaComms, which owns its
+// communicators.
+class BorrowedComm final : public Communicator {
+ public:
+  explicit BorrowedComm(Communicator& c) : c_(c) {}
+  int rank() const override { return c_.rank(); }
+  int size() const override { return c_.size(); }
+  void all_reduce_sum(float* buf, int64_t n) override { c_.all_reduce_sum(buf, n); }
+  void gather(const float* send, int64_t count, float* recv, int root) override { c_.gather(send, count, recv, root); }
+  void barrier() override { c_.barrier(); }
+  void abort() override { c_.abort(); }
+
+ private:
+  Communicator& c_;
+};
 
 // Makes GPU 0 current and creates its CUDA context (so a load measured after this does not
 // count it); returns its memory then.
@@ -215,6 +234,72 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
   return r;
 #else
   (void)m, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress, (void)tp, (void)gpu_layers, (void)pool, (void)kv_q8;
+  throw UsageError("this build has no CUDA backend");
+#endif
+}
+
+std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
+                                                   int64_t kv_tokens, bool progress, bool kv_q8) {
+#ifdef LLMQ_HAVE_CUDA
+  const int rank = comm.rank(), tp = comm.size();
+  const int gpus = cuda::device_count();
+  if (gpus == 0) throw UsageError("--device cuda: no CUDA device is present");
+  const int device = rank % gpus;
+  cuda::check(cudaSetDevice(device), "cudaSetDevice");
+  cuda::check(cudaFree(nullptr), "CUDA context");
+  const cuda::MemInfo before = cuda::mem_info();
+  // Rank 0 decides how the ranks all-reduce and tells the others: [u8 nccl][the NCCL unique id].
+  const char* env = std::getenv("LLMQ_TP_COMM");
+  const std::string mode = env ? env : "auto";
+  if (mode != "auto" && mode != "host" && mode != "nccl") throw UsageError("LLMQ_TP_COMM must be auto, host or nccl, not '" + mode + "'");
+  std::vector<uint8_t> msg;
+  if (rank == 0) {
+#ifdef LLMQ_HAVE_NCCL
+    msg.push_back(mode != "host");
+    if (msg[0]) {
+      const ncclUniqueId id = NcclComm::make_id();
+      msg.insert(msg.end(), reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof id);
+    }
+#else
+    if (mode == "nccl") throw UsageError("LLMQ_TP_COMM=nccl: this build has no NCCL communicator (NCCL was not found when it was configured)");
+    msg.push_back(0);
+#endif
+    comm.broadcast(msg.data(), msg.size());
+  } else {
+    msg = comm.recv_broadcast();
+    if (msg.empty()) throw UsageError("tensor parallel: an empty choice of communicator from rank 0");
+  }
+  cuda::CudaComms comms;
+  comms.local_rank = rank;
+  comms.devices = {device};
+  if (msg[0]) {
+#ifdef LLMQ_HAVE_NCCL
+    ncclUniqueId id;
+    if (msg.size() != 1 + sizeof id) throw UsageError("tensor parallel: a malformed NCCL unique id from rank 0");
+    std::memcpy(&id, msg.data() + 1, sizeof id);
+    comms.comms.push_back(std::make_unique<NcclComm>(rank, tp, id, device));
+    comms.device_memory = true;
+#else
+    throw UsageError("tensor parallel: rank 0 all-reduces over NCCL and this build has none (set LLMQ_TP_COMM=host on rank 0)");
+#endif
+  } else {
+    comms.comms.push_back(std::make_unique<BorrowedComm>(comm));
+    comms.device_memory = false;
+  }
+  const bool nccl = comms.device_memory;
+  auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress, tp, std::move(comms), kv_q8);
+  const cuda::MemInfo after = cuda::mem_info();
+  const CudaPlan& p = r->plan();
+  std::fprintf(stderr,
+               "llmq: rank %d of %d on GPU %d: %s; all-reduce over %s\n"
+               "llmq: rank %d GPU memory: weights %.1f MiB, KV cache %.1f MiB (%s, %lld blocks of %lld positions), workspace %.1f MiB; "
+               "measured %.1f MiB (cudaMemGetInfo)\n",
+               rank, tp, device, cuda::device_description(device).c_str(), nccl ? "NCCL" : "the rendezvous sockets (host memory)", rank,
+               mib(r->device_model(0).weight_bytes()), mib(r->kv_bytes(KVCache::tables_only(m.config, 1, 1))), kv_q8 ? "q8_0" : "f16",
+               (long long)p.kv_blocks, (long long)p.block_tokens, mib(r->workspace_bytes()), mib(before.free - after.free));
+  return r;
+#else
+  (void)m, (void)comm, (void)ctx, (void)n_batch, (void)parallel, (void)kv_tokens, (void)progress, (void)kv_q8;
   throw UsageError("this build has no CUDA backend");
 #endif
 }

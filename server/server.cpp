@@ -443,15 +443,27 @@ int main(int argc, char** argv) {
     mem::InferOptions lo;
     lo.ctx = ctx, lo.n_batch = n_batch, lo.parallel = parallel, lo.server = true, lo.kv_tokens = kv_tokens;
     const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", gpu_layers_s, gpu, model_path, lo, mem_budget);
-    cli::check_tp_flags(tp_init, tp_rank, tp, !gpu);
+    cli::check_tp_flags(tp_init, tp_rank, tp, gpu && gpu_layers >= 0);
     const int64_t tp_cap = std::max<int64_t>(n_batch, parallel);  // tokens per forward pass
-    const std::string tp_runner = "cpu, capacity " + std::to_string(tp_cap);
+    const std::string tp_runner = (gpu ? "cuda, ctx " + std::to_string(ctx) + ", parallel " + std::to_string(parallel) + ", KV tokens " +
+                                             std::to_string(kv_tokens) + ", KV " + (gpu_kv_q8 ? "q8_0" : "f16") + ", "
+                                       : std::string("cpu, ")) +
+                                  "capacity " + std::to_string(tp_cap);
+    // --tp-init: this process's rank of a group over processes (engine/tp_process.h), the same
+    // runner on every rank: the CPU's TensorParallel for one rank, or a GPU rank.
+    auto make_local_rank = [&](const Model& model, SocketComm& group) -> std::unique_ptr<BatchRunner> {
+      if (gpu)
+        return make_cuda_rank_runner(model, group, ctx > 0 ? ctx : std::min(model.config.context_length, kDefaultMaxCtx), n_batch,
+                                     parallel, kv_tokens, true, gpu_kv_q8);
+      auto t = std::make_unique<TensorParallel>(model, tp, group.rank(), group, threads, tp_cap);
+      std::fprintf(stderr, "llmq-server: %s\n", cli::describe_rank(t->shard(0), t->threads()).c_str());
+      return t;
+    };
     if (tp_rank > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
-      auto model = Model::load(model_path, !no_verify, /*pack=*/true, /*gpu_layers=*/0, tp);
-      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, true, *model, tp_runner);
-      TensorParallel local(*model, tp, tp_rank, *group, threads, tp_cap);
-      std::fprintf(stderr, "llmq-server: %s\n", cli::describe_rank(local.shard(0), local.threads()).c_str());
-      return cli::serve_tp_rank("llmq-server", local, *group);
+      auto model = Model::load(model_path, !no_verify, /*pack=*/!gpu, /*gpu_layers=*/0, tp);
+      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, *model, tp_runner);
+      auto local = make_local_rank(*model, *group);
+      return cli::serve_tp_rank("llmq-server", *local, *group);
     }
     // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
     sigset_t sigs;
@@ -561,13 +573,13 @@ int main(int argc, char** argv) {
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());
         const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
         if ((gpu && partial) || (!gpu && tp == 1)) st->pool = std::make_unique<ThreadPool>(threads);
-        if (gpu)
-          st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get(), gpu_kv_q8);
-        else if (!tp_init.empty()) {
-          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, true, *st->model, tp_runner);
-          st->local = std::make_unique<TensorParallel>(*st->model, tp, 0, *st->group, threads, tp_cap);
+        if (!tp_init.empty()) {
+          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, tp_runner);
+          st->local = make_local_rank(*st->model, *st->group);
           st->runner = std::make_unique<ProcessGroupRunner>(*st->local, *st->group);
-        } else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, tp_cap);
+        } else if (gpu)
+          st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get(), gpu_kv_q8);
+        else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, tp_cap);
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;

@@ -93,12 +93,12 @@ std::string describe_rank(const ModelShard& s, int threads) {
   return line;
 }
 
-void check_tp_flags(const std::string& init, int rank, int tp, bool cpu) {
+void check_tp_flags(const std::string& init, int rank, int tp, bool partial) {
   if (init.empty()) {
     if (rank != 0) throw UsageError("--tp-rank needs --tp-init (the rendezvous of the processes)");
     return;
   }
-  if (!cpu) throw UsageError("--tp-init: ranks in separate processes run on the CPU (GPU ranks join in one process: --device cuda --tp N)");
+  if (partial) throw UsageError("--tp-init with --gpu-layers: a rank runs all its layers on one device (the CPU or a GPU)");
   if (tp < 2) throw UsageError("--tp-init joins --tp N >= 2 processes");
   if (init.rfind("tcp://", 0) != 0 && init.rfind("file://", 0) != 0)
     throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
@@ -106,9 +106,9 @@ void check_tp_flags(const std::string& init, int rank, int tp, bool cpu) {
     throw UsageError("--tp-rank " + std::to_string(rank) + " is not a rank of --tp " + std::to_string(tp) + " (0 .. " + std::to_string(tp - 1) + ")");
 }
 
-std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, bool cpu, const Model& m,
+std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
                                           const std::string& runner) {
-  check_tp_flags(init, rank, tp, cpu);
+  check_tp_flags(init, rank, tp);
   if (init.empty()) return nullptr;
   plan_shards(m, tp);  // a split the model cannot take fails here, before waiting for the others
   double secs = 300;

@@ -54,17 +54,18 @@ int64_t resolve_gpu_layers(const char* tool, const std::string& spec, bool cuda,
 /// and weight bytes (copied: the row-parallel slices it owns).
 std::string describe_rank(const ModelShard& s, int threads);
 
-/// Checks --tp-init / --tp-rank against --tp and the device before anything is loaded: throws
-/// UsageError for --tp-rank without --tp-init, --tp-init with --tp < 2 or off the CPU, a rank
-/// outside 0 .. tp-1.
-void check_tp_flags(const std::string& init, int rank, int tp, bool cpu);
+/// Checks --tp-init / --tp-rank against --tp before anything is loaded: throws UsageError for
+/// --tp-rank without --tp-init, --tp-init with --tp < 2, with partial offload (`partial`: some
+/// layers on the CPU, some on a GPU) or without a tcp:// or file:// address, a rank outside
+/// 0 .. tp-1.
+void check_tp_flags(const std::string& init, int rank, int tp, bool partial = false);
 
 /// --tp-init / --tp-rank: joins this process as rank `rank` of `tp` processes through the
 /// rendezvous `init` (engine/comm_socket.h), after check_tp_flags; nullptr without --tp-init.
 /// Every rank must agree on the model and on `runner` (the sizes its runner is built with: a
 /// rank that differs is refused). Waits LLMQ_TP_TIMEOUT seconds (default 300) for the other
 /// ranks. Prints who joined. Throws UsageError for bad flags, a refused hello or the timeout.
-std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, bool cpu, const Model& m,
+std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
                                           const std::string& runner);
 
 /// A rank other than 0: runs rank 0's commands on `local`, this rank's runner

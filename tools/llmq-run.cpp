@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
 
   return cli::run_guarded("llmq-run", [&] {
     const Device device = pick_device(device_s);
-    cli::check_tp_flags(tp_init, tp_rank, tp, device == Device::Cpu);
+    cli::check_tp_flags(tp_init, tp_rank, tp);
     if (fit && device == Device::Cuda) {  // on the GPU, --fit picks the layers that fit (--gpu-layers auto)
       if (gpu_layers_s != "all" && gpu_layers_s != "auto") throw UsageError("--fit with --device cuda chooses --gpu-layers itself");
       gpu_layers_s = "auto";
@@ -160,13 +160,26 @@ int main(int argc, char** argv) {
     const int64_t tp_cap = ppl_file.empty() ? session_sizes(model->config, ctx, n_batch).n_batch : ppl_ctx;
     // --tp-init: the ranks are processes (engine/tp_process.h), each holding its own rank; those
     // other than 0 serve rank 0 and end here.
-    std::unique_ptr<SocketComm> group =
-        cli::join_tp_group("llmq-run", tp_init, tp_rank, tp, device == Device::Cpu, *model, "cpu, capacity " + std::to_string(tp_cap));
-    std::unique_ptr<TensorParallel> local;  // this process's rank of the group
+    if (!tp_init.empty()) {
+      cli::check_tp_flags(tp_init, tp_rank, tp, partial);
+      if (device == Device::Cuda && !ppl_file.empty())
+        throw UsageError("--perplexity with --tp-init --device cuda: the GPU ranks keep one logits row (use the CPU ranks, or one process)");
+    }
+    const int64_t gpu_ctx = session_sizes(model->config, ctx, n_batch).ctx;
+    const std::string tp_runner = device == Device::Cuda ? "cuda, ctx " + std::to_string(gpu_ctx) + ", batch " + std::to_string(n_batch) +
+                                                               ", KV " + (gpu_kv_q8 ? "q8_0" : "f16")
+                                                         : "cpu, capacity " + std::to_string(tp_cap);
+    std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-run", tp_init, tp_rank, tp, *model, tp_runner);
+    std::unique_ptr<BatchRunner> local;  // this process's rank of the group
     std::unique_ptr<BatchRunner> runner;
     if (group) {
-      local = std::make_unique<TensorParallel>(*model, tp, tp_rank, *group, threads, tp_cap);
-      std::fprintf(stderr, "llmq-run: tensor parallel over %d processes; %s\n", tp, cli::describe_rank(local->shard(0), local->threads()).c_str());
+      if (device == Device::Cuda) {
+        local = make_cuda_rank_runner(*model, *group, gpu_ctx, n_batch, /*parallel=*/1, /*kv_tokens=*/0, true, gpu_kv_q8);
+      } else {
+        auto t = std::make_unique<TensorParallel>(*model, tp, tp_rank, *group, threads, tp_cap);
+        std::fprintf(stderr, "llmq-run: tensor parallel over %d processes; %s\n", tp, cli::describe_rank(t->shard(0), t->threads()).c_str());
+        local = std::move(t);
+      }
       if (tp_rank > 0) return cli::serve_tp_rank("llmq-run", *local, *group);
       runner = std::make_unique<ProcessGroupRunner>(*local, *group);
     } else if (device == Device::Cuda && !partial) {
@@ -198,7 +211,8 @@ int main(int argc, char** argv) {
     }
 
     std::unique_ptr<SessionBase> session_ptr;
-    if (device == Device::Cuda)
+    if (group) session_ptr = std::make_unique<Session>(*runner, ctx, kv_type);
+    else if (device == Device::Cuda)
       session_ptr = make_cuda_session(*model, ctx, n_batch, 1, true, gpu_layers, pool.get(), tp, gpu_kv_q8);  // prints the GPU's memory
     else if (runner) session_ptr = std::make_unique<Session>(*runner, ctx, kv_type);
     else session_ptr = std::make_unique<Session>(*model, *pool, ctx, n_batch, 1, kv_type);

@@ -607,6 +607,20 @@ int32_t CudaOffloadSession::forward_sample(const int32_t* tokens, int64_t n, Sam
 CudaRanks::CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(const LlamaConfig&)>& plan_of, bool progress,
                      CudaComms comms)
     : comms_(std::move(comms)) {
+  TpOptions opt;
+  opt.vocab_parallel = false;  // the embedding replicated, the whole output on rank 0
+  if (comms_.local_rank >= 0) {  // one rank of a group over processes: its shard, its communicator
+    const int r = comms_.local_rank;
+    if (n_ranks < 2 || r >= n_ranks || comms_.comms.size() != 1 || comms_.devices.size() != 1)
+      throw UsageError("CUDA tensor parallelism: one rank of a group needs its rank, one communicator and one GPU");
+    devices_ = comms_.devices;
+    check(cudaSetDevice(devices_[0]), "cudaSetDevice");
+    const ModelShard shard = make_shard(m, plan_shards(m, n_ranks, opt), r, /*pack=*/false);
+    models_.push_back(std::make_unique<CudaModel>(m, shard, progress));
+    sessions_.push_back(std::make_unique<CudaSession>(*models_.back(), &m, plan_of(models_.back()->config())));
+    sessions_[0]->set_comm(comms_.comms[0].get(), comms_.device_memory);
+    return;
+  }
   if (!comms_.comms.empty() && int(comms_.comms.size()) != n_ranks) throw UsageError("CUDA tensor parallelism: one communicator per rank");
   devices_ = comms_.comms.empty() ? std::vector<int>(size_t(std::max(n_ranks, 1)), 0) : comms_.devices;
   if (n_ranks <= 1) {  // the whole model, as uploaded for one GPU
@@ -614,8 +628,6 @@ CudaRanks::CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(c
     sessions_.push_back(std::make_unique<CudaSession>(*models_.back(), &m, plan_of(m.config)));
     return;
   }
-  TpOptions opt;
-  opt.vocab_parallel = false;  // the embedding replicated, the whole output on rank 0
   const std::vector<ShardRanges> plan = plan_shards(m, n_ranks, opt);
   for (int r = 0; r < n_ranks; ++r) {  // each rank's allocations on its device (current per host thread)
     check(cudaSetDevice(devices_[size_t(r)]), "cudaSetDevice");
@@ -638,6 +650,20 @@ CudaRanks::~CudaRanks() {
 
 void CudaRanks::run(const std::function<void(int)>& fn) {
   if (failed_) throw UsageError("tensor parallel: a rank failed earlier; the ranks cannot continue");
+  if (comms_.local_rank >= 0) {  // one rank of a group over processes
+    try {
+      check(cudaSetDevice(devices_[0]), "cudaSetDevice");
+      fn(0);
+    } catch (const CommAborted&) {
+      failed_ = true;
+      throw;
+    } catch (...) {
+      failed_ = true;
+      comms_.comms[0]->abort();  // release the other processes' ranks
+      throw;
+    }
+    return;
+  }
   if (!threads_) return fn(0);
   try {
     threads_->parallel_for(size(), [&](int64_t r0, int64_t r1, int) {
@@ -713,7 +739,8 @@ CudaBatchRunner::CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, i
       ranks_(
           m, tp,
           [&](const LlamaConfig& c) { return tp > 1 ? plan_cuda_server(c, {}, ctx, n_batch, parallel, kv_tokens, -1, kv_q8) : plan_; },
-          progress, std::move(comms)) {
+          progress, std::move(comms)),
+      tp_(tp) {
   if (tp > 1) plan_ = ranks_.session(0).plan();
 }
 
@@ -723,11 +750,11 @@ KVCache CudaBatchRunner::make_cache(int64_t n_blocks, int64_t block_tokens, KvTy
 }
 
 const float* CudaBatchRunner::forward(KVCache& cache, const BatchToken* batch, int64_t n) {
-  if (ranks_.size() == 1) return ranks_.session(0).forward_batch(cache, batch, n);
+  if (tp_ == 1) return ranks_.session(0).forward_batch(cache, batch, n);
   const float* out = nullptr;
   ranks_.run([&](int r) {  // every rank reads the same tables; the lengths advance once, after all
     const float* l = ranks_.session(r).forward_batch(cache, batch, n, /*advance=*/false);
-    if (r == 0) out = l;
+    if (ranks_.first_rank() + r == 0) out = l;  // the logits are rank 0's
   });
   for (const auto& [seq, end] : ranks_.session(0).batch_plan().ends) cache.set_length(seq, end);
   return out;

@@ -231,8 +231,15 @@ class CudaOffloadSession : public SessionBase {
 /// Communicators for tensor-parallel ranks on GPUs: comms[r] for the rank on device devices[r]
 /// (NCCL, device buffers). Empty: every rank on GPU 0 over a HostCommGroup.
 struct CudaComms {
-  std::vector<std::unique_ptr<Communicator>> comms;
-  std::vector<int> devices;
+  std::vector<std::unique_ptr<Communicator>> comms;  // one per rank held here
+  std::vector<int> devices;                          // each held rank's GPU
+  /// >= 0: a group over processes (engine/tp_process.h) of which this process holds rank
+  /// `local_rank` only, with comms[0] and devices[0] its communicator and GPU; the other ranks
+  /// run elsewhere at the same time. -1: every rank is held here.
+  int local_rank = -1;
+  /// Whether the communicators take device buffers (NCCL) or host ones (staged through pinned
+  /// memory: HostComm, SocketComm).
+  bool device_memory = true;
 };
 
 /// N tensor-parallel ranks on the GPU: each a CudaSession on its CudaModel shard (engine/tp.h's
@@ -255,6 +262,8 @@ class CudaRanks {
   /// fn(r) for every rank at once, each on its own thread with its device current; when one
   /// throws, the others are released (the communicator aborted) and every later call throws.
   void run(const std::function<void(int)>& fn);
+  /// The rank of session(0) in the group (0 unless this holds one rank of a group over processes).
+  int first_rank() const { return std::max(comms_.local_rank, 0); }
   uint64_t kv_bytes() const;
   uint64_t workspace_bytes() const;
 
@@ -325,6 +334,7 @@ class CudaBatchRunner : public BatchRunner {
   const Model& m_;
   CudaPlan plan_;
   CudaRanks ranks_;
+  int tp_;  // ranks in the group (ranks() of them here, or one of a group over processes)
 };
 
 /// llmq-server with partial offload (--device cuda --gpu-layers N): the first n_layers - N layers
