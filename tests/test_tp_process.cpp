@@ -287,3 +287,25 @@ TEST_CASE("TP over processes: llmq-run --tp 2 --tp-init in two processes generat
   CHECK(test::run("LLMQ_TP_TIMEOUT=0.3 " + base + init + "-none --tp-rank 1 2>" + dir + "/e3 >/dev/null") == 1);
   CHECK(test::run("grep -q 'did not publish its address' " + dir + "/e3") == 0);
 }
+
+TEST_CASE("TP over processes: a rank given a malformed command fails clearly and releases rank 0", "[tp][tp_process]") {
+  auto m = Model::load(test::stories("f32"));
+  const std::vector<std::vector<uint8_t>> bad{
+      {},                                   // no command at all
+      {9, 0, 0, 0},                         // an unknown command
+      {3, 0, 0, 0, 1, 0},                   // a forward pass cut short
+      {3, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0},  // a forward pass before any KV cache
+  };
+  for (const auto& msg : bad) {
+    const std::string init = "tcp://127.0.0.1:" + std::to_string(free_port());
+    auto worker = std::async(std::launch::async, [&] {
+      auto c = SocketComm::join(init, 1, 2, "job", 20s);
+      TensorParallel local(*m, 2, 1, *c, 1, 16);
+      serve_process_group(local, *c);
+    });
+    auto c0 = SocketComm::join(init, 0, 2, "job", 20s);
+    c0->broadcast(msg.data(), msg.size());
+    CHECK_THROWS_AS(worker.get(), UsageError);
+    CHECK_THROWS_AS(c0->barrier(), CommAborted);  // rank 1 aborted the group: rank 0 is not left waiting
+  }
+}
