@@ -240,16 +240,11 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
   TpOptions topt;
   topt.vocab_parallel = false;
   const std::vector<ShardRanges> ranges = plan_shards(c, f->tensors(), o.tp, topt);
-  const int64_t group = c.n_heads / c.n_kv_heads;
   r.device = fmt::format("cuda, {} ranks", o.tp);
   r.title = fmt::format("{}: {} --device cuda --tp {}, ctx {}, batch {}", f->path(), server ? "llmq-server" : "llmq-run", o.tp, p.ctx,
                         p.n_batch);
   nlohmann::json per_rank = nlohmann::json::array();
   for (const ShardRanges& R : ranges) {
-    if (R.head0 % group != 0 || R.n_heads % group != 0)
-      throw UsageError(fmt::format("--tp {} on the GPU: rank {}'s query heads do not fall on KV-group boundaries; choose --tp dividing "
-                                   "the {} KV heads",
-                                   o.tp, R.rank, c.n_kv_heads));
     const CudaPlan rp = plan_cuda_rank(c, f->tensors(), R, o.ctx, o.n_batch, 1, server ? o.parallel : 0, o.kv_tokens, o.kv_type == "q8_0");
     const std::string k = fmt::format("rank {}: ", R.rank);
     r.lines.push_back({k + "weights", double(rp.weights),

@@ -380,6 +380,39 @@ TEST_CASE("CUDA attention matches an fp64 reference, prefill and split decode, G
       CHECK(err < 1e-4);
     }
   }
+  // A tensor-parallel rank's uneven GQA slice (GqaSlice): 6 query heads in groups of 3 over 2 KV
+  // heads, the rank holding query heads 2-4 (offset 2 into KV head 0's group): they read KV heads
+  // 0, 1, 1 of the whole cache, as the reference over all 6 heads has it.
+  const int64_t H = 6, NKV = 2, hd = 32, ctx = 100, Q = H * hd, KV = NKV * hd;
+  std::vector<uint16_t> k(size_t(ctx * KV)), v(k.size());
+  std::vector<float> kf = gaussian(k.size(), rng), vf = gaussian(v.size(), rng);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = fp32_to_fp16(kf[i]), v[i] = fp32_to_fp16(vf[i]);
+    kf[i] = fp16_to_fp32(k[i]), vf[i] = fp16_to_fp32(v[i]);
+  }
+  DeviceBuffer kd = to_device(k), vd = to_device(v);
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  for (const std::vector<int32_t>& pos : {std::vector<int32_t>{40, 41, 42, 43}, std::vector<int32_t>{99}}) {
+    const int64_t T = int64_t(pos.size());
+    const auto q = gaussian(size_t(T * Q), rng);
+    const std::vector<float> ref = ref_attention(q, pos, H, NKV, hd, scale, kf, vf);
+    std::vector<float> qs(size_t(T * 3 * hd)), want(qs.size());  // heads 2-4 of q and of the reference
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < 3 * hd; ++i)
+        qs[size_t(t * 3 * hd + i)] = q[size_t(t * Q + 2 * hd + i)], want[size_t(t * 3 * hd + i)] = ref[size_t(t * Q + 2 * hd + i)];
+    DeviceBuffer qd = to_device(qs), pd = to_device(pos), od(want.size() * 4), part(size_t(T * 3 * 4 * (hd + 2)) * 4);
+    for (int64_t splits : {1, 4}) {
+      cuda::attention(qd.as<float>(), 3 * hd, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, 3, NKV, hd, scale, splits,
+                      splits == 1 ? ctx : 32, part.as<float>(), od.as<float>(), 3 * hd, nullptr, {}, {}, cuda::GqaSlice{3, 2});
+      const auto out = from_device<float>(od, want.size());
+      INFO("uneven GQA slice, T " << T << ", splits " << splits);
+      CHECK(rel_err(out.data(), want.data(), want.size()) < 1e-4);
+    }
+  }
+  // Heads that cannot read these KV heads are refused.
+  CHECK_THROWS_AS(cuda::attention(nullptr, 0, nullptr, nullptr, nullptr, 1, 3, 2, hd, scale, 1, 32, nullptr, nullptr, 0, nullptr, {}, {},
+                                  cuda::GqaSlice{3, 0}),
+                  UsageError);
 }
 
 // A paged cache (llmq-server): the same keys and values scattered over blocks of 16 rows in a
@@ -616,6 +649,14 @@ namespace {
 // give the GPU's own forward-and-argmax tokens exactly.
 // gpu_layers >= 0 and < n_layers: partial offload (CudaOffloadSession, the first layers on the
 // CPU); the model is loaded as llmq-run loads it for that.
+// Greedy steps compared per model: 64 on a GPU (issue 4's parity check); 24 on the emulator,
+// whose every step costs a second of CI's CPU (the logic is the same at any length).
+#ifdef LLMQ_CUDA_EMU
+constexpr int kSteps = 24;
+#else
+constexpr int kSteps = 64;
+#endif
+
 void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_layers = -1) {
   auto probe = Model::load(path, false, false);
   const bool partial = gpu_layers >= 0 && gpu_layers < probe->config.n_layers;
@@ -649,7 +690,7 @@ void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_l
   int agree = Sampler::argmax(lg + (rows - 1) * V, V) == t;
   std::vector<int32_t> seq_c = {t};
   double worst = 0;
-  for (int i = 1; i < 64; ++i) {
+  for (int i = 1; i < kSteps; ++i) {
     const float* c = cpu.forward(&t, 1);
     ref.assign(c, c + V);
     const float* g = gpu.forward(&t, 1);
@@ -658,15 +699,15 @@ void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_l
     agree += Sampler::argmax(g, V) == t;
     seq_c.push_back(t);
   }
-  INFO("decode logits worst rel err " << worst << ", argmax agreed in " << agree << " of 64 steps");
+  INFO("decode logits worst rel err " << worst << ", argmax agreed in " << agree << " of " << kSteps << " steps");
   CHECK(worst < bound);
-  CHECK(agree >= (block ? 60 : 64));
+  CHECK(agree >= (block ? kSteps - kSteps / 16 : kSteps));
   // The GPU on its own from the prompt: forward + argmax on the host, then greedy sampling
   // through forward_sample (CudaSession: decode_greedy, argmax on the GPU, graph replayed).
   gpu.reset();
   const float* l = gpu.forward(prompt.data(), n);
   std::vector<int32_t> seq_g = {Sampler::argmax(l, V)};
-  for (int i = 1; i < 64; ++i) {
+  for (int i = 1; i < kSteps; ++i) {
     const int32_t prev = seq_g.back();
     seq_g.push_back(Sampler::argmax(gpu.forward(&prev, 1), V));
   }
@@ -676,7 +717,7 @@ void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_l
   greedy.temperature = 0;
   Sampler sampler(greedy);
   std::vector<int32_t> seq_d = {seq_g[0]};
-  for (int i = 1; i < 64; ++i) seq_d.push_back(gpu.forward_sample(&seq_d.back(), 1, sampler, seq_d));
+  for (int i = 1; i < kSteps; ++i) seq_d.push_back(gpu.forward_sample(&seq_d.back(), 1, sampler, seq_d));
   CHECK(seq_d == seq_g);
 }
 
@@ -727,7 +768,7 @@ TEST_CASE("CUDA partial offload: CPU layers then GPU layers give the CPU's logit
 // cached value (2^-11 relative): bound 1e-4 (the CPU's TP test, with an f32 cache, holds 1e-5).
 // q8_0: int8 activations per block, as compare_model: 5e-2. Ranks run at once on their own
 // threads (the emulator runs each thread's kernels on its own fibers).
-TEST_CASE("CUDA tensor parallelism: TP = 2 and 4 ranks on one GPU give TP = 1's logits and tokens", "[cuda][tp][model]") {
+TEST_CASE("CUDA tensor parallelism: TP = 2 to 4 ranks on one GPU give TP = 1's logits and tokens", "[cuda][tp][model]") {
   if (!have_gpu()) return;
   for (const char* type : {"f32", "q8_0"}) {
     auto m = Model::load(test::stories(type), true, false);
@@ -740,8 +781,8 @@ TEST_CASE("CUDA tensor parallelism: TP = 2 and 4 ranks on one GPU give TP = 1's 
     const std::vector<float> ref(l1, l1 + n * V);
     std::vector<int32_t> want = {Sampler::argmax(ref.data() + (n - 1) * V, V)};
     for (int i = 1; i < 24; ++i) want.push_back(Sampler::argmax(one.forward(&want.back(), 1), V));
-    for (int tp : {2, 4}) {
-      if (tp == 4 && std::string(type) != "f32") continue;  // head_dim 8: 2 heads per rank are not a whole q8_0 block
+    for (int tp : {2, 3, 4}) {  // 3: heads 3, 3, 2 over stories260K's 4 KV heads (groups of 2): uneven GQA slices
+      if (tp != 2 && std::string(type) != "f32") continue;  // head_dim 8: 2 or 3 heads per rank are not whole q8_0 blocks
       cuda::CudaTpSession s(*m, tp, 128, 64, n);
       REQUIRE(s.size() == tp);
       uint64_t w = 0;
@@ -770,7 +811,6 @@ TEST_CASE("CUDA tensor parallelism: TP = 2 and 4 ranks on one GPU give TP = 1's 
     }
   }
   auto m = Model::load(test::stories("f32"), true, false);
-  CHECK_THROWS_AS(cuda::CudaTpSession(*m, 3, 64), UsageError);  // 3 ranks would split a KV group of stories260K's 4
   // The tools' path (make_cuda_session): one GPU, so the ranks share it (host all-reduce); NCCL
   // asked for (LLMQ_TP_COMM=nccl) is a clear refusal: no NCCL in this build, or too few GPUs.
   auto s2 = make_cuda_session(*m, 64, 64, 1, false, -1, nullptr, 2);

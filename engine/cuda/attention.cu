@@ -13,20 +13,23 @@ namespace {
 constexpr int kTile = 32;                     // positions per shared-memory tile (one per lane)
 constexpr int kOut = int(kMaxHeadDim) / 32;   // outputs per lane: dims lane, lane + 32, ...
 
-// grid (T, n_kv, n_splits), block (32, G): warp g is query head kvh · G + g.
+// grid (T, n_kv, n_splits), block (32, G): warp g is query head kvh · G + g - head_off (a rank's
+// uneven GQA slice: warps whose head lies outside [0, n_heads) load tiles and score zeros, and
+// write nothing).
 // Shared memory: K tile [kTile, hd + 2] fp16 (rows padded so lane j's reads of row j fall in
 // distinct banks), V tile [kTile, hd] fp16, the group's queries [G, hd] fp32 (scaled).
 __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const __half* __restrict__ kc,
                                  const __half* __restrict__ vc, const int32_t* __restrict__ pos, const int32_t* __restrict__ seq,
                                  const int32_t* __restrict__ tables, int64_t table_stride, int bt, const int8_t* __restrict__ kq,
                                  const __half* __restrict__ kd, const int8_t* __restrict__ vq, const __half* __restrict__ vd,
-                                 int n_heads, int n_kv, int hd,
+                                 int n_heads, int n_kv, int hd, int head_off,
                                  float scale, int n_splits, int part_len, float* __restrict__ partial, float* __restrict__ out,
                                  int64_t ldo) {
   unsigned char* smem = dynamic_smem();
   const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   const int G = blockDim.y, g = threadIdx.y, lane = threadIdx.x;
-  const int h = kvh * G + g;
+  const int h = kvh * G + g - head_off;
+  const bool mine = h >= 0 && h < n_heads;  // this warp's query head is held here
   const int64_t kv_dim = int64_t(n_kv) * hd;
   const int kpitch = hd + 2;
   __half* Ks = reinterpret_cast<__half*>(smem);
@@ -35,7 +38,7 @@ __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const
 
   const int lo = split * part_len, hi = min(pos[t] + 1, lo + part_len);
   const int32_t* table = tables ? tables + int64_t(seq[t]) * table_stride : nullptr;  // paged: this token's block table
-  for (int i = lane; i < hd; i += 32) qs[g * hd + i] = q[int64_t(t) * ldq + int64_t(h) * hd + i] * scale;
+  for (int i = lane; i < hd; i += 32) qs[g * hd + i] = mine ? q[int64_t(t) * ldq + int64_t(h) * hd + i] * scale : 0.0f;
 
   float m = -INFINITY, l = 0.0f, o[kOut];
 #pragma unroll
@@ -85,6 +88,7 @@ __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const
     }
     m = m_new;
   }
+  if (!mine) return;  // after the last barrier
   if (n_splits == 1) {
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     float* dst = out + int64_t(t) * ldo + int64_t(h) * hd;
@@ -127,14 +131,20 @@ __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_
 
 void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T, int64_t n_heads,
                int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial, float* out, int64_t ldo,
-               cudaStream_t s, const KvPages& pages, const KvQ8& q8) {
+               cudaStream_t s, const KvPages& pages, const KvQ8& q8, const GqaSlice& gqa) {
   if (hd > kMaxHeadDim || hd % 2 != 0) throw UsageError("CUDA attention: head_dim " + std::to_string(hd) + " (even, at most 256)");
-  if (n_kv <= 0 || n_heads % n_kv != 0) throw UsageError("CUDA attention: n_heads must be a multiple of n_kv_heads");
+  if (n_kv <= 0 || n_heads <= 0) throw UsageError("CUDA attention: no heads");
+  if (gqa.group == 0 && n_heads % n_kv != 0) throw UsageError("CUDA attention: n_heads must be a multiple of n_kv_heads");
+  const int64_t G = gqa.group ? gqa.group : n_heads / n_kv, off = gqa.group ? gqa.head_offset : 0;
+  // Local query heads 0 .. n_heads-1 read KV heads (h + off) / G: the first and the last must be
+  // 0 and n_kv - 1.
+  if (off < 0 || off >= G || (n_heads - 1 + off) / G != n_kv - 1)
+    throw UsageError("CUDA attention: " + std::to_string(n_heads) + " query heads from offset " + std::to_string(off) +
+                     " in groups of " + std::to_string(G) + " do not read " + std::to_string(n_kv) + " KV heads");
   if (n_splits > 1 && part_len % kTile != 0) throw UsageError("CUDA attention: part_len must be a multiple of 32");
   if (pages.tables && (pages.block_tokens <= 0 || !pages.seq)) throw UsageError("CUDA attention: paged cache without block size or sequences");
   if (q8.kq && hd % 32 != 0) throw UsageError("CUDA attention: a Q8_0 KV cache needs head_dim a multiple of 32");
   if (T == 0) return;
-  const int64_t G = n_heads / n_kv;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
   const size_t smem = size_t(kTile) * (hd + 2) * 2 + size_t(kTile) * hd * 2 + size_t(G * hd) * 4;
   const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(G), 1};
@@ -143,7 +153,7 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
           "cudaFuncSetAttribute");
   LLMQ_LAUNCH(attention_kernel, grid, block, smem, s)(q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos,
                                              pages.seq, pages.tables, pages.table_stride, int(pages.block_tokens), q8.kq,
-                                             reinterpret_cast<const __half*>(q8.kd), q8.vq, reinterpret_cast<const __half*>(q8.vd), int(n_heads), int(n_kv), int(hd), scale, int(n_splits), int(part_len), partial, out, ldo);
+                                             reinterpret_cast<const __half*>(q8.kd), q8.vq, reinterpret_cast<const __half*>(q8.vd), int(n_heads), int(n_kv), int(hd), int(off), scale, int(n_splits), int(part_len), partial, out, ldo);
   check_launch("attention");
   if (n_splits > 1) {
     const dim3 merge_grid{unsigned(T), unsigned(n_heads), 1};

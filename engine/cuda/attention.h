@@ -42,17 +42,27 @@ struct KvQ8 {
   const uint16_t* vd = nullptr;
 };
 
+/// Which KV head each query head reads when a tensor-parallel rank holds a slice of the heads
+/// that does not fall on GQA-group boundaries (engine/tp.h: a KV head whose group straddles
+/// two ranks is held by both): local query head h reads local KV head (h + head_offset) / group.
+/// group = 0: the usual n_heads / n_kv (n_heads a multiple of n_kv), offset 0.
+struct GqaSlice {
+  int64_t group = 0;        ///< query heads per KV head in the whole model
+  int64_t head_offset = 0;  ///< the rank's first query head minus its first KV head x group, in [0, group)
+};
+
 /// Attention for T tokens of one sequence, or of several over a paged cache (`pages`). q: [T, ldq], head h at column h · hd, already
 /// rotated; kc, vc: the layer's cache [rows, n_kv · hd] fp16 (rows as `pages` says); pos: [T]
 /// device int32, token t attends to its sequence's positions 0 .. pos[t]; out: [T, ldo], head h at column h · hd.
 /// n_splits == 1: out written directly (part_len must cover every position). n_splits > 1:
 /// parts of part_len positions (a multiple of 32) written to `partial`
 /// [T, n_heads, n_splits, hd + 2] (o unnormalized, then m, l), then merged into out.
-/// scale: the score factor, 1/sqrt(hd). Throws UsageError for hd > kMaxHeadDim, odd hd, or
-/// n_heads not a multiple of n_kv, tables without a positive block size, or a Q8_0 cache whose
-/// head_dim is not a multiple of 32.
+/// scale: the score factor, 1/sqrt(hd). gqa: the heads of a rank's uneven slice (see GqaSlice).
+/// Throws UsageError for hd > kMaxHeadDim, odd hd, n_heads not a multiple of n_kv (without
+/// gqa) or query heads that do not map onto the n_kv KV heads (with it), tables without a
+/// positive block size, or a Q8_0 cache whose head_dim is not a multiple of 32.
 void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T,
                int64_t n_heads, int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial,
-               float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {}, const KvQ8& q8 = {});
+               float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {}, const KvQ8& q8 = {}, const GqaSlice& gqa = {});
 
 }  // namespace llmq::cuda

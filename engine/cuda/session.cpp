@@ -39,10 +39,8 @@ CudaModel::CudaModel(const Model& m, bool progress, int64_t first_layer) : c_(m.
 CudaModel::CudaModel(const Model& m, const ModelShard& shard, bool progress) : c_(m.config) {
   const ShardRanges& R = shard.ranges;
   const int64_t group = m.config.n_heads / m.config.n_kv_heads;
-  if (R.head0 % group != 0 || R.n_heads % group != 0)
-    throw UsageError("CUDA tensor parallelism: rank " + std::to_string(R.rank) + "'s query heads do not fall on KV-group boundaries (" +
-                     std::to_string(m.config.n_kv_heads) + " KV heads over " + std::to_string(R.n_ranks) +
-                     " ranks): choose --tp dividing the KV heads");
+  if (R.head0 % group != 0 || R.n_heads % group != 0)  // an uneven GQA split: attention maps the heads (GqaSlice)
+    gqa_ = {group, R.head0 - R.kv_head0 * group};
   if (R.n_embd != m.config.vocab_size) throw UsageError("CUDA tensor parallelism: the embedding must be replicated");
   c_ = rank_config(m.config, R);
   build(&m, &shard, DType::F32, 0, progress);
@@ -190,7 +188,8 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p)
   if (p.first_layer != dm.first_layer()) throw UsageError("CUDA: the session's plan starts at another layer than the model upload");
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, H = c.hidden_dim;
   if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
-  if (c.n_heads % c.n_kv_heads || c.n_heads / c.n_kv_heads > 32)
+  const int64_t group = dm.gqa().group ? dm.gqa().group : c.n_heads / c.n_kv_heads;  // a rank's uneven GQA slice: the model's group
+  if ((!dm.gqa().group && c.n_heads % c.n_kv_heads) || group > 32)
     throw UsageError("CUDA: n_heads must be a multiple of n_kv_heads, at most 32 times it");
   const char* g = std::getenv("LLMQ_CUDA_GRAPH");
   use_graphs_ = !(g && std::string(g) == "0");
@@ -322,11 +321,10 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     // count (graph-safe).
     if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1)
       attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, plan_.decode_parts, plan_.decode_part_len, partial_.as<float>(),
-                att, Q, s, pages,
-                q8);
+                att, Q, s, pages, q8, dm_.gqa());
     else
       attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (plan_.ctx + 31) / 32 * 32, nullptr, att, Q, s, pages,
-                q8);  // att [T, Q]
+                q8, dm_.gqa());  // att [T, Q]
     matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D] (a partial sum under TP)
     if (comm_) all_reduce(xb, T * D);
     if (w.bo) add_bias(xb, D, w.bo, T, D, s);

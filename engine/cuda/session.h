@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/cuda/attention.h"
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/matmul.h"
 #include "engine/comm.h"
@@ -42,9 +43,10 @@ class CudaModel {
   explicit CudaModel(const Model& m, bool progress = false, int64_t first_layer = 0);
   /// One tensor-parallel rank's weights (engine/tp.h make_shard: its query and KV heads, FFN
   /// units and output rows; embedding replicated). config() is then the rank's: n_heads,
-  /// n_kv_heads, hidden_dim of its slices (so the kernels run on its widths). Throws UsageError
-  /// for a shard whose query heads do not start and end on KV-group boundaries (GQA split
-  /// unevenly: replicated KV heads) or with a vocabulary-parallel embedding.
+  /// n_kv_heads, hidden_dim of its slices (so the kernels run on its widths); a shard whose
+  /// query heads do not start and end on KV-group boundaries (an uneven GQA split: a KV head
+  /// held by two ranks) keeps the mapping in gqa(). Throws UsageError with a
+  /// vocabulary-parallel embedding.
   CudaModel(const Model& m, const ModelShard& shard, bool progress = false);
   /// Weights of type `type` with the shapes of c, random and made on the device (norms 1, no
   /// biases, untied output unless c.tied_embeddings): for synthetic benchmarks of large shapes
@@ -54,6 +56,8 @@ class CudaModel {
   CudaModel& operator=(const CudaModel&) = delete;
 
   const LlamaConfig& config() const { return c_; }
+  /// How this rank's query heads map onto its KV heads (default: evenly, n_heads / n_kv_heads).
+  const GqaSlice& gqa() const { return gqa_; }
   /// The model's first layer held here: layers[i] is model layer first_layer() + i.
   int64_t first_layer() const { return first_layer_; }
   /// Bytes of the weight allocation (the file's tensor bytes plus alignment padding).
@@ -69,6 +73,7 @@ class CudaModel {
  private:
   void build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress);
   LlamaConfig c_;
+  GqaSlice gqa_;  // an uneven GQA split's head mapping (attention.h)
   int64_t first_layer_ = 0;
   DeviceBuffer buf_;
   uint64_t measured_ = 0;
@@ -246,12 +251,13 @@ struct CudaComms {
 /// Megatron-LM split; embedding replicated, the output projection on rank 0), run at once by N
 /// host threads, meeting for the two all-reduces per layer in a HostCommGroup (every rank on
 /// GPU 0: what checks the sharded path against TP = 1 on one device) or over NCCL (one rank per
-/// GPU, CudaComms). One rank: the whole model, no thread or communicator.
+/// GPU, CudaComms), or one rank of a group over processes (CudaComms::local_rank). One rank: the
+/// whole model, no thread or communicator. A KV head whose GQA group straddles two ranks is held
+/// by both (CudaModel::gqa).
 class CudaRanks {
  public:
   /// plan_of(c) gives the session plan of a rank whose config (widths) is c. Throws UsageError
-  /// when the ranks cannot be formed (plan_shards) or split a KV group, CudaError when they do
-  /// not fit.
+  /// when the ranks cannot be formed (plan_shards), CudaError when they do not fit.
   CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(const LlamaConfig&)>& plan_of, bool progress,
             CudaComms comms = {});
   ~CudaRanks();
