@@ -116,42 +116,55 @@ int listen_on(const std::string& host, const std::string& port, const std::strin
   throw UsageError("--tp-init '" + init + "': rank 0 cannot listen on " + host + ":" + port + ": " + why);
 }
 
-// Connects to host:port, retrying while rank 0 is not listening yet, until the deadline.
-int connect_to(const Endpoint& e, Clock::time_point deadline, const std::string& init) {
-  std::string why = "timed out";
-  do {
-    addrinfo hints{}, *res = nullptr;
-    hints.ai_family = AF_UNSPEC, hints.ai_socktype = SOCK_STREAM;
-    const int rc = getaddrinfo(e.host.c_str(), e.port.c_str(), &hints, &res);
-    if (rc == 0) {
-      for (addrinfo* a = res; a; a = a->ai_next) {
-        int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-        if (fd < 0) continue;
-        if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-          freeaddrinfo(res);
-          return fd;
-        }
-        why = std::strerror(errno);
-        close_fd(fd);
-      }
+// One attempt to connect to host:port: the socket, or -1 with the reason in `why`.
+int connect_once(const Endpoint& e, std::string& why) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC, hints.ai_socktype = SOCK_STREAM;
+  const int rc = getaddrinfo(e.host.c_str(), e.port.c_str(), &hints, &res);
+  if (rc != 0) {
+    why = gai_strerror(rc);
+    return -1;
+  }
+  for (addrinfo* a = res; a; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
       freeaddrinfo(res);
-    } else {
-      why = gai_strerror(rc);
+      return fd;
+    }
+    why = std::strerror(errno);
+    close_fd(fd);
+  }
+  freeaddrinfo(res);
+  return -1;
+}
+
+// file://PATH: the address rank 0 published, or nothing yet.
+bool read_published(const std::string& path, Endpoint& e, const std::string& init) {
+  std::ifstream f(path);
+  std::string line;
+  if (!f || !std::getline(f, line) || line.empty()) return false;
+  e = split_host_port(line, init);
+  return true;
+}
+
+// Connects to rank 0, retrying every 100 ms while it is not listening (or, file://, has not
+// published its address, or an older run's address is still there) until the deadline.
+int connect_to_rank0(bool tcp, const std::string& rest, Clock::time_point deadline, const std::string& init) {
+  std::string why = "timed out";
+  Endpoint e;
+  bool published = false;
+  do {
+    if (tcp) e = split_host_port(rest, init), published = true;
+    else if (read_published(rest, e, init)) published = true;  // read again each time: rank 0 may rewrite it
+    if (published) {
+      const int fd = connect_once(e, why);
+      if (fd >= 0) return fd;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   } while (Clock::now() < deadline);
+  if (!published) throw UsageError("--tp-init '" + init + "': rank 0 did not publish its address in " + rest);
   throw UsageError("--tp-init '" + init + "': cannot reach rank 0 at " + e.host + ":" + e.port + ": " + why);
-}
-
-// file://PATH: the address rank 0 published, once the file exists.
-Endpoint wait_for_file(const std::string& path, Clock::time_point deadline, const std::string& init) {
-  while (true) {
-    std::ifstream f(path);
-    std::string line;
-    if (f && std::getline(f, line) && !line.empty()) return split_host_port(line, init);
-    if (Clock::now() >= deadline) throw UsageError("--tp-init '" + init + "': rank 0 did not publish its address in " + path);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
 }
 
 // Writes "host:port" to path atomically (temp file, fsync, rename).
@@ -193,8 +206,8 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
   const std::string secs = secs_buf;
 
   if (rank != 0) {
-    const Endpoint e = tcp ? split_host_port(rest, init) : wait_for_file(rest, deadline, init);
-    int fd = connect_to(e, deadline, init);
+    if (tcp) split_host_port(rest, init);  // a malformed address fails at once
+    int fd = connect_to_rank0(tcp, rest, deadline, init);
     set_timeout(fd, left(deadline));
     const uint32_t hdr[2] = {uint32_t(size), uint32_t(rank)};
     std::string verdict;

@@ -123,7 +123,7 @@ void with_process_ranks(const Model& m, int n, const std::string& init, F body) 
 
 }  // namespace
 
-TEST_CASE("socket communicator: all-reduce gives the host communicator's bits; gather, barrier, broadcast", "[tp][tp_process]") {
+TEST_CASE("socket communicator: all-reduce gives the host communicator's bits - gather and barrier and broadcast", "[tp][tp_process]") {
   const int N = 3;
   std::mt19937_64 rng(test::fresh_seed());
   std::vector<std::vector<float>> in(N);
@@ -193,6 +193,21 @@ TEST_CASE("socket communicator: bad rendezvous, refused ranks and timeouts fail 
     CHECK_THAT(r1, Catch::Contains("rank 0 refused rank 1") && Catch::Contains(why));
     CHECK_THAT(r0.get(), Catch::Contains(why));
   }
+}
+
+TEST_CASE("socket communicator: a file rendezvous left by an earlier run does not mislead the ranks", "[tp][tp_process]") {
+  const std::string file = test::scratch("tp_stale") + "/rendezvous";
+  std::ofstream(file) << "127.0.0.1:" << free_port() << "\n";  // nobody listens there any more
+  auto r1 = std::async(std::launch::async, [&] { return SocketComm::join("file://" + file, 1, 2, "job", 20s); });
+  std::this_thread::sleep_for(300ms);  // rank 1 has read the stale address and failed to connect
+  auto r0 = SocketComm::join("file://" + file, 0, 2, "job", 20s);
+  auto c1 = r1.get();
+  float x = 1.0f, y = 2.0f;
+  auto f = std::async(std::launch::async, [&] { c1->all_reduce_sum(&y, 1); });
+  r0->all_reduce_sum(&x, 1);
+  f.get();
+  CHECK(x == 3.0f);
+  CHECK(y == 3.0f);
 }
 
 TEST_CASE("socket communicator: a rank that aborts or goes away releases the others", "[tp][tp_process]") {
