@@ -26,9 +26,10 @@ class NcclComm final : public Communicator {
   static ncclUniqueId make_id();
 
   /// Joins group `id` as rank `rank` of `size` on CUDA device `device` (ncclCommInitRank; blocks
-  /// until all ranks have joined). Throws UsageError when the machine has fewer than `size` GPUs
-  /// or `device` does not exist ("--tp N needs N GPUs: this machine has M"), runtime_error with
-  /// NCCL's or CUDA's message for any other failure.
+  /// until all ranks have joined; the ranks may be in other processes or on other machines, so
+  /// `size` is not checked against this machine's GPUs: engine/device.cpp checks that for ranks
+  /// in one process). Throws UsageError when `rank` or `device` does not exist, runtime_error
+  /// with NCCL's or CUDA's message for any other failure.
   NcclComm(int rank, int size, const ncclUniqueId& id, int device);
   ~NcclComm() override;
   NcclComm(const NcclComm&) = delete;

@@ -390,12 +390,7 @@ int main(int argc, char** argv) {
   app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0)");
   std::string tp_init;
   int tp_rank = 0;
-  app.add_option("--tp-init", tp_init,
-                 "run the --tp ranks as separate processes (CPU), joined here: tcp://HOST:PORT (rank 0 listens there) or "
-                 "file://PATH (rank 0 writes its address there)");
-  app.add_option("--tp-rank", tp_rank,
-                 "this process's rank with --tp-init: 0 serves HTTP; each other rank (llmq-server or llmq-run with the same model and "
-                 "--tp) runs its slice of every layer for rank 0 and exits when rank 0 stops");
+  cli::add_tp_process_flags(app, tp_init, tp_rank, "serves HTTP");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");

@@ -1,5 +1,7 @@
 #include "tools/cli_common.h"
 
+#include <CLI/CLI.hpp>
+
 #include "engine/device.h"
 #include "formats/error.h"
 #include "formats/llmq_file.h"
@@ -91,6 +93,16 @@ std::string describe_rank(const ModelShard& s, int threads) {
                 (long long)(R.kv_head0 + R.n_kv_heads - 1), (long long)R.ffn0, (long long)(R.ffn0 + R.ffn_dim - 1), (long long)R.vocab0,
                 (long long)(R.vocab0 + R.n_vocab - 1), human_bytes(s.weight_bytes()).c_str(), human_bytes(s.owned_bytes).c_str());
   return line;
+}
+
+void add_tp_process_flags(CLI::App& app, std::string& init, int& rank, const std::string& rank0) {
+  app.add_option("--tp-init", init,
+                 "run the --tp ranks as separate processes (on one machine or several; CPU, or a GPU each), joined here: "
+                 "tcp://HOST:PORT (rank 0 listens there) or file://PATH (rank 0 writes its address there; a file system the "
+                 "machines share). LLMQ_TP_TIMEOUT: seconds to wait for the others (300)");
+  app.add_option("--tp-rank", rank,
+                 "this process's rank with --tp-init: 0 " + rank0 + "; each other rank (0 < R < N; llmq-run or llmq-server "
+                 "started with the same model, --tp and sizes) runs its slice of every layer for rank 0 and exits when rank 0 is done");
 }
 
 void check_tp_flags(const std::string& init, int rank, int tp, bool partial) {

@@ -7,6 +7,10 @@
 #include "formats/vocab.h"
 #include "mem/infer.h"
 
+namespace CLI {
+class App;
+}  // namespace CLI
+
 namespace llmq {
 class BatchRunner;
 class Model;
@@ -53,6 +57,10 @@ int64_t resolve_gpu_layers(const char* tool, const std::string& spec, bool cuda,
 /// One line on a tensor-parallel rank: its threads, heads, KV heads, FFN units, vocabulary rows
 /// and weight bytes (copied: the row-parallel slices it owns).
 std::string describe_rank(const ModelShard& s, int threads);
+
+/// Adds --tp-init and --tp-rank (tensor-parallel ranks as processes) to `app`; `rank0` says
+/// what rank 0 does in this tool ("generates", "serves HTTP").
+void add_tp_process_flags(CLI::App& app, std::string& init, int& rank, const std::string& rank0);
 
 /// Checks --tp-init / --tp-rank against --tp before anything is loaded: throws UsageError for
 /// --tp-rank without --tp-init, --tp-init with --tp < 2, with partial offload (`partial`: some

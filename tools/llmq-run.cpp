@@ -78,12 +78,7 @@ int main(int argc, char** argv) {
   app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0 with a host all-reduce)");
   std::string tp_init;
   int tp_rank = 0;
-  app.add_option("--tp-init", tp_init,
-                 "run the --tp ranks as separate processes (CPU), joined here: tcp://HOST:PORT (rank 0 listens there) or "
-                 "file://PATH (rank 0 writes its address there; a file system the machines share)");
-  app.add_option("--tp-rank", tp_rank,
-                 "this process's rank with --tp-init: 0 generates; each other rank (0 < R < N, started with the same model and --tp) "
-                 "runs its slice of every layer for rank 0 and exits when rank 0 is done");
+  cli::add_tp_process_flags(app, tp_init, tp_rank, "generates");
   app.add_option("-c,--ctx", ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", n_batch, "most tokens per forward pass during prefill");
   std::string kv_type_s = "f32";
