@@ -884,6 +884,45 @@ TEST_CASE("CUDA graphs replay the decode step exactly", "[cuda]") {
   CHECK(rows[0] == rows[1]);
 }
 
+// llmq-server's decode steps (every token flagged, T <= 8) replay a graph captured per T; the
+// tables, positions and tokens change between steps and sequences come and go, so the replayed
+// steps must read each step's inputs: the logits equal those of the same batches enqueued
+// without graphs, bit for bit.
+TEST_CASE("CUDA graphs replay llmq-server's batched decode steps exactly", "[cuda][batch]") {
+  if (!have_gpu()) return;
+  auto m = Model::load(test::stories("q8_0"));
+  const int64_t V = m->config.vocab_size;
+  std::vector<float> rows[2];
+  for (int graphs = 0; graphs < 2; ++graphs) {
+    setenv("LLMQ_CUDA_GRAPH", graphs ? "1" : "0", 1);
+    cuda::CudaBatchRunner r(*m, 128, 16, 4);
+    KVCache kv = r.make_cache(r.plan().kv_blocks, r.plan().block_tokens, KvType::F32);
+    std::vector<int32_t> ids, next;
+    auto add = [&](std::vector<int32_t> prompt) {  // a prompt step (not graphed), then its first token
+      ids.push_back(kv.add_sequence());
+      REQUIRE(kv.reserve(ids.back(), 128));
+      std::vector<BatchToken> b;
+      for (size_t i = 0; i < prompt.size(); ++i) b.push_back({ids.back(), prompt[i], i + 1 == prompt.size()});
+      next.push_back(Sampler::argmax(r.forward(kv, b.data(), int64_t(b.size())), V));
+    };
+    add({1, 400, 20});
+    add({1, 17, 300, 41, 99});
+    for (int step = 0; step < 40; ++step) {
+      if (step == 10) add({1, 250});                      // T 2 -> 3
+      if (step == 20) kv.remove_sequence(ids[0]), ids.erase(ids.begin()), next.erase(next.begin());  // 3 -> 2
+      if (step == 25) add({1, 7, 8, 9});                  // a reused sequence id, other blocks
+      std::vector<BatchToken> b;
+      for (size_t i = 0; i < ids.size(); ++i) b.push_back({ids[i], next[i], true});
+      const float* l = r.forward(kv, b.data(), int64_t(b.size()));
+      rows[graphs].insert(rows[graphs].end(), l, l + int64_t(b.size()) * V);
+      for (size_t i = 0; i < ids.size(); ++i) next[i] = Sampler::argmax(l + int64_t(i) * V, V);
+    }
+  }
+  unsetenv("LLMQ_CUDA_GRAPH");
+  REQUIRE(rows[0].size() == rows[1].size());
+  CHECK(std::memcmp(rows[0].data(), rows[1].data(), rows[0].size() * sizeof(float)) == 0);
+}
+
 // llmq-server's GPU path: CudaBatchRunner (paged cache, batches mixing sequences) against the
 // CPU's forward passes (TensorParallel, one rank) on the same batches: prompts of two
 // sequences in one pass, then a third sequence's prompt beside the others' decode tokens, then

@@ -227,6 +227,8 @@ CudaSession::~CudaSession() {
   if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
   if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
   if (graph_topk_) cudaGraphExecDestroy(graph_topk_);
+  for (cudaGraphExec_t g : batch_graphs_)
+    if (g) cudaGraphExecDestroy(g);
   mm_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -357,28 +359,28 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
   }
 }
 
-void CudaSession::run_decode(Out out) {
-  if (!use_graphs_) {
-    enqueue(1, 0, 1, out);
-  } else {
-    cudaGraphExec_t& exec = out == Out::Greedy ? graph_greedy_ : out == Out::TopK ? graph_topk_ : graph_logits_;
-    if (!exec) {  // capture the step once: every pointer is fixed, the position is read on the device
-      check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-      cudaGraph_t graph = nullptr;
-      try {
-        enqueue(1, 0, 1, out);
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &graph);
-        if (graph) cudaGraphDestroy(graph);
-        throw;
-      }
-      check(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
-      const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
-      cudaGraphDestroy(graph);
-      check(e, "cudaGraphInstantiate");
+void CudaSession::launch(cudaGraphExec_t& exec, const std::function<void()>& enqueue_fn) {
+  if (!use_graphs_) return enqueue_fn();
+  if (!exec) {  // capture once: every pointer is fixed, the inputs are copied from pinned memory at replay
+    check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    cudaGraph_t graph = nullptr;
+    try {
+      enqueue_fn();
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
     }
-    check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
+    check(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
+    const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    check(e, "cudaGraphInstantiate");
   }
+  check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
+}
+
+void CudaSession::run_decode(Out out) {
+  launch(out == Out::Greedy ? graph_greedy_ : out == Out::TopK ? graph_topk_ : graph_logits_, [&] { enqueue(1, 0, 1, out); });
   check(cudaStreamSynchronize(stream_), "decode step");
 }
 
@@ -470,7 +472,14 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
     rows[i] = int32_t(tables.blocks(seq)[size_t(p / bt)] * bt + p % bt);
   }
   for (int64_t i = 0; i < bplan_.n_logits; ++i) out[i] = int32_t(bplan_.out[size_t(i)]);
-  enqueue(T, 0, bplan_.n_logits, Out::Logits, true);
+  // A decode step (every token flagged, few enough for the GEMV kernels: no cuBLAS in the
+  // graph) replays the graph captured for its T; other batches are enqueued as they come.
+  if (bplan_.n_logits == T && T <= kGemvMaxTokens) {
+    if (batch_graphs_.empty()) batch_graphs_.assign(size_t(kGemvMaxTokens) + 1, nullptr);
+    launch(batch_graphs_[size_t(T)], [&] { enqueue(T, 0, T, Out::Logits, true); });
+  } else {
+    enqueue(T, 0, bplan_.n_logits, Out::Logits, true);
+  }
   check(cudaStreamSynchronize(stream_), "forward_batch");
   if (advance)
     for (const auto& [seq, end] : bplan_.ends) tables.set_length(seq, end);

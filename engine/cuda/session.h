@@ -161,6 +161,10 @@ class CudaSession : public SessionBase {
   // Paged (forward_batch): the cache rows, block tables and logits rows staged in h_paging_.
   void enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool paged = false);
   void run_decode(Out out);  // one staged token: the graph of this Out (captured on first use)
+  // Runs what enqueue_fn enqueues through `exec`, capturing it into a CUDA graph on first use
+  // (every pointer and size fixed; tokens, positions and tables are read from pinned host
+  // buffers by the graph's copies at each replay), or directly when graphs are off.
+  void launch(cudaGraphExec_t& exec, const std::function<void()>& enqueue_fn);
 
   std::unique_ptr<CudaModel> own_model_;  // set by own(); destroyed after every buffer below
   const CudaModel& dm_;
@@ -171,6 +175,7 @@ class CudaSession : public SessionBase {
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
   cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr, graph_topk_ = nullptr;
+  std::vector<cudaGraphExec_t> batch_graphs_;  // forward_batch decode steps of T tokens at [T] (T <= kGemvMaxTokens)
   int top_k_ = 0;                           // k of graph_topk_
   DeviceBuffer kv_;                         // [L, 2, ctx, KV] fp16
   DeviceBuffer tokens_, pos_buf_, next_;    // [n_batch] int32 x2, [1] int32
