@@ -40,9 +40,11 @@ class Communicator {
   virtual void all_reduce_sum(float* buf, int64_t n) = 0;
 
   /// Gathers send [count_r] of every rank r into recv on `root`, concatenated in rank order
-  /// (recv [Σ_r count_r]); counts may differ between ranks. recv is ignored on other ranks.
-  /// Returns when every rank may reuse its send buffer.
-  virtual void gather(const float* send, int64_t count, float* recv, int root) = 0;
+  /// (recv [Σ_r count_r]); counts may differ between ranks. recv [capacity] is ignored on other
+  /// ranks; on root, Σ_r count_r > capacity (a rank out of step, or a corrupt peer) aborts the
+  /// group and throws CommAborted without writing past recv. Returns when every rank may reuse
+  /// its send buffer.
+  virtual void gather(const float* send, int64_t count, float* recv, int64_t capacity, int root) = 0;
 
   /// Returns when every rank of the group has called barrier().
   virtual void barrier() = 0;

@@ -96,9 +96,10 @@ void HostComm::all_reduce_sum(float* buf, int64_t n) {
   }
 }
 
-void HostComm::gather(const float* send, int64_t count, float* recv, int root) {
+void HostComm::gather(const float* send, int64_t count, float* recv, int64_t capacity, int root) {
   const int N = g_.n_;
   if (N == 1) {
+    if (count > capacity) throw CommAborted("gather: " + std::to_string(count) + " values into room for " + std::to_string(capacity));
     if (send != recv && count > 0) std::memcpy(recv, send, size_t(count) * sizeof(float));
     return;
   }
@@ -107,6 +108,12 @@ void HostComm::gather(const float* send, int64_t count, float* recv, int root) {
   ++calls_;
   g_.barrier();
   if (rank_ != root) return;
+  int64_t total = 0;
+  for (int r = 0; r < N; ++r) total += std::max<int64_t>(slots[size_t(r)].count, 0);
+  if (total > capacity) {
+    abort();
+    throw CommAborted("gather: " + std::to_string(total) + " values into room for " + std::to_string(capacity) + " (ranks out of step)");
+  }
   for (int r = 0; r < N; ++r) {
     const auto& s = slots[size_t(r)];
     if (s.count > 0) std::memcpy(recv, s.ptr, size_t(s.count) * sizeof(float));

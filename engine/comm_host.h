@@ -33,7 +33,7 @@ class HostComm final : public Communicator {
   /// finished reading it. Cost per rank: n copied, N x n read.
   void all_reduce_sum(float* buf, int64_t n) override;
   /// Every rank stages send; after one barrier root copies all staged buffers into recv.
-  void gather(const float* send, int64_t count, float* recv, int root) override;
+  void gather(const float* send, int64_t count, float* recv, int64_t capacity, int root) override;
   void barrier() override;
   void abort() override;
 

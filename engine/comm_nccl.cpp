@@ -2,6 +2,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
 #include <string>
 #include <vector>
 
@@ -58,7 +62,29 @@ NcclComm::~NcclComm() {
 
 void NcclComm::sync() {
   if (aborted_) throw CommAborted("NCCL: the communicator was aborted");
-  check_cuda(cudaStreamSynchronize(as_stream(stream_)), "cudaStreamSynchronize");
+  // Poll rather than block in cudaStreamSynchronize: a peer that died leaves its collectives
+  // waiting forever, so between polls NCCL's asynchronous error and (ranks in other processes)
+  // the watch on the peers are checked, and the communicator is aborted when either fails.
+  auto next_watch = std::chrono::steady_clock::now();
+  while (true) {
+    const cudaError_t q = cudaStreamQuery(as_stream(stream_));
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) check_cuda(q, "cudaStreamQuery");
+    ncclResult_t async = ncclSuccess;
+    check_nccl(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
+    if (async != ncclSuccess && async != ncclInProgress) {
+      abort();
+      throw CommAborted(std::string("NCCL: ") + ncclGetErrorString(async));
+    }
+    if (watch_ && std::chrono::steady_clock::now() >= next_watch) {
+      if (!watch_()) {
+        abort();
+        throw CommAborted("NCCL: another rank's process is gone; the collective cannot finish");
+      }
+      next_watch = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
   ncclResult_t async = ncclSuccess;
   check_nccl(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
   if (async != ncclSuccess) throw CommAborted(std::string("NCCL: ") + ncclGetErrorString(async));
@@ -71,7 +97,7 @@ void NcclComm::all_reduce_sum(float* buf, int64_t n) {
   sync();
 }
 
-void NcclComm::gather(const float* send, int64_t count, float* recv, int root) {
+void NcclComm::gather(const float* send, int64_t count, float* recv, int64_t capacity, int root) {
   if (aborted_) throw CommAborted("NCCL: the communicator was aborted");
   // Every rank learns every count (one int64 each), so root knows where each block goes.
   check_cuda(cudaMemcpyAsync(counts_ + rank_, &count, sizeof(int64_t), cudaMemcpyHostToDevice, as_stream(stream_)), "cudaMemcpyAsync");
@@ -80,6 +106,14 @@ void NcclComm::gather(const float* send, int64_t count, float* recv, int root) {
   check_cuda(cudaMemcpyAsync(counts.data(), counts_, sizeof(int64_t) * counts.size(), cudaMemcpyDeviceToHost, as_stream(stream_)),
              "cudaMemcpyAsync");
   sync();
+  if (rank_ == root) {
+    int64_t total = 0;
+    for (int64_t c : counts) total += std::max<int64_t>(c, 0);
+    if (total > capacity) {
+      abort();
+      throw CommAborted("NCCL gather: " + std::to_string(total) + " values into room for " + std::to_string(capacity) + " (ranks out of step)");
+    }
+  }
   check_nccl(ncclGroupStart(), "ncclGroupStart");
   if (rank_ == root) {
     int64_t off = 0;

@@ -15,6 +15,8 @@
 #pragma once
 #include <nccl.h>
 
+#include <functional>
+
 #include "engine/comm.h"
 
 namespace llmq {
@@ -41,11 +43,15 @@ class NcclComm final : public Communicator {
   void all_reduce_sum(float* buf, int64_t n) override;
   /// Counts are exchanged first (ncclAllGather of one int64 per rank), then grouped
   /// ncclSend/ncclRecv bring each rank's send [count_r] to root's recv at offset Σ_{q<r} count_q.
-  void gather(const float* send, int64_t count, float* recv, int root) override;
+  void gather(const float* send, int64_t count, float* recv, int64_t capacity, int root) override;
   /// A one-element all-reduce, waited for.
   void barrier() override;
   /// ncclCommAbort: pending and later collectives of this rank fail (and throw CommAborted).
   void abort() override;
+  /// `alive()` is asked every 50 ms while a collective waits; false (a peer process is gone:
+  /// SocketComm::peers_alive) aborts the communicator and the collective throws CommAborted,
+  /// where NCCL alone would wait forever.
+  void set_watch(std::function<bool()> alive) { watch_ = std::move(alive); }
 
  private:
   void sync();  // waits for the stream; throws on a CUDA or asynchronous NCCL error
@@ -55,6 +61,7 @@ class NcclComm final : public Communicator {
   int64_t* counts_ = nullptr;  // device [size] for gather's count exchange
   float* scratch_ = nullptr;   // device [1] for barrier
   bool aborted_ = false;
+  std::function<bool()> watch_;  // set_watch
 };
 
 }  // namespace llmq

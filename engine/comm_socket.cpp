@@ -1,5 +1,6 @@
 #include "engine/comm_socket.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -8,10 +9,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <thread>
 
 #include "formats/error.h"
@@ -21,7 +24,8 @@ namespace llmq {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr char kMagic[8] = {'L', 'L', 'M', 'Q', 'T', 'P', '0', '1'};
+constexpr char kMagic[8] = {'L', 'L', 'M', 'Q', 'T', 'P', '0', '2'};
+constexpr uint64_t kMaxCommand = uint64_t(1) << 30;  // larger than any command (a batch and its block tables)
 
 struct Endpoint {
   std::string host, port;
@@ -33,7 +37,8 @@ Endpoint split_host_port(const std::string& s, const std::string& init) {
     throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
   Endpoint e{s.substr(0, colon), s.substr(colon + 1)};
   for (char ch : e.port)
-    if (ch < '0' || ch > '9') throw UsageError("--tp-init '" + init + "': the port must be a number");
+    if (ch < '0' || ch > '9' || e.port.size() > 5) throw UsageError("--tp-init '" + init + "': the port must be a number from 1 to 65535");
+  if (std::stoi(e.port) < 1 || std::stoi(e.port) > 65535) throw UsageError("--tp-init '" + init + "': the port must be a number from 1 to 65535");
   return e;
 }
 
@@ -92,6 +97,34 @@ bool read_string(int fd, std::string& s, uint32_t max) {
 void tune(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // decode sends small messages, one per layer
+  // A peer machine that loses power or its network sends no FIN: keepalive probes find it gone
+  // (after 30 s idle, 3 probes 10 s apart) and the blocked receive fails instead of waiting forever.
+  int idle = 30, interval = 10, count = 3;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+}
+
+// A connection to a loopback port nobody listens on can connect to itself (TCP simultaneous
+// open, when the port is in the ephemeral range): not rank 0.
+bool self_connected(int fd) {
+  sockaddr_storage a{}, b{};
+  socklen_t la = sizeof a, lb = sizeof b;
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&a), &la) != 0 || getpeername(fd, reinterpret_cast<sockaddr*>(&b), &lb) != 0) return false;
+  return la == lb && std::memcmp(&a, &b, la) == 0;
+}
+
+// A fresh secret for a file:// rendezvous: 128 random bits, hex.
+std::string make_token() {
+  std::random_device rd;
+  std::string t;
+  for (int i = 0; i < 4; ++i) {
+    char buf[9];
+    std::snprintf(buf, sizeof buf, "%08x", unsigned(rd()));
+    t += buf;
+  }
+  return t;
 }
 
 int listen_on(const std::string& host, const std::string& port, const std::string& init) {
@@ -129,6 +162,11 @@ int connect_once(const Endpoint& e, std::string& why) {
     int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
     if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      if (self_connected(fd)) {
+        why = "nobody listens there";
+        close_fd(fd);
+        continue;
+      }
       freeaddrinfo(res);
       return fd;
     }
@@ -139,24 +177,24 @@ int connect_once(const Endpoint& e, std::string& why) {
   return -1;
 }
 
-// file://PATH: the address rank 0 published, or nothing yet.
-bool read_published(const std::string& path, Endpoint& e, const std::string& init) {
+// file://PATH: the address and the secret rank 0 published ("HOST:PORT TOKEN"), or nothing yet.
+bool read_published(const std::string& path, Endpoint& e, std::string& token, const std::string& init) {
   std::ifstream f(path);
-  std::string line;
-  if (!f || !std::getline(f, line) || line.empty()) return false;
-  e = split_host_port(line, init);
+  std::string addr;
+  if (!f || !(f >> addr >> token) || addr.empty()) return false;
+  e = split_host_port(addr, init);
   return true;
 }
 
 // Connects to rank 0, retrying every 100 ms while it is not listening (or, file://, has not
 // published its address, or an older run's address is still there) until the deadline.
-int connect_to_rank0(bool tcp, const std::string& rest, Clock::time_point deadline, const std::string& init) {
+int connect_to_rank0(bool tcp, const std::string& rest, Clock::time_point deadline, const std::string& init, std::string& token) {
   std::string why = "timed out";
   Endpoint e;
   bool published = false;
   do {
     if (tcp) e = split_host_port(rest, init), published = true;
-    else if (read_published(rest, e, init)) published = true;  // read again each time: rank 0 may rewrite it
+    else if (read_published(rest, e, token, init)) published = true;  // read again each time: rank 0 may rewrite it
     if (published) {
       const int fd = connect_once(e, why);
       if (fd >= 0) return fd;
@@ -170,7 +208,9 @@ int connect_to_rank0(bool tcp, const std::string& rest, Clock::time_point deadli
 // Writes "host:port" to path atomically (temp file, fsync, rename).
 void publish(const std::string& path, const std::string& text, const std::string& init) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  FILE* f = std::fopen(tmp.c_str(), "wb");
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);  // the secret: the owner's only
+  FILE* f = fd >= 0 ? ::fdopen(fd, "wb") : nullptr;
+  if (fd >= 0 && !f) ::close(fd);
   bool ok = f && std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
   if (f) ok = std::fclose(f) == 0 && ok;
   if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -182,12 +222,10 @@ void publish(const std::string& path, const std::string& text, const std::string
 
 }  // namespace
 
-SocketComm::SocketComm(int rank, int size, std::vector<int> fds, std::string cleanup_path)
-    : rank_(rank), size_(size), fds_(std::move(fds)), cleanup_path_(std::move(cleanup_path)) {}
+SocketComm::SocketComm(int rank, int size, std::vector<int> fds) : rank_(rank), size_(size), fds_(std::move(fds)) {}
 
 SocketComm::~SocketComm() {
   for (int& fd : fds_) close_fd(fd);
-  if (!cleanup_path_.empty()) std::remove(cleanup_path_.c_str());
 }
 
 std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, int size, const std::string& signature,
@@ -200,22 +238,29 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
   if (!tcp && !file) throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
   const std::string rest = init.substr(tcp ? 6 : 7);
   if (rest.empty()) throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
+  if (tcp) split_host_port(rest, init);  // a malformed address fails at once
   const Clock::time_point deadline = Clock::now() + timeout;
   char secs_buf[32];
   std::snprintf(secs_buf, sizeof secs_buf, "%.1f s", double(timeout.count()) / 1000.0);
   const std::string secs = secs_buf;
+  // The secret a rank must show: file://, the one rank 0 wrote beside its address; tcp://,
+  // LLMQ_TP_TOKEN if set (the same on every rank), else none (a private network is assumed).
+  std::string token;
+  if (tcp)
+    if (const char* t = std::getenv("LLMQ_TP_TOKEN")) token = t;
+  // A hello and its answer are small: a peer gets this long for each, at most.
+  auto hello_time = [&] { return std::min<std::chrono::milliseconds>(std::max(left(deadline), std::chrono::milliseconds(2000)), std::chrono::seconds(10)); };
 
   if (rank != 0) {
-    if (tcp) split_host_port(rest, init);  // a malformed address fails at once
-    int fd = connect_to_rank0(tcp, rest, deadline, init);
-    set_timeout(fd, left(deadline));
+    int fd = connect_to_rank0(tcp, rest, deadline, init, token);
+    set_timeout(fd, hello_time());
     const uint32_t hdr[2] = {uint32_t(size), uint32_t(rank)};
     std::string verdict;
     uint32_t ok = 0;
-    if (!write_exact(fd, kMagic, 8) || !write_exact(fd, hdr, 8) || !write_string(fd, signature) || !read_exact(fd, &ok, 4) ||
-        !read_string(fd, verdict, 4096)) {
+    if (!write_exact(fd, kMagic, 8) || !write_exact(fd, hdr, 8) || !write_string(fd, token) || !write_string(fd, signature) ||
+        !read_exact(fd, &ok, 4) || !read_string(fd, verdict, 4096)) {
       close_fd(fd);
-      throw UsageError("--tp-init '" + init + "': rank 0 did not answer rank " + std::to_string(rank) + "'s hello within " + secs);
+      throw UsageError("--tp-init '" + init + "': rank 0 did not answer rank " + std::to_string(rank) + "'s hello");
     }
     if (!ok) {
       close_fd(fd);
@@ -223,17 +268,23 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
     }
     set_timeout(fd, std::chrono::milliseconds(0));
     tune(fd);
-    return std::unique_ptr<SocketComm>(new SocketComm(rank, size, {fd}, ""));
+    return std::unique_ptr<SocketComm>(new SocketComm(rank, size, {fd}));
   }
 
-  // Rank 0: listen, publish (file://), accept ranks 1 .. size-1 once each.
+  // Rank 0: listen, publish (file://: address and a fresh secret), accept ranks 1 .. size-1
+  // once each. A connection that is not a rank of this job (no hello, another protocol, a wrong
+  // secret) is dropped and the others still wait; a rank of this job whose --tp, rank or
+  // signature does not fit fails the group (the ranks were started wrongly).
   const Endpoint e = tcp ? split_host_port(rest, init) : Endpoint{"", "0"};
   int lfd = listen_on(e.host, e.port, init);
   std::vector<int> fds(size_t(size), -1);
-  auto fail = [&](const std::string& msg) -> std::unique_ptr<SocketComm> {
+  auto cleanup = [&] {
     close_fd(lfd);
+    if (file) std::remove(rest.c_str());  // the rendezvous is over: a later run must not find this address
+  };
+  auto fail = [&](const std::string& msg) -> std::unique_ptr<SocketComm> {
+    cleanup();
     for (int& fd : fds) close_fd(fd);
-    if (file) std::remove(rest.c_str());
     throw UsageError(msg);
   };
   if (file) {
@@ -244,27 +295,40 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
                                              : ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port);
     char host[256] = {};
     if (gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "localhost");
+    token = make_token();
     try {
-      publish(rest, std::string(host) + ":" + std::to_string(port) + "\n", init);
-    } catch (const UsageError& err) {
-      return fail(err.what());
+      publish(rest, std::string(host) + ":" + std::to_string(port) + " " + token + "\n", init);
+    } catch (const UsageError&) {
+      close_fd(lfd);
+      throw;
     }
   }
+  int dropped = 0;
   for (int joined = 1; joined < size;) {
     pollfd p{lfd, POLLIN, 0};
     const int rc = ::poll(&p, 1, int(left(deadline).count()));
     if (rc < 0 && errno == EINTR) continue;
     if (rc <= 0)
       return fail("--tp-init '" + init + "': " + std::to_string(joined - 1) + " of " + std::to_string(size - 1) +
-                  " other ranks joined within " + secs);
+                  " other ranks joined within " + secs + (dropped ? " (" + std::to_string(dropped) + " other connections dropped)" : ""));
     int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
-    set_timeout(fd, left(deadline));
+    set_timeout(fd, hello_time());
     char magic[8];
     uint32_t hdr[2];
-    std::string sig;
-    if (!read_exact(fd, magic, 8) || std::memcmp(magic, kMagic, 8) != 0 || !read_exact(fd, hdr, 8) || !read_string(fd, sig, 1 << 16)) {
-      close_fd(fd);  // not one of ours (a port scan, another program): ignore it
+    std::string tok, sig;
+    if (!read_exact(fd, magic, 8) || std::memcmp(magic, kMagic, 8) != 0 || !read_exact(fd, hdr, 8) || !read_string(fd, tok, 256) ||
+        !read_string(fd, sig, 1 << 16)) {
+      close_fd(fd);  // not one of ours (a port scan, another program, a silent peer)
+      ++dropped;
+      continue;
+    }
+    const uint32_t refused = 0;
+    if (tok != token) {  // someone else's job, or a stranger: told, dropped, the group still waits
+      write_exact(fd, &refused, 4);
+      write_string(fd, "wrong secret (file://: the one in the rendezvous file; tcp://: LLMQ_TP_TOKEN)");
+      close_fd(fd);
+      ++dropped;
       continue;
     }
     const int r = int(hdr[1]);
@@ -285,8 +349,18 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
     fds[size_t(r)] = fd;
     ++joined;
   }
-  close_fd(lfd);
-  return std::unique_ptr<SocketComm>(new SocketComm(0, size, std::move(fds), file ? rest : ""));
+  cleanup();
+  return std::unique_ptr<SocketComm>(new SocketComm(0, size, std::move(fds)));
+}
+
+bool SocketComm::peers_alive() const {
+  std::vector<pollfd> ps;
+  for (int fd : fds_)
+    if (fd >= 0) ps.push_back({fd, POLLRDHUP, 0});
+  if (::poll(ps.data(), ps.size(), 0) < 0) return true;  // cannot tell
+  for (const pollfd& p : ps)
+    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) return false;
+  return !aborted_;
 }
 
 std::string SocketComm::gone(int peer) const {
@@ -329,7 +403,7 @@ void SocketComm::all_reduce_sum(float* buf, int64_t n) {
   for (int r = 1; r < size_; ++r) send_all(r, buf, bytes);
 }
 
-void SocketComm::gather(const float* send, int64_t count, float* recv, int root) {
+void SocketComm::gather(const float* send, int64_t count, float* recv, int64_t capacity, int root) {
   if (root != 0) throw UsageError("SocketComm::gather: only rank 0 gathers");
   if (rank_ != 0) {
     const int64_t c = count;
@@ -337,13 +411,24 @@ void SocketComm::gather(const float* send, int64_t count, float* recv, int root)
     if (c > 0) send_all(0, send, uint64_t(c) * sizeof(float));
     return;
   }
+  int64_t room = capacity;
+  auto take = [&](int64_t c) {  // a count that does not fit ends the group before anything is written
+    if (c < 0 || c > room) {
+      abort();
+      throw CommAborted("tensor parallel: a gather of " + std::to_string(c) + " values into room for " + std::to_string(std::max<int64_t>(room, 0)) +
+                        " (ranks out of step, or a corrupt peer)");
+    }
+    room -= c;
+  };
+  take(count);
   std::copy(send, send + count, recv);
   recv += count;
   for (int r = 1; r < size_; ++r) {
     int64_t c = 0;
     recv_all(r, &c, sizeof c);
+    take(c);
     if (c > 0) recv_all(r, recv, uint64_t(c) * sizeof(float));
-    recv += std::max<int64_t>(c, 0);
+    recv += c;
   }
 }
 
@@ -374,7 +459,7 @@ std::vector<uint8_t> SocketComm::recv_broadcast() {
   if (aborted_) throw CommAborted("tensor parallel: the group was aborted");
   uint64_t n = 0;
   if (!read_exact(fd_of(0), &n, 8)) throw CommAborted(gone(0));
-  if (n > (uint64_t(1) << 34)) {
+  if (n > kMaxCommand) {
     abort();
     throw CommAborted("tensor parallel: ranks out of step (a command of " + std::to_string(n) + " bytes)");
   }

@@ -75,7 +75,9 @@ class BorrowedComm final : public Communicator {
   int rank() const override { return c_.rank(); }
   int size() const override { return c_.size(); }
   void all_reduce_sum(float* buf, int64_t n) override { c_.all_reduce_sum(buf, n); }
-  void gather(const float* send, int64_t count, float* recv, int root) override { c_.gather(send, count, recv, root); }
+  void gather(const float* send, int64_t count, float* recv, int64_t capacity, int root) override {
+    c_.gather(send, count, recv, capacity, root);
+  }
   void barrier() override { c_.barrier(); }
   void abort() override { c_.abort(); }
 
@@ -277,7 +279,9 @@ std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& c
     ncclUniqueId id;
     if (msg.size() != 1 + sizeof id) throw UsageError("tensor parallel: a malformed NCCL unique id from rank 0");
     std::memcpy(&id, msg.data() + 1, sizeof id);
-    comms.comms.push_back(std::make_unique<NcclComm>(rank, tp, id, device));
+    auto nccl = std::make_unique<NcclComm>(rank, tp, id, device);
+    nccl->set_watch([&comm] { return comm.peers_alive(); });  // a rank's process that dies ends the others' collectives
+    comms.comms.push_back(std::move(nccl));
     comms.device_memory = true;
 #else
     throw UsageError("tensor parallel: rank 0 all-reduces over NCCL and this build has none (set LLMQ_TP_COMM=host on rank 0)");

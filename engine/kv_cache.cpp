@@ -1,5 +1,6 @@
 #include "engine/kv_cache.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "engine/cpu_ops.h"
@@ -118,7 +119,8 @@ void KVCache::truncate(int32_t seq, int64_t n) {
 }
 
 void KVCache::mirror(int32_t seq, const int32_t* blocks, int64_t n_blocks, int64_t length) {
-  if (seq < 0 || seq > (1 << 24)) throw UsageError("KV cache: sequence id " + std::to_string(seq) + " out of range");
+  if (seq < 0 || seq >= std::max<int64_t>(n_blocks_, 1 << 16))  // ids are reused: never more live sequences than blocks
+    throw UsageError("KV cache: sequence id " + std::to_string(seq) + " out of range");
   if (n_blocks < 0 || n_blocks > n_blocks_ || length < 0 || length > n_blocks * bt_)
     throw UsageError("KV cache: a mirrored table of " + std::to_string(n_blocks) + " blocks and " + std::to_string(length) +
                      " positions does not fit this pool");

@@ -430,7 +430,7 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
   const bool root = R.rank == 0;
   if (shard->vocab_bounds[1] == V) return root ? ws.logits_.data() : nullptr;
   if (root && ws.gathered_.size() < size_t(n_logits * V)) ws.gathered_.resize(size_t(n_logits * V));
-  comm->gather(ws.logits_.data(), n_logits * NV, ws.gathered_.data(), 0);
+  comm->gather(ws.logits_.data(), n_logits * NV, ws.gathered_.data(), root ? int64_t(ws.gathered_.size()) : 0, 0);
   if (!root) return nullptr;
   if (n_logits == 1) return ws.gathered_.data();
   if (ws.logits_.size() < size_t(n_logits * V)) ws.logits_.resize(size_t(n_logits * V));

@@ -1,5 +1,6 @@
 #include "engine/tp_process.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 
@@ -29,6 +30,9 @@ struct Reader {
     std::memcpy(&v, in.data() + at, sizeof v);
     at += sizeof v;
     return v;
+  }
+  void done() const {  // the whole command was read: trailing bytes mean the ranks are out of step
+    if (at != in.size()) throw UsageError("tensor parallel: a command from rank 0 with " + std::to_string(in.size() - at) + " bytes too many");
   }
 };
 
@@ -101,17 +105,19 @@ void serve_process_group(BatchRunner& local, SocketComm& comm) {
   if (comm.rank() == 0) throw UsageError("serve_process_group runs on the ranks other than 0");
   std::unique_ptr<KVCache> cache;
   std::vector<BatchToken> batch;
-  std::vector<int32_t> blocks;
+  std::vector<int32_t> blocks, sent;
   try {
     while (true) {
       const std::vector<uint8_t> msg = comm.recv_broadcast();
       Reader in{msg};
       const uint32_t kind = in.get<uint32_t>();
-      if (kind == kStop) return;
+      if (kind == kStop) return in.done();
       if (kind == kCache) {
         const int64_t n_blocks = in.get<int64_t>(), bt = in.get<int64_t>();
         const int32_t type = in.get<int32_t>();
         if (type != int32_t(KvType::F32) && type != int32_t(KvType::BF16)) throw UsageError("tensor parallel: unknown KV cache type from rank 0");
+        in.done();
+        cache.reset();  // one cache at a time (rank 0's previous one is gone): free it before the next
         cache = std::make_unique<KVCache>(local.make_cache(n_blocks, bt, KvType(type)));
       } else if (kind == kForward) {
         if (!cache) throw UsageError("tensor parallel: a forward pass before the KV cache");
@@ -123,6 +129,7 @@ void serve_process_group(BatchRunner& local, SocketComm& comm) {
           b.token = in.get<int32_t>();
           b.logits = in.get<int32_t>() != 0;
         }
+        sent.clear();
         for (int64_t s = 0; s < S; ++s) {
           const int32_t seq = in.get<int32_t>();
           const int64_t length = in.get<int64_t>(), nb = in.get<int64_t>();
@@ -130,7 +137,12 @@ void serve_process_group(BatchRunner& local, SocketComm& comm) {
           blocks.resize(size_t(nb));
           for (int32_t& b : blocks) b = in.get<int32_t>();
           cache->mirror(seq, blocks.data(), nb, length);
+          sent.push_back(seq);
         }
+        in.done();
+        for (const BatchToken& b : batch)  // every token's sequence came with its table (none stale from an earlier step)
+          if (std::find(sent.begin(), sent.end(), b.seq) == sent.end())
+            throw UsageError("tensor parallel: a batch token of sequence " + std::to_string(b.seq) + " without its block table");
         local.forward(*cache, batch.data(), T);
       } else {
         throw UsageError("tensor parallel: unknown command " + std::to_string(kind) + " from rank 0");

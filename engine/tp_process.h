@@ -27,8 +27,9 @@ namespace llmq {
 class SocketComm;  // engine/comm_socket.h
 
 /// Rank 0 of a group of processes: each make_cache and forward call is sent to the other ranks
-/// (which serve_process_group), then run on `local`, this process's rank. The destructor tells
-/// the others to stop.
+/// (which serve_process_group), then run on `local`, this process's rank. One KV cache at a
+/// time: making another replaces it on the other ranks (the earlier one must not be used
+/// again). The destructor tells the others to stop.
 class ProcessGroupRunner : public BatchRunner {
  public:
   /// `local` (rank 0's runner) and `comm` (rank 0 of the group) must outlive this object.
@@ -59,9 +60,11 @@ class ProcessGroupRunner : public BatchRunner {
 };
 
 /// A rank other than 0: runs rank 0's commands on `local` (this rank's runner: the cache it
-/// makes, forward passes over the tables rank 0 sends) until rank 0 says stop, and returns.
-/// Throws CommAborted when rank 0 goes away without that, UsageError (after aborting the group,
-/// so rank 0 stops waiting) for a malformed command or a forward pass that fails here.
+/// makes, one at a time; forward passes over the tables rank 0 sends) until rank 0 says stop,
+/// and returns. Throws CommAborted when rank 0 goes away without that; UsageError for a
+/// malformed command (truncated, trailing bytes, a token whose sequence came without its
+/// table), and whatever a forward pass here throws, each after aborting the group, so rank 0
+/// stops waiting.
 void serve_process_group(BatchRunner& local, SocketComm& comm);
 
 }  // namespace llmq

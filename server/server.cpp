@@ -440,24 +440,16 @@ int main(int argc, char** argv) {
     const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", gpu_layers_s, gpu, model_path, lo, mem_budget);
     cli::check_tp_flags(tp_init, tp_rank, tp, gpu && gpu_layers >= 0);
     const int64_t tp_cap = std::max<int64_t>(n_batch, parallel);  // tokens per forward pass
-    const std::string tp_runner = (gpu ? "cuda, ctx " + std::to_string(ctx) + ", parallel " + std::to_string(parallel) + ", KV tokens " +
-                                             std::to_string(kv_tokens) + ", KV " + (gpu_kv_q8 ? "q8_0" : "f16") + ", "
-                                       : std::string("cpu, ")) +
-                                  "capacity " + std::to_string(tp_cap);
     // --tp-init: this process's rank of a group over processes (engine/tp_process.h), the same
-    // runner on every rank: the CPU's TensorParallel for one rank, or a GPU rank.
-    auto make_local_rank = [&](const Model& model, SocketComm& group) -> std::unique_ptr<BatchRunner> {
-      if (gpu)
-        return make_cuda_rank_runner(model, group, ctx > 0 ? ctx : std::min(model.config.context_length, kDefaultMaxCtx), n_batch,
-                                     parallel, kv_tokens, true, gpu_kv_q8);
-      auto t = std::make_unique<TensorParallel>(model, tp, group.rank(), group, threads, tp_cap);
-      std::fprintf(stderr, "llmq-server: %s\n", cli::describe_rank(t->shard(0), t->threads()).c_str());
-      return t;
-    };
+    // runner on every rank, built from rank 0's sizes: the CPU's TensorParallel for one rank, or a
+    // GPU rank.
+    cli::TpRunnerSpec spec;
+    spec.cuda = gpu, spec.capacity = tp_cap, spec.ctx = ctx, spec.n_batch = n_batch, spec.parallel = parallel;
+    spec.kv_tokens = kv_tokens, spec.kv_q8 = gpu_kv_q8;
     if (tp_rank > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
       auto model = Model::load(model_path, !no_verify, /*pack=*/!gpu, /*gpu_layers=*/0, tp);
-      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, *model, tp_runner);
-      auto local = make_local_rank(*model, *group);
+      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, *model, spec);
+      auto local = cli::make_tp_rank_runner("llmq-server", *model, *group, spec, threads);
       return cli::serve_tp_rank("llmq-server", *local, *group);
     }
     // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
@@ -569,8 +561,9 @@ int main(int argc, char** argv) {
         const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
         if ((gpu && partial) || (!gpu && tp == 1)) st->pool = std::make_unique<ThreadPool>(threads);
         if (!tp_init.empty()) {
-          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, tp_runner);
-          st->local = make_local_rank(*st->model, *st->group);
+          spec.ctx = seq_ctx;
+          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, spec);
+          st->local = cli::make_tp_rank_runner("llmq-server", *st->model, *st->group, spec, threads);
           st->runner = std::make_unique<ProcessGroupRunner>(*st->local, *st->group);
         } else if (gpu)
           st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get(), gpu_kv_q8);

@@ -135,7 +135,7 @@ TEST_CASE("host communicator: all-reduce in rank order, gather, abort", "[tp]") 
       std::vector<float> send(size_t(r + 1), float(r));  // counts differ per rank
       std::vector<float>& recv = gathered[size_t(r)];
       recv.assign(6, -1.0f);
-      g.rank(r).gather(send.data(), int64_t(send.size()), recv.data(), 0);
+      g.rank(r).gather(send.data(), int64_t(send.size()), recv.data(), int64_t(recv.size()), 0);
     }
   };
   std::vector<std::thread> ts;

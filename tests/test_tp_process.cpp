@@ -151,7 +151,7 @@ TEST_CASE("socket communicator: all-reduce gives the host communicator's bits - 
       ts.emplace_back([&, r] {
         for (int it = 0; it < 20; ++it) {
           std::vector<float> send(size_t(r + 1), float(r + it));
-          c[size_t(r)]->gather(send.data(), int64_t(send.size()), recv[size_t(r)].data(), 0);
+          c[size_t(r)]->gather(send.data(), int64_t(send.size()), recv[size_t(r)].data(), int64_t(recv[size_t(r)].size()), 0);
           c[size_t(r)]->barrier();
           const std::string msg = "step " + std::to_string(it);
           if (r == 0) c[0]->broadcast(msg.data(), msg.size());
@@ -195,9 +195,54 @@ TEST_CASE("socket communicator: bad rendezvous, refused ranks and timeouts fail 
   }
 }
 
+TEST_CASE("socket communicator: strangers at the rendezvous are dropped - the ranks still join", "[tp][tp_process]") {
+  const std::string port = std::to_string(free_port()), init = "tcp://127.0.0.1:" + port;
+  ::setenv("LLMQ_TP_TOKEN", "s3cret", 1);
+  auto r0 = std::async(std::launch::async, [&] { return SocketComm::join(init, 0, 2, "job", 20s); });
+  auto connect_raw = [&] {  // a plain TCP client, retried until rank 0 listens
+    for (int i = 0; i < 200; ++i) {
+      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET, a.sin_addr.s_addr = htonl(INADDR_LOOPBACK), a.sin_port = htons(uint16_t(std::stoi(port)));
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return fd;
+      ::close(fd);
+      std::this_thread::sleep_for(10ms);
+    }
+    return -1;
+  };
+  const int junk = connect_raw();  // another protocol: dropped
+  REQUIRE(junk >= 0);
+  CHECK(::send(junk, "GET / HTTP/1.0\r\n\r\n", 18, MSG_NOSIGNAL) == 18);
+  ::close(junk);
+  ::setenv("LLMQ_TP_TOKEN", "guess", 1);  // a rank with the wrong secret: refused and dropped
+  CHECK_THAT(join_error(init, 1, 2, 5s), Catch::Contains("wrong secret"));
+  ::setenv("LLMQ_TP_TOKEN", "s3cret", 1);
+  auto c1 = SocketComm::join(init, 1, 2, "job", 20s);  // the real rank 1 still joins
+  auto c0 = r0.get();
+  ::unsetenv("LLMQ_TP_TOKEN");
+  float x = 1.0f, y = 2.0f;
+  auto f = std::async(std::launch::async, [&] { c1->all_reduce_sum(&y, 1); });
+  c0->all_reduce_sum(&x, 1);
+  f.get();
+  CHECK((x == 3.0f && y == 3.0f));
+  CHECK(c0->peers_alive());
+  c1.reset();  // rank 1 goes away: rank 0 can tell without blocking (the NCCL watch)
+  std::this_thread::sleep_for(50ms);
+  CHECK_FALSE(c0->peers_alive());
+}
+
+TEST_CASE("socket communicator: a gather larger than the room given is refused, not written", "[tp][tp_process]") {
+  auto c = join_all("file://" + test::scratch("tp_gather") + "/rendezvous", 2);
+  std::vector<float> send(100, 1.0f), recv(50, -1.0f);
+  auto f = std::async(std::launch::async, [&] { c[1]->gather(send.data(), 100, nullptr, 0, 0); });
+  CHECK_THROWS_AS(c[0]->gather(send.data(), 10, recv.data(), int64_t(recv.size()), 0), CommAborted);
+  f.wait();
+  CHECK(recv[10] == -1.0f);  // nothing of rank 1's was written
+}
+
 TEST_CASE("socket communicator: a file rendezvous left by an earlier run does not mislead the ranks", "[tp][tp_process]") {
   const std::string file = test::scratch("tp_stale") + "/rendezvous";
-  std::ofstream(file) << "127.0.0.1:" << free_port() << "\n";  // nobody listens there any more
+  std::ofstream(file) << "127.0.0.1:" << free_port() << " 0123\n";  // nobody listens there any more
   auto r1 = std::async(std::launch::async, [&] { return SocketComm::join("file://" + file, 1, 2, "job", 20s); });
   std::this_thread::sleep_for(300ms);  // rank 1 has read the stale address and failed to connect
   auto r0 = SocketComm::join("file://" + file, 0, 2, "job", 20s);
@@ -310,6 +355,7 @@ TEST_CASE("TP over processes: a rank given a malformed command fails clearly and
       {9, 0, 0, 0},                         // an unknown command
       {3, 0, 0, 0, 1, 0},                   // a forward pass cut short
       {3, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0},  // a forward pass before any KV cache
+      {4, 0, 0, 0, 0},                      // stop, with a byte too many
   };
   for (const auto& msg : bad) {
     const std::string init = "tcp://127.0.0.1:" + std::to_string(free_port());

@@ -1,6 +1,7 @@
 #include "tools/cli_common.h"
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "engine/device.h"
 #include "formats/error.h"
@@ -102,7 +103,8 @@ void add_tp_process_flags(CLI::App& app, std::string& init, int& rank, const std
                  "machines share). LLMQ_TP_TIMEOUT: seconds to wait for the others (300)");
   app.add_option("--tp-rank", rank,
                  "this process's rank with --tp-init: 0 " + rank0 + "; each other rank (0 < R < N; llmq-run or llmq-server "
-                 "started with the same model, --tp and sizes) runs its slice of every layer for rank 0 and exits when rank 0 is done");
+                 "started with the same model, --tp and --device; its sizes come from rank 0) runs its slice of every layer for "
+                 "rank 0 and exits when rank 0 is done");
 }
 
 void check_tp_flags(const std::string& init, int rank, int tp, bool partial) {
@@ -119,7 +121,7 @@ void check_tp_flags(const std::string& init, int rank, int tp, bool partial) {
 }
 
 std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
-                                          const std::string& runner) {
+                                          TpRunnerSpec& spec) {
   check_tp_flags(init, rank, tp);
   if (init.empty()) return nullptr;
   plan_shards(m, tp);  // a split the model cannot take fails here, before waiting for the others
@@ -130,9 +132,46 @@ std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& i
     if (end == e || *end || !(secs > 0) || secs > 1e6) throw UsageError(std::string("LLMQ_TP_TIMEOUT must be a number of seconds, not '") + e + "'");
   }
   std::fprintf(stderr, "%s: rank %d of %d joining through %s\n", tool, rank, tp, init.c_str());
-  std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp) + ", " + runner, std::chrono::milliseconds(int64_t(secs * 1000)));
+  std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp), std::chrono::milliseconds(int64_t(secs * 1000)));
+  // Rank 0's runner settings, as JSON.
+  if (rank == 0) {
+    const std::string j = nlohmann::json{{"cuda", spec.cuda}, {"capacity", spec.capacity}, {"ctx", spec.ctx}, {"n_batch", spec.n_batch},
+                                         {"parallel", spec.parallel}, {"kv_tokens", spec.kv_tokens}, {"kv_q8", spec.kv_q8}}
+                              .dump();
+    c->broadcast(j.data(), j.size());
+  } else {
+    const std::vector<uint8_t> msg = c->recv_broadcast();
+    TpRunnerSpec got;
+    try {
+      const nlohmann::json j = nlohmann::json::parse(msg.begin(), msg.end());
+      got.cuda = j.at("cuda").get<bool>(), got.capacity = j.at("capacity").get<int64_t>(), got.ctx = j.at("ctx").get<int64_t>();
+      got.n_batch = j.at("n_batch").get<int64_t>(), got.parallel = j.at("parallel").get<int64_t>();
+      got.kv_tokens = j.at("kv_tokens").get<int64_t>(), got.kv_q8 = j.at("kv_q8").get<bool>();
+    } catch (const nlohmann::json::exception& e) {
+      c->abort();
+      throw UsageError(std::string("tensor parallel: rank 0's settings are malformed: ") + e.what());
+    }
+    if (got.capacity < 1 || got.capacity > (1 << 24) || got.n_batch < 1 || got.parallel < 1 || got.ctx < 0 || got.kv_tokens < 0) {
+      c->abort();
+      throw UsageError("tensor parallel: rank 0's settings are out of range");
+    }
+    if (got.cuda != spec.cuda) {
+      c->abort();
+      throw UsageError(std::string("tensor parallel: rank 0 runs on ") + (got.cuda ? "a GPU" : "the CPU") + ": start rank " +
+                       std::to_string(rank) + " with --device " + (got.cuda ? "cuda" : "cpu"));
+    }
+    spec = got;
+  }
   std::fprintf(stderr, "%s: rank %d of %d joined\n", tool, rank, tp);
   return c;
+}
+
+std::unique_ptr<BatchRunner> make_tp_rank_runner(const char* tool, const Model& m, SocketComm& group, const TpRunnerSpec& spec,
+                                                 int threads) {
+  if (spec.cuda) return make_cuda_rank_runner(m, group, spec.ctx, spec.n_batch, spec.parallel, spec.kv_tokens, true, spec.kv_q8);
+  auto t = std::make_unique<TensorParallel>(m, group.size(), group.rank(), group, threads, spec.capacity);
+  std::fprintf(stderr, "%s: tensor parallel over %d processes; %s\n", tool, group.size(), describe_rank(t->shard(0), t->threads()).c_str());
+  return t;
 }
 
 int serve_tp_rank(const char* tool, BatchRunner& local, SocketComm& comm) {

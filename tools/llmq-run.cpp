@@ -160,21 +160,14 @@ int main(int argc, char** argv) {
       if (device == Device::Cuda && !ppl_file.empty())
         throw UsageError("--perplexity with --tp-init --device cuda: the GPU ranks keep one logits row (use the CPU ranks, or one process)");
     }
-    const int64_t gpu_ctx = session_sizes(model->config, ctx, n_batch).ctx;
-    const std::string tp_runner = device == Device::Cuda ? "cuda, ctx " + std::to_string(gpu_ctx) + ", batch " + std::to_string(n_batch) +
-                                                               ", KV " + (gpu_kv_q8 ? "q8_0" : "f16")
-                                                         : "cpu, capacity " + std::to_string(tp_cap);
-    std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-run", tp_init, tp_rank, tp, *model, tp_runner);
+    cli::TpRunnerSpec spec;  // rank 0's sizes; the other ranks receive them at the join
+    spec.cuda = device == Device::Cuda, spec.capacity = tp_cap, spec.ctx = session_sizes(model->config, ctx, n_batch).ctx;
+    spec.n_batch = n_batch, spec.parallel = 1, spec.kv_tokens = 0, spec.kv_q8 = gpu_kv_q8;
+    std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-run", tp_init, tp_rank, tp, *model, spec);
     std::unique_ptr<BatchRunner> local;  // this process's rank of the group
     std::unique_ptr<BatchRunner> runner;
     if (group) {
-      if (device == Device::Cuda) {
-        local = make_cuda_rank_runner(*model, *group, gpu_ctx, n_batch, /*parallel=*/1, /*kv_tokens=*/0, true, gpu_kv_q8);
-      } else {
-        auto t = std::make_unique<TensorParallel>(*model, tp, tp_rank, *group, threads, tp_cap);
-        std::fprintf(stderr, "llmq-run: tensor parallel over %d processes; %s\n", tp, cli::describe_rank(t->shard(0), t->threads()).c_str());
-        local = std::move(t);
-      }
+      local = cli::make_tp_rank_runner("llmq-run", *model, *group, spec, threads);
       if (tp_rank > 0) return cli::serve_tp_rank("llmq-run", *local, *group);
       runner = std::make_unique<ProcessGroupRunner>(*local, *group);
     } else if (device == Device::Cuda && !partial) {
