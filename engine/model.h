@@ -258,7 +258,7 @@ class Session : public SessionBase {
   Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1,
           KvType kv_type = KvType::F32);
   /// The same on a batch runner (engine/tp.h: TensorParallel with any number of ranks, or
-  /// ProcessTensorParallel over processes), which must
+  /// ProcessGroupRunner over processes, engine/tp_process.h), which must
   /// outlive the session and serve one session at a time; prompts are cut into chunks of at
   /// most tp.capacity() tokens; the KV cache holds ctx positions (plan_kv), one pool per rank.
   Session(BatchRunner& tp, int64_t ctx, KvType kv_type = KvType::F32);

@@ -1092,9 +1092,15 @@ TEST_CASE("CUDA tensor parallelism over processes: GPU ranks joined through a re
   if (!have_gpu()) return;
   auto m = Model::load(test::stories("f32"), true, false);
   const int64_t ctx = 64, n_batch = 16, parallel = 3, V = m->config.vocab_size;
-  const char* old = std::getenv("LLMQ_TP_COMM");
-  const std::string saved = old ? old : "";
-  ::setenv("LLMQ_TP_COMM", "host", 1);
+  struct EnvGuard {  // LLMQ_TP_COMM=host for this test only, restored however it ends
+    const char* old = std::getenv("LLMQ_TP_COMM");
+    std::string saved = old ? old : "";
+    EnvGuard() { ::setenv("LLMQ_TP_COMM", "host", 1); }
+    ~EnvGuard() {
+      if (old) ::setenv("LLMQ_TP_COMM", saved.c_str(), 1);
+      else ::unsetenv("LLMQ_TP_COMM");
+    }
+  } env_guard;
   int64_t kv_blocks = 0;
   // Three sequences: two prompts, then a decode step of both beside the third prompt, then
   // greedy steps of all three; every logits row.
@@ -1150,8 +1156,6 @@ TEST_CASE("CUDA tensor parallelism over processes: GPU ranks joined through a re
     got = run(p);
   }
   REQUIRE_NOTHROW(worker.get());
-  if (old) ::setenv("LLMQ_TP_COMM", saved.c_str(), 1);
-  else ::unsetenv("LLMQ_TP_COMM");
   REQUIRE(got.size() == want.size());
   CHECK(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
 }
