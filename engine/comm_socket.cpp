@@ -188,11 +188,13 @@ bool read_published(const std::string& path, Endpoint& e, std::string& token, co
 
 // Connects to rank 0, retrying every 100 ms while it is not listening (or, file://, has not
 // published its address, or an older run's address is still there) until the deadline.
-int connect_to_rank0(bool tcp, const std::string& rest, Clock::time_point deadline, const std::string& init, std::string& token) {
+int connect_to_rank0(bool tcp, const std::string& rest, Clock::time_point deadline, const std::string& init, std::string& token,
+                     const std::atomic<bool>* cancel) {
   std::string why = "timed out";
   Endpoint e;
   bool published = false;
   do {
+    if (cancel && *cancel) throw UsageError("--tp-init '" + init + "': cancelled while waiting for rank 0");
     if (tcp) e = split_host_port(rest, init), published = true;
     else if (read_published(rest, e, token, init)) published = true;  // read again each time: rank 0 may rewrite it
     if (published) {
@@ -229,7 +231,7 @@ SocketComm::~SocketComm() {
 }
 
 std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, int size, const std::string& signature,
-                                             std::chrono::milliseconds timeout) {
+                                             std::chrono::milliseconds timeout, const std::atomic<bool>* cancel) {
   if (size < 2) throw UsageError("--tp-init: a group of processes needs --tp 2 or more");
   if (rank < 0 || rank >= size)
     throw UsageError("--tp-rank " + std::to_string(rank) + " is not a rank of --tp " + std::to_string(size) + " (0 .. " +
@@ -252,7 +254,7 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
   auto hello_time = [&] { return std::min<std::chrono::milliseconds>(std::max(left(deadline), std::chrono::milliseconds(2000)), std::chrono::seconds(10)); };
 
   if (rank != 0) {
-    int fd = connect_to_rank0(tcp, rest, deadline, init, token);
+    int fd = connect_to_rank0(tcp, rest, deadline, init, token, cancel);
     set_timeout(fd, hello_time());
     const uint32_t hdr[2] = {uint32_t(size), uint32_t(rank)};
     std::string verdict;
@@ -305,9 +307,10 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
   }
   int dropped = 0;
   for (int joined = 1; joined < size;) {
+    if (cancel && *cancel) return fail("--tp-init '" + init + "': cancelled while waiting for the other ranks");
     pollfd p{lfd, POLLIN, 0};
-    const int rc = ::poll(&p, 1, int(left(deadline).count()));
-    if (rc < 0 && errno == EINTR) continue;
+    const int rc = ::poll(&p, 1, int(std::min<int64_t>(left(deadline).count(), 100)));  // 0.1 s slices: cancel is seen
+    if ((rc < 0 && errno == EINTR) || (rc == 0 && Clock::now() < deadline)) continue;
     if (rc <= 0)
       return fail("--tp-init '" + init + "': " + std::to_string(joined - 1) + " of " + std::to_string(size - 1) +
                   " other ranks joined within " + secs + (dropped ? " (" + std::to_string(dropped) + " other connections dropped)" : ""));

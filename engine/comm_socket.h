@@ -44,9 +44,10 @@ class SocketComm final : public Communicator {
   /// must be equal on every rank (say the model file's size and the options); a rank whose
   /// signature, size or rank does not fit is refused. Waits up to `timeout` for all ranks
   /// (rank 0) or for rank 0 to appear (others). Throws UsageError for a malformed `init`, bad
-  /// rank/size, a refused hello or the timeout.
+  /// rank/size, a refused hello or the timeout, and (within 0.1 s) once *cancel is set.
   static std::unique_ptr<SocketComm> join(const std::string& init, int rank, int size, const std::string& signature,
-                                          std::chrono::milliseconds timeout = std::chrono::minutes(5));
+                                          std::chrono::milliseconds timeout = std::chrono::minutes(5),
+                                          const std::atomic<bool>* cancel = nullptr);
   ~SocketComm() override;
   SocketComm(const SocketComm&) = delete;
   SocketComm& operator=(const SocketComm&) = delete;

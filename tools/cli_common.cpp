@@ -121,7 +121,7 @@ void check_tp_flags(const std::string& init, int rank, int tp, bool partial) {
 }
 
 std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
-                                          TpRunnerSpec& spec) {
+                                          TpRunnerSpec& spec, const std::atomic<bool>* cancel) {
   check_tp_flags(init, rank, tp);
   if (init.empty()) return nullptr;
   plan_shards(m, tp);  // a split the model cannot take fails here, before waiting for the others
@@ -132,7 +132,7 @@ std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& i
     if (end == e || *end || !(secs > 0) || secs > 1e6) throw UsageError(std::string("LLMQ_TP_TIMEOUT must be a number of seconds, not '") + e + "'");
   }
   std::fprintf(stderr, "%s: rank %d of %d joining through %s\n", tool, rank, tp, init.c_str());
-  std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp), std::chrono::milliseconds(int64_t(secs * 1000)));
+  std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp), std::chrono::milliseconds(int64_t(secs * 1000)), cancel);
   // Rank 0's runner settings, as JSON.
   if (rank == 0) {
     const std::string j = nlohmann::json{{"cuda", spec.cuda}, {"capacity", spec.capacity}, {"ctx", spec.ctx}, {"n_batch", spec.n_batch},

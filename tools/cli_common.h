@@ -1,5 +1,6 @@
 // What every command-line tool shares: exit codes, error reporting, peak memory.
 #pragma once
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -83,10 +84,10 @@ struct TpRunnerSpec {
 /// Every rank must use the same model (a rank with another is refused). Rank 0 then sends
 /// `spec`; the others receive it into `spec` and must run on the same kind of device
 /// (`spec.cuda` as given to them). Waits LLMQ_TP_TIMEOUT seconds (default 300) for the other
-/// ranks. Prints who joined. Throws UsageError for bad flags, a refused hello, a device that
-/// differs from rank 0's, or the timeout.
+/// ranks, or until *cancel is set (llmq-server stopping). Prints who joined. Throws UsageError
+/// for bad flags, a refused hello, a device that differs from rank 0's, the timeout or cancel.
 std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
-                                          TpRunnerSpec& spec);
+                                          TpRunnerSpec& spec, const std::atomic<bool>* cancel = nullptr);
 
 /// This process's rank of the group, built from spec: a TensorParallel holding the rank (CPU,
 /// `threads` threads; its shard printed on stderr) or make_cuda_rank_runner's GPU rank.

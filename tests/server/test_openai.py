@@ -663,3 +663,18 @@ def test_tp_ranks_in_processes(fresh_servers, stories_model, tmp_path):
             worker.kill()
             worker.wait()
         worker_log.close()
+
+
+def test_tp_init_sigterm_while_waiting_for_ranks(fresh_servers, stories_model, tmp_path):
+    """SIGTERM while rank 0 waits for ranks that never come: the server stops at once (exit 0),
+    not after LLMQ_TP_TIMEOUT."""
+    s = fresh_servers.start(stories_model, "--tp", "2", "--tp-init", f"file://{tmp_path / 'rendezvous'}", wait=False)
+    deadline = time.monotonic() + 30
+    while "joining through" not in s.log_text():
+        assert time.monotonic() < deadline, s.log_text()
+        time.sleep(0.05)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    rc = s.stop(timeout=20)
+    assert time.monotonic() - t0 < 5, f"the server took {time.monotonic() - t0:.1f} s to stop"
+    s.check_clean_exit(rc)
