@@ -370,3 +370,15 @@ TEST_CASE("TP over processes: a rank given a malformed command fails clearly and
     CHECK_THROWS_AS(c0->barrier(), CommAborted);  // rank 1 aborted the group: rank 0 is not left waiting
   }
 }
+
+TEST_CASE("TP over processes: llmq-bench --tp 2 --tp-init measures rank 0's group against TP=1", "[tp][tp_process][cli]") {
+  const std::string dir = test::scratch("tp_bench");
+  const std::string base = test::bin("llmq-bench") + " -m " + test::stories("f32") + " -t 1 --tp 2 --tp-init file://" + dir + "/rendezvous";
+  const std::string worker = "(" + base + " --tp-rank 1 >/dev/null 2>" + dir + "/w.err; echo $? >" + dir + "/w.rc) &";
+  REQUIRE(test::run(worker + " " + base + " -p 16 -n 4 -r 1 --bandwidth-mib 0 >" + dir + "/out.json 2>" + dir +
+                    "/err; rc=$?; wait; exit $rc") == 0);
+  std::ifstream f(dir + "/out.json");
+  const std::string out((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  CHECK_THAT(out, Catch::Contains("\"tp_processes\": true") && Catch::Contains("\"speedup_decode\"") && Catch::Contains("\"tp\": 2"));
+  CHECK(test::run("grep -qx 0 " + dir + "/w.rc") == 0);
+}

@@ -23,7 +23,9 @@
 #include "engine/sampler.h"
 #include "engine/model.h"
 #include "engine/roofline.h"
+#include "engine/comm_socket.h"
 #include "engine/tp.h"
+#include "engine/tp_process.h"
 #include "formats/error.h"
 #include "mem/shape.h"
 #include "tools/cli_common.h"
@@ -204,6 +206,9 @@ int main(int argc, char** argv) {
                              "too and the speed-up reported");
   app.add_option("--tp-output", tp_output, "TP placement of embedding and output: vocab (vocab-parallel) or replicated");
   app.add_flag("--no-baseline", no_baseline, "with --tp N > 1: skip the TP=1 measurement");
+  std::string tp_init;
+  int tp_rank = 0;
+  cli::add_tp_process_flags(app, tp_init, tp_rank, "measures (TP=1 baseline: one process with -t x N threads)");
   std::string kv_type_s = "f32";
   app.add_option("--kv-type", kv_type_s, "KV cache element type: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   app.add_flag("--no-verify", no_verify, "skip checksum verification at load");
@@ -217,6 +222,8 @@ int main(int argc, char** argv) {
     if (bandwidth_mib < 0 || bandwidth_mib > (int64_t(1) << 20)) throw UsageError("--bandwidth-mib out of range");
     if (model_path.empty() == synthetic.empty()) throw UsageError("give a model (-m) or --synthetic NAME, one of them");
     const Device device = pick_device(device_s);
+    cli::check_tp_flags(tp_init, tp_rank, tp);
+    if (!tp_init.empty() && device != Device::Cpu) throw UsageError("llmq-bench --tp-init measures CPU ranks (GPU ranks as processes: llmq-run)");
     if (!synthetic.empty() && device != Device::Cuda) throw UsageError("--synthetic runs on --device cuda");
     if (device == Device::Cuda) {
       if (tp != 1 && !synthetic.empty()) throw UsageError("--tp with --device cuda takes a model file (-m), not --synthetic");
@@ -244,11 +251,28 @@ int main(int argc, char** argv) {
       return 0;
 #endif
     }
-    auto model = Model::load(model_path, !no_verify);
+    // The TP=1 baseline wants the whole model's packed panels; without it, only what the ranks use.
+    auto model = Model::load(model_path, !no_verify, /*pack=*/true, /*gpu_layers=*/0, tp > 1 && no_baseline ? tp : 1);
     TpOptions opt;
     opt.vocab_parallel = tp_output == "vocab";
-    TensorParallel runner(*model, tp, threads, n_prompt, opt);
-    const int total_threads = runner.threads();
+    // --tp-init: the ranks are processes (engine/tp_process.h); this one holds rank tp_rank and
+    // runs at -t threads, the others as many each (assumed: the baseline uses -t x N threads).
+    if (!tp_init.empty() && !opt.vocab_parallel) throw UsageError("--tp-init ranks are vocab-parallel (--tp-output vocab)");
+    cli::TpRunnerSpec spec;
+    spec.capacity = n_prompt;
+    std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-bench", tp_init, tp_rank, tp, *model, spec);
+    std::unique_ptr<BatchRunner> local, procs;
+    std::unique_ptr<TensorParallel> in_process;
+    if (group) {
+      local = cli::make_tp_rank_runner("llmq-bench", *model, *group, spec, threads);
+      if (tp_rank > 0) return cli::serve_tp_rank("llmq-bench", *local, *group);
+      procs = std::make_unique<ProcessGroupRunner>(*local, *group);
+    } else {
+      in_process = std::make_unique<TensorParallel>(*model, tp, threads, n_prompt, opt);
+    }
+    TensorParallel& ranks = group ? static_cast<TensorParallel&>(*local) : *in_process;  // what this process holds
+    BatchRunner& runner = group ? *procs : static_cast<BatchRunner&>(*in_process);
+    const int total_threads = group ? ranks.threads() * tp : ranks.threads();
     std::unique_ptr<TensorParallel> base;  // TP=1 at the same total thread count
     if (tp > 1 && !no_baseline) base = std::make_unique<TensorParallel>(*model, 1, total_threads, n_prompt);
     const KvType kv_type = kv_type_from_name(kv_type_s);
@@ -281,19 +305,20 @@ int main(int argc, char** argv) {
     j["threads"] = total_threads;
     j["device"] = "cpu";
     j["cpu_kernels"] = cpu_kernels_name();  // scalar | avx2 | avx512 (LLMQ_CPU overrides)
-    j["tp"] = runner.size();
+    j["tp"] = tp;
+    if (group) j["tp_processes"] = true;  // the ranks below: this process's (rank 0) only
     j["kv_type"] = kv_type_name(kv_type);
     j["prompt_tokens"] = n_prompt;
     j["gen_tokens"] = n_gen;
     j["prefill_tok_s"] = double(n_prompt) / best.prefill_s;
     j["decode_tok_s"] = double(n_gen) / best.decode_s;
-    if (runner.size() > 1) {
+    if (tp > 1) {
       j["tp_output"] = tp_output;
-      nlohmann::json ranks = nlohmann::json::array();
-      for (int r = 0; r < runner.size(); ++r) {
-        const ModelShard& sh = runner.shard(r);
-        ranks.push_back({{"rank", r},
-                         {"threads", runner.rank_threads(r)},
+      nlohmann::json rank_list = nlohmann::json::array();
+      for (int r = 0; r < ranks.size(); ++r) {
+        const ModelShard& sh = ranks.shard(r);
+        rank_list.push_back({{"rank", sh.ranges.rank},
+                         {"threads", ranks.rank_threads(r)},
                          {"heads", sh.ranges.n_heads},
                          {"kv_heads", sh.ranges.n_kv_heads},
                          {"ffn_dim", sh.ranges.ffn_dim},
@@ -302,7 +327,7 @@ int main(int argc, char** argv) {
                          {"owned_weight_bytes", sh.owned_bytes},
                          {"kv_cache_bytes", s.cache().shard_bytes(r)}});
       }
-      j["ranks"] = ranks;
+      j["ranks"] = rank_list;
       if (bs) {
         j["tp1_prefill_tok_s"] = double(n_prompt) / best_base.prefill_s;
         j["tp1_decode_tok_s"] = double(n_gen) / best_base.decode_s;
