@@ -26,15 +26,25 @@ namespace llmq {
 #ifdef LLMQ_HAVE_CUDA
 namespace {
 
+// LLMQ_TP_COMM: auto (default), host or nccl. Throws UsageError for anything else, and for nccl
+// in a build without NCCL.
+std::string tp_comm_mode() {
+  const char* env = std::getenv("LLMQ_TP_COMM");
+  const std::string mode = env ? env : "auto";
+  if (mode != "auto" && mode != "host" && mode != "nccl") throw UsageError("LLMQ_TP_COMM must be auto, host or nccl, not '" + mode + "'");
+#ifndef LLMQ_HAVE_NCCL
+  if (mode == "nccl") throw UsageError("LLMQ_TP_COMM=nccl: this build has no NCCL communicator (NCCL was not found when it was configured)");
+#endif
+  return mode;
+}
+
 // One NCCL communicator per GPU for `tp` ranks when the build has NCCL and the machine has tp
 // GPUs (the ranks join at once: ncclCommInitRank blocks until all have); else none, and the
 // ranks share GPU 0 over a host all-reduce. LLMQ_TP_COMM=host forces the latter, =nccl the
 // former (an error without NCCL or with fewer GPUs than ranks).
 cuda::CudaComms nccl_comms(int tp) {
   cuda::CudaComms c;
-  const char* env = std::getenv("LLMQ_TP_COMM");
-  const std::string mode = env ? env : "auto";
-  if (mode != "auto" && mode != "host" && mode != "nccl") throw UsageError("LLMQ_TP_COMM must be auto, host or nccl, not '" + mode + "'");
+  const std::string mode = tp_comm_mode();
   if (tp < 2 || mode == "host") return c;
   const int gpus = cuda::device_count();
 #ifdef LLMQ_HAVE_NCCL
@@ -62,7 +72,6 @@ cuda::CudaComms nccl_comms(int tp) {
   for (int r = 0; r < tp; ++r) c.devices.push_back(r);
 #else
   (void)gpus;
-  if (mode == "nccl") throw UsageError("LLMQ_TP_COMM=nccl: this build has no NCCL communicator (NCCL was not found when it was configured)");
 #endif
   return c;
 }
@@ -251,9 +260,7 @@ std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& c
   cuda::check(cudaFree(nullptr), "CUDA context");
   const cuda::MemInfo before = cuda::mem_info();
   // Rank 0 decides how the ranks all-reduce and tells the others: [u8 nccl][the NCCL unique id].
-  const char* env = std::getenv("LLMQ_TP_COMM");
-  const std::string mode = env ? env : "auto";
-  if (mode != "auto" && mode != "host" && mode != "nccl") throw UsageError("LLMQ_TP_COMM must be auto, host or nccl, not '" + mode + "'");
+  const std::string mode = tp_comm_mode();
   std::vector<uint8_t> msg;
   if (rank == 0) {
 #ifdef LLMQ_HAVE_NCCL
@@ -263,7 +270,6 @@ std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& c
       msg.insert(msg.end(), reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof id);
     }
 #else
-    if (mode == "nccl") throw UsageError("LLMQ_TP_COMM=nccl: this build has no NCCL communicator (NCCL was not found when it was configured)");
     msg.push_back(0);
 #endif
     comm.broadcast(msg.data(), msg.size());
