@@ -62,11 +62,13 @@ NcclComm::~NcclComm() {
 
 void NcclComm::sync() {
   if (aborted_) throw CommAborted("NCCL: the communicator was aborted");
-  // Poll rather than block in cudaStreamSynchronize: a peer that died leaves its collectives
-  // waiting forever, so between polls NCCL's asynchronous error and (ranks in other processes)
-  // the watch on the peers are checked, and the communicator is aborted when either fails.
-  auto next_watch = std::chrono::steady_clock::now();
-  while (true) {
+  // With a watch (ranks in other processes), poll rather than block in cudaStreamSynchronize: a
+  // peer that died leaves its collectives waiting forever, so between polls NCCL's asynchronous
+  // error and the watch on the peers are checked, and the communicator is aborted when either
+  // fails. Without one (ranks in this process), block as before.
+  if (!watch_) check_cuda(cudaStreamSynchronize(as_stream(stream_)), "cudaStreamSynchronize");
+  auto next_watch = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+  for (int spins = 0; watch_; ++spins) {
     const cudaError_t q = cudaStreamQuery(as_stream(stream_));
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) check_cuda(q, "cudaStreamQuery");
@@ -76,14 +78,14 @@ void NcclComm::sync() {
       abort();
       throw CommAborted(std::string("NCCL: ") + ncclGetErrorString(async));
     }
-    if (watch_ && std::chrono::steady_clock::now() >= next_watch) {
-      if (!watch_()) {
+    if (std::chrono::steady_clock::now() >= next_watch) {
+      if (!watch_() && cudaStreamQuery(as_stream(stream_)) == cudaErrorNotReady) {  // gone, and the collective still waits
         abort();
         throw CommAborted("NCCL: another rank's process is gone; the collective cannot finish");
       }
       next_watch = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));  // spin first: all-reduces are short
   }
   ncclResult_t async = ncclSuccess;
   check_nccl(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");

@@ -44,8 +44,9 @@ std::string tp_comm_mode() {
 // former (an error without NCCL or with fewer GPUs than ranks).
 cuda::CudaComms nccl_comms(int tp) {
   cuda::CudaComms c;
+  if (tp < 2) return c;
   const std::string mode = tp_comm_mode();
-  if (tp < 2 || mode == "host") return c;
+  if (mode == "host") return c;
   const int gpus = cuda::device_count();
 #ifdef LLMQ_HAVE_NCCL
   if (gpus < tp) {
@@ -260,9 +261,9 @@ std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& c
   cuda::check(cudaFree(nullptr), "CUDA context");
   const cuda::MemInfo before = cuda::mem_info();
   // Rank 0 decides how the ranks all-reduce and tells the others: [u8 nccl][the NCCL unique id].
-  const std::string mode = tp_comm_mode();
   std::vector<uint8_t> msg;
-  if (rank == 0) {
+  if (rank == 0) {  // rank 0's LLMQ_TP_COMM decides for all
+    const std::string mode = tp_comm_mode();
 #ifdef LLMQ_HAVE_NCCL
     msg.push_back(mode != "host");
     if (msg[0]) {
@@ -270,6 +271,7 @@ std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& c
       msg.insert(msg.end(), reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof id);
     }
 #else
+    (void)mode;  // host or auto: the sockets (nccl was refused above)
     msg.push_back(0);
 #endif
     comm.broadcast(msg.data(), msg.size());

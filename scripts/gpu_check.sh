@@ -30,7 +30,7 @@ step() {
     return 0
   fi
   local t0=$SECONDS rc
-  timeout "$secs" bash -c "$*" >"$dir/$name.txt" 2>&1
+  timeout "$secs" bash -o pipefail -c "$*" >"$dir/$name.txt" 2>&1
   rc=$?
   printf '%-28s rc %-4s %5d s\n' "$name" "$rc" $((SECONDS - t0)) | tee -a "$dir/summary.txt"
 }
@@ -61,8 +61,10 @@ need_model() {
 run_phase() {
   phase=$1
   dir=$OUT/$phase
-  mkdir -p "$dir" "$LLMQ_TEST_TMP"
-  : >"$dir/summary.txt"
+  if [ "${DRY:-0}" != 1 ]; then
+    mkdir -p "$dir" "$LLMQ_TEST_TMP"
+    : >"$dir/summary.txt"
+  fi
   case "$phase" in
     tests)
       step nvidia-smi 30 "nvidia-smi; nvidia-smi -q -d CLOCK,MEMORY | head -60"
@@ -81,13 +83,15 @@ run_phase() {
       ;;
     tools)
       need_model
-      step run-gpu 60 "$G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda; echo; $G/bin/llmq-run -m $S -p Once -n 32 --temp 0"
+      step run-gpu 60 "$G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda && echo && $G/bin/llmq-run -m $S -p Once -n 32 --temp 0"
       step run-offload 60 "$G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --gpu-layers 2"
       step run-tp2 60 "$G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 2"
       step run-tp3-uneven-gqa 60 "$G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 3"
-      step run-tp2-processes 90 "($G/bin/llmq-run -m $S --device cuda --tp 2 --tp-rank 1 --tp-init file:///tmp/llmq-rv &) ;
-        LLMQ_TP_COMM=host $G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 2 --tp-init file:///tmp/llmq-rv; wait"
-      step mem-plan 30 "$G/bin/llmq-mem infer -m $S --device cuda --ctx 512 --parallel 4; $G/bin/llmq-mem infer -m $S --device cuda --tp 2"
+      step run-tp2-processes 90 "rm -f /tmp/llmq-rv; export LLMQ_TP_TIMEOUT=60;
+        $G/bin/llmq-run -m $S --device cuda --tp 2 --tp-rank 1 --tp-init file:///tmp/llmq-rv & p=\$!;
+        LLMQ_TP_COMM=host $G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 2 --tp-init file:///tmp/llmq-rv; r=\$?;
+        wait \$p || r=1; exit \$r"
+      step mem-plan 30 "$G/bin/llmq-mem infer -m $S --device cuda --ctx 512 --parallel 4 && $G/bin/llmq-mem infer -m $S --device cuda --tp 2"
       step server 120 server_check
       ;;
     train)

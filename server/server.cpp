@@ -53,7 +53,9 @@ std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_hand
 
 struct ServerState {
   std::atomic<bool> ready{false};
-  std::atomic<bool> stopping{false};       // a signal arrived: the loader gives up waiting
+  // A signal arrived: the loader gives up waiting (shared with the signal thread, which must not
+  // keep the whole state alive).
+  std::shared_ptr<std::atomic<bool>> stopping = std::make_shared<std::atomic<bool>>(false);
   std::string load_error;
   std::unique_ptr<Model> model;
   std::unique_ptr<ThreadPool> pool;        // --tp 1: the forward passes on one pool
@@ -563,7 +565,7 @@ int main(int argc, char** argv) {
         if ((gpu && partial) || (!gpu && tp == 1)) st->pool = std::make_unique<ThreadPool>(threads);
         if (!tp_init.empty()) {
           spec.ctx = seq_ctx;
-          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, spec, &st->stopping);
+          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, spec, st->stopping.get());
           st->local = cli::make_tp_rank_runner("llmq-server", *st->model, *st->group, spec, threads);
           st->runner = std::make_unique<ProcessGroupRunner>(*st->local, *st->group);
         } else if (gpu)
@@ -591,17 +593,17 @@ int main(int argc, char** argv) {
                      (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str(),
                      gpu ? " (KV cache and workspace on the GPU, the weights uploaded beside them: see the GPU memory line)" : "");
       } catch (const std::exception& e) {
-        if (st->stopping) return;  // a signal stopped the server while it loaded (or waited for its ranks)
+        if (*st->stopping) return;  // a signal stopped the server while it loaded (or waited for its ranks)
         st->load_error = e.what();
         std::fprintf(stderr, "llmq-server: error: %s\n", e.what());
         stop_server(svr);
       }
     });
-    std::thread([&svr, sigs, st] {
+    std::thread([&svr, sigs, stopping = st->stopping] {
       int sig = 0;
       sigwait(&sigs, &sig);
       std::fprintf(stderr, "llmq-server: signal %d, stopping\n", sig);
-      st->stopping = true;
+      *stopping = true;
       stop_server(svr);
     }).detach();
     std::fprintf(stderr, "llmq-server: listening on http://%s:%d, loading %s\n", host.c_str(), port, model_path.c_str());

@@ -197,6 +197,9 @@ TEST_CASE("socket communicator: bad rendezvous, refused ranks and timeouts fail 
 
 TEST_CASE("socket communicator: strangers at the rendezvous are dropped - the ranks still join", "[tp][tp_process]") {
   const std::string port = std::to_string(free_port()), init = "tcp://127.0.0.1:" + port;
+  struct TokenGuard {  // LLMQ_TP_TOKEN for this test only, however it ends
+    ~TokenGuard() { ::unsetenv("LLMQ_TP_TOKEN"); }
+  } token_guard;
   ::setenv("LLMQ_TP_TOKEN", "s3cret", 1);
   auto r0 = std::async(std::launch::async, [&] { return SocketComm::join(init, 0, 2, "job", 20s); });
   auto connect_raw = [&] {  // a plain TCP client, retried until rank 0 listens
@@ -326,7 +329,8 @@ TEST_CASE("TP over processes: a worker that fails ends rank 0's forward pass wit
 TEST_CASE("TP over processes: llmq-run --tp 2 --tp-init in two processes generates --tp 1's greedy text", "[tp][tp_process][cli]") {
   const std::string dir = test::scratch("tp_procs");
   const std::string model = test::stories("f32");
-  const std::string base = test::bin("llmq-run") + " -m " + model + " -t 1";
+  const std::string run_bin = test::bin("llmq-run") + " -m " + model + " -t 1";
+  const std::string base = "LLMQ_TP_TIMEOUT=60 " + run_bin;  // a rank whose partner failed gives up within a minute
   const std::string gen = " -p 'Once upon a time' -n 48 --temp 0";
   REQUIRE(test::run(base + gen + " >" + dir + "/one.txt 2>/dev/null") == 0);
   const std::string init = " --tp 2 --tp-init file://" + dir + "/rendezvous";
@@ -344,7 +348,7 @@ TEST_CASE("TP over processes: llmq-run --tp 2 --tp-init in two processes generat
   CHECK(test::run(base + " --tp 2 --tp-init bogus -p x 2>" + dir + "/e2 >/dev/null") == 1);
   CHECK(test::run("grep -q 'expected tcp://HOST:PORT or file://PATH' " + dir + "/e2") == 0);
   // A rank alone gives up after LLMQ_TP_TIMEOUT with one line.
-  CHECK(test::run("LLMQ_TP_TIMEOUT=0.3 " + base + init + "-none --tp-rank 1 2>" + dir + "/e3 >/dev/null") == 1);
+  CHECK(test::run("LLMQ_TP_TIMEOUT=0.3 " + run_bin + init + "-none --tp-rank 1 2>" + dir + "/e3 >/dev/null") == 1);
   CHECK(test::run("grep -q 'did not publish its address' " + dir + "/e3") == 0);
 }
 
@@ -373,7 +377,8 @@ TEST_CASE("TP over processes: a rank given a malformed command fails clearly and
 
 TEST_CASE("TP over processes: llmq-bench --tp 2 --tp-init measures rank 0's group against TP=1", "[tp][tp_process][cli]") {
   const std::string dir = test::scratch("tp_bench");
-  const std::string base = test::bin("llmq-bench") + " -m " + test::stories("f32") + " -t 1 --tp 2 --tp-init file://" + dir + "/rendezvous";
+  const std::string base = "LLMQ_TP_TIMEOUT=60 " + test::bin("llmq-bench") + " -m " + test::stories("f32") +
+                           " -t 1 --tp 2 --tp-init file://" + dir + "/rendezvous";
   const std::string worker = "(" + base + " --tp-rank 1 >/dev/null 2>" + dir + "/w.err; echo $? >" + dir + "/w.rc) &";
   REQUIRE(test::run(worker + " " + base + " -p 16 -n 4 -r 1 --bandwidth-mib 0 >" + dir + "/out.json 2>" + dir +
                     "/err; rc=$?; wait; exit $rc") == 0);

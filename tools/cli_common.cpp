@@ -162,6 +162,9 @@ std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& i
     }
     spec = got;
   }
+  // Every rank took the settings (one that did not aborted the group: rank 0 hears it here,
+  // before it goes on to build its runner and wait in NCCL's initialisation).
+  c->barrier();
   std::fprintf(stderr, "%s: rank %d of %d joined\n", tool, rank, tp);
   return c;
 }
