@@ -95,10 +95,10 @@ class BorrowedComm final : public Communicator {
   Communicator& c_;
 };
 
-// Makes GPU 0 current and creates its CUDA context (so a load measured after this does not
-// count it); returns its memory then.
-cuda::MemInfo open_gpu0() {
-  cuda::check(cudaSetDevice(0), "cudaSetDevice");
+// Makes GPU `device` current and creates its CUDA context (so a load measured after this does
+// not count it); returns its memory then.
+cuda::MemInfo open_gpu(int device = 0) {
+  cuda::check(cudaSetDevice(device), "cudaSetDevice");
   cuda::check(cudaFree(nullptr), "CUDA context");
   return cuda::mem_info();
 }
@@ -119,7 +119,7 @@ const char* device_name(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 uint64_t cuda_free_bytes() {
 #ifdef LLMQ_HAVE_CUDA
   if (cuda_device_count() == 0) throw UsageError("no CUDA device is present");
-  return open_gpu0().free;
+  return open_gpu().free;
 #else
   throw UsageError("this build has no CUDA backend");
 #endif
@@ -145,7 +145,7 @@ std::unique_ptr<SessionBase> make_cuda_session(const Model& m, int64_t ctx, int6
   const bool partial = gpu_layers >= 0 && gpu_layers < L;
   if (partial && (tp > 1 || !pool))
     throw UsageError(tp > 1 ? "--gpu-layers with --tp: partial offload runs one rank, so far" : "partial offload needs a CPU thread pool");
-  const cuda::MemInfo before = open_gpu0();
+  const cuda::MemInfo before = open_gpu();
   if (tp > 1) {
     cuda::CudaComms comms = nccl_comms(tp);
     const bool nccl = !comms.comms.empty();
@@ -203,7 +203,7 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
                                                     bool progress, int tp, int64_t gpu_layers, ThreadPool* pool, bool kv_q8) {
 #ifdef LLMQ_HAVE_CUDA
   using cuda::mem_info;
-  const cuda::MemInfo before = open_gpu0();
+  const cuda::MemInfo before = open_gpu();
   const int64_t L = m.config.n_layers;
   if (gpu_layers > L) throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(L) + " layers");
   if (gpu_layers >= 0 && gpu_layers < L) {  // partial offload
@@ -257,9 +257,7 @@ std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& c
   const int gpus = cuda::device_count();
   if (gpus == 0) throw UsageError("--device cuda: no CUDA device is present");
   const int device = rank % gpus;
-  cuda::check(cudaSetDevice(device), "cudaSetDevice");
-  cuda::check(cudaFree(nullptr), "CUDA context");
-  const cuda::MemInfo before = cuda::mem_info();
+  const cuda::MemInfo before = open_gpu(device);
   // Rank 0 decides how the ranks all-reduce and tells the others: [u8 nccl][the NCCL unique id].
   std::vector<uint8_t> msg;
   if (rank == 0) {  // rank 0's LLMQ_TP_COMM decides for all

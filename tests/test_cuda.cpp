@@ -131,6 +131,21 @@ std::vector<T> from_device(const DeviceBuffer& b, size_t n) {
 // Causal attention in fp64: out [T, n_heads · hd] for queries q [T, n_heads · hd], token t
 // seeing positions 0 .. pos[t] whose keys and values are k, v [positions, n_kv · hd] (GQA:
 // head h reads KV head h / (n_heads / n_kv)); scores scaled by `scale`.
+// A KV cache [n] of random values in fp16 (k, v) and the same values as fp32 (kf, vf), which
+// the references read.
+struct Fp16Cache {
+  std::vector<uint16_t> k, v;
+  std::vector<float> kf, vf;
+};
+Fp16Cache fp16_cache(size_t n, std::mt19937_64& rng) {
+  Fp16Cache c{std::vector<uint16_t>(n), std::vector<uint16_t>(n), gaussian(n, rng), gaussian(n, rng)};
+  for (size_t i = 0; i < n; ++i) {
+    c.k[i] = fp32_to_fp16(c.kf[i]), c.v[i] = fp32_to_fp16(c.vf[i]);
+    c.kf[i] = fp16_to_fp32(c.k[i]), c.vf[i] = fp16_to_fp32(c.v[i]);
+  }
+  return c;
+}
+
 std::vector<float> ref_attention(const std::vector<float>& q, const std::vector<int32_t>& pos, int64_t n_heads, int64_t n_kv, int64_t hd,
                                  float scale, const std::vector<float>& k, const std::vector<float>& v) {
   const int64_t T = int64_t(pos.size()), Q = n_heads * hd, KV = n_kv * hd;
@@ -352,12 +367,7 @@ TEST_CASE("CUDA attention matches an fp64 reference, prefill and split decode, G
   struct Cfg { int64_t n_heads, n_kv, hd; };
   for (const Cfg& c : {Cfg{4, 4, 8}, Cfg{8, 2, 64}, Cfg{32, 8, 128}, Cfg{6, 3, 40}, Cfg{4, 1, 256}}) {
     const int64_t ctx = 300, Q = c.n_heads * c.hd, KV = c.n_kv * c.hd;
-    std::vector<uint16_t> k(size_t(ctx * KV)), v(k.size());
-    std::vector<float> kf = gaussian(k.size(), rng), vf = gaussian(v.size(), rng);
-    for (size_t i = 0; i < k.size(); ++i) {  // the cache in fp16; the reference reads the same values
-      k[i] = fp32_to_fp16(kf[i]), v[i] = fp32_to_fp16(vf[i]);
-      kf[i] = fp16_to_fp32(k[i]), vf[i] = fp16_to_fp32(v[i]);
-    }
+    const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);  // the reference reads the same values
     DeviceBuffer kd = to_device(k), vd = to_device(v);
     const float scale = float(1.0 / std::sqrt(double(c.hd)));
     struct Run { std::vector<int32_t> pos; int64_t n_splits, part_len; };
@@ -384,12 +394,7 @@ TEST_CASE("CUDA attention matches an fp64 reference, prefill and split decode, G
   // heads, the rank holding query heads 2-4 (offset 2 into KV head 0's group): they read KV heads
   // 0, 1, 1 of the whole cache, as the reference over all 6 heads has it.
   const int64_t H = 6, NKV = 2, hd = 32, ctx = 100, Q = H * hd, KV = NKV * hd;
-  std::vector<uint16_t> k(size_t(ctx * KV)), v(k.size());
-  std::vector<float> kf = gaussian(k.size(), rng), vf = gaussian(v.size(), rng);
-  for (size_t i = 0; i < k.size(); ++i) {
-    k[i] = fp32_to_fp16(kf[i]), v[i] = fp32_to_fp16(vf[i]);
-    kf[i] = fp16_to_fp32(k[i]), vf[i] = fp16_to_fp32(v[i]);
-  }
+  const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);
   DeviceBuffer kd = to_device(k), vd = to_device(v);
   const float scale = float(1.0 / std::sqrt(double(hd)));
   for (const std::vector<int32_t>& pos : {std::vector<int32_t>{40, 41, 42, 43}, std::vector<int32_t>{99}}) {
