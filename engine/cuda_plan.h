@@ -9,19 +9,26 @@ namespace llmq {
 /// The CUDA backend's matmul scratch (engine/cuda/matmul.h, MatmulContext) for up to
 /// cap_tokens tokens and matrices of at most max_cols columns and max_rows rows (0: any): int8
 /// activations for the GEMV, and for prefill (cap_tokens > 8) fp16 activations, one dequantized
-/// weight tile of at most 64 MiB (tile_rows x cols fp16, tile_rows no more than max_rows rounded
-/// up to 128) and the cuBLAS workspace (32 MiB, NVIDIA's advice for Hopper).
+/// weight tile of at most 128 MiB (tile_rows x cols fp16, tile_rows no more than max_rows rounded
+/// up to 128), the cuBLAS workspace (32 MiB, NVIDIA's advice for Hopper) and MMQ's split-K
+/// partial sums (mmq_split: 8 MiB, or [min(cap, kCudaMmqMaxTokens), max_rows] fp32 x 8 splits if
+/// less).
 struct CudaMatmulPlan {
   int64_t cols = 0;       ///< max_cols rounded up to a multiple of 32
   int64_t tile_rows = 0;  ///< weight rows dequantized per cuBLAS call
   uint64_t act_q = 0, act_d = 0, act_s = 0;            ///< [cap, cols] int8; [cap, cols/32] fp32 x2
   uint64_t act_h = 0, tile = 0, cublas_workspace = 0;  ///< prefill only: [cap, cols] fp16; the tile; cuBLAS's
-  uint64_t bytes() const { return act_q + act_d + act_s + act_h + tile + cublas_workspace; }
+  uint64_t mmq_split = 0;                              ///< batches of 9 .. kCudaMmqMaxTokens: MMQ's split-K partial sums
+  uint64_t bytes() const { return act_q + act_d + act_s + act_h + tile + cublas_workspace + mmq_split; }
 };
 CudaMatmulPlan plan_cuda_matmul(int64_t cap_tokens, int64_t max_cols, int64_t max_rows = 0);
 
-/// Most tokens the CUDA GEMV kernels take per call; more go through cuBLAS (prefill).
+/// Most tokens the CUDA GEMV kernels take per call; more go through MMQ (block-quantized weights,
+/// up to kCudaMmqMaxTokens) or cuBLAS.
 constexpr int kCudaGemvMaxTokens = 8;
+/// Most tokens per call on MMQ (engine/cuda/mmq.cu); more (prefill) dequantize and use cuBLAS,
+/// faster there on an H200 (bench/RESULTS.md, the MMQ lab).
+constexpr int kCudaMmqMaxTokens = 64;
 
 /// Positions per part of the CUDA backend's decode attention (flash-decoding; a multiple of 32).
 constexpr int64_t kCudaDecodePartTokens = 64;

@@ -187,10 +187,12 @@ CudaMatmulPlan plan_cuda_matmul(int64_t cap, int64_t max_cols, int64_t max_rows)
   const uint64_t T = uint64_t(cap), c = uint64_t(p.cols);
   p.act_q = T * c, p.act_d = p.act_s = T * (c / 32) * 4;
   if (cap > kCudaGemvMaxTokens) {  // prefill through cuBLAS
-    constexpr uint64_t kTileBytes = 64ull << 20;
+    constexpr uint64_t kTileBytes = 128ull << 20;  // one tile for most 7B matrices: each cuBLAS call whole
     p.tile_rows = max_cols > 0 ? std::max<int64_t>(128, int64_t(kTileBytes / (uint64_t(max_cols) * 2)) / 128 * 128) : 0;
-    if (max_rows > 0) p.tile_rows = std::min(p.tile_rows, (max_rows + 127) / 128 * 128);  // a small model needs no 64 MiB
+    if (max_rows > 0) p.tile_rows = std::min(p.tile_rows, (max_rows + 127) / 128 * 128);  // a small model needs no 128 MiB
     p.act_h = T * c * 2, p.tile = uint64_t(p.tile_rows) * c * 2, p.cublas_workspace = 32ull << 20;
+    const uint64_t rows = max_rows > 0 ? uint64_t(max_rows) : uint64_t(1) << 20;
+    p.mmq_split = std::min<uint64_t>(8ull << 20, 8 * std::min<uint64_t>(T, kCudaMmqMaxTokens) * rows * 4);
   }
   return p;
 }

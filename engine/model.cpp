@@ -163,6 +163,10 @@ uint64_t Workspace::bytes() const {
 
 void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity,
                 BatchPlan& plan) {
+  plan_batch(m.config, cache, batch, T, capacity, plan);
+}
+
+void plan_batch(const LlamaConfig& c, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity, BatchPlan& plan) {
   if (T <= 0 || T > capacity)
     throw UsageError("forward: batch of " + std::to_string(T) + " tokens (capacity " + std::to_string(capacity) + ")");
   // Positions: each sequence continues from its cached length.
@@ -172,7 +176,7 @@ void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, i
   plan.n_logits = 0, plan.max_pos = 0;
   for (int64_t i = 0; i < T; ++i) {
     const BatchToken& b = batch[i];
-    if (b.token < 0 || b.token >= m.config.vocab_size) throw UsageError("token id " + std::to_string(b.token) + " out of range");
+    if (b.token < 0 || b.token >= c.vocab_size) throw UsageError("token id " + std::to_string(b.token) + " out of range");
     auto it = next.find(b.seq);
     if (it == next.end()) it = next.emplace(b.seq, cache.length(b.seq)).first;
     plan.pos[size_t(i)] = it->second++;

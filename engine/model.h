@@ -131,6 +131,8 @@ struct BatchPlan {
 /// range, or positions the cache has not reserved. Changes nothing in the cache.
 void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity,
                 BatchPlan& plan);
+/// The same for a model known only by its shapes (token ids checked against c.vocab_size).
+void plan_batch(const LlamaConfig& c, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity, BatchPlan& plan);
 
 /// Scratch buffers for forward passes of up to `capacity` tokens (one rank's widths under
 /// tensor parallelism: engine/tp.cpp plans them from the rank's slices).

@@ -99,8 +99,9 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const
                                  c.n_heads, p.decode_parts, p.decode_part_len, hd),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"workspace: matmul scratch", double(p.matmul.bytes() - p.matmul.cublas_workspace),
-                     fmt::format("int8 activations [{} x {}] + scales; prefill: fp16 activations + a dequantized tile of {} rows", p.n_batch,
-                                 p.matmul.cols, p.matmul.tile_rows),
+                     fmt::format("int8 activations [{} x {}] + scales; prefill: fp16 activations + a dequantized tile of {} rows + MMQ "
+                                 "split-K sums",
+                                 p.n_batch, p.matmul.cols, p.matmul.tile_rows),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"workspace: token ids, positions, top-k", double(p.io), "", kPlan, Place::Device, Basis::Exact});
   if (server)

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <random>
 
@@ -199,8 +200,9 @@ struct TestWeight {
 // err = ||y - ref|| / ||scale||. Bounds, per type and path: GEMV (T <= 8) with fp32 activations
 // (F32, F16, BF16 weights) differs from the fp64 reference by fp32 summation only (1e-6); with
 // int8 activations (Q8_0, Q4_0, Q4_1: quantized per block of 32, as the CPU path) by the
-// activations' rounding (1e-2). The cuBLAS path (T > 8) rounds activations to fp16 (Q types,
-// F16: 1e-3) or bf16 (BF16: 8e-3); F32 is SGEMM (1e-6).
+// activations' rounding (1e-2), also for T > 8 on MMQ (block types with columns a multiple of
+// 64). The cuBLAS path (T > 8, other shapes) rounds activations to fp16 (Q types, F16: 1e-3)
+// or bf16 (BF16: 8e-3); F32 is SGEMM (1e-6).
 TEST_CASE("CUDA matmul matches the CPU reference for every type, path and odd shapes", "[cuda]") {
   if (!have_gpu()) return;
   const uint64_t seed = fresh_seed();
@@ -242,7 +244,7 @@ TEST_CASE("CUDA matmul matches the CPU reference for every type, path and odd sh
           for (int64_t r = 0; r < s.rows; ++r) got[size_t(i * s.rows + r)] = y[size_t(i * ldy + r)];
           for (int64_t r = s.rows; r < ldy; ++r) pad_ok = pad_ok && y[size_t(i * ldy + r)] == 7.0f;
         }
-        const bool gemv = T <= cuda::kGemvMaxTokens;
+        const bool gemv = T <= cuda::kGemvMaxTokens || cuda::mmq_supported(w.view);  // int8 activations
         const double bound = t == DType::F32 ? 1e-6
                              : gemv         ? (block ? 1e-2 : 1e-6)
                              : t == DType::BF16 ? 8e-3
@@ -254,6 +256,68 @@ TEST_CASE("CUDA matmul matches the CPU reference for every type, path and odd sh
                            << " (plain relative error " << rel_err(got.data(), ref.data(), ref.size()) << ")");
         CHECK(err < bound);
         CHECK(pad_ok);
+      }
+    }
+  }
+}
+
+// MMQ against fp64 on the same int8 activations (quantize_act's, downloaded): the integer sums
+// are exact, so only the fp32 scaling and summation over blocks differ (bound 1e-5 of the
+// output's scale Σ_k |w_rk x_tk|). Every tile width, token counts that do not fill a tile, rows
+// that do not fill a 128-row block, an output wider than the matrix (ldy), with and without split-K.
+TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, every type and tile", "[cuda]") {
+  if (!have_gpu()) return;
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  struct Shape { int64_t rows, cols; };
+  const Shape shapes[] = {{1, 64}, {130, 128}, {257, 576}, {64, 2048}};
+  DeviceBuffer split(1 << 20);  // split-K scratch: {64, 2048} splits 8 ways (32 stages, 1 block of rows)
+  CHECK(cuda::mmq_splits(cuda::split_weight_view(DType::Q8_0, 64, 2048, nullptr), 9, split.bytes()) == 8);
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+    for (const Shape& s : shapes) {
+      TestWeight w(t, s.rows, s.cols, rng);
+      std::vector<float> wf(size_t(s.rows * s.cols));
+      for (int64_t r = 0; r < s.rows; ++r) dequantize_row(t, w.host.row(r), wf.data() + r * s.cols, s.cols);
+      for (int64_t T : {1, 9, 17, 40, 130}) {
+        const int64_t nb = s.cols / 32, ldy = s.rows + 5;
+        const auto x = gaussian(size_t(T * s.cols), rng);
+        DeviceBuffer xd = to_device(x), q(size_t(T * s.cols)), d(size_t(T * nb) * 4), sm(size_t(T * nb) * 4);
+        const cuda::DeviceActQ8 xq{q.as<int8_t>(), d.as<float>(), sm.as<float>()};
+        cuda::quantize_act(xd.as<float>(), xq, T, s.cols, nullptr);
+        const auto hq = from_device<int8_t>(q, size_t(T * s.cols));
+        const auto hd = from_device<float>(d, size_t(T * nb));
+        std::vector<double> ref(size_t(T * s.rows)), scale(ref.size());
+        for (int64_t i = 0; i < T; ++i)
+          for (int64_t r = 0; r < s.rows; ++r) {
+            double a = 0, b = 0;
+            for (int64_t k = 0; k < s.cols; ++k) {
+              const double v = double(wf[size_t(r * s.cols + k)]) * double(hq[size_t(i * s.cols + k)]) * double(hd[size_t(i * nb + k / 32)]);
+              a += v, b += std::fabs(v);
+            }
+            ref[size_t(i * s.rows + r)] = a, scale[size_t(i * s.rows + r)] = b;
+          }
+        for (int tile : {16, 32, 64, 128}) {
+          if (tile > 16 * T) continue;  // a tile far wider than the batch adds nothing
+          DeviceBuffer yd = to_device(std::vector<float>(size_t(T * ldy), 7.0f));
+          const bool splitk = tile % 32 == 0;  // half the runs with split-K scratch (splits where the grid is small)
+          cuda::mmq(w.view, xq, yd.as<float>(), T, ldy, nullptr, tile, splitk ? split.as<float>() : nullptr, split.bytes());
+          cuda::check(cudaGetLastError(), "mmq");
+          const auto y = from_device<float>(yd, size_t(T * ldy));
+          double e2 = 0, s2 = 0;
+          bool pad_ok = true;
+          for (int64_t i = 0; i < T; ++i) {
+            for (int64_t r = 0; r < s.rows; ++r) {
+              const double e = double(y[size_t(i * ldy + r)]) - ref[size_t(i * s.rows + r)];
+              e2 += e * e, s2 += scale[size_t(i * s.rows + r)] * scale[size_t(i * s.rows + r)];
+            }
+            for (int64_t r = s.rows; r < ldy; ++r) pad_ok = pad_ok && y[size_t(i * ldy + r)] == 7.0f;
+          }
+          INFO(dtype_name(t) << " rows " << s.rows << " cols " << s.cols << " T " << T << " tile " << tile << " split-K "
+                             << (splitk ? cuda::mmq_splits(w.view, T, split.bytes()) : 1) << " err " << std::sqrt(e2 / s2));
+          CHECK(std::sqrt(e2 / s2) < 1e-5);
+          CHECK(pad_ok);
+        }
       }
     }
   }
@@ -295,6 +359,38 @@ TEST_CASE("CUDA RMSNorm, SwiGLU, bias, embedding match the CPU", "[cuda]") {
     cuda::swiglu(od.as<float>(), hd.as<float>(), T, H, nullptr);
     const auto out = from_device<float>(od, ref.size());
     CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-5);
+  }
+  {  // Fused quantization: rmsnorm / add_rmsnorm / swiglu with q write the bytes quantize_act
+     // writes for their output, and the same output.
+    const int64_t T = 3, n = 4096, H = 1024, nb = n / 32;
+    const auto x = gaussian(size_t(T * n), rng), y = gaussian(size_t(T * n), rng), w = gaussian(size_t(n), rng);
+    const auto h = gaussian(size_t(T * 2 * H), rng);
+    DeviceBuffer wd = to_device(w), od(size_t(T * n) * 4), q(size_t(T * n)), d(size_t(T * nb) * 4), sm(size_t(T * nb) * 4);
+    DeviceBuffer q2(size_t(T * n)), d2(size_t(T * nb) * 4), s2(size_t(T * nb) * 4);
+    const cuda::DeviceActQ8 fq{q.as<int8_t>(), d.as<float>(), sm.as<float>()}, rq{q2.as<int8_t>(), d2.as<float>(), s2.as<float>()};
+    auto same = [&](const DeviceBuffer& out, int64_t rows, int64_t cols, const std::vector<float>& plain) {
+      cuda::quantize_act(out.as<float>(), rq, rows, cols, nullptr);
+      CHECK(from_device<float>(out, size_t(rows * cols)) == plain);
+      CHECK(from_device<int8_t>(q, size_t(rows * cols)) == from_device<int8_t>(q2, size_t(rows * cols)));
+      CHECK(from_device<float>(d, size_t(rows * cols / 32)) == from_device<float>(d2, size_t(rows * cols / 32)));
+      CHECK(from_device<float>(sm, size_t(rows * cols / 32)) == from_device<float>(s2, size_t(rows * cols / 32)));
+    };
+    DeviceBuffer xd = to_device(x);
+    cuda::rmsnorm(od.as<float>(), xd.as<float>(), wd.as<float>(), T, n, 1e-5f, nullptr);
+    const auto plain = from_device<float>(od, size_t(T * n));
+    cuda::rmsnorm(od.as<float>(), xd.as<float>(), wd.as<float>(), T, n, 1e-5f, nullptr, &fq);
+    same(od, T, n, plain);
+    DeviceBuffer yd = to_device(y), xd2 = to_device(x);
+    cuda::add_rmsnorm(xd.as<float>(), yd.as<float>(), od.as<float>(), wd.as<float>(), T, n, 1e-5f, nullptr);
+    const auto plain2 = from_device<float>(od, size_t(T * n));
+    cuda::add_rmsnorm(xd2.as<float>(), yd.as<float>(), od.as<float>(), wd.as<float>(), T, n, 1e-5f, nullptr, &fq);
+    same(od, T, n, plain2);
+    DeviceBuffer hd = to_device(h);
+    cuda::swiglu(od.as<float>(), hd.as<float>(), T, H, nullptr);
+    const auto plain3 = from_device<float>(od, size_t(T * H));
+    cuda::swiglu(od.as<float>(), hd.as<float>(), T, H, nullptr, &fq);
+    same(od, T, H, plain3);
+    CHECK_THROWS_AS(cuda::swiglu(od.as<float>(), hd.as<float>(), T, 1000, nullptr, &fq), UsageError);  // not whole blocks
   }
   {  // bias on columns [0, n) of rows of ld
     const int64_t T = 4, n = 37, ld = 50;
@@ -371,11 +467,14 @@ TEST_CASE("CUDA attention matches an fp64 reference, prefill and split decode, G
     DeviceBuffer kd = to_device(k), vd = to_device(v);
     const float scale = float(1.0 / std::sqrt(double(c.hd)));
     struct Run { std::vector<int32_t> pos; int64_t n_splits, part_len; };
+    std::vector<int32_t> spaced;  // 70 tokens at positions 13, 17, ..., 289: tiles that some rows of a block see and others not
+    for (int i = 0; i < 70; ++i) spaced.push_back(13 + 4 * i);
     const Run runs[] = {{{200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216}, 1, ctx},
                         {{0, 1, 2}, 1, ctx},
                         {{299}, 5, 64},
                         {{5}, 5, 64},
-                        {{130}, 10, 32}};
+                        {{130}, 10, 32},
+                        {spaced, 1, ctx}};
     for (const Run& run : runs) {
       const int64_t T = int64_t(run.pos.size());
       const auto q = gaussian(size_t(T * Q), rng);
@@ -386,8 +485,12 @@ TEST_CASE("CUDA attention matches an fp64 reference, prefill and split decode, G
                       run.n_splits, run.part_len, part.as<float>(), od.as<float>(), Q, nullptr);
       const auto out = from_device<float>(od, ref.size());
       const double err = rel_err(out.data(), ref.data(), ref.size());
-      INFO("heads " << c.n_heads << " kv " << c.n_kv << " hd " << c.hd << " T " << T << " splits " << run.n_splits << " err " << err);
-      CHECK(err < 1e-4);
+      // Prompts of 16+ tokens with head_dim 64 or 128 run on the tensor cores (fp16 q and softmax
+      // weights: ~3e-4 here); the rest in fp32 on the CUDA cores.
+      const bool tc = T >= 16 && (c.hd == 64 || c.hd == 128);
+      INFO("heads " << c.n_heads << " kv " << c.n_kv << " hd " << c.hd << " T " << T << " splits " << run.n_splits << " err " << err
+                    << (tc ? " (tensor cores)" : ""));
+      CHECK(err < (tc ? 1e-3 : 1e-4));
     }
   }
   // A tensor-parallel rank's uneven GQA slice (GqaSlice): 6 query heads in groups of 3 over 2 KV
@@ -773,6 +876,10 @@ TEST_CASE("CUDA partial offload: CPU layers then GPU layers give the CPU's logit
 // cached value (2^-11 relative): bound 1e-4 (the CPU's TP test, with an f32 cache, holds 1e-5).
 // q8_0: int8 activations per block, as compare_model: 5e-2. Ranks run at once on their own
 // threads (the emulator runs each thread's kernels on its own fibers).
+// Greedy tokens of two runs may part where the top two logits of one are closer than their
+// rounding differences (int8 activations per block: logits move by up to ~1e-2 relative).
+constexpr double kNearTie = 0.1;
+
 TEST_CASE("CUDA tensor parallelism: TP = 2 to 4 ranks on one GPU give TP = 1's logits and tokens", "[cuda][tp][model]") {
   if (!have_gpu()) return;
   for (const char* type : {"f32", "q8_0"}) {
@@ -784,8 +891,18 @@ TEST_CASE("CUDA tensor parallelism: TP = 2 to 4 ranks on one GPU give TP = 1's l
     cuda::CudaSession one(dm, m.get(), 128, 64, n);
     const float* l1 = one.forward(prompt.data(), n, true);
     const std::vector<float> ref(l1, l1 + n * V);
+    // TP=1's greedy tokens and, at each step, the gap between its two largest logits.
+    auto top2_gap = [V](const float* l) {
+      std::vector<float> v(l, l + V);
+      std::nth_element(v.begin(), v.begin() + 1, v.end(), std::greater<float>());
+      return double(v[0]) - double(v[1]);
+    };
     std::vector<int32_t> want = {Sampler::argmax(ref.data() + (n - 1) * V, V)};
-    for (int i = 1; i < 24; ++i) want.push_back(Sampler::argmax(one.forward(&want.back(), 1), V));
+    std::vector<double> gap = {top2_gap(ref.data() + (n - 1) * V)};
+    for (int i = 1; i < 24; ++i) {
+      const float* l = one.forward(&want.back(), 1);
+      want.push_back(Sampler::argmax(l, V)), gap.push_back(top2_gap(l));
+    }
     for (int tp : {2, 3, 4}) {  // 3: heads 3, 3, 2 over stories260K's 4 KV heads (groups of 2): uneven GQA slices
       if (tp != 2 && std::string(type) != "f32") continue;  // head_dim 8: 2 or 3 heads per rank are not whole q8_0 blocks
       cuda::CudaTpSession s(*m, tp, 128, 64, n);
@@ -811,7 +928,14 @@ TEST_CASE("CUDA tensor parallelism: TP = 2 to 4 ranks on one GPU give TP = 1's l
       Sampler sampler(greedy);
       std::vector<int32_t> got = {Sampler::argmax(lt + (n - 1) * V, V)};
       for (int i = 1; i < 24; ++i) got.push_back(s.forward_sample(&got.back(), 1, sampler, got));
-      CHECK(got == want);
+      // Identical up to the first near-tie: where the ranks' summation order may flip TP=1's
+      // argmax (a real GPU, q8_0 TP=2, flipped token 21). f32 must match throughout.
+      const size_t first = size_t(std::mismatch(got.begin(), got.end(), want.begin()).first - got.begin());
+      if (first < got.size()) {
+        WARN(type << " TP=" << tp << ": first different token at step " << first << ", TP=1's top-2 logit gap there " << gap[first]);
+        CHECK(std::string(type) != "f32");
+        CHECK(gap[first] < kNearTie);
+      }
       CHECK(s.pos() == n + 23);
     }
   }
@@ -921,6 +1045,42 @@ TEST_CASE("CUDA graphs replay llmq-server's batched decode steps exactly", "[cud
       const float* l = r.forward(kv, b.data(), int64_t(b.size()));
       rows[graphs].insert(rows[graphs].end(), l, l + int64_t(b.size()) * V);
       for (size_t i = 0; i < ids.size(); ++i) next[i] = Sampler::argmax(l + int64_t(i) * V, V);
+    }
+  }
+  unsetenv("LLMQ_CUDA_GRAPH");
+  REQUIRE(rows[0].size() == rows[1].size());
+  CHECK(std::memcmp(rows[0].data(), rows[1].data(), rows[0].size() * sizeof(float)) == 0);
+}
+
+// Batched decode steps of 9 .. kCudaMmqMaxTokens tokens run on MMQ (split-K included) and are
+// graphed too when no product needs cuBLAS: 12 sequences of a synthetic Q4_0 model (widths that
+// are multiples of 64, as MMQ needs) decode 6 steps, graphed and not, bit for bit.
+TEST_CASE("CUDA graphs replay batched MMQ decode steps exactly", "[cuda][batch]") {
+  if (!have_gpu()) return;
+  LlamaConfig c;
+  c.dim = 128, c.hidden_dim = 256, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 32, c.vocab_size = 256;
+  c.context_length = 64;
+  cuda::CudaModel dm(c, DType::Q4_0, 77);
+  const int64_t n_seq = 12;
+  std::vector<float> rows[2];
+  for (int graphs = 0; graphs < 2; ++graphs) {
+    setenv("LLMQ_CUDA_GRAPH", graphs ? "1" : "0", 1);
+    const CudaPlan plan = plan_cuda_server(c, {}, 64, 16, n_seq);
+    cuda::CudaSession s(dm, nullptr, plan);
+    KVCache kv = KVCache::tables_only(c, plan.kv_blocks, plan.block_tokens);
+    std::vector<int32_t> ids, next;
+    for (int64_t i = 0; i < n_seq; ++i) {
+      ids.push_back(kv.add_sequence());
+      REQUIRE(kv.reserve(ids.back(), 64));
+      const std::vector<BatchToken> b = {{ids.back(), int32_t(3 * i), false}, {ids.back(), int32_t(3 * i + 1), true}};
+      next.push_back(Sampler::argmax(s.forward_batch(kv, b.data(), 2), c.vocab_size));
+    }
+    for (int step = 0; step < 6; ++step) {
+      std::vector<BatchToken> b;
+      for (int64_t i = 0; i < n_seq; ++i) b.push_back({ids[size_t(i)], next[size_t(i)], true});
+      const float* l = s.forward_batch(kv, b.data(), n_seq);
+      rows[graphs].insert(rows[graphs].end(), l, l + n_seq * c.vocab_size);
+      for (int64_t i = 0; i < n_seq; ++i) next[size_t(i)] = Sampler::argmax(l + i * c.vocab_size, c.vocab_size);
     }
   }
   unsetenv("LLMQ_CUDA_GRAPH");

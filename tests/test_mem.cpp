@@ -443,7 +443,7 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
                                                "workspace: decode attention parts", "workspace: matmul scratch",
                                                "workspace: token ids, positions, top-k", "workspace: block tables",
                                                "cuBLAS workspace"})));
-  CHECK(sp.matmul.tile_rows == 512);  // the largest matrix (the 512-row output), not 64 MiB
+  CHECK(sp.matmul.tile_rows == 512);  // the largest matrix (the 512-row output), not 128 MiB
   // Partial offload (llmq-run --gpu-layers N): the GPU's share shrinks with N, the CPU's lines
   // appear; --fit picks the most layers within a GPU budget.
   o.parallel = 1, o.gpu_layers = 2;

@@ -1,9 +1,13 @@
 // Causal attention over the fp16 KV cache (engine/cuda/attention.h).
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "engine/cuda/attention.h"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
+#include "engine/cuda/mma.cuh"
 #include "formats/error.h"
 
 namespace llmq::cuda {
@@ -12,91 +16,178 @@ namespace {
 
 constexpr int kTile = 32;                     // positions per shared-memory tile (one per lane)
 constexpr int kOut = int(kMaxHeadDim) / 32;   // outputs per lane: dims lane, lane + 32, ...
+constexpr int kPad = 8;                       // halves after each K/V row in shared memory
 
-// grid (T, n_kv, n_splits), block (32, G): warp g is query head kvh · G + g - head_off (a rank's
-// uneven GQA slice: warps whose head lies outside [0, n_heads) load tiles and score zeros, and
-// write nothing).
-// Shared memory: K tile [kTile, hd + 2] fp16 (rows padded so lane j's reads of row j fall in
-// distinct banks), V tile [kTile, hd] fp16, the group's queries [G, hd] fp32 (scaled).
-__global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const __half* __restrict__ kc,
-                                 const __half* __restrict__ vc, const int32_t* __restrict__ pos, const int32_t* __restrict__ seq,
-                                 const int32_t* __restrict__ tables, int64_t table_stride, int bt, const int8_t* __restrict__ kq,
-                                 const __half* __restrict__ kd, const int8_t* __restrict__ vq, const __half* __restrict__ vd,
-                                 int n_heads, int n_kv, int hd, int head_off,
-                                 float scale, int n_splits, int part_len, float* __restrict__ partial, float* __restrict__ out,
-                                 int64_t ldo) {
+// grid (ceil(T / TQ), n_kv, n_splits), block (32, G, TQ): warp (g, z) is query head
+// kvh · G + g - head_off of token blockIdx.x · TQ + z. The TQ tokens of a block (one sequence:
+// the caller passes TQ > 1 only without block tables) share every K/V tile; each warp masks
+// the positions past its own token's. A rank's uneven GQA slice: warps whose head lies outside
+// [0, n_heads) load tiles and write nothing.
+// Tiles of kTile positions are double-buffered in shared memory: the next tile's copies (cp.async,
+// 16 bytes each) are in flight while the current one is scored, so a tile costs one memory round
+// trip, not one per element. A Q8_0 cache, or head_dim not a multiple of 8, loads element by
+// element instead (dequantized to fp16 on the way).
+// Shared memory: 2 stages of K tile [kTile, hd + 8] and V tile [kTile, hd + 8] fp16 (a lane reads
+// its K row in 16-byte pieces: 8 lanes per phase fall in distinct banks with the 8-half pad), then
+// the block's queries [TQ, G, hd] fp32 (scaled).
+struct AttnArgs {
+  const float* q;
+  int64_t ldq;
+  const __half *kc, *vc;
+  const int32_t *pos, *seq, *tables;
+  int64_t table_stride;
+  int bt;
+  const int8_t* kq;
+  const __half* kd;
+  const int8_t* vq;
+  const __half* vd;
+  int T, n_heads, n_kv, hd, head_off, group;  // group: query heads per KV head (GqaSlice)
+  float scale;
+  int n_splits, part_len;
+  float* partial;
+  float* out;
+  int64_t ldo;
+};
+
+// Issues (or, element-wise, performs) the copies of positions p0 .. p0 + n - 1 into one stage.
+__device__ __forceinline__ void attn_load_tile(const AttnArgs& a, __half* Ks, __half* Vs, const int32_t* table, int kvh, int p0, int n,
+                                               bool vec) {
+  const int hd = a.hd, pitch = hd + kPad, threads = int(blockDim.x * blockDim.y * blockDim.z);
+  const int tid = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+  const int64_t kv_dim = int64_t(a.n_kv) * hd;
+  if (vec) {
+    const int C = hd / 8;  // 16-byte pieces per row
+    if (threads % C == 0) {  // each thread keeps one piece column and walks rows: no division per piece
+      const int c = tid % C, step = threads / C;
+      for (int r = tid / C; r < n; r += step) {
+        const int p = p0 + r;
+        const int64_t row = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
+        const int64_t at = row * kv_dim + int64_t(kvh) * hd + c * 8;
+        cp_async16(Ks + r * pitch + c * 8, a.kc + at);
+        cp_async16(Vs + r * pitch + c * 8, a.vc + at);
+      }
+      return;
+    }
+    for (int idx = tid; idx < n * C; idx += threads) {
+      const int r = idx / C, c = idx % C, p = p0 + r;
+      const int64_t row = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
+      const int64_t at = row * kv_dim + int64_t(kvh) * hd + c * 8;
+      cp_async16(Ks + r * pitch + c * 8, a.kc + at);
+      cp_async16(Vs + r * pitch + c * 8, a.vc + at);
+    }
+    return;
+  }
+  for (int idx = tid; idx < n * hd; idx += threads) {
+    const int r = idx / hd, e = idx % hd, p = p0 + r;
+    const int64_t row = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
+    const int64_t at = row * kv_dim + int64_t(kvh) * hd + e;
+    if (a.kq) {  // Q8_0 cache: element at has scale at / 32 (kv_dim and hd are multiples of 32)
+      Ks[r * pitch + e] = __float2half(float(a.kq[at]) * __half2float(a.kd[at / 32]));
+      Vs[r * pitch + e] = __float2half(float(a.vq[at]) * __half2float(a.vd[at / 32]));
+    } else {
+      Ks[r * pitch + e] = a.kc[at], Vs[r * pitch + e] = a.vc[at];
+    }
+  }
+}
+
+template <int TQ>
+__global__ void attention_kernel(AttnArgs a) {
   unsigned char* smem = dynamic_smem();
-  const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
-  const int G = blockDim.y, g = threadIdx.y, lane = threadIdx.x;
-  const int h = kvh * G + g - head_off;
-  const bool mine = h >= 0 && h < n_heads;  // this warp's query head is held here
-  const int64_t kv_dim = int64_t(n_kv) * hd;
-  const int kpitch = hd + 2;
-  __half* Ks = reinterpret_cast<__half*>(smem);
-  __half* Vs = Ks + kTile * kpitch;
-  float* qs = reinterpret_cast<float*>(Vs + kTile * hd);
+  const int kvh = int(blockIdx.y), split = int(blockIdx.z);
+  const int G = int(blockDim.y), g = int(threadIdx.y), z = int(threadIdx.z), lane = int(threadIdx.x);
+  const int t0 = int(blockIdx.x) * TQ, t = t0 + z;
+  const int h = kvh * G + g - a.head_off, hd = a.hd, pitch = hd + kPad;
+  const bool mine = h >= 0 && h < a.n_heads && t < a.T;  // this warp's query head is held here, its token exists
+  const bool vec = !a.kq && hd % 8 == 0;
+  // Stage s: K tile at Kst(s), V tile right after it (pointers computed, not held in an array:
+  // a run-time index would put the array in local memory).
+  __half* const base = reinterpret_cast<__half*>(smem);
+  auto Kst = [&](int st) { return base + st * 2 * kTile * pitch; };
+  float* qs = reinterpret_cast<float*>(smem + size_t(4) * kTile * pitch * sizeof(__half));
+  float* qw = qs + (z * G + g) * hd;  // this warp's query
 
-  const int lo = split * part_len, hi = min(pos[t] + 1, lo + part_len);
-  const int32_t* table = tables ? tables + int64_t(seq[t]) * table_stride : nullptr;  // paged: this token's block table
-  for (int i = lane; i < hd; i += 32) qs[g * hd + i] = mine ? q[int64_t(t) * ldq + int64_t(h) * hd + i] * scale : 0.0f;
+  // Positions this block covers: the part's, up to the furthest of its tokens'.
+  const int lo = split * a.part_len;
+  int top = 0;
+  for (int k = 0; k < TQ && t0 + k < a.T; ++k) top = max(top, a.pos[t0 + k] + 1);
+  const int hi = min(top, lo + a.part_len);
+  const int lim = mine ? min(a.pos[t] + 1, lo + a.part_len) : 0;  // this warp's positions: [lo, lim)
+  const int32_t* table = a.tables ? a.tables + int64_t(a.seq[t0]) * a.table_stride : nullptr;  // paged: TQ == 1
+  for (int i = lane; i < hd; i += 32) qw[i] = mine ? a.q[int64_t(t) * a.ldq + int64_t(h) * hd + i] * a.scale : 0.0f;
 
   float m = -INFINITY, l = 0.0f, o[kOut];
 #pragma unroll
   for (int i = 0; i < kOut; ++i) o[i] = 0.0f;
-  const int half_hd = hd / 2, threads = 32 * G, tid = g * 32 + lane;
-  for (int p0 = lo; p0 < hi; p0 += kTile) {  // the same trip count for every thread of the block
-    const int n = min(kTile, hi - p0);
-    __syncthreads();  // the previous tile is consumed (and qs written, the first time)
-    for (int idx = tid; idx < n * half_hd; idx += threads) {
-      const int r = idx / half_hd, c = idx % half_hd, p = p0 + r;
-      const int64_t row = table ? int64_t(table[p / bt]) * bt + p % bt : p;
-      const int64_t src = row * kv_dim + int64_t(kvh) * hd;
-      if (kq) {  // Q8_0 cache: element e has scale e / 32 (kv_dim and hd are multiples of 32)
-        const int64_t e = src + 2 * c;
-        const float dk = __half2float(kd[e / 32]), dv = __half2float(vd[e / 32]);
-        Ks[r * kpitch + 2 * c] = __float2half(float(kq[e]) * dk), Ks[r * kpitch + 2 * c + 1] = __float2half(float(kq[e + 1]) * dk);
-        Vs[r * hd + 2 * c] = __float2half(float(vq[e]) * dv), Vs[r * hd + 2 * c + 1] = __float2half(float(vq[e + 1]) * dv);
-      } else {
-        reinterpret_cast<__half2*>(Ks + r * kpitch)[c] = reinterpret_cast<const __half2*>(kc + src)[c];
-        reinterpret_cast<__half2*>(Vs + r * hd)[c] = reinterpret_cast<const __half2*>(vc + src)[c];
-      }
+  const int n_tiles = hi > lo ? (hi - lo + kTile - 1) / kTile : 0;
+  if (n_tiles > 0) attn_load_tile(a, Kst(0), Kst(0) + kTile * pitch, table, kvh, lo, min(kTile, hi - lo), vec);
+  cp_async_commit();
+  for (int it = 0; it < n_tiles; ++it) {  // the same trip count for every thread of the block
+    const int p0 = lo + it * kTile, n = min(kTile, hi - p0);
+    if (it + 1 < n_tiles) {  // the stage read two iterations ago: free since the barrier closing the last one
+      const int p1 = p0 + kTile;
+      attn_load_tile(a, Kst((it + 1) & 1), Kst((it + 1) & 1) + kTile * pitch, table, kvh, p1, min(kTile, hi - p1), vec);
     }
-    __syncthreads();
+    cp_async_commit();
+    cp_async_wait<1>();  // this tile's copies (this thread's) have landed ...
+    __syncthreads();     // ... and everyone's (and qs is written, the first time)
+    const __half* Ks = Kst(it & 1);
+    const __half* Vs = Ks + kTile * pitch;
+    const int p = p0 + lane;
     float sc = -INFINITY;
-    if (lane < n) {
-      const __half2* kr = reinterpret_cast<const __half2*>(Ks + lane * kpitch);
-      const float* qg = qs + g * hd;
+    if (lane < n && p < lim) {
       float acc = 0.0f;
-      for (int i = 0; i < half_hd; ++i) {
-        const float2 kf = __half22float2(kr[i]);
-        acc += qg[2 * i] * kf.x + qg[2 * i + 1] * kf.y;
+      if (vec) {
+        // Four independent sums (one per 32-bit word of a piece): a single chain of hd dependent
+        // FMAs was the tile's critical path.
+        const uint4* kr = reinterpret_cast<const uint4*>(Ks + lane * pitch);
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = 0; c < hd / 8; ++c) {
+          const uint4 kk = kr[c];
+          const float* qc = qw + 8 * c;
+          const uint32_t w4[4] = {kk.x, kk.y, kk.z, kk.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // the bits as halves (no type punning: the emulator's compiler would not see the store)
+            const float k0 = __half2float(__ushort_as_half(uint16_t(w4[e] & 0xffffu)));
+            const float k1 = __half2float(__ushort_as_half(uint16_t(w4[e] >> 16)));
+            part[e] += qc[2 * e] * k0 + qc[2 * e + 1] * k1;
+          }
+        }
+        acc = (part[0] + part[1]) + (part[2] + part[3]);
+      } else {
+        for (int i = 0; i < hd; ++i) acc += qw[i] * __half2float(Ks[lane * pitch + i]);
       }
       sc = acc;
     }
-    const float m_new = fmaxf(m, warp_max(sc));  // finite: n >= 1
-    const float corr = expf(m - m_new);           // 0 on the first tile (m = -inf)
-    const float p = lane < n ? expf(sc - m_new) : 0.0f;
-    l = l * corr + warp_sum(p);
+    const float tmax = warp_max(sc);
+    if (tmax != -INFINITY) {  // warp-uniform: some position of this tile is this warp's
+      const float m_new = fmaxf(m, tmax);
+      const float corr = expf(m - m_new);  // 0 on the warp's first tile (m = -inf)
+      const float pr = sc != -INFINITY ? expf(sc - m_new) : 0.0f;
+      l = l * corr + warp_sum(pr);
 #pragma unroll
-    for (int i = 0; i < kOut; ++i) o[i] *= corr;
-    for (int j = 0; j < n; ++j) {
-      const float pj = __shfl_sync(kFullMask, p, j);
-      const __half* vr = Vs + j * hd;
+      for (int i = 0; i < kOut; ++i) o[i] *= corr;
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const float pj = __shfl_sync(kFullMask, pr, j);
+        const __half* vr = Vs + j * pitch;
 #pragma unroll
-      for (int i = 0; i < kOut; ++i)
-        if (lane + 32 * i < hd) o[i] += pj * __half2float(vr[lane + 32 * i]);
+        for (int i = 0; i < kOut; ++i)
+          if (lane + 32 * i < hd) o[i] += pj * __half2float(vr[lane + 32 * i]);
+      }
+      m = m_new;
     }
-    m = m_new;
+    __syncthreads();  // everyone is done with this stage before it is filled again
   }
+  cp_async_wait<0>();
   if (!mine) return;  // after the last barrier
-  if (n_splits == 1) {
+  if (a.n_splits == 1) {
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    float* dst = out + int64_t(t) * ldo + int64_t(h) * hd;
+    float* dst = a.out + int64_t(t) * a.ldo + int64_t(h) * hd;
 #pragma unroll
     for (int i = 0; i < kOut; ++i)
       if (lane + 32 * i < hd) dst[lane + 32 * i] = o[i] * inv;
   } else {
-    float* dst = partial + ((int64_t(t) * n_heads + h) * n_splits + split) * (hd + 2);
+    float* dst = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * (hd + 2);
 #pragma unroll
     for (int i = 0; i < kOut; ++i)
       if (lane + 32 * i < hd) dst[lane + 32 * i] = o[i];
@@ -104,27 +195,191 @@ __global__ void attention_kernel(const float* __restrict__ q, int64_t ldq, const
   }
 }
 
-// grid (T, n_heads), one warp: out = Σ_c e^(m_c - M) o_c / Σ_c e^(m_c - M) l_c.
+// ---------------------------------------------------------------- prefill on the tensor cores
+//
+// FlashAttention-2 (Dao 2023) on mma.m16n8k16 (fp16 operands, fp32 sums) for one sequence's
+// prompt: a block takes kFaRows query tokens of one query head, 4 warps of 16 tokens each; K/V
+// tiles of kFaCols positions are double-buffered in shared memory (cp.async), S = Q Kᵀ and
+// O += P V run on the tensor cores, the softmax is kept online per row in registers (scores in
+// log2 units: q is scaled by scale · log2 e, so p = 2^(s - m)). Q and P are rounded to fp16
+// (the cache already is): ~1e-3 relative against fp64, as FlashAttention's fp16 path.
+// Fragments (mma.cuh): Q's A fragments stay in registers for the whole block; K's B fragments
+// are 32-bit loads from the padded K rows; V's come transposed through ldmatrix; the S
+// accumulators of two 8-position tiles are P's A fragment for a 16-position step.
+constexpr int kFaRows = 64;  // query tokens per block (4 warps x 16)
+constexpr int kFaCols = 64;  // positions per K/V tile
+
+__device__ __forceinline__ uint32_t lds32(const __half* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Issues the copies of positions p0 .. p0 + kFaCols - 1 (those below `end`; the rest zero-filled).
+template <int HD>
+__device__ __forceinline__ void fa_load_tile(const AttnArgs& a, __half* Ks, __half* Vs, int kvh, int p0, int end) {
+  constexpr int P = HD + kPad, C = HD / 8;
+  const int64_t kv_dim = int64_t(a.n_kv) * HD;
+  for (int i = int(threadIdx.x); i < kFaCols * C; i += 128) {
+    const int r = i / C, c = i % C, p = p0 + r;
+    const int64_t at = int64_t(p < end ? p : 0) * kv_dim + int64_t(kvh) * HD + c * 8;
+    cp_async16(Ks + r * P + c * 8, a.kc + at, p < end ? 16 : 0);
+    cp_async16(Vs + r * P + c * 8, a.vc + at, p < end ? 16 : 0);
+  }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
+  constexpr int P = HD + kPad, KS = HD / 16, NS = kFaCols / 8, NO = HD / 8;
+  __half* const base = reinterpret_cast<__half*>(dynamic_smem());  // stage s: K [kFaCols][P], then V
+  __shared__ int warp_top[4];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, c = lane % 4;
+  const int h = int(blockIdx.y), kvh = (h + a.head_off) / a.group;
+  const int r0 = int(blockIdx.x) * kFaRows + warp * 16 + g, r1 = r0 + 8;  // this thread's two query tokens
+  const int pos0 = r0 < a.T ? a.pos[r0] : -1, pos1 = r1 < a.T ? a.pos[r1] : -1;
+  int wtop = max(pos0, pos1);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) wtop = max(wtop, __shfl_xor_sync(kFullMask, wtop, o));
+  if (lane == 0) warp_top[warp] = wtop;
+  // Q's fragments, scaled into log2 units.
+  const float qs = a.scale * 1.44269504088896340736f;
+  auto qv = [&](int r, int k) { return r < a.T ? a.q[int64_t(r) * a.ldq + int64_t(h) * HD + k] * qs : 0.0f; };
+  uint32_t qf[KS][4];
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const int k = 16 * kk + 2 * c;
+    qf[kk][0] = pack_half2(qv(r0, k), qv(r0, k + 1)), qf[kk][1] = pack_half2(qv(r1, k), qv(r1, k + 1));
+    qf[kk][2] = pack_half2(qv(r0, k + 8), qv(r0, k + 9)), qf[kk][3] = pack_half2(qv(r1, k + 8), qv(r1, k + 9));
+  }
+  __syncthreads();
+  const int top = max(max(warp_top[0], warp_top[1]), max(warp_top[2], warp_top[3])) + 1;  // positions 0 .. top-1
+  float o[NO][4];
+#pragma unroll
+  for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const int n_tiles = (top + kFaCols - 1) / kFaCols;
+  if (n_tiles > 0) fa_load_tile<HD>(a, base, base + kFaCols * P, kvh, 0, top);
+  cp_async_commit();
+  for (int it = 0; it < n_tiles; ++it) {
+    if (it + 1 < n_tiles) {
+      __half* Kn = base + ((it + 1) & 1) * 2 * kFaCols * P;
+      fa_load_tile<HD>(a, Kn, Kn + kFaCols * P, kvh, (it + 1) * kFaCols, top);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const __half* Ks = base + (it & 1) * 2 * kFaCols * P;
+    const __half* Vs = Ks + kFaCols * P;
+    const int p0 = it * kFaCols;
+    if (p0 <= wtop) {  // warp-uniform: some of this warp's tokens see this tile
+      float sc[NS][4];
+#pragma unroll
+      for (int n = 0; n < NS; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+          const __half* kr = Ks + (8 * n + g) * P + 16 * kk + 2 * c;
+          const uint32_t b[2] = {lds32(kr), lds32(kr + 8)};
+          mma_f16(sc[n], qf[kk], b);
+        }
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int p = p0 + 8 * n + 2 * c + e;
+          if (p > pos0) sc[n][e] = -INFINITY;
+          if (p > pos1) sc[n][2 + e] = -INFINITY;
+          mx0 = fmaxf(mx0, sc[n][e]), mx1 = fmaxf(mx1, sc[n][2 + e]);
+        }
+#pragma unroll
+      for (int o2 = 1; o2 <= 2; o2 <<= 1)
+        mx0 = fmaxf(mx0, __shfl_xor_sync(kFullMask, mx0, o2)), mx1 = fmaxf(mx1, __shfl_xor_sync(kFullMask, mx1, o2));
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float mu0 = mn0 == -INFINITY ? 0.0f : mn0, mu1 = mn1 == -INFINITY ? 0.0f : mn1;  // a row with nothing visible yet
+      const float cr0 = exp2f(m0 - mu0), cr1 = exp2f(m1 - mu1);
+      m0 = mn0, m1 = mn1, l0 *= cr0, l1 *= cr1;
+#pragma unroll
+      for (int n = 0; n < NO; ++n) o[n][0] *= cr0, o[n][1] *= cr0, o[n][2] *= cr1, o[n][3] *= cr1;
+#pragma unroll
+      for (int kk = 0; kk < kFaCols / 16; ++kk) {
+        float pr[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          pr[j][0] = exp2f(sc[2 * kk + j][0] - mu0), pr[j][1] = exp2f(sc[2 * kk + j][1] - mu0);
+          pr[j][2] = exp2f(sc[2 * kk + j][2] - mu1), pr[j][3] = exp2f(sc[2 * kk + j][3] - mu1);
+          l0 += pr[j][0] + pr[j][1], l1 += pr[j][2] + pr[j][3];
+        }
+        const uint32_t pa[4] = {pack_half2(pr[0][0], pr[0][1]), pack_half2(pr[0][2], pr[0][3]), pack_half2(pr[1][0], pr[1][1]),
+                                pack_half2(pr[1][2], pr[1][3])};
+        const int lrow = 16 * kk + lane % 8 + (lane / 8) % 2 * 8, lcol = (lane / 16) * 8;
+#pragma unroll
+        for (int np = 0; np < NO / 2; ++np) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, Vs + lrow * P + 16 * np + lcol);
+          const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+          mma_f16(o[2 * np], pa, b0);
+          mma_f16(o[2 * np + 1], pa, b1);
+        }
+      }
+    }
+    __syncthreads();  // everyone is done with this stage before it is filled again
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int o2 = 1; o2 <= 2; o2 <<= 1) l0 += __shfl_xor_sync(kFullMask, l0, o2), l1 += __shfl_xor_sync(kFullMask, l1, o2);
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+    const int col = h * HD + 8 * n + 2 * c;
+    if (r0 < a.T) *reinterpret_cast<float2*>(a.out + int64_t(r0) * a.ldo + col) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
+    if (r1 < a.T) *reinterpret_cast<float2*>(a.out + int64_t(r1) * a.ldo + col) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
+  }
+}
+
+// LLMQ_CUDA_ATTN=0: prompts on the CUDA-core kernel too (for comparisons).
+bool use_prefill_kernel(int64_t T, int64_t hd, int64_t n_splits, const KvPages& pages, const KvQ8& q8, int64_t ldo) {
+  static const bool off = [] {
+    const char* e = std::getenv("LLMQ_CUDA_ATTN");
+    return e && std::string(e) == "0";
+  }();
+  return !off && T >= 16 && n_splits == 1 && !pages.tables && !q8.kq && (hd == 64 || hd == 128) && ldo % 2 == 0;
+}
+
+// grid (T, n_heads), one warp: out = Σ_c e^(m_c - M) o_c / Σ_c e^(m_c - M) l_c. Lane c reads
+// part c's (m, l) (32 parts at a time), so the maximum and the weights cost one round of loads,
+// not one per part (a loop over the parts' m, then l, then o had a chain of 3 x n_splits
+// dependent loads: ~25 us of a decode step's layer on an H200); parts with l = 0 (past the
+// token's position) weigh 0.
 __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_heads, int hd, int n_splits, float* __restrict__ out,
                                        int64_t ldo) {
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-  const float* P = partial + (int64_t(t) * n_heads + h) * n_splits * (hd + 2);
+  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, stride = hd + 2;
+  const float* P = partial + (int64_t(t) * n_heads + h) * n_splits * stride;
   float M = -INFINITY;
-  for (int c = 0; c < n_splits; ++c) M = fmaxf(M, P[c * (hd + 2) + hd]);
+  for (int c = lane; c < n_splits; c += 32)
+    if (P[c * stride + hd + 1] > 0.0f) M = fmaxf(M, P[c * stride + hd]);
+  M = warp_max(M);
   float denom = 0.0f;
-  for (int c = 0; c < n_splits; ++c) {
-    const float* pc = P + c * (hd + 2);
-    if (pc[hd + 1] > 0.0f) denom += expf(pc[hd] - M) * pc[hd + 1];
-  }
-  const float inv = 1.0f / denom;
-  for (int d = lane; d < hd; d += 32) {
-    float acc = 0.0f;
-    for (int c = 0; c < n_splits; ++c) {
-      const float* pc = P + c * (hd + 2);
-      if (pc[hd + 1] > 0.0f) acc += expf(pc[hd] - M) * pc[d];
+  for (int c = lane; c < n_splits; c += 32)
+    if (P[c * stride + hd + 1] > 0.0f) denom += expf(P[c * stride + hd] - M) * P[c * stride + hd + 1];
+  const float inv = 1.0f / warp_sum(denom);
+  float acc[kOut];
+#pragma unroll
+  for (int i = 0; i < kOut; ++i) acc[i] = 0.0f;
+  for (int c0 = 0; c0 < n_splits; c0 += 32) {
+    const int c = c0 + lane;
+    const float w = c < n_splits && P[c * stride + hd + 1] > 0.0f ? expf(P[c * stride + hd] - M) : 0.0f;
+    const int nc = min(32, n_splits - c0);
+#pragma unroll 4
+    for (int j = 0; j < nc; ++j) {
+      const float wj = __shfl_sync(kFullMask, w, j);
+      if (wj == 0.0f) continue;  // warp-uniform: an empty part
+      const float* pc = P + (c0 + j) * stride;
+#pragma unroll
+      for (int i = 0; i < kOut; ++i)
+        if (lane + 32 * i < hd) acc[i] += wj * pc[lane + 32 * i];
     }
-    out[int64_t(t) * ldo + int64_t(h) * hd + d] = acc * inv;
   }
+#pragma unroll
+  for (int i = 0; i < kOut; ++i)
+    if (lane + 32 * i < hd) out[int64_t(t) * ldo + int64_t(h) * hd + lane + 32 * i] = acc[i] * inv;
 }
 
 }  // namespace
@@ -146,14 +401,38 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   if (q8.kq && hd % 32 != 0) throw UsageError("CUDA attention: a Q8_0 KV cache needs head_dim a multiple of 32");
   if (T == 0) return;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
-  const size_t smem = size_t(kTile) * (hd + 2) * 2 + size_t(kTile) * hd * 2 + size_t(G * hd) * 4;
-  const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(G), 1};
-  if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
-    check(cudaFuncSetAttribute(reinterpret_cast<const void*>(attention_kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-          "cudaFuncSetAttribute");
-  LLMQ_LAUNCH(attention_kernel, grid, block, smem, s)(q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos,
-                                             pages.seq, pages.tables, pages.table_stride, int(pages.block_tokens), q8.kq,
-                                             reinterpret_cast<const __half*>(q8.kd), q8.vq, reinterpret_cast<const __half*>(q8.vd), int(n_heads), int(n_kv), int(hd), int(off), scale, int(n_splits), int(part_len), partial, out, ldo);
+  if (use_prefill_kernel(T, hd, n_splits, pages, q8, ldo)) {
+    const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, nullptr, nullptr, 0, 0,
+                        nullptr, nullptr, nullptr, nullptr, int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, 1,
+                        int(part_len), nullptr, out, ldo};
+    const size_t smem = size_t(4) * kFaCols * (hd + kPad) * 2;
+    auto kernel = hd == 64 ? attention_prefill_kernel<64> : attention_prefill_kernel<128>;
+    if (smem > 48 * 1024)
+      check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            "cudaFuncSetAttribute");
+    const dim3 grid{unsigned((T + kFaRows - 1) / kFaRows), unsigned(n_heads), 1};
+    LLMQ_LAUNCH(kernel, grid, 128, smem, s)(args);
+    check_launch("attention (prefill)");
+    return;
+  }
+  // Tokens per block: one sequence (no tables) shares K/V tiles between up to 4 tokens, as long
+  // as a block stays within 8 warps.
+  const int tq = pages.tables || T < 4 ? 1 : int(std::max<int64_t>(1, std::min<int64_t>(4, 8 / G)));
+  const size_t smem = size_t(4) * kTile * (hd + kPad) * 2 + size_t(tq * G * hd) * 4;
+  const dim3 grid{unsigned((T + tq - 1) / tq), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(G), unsigned(tq)};
+  const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, pages.seq, pages.tables,
+                      pages.table_stride, int(pages.block_tokens), q8.kq, reinterpret_cast<const __half*>(q8.kd), q8.vq,
+                      reinterpret_cast<const __half*>(q8.vd), int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, int(n_splits),
+                      int(part_len), partial, out, ldo};
+  auto launch = [&](auto kernel) {
+    if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
+      check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            "cudaFuncSetAttribute");
+    LLMQ_LAUNCH(kernel, grid, block, smem, s)(args);
+  };
+  if (tq == 4) launch(attention_kernel<4>);
+  else if (tq == 2) launch(attention_kernel<2>);
+  else launch(attention_kernel<1>);
   check_launch("attention");
   if (n_splits > 1) {
     const dim3 merge_grid{unsigned(T), unsigned(n_heads), 1};

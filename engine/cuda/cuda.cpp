@@ -56,6 +56,44 @@ double best_time_ms(int reps, const std::function<void()>& op) {
   return double(best);
 }
 
+OpProfile::~OpProfile() {
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+}
+
+cudaEvent_t OpProfile::event(size_t i) {
+  while (events_.size() <= i) {
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreate(&e), "cudaEventCreate");
+    events_.push_back(e);
+  }
+  return events_[i];
+}
+
+void OpProfile::begin(cudaStream_t s) {
+  stream_ = s;
+  names_.clear();
+  check(cudaEventRecord(event(0), s), "cudaEventRecord");
+}
+
+void OpProfile::mark(const char* op) {
+  names_.push_back(op);
+  check(cudaEventRecord(event(names_.size()), stream_), "cudaEventRecord");
+}
+
+void OpProfile::end() {
+  if (names_.empty()) return;
+  check(cudaEventSynchronize(events_[names_.size()]), "cudaEventSynchronize");
+  for (size_t i = 0; i < names_.size(); ++i) {
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]), "cudaEventElapsedTime");
+    auto it = std::find_if(totals_.begin(), totals_.end(), [&](const auto& t) { return t.first == names_[i]; });
+    if (it == totals_.end()) totals_.emplace_back(names_[i], double(ms));
+    else it->second += double(ms);
+  }
+  names_.clear();
+  ++passes_;
+}
+
 double measure_copy_bandwidth(uint64_t bytes, int reps) {
   DeviceBuffer a(bytes), b(bytes);
   check(cudaMemset(a.get(), 1, bytes), "cudaMemset");

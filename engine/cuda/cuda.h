@@ -8,6 +8,8 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace llmq::cuda {
 
@@ -40,6 +42,35 @@ double best_time_ms(int reps, const std::function<void()>& op);
 /// `bytes` between two buffers, counted as bytes read + bytes written per second (as
 /// NVIDIA's bandwidthTest does). The reference for "fraction of the memory bandwidth".
 double measure_copy_bandwidth(uint64_t bytes = 1ull << 30, int reps = 10);
+
+/// Time per op class of the work enqueued on one stream, from CUDA events recorded between the
+/// ops (llmq-bench --profile): after begin(), each mark(op) gives the interval since the previous
+/// mark (or begin) to `op`; end() waits for the stream and adds the intervals up by name. Events
+/// add a few microseconds per op, so the sum is a little over an unprofiled pass, and a profiled
+/// pass runs without CUDA graphs. The events are made once and reused.
+class OpProfile {
+ public:
+  OpProfile() = default;
+  OpProfile(const OpProfile&) = delete;
+  OpProfile& operator=(const OpProfile&) = delete;
+  ~OpProfile();
+  void begin(cudaStream_t s);
+  void mark(const char* op);
+  void end();
+  /// Milliseconds per op class over every pass since the last clear(), in first-seen order.
+  const std::vector<std::pair<std::string, double>>& totals_ms() const { return totals_; }
+  /// Passes ended since the last clear().
+  int passes() const { return passes_; }
+  void clear() { totals_.clear(), passes_ = 0; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  std::vector<cudaEvent_t> events_;  // events_[0]: begin; events_[i]: after names_[i - 1]
+  std::vector<const char*> names_;
+  std::vector<std::pair<std::string, double>> totals_;
+  int passes_ = 0;
+  cudaEvent_t event(size_t i);
+};
 
 /// One device allocation (cudaMalloc), freed by the destructor. Move-only.
 class DeviceBuffer {

@@ -3,7 +3,9 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "engine/cuda/common.cuh"
@@ -195,64 +197,123 @@ __device__ __forceinline__ void store_rows(float (&acc)[kGemvMaxTokens], float* 
     }
 }
 
-// Q8_0: a chunk is half a block (16 quants); w·x = Σ_blocks d_w · d_x · Σ q_w q_x.
-__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q8_0_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
-                                                                   const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  const int64_t row = int64_t(blockIdx.x) * kGemvWarps + threadIdx.y;
-  if (row >= rows) return;
-  const int64_t nb = cols / 32, n16 = cols / 16;
-  const uint4* w = reinterpret_cast<const uint4*>(wq + row * cols);
-  const uint16_t* d = wd + row * nb;
-  float acc[kGemvMaxTokens] = {};
-#pragma unroll 4
-  for (int64_t c = threadIdx.x; c < n16; c += 32) {
-    const uint4 wv = __ldg(w + c);
-    const float dw = fp16_bits_to_float(__ldg(d + c / 2));
+// Block-quantized weights (dev/cuda/gemv.cu's versions 2 and 3; bench/RESULTS.md has their
+// timings). R rows per group; each lane takes whole quant blocks b = lane, lane + 32 KS, ...:
+// Q8_0 two 16-byte loads, Q4 one (low nibbles = weights 0..15 of the block, high = 16..31); every
+// load of weights and activations serves all R rows and T tokens (registers). KS = 1: one warp
+// per group, W groups per CUDA block; KS = W: the block's W warps split the row's blocks between
+// them (more loads in flight for matrices with few rows; partial sums added through shared memory
+// in a fixed order). Per block:  Q8_0  d_w d_x Σ q_w q_x;  Q4_0  d_w (d_x Σ q_w q_x - 8 s_x);
+// Q4_1  d_w d_x Σ q_w q_x + m_w s_x  (s_x = d_x Σ q_x, from quantize_act).
+template <DType kType, int R, int W, int T, int KS>
+__global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
+                                                           const uint16_t* __restrict__ wm, const int8_t* __restrict__ xq,
+                                                           const float* __restrict__ xd, const float* __restrict__ xs,
+                                                           float* __restrict__ y, int64_t ldy, int rows, int cols) {
+  constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;  // quant bytes per block
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int row0 = (KS == 1 ? int(blockIdx.x) * W + warp : int(blockIdx.x)) * R;
+  if (row0 >= rows) return;  // whole warps (KS == 1) or whole blocks (KS > 1: row0 is the block's)
+  const int ks = KS == 1 ? 0 : warp, nb = cols / 32;
+  const uint4* w[R];
+  const uint16_t* d[R];
+  const uint16_t* m[R];
 #pragma unroll
-    for (int t = 0; t < kGemvMaxTokens; ++t)
-      if (t < T) {
-        const int4 xv = *reinterpret_cast<const int4*>(xq + t * cols + c * 16);
-        acc[t] += dw * xd[t * nb + c / 2] * float(dp4a4(wv, xv, 0));
-      }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = min(row0 + r, rows - 1);
+    w[r] = reinterpret_cast<const uint4*>(wq + row * nb * kQB), d[r] = wd + row * nb, m[r] = kType == DType::Q4_1 ? wm + row * nb : nullptr;
   }
-  store_rows(acc, y, ldy, row, T);
+  float acc[R][T];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+#pragma unroll 2
+  for (int b = ks * 32 + lane; b < nb; b += 32 * KS) {
+    uint4 w0[R], w1[R];
+    float dw[R], mw[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      w0[r] = __ldg(w[r] + (kQB / 16) * b);
+      if constexpr (kType == DType::Q8_0) w1[r] = __ldg(w[r] + 2 * b + 1);
+      dw[r] = fp16_bits_to_float(__ldg(d[r] + b));
+      if constexpr (kType == DType::Q4_1) mw[r] = fp16_bits_to_float(__ldg(m[r] + b));
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const int4* xb = reinterpret_cast<const int4*>(xq + int64_t(t) * cols + b * 32);
+      const int4 x0 = __ldg(xb), x1 = __ldg(xb + 1);
+      const float dx = __ldg(xd + int64_t(t) * nb + b);
+      const float sx = kType == DType::Q8_0 ? 0.0f : __ldg(xs + int64_t(t) * nb + b);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if constexpr (kType == DType::Q8_0) {
+          acc[r][t] += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
+        } else {
+          const uint4 v = w0[r];
+          const uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
+          const uint4 hi = make_uint4((v.x >> 4) & 0x0f0f0f0fu, (v.y >> 4) & 0x0f0f0f0fu, (v.z >> 4) & 0x0f0f0f0fu, (v.w >> 4) & 0x0f0f0f0fu);
+          const float s = float(dp4a4(hi, x1, dp4a4(lo, x0, 0)));
+          if constexpr (kType == DType::Q4_0) acc[r][t] += dw[r] * (dx * s - 8.0f * sx);
+          else acc[r][t] += dw[r] * dx * s + mw[r] * sx;
+        }
+      }
+    }
+  }
+  if constexpr (KS == 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float v = warp_sum(acc[r][t]);
+        if (lane == 0 && row0 + r < rows) y[t * ldy + row0 + r] = v;
+      }
+  } else {
+    __shared__ float part[KS][R * T];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float v = warp_sum(acc[r][t]);
+        if (lane == 0) part[warp][r * T + t] = v;
+      }
+    __syncthreads();
+    if (int(threadIdx.x) < R * T) {
+      const int r = int(threadIdx.x) / T, t = int(threadIdx.x) % T;
+      float v = 0.0f;
+#pragma unroll
+      for (int i = 0; i < KS; ++i) v += part[i][threadIdx.x];
+      if (row0 + r < rows) y[t * ldy + row0 + r] = v;
+    }
+  }
 }
 
-// Q4_0 / Q4_1: a chunk is one block (16 bytes of nibbles). Low nibbles are weights 0..15 of the
-// block, high nibbles 16..31. Q4_0: w = d (q - 8), so w·x = d (d_x Σ q q_x - 8 s_x);
-// Q4_1: w = d q + m, so w·x = d d_x Σ q q_x + m s_x (s_x = d_x Σ q_x, from quantize_act).
-template <bool kMin>
-__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q4_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
-                                                                 const uint16_t* __restrict__ wm, const int8_t* __restrict__ xq,
-                                                                 const float* __restrict__ xd, const float* __restrict__ xs,
-                                                                 float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  const int64_t row = int64_t(blockIdx.x) * kGemvWarps + threadIdx.y;
-  if (row >= rows) return;
-  const int64_t nb = cols / 32;
-  const uint4* w = reinterpret_cast<const uint4*>(wq + row * (cols / 2));
-  const uint16_t* d = wd + row * nb;
-  float acc[kGemvMaxTokens] = {};
-#pragma unroll 4
-  for (int64_t b = threadIdx.x; b < nb; b += 32) {
-    const uint4 wv = __ldg(w + b);
-    const float dw = fp16_bits_to_float(__ldg(d + b));
-    const float mw = kMin ? fp16_bits_to_float(__ldg(wm + row * nb + b)) : 0.0f;
-    const uint4 lo = make_uint4(wv.x & 0x0f0f0f0fu, wv.y & 0x0f0f0f0fu, wv.z & 0x0f0f0f0fu, wv.w & 0x0f0f0f0fu);
-    const uint4 hi = make_uint4((wv.x >> 4) & 0x0f0f0f0fu, (wv.y >> 4) & 0x0f0f0f0fu, (wv.z >> 4) & 0x0f0f0f0fu,
-                                (wv.w >> 4) & 0x0f0f0f0fu);
-#pragma unroll
-    for (int t = 0; t < kGemvMaxTokens; ++t)
-      if (t < T) {
-        const int4* xb = reinterpret_cast<const int4*>(xq + t * cols + b * 32);
-        const int sum = dp4a4(hi, xb[1], dp4a4(lo, xb[0], 0));
-        const float dx = xd[t * nb + b], sx = xs[t * nb + b];
-        if (kMin) acc[t] += dw * dx * float(sum) + mw * sx;
-        else acc[t] += dw * (dx * float(sum) - 8.0f * sx);
-      }
-  }
-  store_rows(acc, y, ldy, row, T);
+template <DType kType, int R, int W, int T, int KS>
+void launch_gemv_block(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t ldy, cudaStream_t s) {
+  const int64_t groups = (w.rows + R - 1) / R;
+  const unsigned grid = unsigned(KS == 1 ? (groups + W - 1) / W : groups);
+  auto* kernel = gemv_block_kernel<kType, R, W, T, KS>;  // a template name's commas would split the macro's arguments
+  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols));
 }
+
+// The version per type and token count, from the lab's timings on an H200 (bench/RESULTS.md):
+// one token: the K split over 4 warps (Q4: 4 rows per block, Q8_0: 2); more tokens: 4 rows per
+// warp, 4 warps per block (each weight load serves 4 x T products).
+template <DType kType>
+void gemv_block(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t ldy, int T, cudaStream_t s) {
+  constexpr int kR1 = kType == DType::Q8_0 ? 2 : 4;
+  switch (T) {
+    case 1: return launch_gemv_block<kType, kR1, 4, 1, 4>(w, xq, y, ldy, s);
+    case 2: return launch_gemv_block<kType, 4, 4, 2, 1>(w, xq, y, ldy, s);
+    case 3: return launch_gemv_block<kType, 4, 4, 3, 1>(w, xq, y, ldy, s);
+    case 4: return launch_gemv_block<kType, 4, 4, 4, 1>(w, xq, y, ldy, s);
+    case 5: return launch_gemv_block<kType, 4, 4, 5, 1>(w, xq, y, ldy, s);
+    case 6: return launch_gemv_block<kType, 4, 4, 6, 1>(w, xq, y, ldy, s);
+    case 7: return launch_gemv_block<kType, 4, 4, 7, 1>(w, xq, y, ldy, s);
+    default: return launch_gemv_block<kType, 4, 4, 8, 1>(w, xq, y, ldy, s);
+  }
+}
+static_assert(kGemvMaxTokens == 8, "gemv_block instantiates T = 1 .. 8");
 
 // 16 bytes of weights as floats: 4 (F32) or 8 (F16, BF16).
 template <class E>
@@ -324,9 +385,9 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
   const int nt = int(T);
   if (ldy == 0) ldy = w.rows;
   switch (w.type) {
-    case DType::Q8_0: LLMQ_LAUNCH(gemv_q8_0_kernel, grid, block, 0, s)(w.q, w.d, xq.q, xq.d, y, ldy, w.rows, w.cols, nt); break;
-    case DType::Q4_0: LLMQ_LAUNCH(gemv_q4_kernel<false>, grid, block, 0, s)(w.q, w.d, nullptr, xq.q, xq.d, xq.s, y, ldy, w.rows, w.cols, nt); break;
-    case DType::Q4_1: LLMQ_LAUNCH(gemv_q4_kernel<true>, grid, block, 0, s)(w.q, w.d, w.m, xq.q, xq.d, xq.s, y, ldy, w.rows, w.cols, nt); break;
+    case DType::Q8_0: gemv_block<DType::Q8_0>(w, xq, y, ldy, nt, s); break;
+    case DType::Q4_0: gemv_block<DType::Q4_0>(w, xq, y, ldy, nt, s); break;
+    case DType::Q4_1: gemv_block<DType::Q4_1>(w, xq, y, ldy, nt, s); break;
     case DType::F32:
       LLMQ_LAUNCH(gemv_float_kernel<float>, grid, block, 0, s)(reinterpret_cast<const float*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
@@ -344,34 +405,37 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
 
 namespace {
 
-// One thread per block of 32 weights, written as 4 x 16 bytes of fp16.
+// One thread per 8 weights (a quarter of a block), written as one 16-byte store: a warp writes
+// 512 contiguous bytes. (A thread per block writing 4 x 16 bytes 64 bytes apart ran at ~2 TB/s
+// on an H200; dev/cuda/mmq.cu times this kernel as "dequant + cublas".) Quarter k of a block:
+// Q8_0 quants 8k..8k+7; Q4 nibbles of bytes 8 (k % 2) .. +7, low ones for k < 2 (weights 0..15),
+// high ones for k >= 2.
 template <DType kType>
 __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
-                                      const uint16_t* __restrict__ wm, __half* __restrict__ out, int64_t n_blocks) {
-  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= n_blocks) return;
+                                      const uint16_t* __restrict__ wm, uint4* __restrict__ out, int64_t n_quarters) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_quarters) return;
+  const int64_t b = i / 4;
+  const int k = int(i % 4);
   const float d = fp16_bits_to_float(wd[b]);
-  __align__(16) __half v[32];
+  float f[8];
   if constexpr (kType == DType::Q8_0) {
-    const int4* q4 = reinterpret_cast<const int4*>(wq + b * 32);
-    __align__(16) int8_t q[32];
-    reinterpret_cast<int4*>(q)[0] = q4[0];
-    reinterpret_cast<int4*>(q)[1] = q4[1];
+    const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 32 + 8 * k);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) v[j] = __float2half(d * float(q[j]));
+    for (int j = 0; j < 4; ++j) f[j] = d * float(int8_t(raw.x >> (8 * j))), f[4 + j] = d * float(int8_t(raw.y >> (8 * j)));
   } else {
     const float m = kType == DType::Q4_1 ? fp16_bits_to_float(wm[b]) : -8.0f * d;
-    __align__(16) uint8_t q[16];
-    *reinterpret_cast<uint4*>(q) = reinterpret_cast<const uint4*>(wq)[b];
+    const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 16 + 8 * (k % 2));
+    const int sh = k < 2 ? 0 : 4;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      v[j] = __float2half(d * float(q[j] & 0x0f) + m);
-      v[j + 16] = __float2half(d * float(q[j] >> 4) + m);
-    }
+    for (int j = 0; j < 4; ++j)
+      f[j] = d * float((raw.x >> (8 * j + sh)) & 0x0f) + m, f[4 + j] = d * float((raw.y >> (8 * j + sh)) & 0x0f) + m;
   }
-  uint4* o = reinterpret_cast<uint4*>(out + b * 32);
+  uint32_t h[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) o[i] = reinterpret_cast<const uint4*>(v)[i];
+  for (int j = 0; j < 4; ++j)
+    h[j] = uint32_t(__half_as_ushort(__float2half(f[2 * j]))) | (uint32_t(__half_as_ushort(__float2half(f[2 * j + 1]))) << 16);
+  out[i] = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // fp32 → fp16 (bf16 = false) or bf16.
@@ -386,12 +450,12 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
   const DeviceWeight v = weight_rows(w, r0, n);
   const int64_t n_blocks = n * w.cols / QK;
   if (n_blocks == 0) return;
-  const unsigned grid = unsigned((n_blocks + 255) / 256);
-  auto* o = reinterpret_cast<__half*>(out);
+  const unsigned grid = unsigned((4 * n_blocks + 255) / 256);
+  auto* o = reinterpret_cast<uint4*>(out);
   switch (w.type) {
-    case DType::Q8_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q8_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, n_blocks); break;
-    case DType::Q4_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, n_blocks); break;
-    case DType::Q4_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_1>, grid, 256, 0, s)(v.q, v.d, v.m, o, n_blocks); break;
+    case DType::Q8_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q8_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
+    case DType::Q4_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
+    case DType::Q4_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_1>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
     default: throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));
   }
   check_launch("dequantize_rows_f16");
@@ -406,6 +470,8 @@ MatmulContext::MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t 
     act_h_ = DeviceBuffer(plan_.act_h);
     tile_ = DeviceBuffer(plan_.tile);
     cublas_ws_ = DeviceBuffer(plan_.cublas_workspace);
+    mmq_split_ = DeviceBuffer(plan_.mmq_split);
+    mmq_prepare();
     cublasHandle_t h = nullptr;
     check_cublas(cublasCreate(&h), "cublasCreate");
     cublas_ = h;
@@ -419,17 +485,41 @@ MatmulContext::~MatmulContext() {
 }
 
 uint64_t MatmulContext::bytes() const {
-  return act_q_.bytes() + act_d_.bytes() + act_s_.bytes() + act_h_.bytes() + tile_.bytes() + cublas_ws_.bytes();
+  return act_q_.bytes() + act_d_.bytes() + act_s_.bytes() + act_h_.bytes() + tile_.bytes() + cublas_ws_.bytes() + mmq_split_.bytes();
 }
+
+DeviceActQ8 MatmulContext::quantized(const float* x, int64_t T, int64_t cols) {
+  if (note_.x != x || note_.T != T || note_.cols != cols) {
+    quantize_act(x, act(), T, cols, stream_);
+    note_ = {};  // the buffers now hold an input nobody noted
+  }
+  return act();
+}
+
+// Batches of block-quantized weights (9 .. kCudaMmqMaxTokens tokens): MMQ, for the weights mmq
+// takes, unless LLMQ_CUDA_MMQ=0 (dequantize + cuBLAS, for comparison).
+// LLMQ_CUDA_MMQ=1: MMQ for any T (for comparisons; the default stops at kCudaMmqMaxTokens).
+static bool use_mmq(const DeviceWeight& w, int64_t T) {
+  static const int mode = [] {
+    const char* e = std::getenv("LLMQ_CUDA_MMQ");
+    return e ? std::atoi(e) : -1;
+  }();
+  return mode != 0 && T > kGemvMaxTokens && (T <= kCudaMmqMaxTokens || mode == 1) && mmq_supported(w);
+}
+
+bool matmul_quantizes(const DeviceWeight& w, int64_t T) { return is_block_type(w.type) && (T <= kGemvMaxTokens || use_mmq(w, T)); }
 
 void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, int64_t T, int64_t ldy) {
   if (T < 1 || T > c.cap_) throw UsageError("CUDA matmul: " + std::to_string(T) + " tokens (capacity " + std::to_string(c.cap_) + ")");
   if (w.cols > c.max_cols_) throw UsageError("CUDA matmul: matrix wider than the planned scratch");
   cudaStream_t s = c.stream_;
   if (T <= kGemvMaxTokens) {
-    const DeviceActQ8 xq{c.act_q_.as<int8_t>(), c.act_d_.as<float>(), c.act_s_.as<float>()};
-    if (is_block_type(w.type)) quantize_act(x, xq, T, w.cols, s);
+    const DeviceActQ8 xq = is_block_type(w.type) ? c.quantized(x, T, w.cols) : c.act();
     gemv(w, x, xq, y, T, ldy, s);
+    return;
+  }
+  if (use_mmq(w, T)) {  // block-quantized weights on the tensor cores, no fp16 copy of the matrix
+    mmq(w, c.quantized(x, T, w.cols), y, T, ldy, s, 0, c.mmq_split_.as<float>(), c.mmq_split_.bytes());
     return;
   }
   // Row-major y [T, rows] is column-major [rows, T]: C = op(A) B with A = W (column-major
@@ -454,8 +544,11 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
                  "cublasGemmEx");
     return;
   }
-  for (int64_t r0 = 0; r0 < w.rows; r0 += c.plan_.tile_rows) {
-    const int64_t nr = std::min(c.plan_.tile_rows, w.rows - r0);
+  // Tiles of equal height (a multiple of 128): two GEMMs of 11008 rows, not 11008 + 11008 - 64...
+  const int64_t n_tiles = (w.rows + c.plan_.tile_rows - 1) / c.plan_.tile_rows;
+  const int64_t step = ((w.rows + n_tiles - 1) / n_tiles + 127) / 128 * 128;
+  for (int64_t r0 = 0; r0 < w.rows; r0 += step) {
+    const int64_t nr = std::min(step, w.rows - r0);
     dequantize_rows_f16(w, r0, nr, c.tile_.as<uint16_t>(), s);
     check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(nr), n, k, &one, c.tile_.get(), CUDA_R_16F, k, xh, CUDA_R_16F, k, &zero,
                               y + r0, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -465,8 +558,9 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
 
 double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps) {
   DeviceBuffer a(size_t(m * k) * 2), b(size_t(k * n) * 2), c(size_t(m * n) * 4), ws(plan_cuda_matmul(9, 32).cublas_workspace);
-  check(cudaMemset(a.get(), 0x3c, a.bytes()), "cudaMemset");  // bf16 0x3c3c ~ 0.0115
-  check(cudaMemset(b.get(), 0x3c, b.bytes()), "cudaMemset");
+  // Random operands: a product of constants runs faster than real data (METHOD: 13% on an H200).
+  fill_random(split_weight_view(DType::BF16, m, k, a.as<uint8_t>()), 11, nullptr);
+  fill_random(split_weight_view(DType::BF16, n, k, b.as<uint8_t>()), 12, nullptr);
   cublasHandle_t h = nullptr;
   check_cublas(cublasCreate(&h), "cublasCreate");
   check_cublas(cublasSetWorkspace(h, ws.get(), ws.bytes()), "cublasSetWorkspace");

@@ -76,6 +76,15 @@ class MatmulContext {
   uint64_t bytes() const;
   cudaStream_t stream() const { return stream_; }
 
+  /// The int8 activation buffers ([cap, max_cols], quantize_act's layout), for kernels that
+  /// quantize their output as they write it (ops.h rmsnorm / swiglu with q). After such a
+  /// kernel, note_quantized(x, T, cols) tells matmul that these buffers hold x [T, cols]
+  /// quantized, so products of x skip quantize_act; the note lasts until matmul quantizes
+  /// another input (which overwrites the buffers) or clear_note(). Host-side bookkeeping at
+  /// enqueue time (a captured CUDA graph replays what was enqueued).
+  DeviceActQ8 act() const { return {act_q_.as<int8_t>(), act_d_.as<float>(), act_s_.as<float>()}; }
+  void note_quantized(const float* x, int64_t T, int64_t cols) { note_ = {x, T, cols}; }
+  void clear_note() { note_ = {}; }
 
  private:
   friend void matmul(MatmulContext&, const DeviceWeight&, const float*, float*, int64_t, int64_t);
@@ -87,6 +96,13 @@ class MatmulContext {
   DeviceBuffer act_h_;                  // [cap, max_cols] fp16 / bf16 activations (prefill)
   DeviceBuffer tile_;                   // [tile_rows, max_cols] fp16 dequantized weights (prefill)
   DeviceBuffer cublas_ws_;
+  DeviceBuffer mmq_split_;              // MMQ's split-K partial sums
+  struct Note {
+    const float* x = nullptr;
+    int64_t T = 0, cols = 0;
+  } note_;  // what act_ holds (note_quantized)
+  // The activation buffers for x [T, cols]: quantized now, unless the note says they hold it.
+  DeviceActQ8 quantized(const float* x, int64_t T, int64_t cols);
 };
 
 /// y [T, w.rows] = x [T, w.cols] · wᵀ on ctx's stream (asynchronous); row t of y starts at
@@ -96,13 +112,36 @@ class MatmulContext {
 /// w.cols > max_cols.
 void matmul(MatmulContext& ctx, const DeviceWeight& w, const float* x, float* y, int64_t T, int64_t ldy = 0);
 
+/// Whether matmul quantizes its input (quantize_act) for w at T tokens: block-quantized weights
+/// on the GEMV (T <= kGemvMaxTokens) or MMQ path. Producers of that input can then quantize
+/// it themselves (MatmulContext::note_quantized).
+bool matmul_quantizes(const DeviceWeight& w, int64_t T);
+
 /// cuBLAS's bf16 GEMM rate on this GPU (FLOP/s, best of `reps`): C [m, n] fp32 = A [m, k] ·
-/// B [k, n], bf16 inputs, fp32 accumulation: the reference for the prefill target.
+/// B [k, n], bf16 inputs (random, ±0.03), fp32 accumulation: the reference for the prefill target.
 double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps = 10);
 
 /// The kernels behind matmul, exposed for the parity tests and the dev lab.
 void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t cols, cudaStream_t s);
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
+/// MMQ (engine/cuda/mmq.cu): y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = the
+/// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for Q8_0/Q4_0/Q4_1
+/// weights whose column count is a multiple of 64 (mmq_supported). tile_tokens: tokens per CUDA
+/// block (16, 32, 64 or 128; 0: mmq_tile_tokens(T)). split / split_bytes: scratch for
+/// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
+/// the grid would otherwise leave most of the GPU idle (few rows, few tokens); null: no split.
+/// Throws UsageError for other weights.
+void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens = 0,
+         float* split = nullptr, uint64_t split_bytes = 0);
+/// The K splits mmq uses for w at T tokens with split_bytes of scratch (1: none).
+int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes);
+bool mmq_supported(const DeviceWeight& w);
+/// Raises every MMQ kernel's shared-memory limit (once per process); MatmulContext calls it, so a
+/// CUDA graph captured later contains no such call.
+void mmq_prepare();
+/// The tile width mmq picks for T tokens.
+int mmq_tile_tokens(int64_t T);
+
 /// Rows [r0, r0 + n) of a Q8_0/Q4_0/Q4_1 matrix w dequantized to fp16 [n, w.cols] at out
 /// (F16 and BF16 weights go to cuBLAS as they are; other types: UsageError).
 void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t* out, cudaStream_t s);

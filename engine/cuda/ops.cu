@@ -1,6 +1,7 @@
 // Per-token kernels of the GPU forward pass (engine/cuda/ops.h).
 #include <algorithm>
 
+#include "engine/cuda/attention.h"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
 #include "formats/error.h"
@@ -9,74 +10,183 @@ namespace llmq::cuda {
 
 namespace {
 
-constexpr int kNormThreads = 256;
+constexpr int kNormThreads = 1024;
+constexpr int kNormVec = 4;  // float4s per thread on the register path: rows of up to 16384
 
-// One block per row. With y: x += y first (written back), then the norm of the sum.
+__device__ __forceinline__ void quantize_block32(float v, int64_t b, const DeviceActQ8& q);
+__device__ __forceinline__ void quantize4_block32(float4 v, int64_t b, int part, bool store, const DeviceActQ8& q);
+
+// One block per row. With y: x += y first (written back), then the norm of the sum. With q: the
+// output also quantized per block of 32 into q (quantize_act's rule, below).
+// Rows of a multiple of 4 and at most 4 · kNormThreads · kNormVec elements take the register
+// path: each thread loads its float4s of x (and y) at once, keeps them for the second pass, and
+// a block of 32 outputs is 8 consecutive threads' float4s. (A row per 256 threads walking it
+// twice cost ~20 us at T = 1: 32 dependent round trips to memory.) Other rows: plain loops.
 // out may be y (each thread reads y[i] before it writes out[i], for the same i): no __restrict__.
 __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(float* out, float* x, const float* y, const float* __restrict__ w,
-                                                               int64_t n, float eps) {
+                                                               int64_t n, float eps, DeviceActQ8 q) {
   __shared__ float red[32];
   float* xr = x + int64_t(blockIdx.x) * n;
   float* orow = out + int64_t(blockIdx.x) * n;
   const float* yr = y ? y + int64_t(blockIdx.x) * n : nullptr;
+  const int tid = int(threadIdx.x), nt = int(blockDim.x);
+  if (n % 4 == 0 && n <= int64_t(4) * nt * kNormVec) {
+    const int n4 = int(n / 4);
+    float4 v[kNormVec];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kNormVec; ++k) {
+      const int i = tid + k * nt;
+      if (i < n4) {
+        v[k] = reinterpret_cast<const float4*>(xr)[i];
+        if (yr) {
+          const float4 b = reinterpret_cast<const float4*>(yr)[i];
+          v[k].x += b.x, v[k].y += b.y, v[k].z += b.z, v[k].w += b.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kNormVec; ++k) {
+      const int i = tid + k * nt;
+      if (i < n4) {
+        if (yr) reinterpret_cast<float4*>(xr)[i] = v[k];
+        ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+      }
+    }
+    ss = block_sum(ss, red);
+    const float scale = rsqrtf(ss / float(n) + eps);
+#pragma unroll
+    for (int k = 0; k < kNormVec; ++k) {
+      // 8 consecutive threads hold a block of 32: all in range or none (n4 % 8 == 0 with q); the
+      // whole warp takes part in the quantization's shuffles (groups out of range store nothing).
+      const int i = tid + k * nt;
+      const bool in = i < n4;
+      float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (in) {
+        const float4 g = reinterpret_cast<const float4*>(w)[i];
+        o = make_float4(v[k].x * scale * g.x, v[k].y * scale * g.y, v[k].z * scale * g.z, v[k].w * scale * g.w);
+        reinterpret_cast<float4*>(orow)[i] = o;
+      }
+      if (q.q && k * nt < n4) quantize4_block32(o, int64_t(blockIdx.x) * (n / 32) + i / 8, i % 8, in, q);
+    }
+    return;
+  }
   float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int64_t i = tid; i < n; i += nt) {
     float v = xr[i];
     if (yr) xr[i] = v = v + yr[i];
     ss += v * v;
   }
   ss = block_sum(ss, red);
   const float scale = rsqrtf(ss / float(n) + eps);
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) orow[i] = xr[i] * scale * w[i];
+  if (!q.q) {
+    for (int64_t i = tid; i < n; i += nt) orow[i] = xr[i] * scale * w[i];
+    return;
+  }
+  const int lane = tid % 32, warp = tid / 32, warps = nt / 32;
+  for (int64_t b = warp; b < n / 32; b += warps) {
+    const int64_t i = b * 32 + lane;
+    const float v = xr[i] * scale * w[i];
+    orow[i] = v;
+    quantize_block32(v, int64_t(blockIdx.x) * (n / 32) + b, q);
+  }
+}
+
+// Block b of 32 outputs held as float4 `part` (0..7) by 8 consecutive lanes: the same d, q, s as
+// quantize_block32 (max and the integer sum do not depend on the order).
+__device__ __forceinline__ void quantize4_block32(float4 v, int64_t b, int part, bool store, const DeviceActQ8& q) {
+  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+  const float dd = amax / 127.0f;
+  const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+  const float q0 = rintf(v.x * id), q1 = rintf(v.y * id), q2 = rintf(v.z * id), q3 = rintf(v.w * id);
+  float sum = q0 + q1 + q2 + q3;
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
+  if (!store) return;
+  char4 c;
+  c.x = int8_t(q0), c.y = int8_t(q1), c.z = int8_t(q2), c.w = int8_t(q3);
+  reinterpret_cast<char4*>(q.q + b * 32)[part] = c;
+  if (part == 0) q.d[b] = dd, q.s[b] = dd * sum;
+}
+
+// Lane l holds element l of activation block b: d = max|x| / 127, q = rint(x / d) (round half
+// to even), s = d · Σq, exactly as quantize_act (matmul.cu), so a fused producer and an
+// unfused one give the same bytes.
+__device__ __forceinline__ void quantize_block32(float v, int64_t b, const DeviceActQ8& q) {
+  const float amax = warp_max(fabsf(v));
+  const float dd = amax / 127.0f;
+  const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+  const float qv = rintf(v * id);
+  q.q[b * 32 + threadIdx.x % 32] = int8_t(qv);
+  const float sum = warp_sum(qv);
+  if (threadIdx.x % 32 == 0) q.d[b] = dd, q.s[b] = dd * sum;
+}
+
+void check_quantizable(int64_t n, const DeviceActQ8* q, const char* what) {
+  if (q && n % 32 != 0) throw UsageError(std::string(what) + ": a quantized output needs a width that is a multiple of 32");
 }
 
 }  // namespace
 
-void rmsnorm(float* out, const float* x, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s) {
+void rmsnorm(float* out, const float* x, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s, const DeviceActQ8* q) {
   if (T == 0) return;
-  LLMQ_LAUNCH(rmsnorm_kernel, unsigned(T), kNormThreads, 0, s)(out, const_cast<float*>(x), nullptr, w, n, eps);
+  check_quantizable(n, q, "rmsnorm");
+  LLMQ_LAUNCH(rmsnorm_kernel, unsigned(T), kNormThreads, 0, s)(out, const_cast<float*>(x), nullptr, w, n, eps, q ? *q : DeviceActQ8{});
   check_launch("rmsnorm");
 }
 
-void add_rmsnorm(float* x, const float* y, float* out, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s) {
+void add_rmsnorm(float* x, const float* y, float* out, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s, const DeviceActQ8* q) {
   if (T == 0) return;
-  LLMQ_LAUNCH(rmsnorm_kernel, unsigned(T), kNormThreads, 0, s)(out, x, y, w, n, eps);
+  check_quantizable(n, q, "add_rmsnorm");
+  LLMQ_LAUNCH(rmsnorm_kernel, unsigned(T), kNormThreads, 0, s)(out, x, y, w, n, eps, q ? *q : DeviceActQ8{});
   check_launch("add_rmsnorm");
 }
 
 namespace {
 
-// One thread per rotation pair of q and k ((n_heads + n_kv) · hd/2 per token), then one per
-// pair of v elements (n_kv · hd/2): grid.y is the token.
-__global__ void rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const int32_t* __restrict__ pos,
-                                     const int32_t* __restrict__ rows, int n_heads,
-                                     int n_kv, int hd, double theta, bool interleaved, __half* __restrict__ kc,
-                                     __half* __restrict__ vc) {
+// Items of a token: its rotation pairs of q and k ((n_heads + n_kv) · hd/2), then its pairs of v
+// elements (n_kv · hd/2); grid (ceil(items / kRopeItems), T). A block first works out the
+// token's hd/2 angles once (fp64, shared memory: they were computed per pair before, 48 times
+// over for a 7B model's 48 q and k heads), then each thread takes kRopeItems / kRopeThreads items.
+constexpr int kRopeThreads = 256, kRopeItems = 1024;
+
+__global__ void __launch_bounds__(kRopeThreads) rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const int32_t* __restrict__ pos,
+                                                                     const int32_t* __restrict__ rows, int n_heads, int n_kv, int hd,
+                                                                     double theta, bool interleaved, __half* __restrict__ kc,
+                                                                     __half* __restrict__ vc) {
+  __shared__ float cs[kMaxHeadDim / 2][2];  // cos, sin of angle i
   const int64_t t = blockIdx.y;
   const int half = hd / 2, kv_dim = n_kv * hd;
   const int rot_pairs = (n_heads + n_kv) * half, v_pairs = n_kv * half;
-  const int idx = int(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= rot_pairs + v_pairs) return;
-  float* row = qkv + t * ld;
   const int64_t p = pos[t], r = rows ? rows[t] : p;  // position (angles), cache row (store)
-  if (idx < rot_pairs) {
-    const int head = idx / half, i = idx % half;
-    const double angle = double(p) * pow(theta, -2.0 * double(i) / double(hd));
-    const float c = float(cos(angle)), sn = float(sin(angle));
-    const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-    float* v = row + int64_t(head) * hd;  // q heads first, then k heads (contiguous in qkv)
-    const float x0 = v[a], x1 = v[b];
-    const float r0 = x0 * c - x1 * sn, r1 = x0 * sn + x1 * c;
-    v[a] = r0, v[b] = r1;
-    if (head >= n_heads && kc) {  // a k head: to the cache
-      __half* krow = kc + r * kv_dim + int64_t(head - n_heads) * hd;
-      krow[a] = __float2half(r0), krow[b] = __float2half(r1);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const double angle = double(p) * pow(theta, -2.0 * double(i) / double(hd));  // as the CPU's rope_angles
+    cs[i][0] = float(cos(angle)), cs[i][1] = float(sin(angle));
+  }
+  __syncthreads();
+  float* row = qkv + t * ld;
+  const int end = min(rot_pairs + v_pairs, int(blockIdx.x + 1) * kRopeItems);
+  for (int idx = int(blockIdx.x) * kRopeItems + threadIdx.x; idx < end; idx += blockDim.x) {
+    if (idx < rot_pairs) {
+      const int head = idx / half, i = idx % half;
+      const float c = cs[i][0], sn = cs[i][1];
+      const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+      float* v = row + int64_t(head) * hd;  // q heads first, then k heads (contiguous in qkv)
+      const float x0 = v[a], x1 = v[b];
+      const float r0 = x0 * c - x1 * sn, r1 = x0 * sn + x1 * c;
+      v[a] = r0, v[b] = r1;
+      if (head >= n_heads && kc) {  // a k head: to the cache
+        __half* krow = kc + r * kv_dim + int64_t(head - n_heads) * hd;
+        krow[a] = __float2half(r0), krow[b] = __float2half(r1);
+      }
+    } else if (vc) {
+      const int j = 2 * (idx - rot_pairs);  // element pair of v
+      const float* v = row + int64_t(n_heads + n_kv) * hd;
+      vc[r * kv_dim + j] = __float2half(v[j]);
+      vc[r * kv_dim + j + 1] = __float2half(v[j + 1]);
     }
-  } else if (vc) {
-    const int j = 2 * (idx - rot_pairs);  // element pair of v
-    const float* v = row + int64_t(n_heads + n_kv) * hd;
-    vc[r * kv_dim + j] = __float2half(v[j]);
-    vc[r * kv_dim + j + 1] = __float2half(v[j + 1]);
   }
 }
 
@@ -85,21 +195,30 @@ __global__ void rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const 
 void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, const int32_t* rows, int64_t T, int64_t n_heads, int64_t n_kv,
                    int64_t hd, double theta, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s) {
   if (T == 0) return;
+  if (hd > kMaxHeadDim || hd % 2 != 0) throw UsageError("rope_store_kv: head_dim must be even and at most 256");
   const int64_t items = (n_heads + 2 * n_kv) * (hd / 2);
-  const dim3 grid(unsigned((items + 127) / 128), unsigned(T));
-  LLMQ_LAUNCH(rope_store_kv_kernel, grid, 128, 0, s)(qkv, ld, pos, rows, int(n_heads), int(n_kv), int(hd), theta, layout == RopeLayout::Interleaved,
+  const dim3 grid(unsigned((items + kRopeItems - 1) / kRopeItems), unsigned(T));
+  LLMQ_LAUNCH(rope_store_kv_kernel, grid, kRopeThreads, 0, s)(qkv, ld, pos, rows, int(n_heads), int(n_kv), int(hd), theta, layout == RopeLayout::Interleaved,
                                             reinterpret_cast<__half*>(kc), reinterpret_cast<__half*>(vc));
   check_launch("rope_store_kv");
 }
 
 namespace {
 
-__global__ void swiglu_kernel(float* __restrict__ out, const float* __restrict__ h, int64_t T, int64_t H) {
-  const int64_t n = T * H;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / H, j = i % H;
-    const float g = h[t * 2 * H + j], u = h[t * 2 * H + H + j];
-    out[i] = g / (1.0f + expf(-g)) * u;
+// With q: each warp takes whole blocks of 32 outputs (H a multiple of 32) and quantizes them
+// as quantize_act; the grid stride is a multiple of 32 (blockDim.x is), so a warp never straddles
+// two blocks.
+__global__ void swiglu_kernel(float* __restrict__ out, const float* __restrict__ h, int64_t T, int64_t H, DeviceActQ8 q) {
+  const int64_t n = T * H, stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x / 32 * 32; i0 < n; i0 += stride) {  // warp-uniform
+    const int64_t i = i0 + threadIdx.x % 32;
+    float v = 0.0f;
+    if (i < n) {
+      const int64_t t = i / H, j = i % H;
+      const float g = h[t * 2 * H + j], u = h[t * 2 * H + H + j];
+      out[i] = v = g / (1.0f + expf(-g)) * u;
+    }
+    if (q.q) quantize_block32(v, i0 / 32, q);
   }
 }
 
@@ -144,9 +263,10 @@ unsigned grid_for(int64_t n, int threads) { return unsigned(std::min<int64_t>((n
 
 }  // namespace
 
-void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s) {
+void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s, const DeviceActQ8* q) {
   if (T * H == 0) return;
-  LLMQ_LAUNCH(swiglu_kernel, grid_for(T * H, 256), 256, 0, s)(out, h, T, H);
+  check_quantizable(H, q, "swiglu");
+  LLMQ_LAUNCH(swiglu_kernel, grid_for(T * H, 256), 256, 0, s)(out, h, T, H, q ? *q : DeviceActQ8{});
   check_launch("swiglu");
 }
 

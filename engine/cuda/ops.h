@@ -13,9 +13,14 @@
 namespace llmq::cuda {
 
 /// out [T, n] = x · w / sqrt(mean(x²) + eps) per row (Zhang & Sennrich 2019; CPU: rmsnorm).
-void rmsnorm(float* out, const float* x, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s);
-/// x [T, n] += y [T, n], then out = rmsnorm(x): the residual add and the next norm in one pass.
-void add_rmsnorm(float* x, const float* y, float* out, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s);
+/// q (optional): out also quantized into q [T, n] as quantize_act does (the same bytes), for
+/// the GEMV / MMQ that read it next (MatmulContext::note_quantized); n a multiple of 32, else
+/// UsageError.
+void rmsnorm(float* out, const float* x, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s, const DeviceActQ8* q = nullptr);
+/// x [T, n] += y [T, n], then out = rmsnorm(x): the residual add and the next norm in one pass
+/// (q as rmsnorm).
+void add_rmsnorm(float* x, const float* y, float* out, const float* w, int64_t T, int64_t n, float eps, cudaStream_t s,
+                 const DeviceActQ8* q = nullptr);
 
 /// The attention projections' output qkv [T, ld]: q [n_heads · hd] at column 0, k [n_kv · hd]
 /// at n_heads · hd, v [n_kv · hd] after it. Rotates q and k in place by RoPE (Su et al. 2021;
@@ -37,8 +42,9 @@ void store_kv_q8(const float* qkv, int64_t ld, const int32_t* pos, const int32_t
                  int64_t hd, int8_t* kq, uint16_t* kd, int8_t* vq, uint16_t* vd, cudaStream_t s);
 
 /// SwiGLU (Shazeer 2020) on h [T, 2H] holding gate in columns [0, H) and up in [H, 2H):
-/// out [T, H] = silu(gate) ⊙ up, silu(g) = g / (1 + e^-g). out may not alias h.
-void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s);
+/// out [T, H] = silu(gate) ⊙ up, silu(g) = g / (1 + e^-g). out may not alias h. q (optional):
+/// out also quantized as quantize_act (H a multiple of 32, else UsageError).
+void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s, const DeviceActQ8* q = nullptr);
 /// x [n] += y [n].
 void add(float* x, const float* y, int64_t n, cudaStream_t s);
 /// x [T, ld] columns [0, n) += b [n] per row (a linear layer's bias).

@@ -281,6 +281,10 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     for (const DeviceWeight& w : ws) matmul(*mm_, w, in, y + col, T, ld), col += w.rows;
   };
 
+  auto mark = [&](const char* op) {  // --profile: the time since the last mark is op's
+    if (prof_) prof_->mark(op);
+  };
+  if (prof_) prof_->begin(s);
   check(cudaMemcpyAsync(tok, h_tokens_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (tokens)");
   check(cudaMemcpyAsync(pos, h_pos_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (positions)");
   // Paged: per token its cache row and its sequence's row of the block tables; the logits rows.
@@ -299,7 +303,20 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     check(cudaMemcpyAsync(x, h_hidden_.get(), size_t(T * D) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (hidden state)");
   else
     embedding(x, dm_.token_embd, tok, T, s);                          // x [T, D]
-  rmsnorm(xb, x, n_layers ? dm_.layers[0].attn_norm : dm_.output_norm, T, D, eps, s);  // xb [T, D]
+  mark("embedding");
+  // Norms and SwiGLU quantize their output for the next GEMV / MMQ as they write it (one pass
+  // instead of two); `fused(next, n)` says when (the next product's weights take int8 inputs).
+  mm_->clear_note();
+  const DeviceActQ8 aq = mm_->act();
+  auto fused = [&](const DeviceWeight& next, int64_t n) { return matmul_quantizes(next, T) && n % 32 == 0 ? &aq : nullptr; };
+  auto noted = [&](const DeviceActQ8* q, const float* y, int64_t n) {
+    if (q) mm_->note_quantized(y, T, n);
+  };
+  const DeviceWeight& first = n_layers ? dm_.layers[0].qkv[0] : dm_.output;
+  const DeviceActQ8* q0 = fused(first, D);
+  rmsnorm(xb, x, n_layers ? dm_.layers[0].attn_norm : dm_.output_norm, T, D, eps, s, q0);  // xb [T, D]
+  noted(q0, xb, D);
+  mark("norm");
   for (int64_t l = 0; l < n_layers; ++l) {
     const DeviceLayer& w = dm_.layers[size_t(l)];
     uint16_t* kc = kv + size_t(2 * l) * layer_kv;  // [rows, KV] fp16
@@ -314,11 +331,13 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     }
     // Attention: qkv = xb · [Wq; Wk; Wv]ᵀ (+ biases), RoPE on q and k, k and v to the cache.
     matmul_cols(w.qkv, xb, qkv, QKV);                                 // qkv [T, Q + 2KV]
-    if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, s);
+    mark("matmul_qkv");
+    if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, s), mark("bias");
     rope_store_kv(qkv, QKV, pos, kv_row, T, c.n_heads, c.n_kv_heads, hd, c.rope_theta, c.rope_layout, kc, vc, s);
     if (q8.kq)
       store_kv_q8(qkv, QKV, pos, kv_row, T, c.n_heads, c.n_kv_heads, hd, const_cast<int8_t*>(q8.kq), const_cast<uint16_t*>(q8.kd),
                   const_cast<int8_t*>(q8.vq), const_cast<uint16_t*>(q8.vd), s);
+    mark("rope_kv");
     // Decode (one token, or one per sequence of a paged batch): flash-decoding parts, a fixed
     // count (graph-safe).
     if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1)
@@ -327,19 +346,35 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     else
       attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (plan_.ctx + 31) / 32 * 32, nullptr, att, Q, s, pages,
                 q8, dm_.gqa());  // att [T, Q]
+    mark("attention");
     matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D] (a partial sum under TP)
-    if (comm_) all_reduce(xb, T * D);
-    if (w.bo) add_bias(xb, D, w.bo, T, D, s);
-    add_rmsnorm(x, xb, xb, w.ffn_norm, T, D, eps, s);                 // x += xb; xb = RMSNorm(x)
+    mark("matmul_o");
+    if (comm_) all_reduce(xb, T * D), mark("all_reduce");
+    if (w.bo) add_bias(xb, D, w.bo, T, D, s), mark("bias");
+    const DeviceActQ8* q1 = fused(w.gate_up[0], D);
+    add_rmsnorm(x, xb, xb, w.ffn_norm, T, D, eps, s, q1);             // x += xb; xb = RMSNorm(x)
+    noted(q1, xb, D);
+    mark("norm");
     // FFN: x += W_down · (silu(xb · W_gateᵀ) ⊙ (xb · W_upᵀ))
     matmul_cols(w.gate_up, xb, h, 2 * H);                             // h [T, 2H]
-    swiglu(hs, h, T, H, s);                                           // hs [T, H]
+    mark("matmul_gate_up");
+    const DeviceActQ8* q2 = fused(w.w_down, H);
+    swiglu(hs, h, T, H, s, q2);                                       // hs [T, H]
+    noted(q2, hs, H);
+    mark("swiglu");
     matmul(*mm_, w.w_down, hs, xb, T);                                // xb [T, D] (a partial sum under TP)
-    if (comm_) all_reduce(xb, T * D);
+    mark("matmul_down");
+    if (comm_) all_reduce(xb, T * D), mark("all_reduce");
     const float* next_norm = l + 1 < n_layers ? dm_.layers[size_t(l + 1)].attn_norm : dm_.output_norm;
-    add_rmsnorm(x, xb, xb, next_norm, T, D, eps, s);                  // x += xb; xb = RMSNorm(x) for what follows
+    const DeviceActQ8* q3 = fused(l + 1 < n_layers ? dm_.layers[size_t(l + 1)].qkv[0] : dm_.output, D);
+    add_rmsnorm(x, xb, xb, next_norm, T, D, eps, s, q3);              // x += xb; xb = RMSNorm(x) for what follows
+    noted(q3, xb, D);
+    mark("norm");
   }
-  if (rows == 0 || out == Out::None || dm_.output.rows == 0) return;  // no output here: a rank other than 0
+  if (rows == 0 || out == Out::None || dm_.output.rows == 0) {  // no output here: a rank other than 0
+    if (prof_) prof_->end();
+    return;
+  }
   float* logits = logits_.as<float>();
   const float* final_rows = xb + r0 * D;
   if (out_rows) {  // paged: the flagged tokens' rows, gathered into x (the residual is spent)
@@ -347,6 +382,7 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     final_rows = x;
   }
   matmul(*mm_, dm_.output, final_rows, logits, rows);                 // logits [rows, V]
+  mark("matmul_output");
   if (out == Out::Greedy) {
     argmax(logits, V, next_.as<int32_t>(), s);
     check(cudaMemcpyAsync(h_next_.get(), next_.get(), 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (token)");
@@ -357,10 +393,12 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
   } else {
     check(cudaMemcpyAsync(h_logits_.get(), logits, size_t(rows * V) * 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (logits)");
   }
+  mark("sampling");
+  if (prof_) prof_->end();
 }
 
 void CudaSession::launch(cudaGraphExec_t& exec, const std::function<void()>& enqueue_fn) {
-  if (!use_graphs_) return enqueue_fn();
+  if (!use_graphs_ || prof_) return enqueue_fn();
   if (!exec) {  // capture once: every pointer is fixed, the inputs are copied from pinned memory at replay
     check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
     cudaGraph_t graph = nullptr;
@@ -439,10 +477,9 @@ void CudaSession::prefill(const int32_t* tokens, int64_t n) {
 
 const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch, int64_t T, bool advance) {
   if (plan_.parallel == 0) throw UsageError("forward_batch: this CUDA session holds one sequence (make it from plan_cuda_server)");
-  if (!m_) throw UsageError("forward_batch: a synthetic CUDA session has no host model");
   if (tables.n_blocks() != plan_.kv_blocks || tables.block_tokens() != plan_.block_tokens)
     throw UsageError("forward_batch: the block tables were not made for this session's cache");
-  plan_batch(*m_, tables, batch, T, plan_.n_batch, bplan_);
+  plan_batch(dm_.config(), tables, batch, T, plan_.n_batch, bplan_);
   if (bplan_.n_logits > plan_.logits_rows)
     throw UsageError("forward_batch: logits for " + std::to_string(bplan_.n_logits) + " tokens, the session keeps " +
                      std::to_string(plan_.logits_rows));
@@ -472,10 +509,10 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
     rows[i] = int32_t(tables.blocks(seq)[size_t(p / bt)] * bt + p % bt);
   }
   for (int64_t i = 0; i < bplan_.n_logits; ++i) out[i] = int32_t(bplan_.out[size_t(i)]);
-  // A decode step (every token flagged, few enough for the GEMV kernels: no cuBLAS in the
-  // graph) replays the graph captured for its T; other batches are enqueued as they come.
-  if (bplan_.n_logits == T && T <= kGemvMaxTokens) {
-    if (batch_graphs_.empty()) batch_graphs_.assign(size_t(kGemvMaxTokens) + 1, nullptr);
+  // A decode step (every token flagged, every product on the GEMV or MMQ kernels: no cuBLAS in
+  // the graph) replays the graph captured for its T; other batches are enqueued as they come.
+  if (bplan_.n_logits == T && T <= kCudaMmqMaxTokens && no_cublas(T)) {
+    if (batch_graphs_.empty()) batch_graphs_.assign(size_t(kCudaMmqMaxTokens) + 1, nullptr);
     launch(batch_graphs_[size_t(T)], [&] { enqueue(T, 0, T, Out::Logits, true); });
   } else {
     enqueue(T, 0, bplan_.n_logits, Out::Logits, true);
@@ -484,6 +521,19 @@ const float* CudaSession::forward_batch(KVCache& tables, const BatchToken* batch
   if (advance)
     for (const auto& [seq, end] : bplan_.ends) tables.set_length(seq, end);
   return bplan_.n_logits ? h_logits_.as<float>() : nullptr;
+}
+
+bool CudaSession::no_cublas(int64_t T) const {
+  if (T <= kGemvMaxTokens) return true;
+  auto ours = [T](const DeviceWeight& w) { return w.rows == 0 || matmul_quantizes(w, T); };  // GEMV / MMQ
+  for (const DeviceLayer& l : dm_.layers) {
+    for (const DeviceWeight& w : l.qkv)
+      if (!ours(w)) return false;
+    for (const DeviceWeight& w : l.gate_up)
+      if (!ours(w)) return false;
+    if (!ours(l.wo) || !ours(l.w_down)) return false;
+  }
+  return ours(dm_.output);
 }
 
 void CudaSession::set_comm(Communicator* comm, bool device_memory) {

@@ -102,6 +102,9 @@ class CudaSession : public SessionBase {
   /// for HostComm). Only rank 0 computes logits. CUDA graphs are off (the collectives wait on
   /// the host). Call before the first forward.
   void set_comm(Communicator* comm, bool device_memory);
+  /// Times every later forward pass per op class into `p` (null: off): each pass waits for the
+  /// GPU at its end and runs without CUDA graphs (llmq-bench --profile).
+  void set_profile(OpProfile* p) { prof_ = p; }
   /// Hands the session its model upload to keep (freed with the session).
   void own(std::unique_ptr<CudaModel> dm) { own_model_ = std::move(dm); }
   const CudaModel& device_model() const { return dm_; }
@@ -161,6 +164,7 @@ class CudaSession : public SessionBase {
   // Paged (forward_batch): the cache rows, block tables and logits rows staged in h_paging_.
   void enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool paged = false);
   void run_decode(Out out);  // one staged token: the graph of this Out (captured on first use)
+  bool no_cublas(int64_t T) const;  // every product of a T-token pass runs on our kernels (graph-safe)
   // Runs what enqueue_fn enqueues through `exec`, capturing it into a CUDA graph on first use
   // (every pointer and size fixed; tokens, positions and tables are read from pinned host
   // buffers by the graph's copies at each replay), or directly when graphs are off.
@@ -175,7 +179,7 @@ class CudaSession : public SessionBase {
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
   cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr, graph_topk_ = nullptr;
-  std::vector<cudaGraphExec_t> batch_graphs_;  // forward_batch decode steps of T tokens at [T] (T <= kGemvMaxTokens)
+  std::vector<cudaGraphExec_t> batch_graphs_;  // forward_batch decode steps of T tokens at [T] (T <= kCudaMmqMaxTokens)
   int top_k_ = 0;                           // k of graph_topk_
   DeviceBuffer kv_;                         // [L, 2, ctx, KV] fp16
   DeviceBuffer tokens_, pos_buf_, next_;    // [n_batch] int32 x2, [1] int32
@@ -190,6 +194,7 @@ class CudaSession : public SessionBase {
   void all_reduce(float* x, int64_t n);
   std::unique_ptr<MatmulContext> mm_;
   uint64_t measured_ = 0;
+  OpProfile* prof_ = nullptr;  // set_profile
 };
 
 /// Partial offload (llmq-run --gpu-layers N, llama.cpp's -ngl): the first n_layers - N layers on

@@ -74,6 +74,7 @@ struct Block {
   std::vector<Barrier> warp_bar;
   std::vector<int> warp_live;
   std::vector<uint64_t> slots;  // [warps, 32]
+  std::vector<uint64_t> exchange;  // [warps, 32, 8]: warp_exchange
   int live = 0;
   bool progress = false;
   const std::function<void()>* body = nullptr;
@@ -135,6 +136,7 @@ void run_block(dim3 block) {
   B.warp_bar.assign(size_t(warps), Barrier{});
   B.warp_live.assign(size_t(warps), 0);
   B.slots.assign(size_t(warps) * 32, 0);
+  B.exchange.assign(size_t(warps) * 32 * 8, 0);
   for (int i = 0; i < n; ++i) {
     Fiber& f = B.fibers[size_t(i)];
     if (!f.stack) f.stack.reset(new char[kStackBytes]);
@@ -189,6 +191,7 @@ void sync_warp() {
   wait_at(B.warp_bar[size_t(B.cur->warp)], B.warp_live[size_t(B.cur->warp)]);
 }
 uint64_t* warp_slots() { return B.slots.data() + size_t(B.cur->warp) * 32; }
+uint64_t* warp_exchange() { return B.exchange.data() + size_t(B.cur->warp) * 32 * 8; }
 unsigned char* dynamic_smem() { return reinterpret_cast<unsigned char*>(B.smem.data()); }
 
 void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, std::function<void()> body) {

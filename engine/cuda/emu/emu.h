@@ -35,6 +35,7 @@ int lane();                                         // threadIdx linearized % 32
 void sync_block();                                  // __syncthreads
 void sync_warp();                                   // a barrier of the current warp's 32 lanes
 uint64_t* warp_slots();                             // [32] exchange slots of the current warp
+uint64_t* warp_exchange();                          // [32][8] per-lane areas of the current warp (warp-wide mma)
 unsigned char* dynamic_smem();                      // the launch's dynamic shared memory
 
 /// Runs `body` once per thread of every block of grid x block (or records it into the graph

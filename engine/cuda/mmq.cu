@@ -1,0 +1,282 @@
+// MMQ: matrix products of block-quantized weights and int8 activations on the tensor cores
+// (engine/cuda/matmul.h mmq), for prefill and batched decode.
+//
+// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout, x quantized per
+// block of 32 by quantize_act (q, d, s = d·Σq). Per block of 32 columns, an integer product on
+// the tensor cores (mma.m16n8k32, int32 sums), then scaled in fp32 as the GEMV does:
+//   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
+//   Q4_0:  w = d_w (q_w - 8):   Σ w x = d_w (d_x Σ q_w q_x - 8 s_x)       (q_w as uint8 0..15)
+//   Q4_1:  w = d_w q_w + m_w:   Σ w x = d_w d_x Σ q_w q_x + m_w s_x
+// (the same sums as llama.cpp's MMQ kernels and the CPU's block dot products, engine/cpu_ops.cpp).
+//
+// A CUDA block computes a tile of kMmqBM weight rows x BN tokens with 8 warps (4 along the rows,
+// 2 along the tokens: each warp 32 rows x BN/2 tokens). The columns stream through shared memory
+// in stages of 64 (two quant blocks), kMmqStages deep with cp.async, so the next stages load
+// while the current one is multiplied. Shared-memory rows are padded by 16 bytes, so the warp's
+// 32-bit fragment loads (8 rows x 4 words) fall in 32 distinct banks.
+#include <algorithm>
+#include <atomic>
+
+#include "engine/cuda/common.cuh"
+#include "engine/cuda/matmul.h"
+#include "engine/cuda/mma.cuh"
+#include "formats/error.h"
+
+namespace llmq::cuda {
+
+namespace {
+
+constexpr int kMmqBM = 128;     // weight rows per CUDA block
+constexpr int kMmqBK = 64;      // columns per stage: two quant blocks
+constexpr int kMmqStages = 3;   // stages in flight
+constexpr int kMmqThreads = 256;
+constexpr int kMmqPad = 16;     // bytes after each shared-memory row
+
+template <DType kType>
+constexpr int kQuantBytes = kType == DType::Q8_0 ? 32 : 16;  // bytes of one block's quants
+template <DType kType>
+constexpr int kAPitch = 2 * kQuantBytes<kType> + kMmqPad;
+constexpr int kBPitch = kMmqBK + kMmqPad;
+
+// One stage in shared memory: two quant blocks of BM weight rows and BN tokens.
+template <DType kType, int BN>
+struct MmqStage {
+  alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad]
+  alignas(16) int8_t b[BN * kBPitch];                // activation quants [BN][64 + pad]
+  alignas(16) uint16_t dw[kMmqBM * 2];               // weight scales [BM][2] fp16
+  alignas(16) uint16_t mw[kType == DType::Q4_1 ? kMmqBM * 2 : 8];  // Q4_1 minimums [BM][2] fp16
+  alignas(16) float dx[BN * 2];                      // activation scales [BN][2]
+  alignas(16) float sx[BN * 2];                      // d·Σq [BN][2] (Q4_0, Q4_1)
+};
+
+struct MmqArgs {
+  const uint8_t* wq;
+  const uint16_t *wd, *wm;
+  const int8_t* xq;
+  const float *xd, *xs;
+  float* y;       // splits == 1: the output, row t at y + t · ldy; else the partial sums [splits, T, rows]
+  int64_t ldy;
+  int rows, cols, T;
+  int splits;     // gridDim.z: column ranges (split-K), each a contiguous run of stages
+};
+
+// Issues the copies of stage (column blocks kb, kb + 1) for the tile at (row0, tok0). Rows and
+// tokens past the end read the last one (their results are not stored).
+template <DType kType, int BN>
+__device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs& p, int row0, int tok0, int kb) {
+  constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16;
+  const int tid = int(threadIdx.x), nb = p.cols / 32;
+  for (int i = tid; i < kMmqBM * kRowChunks; i += kMmqThreads) {
+    const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
+    cp_async16(st.a + r * kAPitch<kType> + c * 16, p.wq + (int64_t(row) * nb + kb) * kQB + c * 16);
+  }
+  for (int i = tid; i < BN * 4; i += kMmqThreads) {
+    const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
+    cp_async16(st.b + t * kBPitch + c * 16, p.xq + int64_t(tok) * p.cols + kb * 32 + c * 16);
+  }
+  for (int i = tid; i < kMmqBM; i += kMmqThreads) {
+    const int64_t row = min(row0 + i, p.rows - 1);
+    cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
+    if constexpr (kType == DType::Q4_1) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
+  }
+  for (int i = tid; i < BN; i += kMmqThreads) {
+    const int64_t tok = min(tok0 + i, p.T - 1);
+    cp_async8(st.dx + 2 * i, p.xd + tok * nb + kb);
+    if constexpr (kType != DType::Q8_0) cp_async8(st.sx + 2 * i, p.xs + tok * nb + kb);
+  }
+}
+
+__device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// The A fragments (layout: mma.cuh) of 16 rows at `rows` (pitch kAPitch) for quant block j of the
+// stage: Q8_0 bytes as they are; Q4 nibbles, low ones = columns 0..15, high ones = 16..31.
+template <DType kType>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, int j, int g, int c) {
+  constexpr int P = kAPitch<kType>;
+  if constexpr (kType == DType::Q8_0) {
+    const uint8_t* r0 = rows + g * P + j * 32 + 4 * c;
+    a[0] = lds32(r0), a[1] = lds32(r0 + 8 * P), a[2] = lds32(r0 + 16), a[3] = lds32(r0 + 8 * P + 16);
+  } else {
+    const uint8_t* r0 = rows + g * P + j * 16 + 4 * c;
+    const uint32_t v0 = lds32(r0), v1 = lds32(r0 + 8 * P);
+    a[0] = v0 & 0x0f0f0f0fu, a[1] = v1 & 0x0f0f0f0fu, a[2] = (v0 >> 4) & 0x0f0f0f0fu, a[3] = (v1 >> 4) & 0x0f0f0f0fu;
+  }
+}
+
+template <DType kType, int BN>
+__global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
+  using Stage = MmqStage<kType, BN>;
+  constexpr int NT = BN / 16;  // 8-token tiles per warp
+  auto* st = reinterpret_cast<Stage*>(dynamic_smem());
+  const int row0 = int(blockIdx.x) * kMmqBM, tok0 = int(blockIdx.y) * BN;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, c = lane % 4;
+  const int wr = (warp % 4) * 32, wc = (warp / 4) * (BN / 2);  // the warp's first row and token in the tile
+  const int all_stages = p.cols / kMmqBK, z = int(blockIdx.z);
+  const int first = int(int64_t(all_stages) * z / p.splits), n_stages = int(int64_t(all_stages) * (z + 1) / p.splits) - first;
+  float acc[2][NT][4];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
+
+  for (int s = 0; s < kMmqStages - 1; ++s) {
+    if (s < n_stages) mmq_load(st[s], p, row0, tok0, 2 * (first + s));
+    cp_async_commit();
+  }
+  for (int k = 0; k < n_stages; ++k) {
+    cp_async_wait<kMmqStages - 2>();  // stage k has landed (for this thread's copies) ...
+    __syncthreads();                  // ... and everyone's; stage k - 1 is consumed by all
+    const int kn = k + kMmqStages - 1;
+    if (kn < n_stages) mmq_load(st[kn % kMmqStages], p, row0, tok0, 2 * (first + kn));
+    cp_async_commit();
+    const Stage& s = st[k % kMmqStages];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t a[2][4], b[NT][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) load_a<kType>(a[mi], s.a + (wr + 16 * mi) * kAPitch<kType>, j, g, c);
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni) {
+        const int8_t* br = s.b + (wc + 8 * ni + g) * kBPitch + j * 32 + 4 * c;
+        b[ni][0] = lds32(br), b[ni][1] = lds32(br + 16);
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int r = wr + 16 * mi + g;
+        const float dw0 = fp16_bits_to_float(s.dw[2 * r + j]), dw1 = fp16_bits_to_float(s.dw[2 * (r + 8) + j]);
+        float mw0 = 0.0f, mw1 = 0.0f;
+        if constexpr (kType == DType::Q4_1) mw0 = fp16_bits_to_float(s.mw[2 * r + j]), mw1 = fp16_bits_to_float(s.mw[2 * (r + 8) + j]);
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni) {
+          int d[4] = {0, 0, 0, 0};
+          if constexpr (kType == DType::Q8_0) mma_s8(d, a[mi], b[ni]);
+          else mma_u8s8(d, a[mi], b[ni]);
+          const int t = wc + 8 * ni + 2 * c;
+          const float dx0 = s.dx[2 * t + j], dx1 = s.dx[2 * (t + 1) + j];
+          float* o = acc[mi][ni];
+          if constexpr (kType == DType::Q8_0) {
+            o[0] += dw0 * dx0 * float(d[0]), o[1] += dw0 * dx1 * float(d[1]);
+            o[2] += dw1 * dx0 * float(d[2]), o[3] += dw1 * dx1 * float(d[3]);
+          } else {
+            const float sx0 = s.sx[2 * t + j], sx1 = s.sx[2 * (t + 1) + j];
+            if constexpr (kType == DType::Q4_0) {
+              o[0] += dw0 * (dx0 * float(d[0]) - 8.0f * sx0), o[1] += dw0 * (dx1 * float(d[1]) - 8.0f * sx1);
+              o[2] += dw1 * (dx0 * float(d[2]) - 8.0f * sx0), o[3] += dw1 * (dx1 * float(d[3]) - 8.0f * sx1);
+            } else {
+              o[0] += dw0 * dx0 * float(d[0]) + mw0 * sx0, o[1] += dw0 * dx1 * float(d[1]) + mw0 * sx1;
+              o[2] += dw1 * dx0 * float(d[2]) + mw1 * sx0, o[3] += dw1 * dx1 * float(d[3]) + mw1 * sx1;
+            }
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  float* y = p.splits == 1 ? p.y : p.y + int64_t(z) * p.T * p.rows;
+  const int64_t ldy = p.splits == 1 ? p.ldy : p.rows;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + wr + 16 * mi + g + (i >= 2 ? 8 : 0), tok = tok0 + wc + 8 * ni + 2 * c + (i & 1);
+        if (row < p.rows && tok < p.T) y[int64_t(tok) * ldy + row] = acc[mi][ni][i];
+      }
+}
+
+// y [T, rows] (row t at y + t · ldy) = Σ_z part [z, T, rows], z in order.
+__global__ void mmq_reduce_kernel(const float* __restrict__ part, float* __restrict__ y, int64_t ldy, int rows, int T, int splits) {
+  const int64_t n = int64_t(T) * rows;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float v = 0.0f;
+    for (int z = 0; z < splits; ++z) v += part[z * n + i];
+    y[(i / rows) * ldy + i % rows] = v;
+  }
+}
+
+// The kernel's shared memory beyond the default 48 KiB: allowed once per instantiation and
+// device (on first use, or by mmq_prepare before a CUDA graph is captured).
+template <DType kType, int BN>
+void allow_smem() {
+  constexpr size_t smem = sizeof(MmqStage<kType, BN>) * kMmqStages;
+  static std::atomic<uint64_t> devices{0};  // bit d: done on device d
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (dev & 63);
+  if (smem <= 48 * 1024 || (devices.load() & bit)) return;
+  const void* k = reinterpret_cast<const void*>(&mmq_kernel<kType, BN>);
+  check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), "cudaFuncSetAttribute (mmq)");
+  devices.fetch_or(bit);
+}
+
+template <DType kType>
+void allow_smem_all() {
+  allow_smem<kType, 16>(), allow_smem<kType, 32>(), allow_smem<kType, 64>(), allow_smem<kType, 128>();
+}
+
+template <DType kType, int BN>
+void launch_mmq(const MmqArgs& a, cudaStream_t s) {
+  constexpr size_t smem = sizeof(MmqStage<kType, BN>) * kMmqStages;
+  allow_smem<kType, BN>();
+  const dim3 grid{unsigned((a.rows + kMmqBM - 1) / kMmqBM), unsigned((a.T + BN - 1) / BN), unsigned(a.splits)};
+  auto* kernel = mmq_kernel<kType, BN>;  // a template name's comma would split the macro's arguments
+  LLMQ_LAUNCH(kernel, grid, kMmqThreads, smem, s)(a);
+}
+
+template <DType kType>
+void launch_mmq_bn(const MmqArgs& a, int bn, cudaStream_t s) {
+  switch (bn) {
+    case 16: return launch_mmq<kType, 16>(a, s);
+    case 32: return launch_mmq<kType, 32>(a, s);
+    case 64: return launch_mmq<kType, 64>(a, s);
+    default: return launch_mmq<kType, 128>(a, s);
+  }
+}
+
+}  // namespace
+
+void mmq_prepare() {
+  allow_smem_all<DType::Q8_0>(), allow_smem_all<DType::Q4_0>(), allow_smem_all<DType::Q4_1>();
+}
+
+bool mmq_supported(const DeviceWeight& w) {
+  return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1) && w.cols % 64 == 0 && w.rows > 0;
+}
+
+int mmq_tile_tokens(int64_t T) { return T <= 16 ? 16 : T <= 32 ? 32 : T <= 64 ? 64 : 128; }
+
+// Enough CUDA blocks for two per SM of an H100/H200 (132 SMs): a 4096-row matrix at 16 tokens is
+// 32 blocks, each walking all its columns' stages one after another (latency-bound: 50 us on an
+// H200 against 3 us of weight bytes). Each split keeps at least 4 stages (256 columns).
+int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes) {
+  const int64_t blocks = (w.rows + kMmqBM - 1) / kMmqBM * ((T + mmq_tile_tokens(T) - 1) / mmq_tile_tokens(T));
+  int64_t splits = std::min<int64_t>({8, (264 + blocks - 1) / blocks, w.cols / kMmqBK / 4});
+  while (splits > 1 && uint64_t(splits) * uint64_t(T) * uint64_t(w.rows) * 4 > split_bytes) --splits;
+  return int(std::max<int64_t>(1, splits));
+}
+
+void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
+         uint64_t split_bytes) {
+  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0 or Q4_1 weights with columns a multiple of 64");
+  if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
+  const int splits = split ? mmq_splits(w, T, split_bytes) : 1;
+  if (ldy == 0) ldy = w.rows;
+  const MmqArgs a{w.q, w.d, w.m, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits};
+  const int bn = tile_tokens ? tile_tokens : mmq_tile_tokens(T);
+  switch (w.type) {
+    case DType::Q8_0: launch_mmq_bn<DType::Q8_0>(a, bn, s); break;
+    case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
+    default: launch_mmq_bn<DType::Q4_1>(a, bn, s); break;
+  }
+  check_launch("mmq");
+  if (splits > 1) {
+    const int64_t n = T * w.rows;
+    LLMQ_LAUNCH(mmq_reduce_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s)(split, y, ldy, int(w.rows), int(T), splits);
+    check_launch("mmq_reduce");
+  }
+}
+
+}  // namespace llmq::cuda
