@@ -75,7 +75,68 @@ void measure(Session& s, const std::vector<int32_t>& prompt, int64_t n_gen, Spee
 
 #ifdef LLMQ_HAVE_CUDA
 // --device cuda: the model (`model`, or random weights of `type` with config c) on GPU 0.
-nlohmann::json bench_cuda(const Model* model, const LlamaConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps) {
+// --profile: one prefill of `prompt` and n_gen greedy steps, timed per op class with CUDA events
+// (ungraphed); milliseconds for the prefill, microseconds per decode step.
+nlohmann::json profile_cuda(cuda::CudaSession& s, const std::vector<int32_t>& prompt, int64_t n_gen) {
+  cuda::OpProfile prof;
+  s.set_profile(&prof);
+  s.reset();
+  s.prefill(prompt.data(), int64_t(prompt.size()));
+  nlohmann::json j, pre = nlohmann::json::object(), dec = nlohmann::json::object();
+  double sum = 0;
+  for (const auto& [op, ms] : prof.totals_ms()) pre[op] = ms, sum += ms;
+  pre["total"] = sum;
+  prof.clear();
+  int32_t tok = prompt.back();
+  for (int64_t i = 0; i < n_gen; ++i) tok = s.decode_greedy(tok);
+  sum = 0;
+  for (const auto& [op, ms] : prof.totals_ms()) dec[op] = ms * 1e3 / double(n_gen), sum += ms * 1e3 / double(n_gen);
+  dec["total"] = sum;
+  s.set_profile(nullptr);
+  j["prefill_ms"] = pre;
+  j["decode_us_per_token"] = dec;
+  return j;
+}
+
+// --batch N: N sequences decoding at once through forward_batch on a paged cache (llmq-server's
+// GPU path): each gets a prompt of n_prompt tokens (one pass each), then n_gen steps of N tokens.
+// Aggregate decode tok/s = N n_gen / time (best of reps); the steps of more than
+// kGemvMaxTokens tokens run on MMQ.
+nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_t n_prompt, int64_t n_gen, int reps) {
+  using clock = std::chrono::steady_clock;
+  const LlamaConfig& c = dm.config();
+  const int64_t ctx = n_prompt + n_gen;
+  const CudaPlan plan = plan_cuda_server(c, {}, ctx, std::max(batch, n_prompt), batch, batch * ctx);
+  cuda::CudaSession s(dm, nullptr, plan);
+  std::mt19937 rng(99);
+  std::uniform_int_distribution<int32_t> pick(0, int32_t(c.vocab_size - 1));
+  double best = 1e30;
+  for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up (graphs, MMQ's shared-memory opt-in)
+    KVCache kv = KVCache::tables_only(c, plan.kv_blocks, plan.block_tokens);
+    std::vector<int32_t> seqs;
+    std::vector<BatchToken> b;
+    for (int64_t i = 0; i < batch; ++i) {
+      seqs.push_back(kv.add_sequence());
+      if (!kv.reserve(seqs.back(), ctx)) throw UsageError("--batch: the planned cache is too small");
+      b.clear();
+      for (int64_t j = 0; j < n_prompt; ++j) b.push_back({seqs.back(), pick(rng), j + 1 == n_prompt});
+      s.forward_batch(kv, b.data(), int64_t(b.size()));
+    }
+    const auto t0 = clock::now();
+    for (int64_t step = 0; step < n_gen; ++step) {
+      b.clear();
+      for (int32_t q : seqs) b.push_back({q, pick(rng), true});
+      s.forward_batch(kv, b.data(), int64_t(b.size()));
+    }
+    const double t = std::chrono::duration<double>(clock::now() - t0).count();
+    if (r > 0) best = std::min(best, t);
+  }
+  return {{"batch", batch}, {"prompt_tokens_each", n_prompt}, {"gen_tokens_each", n_gen},
+          {"aggregate_decode_tok_s", double(batch * n_gen) / best}, {"step_ms", best / double(n_gen) * 1e3}};
+}
+
+nlohmann::json bench_cuda(const Model* model, const LlamaConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps,
+                          bool profile, int64_t batch) {
   using clock = std::chrono::steady_clock;
   cuda::check(cudaSetDevice(0), "cudaSetDevice");
   std::unique_ptr<cuda::CudaModel> dm =
@@ -133,6 +194,11 @@ nlohmann::json bench_cuda(const Model* model, const LlamaConfig& c, DType type, 
   j["cublas_bf16_tflop_s"] = gemm / 1e12;
   j["cublas_bf16_shape"] = {c.hidden_dim, n_prompt, c.dim};
   j["prefill_fraction_of_cublas"] = prefill_flops / prefill_s / gemm;
+  if (profile) j["profile"] = profile_cuda(s, prompt, n_gen);
+  if (batch > 1) {
+    j["batched"] = bench_cuda_batch(*dm, batch, std::min<int64_t>(n_prompt, 128), n_gen, reps);
+    j["batched"]["speedup_over_batch1"] = j["batched"]["aggregate_decode_tok_s"].get<double>() / j["decode_tok_s"].get<double>();
+  }
   return j;
 }
 
@@ -190,7 +256,8 @@ int main(int argc, char** argv) {
   std::string model_path, tp_output = "vocab";
   int64_t n_prompt = 512, n_gen = 128;
   int threads = 0, reps = 3, tp = 1;
-  bool no_verify = false, no_baseline = false;
+  bool no_verify = false, no_baseline = false, profile = false;
+  int64_t batch = 1;
   int64_t bandwidth_mib = 512;
   std::string device_s = "cpu", synthetic, type_s = "q4_0";
   app.add_option("-m,--model", model_path, "model file (.llmq)");
@@ -212,12 +279,17 @@ int main(int argc, char** argv) {
   std::string kv_type_s = "f32";
   app.add_option("--kv-type", kv_type_s, "KV cache element type: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   app.add_flag("--no-verify", no_verify, "skip checksum verification at load");
+  app.add_option("--batch", batch, "with --device cuda: also N sequences decoding at once (llmq-server's batched steps), "
+                                   "aggregate tok/s as JSON \"batched\"");
+  app.add_flag("--profile", profile, "with --device cuda: the time of one prefill and of the decode steps per op class "
+                                     "(CUDA events, without graphs), as JSON \"profile\"");
   app.add_option("--bandwidth-mib", bandwidth_mib,
                  "buffer for the read-bandwidth measurement, MiB (0: skip it)");
   LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-bench", [&] {
     if (n_prompt < 1 || n_gen < 1 || reps < 1) throw UsageError("-p, -n and -r must be positive");
+    if (batch < 1 || batch > 1024) throw UsageError("--batch must be 1..1024");
     if (tp_output != "vocab" && tp_output != "replicated") throw UsageError("--tp-output must be vocab or replicated");
     if (bandwidth_mib < 0 || bandwidth_mib > (int64_t(1) << 20)) throw UsageError("--bandwidth-mib out of range");
     if (model_path.empty() == synthetic.empty()) throw UsageError("give a model (-m) or --synthetic NAME, one of them");
@@ -245,7 +317,7 @@ int main(int argc, char** argv) {
         m = Model::load(model_path, !no_verify, /*pack=*/false);
         c = m->config;
       }
-      nlohmann::json j = bench_cuda(m.get(), c, dtype_from_name(type_s), n_prompt, n_gen, reps);
+      nlohmann::json j = bench_cuda(m.get(), c, dtype_from_name(type_s), n_prompt, n_gen, reps, profile, batch);
       j["model"] = synthetic.empty() ? model_path : "synthetic " + synthetic;
       std::printf("%s\n", j.dump(2).c_str());
       return 0;
