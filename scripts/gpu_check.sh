@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# Everything a GPU session has to run for issues 4, 6 and 7, in phases that each fit one device
-# call (10 minutes). Runs on the GPU machine from the repository root, on the binaries that
-# scripts/gpu_pack.sh packed into .gpu/ (carried there: the machine has no network). Each step's
-# output goes to $OUT/<phase>/<step>.txt (or .json), a step that fails is recorded and the next
-# one runs; $OUT/<phase>/summary.txt lists every step with its exit code and seconds.
+# The checks a GPU session runs (issues 4, 6, 7, 25), in phases, on the GPU machine from the
+# repository root, on what scripts/gpu_pack.sh packed into .gpu/ (carried there: the machine
+# has no network). Each step's output goes to $OUT/<phase>/<step>.txt, a step that fails is
+# recorded and the next one runs; $OUT/<phase>/summary.txt lists every step with its exit code
+# and seconds, and the last lines printed are every phase's summary.
 #
-#   bash scripts/gpu_check.sh tests      # parity: every kernel x type, whole models, TP, server paths
-#   bash scripts/gpu_check.sh sanitizer  # compute-sanitizer memcheck over the kernel tests
-#   bash scripts/gpu_check.sh bench      # llmq-bench --synthetic llama-2-7b / llama-3-8b x q4_0, q8_0, f16
-#   bash scripts/gpu_check.sh tools      # llmq-run (offload, --tp 2, ranks as processes), llmq-server
-#   bash scripts/gpu_check.sh train      # bench/train_mem.py: PyTorch's peak vs llmq-mem train
-#   DRY=1 bash scripts/gpu_check.sh all  # print the commands only
+#   bash scripts/gpu_check.sh            # the default: one device call of at most 8 minutes
+#                                        # (info tests sanitizer bench peer)
+#   bash scripts/gpu_check.sh lab bench  # named phases, in order:
+#     info       nvidia-smi
+#     kernels    the kernel parity cases alone (MMQ, matmul, norms, attention)
+#     tests      parity: every [cuda] case (kernel x type, whole models, TP, server paths)
+#     sanitizer  compute-sanitizer memcheck over the kernel tests; racecheck over MMQ and attention
+#     lab        the kernel labs (dev/cuda): GEMV, MMQ and attention against the engine's (LABS=...)
+#     bench      llmq-bench --synthetic llama-2-7b, Q4_0 and Q8_0, with --profile; MMQ off once
+#     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py), read by both
+#                llama.cpp's llama-bench and llmq-bench (after llmq-convert), interleaved; and
+#                test-backend-ops perf on the MUL_MAT shapes of the issue
+#     tools      llmq-run (offload, --tp 2, ranks as processes), llmq-server
+#     train      bench/train_mem.py: PyTorch's peak vs llmq-mem train
+#   DRY=1 bash scripts/gpu_check.sh ...  # print the commands only
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:-all}
 OUT=${OUT:-$PWD/gpu-out}
 G=$PWD/.gpu
+# gpu_pack.sh's archive (what travels: the device tool carries at most 64 MiB)
+[ -d "$G" ] || [ ! -f .gpu-pack/gpu.tar.xz ] || [ "${DRY:-0}" = 1 ] || tar -xJf .gpu-pack/gpu.tar.xz
 export LD_LIBRARY_PATH=$G/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} LLMQ_SHARED_DIR=$G/shared LLMQ_BIN_DIR=$G/bin
 export LLMQ_TEST_TMP=${LLMQ_TEST_TMP:-/tmp/llmq-tests}
 S=/tmp/llmq-gpu-stories.llmq
+B7="--device cuda --synthetic llama-2-7b -p 512 -n 128 -r 3"
 export G S
 
 # step NAME SECONDS CMD...: runs CMD under `timeout`, output to $dir/NAME.txt, one summary line.
@@ -51,7 +62,21 @@ server_check() {
   kill "$pid"
   wait "$pid"
 }
-export -f server_check
+
+# The same GGUF through llama.cpp's llama-bench and llmq-bench, two rounds, interleaved.
+peer_bench() {
+  local t=$1 gguf=/tmp/peer-$1.gguf llmq=/tmp/peer-$1.llmq r
+  python3 "$G/peer_gguf.py" --gguf-py "$G/peer/gguf-py" --vocab "$G/shared/tokenizers/ggml-vocab-llama-spm.gguf" --type "$t" -o "$gguf" || return 1
+  "$G/bin/llmq-convert" "$gguf" -o "$llmq" >/dev/null || return 1
+  for r in 1 2; do
+    echo "== round $r: llama-bench"
+    LD_LIBRARY_PATH=$G/peer/bin:$LD_LIBRARY_PATH "$G/peer/bin/llama-bench" -m "$gguf" -p 512 -n 128 -r 3 -ngl 99 -o json
+    echo "== round $r: llmq-bench"
+    "$G/bin/llmq-bench" --device cuda -m "$llmq" -p 512 -n 128 -r 3 --no-verify
+  done
+  rm -f "$gguf" "$llmq"
+}
+export -f server_check peer_bench
 
 need_model() {
   [ "${DRY:-0}" = 1 ] || [ -f "$S" ] || "$G/bin/llmq-convert" "$G/shared/models/stories260K/stories260K.bin" \
@@ -66,20 +91,43 @@ run_phase() {
     : >"$dir/summary.txt"
   fi
   case "$phase" in
+    info)
+      step nvidia-smi 30 "nvidia-smi; nvidia-smi -q -d CLOCK,MEMORY | head -60; uname -a; nvcc --version | tail -2"
+      ;;
+    kernels)  # the kernel parity cases alone (seconds)
+      step kernel-tests 60 "$G/bin/llmq-tests 'CUDA MMQ*,CUDA matmul*,CUDA RMSNorm*,CUDA attention*,CUDA paged*' -r compact"
+      ;;
     tests)
-      step nvidia-smi 30 "nvidia-smi; nvidia-smi -q -d CLOCK,MEMORY | head -60"
-      step cuda-tests 540 "$G/bin/llmq-tests '[cuda]' -s -r compact | tail -400"
-      step tp-process-tests 120 "$G/bin/llmq-tests '[tp_process]'"
+      step cuda-tests 240 "$G/bin/llmq-tests '[cuda]' -r compact"
+      step tp-process-tests 90 "$G/bin/llmq-tests '[tp_process]' -r compact"
       ;;
     sanitizer)
-      step memcheck-kernels 540 "compute-sanitizer --tool memcheck --error-exitcode 9 $G/bin/llmq-tests '[cuda]~[model]'"
+      step memcheck-kernels 150 "compute-sanitizer --tool memcheck --error-exitcode 9 $G/bin/llmq-tests '[cuda]~[model]' -r compact"
+      step racecheck-mmq-attn 90 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*' -r compact"
+      ;;
+    lab)
+      for l in ${LABS:-gemv mmq attn}; do
+        case $l in
+          gemv) step lab-gemv 90 "$G/dev/gemv --reps 10" ;;
+          mmq) step lab-mmq 120 "$G/dev/mmq --reps 5" ;;
+          attn) step lab-attn 60 "$G/dev/attn && LLMQ_CUDA_ATTN=0 $G/dev/attn" ;;
+        esac
+      done
       ;;
     bench)
-      for m in llama-2-7b llama-3-8b; do
-        for t in q4_0 q8_0 f16; do
-          step "bench-$m-$t" 150 "$G/bin/llmq-bench --device cuda --synthetic $m --type $t -p 512 -n 128 -r 3"
-        done
+      for t in q4_0 q8_0; do
+        step "bench-7b-$t" 90 "$G/bin/llmq-bench $B7 --type $t --profile --batch 32"
       done
+      step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
+      ;;
+    peer)
+      if [ -x "$G/peer/bin/llama-bench" ]; then
+        for t in ${PEER_TYPES:-q4_0 q8_0}; do step "peer-$t" 150 "peer_bench $t"; done
+        step peer-backend-ops 120 "LD_LIBRARY_PATH=$G/peer/bin:\$LD_LIBRARY_PATH $G/peer/bin/test-backend-ops perf -b CUDA0 -o MUL_MAT \
+          -p 'type_a=(q4_0|q8_0|f16),type_b=f32,m=4096,n=(1|8|512),k=14336'"
+      else
+        echo "[peer] no .gpu/peer (scripts/peer_cuda.sh builds it): skipped" | tee -a "$dir/summary.txt"
+      fi
       ;;
     tools)
       need_model
@@ -98,15 +146,15 @@ run_phase() {
       step train-mem 590 "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
       ;;
     *)
-      echo "gpu_check.sh: unknown phase '$phase' (tests, sanitizer, bench, tools, train, all)" >&2
+      echo "gpu_check.sh: unknown phase '$phase' (info tests sanitizer lab bench peer tools train)" >&2
       exit 1
       ;;
   esac
-  [ "${DRY:-0}" = 1 ] || cat "$dir/summary.txt"
 }
 
-if [ "$phase" = all ]; then
-  for p in tests sanitizer bench tools train; do run_phase "$p"; done
-else
-  run_phase "$phase"
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(info tests sanitizer bench peer)
+for p in "${phases[@]}"; do run_phase "$p"; done
+if [ "${DRY:-0}" != 1 ]; then
+  for p in "${phases[@]}"; do echo "== $p"; cat "$OUT/$p/summary.txt"; done
 fi

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Packs what a GPU machine without network needs to run the CUDA tests and benchmarks: a build
 # made here (the same CUDA toolkit), the shared libraries it needs beyond the CUDA driver and
-# toolkit, and stories260K. Writes .gpu/ (git-ignored), to be carried (the device tool's carry).
-# On the GPU machine, from the repository root:
+# toolkit, stories260K, the kernel labs and the peer (scripts/peer_cuda.sh). Writes .gpu/ and its
+# archive .gpu-pack/gpu.tar.xz (both git-ignored); carry .gpu-pack (the device tool's carry), and
+# scripts/gpu_check.sh unpacks it there. By hand, on the GPU machine, from the repository root:
 #   export LD_LIBRARY_PATH=$PWD/.gpu/lib LLMQ_SHARED_DIR=$PWD/.gpu/shared LLMQ_BIN_DIR=$PWD/.gpu/bin LLMQ_TEST_TMP=/tmp/llmq-tests
 #   .gpu/bin/llmq-tests "[cuda]"
 #   compute-sanitizer --tool memcheck .gpu/bin/llmq-tests "[cuda]"
@@ -13,7 +14,9 @@ launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B build-gpu -DLLMQ_CUDA=ON -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >/dev/null
 cmake --build build-gpu -j"$(nproc)" --target llmq-tests llmq-bench llmq-run llmq-convert llmq-mem llmq-server
+peer_keep=$(mktemp -d); [ -d .gpu/peer ] && mv .gpu/peer "$peer_keep/"  # scripts/peer_cuda.sh's output survives a repack
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib .gpu/shared/models
+[ -d "$peer_keep/peer" ] && mv "$peer_keep/peer" .gpu/; rmdir "$peer_keep" 2>/dev/null || true
 cp build-gpu/tests/llmq-tests build-gpu/llmq-bench build-gpu/llmq-run build-gpu/llmq-convert build-gpu/llmq-mem build-gpu/llmq-server .gpu/bin/
 strip .gpu/bin/* || true
 # Libraries from Debian packages (the GPU machine's image may lack them); not the CUDA ones.
@@ -21,4 +24,17 @@ for b in .gpu/bin/*; do
   ldd "$b" | awk '/=> \// {print $3}' | grep -Ev 'libc\.so|libm\.so|libgcc_s|libstdc\+\+|ld-linux|libpthread|libdl|librt|cuda|cublas|nvidia' || true
 done | sort -u | while read -r lib; do cp -L "$lib" .gpu/lib/; done
 cp -r ../shared/models/stories260K .gpu/shared/models/
-du -sh .gpu
+# The kernel labs (dev/cuda), the vocabulary for scripts/peer_gguf.py, and the peer (llama.cpp's
+# CUDA tools and gguf-py) when scripts/peer_cuda.sh has built it.
+bash dev/cuda/build.sh >/dev/null
+mkdir -p .gpu/dev
+for l in gemv mmq attn; do
+  if [ -f build-gpu/dev/$l ]; then cp build-gpu/dev/$l .gpu/dev/ && strip .gpu/dev/$l; fi
+done
+mkdir -p .gpu/shared/tokenizers && cp ../shared/tokenizers/llamacpp-vocab/ggml-vocab-llama-spm.gguf .gpu/shared/tokenizers/
+if [ -d build-peer/cuda/bin ] && [ ! -d .gpu/peer ]; then bash scripts/peer_cuda.sh; fi
+cp scripts/peer_gguf.py .gpu/
+du -sh .gpu .gpu/*
+# One archive to carry (the device tool takes at most 64 MiB; the binaries share their kernels,
+# which xz's 64 MiB window folds): gpu_check.sh unpacks it where .gpu/ is missing.
+mkdir -p .gpu-pack && tar -cf - .gpu | xz -9 -T2 > .gpu-pack/gpu.tar.xz && du -sh .gpu-pack/gpu.tar.xz

@@ -1,0 +1,61 @@
+// Attention lab: the engine's attention() (engine/cuda/attention.h) timed on Llama shapes with a
+// random fp16 cache: a 512-token prompt (TFLOP/s of the causal products, 4 · hd per visible
+// (query, position) pair) and decode steps at 512 and 4096 cached positions (GB/s of the K and V
+// bytes read, flash-decoding parts of 64 positions plus their merge). LLMQ_CUDA_ATTN=0 in the
+// environment puts prompts on the CUDA-core kernel instead of the tensor cores, for comparison.
+//
+//   dev/cuda/build.sh && build-gpu/dev/attn && LLMQ_CUDA_ATTN=0 build-gpu/dev/attn
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "engine/cuda/attention.h"
+#include "engine/cuda/cuda.h"
+#include "engine/cuda/matmul.h"
+
+using namespace llmq;
+using namespace llmq::cuda;
+
+int main() {
+  try {
+    check(cudaSetDevice(0), "cudaSetDevice");
+    std::printf("%s, LLMQ_CUDA_ATTN=%s\n", device_description(0).c_str(), std::getenv("LLMQ_CUDA_ATTN") ? std::getenv("LLMQ_CUDA_ATTN") : "(unset)");
+    struct Cfg { const char* name; int64_t heads, kv, hd; };
+    for (const Cfg& c : {Cfg{"llama-2-7b", 32, 32, 128}, Cfg{"llama-3-8b", 32, 8, 128}, Cfg{"smollm2-135m", 9, 3, 64}}) {
+      const int64_t ctx = 4096, Q = c.heads * c.hd, KV = c.kv * c.hd, T = 512;
+      DeviceBuffer k(size_t(ctx * KV) * 2), v(size_t(ctx * KV) * 2), q(size_t(T * Q) * 4), out(size_t(T * Q) * 4);
+      fill_random(split_weight_view(DType::F16, ctx, KV, k.as<uint8_t>()), 1, nullptr);
+      fill_random(split_weight_view(DType::F16, ctx, KV, v.as<uint8_t>()), 2, nullptr);
+      fill_random(split_weight_view(DType::F32, T, Q, q.as<uint8_t>()), 3, nullptr);
+      std::vector<int32_t> pos(T);
+      for (int64_t i = 0; i < T; ++i) pos[size_t(i)] = int32_t(i);
+      DeviceBuffer pd(size_t(T) * 4);
+      pd.upload(pos.data(), pos.size() * 4);
+      const float scale = float(1.0 / std::sqrt(double(c.hd)));
+      const double ms = best_time_ms(20, [&] {
+        attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), pd.as<int32_t>(), T, c.heads, c.kv, c.hd, scale, 1, ctx,
+                  nullptr, out.as<float>(), Q, nullptr);
+      });
+      const double flop = 4.0 * double(c.hd) * double(c.heads) * double(T) * double(T + 1) / 2.0;
+      std::printf("%-13s prefill T=512        %9.1f us  %7.1f TFLOP/s\n", c.name, ms * 1e3, flop / (ms * 1e-3) / 1e12);
+      for (int32_t p : {511, 4095}) {
+        const int64_t parts = ctx / 64;
+        DeviceBuffer part(size_t(c.heads * parts * (c.hd + 2)) * 4), p1(4);
+        p1.upload(&p, 4);
+        const double dms = best_time_ms(50, [&] {
+          attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), p1.as<int32_t>(), 1, c.heads, c.kv, c.hd, scale, parts, 64,
+                    part.as<float>(), out.as<float>(), Q, nullptr);
+        });
+        const double bytes = 2.0 * double(p + 1) * double(KV) * 2.0;
+        std::printf("%-13s decode at %4d (64 parts) %7.1f us  %7.0f GB/s of K+V\n", c.name, p, dms * 1e3, bytes / (dms * 1e-3) / 1e9);
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attention lab: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

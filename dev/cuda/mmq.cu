@@ -1,0 +1,150 @@
+// MMQ lab (prefill and batched-decode matmuls): the engine's mmq (int8 tensor cores on the
+// quant blocks, engine/cuda/mmq.cu) at each tile width against the path it replaces (the whole
+// matrix dequantized to fp16, then cuBLAS) and against cuBLAS alone on a ready fp16 matrix (the
+// ceiling of that path), on llama-2-7b's shapes, for T = 16 .. 512 tokens. Weights rotate over
+// copies totalling >= 512 MiB so small T reads DRAM, not L2. TFLOP/s = 2 rows cols T / time.
+//
+// "engine matmul" is what the engine runs for that T (matmul(): MMQ up to kCudaMmqMaxTokens,
+// then dequantize + cuBLAS), quantization of the fp32 input included.
+//
+//   dev/cuda/build.sh && build-gpu/dev/mmq [--reps N]
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/cuda/cuda.h"
+#include "engine/cuda/matmul.h"
+
+using namespace llmq;
+using namespace llmq::cuda;
+
+#define CK(x) check((x), #x)
+
+namespace {
+
+void ckb(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw CudaError(std::string(what) + ": cuBLAS error");
+}
+
+struct Shape {
+  int rows, cols;
+  const char* what;
+};
+
+double rel(const std::vector<float>& a, const std::vector<float>& b) {
+  double e = 0, n = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    e += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), n += double(b[i]) * b[i];
+  }
+  return std::sqrt(e / n);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 10;
+  for (int i = 1; i + 1 < argc; i += 2)
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  try {
+    CK(cudaSetDevice(0));
+    std::printf("%s\n", device_description(0).c_str());
+    cublasHandle_t h;
+    ckb(cublasCreate(&h), "cublasCreate");
+    DeviceBuffer ws(32 << 20);
+    ckb(cublasSetWorkspace(h, ws.get(), ws.bytes()), "cublasSetWorkspace");
+    const std::vector<Shape> shapes = {{12288, 4096, "qkv"}, {4096, 4096, "wo"}, {22016, 4096, "gate_up"}, {4096, 11008, "down"}, {4096, 14336, "tbo"}};
+    const int Ts[] = {16, 32, 64, 128, 512};
+    const int maxT = 512;
+    for (DType type : {DType::Q4_0, DType::Q8_0}) {
+      for (const Shape& sh : shapes) {
+        const uint64_t bytes = split_weight_bytes(type, sh.rows, sh.cols);
+        const int copies = int(std::max<uint64_t>(2, (512ull << 20) / bytes + 1));
+        DeviceBuffer wbuf(bytes * copies);
+        std::vector<DeviceWeight> w;
+        for (int i = 0; i < copies; ++i) {
+          w.push_back(split_weight_view(type, sh.rows, sh.cols, wbuf.as<uint8_t>() + bytes * i));
+          fill_random(w.back(), 100 + i, nullptr);
+        }
+        DeviceBuffer x(size_t(maxT) * sh.cols * 4), q(size_t(maxT) * sh.cols), d(size_t(maxT) * sh.cols / 8), s(size_t(maxT) * sh.cols / 8);
+        std::vector<float> hx(size_t(maxT) * sh.cols);
+        srand(7);
+        for (auto& v : hx) v = float(rand()) / RAND_MAX * 2.0f - 1.0f;
+        x.upload(hx.data(), hx.size() * 4);
+        const DeviceActQ8 xq{q.as<int8_t>(), d.as<float>(), s.as<float>()};
+        DeviceBuffer xh(size_t(maxT) * sh.cols * 2), wh(size_t(sh.rows) * sh.cols * 2), y(size_t(maxT) * sh.rows * 4);
+        DeviceBuffer split(8 << 20);  // the engine's split-K scratch (CudaMatmulPlan::mmq_split)
+        MatmulContext ctx(maxT, sh.cols, nullptr, sh.rows);  // the engine's matmul: GEMV / MMQ / dequantize + cuBLAS by T
+        // x as fp16 for cuBLAS
+        {
+          std::vector<__half> hh(hx.size());
+          for (size_t i = 0; i < hx.size(); ++i) hh[i] = __float2half(hx[i]);
+          xh.upload(hh.data(), hh.size() * 2);
+        }
+        const float one = 1.0f, zero = 0.0f;
+        auto gemm = [&](const void* a, int T) {
+          ckb(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, sh.rows, T, sh.cols, &one, a, CUDA_R_16F, sh.cols, xh.get(), CUDA_R_16F, sh.cols,
+                           &zero, y.get(), CUDA_R_32F, sh.rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              "cublasGemmEx");
+        };
+        for (int T : Ts) {
+          const double flop = 2.0 * sh.rows * double(sh.cols) * T;
+          quantize_act(x.as<float>(), xq, T, sh.cols, nullptr);
+          // Reference output: dequantize + cuBLAS on copy 0.
+          dequantize_rows_f16(w[0], 0, sh.rows, wh.as<uint16_t>(), nullptr);
+          gemm(wh.get(), T);
+          CK(cudaDeviceSynchronize());
+          std::vector<float> ref(size_t(T) * sh.rows), got(ref.size());
+          y.download(ref.data(), ref.size() * 4);
+          int i = 0;
+          auto line = [&](const char* what, double ms, double err) {
+            std::printf("%-5s %-8s %5dx%-5d T=%-4d %-22s %9.1f us %7.1f TFLOP/s  err %.1e\n", dtype_name(type), sh.what, sh.rows, sh.cols, T,
+                        what, ms * 1e3, flop / (ms * 1e-3) / 1e12, err);
+          };
+          line("cublas fp16 (ready)", best_time_ms(reps, [&] { gemm(wh.get(), T); }), 0.0);
+          line("dequant + cublas", best_time_ms(reps, [&] {
+                 for (int k = 0; k < copies; ++k) {
+                   dequantize_rows_f16(w[(i++) % copies], 0, sh.rows, wh.as<uint16_t>(), nullptr);
+                   gemm(wh.get(), T);
+                 }
+               }) / copies,
+               0.0);
+          for (int tile : {16, 32, 64, 128}) {
+            if (tile > 2 * T) continue;
+            CK(cudaMemset(y.get(), 0xff, y.bytes()));
+            mmq(w[0], xq, y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
+            CK(cudaGetLastError());
+            CK(cudaDeviceSynchronize());
+            y.download(got.data(), got.size() * 4);
+            const double err = rel(got, ref);
+            char name[64];
+            std::snprintf(name, sizeof name, "mmq tile %d split %d%s", tile, mmq_splits(w[0], T, split.bytes()), tile == mmq_tile_tokens(T) ? " *" : "");
+            line(name, best_time_ms(reps, [&] {
+                   for (int k = 0; k < copies; ++k) mmq(w[(i++) % copies], xq, y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
+                 }) / copies,
+                 err);
+          }
+          line("quantize_act", best_time_ms(reps, [&] { quantize_act(x.as<float>(), xq, T, sh.cols, nullptr); }), 0.0);
+          line("engine matmul (x fp32)", best_time_ms(reps, [&] {
+                 for (int k = 0; k < copies; ++k) matmul(ctx, w[(i++) % copies], x.as<float>(), y.as<float>(), T);
+               }) / copies,
+               0.0);
+        }
+      }
+    }
+    cublasDestroy(h);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mmq lab: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
