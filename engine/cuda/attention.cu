@@ -49,11 +49,11 @@ struct AttnArgs {
   int64_t ldo;
 };
 
-// Issues (or, element-wise, performs) the copies of positions p0 .. p0 + n - 1 into one stage.
+// Issues (or, element-wise, performs) the copies of positions p0 .. p0 + n - 1 into one stage,
+// by threads tid = 0 .. threads-1 (the block, or one group of its warps).
 __device__ __forceinline__ void attn_load_tile(const AttnArgs& a, __half* Ks, __half* Vs, const int32_t* table, int kvh, int p0, int n,
-                                               bool vec) {
-  const int hd = a.hd, pitch = hd + kPad, threads = int(blockDim.x * blockDim.y * blockDim.z);
-  const int tid = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+                                               bool vec, int tid, int threads) {
+  const int hd = a.hd, pitch = hd + kPad;
   const int64_t kv_dim = int64_t(a.n_kv) * hd;
   if (vec) {
     const int C = hd / 8;  // 16-byte pieces per row
@@ -90,6 +90,59 @@ __device__ __forceinline__ void attn_load_tile(const AttnArgs& a, __half* Ks, __
   }
 }
 
+// One warp's online-softmax step over a tile of n positions from p0 (K and V rows in shared
+// memory, pitch hd + kPad): lane j scores position p0 + j against the warp's query qw (positions
+// from lim on are masked), then (m, l, o) absorb the tile (Milakov & Gimelshein 2018). o holds
+// dims lane, lane + 32, ... of the unnormalized output.
+__device__ __forceinline__ void attn_tile_update(const __half* Ks, const __half* Vs, const float* qw, int p0, int n, int lim, int hd,
+                                                 bool vec, float& m, float& l, float (&o)[kOut]) {
+  const int lane = int(threadIdx.x) % 32, pitch = hd + kPad;
+  const int p = p0 + lane;
+  float sc = -INFINITY;
+  if (lane < n && p < lim) {
+    float acc = 0.0f;
+    if (vec) {
+      // Four independent sums (one per 32-bit word of a piece): a single chain of hd dependent
+      // FMAs was the tile's critical path.
+      const uint4* kr = reinterpret_cast<const uint4*>(Ks + lane * pitch);
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int c = 0; c < hd / 8; ++c) {
+        const uint4 kk = kr[c];
+        const float* qc = qw + 8 * c;
+        const uint32_t w4[4] = {kk.x, kk.y, kk.z, kk.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // the bits as halves (no type punning: the emulator's compiler would not see the store)
+          const float k0 = __half2float(__ushort_as_half(uint16_t(w4[e] & 0xffffu)));
+          const float k1 = __half2float(__ushort_as_half(uint16_t(w4[e] >> 16)));
+          part[e] += qc[2 * e] * k0 + qc[2 * e + 1] * k1;
+        }
+      }
+      acc = (part[0] + part[1]) + (part[2] + part[3]);
+    } else {
+      for (int i = 0; i < hd; ++i) acc += qw[i] * __half2float(Ks[lane * pitch + i]);
+    }
+    sc = acc;
+  }
+  const float tmax = warp_max(sc);
+  if (tmax != -INFINITY) {  // warp-uniform: some position of this tile is this warp's
+    const float m_new = fmaxf(m, tmax);
+    const float corr = expf(m - m_new);  // 0 on the warp's first tile (m = -inf)
+    const float pr = sc != -INFINITY ? expf(sc - m_new) : 0.0f;
+    l = l * corr + warp_sum(pr);
+#pragma unroll
+    for (int i = 0; i < kOut; ++i) o[i] *= corr;
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const float pj = __shfl_sync(kFullMask, pr, j);
+      const __half* vr = Vs + j * pitch;
+#pragma unroll
+      for (int i = 0; i < kOut; ++i)
+        if (lane + 32 * i < hd) o[i] += pj * __half2float(vr[lane + 32 * i]);
+    }
+    m = m_new;
+  }
+}
+
 template <int TQ>
 __global__ void attention_kernel(AttnArgs a) {
   unsigned char* smem = dynamic_smem();
@@ -119,63 +172,22 @@ __global__ void attention_kernel(AttnArgs a) {
 #pragma unroll
   for (int i = 0; i < kOut; ++i) o[i] = 0.0f;
   const int n_tiles = hi > lo ? (hi - lo + kTile - 1) / kTile : 0;
-  if (n_tiles > 0) attn_load_tile(a, Kst(0), Kst(0) + kTile * pitch, table, kvh, lo, min(kTile, hi - lo), vec);
+  const int tid = int(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+  const int threads = int(blockDim.x * blockDim.y * blockDim.z);
+  if (n_tiles > 0) attn_load_tile(a, Kst(0), Kst(0) + kTile * pitch, table, kvh, lo, min(kTile, hi - lo), vec, tid, threads);
   cp_async_commit();
   for (int it = 0; it < n_tiles; ++it) {  // the same trip count for every thread of the block
     const int p0 = lo + it * kTile, n = min(kTile, hi - p0);
     if (it + 1 < n_tiles) {  // the stage read two iterations ago: free since the barrier closing the last one
       const int p1 = p0 + kTile;
-      attn_load_tile(a, Kst((it + 1) & 1), Kst((it + 1) & 1) + kTile * pitch, table, kvh, p1, min(kTile, hi - p1), vec);
+      attn_load_tile(a, Kst((it + 1) & 1), Kst((it + 1) & 1) + kTile * pitch, table, kvh, p1, min(kTile, hi - p1), vec, tid, threads);
     }
     cp_async_commit();
     cp_async_wait<1>();  // this tile's copies (this thread's) have landed ...
     __syncthreads();     // ... and everyone's (and qs is written, the first time)
     const __half* Ks = Kst(it & 1);
     const __half* Vs = Ks + kTile * pitch;
-    const int p = p0 + lane;
-    float sc = -INFINITY;
-    if (lane < n && p < lim) {
-      float acc = 0.0f;
-      if (vec) {
-        // Four independent sums (one per 32-bit word of a piece): a single chain of hd dependent
-        // FMAs was the tile's critical path.
-        const uint4* kr = reinterpret_cast<const uint4*>(Ks + lane * pitch);
-        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int c = 0; c < hd / 8; ++c) {
-          const uint4 kk = kr[c];
-          const float* qc = qw + 8 * c;
-          const uint32_t w4[4] = {kk.x, kk.y, kk.z, kk.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {  // the bits as halves (no type punning: the emulator's compiler would not see the store)
-            const float k0 = __half2float(__ushort_as_half(uint16_t(w4[e] & 0xffffu)));
-            const float k1 = __half2float(__ushort_as_half(uint16_t(w4[e] >> 16)));
-            part[e] += qc[2 * e] * k0 + qc[2 * e + 1] * k1;
-          }
-        }
-        acc = (part[0] + part[1]) + (part[2] + part[3]);
-      } else {
-        for (int i = 0; i < hd; ++i) acc += qw[i] * __half2float(Ks[lane * pitch + i]);
-      }
-      sc = acc;
-    }
-    const float tmax = warp_max(sc);
-    if (tmax != -INFINITY) {  // warp-uniform: some position of this tile is this warp's
-      const float m_new = fmaxf(m, tmax);
-      const float corr = expf(m - m_new);  // 0 on the warp's first tile (m = -inf)
-      const float pr = sc != -INFINITY ? expf(sc - m_new) : 0.0f;
-      l = l * corr + warp_sum(pr);
-#pragma unroll
-      for (int i = 0; i < kOut; ++i) o[i] *= corr;
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const float pj = __shfl_sync(kFullMask, pr, j);
-        const __half* vr = Vs + j * pitch;
-#pragma unroll
-        for (int i = 0; i < kOut; ++i)
-          if (lane + 32 * i < hd) o[i] += pj * __half2float(vr[lane + 32 * i]);
-      }
-      m = m_new;
-    }
+    attn_tile_update(Ks, Vs, qw, p0, n, lim, hd, vec, m, l, o);
     __syncthreads();  // everyone is done with this stage before it is filled again
   }
   cp_async_wait<0>();
@@ -334,6 +346,8 @@ __global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
   }
 }
 
+size_t prefill_smem(int64_t hd) { return size_t(4) * kFaCols * size_t(hd + kPad) * 2; }
+
 // LLMQ_CUDA_ATTN=0: prompts on the CUDA-core kernel too (for comparisons).
 bool use_prefill_kernel(int64_t T, int64_t hd, int64_t n_splits, const KvPages& pages, const KvQ8& q8, int64_t ldo) {
   static const bool off = [] {
@@ -384,6 +398,15 @@ __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_
 
 }  // namespace
 
+void attention_prepare(int64_t n_heads, int64_t n_kv, int64_t hd) {
+  if (hd > kMaxHeadDim || n_kv <= 0 || n_heads % n_kv != 0) return;  // attention() reports these
+  const int64_t G = n_heads / n_kv;
+  if (hd == 64) allow_dynamic_smem(reinterpret_cast<const void*>(attention_prefill_kernel<64>), prefill_smem(64));
+  if (hd == 128) allow_dynamic_smem(reinterpret_cast<const void*>(attention_prefill_kernel<128>), prefill_smem(128));
+  const size_t parts = size_t(4) * kTile * size_t(hd + kPad) * 2 + size_t(4 * G * hd) * 4;  // attention_kernel, tq up to 4
+  for (auto k : {attention_kernel<1>, attention_kernel<2>, attention_kernel<4>}) allow_dynamic_smem(reinterpret_cast<const void*>(k), parts);
+}
+
 void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T, int64_t n_heads,
                int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial, float* out, int64_t ldo,
                cudaStream_t s, const KvPages& pages, const KvQ8& q8, const GqaSlice& gqa) {
@@ -405,11 +428,9 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, nullptr, nullptr, 0, 0,
                         nullptr, nullptr, nullptr, nullptr, int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, 1,
                         int(part_len), nullptr, out, ldo};
-    const size_t smem = size_t(4) * kFaCols * (hd + kPad) * 2;
+    const size_t smem = prefill_smem(hd);
     auto kernel = hd == 64 ? attention_prefill_kernel<64> : attention_prefill_kernel<128>;
-    if (smem > 48 * 1024)
-      check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-            "cudaFuncSetAttribute");
+    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     const dim3 grid{unsigned((T + kFaRows - 1) / kFaRows), unsigned(n_heads), 1};
     LLMQ_LAUNCH(kernel, grid, 128, smem, s)(args);
     check_launch("attention (prefill)");
@@ -425,9 +446,7 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
                       reinterpret_cast<const __half*>(q8.vd), int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, int(n_splits),
                       int(part_len), partial, out, ldo};
   auto launch = [&](auto kernel) {
-    if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
-      check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-            "cudaFuncSetAttribute");
+    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);  // above the default 48 KiB: opt in
     LLMQ_LAUNCH(kernel, grid, block, smem, s)(args);
   };
   if (tq == 4) launch(attention_kernel<4>);

@@ -51,6 +51,11 @@ struct GqaSlice {
   int64_t head_offset = 0;  ///< the rank's first query head minus its first KV head x group, in [0, group)
 };
 
+/// Raises the shared-memory limits of the attention kernels a model of these heads uses (once
+/// per process and device), so the launches in a captured CUDA graph make no such call.
+/// CudaSession calls it at construction.
+void attention_prepare(int64_t n_heads, int64_t n_kv, int64_t hd);
+
 /// Attention for T tokens of one sequence, or of several over a paged cache (`pages`). q: [T, ldq], head h at column h · hd, already
 /// rotated; kc, vc: the layer's cache [rows, n_kv · hd] fp16 (rows as `pages` says); pos: [T]
 /// device int32, token t attends to its sequence's positions 0 .. pos[t]; out: [T, ldo], head h at column h · hd.

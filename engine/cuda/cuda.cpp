@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace llmq::cuda {
 
@@ -12,6 +15,19 @@ void check(cudaError_t e, const char* what) {
 }
 
 void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+void allow_dynamic_smem(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> allowed;  // (kernel, device) -> bytes allowed
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  std::lock_guard<std::mutex> lk(mu);
+  size_t& have = allowed[{kernel, dev}];
+  if (have >= bytes) return;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), "cudaFuncSetAttribute");
+  have = bytes;
+}
 
 int device_count() {
   int n = 0;

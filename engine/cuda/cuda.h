@@ -23,6 +23,12 @@ void check(cudaError_t e, const char* what);
 /// After a kernel launch: throws CudaError if the launch failed (bad configuration).
 void check_launch(const char* kernel);
 
+/// Lets `kernel` launch with `bytes` of dynamic shared memory on the current device
+/// (cudaFuncSetAttribute MaxDynamicSharedMemorySize) when over the default 48 KiB: once per
+/// kernel, device and size (remembered), so a launch inside a CUDA graph capture that was
+/// prepared before makes no call. Throws CudaError.
+void allow_dynamic_smem(const void* kernel, size_t bytes);
+
 /// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).
 int device_count();
 /// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.1 GiB)" for device `dev`.

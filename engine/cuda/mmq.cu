@@ -15,7 +15,6 @@
 // while the current one is multiplied. Shared-memory rows are padded by 16 bytes, so the warp's
 // 32-bit fragment loads (8 rows x 4 words) fall in 32 distinct banks.
 #include <algorithm>
-#include <atomic>
 
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/matmul.h"
@@ -201,15 +200,7 @@ __global__ void mmq_reduce_kernel(const float* __restrict__ part, float* __restr
 // device (on first use, or by mmq_prepare before a CUDA graph is captured).
 template <DType kType, int BN>
 void allow_smem() {
-  constexpr size_t smem = sizeof(MmqStage<kType, BN>) * kMmqStages;
-  static std::atomic<uint64_t> devices{0};  // bit d: done on device d
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  const uint64_t bit = uint64_t(1) << (dev & 63);
-  if (smem <= 48 * 1024 || (devices.load() & bit)) return;
-  const void* k = reinterpret_cast<const void*>(&mmq_kernel<kType, BN>);
-  check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), "cudaFuncSetAttribute (mmq)");
-  devices.fetch_or(bit);
+  allow_dynamic_smem(reinterpret_cast<const void*>(&mmq_kernel<kType, BN>), sizeof(MmqStage<kType, BN>) * kMmqStages);
 }
 
 template <DType kType>

@@ -212,6 +212,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p)
   partial_ = DeviceBuffer(p.attn_parts);
   if (p.paging) paging_ = DeviceBuffer(p.paging);
   mm_ = std::make_unique<MatmulContext>(plan_.n_batch, std::max({D, Q, H}), stream_, cuda_matmul_max_rows(c));
+  attention_prepare(c.n_heads, c.n_kv_heads, c.head_dim);  // before any graph capture
   measured_ = free0 - mem_info().free;
   h_tokens_ = PinnedBuffer(p.tokens);
   h_pos_ = PinnedBuffer(p.tokens);
