@@ -6,9 +6,9 @@
 // down projection: every rank holds a partial sum of the full output) and a gather of the
 // vocabulary-parallel logits. This interface is all the engine uses; implementations:
 //   - HostComm (engine/comm_host.h): N rank threads in one process, shared-memory buffers;
-//   - SocketComm (engine/comm_socket.h): N processes joined through a rendezvous, a TCP star
+//   - SocketComm (engine/parallel/comm_socket.h): N processes joined through a rendezvous, a TCP star
 //     around rank 0 (host buffers);
-//   - NcclComm (engine/comm_nccl.h, CUDA builds with NCCL): one rank per GPU, device buffers:
+//   - NcclComm (engine/cuda/comm_nccl.h, CUDA builds with NCCL): one rank per GPU, device buffers:
 //     ncclAllReduce / grouped ncclSend+ncclRecv / a one-float all-reduce as barrier.
 //
 // Every rank of a group must make the same sequence of calls with the same sizes (collectives

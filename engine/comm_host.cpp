@@ -6,8 +6,8 @@
 #include <cstring>
 #include <thread>
 
-#include "engine/threadpool.h"
-#include "formats/error.h"
+#include "base/threadpool.h"
+#include "base/error.h"
 
 namespace llmq {
 

@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "engine/tp.h"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq {
 

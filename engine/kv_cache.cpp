@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/cpu_ops.h"
-#include "formats/error.h"
+#include "engine/cpu/cpu_ops.h"
+#include "base/error.h"
 
 namespace llmq {
 
@@ -38,7 +38,7 @@ KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, c
     if (d % head_dim_ != 0) throw UsageError("KV cache: a pool's width is not a whole number of KV heads");
   for (int64_t d : allocate ? kv_dim_ : std::vector<int64_t>{}) {
     const size_t elems = size_t(n_blocks) * size_t(n_layers_) * size_t(bt_) * size_t(d);
-    k_.emplace_back(elems * size_t(kv_elem_bytes(type)));  // zero-filled, huge pages (engine/buffer.h)
+    k_.emplace_back(elems * size_t(kv_elem_bytes(type)));  // zero-filled, huge pages (base/buffer.h)
     v_.emplace_back(elems * size_t(kv_elem_bytes(type)));
   }
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));

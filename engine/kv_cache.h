@@ -8,14 +8,14 @@
 #include <string>
 #include <vector>
 
-#include "engine/buffer.h"
+#include "base/buffer.h"
 #include "models/llama.h"
 
 namespace llmq {
 
 /// Element type of the KV cache: fp32, or bf16 (half the bytes; attention then multiplies bf16
 /// q·k and softmax·v pairs with fp32 sums: attn_scores_bf16 / attn_accumulate_bf16 in
-/// engine/cpu_ops.h, which also gives the paired block layouts). llama.cpp's default KV cache is
+/// engine/cpu/cpu_ops.h, which also gives the paired block layouts). llama.cpp's default KV cache is
 /// f16 for the same reason.
 enum class KvType { F32, BF16 };
 
@@ -99,7 +99,7 @@ class KVCache {
     return reinterpret_cast<float*>(v_[size_t(shard)].data()) + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
   }
   /// The same blocks of a KvType::BF16 cache: K [head_dim/2, block_tokens, 2], V
-  /// [block_tokens/2, head_dim, 2] (pairs for `vdpbf16ps`, engine/cpu_ops.h).
+  /// [block_tokens/2, head_dim, 2] (pairs for `vdpbf16ps`, engine/cpu/cpu_ops.h).
   uint16_t* key_block_bf16(int64_t layer, int32_t seq, int64_t block, int64_t kv_head, int shard = 0) {
     return reinterpret_cast<uint16_t*>(k_[size_t(shard)].data()) + offset(layer, kv_head, seqs_[size_t(seq)].blocks[size_t(block)], shard);
   }

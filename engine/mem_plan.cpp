@@ -7,7 +7,7 @@
 #include <set>
 
 #include "engine/model.h"
-#include "formats/error.h"
+#include "base/error.h"
 #include "formats/quant.h"
 
 namespace llmq {

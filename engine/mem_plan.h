@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 #include "engine/cuda_plan.h"
 #include "formats/llmq_file.h"
 #include "models/llama.h"

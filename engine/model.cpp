@@ -6,7 +6,7 @@
 
 #include "engine/sampler.h"
 #include "engine/tp.h"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq {
 

@@ -5,11 +5,11 @@
 #include <vector>
 
 #include "engine/comm.h"
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 #include "engine/kv_cache.h"
 #include "engine/mem_plan.h"
-#include "engine/threadpool.h"
-#include "engine/tokenizer.h"
+#include "base/threadpool.h"
+#include "text/tokenizer.h"
 #include "formats/llmq_file.h"
 #include "formats/vocab.h"
 #include "models/llama.h"
@@ -260,7 +260,7 @@ class Session : public SessionBase {
   Session(const Model& model, ThreadPool& pool, int64_t ctx, int64_t n_batch = 512, int64_t logits_rows = 1,
           KvType kv_type = KvType::F32);
   /// The same on a batch runner (engine/tp.h: TensorParallel with any number of ranks, or
-  /// ProcessGroupRunner over processes, engine/tp_process.h), which must
+  /// ProcessGroupRunner over processes, engine/parallel/tp_process.h), which must
   /// outlive the session and serve one session at a time; prompts are cut into chunks of at
   /// most tp.capacity() tokens; the KV cache holds ctx positions (plan_kv), one pool per rank.
   Session(BatchRunner& tp, int64_t ctx, KvType kv_type = KvType::F32);

@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/buffer.h"
+#include "base/buffer.h"
 
 namespace llmq {
 
@@ -84,7 +84,7 @@ double measure_read_bandwidth(ThreadPool& pool, const uint8_t* data, uint64_t by
 
 ReadBandwidth measure_read_bandwidth(ThreadPool& pool, uint64_t bytes, int passes) {
   bytes = std::max<uint64_t>(bytes / 64 * 64, 64);
-  // Huge pages, as the engine's packed weights and KV cache (engine/buffer.h): the machine's
+  // Huge pages, as the engine's packed weights and KV cache (base/buffer.h): the machine's
   // best streaming read, not one slowed by TLB misses.
   HugeBuffer buf(bytes);
   // Distinct values in every page (all threads, as the reads will).

@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "engine/model.h"
-#include "engine/threadpool.h"
+#include "base/threadpool.h"
 
 namespace llmq {
 

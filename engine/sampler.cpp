@@ -1,6 +1,6 @@
 #include "engine/sampler.h"
 
-#include "formats/error.h"
+#include "base/error.h"
 
 #include <algorithm>
 #include <cmath>

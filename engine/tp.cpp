@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq {
 

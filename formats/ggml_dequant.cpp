@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "formats/error.h"
+#include "base/error.h"
 #include "formats/quant.h"
 
 namespace llmq {

@@ -11,8 +11,8 @@
 #include <cstring>
 #include <filesystem>
 
-#include "formats/error.h"
-#include "formats/mapped_file.h"
+#include "base/error.h"
+#include "base/mapped_file.h"
 
 namespace llmq {
 

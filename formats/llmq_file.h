@@ -8,7 +8,7 @@
 #include <variant>
 #include <vector>
 
-#include "formats/mapped_file.h"
+#include "base/mapped_file.h"
 #include "formats/quant.h"
 
 namespace llmq {

@@ -4,7 +4,7 @@
 #include <cctype>
 #include <cmath>
 
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq {
 

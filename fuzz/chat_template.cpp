@@ -14,8 +14,8 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/chat.h"
-#include "formats/error.h"
+#include "text/chat.h"
+#include "base/error.h"
 #include "fuzz/fuzz_common.h"
 
 using namespace llmq;

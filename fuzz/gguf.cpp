@@ -5,10 +5,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/tokenizer.h"
-#include "formats/error.h"
-#include "formats/gguf.h"
-#include "formats/gguf_model.h"
+#include "text/tokenizer.h"
+#include "base/error.h"
+#include "formats/readers/gguf.h"
+#include "formats/readers/gguf_model.h"
 #include "fuzz/fuzz_common.h"
 
 using namespace llmq;

@@ -5,10 +5,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/tokenizer.h"
-#include "formats/error.h"
-#include "formats/llama2c.h"
-#include "formats/tokenizer_files.h"
+#include "text/tokenizer.h"
+#include "base/error.h"
+#include "formats/readers/llama2c.h"
+#include "formats/readers/tokenizer_files.h"
 #include "fuzz/fuzz_common.h"
 
 using namespace llmq;

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "engine/model.h"
-#include "engine/threadpool.h"
-#include "formats/error.h"
+#include "base/threadpool.h"
+#include "base/error.h"
 #include "formats/llmq_file.h"
 #include "fuzz/fuzz_common.h"
 

@@ -3,8 +3,8 @@
 // placement. Bad input must end in FileError, never a crash.
 #include <cstdint>
 
-#include "formats/error.h"
-#include "formats/safetensors.h"
+#include "base/error.h"
+#include "formats/readers/safetensors.h"
 #include "fuzz/fuzz_common.h"
 
 using namespace llmq;

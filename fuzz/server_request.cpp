@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/chat.h"
+#include "text/chat.h"
 #include "fuzz/fuzz_common.h"
 #include "server/api.h"
 

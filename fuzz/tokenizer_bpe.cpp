@@ -2,7 +2,7 @@
 // "gpt2") on arbitrary bytes and arbitrary ids, built once from real llama.cpp vocabulary
 // GGUFs in ../shared with different pre-tokenizers (gpt-2, deepseek-llm, falcon, starcoder).
 // Input layout and checks: fuzz/tokenizer_common.h.
-#include "formats/gguf.h"
+#include "formats/readers/gguf.h"
 #include "fuzz/tokenizer_common.h"
 
 using namespace llmq;

@@ -21,9 +21,9 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/tokenizer.h"
-#include "engine/unicode.h"
-#include "formats/error.h"
+#include "text/tokenizer.h"
+#include "text/unicode.h"
+#include "base/error.h"
 #include "fuzz/fuzz_common.h"
 
 namespace llmq::fuzz {

@@ -2,8 +2,8 @@
 // "llama") on arbitrary bytes and arbitrary ids, built once from real vocabularies in
 // ../shared: llama2.c's tok512.bin, Llama-2's tokenizer.model, and llama.cpp's llama-spm and
 // phi-3 vocabulary GGUFs. Input layout and checks: fuzz/tokenizer_common.h.
-#include "formats/gguf.h"
-#include "formats/tokenizer_files.h"
+#include "formats/readers/gguf.h"
+#include "formats/readers/tokenizer_files.h"
 #include "fuzz/tokenizer_common.h"
 
 using namespace llmq;

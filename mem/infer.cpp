@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "engine/tp.h"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq::mem {
 

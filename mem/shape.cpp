@@ -5,9 +5,9 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "formats/error.h"
-#include "formats/gguf.h"
-#include "formats/gguf_model.h"
+#include "base/error.h"
+#include "formats/readers/gguf.h"
+#include "formats/readers/gguf_model.h"
 #include "formats/llmq_file.h"
 
 namespace llmq::mem {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <functional>
 
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq::mem {
 

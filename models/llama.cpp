@@ -1,6 +1,6 @@
 #include "models/llama.h"
 
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/chat.h"
+#include "text/chat.h"
 #include "engine/sampler.h"
 
 namespace llmq {

@@ -8,7 +8,7 @@
 
 #include "engine/generate.h"
 #include "engine/tp.h"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq {
 

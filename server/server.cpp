@@ -23,18 +23,18 @@
 #include <optional>
 #include <thread>
 
-#include "engine/chat.h"
-#include "engine/device.h"
+#include "text/chat.h"
+#include "engine/runner/device.h"
 #include "engine/model.h"
-#include "engine/comm_socket.h"
+#include "engine/parallel/comm_socket.h"
 #include "engine/tp.h"
-#include "engine/tp_process.h"
-#include "formats/error.h"
+#include "engine/parallel/tp_process.h"
+#include "base/error.h"
 #include "mem/infer.h"
 #include "server/api.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
-#include "tools/cli_common.h"
+#include "cli/cli_common.h"
 
 using namespace llmq;
 using nlohmann::json;
@@ -443,7 +443,7 @@ int main(int argc, char** argv) {
     const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", gpu_layers_s, gpu, model_path, lo, mem_budget);
     cli::check_tp_flags(tp_init, tp_rank, tp, gpu && gpu_layers >= 0);
     const int64_t tp_cap = std::max<int64_t>(n_batch, parallel);  // tokens per forward pass
-    // --tp-init: this process's rank of a group over processes (engine/tp_process.h), the same
+    // --tp-init: this process's rank of a group over processes (engine/parallel/tp_process.h), the same
     // runner on every rank, built from rank 0's sizes: the CPU's TensorParallel for one rank, or a
     // GPU rank.
     cli::TpRunnerSpec spec;

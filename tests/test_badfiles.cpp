@@ -50,7 +50,7 @@
 #include <string>
 #include <vector>
 
-#include "formats/error.h"
+#include "base/error.h"
 #include "formats/llmq_file.h"
 #include "test_util.h"
 

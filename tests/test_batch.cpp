@@ -7,7 +7,7 @@
 #include <random>
 
 #include "engine/model.h"
-#include "formats/error.h"
+#include "base/error.h"
 #include "server/scheduler.h"
 #include "test_util.h"
 

@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 #include "engine/model.h"
 #include "engine/roofline.h"
 #include "test_util.h"

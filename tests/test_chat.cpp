@@ -2,8 +2,8 @@
 // templates render them.
 #include <catch2/catch.hpp>
 
-#include "engine/chat.h"
-#include "formats/error.h"
+#include "text/chat.h"
+#include "base/error.h"
 
 using namespace llmq;
 

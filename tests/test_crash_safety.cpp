@@ -21,7 +21,7 @@
 #include <random>
 #include <thread>
 
-#include "formats/error.h"
+#include "base/error.h"
 #include "formats/llmq_file.h"
 #include "test_util.h"
 

@@ -14,16 +14,16 @@
 #include <future>
 #include <random>
 
-#include "engine/comm_socket.h"
-#include "engine/cpu_ops.h"
-#include "engine/device.h"
+#include "engine/parallel/comm_socket.h"
+#include "engine/cpu/cpu_ops.h"
+#include "engine/runner/device.h"
 #include "engine/mem_plan.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
-#include "engine/threadpool.h"
+#include "base/threadpool.h"
 #include "engine/tp.h"
-#include "engine/tp_process.h"
-#include "formats/error.h"
+#include "engine/parallel/tp_process.h"
+#include "base/error.h"
 #include "server/scheduler.h"
 #include "formats/quant.h"
 #include "test_util.h"

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <random>
 
-#include "formats/error.h"
+#include "base/error.h"
 #include "formats/llmq_file.h"
 #include "test_util.h"
 

@@ -1,4 +1,4 @@
-// GGUF import ([gguf]): formats/gguf_model.cpp, formats/ggml_dequant.cpp, tools/llmq-info.cpp.
+// GGUF import ([gguf]): formats/readers/gguf_model.cpp, formats/ggml_dequant.cpp, tools/llmq-info.cpp.
 //
 // What is checked:
 //  * ggml_dequantize_row (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and our Q8_0, Q4_0, Q4_1, F16, BF16)
@@ -38,15 +38,15 @@
 
 #include "engine/model.h"
 #include "engine/sampler.h"
-#include "engine/threadpool.h"
-#include "formats/error.h"
+#include "base/threadpool.h"
+#include "base/error.h"
 #include "formats/ggml_dequant.h"
-#include "formats/gguf.h"
-#include "formats/gguf_model.h"
-#include "formats/llama2c.h"
+#include "formats/readers/gguf.h"
+#include "formats/readers/gguf_model.h"
+#include "formats/readers/llama2c.h"
 #include "formats/llmq_file.h"
 #include "formats/quant.h"
-#include "formats/tokenizer_files.h"
+#include "formats/readers/tokenizer_files.h"
 #include "test_util.h"
 
 using namespace llmq;

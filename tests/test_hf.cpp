@@ -42,12 +42,12 @@
 
 #include "engine/model.h"
 #include "engine/sampler.h"
-#include "formats/error.h"
-#include "formats/hf_model.h"
-#include "formats/hf_tokenizer.h"
+#include "base/error.h"
+#include "formats/readers/hf_model.h"
+#include "formats/readers/hf_tokenizer.h"
 #include "formats/llmq_file.h"
 #include "formats/quant.h"
-#include "formats/safetensors.h"
+#include "formats/readers/safetensors.h"
 #include "test_util.h"
 
 namespace {

@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 #include "test_util.h"
 
 using namespace llmq;

@@ -12,7 +12,7 @@
 
 #include "engine/model.h"
 #include "engine/tp.h"
-#include "formats/error.h"
+#include "base/error.h"
 #include "mem/infer.h"
 #include "mem/train.h"
 #include "server/scheduler.h"

@@ -11,8 +11,8 @@
 #include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
-#include "engine/tokenizer.h"
-#include "formats/llama2c.h"
+#include "text/tokenizer.h"
+#include "formats/readers/llama2c.h"
 #include "test_util.h"
 
 using namespace llmq;

@@ -5,7 +5,7 @@
 #include <random>
 #include <vector>
 
-#include "formats/error.h"
+#include "base/error.h"
 #include "formats/quant.h"
 
 using namespace llmq;

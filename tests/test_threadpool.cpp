@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "engine/threadpool.h"
+#include "base/threadpool.h"
 
 namespace {
 

@@ -16,9 +16,9 @@
 
 #include <fmt/format.h>
 
-#include "engine/tokenizer.h"
-#include "formats/error.h"
-#include "formats/tokenizer_files.h"
+#include "text/tokenizer.h"
+#include "base/error.h"
+#include "formats/readers/tokenizer_files.h"
 #include "test_util.h"
 #include "vocab_vectors.h"
 

@@ -17,10 +17,10 @@
 
 #include <fmt/format.h>
 
-#include "engine/tokenizer.h"
-#include "engine/unicode.h"
-#include "formats/error.h"
-#include "formats/gguf.h"
+#include "text/tokenizer.h"
+#include "text/unicode.h"
+#include "base/error.h"
+#include "formats/readers/gguf.h"
 #include "test_util.h"
 #include "vocab_vectors.h"
 

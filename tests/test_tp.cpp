@@ -12,7 +12,7 @@
 
 #include "engine/comm_host.h"
 #include "engine/tp.h"
-#include "formats/error.h"
+#include "base/error.h"
 #include "formats/quant.h"
 #include "mem/infer.h"
 #include "test_util.h"

@@ -1,4 +1,4 @@
-// Tensor parallelism over processes (engine/comm_socket.h, engine/tp_process.h, and
+// Tensor parallelism over processes (engine/parallel/comm_socket.h, engine/parallel/tp_process.h, and
 // TensorParallel holding one rank of a group): the socket communicator's collectives give the host
 // communicator's bits; ranks joined through a rendezvous give the logits of the same ranks in one
 // process bit for bit (threads stand in for the processes here, the tools run real processes);
@@ -15,10 +15,10 @@
 #include <thread>
 
 #include "engine/comm_host.h"
-#include "engine/comm_socket.h"
+#include "engine/parallel/comm_socket.h"
 #include "engine/tp.h"
-#include "engine/tp_process.h"
-#include "formats/error.h"
+#include "engine/parallel/tp_process.h"
+#include "base/error.h"
 #include "test_util.h"
 
 using namespace llmq;

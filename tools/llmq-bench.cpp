@@ -18,17 +18,17 @@
 #include <random>
 #include <string>
 
-#include "engine/cpu_ops.h"
-#include "engine/device.h"
+#include "engine/cpu/cpu_ops.h"
+#include "engine/runner/device.h"
 #include "engine/sampler.h"
 #include "engine/model.h"
 #include "engine/roofline.h"
-#include "engine/comm_socket.h"
+#include "engine/parallel/comm_socket.h"
 #include "engine/tp.h"
-#include "engine/tp_process.h"
-#include "formats/error.h"
+#include "engine/parallel/tp_process.h"
+#include "base/error.h"
 #include "mem/shape.h"
-#include "tools/cli_common.h"
+#include "cli/cli_common.h"
 
 #ifdef LLMQ_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -327,7 +327,7 @@ int main(int argc, char** argv) {
     auto model = Model::load(model_path, !no_verify, /*pack=*/true, /*gpu_layers=*/0, tp > 1 && no_baseline ? tp : 1);
     TpOptions opt;
     opt.vocab_parallel = tp_output == "vocab";
-    // --tp-init: the ranks are processes (engine/tp_process.h); this one holds rank tp_rank and
+    // --tp-init: the ranks are processes (engine/parallel/tp_process.h); this one holds rank tp_rank and
     // runs at -t threads, the others as many each (assumed: the baseline uses -t x N threads).
     if (!tp_init.empty() && !opt.vocab_parallel) throw UsageError("--tp-init ranks are vocab-parallel (--tp-output vocab)");
     cli::TpRunnerSpec spec;

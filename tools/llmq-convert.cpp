@@ -7,10 +7,10 @@
 #include <cstdio>
 #include <map>
 
-#include "formats/convert.h"
-#include "formats/error.h"
-#include "formats/source.h"
-#include "tools/cli_common.h"
+#include "formats/readers/convert.h"
+#include "base/error.h"
+#include "formats/readers/source.h"
+#include "cli/cli_common.h"
 
 using namespace llmq;
 

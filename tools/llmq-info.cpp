@@ -5,7 +5,7 @@
 //                                   strings cut with "…"), the tensor table and the totals
 //   llmq-info model.llmq --json     the same as one JSON document
 //
-// A file that is not valid (the readers' full validation: formats/gguf.h, formats/llmq_file.h)
+// A file that is not valid (the readers' full validation: formats/readers/gguf.h, formats/llmq_file.h)
 // exits with code 2 and one line naming the file and the fault.
 #include <fmt/format.h>
 
@@ -17,10 +17,10 @@
 #include <variant>
 #include <vector>
 
-#include "formats/error.h"
-#include "formats/gguf.h"
+#include "base/error.h"
+#include "formats/readers/gguf.h"
 #include "formats/llmq_file.h"
-#include "tools/cli_common.h"
+#include "cli/cli_common.h"
 
 using namespace llmq;
 using json = nlohmann::json;

@@ -13,10 +13,10 @@
 #include <iostream>
 #include <sstream>
 
-#include "formats/error.h"
+#include "base/error.h"
 #include "mem/infer.h"
 #include "mem/train.h"
-#include "tools/cli_common.h"
+#include "cli/cli_common.h"
 
 using namespace llmq;
 using namespace llmq::mem;

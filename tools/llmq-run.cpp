@@ -14,18 +14,18 @@
 #include <optional>
 #include <sstream>
 
-#include "engine/chat.h"
-#include "engine/device.h"
+#include "text/chat.h"
+#include "engine/runner/device.h"
 #include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
-#include "engine/tokenizer.h"
-#include "engine/comm_socket.h"
+#include "text/tokenizer.h"
+#include "engine/parallel/comm_socket.h"
 #include "engine/tp.h"
-#include "engine/tp_process.h"
-#include "formats/error.h"
+#include "engine/parallel/tp_process.h"
+#include "base/error.h"
 #include "mem/infer.h"
-#include "tools/cli_common.h"
+#include "cli/cli_common.h"
 
 using namespace llmq;
 
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
     // --tp N: N rank threads sharing `threads`, each with its slices of the weights.
     std::unique_ptr<ThreadPool> pool;
     const int64_t tp_cap = ppl_file.empty() ? session_sizes(model->config, ctx, n_batch).n_batch : ppl_ctx;
-    // --tp-init: the ranks are processes (engine/tp_process.h), each holding its own rank; those
+    // --tp-init: the ranks are processes (engine/parallel/tp_process.h), each holding its own rank; those
     // other than 0 serve rank 0 and end here.
     if (!tp_init.empty()) {
       cli::check_tp_flags(tp_init, tp_rank, tp, partial);

@@ -23,13 +23,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/tokenizer.h"
-#include "formats/error.h"
-#include "formats/gguf.h"
+#include "text/tokenizer.h"
+#include "base/error.h"
+#include "formats/readers/gguf.h"
 #include "formats/llmq_file.h"
-#include "formats/tokenizer_files.h"
+#include "formats/readers/tokenizer_files.h"
 #include "formats/vocab.h"
-#include "tools/cli_common.h"
+#include "cli/cli_common.h"
 
 using namespace llmq;
 using json = nlohmann::json;

@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 
 using namespace llmq;
 

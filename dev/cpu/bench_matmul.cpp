@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 
 using namespace llmq;
 using clk = std::chrono::steady_clock;

@@ -37,7 +37,7 @@ int main() {
     for (long i = 0; i < n; ++i) asm volatile(LLMQ_X12("vdpbf16ps") ::: LLMQ_CLOBBER);
   });
   std::printf("vdpbf16ps zmm     %.3g /s  %6.1f GFLOP/s\n", n * 12 / s, n * 12 * 64 / s / 1e9);
-  // The packed GEMM tile's mix (engine/cpu_x86.cpp packed_tile): per block and token 8
+  // The packed GEMM tile's mix (engine/cpu/cpu_x86.cpp packed_tile): per block and token 8
   // vpdpbusd, then one vcvtdq2ps, one vmulps and one vfmadd231ps.
   s = seconds([&] {
     for (long i = 0; i < n; ++i)

@@ -8,7 +8,7 @@
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/mma.cuh"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq::cuda {
 

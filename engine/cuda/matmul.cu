@@ -10,7 +10,7 @@
 
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/matmul.h"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq::cuda {
 

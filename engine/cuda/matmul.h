@@ -4,8 +4,8 @@
 //     CPU path and llama.cpp's MMVQ do);
 //   prefill (larger T): the weight dequantized to fp16 tiles of rows, then cuBLAS on the tensor
 //     cores (fp32 accumulation).
-// CPU references: engine/cpu_ops.h ref_matmul (fp32 activations, fp64 sums) and the block dot
-// products of engine/cpu_ops.cpp; tests/test_cuda.cpp compares every type on odd shapes.
+// CPU references: engine/cpu/cpu_ops.h ref_matmul (fp32 activations, fp64 sums) and the block dot
+// products of engine/cpu/cpu_ops.cpp; tests/test_cuda.cpp compares every type on odd shapes.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -48,7 +48,7 @@ DeviceWeight weight_rows(const DeviceWeight& w, int64_t r0, int64_t n);
 /// Llama's), float types uniform values in ±0.03. For synthetic benchmarks: nothing travels.
 void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s);
 
-/// Activations quantized per block of 32 for the integer GEMV, as engine/cpu_ops.h's
+/// Activations quantized per block of 32 for the integer GEMV, as engine/cpu/cpu_ops.h's
 /// BlockQ8Act: d = max|x| / 127, q = round(x / d), s = d · Σq. Arrays [T, cols], [T, cols/32] x2.
 struct DeviceActQ8 {
   int8_t* q = nullptr;
@@ -108,7 +108,7 @@ class MatmulContext {
 /// y [T, w.rows] = x [T, w.cols] · wᵀ on ctx's stream (asynchronous); row t of y starts at
 /// y + t · ldy (ldy = 0: w.rows), so several matrices can fill column ranges of one output.
 /// T <= kGemvMaxTokens: GEMV kernels (captured into CUDA graphs: no allocation, no cuBLAS);
-/// larger T: cuBLAS. Throws UsageError (formats/error.h) for T > the context's capacity or
+/// larger T: cuBLAS. Throws UsageError (base/error.h) for T > the context's capacity or
 /// w.cols > max_cols.
 void matmul(MatmulContext& ctx, const DeviceWeight& w, const float* x, float* y, int64_t T, int64_t ldy = 0);
 

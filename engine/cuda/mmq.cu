@@ -7,7 +7,7 @@
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
 //   Q4_0:  w = d_w (q_w - 8):   Σ w x = d_w (d_x Σ q_w q_x - 8 s_x)       (q_w as uint8 0..15)
 //   Q4_1:  w = d_w q_w + m_w:   Σ w x = d_w d_x Σ q_w q_x + m_w s_x
-// (the same sums as llama.cpp's MMQ kernels and the CPU's block dot products, engine/cpu_ops.cpp).
+// (the same sums as llama.cpp's MMQ kernels and the CPU's block dot products, engine/cpu/cpu_ops.cpp).
 //
 // A CUDA block computes a tile of kMmqBM weight rows x BN tokens with 8 warps (4 along the rows,
 // 2 along the tokens: each warp 32 rows x BN/2 tokens). The columns stream through shared memory
@@ -19,7 +19,7 @@
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/matmul.h"
 #include "engine/cuda/mma.cuh"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq::cuda {
 

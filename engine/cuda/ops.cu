@@ -4,7 +4,7 @@
 #include "engine/cuda/attention.h"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq::cuda {
 

@@ -1,6 +1,6 @@
 // The small per-token kernels of the forward pass on the GPU: RMSNorm (with the residual add
 // fused in), RoPE with the KV-cache write fused in, SwiGLU, residual add, bias add, embedding
-// lookup. Every one has a CPU reference in engine/cpu_ops.h; tests/test_cuda.cpp compares them.
+// lookup. Every one has a CPU reference in engine/cpu/cpu_ops.h; tests/test_cuda.cpp compares them.
 // All pointers are device pointers; every call is asynchronous on stream s.
 #pragma once
 #include <cuda_runtime_api.h>

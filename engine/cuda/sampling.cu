@@ -2,7 +2,7 @@
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/sampling.h"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq::cuda {
 

@@ -16,7 +16,7 @@
 #include "engine/sampler.h"
 #include "engine/mem_plan.h"
 #include "engine/tp.h"
-#include "formats/error.h"
+#include "base/error.h"
 
 namespace llmq::cuda {
 

@@ -248,7 +248,7 @@ class CudaOffloadSession : public SessionBase {
 struct CudaComms {
   std::vector<std::unique_ptr<Communicator>> comms;  // one per rank held here
   std::vector<int> devices;                          // each held rank's GPU
-  /// >= 0: a group over processes (engine/tp_process.h) of which this process holds rank
+  /// >= 0: a group over processes (engine/parallel/tp_process.h) of which this process holds rank
   /// `local_rank` only, with comms[0] and devices[0] its communicator and GPU; the other ranks
   /// run elsewhere at the same time. -1: every rank is held here.
   int local_rank = -1;

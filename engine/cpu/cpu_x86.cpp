@@ -1,0 +1,1369 @@
+// x86-64 SIMD kernels; see cpu_x86.h for the contract and the numerics.
+//
+// Block-quantized weights (Q8_0/Q4_0/Q4_1), activations quantized per block of 32 to int8:
+// - AVX-512: the weights are repacked into panels of 16 rows (section "Packed weights" below):
+//   one 64-byte vector holds 4 consecutive quants of each of the 16 rows (Q4: nibbles still
+//   packed), so one `vpdpbusd` with a broadcast 4-byte group of one token's activations does 64
+//   multiply-adds for 16 rows, lanes are rows, and no horizontal sum is needed. Model::load packs
+//   every matrix once, so decode reads one panel after the other as a single stream and prefill
+//   reuses each panel from cache for every tile of 8 tokens; a weight not packed at load has each
+//   panel packed into the thread's scratch per call. Decode and prefill run the same tiles.
+// - AVX2, GEMV (up to 15 or 31 tokens): weight rows are read in place, one after the other, one
+//   block per step with `_mm256_maddubs_epi16`; GEMM: 8 rows repacked per panel as above, with
+//   `_mm256_maddubs_epi16` (see its section for the int16 range argument).
+// `vpdpbusd` and `_mm256_maddubs_epi16` multiply unsigned by signed bytes. With AVX-512 the
+// weights are made unsigned and the offset is removed exactly by an integer correction:
+// Q8_0 as w+128 (corr = -128·Σx), Q4_0 as the raw nibble q = w+8 (corr = -8·Σx); Q4_1's
+// nibble is unsigned already (its minimum m enters as m·s_x per block, s_x = d_x·Σq_x).
+// AVX2 keeps Q8_0 signed and uses |w|·(x·sign w), because (w+128)·x overflows int16 pairs;
+// its GEMV does the same for Q4_0's q-8, its GEMM uses the nibble with the -8·Σx correction.
+//
+// Float weights (F32/F16/BF16): fp32 activations, tiles of R rows × C tokens with one vector
+// accumulator per output along K (F16 by F16C, BF16 by a 16-bit shift), a fixed-order
+// horizontal sum at the end; tokens blocked so that their activations stay in L2.
+#include "engine/cpu/cpu_x86.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LLMQ_X86 1
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on _mm512_undefined_* (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+namespace llmq::x86 {
+
+#if !LLMQ_X86
+
+bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
+const Kernels* kernels_avx2() { return nullptr; }
+const Kernels* kernels_avx512() { return nullptr; }
+bool cpu_has_avx512bf16() { return false; }
+
+#else
+
+// F16C from CPUID leaf 1 (ECX bit 29): clang (14) does not know "f16c" in __builtin_cpu_supports.
+static bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+
+bool cpu_has_avx2() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+  }();
+  return ok;
+}
+
+bool cpu_has_avx512bf16() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  }();
+  return ok;
+}
+
+bool cpu_has_avx512() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+}
+
+namespace {
+
+inline uint32_t load_u32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint16_t load_u16(const void* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+template <DType D>
+constexpr size_t block_size() {
+  return D == DType::Q8_0 ? sizeof(BlockQ8_0) : D == DType::Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ4_1);
+}
+// Offset of the quants inside a block.
+template <DType D>
+constexpr size_t quant_offset() {
+  return D == DType::Q4_1 ? 4 : 2;
+}
+// Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
+// Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
+constexpr int32_t corr_factor(DType t) { return t == DType::Q8_0 ? -128 : t == DType::Q4_0 ? -8 : 0; }
+
+// Fills corr[t, b] = corr_factor · Σq_x for the GEMM paths. For finite activations
+// |Σq_x| <= 32 · 127 and nothing overflows; a NaN or infinite activation (a model file whose
+// weights hold NaN/Inf, loaded with --no-verify or written so) makes the quants garbage
+// (cvtps gives INT32_MIN), so the product wraps in unsigned arithmetic, as the vector lanes
+// do, instead of being signed overflow (undefined behaviour; found by fuzz/llmq_file). The
+// logits are NaN then anyway.
+void fill_corr(DType type, const int32_t* sums, int64_t n, int32_t* corr) {
+  const auto k = uint32_t(corr_factor(type));
+  for (int64_t i = 0; i < n; ++i) corr[i] = int32_t(k * uint32_t(sums[i]));
+}
+
+}  // namespace
+
+// =====================================================================================
+// AVX2 + FMA + F16C
+// =====================================================================================
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+namespace avx2 {
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float f16(uint16_t h) { return _cvtsh_ss(h); }
+
+void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < n / QK; ++b, x += QK) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                   _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+    const float d = hmax(a) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  // nearest-even
+    const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].qs), p8);
+    out[b].d = d;
+    out[b].s = d * float(sum);
+    if (sums) sums[b] = sum;
+  }
+}
+
+// ---- F32 / F16 / BF16
+
+template <DType D>
+inline __m256 load8(const uint8_t* row, int64_t k) {
+  if constexpr (D == DType::F32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
+    if constexpr (D == DType::F16) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+// Elements k .. K-1 (fewer than 8), the rest zero.
+template <DType D>
+inline __m256 load8_tail(const uint8_t* row, int64_t k, int64_t K) {
+  const int rem = int(K - k);
+  if constexpr (D == DType::F32) {
+    alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - rem));
+    return _mm256_maskload_ps(reinterpret_cast<const float*>(row) + k, mask);
+  } else {
+    alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(tmp, row + 2 * k, size_t(rem) * 2);
+    const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+    if constexpr (D == DType::F16) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+inline __m256 loadx_tail(const float* x, int64_t k, int64_t K) {
+  alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - int(K - k)));
+  return _mm256_maskload_ps(x + k, mask);
+}
+
+// R rows × C tokens; every output gets the same instruction sequence whatever R and C are.
+template <DType D, int R, int C>
+void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, size_t rs, int64_t r, int64_t t) {
+  __m256 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+  const uint8_t* wr[R];
+  for (int i = 0; i < R; ++i) wr[i] = w.data + size_t(r + i) * rs;
+  const float* xr[C];
+  for (int c = 0; c < C; ++c) xr[c] = x + (t + c) * K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = load8<D>(wr[i], k);
+    for (int c = 0; c < C; ++c) {
+      const __m256 xv = _mm256_loadu_ps(xr[c] + k);
+      for (int i = 0; i < R; ++i) acc[i][c] = _mm256_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  if (k < K) {
+    __m256 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = load8_tail<D>(wr[i], k, K);
+    for (int c = 0; c < C; ++c) {
+      const __m256 xv = loadx_tail(xr[c], k, K);
+      for (int i = 0; i < R; ++i) acc[i][c] = _mm256_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < R; ++i) y[(t + c) * M + r + i] = hsum(acc[i][c]);
+}
+
+template <DType D>
+void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
+  constexpr int R = 3, C = 4;  // 12 accumulators + 3 weights + 1 activation = 16 registers
+  constexpr int DR = 1;        // rows per step in decode: one sequential stream (see gemv)
+  const int64_t M = w.rows, K = w.cols;
+  const size_t rs = w.row_stride();
+  if (T < C) {  // decode: DR rows at a time, one token at a time
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t r = r0;
+      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, rs, r, t);
+      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
+    }
+    return;
+  }
+  // Token blocks whose activations stay in L2 while every row of the range passes.
+  const int64_t tb = std::max<int64_t>(C, (int64_t(256 << 10) / (K * 4)) / C * C);
+  for (int64_t t0 = 0; t0 < T; t0 += tb) {
+    const int64_t t1 = std::min(T, t0 + tb);
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+      int64_t t = t0;
+      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, rs, r, t);
+      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, rs, r, t);
+    }
+    for (; r < r1; ++r) {
+      int64_t t = t0;
+      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, rs, r, t);
+      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
+    }
+  }
+}
+
+void matmul_float(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
+  switch (w.type) {
+    case DType::F32: matmul_float_t<DType::F32>(y, x, T, w, r0, r1); break;
+    case DType::F16: matmul_float_t<DType::F16>(y, x, T, w, r0, r1); break;
+    default: matmul_float_t<DType::BF16>(y, x, T, w, r0, r1); break;
+  }
+}
+
+// ---- Q8_0 / Q4_0 / Q4_1: one block per step, lanes along K.
+//
+// `_mm256_maddubs_epi16` (u8 × s8, pairs summed to saturating int16) cannot take the unsigned
+// w+128 of Q8_0 (2·255·127 overflows int16), so signed weights use the sign trick:
+// |w| · (x·sign(w)), at most 2·128·127 = 32512 per pair. Q4_1's nibbles are unsigned already.
+
+// 32 weights of one block as bytes in natural order: signed (Q8_0, Q4_0: q-8) or unsigned (Q4_1).
+template <DType D>
+inline __m256i block_quants(const uint8_t* blk) {
+  if constexpr (D == DType::Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quant_offset<D>()));
+    const __m256i z = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    const __m256i q = _mm256_and_si256(z, _mm256_set1_epi8(0x0f));
+    if constexpr (D == DType::Q4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    else return q;
+  }
+}
+
+// Tokens per pass of the GEMV over a group of rows.
+constexpr int kGemvTokens = 4;
+
+// Scratch of the GEMV: for 8 rows, the int32 block dot products of kGemvTokens tokens
+// [kGemvTokens][nb][8], then d_w and m (Q4_1) [nb][8] (transposed: rows are lanes, as in the GEMM).
+size_t gemv_scratch_bytes(int64_t nb) { return size_t(nb) * (kGemvTokens * 32 + 64); }
+
+// Few tokens (T below gemm_min_t): the weights are read in place, row after row, each block
+// decoded once for up to 4 tokens; the exact integer dot product of every block is stored
+// transposed, and per 8 rows the fp32 part runs with rows in lanes, the instruction sequence
+// of gemm_tile, so that GEMV and GEMM results are bit-identical.
+template <DType D>
+void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  constexpr int C = kGemvTokens;
+  constexpr size_t BS = block_size<D>();
+  const int64_t M = w.rows, nb = a.nb, T = a.T;
+  const size_t rs = w.row_stride();
+  auto* DT = reinterpret_cast<int32_t*>(scratch);  // [C][nb][8]
+  auto* WT = reinterpret_cast<float*>(scratch + size_t(nb) * C * 32);
+  auto* MT = WT + nb * 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = r0; g < r1; g += 8) {
+    const int n = int(std::min<int64_t>(8, r1 - g));
+    for (int64_t t0 = 0; t0 < T; t0 += C) {
+      const int nc = int(std::min<int64_t>(C, T - t0));
+      if (n < 8) std::memset(scratch, 0, gemv_scratch_bytes(nb));
+      for (int i = 0; i < n; ++i) {
+        const uint8_t* row = w.data + size_t(g + i) * rs;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = row + size_t(b) * BS;
+          const __m256i q = block_quants<D>(blk);
+          WT[b * 8 + i] = f16(load_u16(blk));
+          if constexpr (D == DType::Q4_1) MT[b * 8 + i] = f16(load_u16(blk + 2));
+          const __m256i aq = D == DType::Q4_1 ? q : _mm256_sign_epi8(q, q);  // unsigned operand
+          for (int c = 0; c < nc; ++c) {
+            __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq[(t0 + c) * nb + b].qs));
+            if constexpr (D != DType::Q4_1) xv = _mm256_sign_epi8(xv, q);
+            DT[(c * nb + b) * 8 + i] = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones));
+          }
+        }
+      }
+      alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+      const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - n));
+      for (int c = 0; c < nc; ++c) {
+        const BlockQ8Act* xq = a.xq + (t0 + c) * nb;
+        __m256 acc = _mm256_setzero_ps();  // as gemm_tile, lanes = rows g .. g+7
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m256i s32 = _mm256_load_si256(reinterpret_cast<const __m256i*>(DT + (c * nb + b) * 8));
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_load_ps(WT + b * 8), _mm256_set1_ps(xq[b].d)), acc);
+          if constexpr (D == DType::Q4_1) acc = _mm256_fmadd_ps(_mm256_load_ps(MT + b * 8), _mm256_set1_ps(xq[b].s), acc);
+        }
+        _mm256_maskstore_ps(y + (t0 + c) * M + g, mask, acc);
+      }
+    }
+  }
+}
+
+// ---- GEMM (many tokens): 8 rows per panel, one 32-byte vector = 4 quants of each of 8 rows.
+// Q8_0 keeps the signed quants and their absolute values (sign trick, int32 per group of 4);
+// Q4_0/Q4_1 keep the unsigned nibbles, whose pair products (at most 2·15·127) can be summed in
+// int16 over a whole block before one widening `_mm256_madd_epi16`.
+
+// Tokens from which the repacked GEMM beats the in-place GEMV (dev/cpu/bench_matmul on Zen 4:
+// the Q8_0 sign trick costs the GEMM more).
+constexpr int64_t gemm_min_t(DType t) { return t == DType::Q8_0 ? 32 : 16; }
+
+template <DType D>
+constexpr size_t panel_block_bytes() {
+  return D == DType::Q8_0 ? 8 * 32 * 2 + 32 : 8 * 32 + 64;  // quants (+|quants|), d_w, (m)
+}
+
+template <DType D>
+void build_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb) {
+  constexpr size_t BS = block_size<D>(), PB = panel_block_bytes<D>();
+  alignas(16) uint16_t dh[8], mh[8];
+  const size_t rs = w.row_stride();
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* pb = panel + size_t(b) * PB;
+    auto* W = reinterpret_cast<uint32_t*>(pb);
+    for (int i = 0; i < 8; ++i) {
+      if (i >= nrows) {
+        for (int j = 0; j < 8; ++j) W[j * 8 + i] = 0;
+        dh[i] = mh[i] = 0;
+        continue;
+      }
+      const uint8_t* blk = w.data + size_t(r + i) * rs + size_t(b) * BS;
+      dh[i] = load_u16(blk);
+      if constexpr (D == DType::Q8_0) {
+        for (int j = 0; j < 8; ++j) W[j * 8 + i] = load_u32(blk + 2 + 4 * j);
+      } else {
+        if constexpr (D == DType::Q4_1) mh[i] = load_u16(blk + 2);
+        const uint8_t* qs = blk + quant_offset<D>();
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t u = load_u32(qs + 4 * j);
+          W[j * 8 + i] = u & 0x0f0f0f0fu;
+          W[(j + 4) * 8 + i] = (u >> 4) & 0x0f0f0f0fu;
+        }
+      }
+    }
+    if constexpr (D == DType::Q8_0) {
+      for (int j = 0; j < 8; ++j) {
+        const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + 32 * j));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * j), _mm256_sign_epi8(q, q));
+      }
+      _mm256_store_ps(reinterpret_cast<float*>(pb + 512), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
+    } else {
+      _mm256_store_ps(reinterpret_cast<float*>(pb + 256), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
+      _mm256_store_ps(reinterpret_cast<float*>(pb + 288), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh))));
+    }
+  }
+}
+
+template <DType D, int C>
+void gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, int nrows) {
+  constexpr size_t PB = panel_block_bytes<D>();
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + size_t(b) * PB;
+    const auto* W = reinterpret_cast<const __m256i*>(pb);
+    for (int c = 0; c < C; ++c) {
+      const BlockQ8Act& xa = xq[c * nb + b];
+      __m256i s32;
+      if constexpr (D == DType::Q8_0) {
+        s32 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(int(load_u32(xa.qs + 4 * j))), _mm256_load_si256(W + j));
+          s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256(W + 8 + j), xs), ones));
+        }
+      } else {
+        __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(W), _mm256_set1_epi32(int(load_u32(xa.qs))));
+        for (int j = 1; j < 8; ++j)
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256(W + j), _mm256_set1_epi32(int(load_u32(xa.qs + 4 * j)))));
+        s32 = _mm256_madd_epi16(s16, ones);
+        if constexpr (D == DType::Q4_0) s32 = _mm256_add_epi32(s32, _mm256_set1_epi32(corr[c * nb + b]));
+      }
+      const __m256 dw = _mm256_load_ps(reinterpret_cast<const float*>(pb + (D == DType::Q8_0 ? 512 : 256)));
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(xa.d)), acc[c]);
+      if constexpr (D == DType::Q4_1)
+        acc[c] = _mm256_fmadd_ps(_mm256_load_ps(reinterpret_cast<const float*>(pb + 288)), _mm256_set1_ps(xa.s), acc[c]);
+    }
+  }
+  if (nrows == 8) {
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * M, acc[c]);
+  } else {
+    alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - nrows));
+    for (int c = 0; c < C; ++c) _mm256_maskstore_ps(y + c * M, mask, acc[c]);
+  }
+}
+
+template <DType D>
+void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* panel) {
+  constexpr int C = 4;
+  const int64_t M = w.rows, T = a.T, nb = a.nb;
+  for (int64_t r = r0; r < r1; r += 8) {
+    const int nrows = int(std::min<int64_t>(8, r1 - r));
+    build_panel<D>(panel, w, r, nrows, nb);
+    int64_t t = 0;
+    for (; t + C <= T; t += C) gemm_tile<D, C>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+    for (; t < T; ++t) gemm_tile<D, 1>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+  }
+}
+
+size_t prep_bytes(DType, int64_t, int64_t) { return 0; }
+void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr, uint8_t*) {
+  fill_corr(type, sums + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
+}
+size_t thread_bytes(DType type, int64_t T, int64_t K) {
+  if (T < gemm_min_t(type)) return gemv_scratch_bytes(K / QK);
+  return size_t(K / QK) * (type == DType::Q8_0 ? panel_block_bytes<DType::Q8_0>() : panel_block_bytes<DType::Q4_1>());
+}
+
+void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  if (a.T < gemm_min_t(w.type)) {
+    switch (w.type) {
+      case DType::Q8_0: gemv<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+      case DType::Q4_0: gemv<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+      default: gemv<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+    }
+    return;
+  }
+  switch (w.type) {
+    case DType::Q8_0: gemm<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+    case DType::Q4_0: gemm<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+    default: gemm<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  if (i + 8 <= n) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    i += 8;
+  }
+  if (i < n) acc1 = _mm256_fmadd_ps(loadx_tail(a, i, n), loadx_tail(b, i, n), acc1);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+// e^x as in the AVX-512 version; 2^n is built in the exponent field, so x is clamped to
+// [-87.3, 88.7] (results below ~1.2e-38 become ~1.2e-38, above FLT_MAX stay finite).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606820309417232e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // n in [-126, 128]: 2^n as (n + 127) << 23, split in two factors so that n = 128 works too
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i h = _mm256_srai_epi32(ni, 1);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+float softmax(float* x, int64_t n, float* max_out) {
+  float m = x[0];
+  int64_t i = 0;
+  if (n >= 8) {
+    __m256 mx = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i < n; i += 8) {
+    const int64_t len = std::min<int64_t>(8, n - i);
+    __m256 v = len == 8 ? _mm256_loadu_ps(x + i) : loadx_tail(x, i, n);
+    __m256 e = exp_ps(_mm256_sub_ps(v, mv));
+    if (len < 8) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, e);
+      for (int64_t j = len; j < 8; ++j) tmp[j] = 0.0f;
+      e = _mm256_load_ps(tmp);
+      std::memcpy(x + i, tmp, size_t(len) * 4);
+    } else {
+      _mm256_storeu_ps(x + i, e);
+    }
+    sum = _mm256_add_ps(sum, e);
+  }
+  const float total = hsum(sum), inv = 1.0f / total;
+  for (i = 0; i < n; ++i) x[i] *= inv;
+  if (max_out) *max_out = m;
+  return total;
+}
+
+void swiglu(float* gate, const float* up, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(gate + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  if (i < n) {  // the tail through the same vector e^x, so an element's result does not depend on n
+    alignas(32) float g8[8] = {}, u8[8] = {};
+    std::memcpy(g8, gate + i, size_t(n - i) * sizeof(float));
+    std::memcpy(u8, up + i, size_t(n - i) * sizeof(float));
+    const __m256 g = _mm256_load_ps(g8);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_store_ps(g8, _mm256_mul_ps(silu, _mm256_load_ps(u8)));
+    std::memcpy(gate + i, g8, size_t(n - i) * sizeof(float));
+  }
+}
+
+// Keys transposed ([hd, bt]): 8 positions per vector, four partial sums over j mod 4 per head.
+void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
+                 float scale) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * hd;
+    for (int64_t p0 = 0; p0 < n; p0 += 8) {
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - p0))), lane);
+      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      int64_t j = 0;
+      for (; j + 4 <= hd; j += 4)
+        for (int u = 0; u < 4; ++u)
+          a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qg[j + u]), _mm256_maskload_ps(kT + (j + u) * bt + p0, m), a[u]);
+      for (int u = 0; u < 3; ++u)
+        if (j + u < hd) a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qg[j + u]), _mm256_maskload_ps(kT + (j + u) * bt + p0, m), a[u]);
+      const __m256 r = _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])), _mm256_set1_ps(scale));
+      _mm256_maskstore_ps(s + g * ss + p0, m, r);
+    }
+  }
+}
+
+void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
+                     int64_t hd) {
+  for (int64_t g = 0; g < G; ++g, out += hd, a += as) {
+    int64_t j = 0;
+    for (; j + 8 <= hd; j += 8) {
+      __m256 o = _mm256_loadu_ps(out + j);
+      for (int64_t p = 0; p < n; ++p) o = _mm256_fmadd_ps(_mm256_set1_ps(a[p]), _mm256_loadu_ps(v + p * stride + j), o);
+      _mm256_storeu_ps(out + j, o);
+    }
+    for (; j < hd; ++j)
+      for (int64_t p = 0; p < n; ++p) out[j] = std::fma(a[p], v[p * stride + j], out[j]);
+  }
+}
+
+// bf16 KV blocks (layouts in cpu_ops.h) without `vdpbf16ps`: a 32-bit lane holds a pair, its low
+// half widens to fp32 by a 16-bit shift and its high half by masking, then two FMAs. Also what
+// the AVX-512 level uses on CPUs without AVX512_BF16.
+inline __m256 bf16_lo(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 bf16_hi(__m256i pairs) { return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u)))); }
+
+void attn_scores_bf16(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n, int64_t bt,
+                      int64_t hd, float scale) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* qg = q + g * hd;
+    for (int64_t p0 = 0; p0 < n; p0 += 8) {
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - p0))), lane);
+      __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t i = 0; i < hd / 2; i += 2)
+        for (int u = 0; u < 2 && i + u < hd / 2; ++u) {
+          const __m256i kv = _mm256_maskload_epi32(reinterpret_cast<const int*>(k + ((i + u) * bt + p0) * 2), m);
+          a[u] = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_fp32(qg[2 * (i + u)])), bf16_lo(kv), a[u]);
+          a[u] = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_fp32(qg[2 * (i + u) + 1])), bf16_hi(kv), a[u]);
+        }
+      _mm256_maskstore_ps(s + g * ss + p0, m, _mm256_mul_ps(_mm256_add_ps(a[0], a[1]), _mm256_set1_ps(scale)));
+    }
+  }
+}
+
+void attn_accumulate_bf16(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n, int64_t hd) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < hd; j += 8) {
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, hd - j))), lane);
+      __m256 o = _mm256_maskload_ps(out + g * hd + j, m);
+      for (int64_t pp = 0; pp < (n + 1) / 2; ++pp) {
+        const __m256i vv = _mm256_maskload_epi32(reinterpret_cast<const int*>(v + (pp * hd + j) * 2), m);
+        o = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_fp32(a[g * as + 2 * pp])), bf16_lo(vv), o);
+        o = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_fp32(a[g * as + 2 * pp + 1])), bf16_hi(vv), o);
+      }
+      _mm256_maskstore_ps(out + g * hd + j, m, o);
+    }
+}
+
+}  // namespace
+}  // namespace avx2
+
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// =====================================================================================
+// AVX-512 F/BW/VL/DQ + VNNI
+// =====================================================================================
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
+
+namespace avx512 {
+namespace {
+
+inline float hsum(__m512 v) {
+  __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < n / QK; ++b, x += QK) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 idv = _mm512_set1_ps(id);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));  // round to nearest even
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs + 16), _mm512_cvtsepi32_epi8(q1));
+    // The sum of the int8 values as stored (saturated): equal to q0 + q1 for finite inputs, and
+    // no int32 overflow when NaN/Inf activations turn into INT_MIN (UBSan, fuzz/llmq_file).
+    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+    const __m512i s0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi), s1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1));
+    out[b].d = d;
+    out[b].s = d * float(sum);
+    if (sums) sums[b] = sum;
+  }
+}
+
+// ---- F32 / F16 / BF16
+
+template <DType D>
+inline __m512 load16(const uint8_t* row, int64_t k) {
+  if constexpr (D == DType::F32) {
+    // two 256-bit loads: streams from DRAM faster than one 512-bit load on Zen 4 (dev/cpu)
+    const float* p = reinterpret_cast<const float*>(row) + k;
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + 8), 1);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k));
+    if constexpr (D == DType::F16) return _mm512_cvtph_ps(h);
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+template <DType D>
+inline __m512 load16_mask(const uint8_t* row, int64_t k, __mmask16 m) {
+  if constexpr (D == DType::F32) {
+    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + k);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, row + 2 * k);
+    if constexpr (D == DType::F16) return _mm512_cvtph_ps(h);
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <DType D, int R, int C>
+void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, size_t rs, int64_t r, int64_t t) {
+  __m512 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  const uint8_t* wr[R];
+  for (int i = 0; i < R; ++i) wr[i] = w.data + size_t(r + i) * rs;
+  const float* xr[C];
+  for (int c = 0; c < C; ++c) xr[c] = x + (t + c) * K;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = load16<D>(wr[i], k);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_loadu_ps(xr[c] + k);
+      for (int i = 0; i < R; ++i) acc[i][c] = _mm512_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 m = __mmask16((1u << (K - k)) - 1);
+    __m512 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = load16_mask<D>(wr[i], k, m);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, xr[c] + k);
+      for (int i = 0; i < R; ++i) acc[i][c] = _mm512_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < R; ++i) y[(t + c) * M + r + i] = hsum(acc[i][c]);
+}
+
+template <DType D>
+void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
+  constexpr int R = 4, C = 6;  // 24 accumulators + 4 weights + 1 activation of 32 registers
+  constexpr int DR = 1;        // rows per step in decode: one sequential stream (see gemv)
+  const int64_t M = w.rows, K = w.cols;
+  const size_t rs = w.row_stride();
+  if (T < C) {  // decode: DR rows at a time, one token at a time
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t r = r0;
+      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, rs, r, t);
+      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
+    }
+    return;
+  }
+  const int64_t tb = std::max<int64_t>(C, (int64_t(256 << 10) / (K * 4)) / C * C);
+  for (int64_t t0 = 0; t0 < T; t0 += tb) {
+    const int64_t t1 = std::min(T, t0 + tb);
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+      int64_t t = t0;
+      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, rs, r, t);
+      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, rs, r, t);
+    }
+    for (; r < r1; ++r) {
+      int64_t t = t0;
+      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, rs, r, t);
+      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
+    }
+  }
+}
+
+void matmul_float(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
+  switch (w.type) {
+    case DType::F32: matmul_float_t<DType::F32>(y, x, T, w, r0, r1); break;
+    case DType::F16: matmul_float_t<DType::F16>(y, x, T, w, r0, r1); break;
+    default: matmul_float_t<DType::BF16>(y, x, T, w, r0, r1); break;
+  }
+}
+
+// ---- Q8_0 / Q4_0 / Q4_1
+
+// The GEMM's tiles of kTile tokens read their activations from `prep`, rearranged so that one
+// pointer reaches all of them: per tile and block, the kTile tokens' BlockQ8Act, then their
+// integer corrections (kTileBlockBytes). The tokens past the last whole tile (and decode) read
+// xq and corr as they are.
+constexpr int kTile = 8;
+constexpr size_t kTileBlockBytes = kTile * sizeof(BlockQ8Act) + kTile * sizeof(int32_t);
+
+size_t prep_bytes(DType, int64_t T, int64_t K) { return size_t(T / kTile) * size_t(K / QK) * kTileBlockBytes; }
+
+void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr,
+                   uint8_t* prep) {
+  const int64_t nb = a.nb, tiled = a.T / kTile * kTile;
+  fill_corr(type, sums + t0 * nb, (t1 - t0) * nb, corr + t0 * nb);
+  for (int64_t t = t0; t < std::min(t1, tiled); ++t) {
+    uint8_t* tile = prep + size_t(t / kTile) * size_t(nb) * kTileBlockBytes;
+    const size_t c = size_t(t % kTile);
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* tb = tile + size_t(b) * kTileBlockBytes;
+      std::memcpy(tb + c * sizeof(BlockQ8Act), a.xq + t * nb + b, sizeof(BlockQ8Act));
+      std::memcpy(tb + kTile * sizeof(BlockQ8Act) + c * sizeof(int32_t), corr + t * nb + b, sizeof(int32_t));
+    }
+  }
+}
+
+// ---- Packed weights (Weight::packed): the GEMM's panels built once at load, nibbles kept packed.
+//
+// Panels of 16 rows, one after the other (rows past the matrix: zero quants and scales). A
+// panel holds its blocks in pairs (b0, b1; an odd last block pairs with zeros):
+//   [quants b0 | quants b1 | scales b0 | scales b1]
+// quants of a block, lanes = the 16 rows, 64 bytes per vector:
+//   Q4_0/Q4_1: 4 vectors; vector j, lane r = bytes 4j..4j+3 of row r's 16 quant bytes, so its
+//              low nibbles are elements 4j..4j+3 and its high nibbles elements 16+4j..16+4j+3.
+//   Q8_0:      8 vectors; vector j, lane r = quants 4j..4j+3 of row r, stored as w + 128.
+// scales: d of the 16 rows as fp16 (32 bytes), then Q4_1's m as fp16 (32 bytes).
+// Q4_0 pair = 2·256 + 2·32 = 576 bytes for 32 rows' worth of blocks (= 16 rows × 2 blocks × 18),
+// Q4_1 640, Q8_0 1088: the file's bytes, rearranged (a multiple of 64, so every load is aligned).
+// One panel is one sequential stream, which decode reads at the DRAM bandwidth (16 rows read in
+// place, 16 streams, lost up to half of it: dev/README.md #5, #14); prefill reuses
+// each panel (up to 27 KiB for K = 1536 at Q4_0) from L1/L2 for every tile of 8 tokens.
+template <DType D>
+constexpr size_t pk_quant_bytes() { return D == DType::Q8_0 ? 512 : 256; }
+template <DType D>
+constexpr size_t pk_scale_bytes() { return D == DType::Q4_1 ? 64 : 32; }
+template <DType D>
+constexpr size_t pk_pair_bytes() { return 2 * (pk_quant_bytes<D>() + pk_scale_bytes<D>()); }
+template <DType D>
+size_t pk_panel_bytes(int64_t K) { return size_t((K / QK + 1) / 2) * pk_pair_bytes<D>(); }
+
+size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
+  const size_t panels = size_t((rows + 15) / 16);
+  switch (type) {
+    case DType::Q8_0: return panels * pk_panel_bytes<DType::Q8_0>(cols);
+    case DType::Q4_0: return panels * pk_panel_bytes<DType::Q4_0>(cols);
+    case DType::Q4_1: return panels * pk_panel_bytes<DType::Q4_1>(cols);
+    default: return 0;
+  }
+}
+
+// Rows 16p .. 16p+15 of w as one packed panel at out (pk_panel_bytes; rows past the matrix zero).
+template <DType D>
+void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
+  constexpr size_t BS = block_size<D>(), QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
+  constexpr size_t off = quant_offset<D>();
+  const int64_t nb = w.cols / QK, nrows = std::min<int64_t>(16, w.rows - p * 16);
+  if (nrows < 16 || nb % 2) std::memset(out, 0, pk_panel_bytes<D>(w.cols));  // padding rows, odd last block
+  for (int i = 0; i < nrows; ++i) {
+    const uint8_t* row = w.row(p * 16 + i);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + size_t(b) * BS;
+      uint8_t* q = out + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
+      uint8_t* sc = out + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
+      for (size_t j = 0; j < QB / 64; ++j)
+        for (int k = 0; k < 4; ++k) {
+          const uint8_t v = blk[off + 4 * j + size_t(k)];
+          q[64 * j + 4 * size_t(i) + size_t(k)] = D == DType::Q8_0 ? uint8_t(v ^ 0x80) : v;
+        }
+      std::memcpy(sc + 2 * i, blk, 2);                                           // d
+      if constexpr (D == DType::Q4_1) std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
+    }
+  }
+}
+
+template <DType D>
+void pack_t(const Weight& w, uint8_t* out) {
+  const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
+  for (int64_t p = 0; p < (w.rows + 15) / 16; ++p) pack_panel<D>(w, p, out + size_t(p) * panel_bytes);
+}
+
+void pack_quant(const Weight& w, uint8_t* out) {
+  switch (w.type) {
+    case DType::Q8_0: pack_t<DType::Q8_0>(w, out); break;
+    case DType::Q4_0: pack_t<DType::Q4_0>(w, out); break;
+    case DType::Q4_1: pack_t<DType::Q4_1>(w, out); break;
+    default: break;
+  }
+}
+
+// Token c's activations of block b: with C = kTile from one tile of prep (xq points at it, corr
+// unused; constant offsets from one pointer), with C = 1 from xq and corr as quantized.
+template <int C>
+inline const BlockQ8Act& tile_act(const BlockQ8Act* xq, int64_t nb, int c, int64_t b) {
+  if constexpr (C == kTile)
+    return *reinterpret_cast<const BlockQ8Act*>(reinterpret_cast<const uint8_t*>(xq) + size_t(b) * kTileBlockBytes +
+                                                size_t(c) * sizeof(BlockQ8Act));
+  else
+    return xq[c * nb + b];
+}
+template <int C>
+inline int32_t tile_corr(const BlockQ8Act* xq, const int32_t* corr, int64_t nb, int c, int64_t b) {
+  if constexpr (C == kTile)
+    return *reinterpret_cast<const int32_t*>(reinterpret_cast<const uint8_t*>(xq) + size_t(b) * kTileBlockBytes +
+                                             kTile * sizeof(BlockQ8Act) + size_t(c) * sizeof(int32_t));
+  else
+    return corr[c * nb + b];
+}
+
+// 16 packed rows × C tokens: the integer dot of every block (two accumulators per token, summed
+// exactly), then acc = fma(float(dot), d_w·d_x, acc) (+ fma(m, s_x, acc)) over the blocks in
+// order: the same instructions for an output whatever the number of tokens.
+template <DType D, int C>
+void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr,
+                 __mmask16 rmask) {
+  static_assert(C == 1 || C == kTile, "tiles of one token or kTile tokens");
+  constexpr size_t QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
+  // Integer accumulators per token: with one token, two chains (even and odd quant vectors)
+  // halve the vpdpbusd dependency chain; with 8 tokens there are 8 chains already (and more
+  // accumulators would spill).
+  constexpr int NS = C >= 4 ? 1 : 2;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = panel + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
+    const uint8_t* sc = panel + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
+    __m512i s[C][NS];
+    for (int c = 0; c < C; ++c) {
+      s[c][0] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(tile_corr<C>(xq, corr, nb, c, b));
+      if constexpr (NS > 1) s[c][NS - 1] = _mm512_setzero_si512();
+    }
+    if constexpr (D == DType::Q8_0) {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i v = _mm512_load_si512(q + 64 * j);
+        for (int c = 0; c < C; ++c)
+          s[c][j % NS] =
+              _mm512_dpbusd_epi32(s[c][j % NS], v, _mm512_set1_epi32(int(load_u32(tile_act<C>(xq, nb, c, b).qs + 4 * j))));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_load_si512(q + 64 * j);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* x = tile_act<C>(xq, nb, c, b).qs;
+          s[c][0] = _mm512_dpbusd_epi32(s[c][0], lo, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
+          s[c][NS - 1] = _mm512_dpbusd_epi32(s[c][NS - 1], hi, _mm512_set1_epi32(int(load_u32(x + 16 + 4 * j))));
+        }
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
+    for (int c = 0; c < C; ++c) {
+      const BlockQ8Act& xa = tile_act<C>(xq, nb, c, b);
+      const __m512i dot = NS > 1 ? _mm512_add_epi32(s[c][0], s[c][NS - 1]) : s[c][0];
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xa.d)), acc[c]);
+      if constexpr (D == DType::Q4_1)
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32))),
+                                 _mm512_set1_ps(xa.s), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * M, rmask, acc[c]);
+}
+
+// Rows [r0, r1) (r0 a multiple of 16), all T tokens, 8 tokens per tile. A weight that was not
+// packed at load (tests, LLMQ_PACK=0) has each of its panels packed into the thread's scratch
+// first: the same tiles, so the same bits, at the cost of a repack per call.
+template <DType D>
+void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  constexpr int C = kTile;
+  const int64_t M = w.rows, T = a.T, nb = a.nb;
+  const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
+  for (int64_t r = r0; r < r1; r += 16) {
+    const uint8_t* panel = w.packed + size_t(r / 16) * panel_bytes;
+    if (!w.packed) pack_panel<D>(w, r / 16, scratch), panel = scratch;
+    const __mmask16 rmask = __mmask16((1u << std::min<int64_t>(16, r1 - r)) - 1);
+    int64_t t = 0;
+    for (; t + C <= T; t += C) {
+      const auto* tile = reinterpret_cast<const BlockQ8Act*>(a.prep + size_t(t / C) * size_t(nb) * kTileBlockBytes);
+      packed_tile<D, C>(y + t * M + r, M, panel, nb, tile, nullptr, rmask);
+    }
+    for (; t < T; ++t) packed_tile<D, 1>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, rmask);
+  }
+}
+
+// Scratch: one panel, for weights that were not packed at load.
+size_t thread_bytes(DType type, int64_t, int64_t K) {
+  return type == DType::Q4_1 ? pk_panel_bytes<DType::Q4_1>(K) : pk_panel_bytes<DType::Q8_0>(K);
+}
+
+void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  switch (w.type) {
+    case DType::Q8_0: packed_matmul<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+    case DType::Q4_0: packed_matmul<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+    default: packed_matmul<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  if (i + 16 <= n) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    i += 16;
+  }
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc1);
+  }
+  return hsum(_mm512_add_ps(acc0, acc1));
+}
+
+void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m512 av = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+// Keys transposed ([hd, bt]): 16 positions per vector, R heads at a time sharing each key
+// load, four partial sums over j mod 4 per head (R·4 independent chains hide the FMA latency).
+template <int R>
+void scores_rows(float* s, int64_t ss, const float* q, const float* kT, int64_t n, int64_t bt, int64_t hd, float scale) {
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    const __mmask16 m = n - p0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - p0)) - 1);
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) a[r][u] = _mm512_setzero_ps();
+    const float* kp = kT + p0;
+    int64_t j = 0;
+    for (; j + 4 <= hd; j += 4)
+      for (int u = 0; u < 4; ++u) {
+        const __m512 k = _mm512_maskz_loadu_ps(m, kp + (j + u) * bt);
+        for (int r = 0; r < R; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + j + u]), k, a[r][u]);
+      }
+    for (int u = 0; u < 3; ++u)  // hd % 4 trailing dimensions (constant indices keep a[][] in registers)
+      if (j + u < hd) {
+        const __m512 k = _mm512_maskz_loadu_ps(m, kp + (j + u) * bt);
+        for (int r = 0; r < R; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + j + u]), k, a[r][u]);
+      }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
+      _mm512_mask_storeu_ps(s + r * ss + p0, m, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+// Heads in groups of 4 (R·4 score accumulators), then one group of the 1-3 left:
+// rows(std::integral_constant<int, R>{}, g) for the R heads from head g on.
+template <class Rows>
+inline void for_score_groups(int64_t G, const Rows& rows) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) rows(std::integral_constant<int, 4>{}, g);
+  switch (G - g) {
+    case 3: return rows(std::integral_constant<int, 3>{}, g);
+    case 2: return rows(std::integral_constant<int, 2>{}, g);
+    case 1: return rows(std::integral_constant<int, 1>{}, g);
+    default: return;
+  }
+}
+
+void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
+                 float scale) {
+  for_score_groups(G, [&](auto R, int64_t g) {
+    scores_rows<decltype(R)::value>(s + g * ss, ss, q + g * hd, kT, n, bt, hd, scale);
+  });
+}
+
+// R heads × hd = 16·NV: the R·NV output vectors stay in registers, each value row is loaded
+// once for all R heads; per head and vector, one fused multiply-add per position, in order.
+template <int NV, int R>
+void accumulate_rows(float* out, const float* a, int64_t as, const float* v, int64_t n, int64_t stride) {
+  __m512 o[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) o[r][i] = _mm512_loadu_ps(out + r * 16 * NV + 16 * i);
+  for (int64_t p = 0; p < n; ++p) {
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) {
+      vv[i] = _mm512_loadu_ps(v + p * stride + 16 * i);
+      if constexpr (R > 1) asm("" : "+v"(vv[i]));  // one load per row of V, not one per head (GCC folds it)
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 ap = _mm512_set1_ps(a[r * as + p]);
+      for (int i = 0; i < NV; ++i) o[r][i] = _mm512_fmadd_ps(ap, vv[i], o[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + r * 16 * NV + 16 * i, o[r][i]);
+}
+
+// Heads in groups of up to 16/NV, so that a group's R·NV output vectors stay in registers (at
+// most 16): rows(std::integral_constant<int, R>{}, g) for the R heads from head g on.
+template <int NV, class Rows>
+inline void for_head_groups(int64_t G, const Rows& rows) {
+  constexpr int RMAX = NV >= 16 ? 1 : 16 / NV;
+  int64_t g = 0;
+  for (; g + RMAX <= G; g += RMAX) rows(std::integral_constant<int, RMAX>{}, g);
+  if constexpr (RMAX >= 3)
+    if (G - g >= 3) rows(std::integral_constant<int, 3>{}, g), g += 3;
+  if constexpr (RMAX >= 2)
+    if (G - g >= 2) rows(std::integral_constant<int, 2>{}, g), g += 2;
+  for (; g < G; ++g) rows(std::integral_constant<int, 1>{}, g);
+}
+
+template <int NV>
+void accumulate_heads(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride) {
+  for_head_groups<NV>(G, [&](auto R, int64_t g) {
+    accumulate_rows<NV, decltype(R)::value>(out + g * 16 * NV, a + g * as, as, v, n, stride);
+  });
+}
+
+void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const float* v, int64_t n, int64_t stride,
+                     int64_t hd) {
+  switch (hd) {
+    case 32: return accumulate_heads<2>(out, a, as, G, v, n, stride);
+    case 64: return accumulate_heads<4>(out, a, as, G, v, n, stride);
+    case 80: return accumulate_heads<5>(out, a, as, G, v, n, stride);
+    case 96: return accumulate_heads<6>(out, a, as, G, v, n, stride);
+    case 128: return accumulate_heads<8>(out, a, as, G, v, n, stride);
+    default: break;
+  }
+  for (int64_t g = 0; g < G; ++g, out += hd, a += as)
+    for (int64_t j = 0; j < hd; j += 16) {
+      const __mmask16 m = hd - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (hd - j)) - 1);
+      __m512 o = _mm512_maskz_loadu_ps(m, out + j);
+      for (int64_t p = 0; p < n; ++p)
+        o = _mm512_fmadd_ps(_mm512_set1_ps(a[p]), _mm512_maskz_loadu_ps(m, v + p * stride + j), o);
+      _mm512_mask_storeu_ps(out + j, m, o);
+    }
+}
+
+// e^x: x = n·ln2 + r with n = round(x·log2(e)) and r by a two-part ln2 (|r| <= ln2/2), e^r by
+// its Taylor series to r^7 (truncation < 6e-9 relative), times 2^n by vscalefps (which gives
+// +inf / 0 on overflow / underflow). About 2 ulp.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(200.0f)), _mm512_set1_ps(-200.0f));  // keeps r finite
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417232e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+float softmax(float* x, int64_t n, float* max_out) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + i));
+  float m = _mm512_reduce_max_ps(mx);
+  for (int64_t j = i; j < n; ++j) m = std::max(m, x[j]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv));
+    _mm512_mask_storeu_ps(x + i, k, e);
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  const float total = hsum(sum);
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  for (i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
+  }
+  if (max_out) *max_out = m;
+  return total;
+}
+
+// ---- Attention on bf16 KV blocks (layouts in cpu_ops.h): `vdpbf16ps` multiplies the bf16
+// pairs of a 32-bit lane and adds both products to an fp32 lane, twice the multiply-adds of
+// an fp32 FMA per instruction. These functions also need AVX512_BF16 (cpu_has_avx512bf16).
+#define LLMQ_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")))
+
+LLMQ_AVX512BF16 inline __m512 dp_bf16(__m512 acc, __m512i x, __m512i y) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(x), reinterpret_cast<__m512bh&>(y));
+}
+
+// fp32 -> bf16, 16 at a time (`vcvtneps2bf16`: nearest even; it flushes denormals to zero).
+LLMQ_AVX512BF16 void to_bf16(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i));
+    _mm256_mask_storeu_epi16(dst + i, m, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+// 16 positions per vector, R heads sharing each K load, two partial sums over pairs i mod 2.
+template <int R>
+LLMQ_AVX512BF16 void scores_bf16_rows(float* s, int64_t ss, const uint16_t* q, const uint16_t* k, int64_t n, int64_t bt,
+                                      int64_t hd, float scale) {
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    const __mmask16 m = n - p0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - p0)) - 1);
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hd / 2; i += 2)
+      for (int u = 0; u < 2 && i + u < hd / 2; ++u) {
+        const __m512i kv = _mm512_maskz_loadu_epi32(m, k + ((i + u) * bt + p0) * 2);
+        for (int r = 0; r < R; ++r)
+          a[r][u] = dp_bf16(a[r][u], kv, _mm512_set1_epi32(int(load_u32(q + r * hd + 2 * (i + u)))));
+      }
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(s + r * ss + p0, m, _mm512_mul_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_set1_ps(scale)));
+  }
+}
+
+LLMQ_AVX512BF16 void attn_scores_bf16(float* s, int64_t ss, const uint16_t* q, int64_t G, const uint16_t* k, int64_t n,
+                                      int64_t bt, int64_t hd, float scale) {
+  for_score_groups(G, [&](auto R, int64_t g) {
+    scores_bf16_rows<decltype(R)::value>(s + g * ss, ss, q + g * hd, k, n, bt, hd, scale);
+  });
+}
+
+// R heads × hd = 16·NV outputs in registers; per pair of positions one V load per vector.
+template <int NV, int R>
+LLMQ_AVX512BF16 void accumulate_bf16_rows(float* out, const uint16_t* a, int64_t as, const uint16_t* v, int64_t n) {
+  constexpr int64_t hd = 16 * NV;
+  __m512 o[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) o[r][i] = _mm512_loadu_ps(out + r * hd + 16 * i);
+  for (int64_t pp = 0; pp < (n + 1) / 2; ++pp) {
+    __m512i vv[NV];
+    for (int i = 0; i < NV; ++i) {
+      vv[i] = _mm512_loadu_si512(v + (pp * hd + 16 * i) * 2);
+      if constexpr (R > 1) asm("" : "+v"(vv[i]));  // one load per pair row of V, not one per head
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i ap = _mm512_set1_epi32(int(load_u32(a + r * as + 2 * pp)));
+      for (int i = 0; i < NV; ++i) o[r][i] = dp_bf16(o[r][i], vv[i], ap);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + r * hd + 16 * i, o[r][i]);
+}
+
+template <int NV>
+LLMQ_AVX512BF16 void accumulate_bf16_heads(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n) {
+  for_head_groups<NV>(G, [&](auto R, int64_t g) {
+    accumulate_bf16_rows<NV, decltype(R)::value>(out + g * 16 * NV, a + g * as, as, v, n);
+  });
+}
+
+LLMQ_AVX512BF16 void attn_accumulate_bf16(float* out, const uint16_t* a, int64_t as, int64_t G, const uint16_t* v, int64_t n,
+                                          int64_t hd) {
+  switch (hd) {
+    case 32: return accumulate_bf16_heads<2>(out, a, as, G, v, n);
+    case 64: return accumulate_bf16_heads<4>(out, a, as, G, v, n);
+    case 80: return accumulate_bf16_heads<5>(out, a, as, G, v, n);
+    case 96: return accumulate_bf16_heads<6>(out, a, as, G, v, n);
+    case 128: return accumulate_bf16_heads<8>(out, a, as, G, v, n);
+    default: break;
+  }
+  for (int64_t g = 0; g < G; ++g)  // other head sizes: 16 dimensions at a time, masked tail
+    for (int64_t j = 0; j < hd; j += 16) {
+      const __mmask16 m = hd - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (hd - j)) - 1);
+      __m512 o = _mm512_maskz_loadu_ps(m, out + g * hd + j);
+      for (int64_t pp = 0; pp < (n + 1) / 2; ++pp)
+        o = dp_bf16(o, _mm512_maskz_loadu_epi32(m, v + (pp * hd + j) * 2),
+                    _mm512_set1_epi32(int(load_u32(a + g * as + 2 * pp))));
+      _mm512_mask_storeu_ps(out + g * hd + j, m, o);
+    }
+}
+
+int64_t int8_dot_loop(int64_t rounds) {
+  // Twelve accumulators with distinct starting values (else the compiler merges them), each a
+  // chain of vpdpbusd; the inputs pass through an empty asm every round so nothing is hoisted.
+  __m512i a0 = _mm512_set1_epi32(0), a1 = _mm512_set1_epi32(1), a2 = _mm512_set1_epi32(2), a3 = _mm512_set1_epi32(3);
+  __m512i a4 = _mm512_set1_epi32(4), a5 = _mm512_set1_epi32(5), a6 = _mm512_set1_epi32(6), a7 = _mm512_set1_epi32(7);
+  __m512i a8 = _mm512_set1_epi32(8), a9 = _mm512_set1_epi32(9), a10 = _mm512_set1_epi32(10), a11 = _mm512_set1_epi32(11);
+  __m512i u = _mm512_set1_epi32(0x01020304), v = _mm512_set1_epi32(0x05060708);
+  for (int64_t r = 0; r < rounds; ++r) {
+    asm volatile("" : "+v"(u), "+v"(v));
+    a0 = _mm512_dpbusd_epi32(a0, u, v), a1 = _mm512_dpbusd_epi32(a1, u, v), a2 = _mm512_dpbusd_epi32(a2, u, v);
+    a3 = _mm512_dpbusd_epi32(a3, u, v), a4 = _mm512_dpbusd_epi32(a4, u, v), a5 = _mm512_dpbusd_epi32(a5, u, v);
+    a6 = _mm512_dpbusd_epi32(a6, u, v), a7 = _mm512_dpbusd_epi32(a7, u, v), a8 = _mm512_dpbusd_epi32(a8, u, v);
+    a9 = _mm512_dpbusd_epi32(a9, u, v), a10 = _mm512_dpbusd_epi32(a10, u, v), a11 = _mm512_dpbusd_epi32(a11, u, v);
+  }
+  // Lane-wise sums (they wrap; _mm512_reduce_add_epi32 adds in signed scalar arithmetic, which
+  // overflows: undefined behaviour, caught by UBSan), then lane 0: it depends on every chain.
+  __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+                               _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
+  s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11)));
+  return _mm_cvtsi128_si32(_mm512_castsi512_si128(s));
+}
+
+void swiglu(float* gate, const float* up, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(k, gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(gate + i, k, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(k, up + i)));
+  }
+}
+
+}  // namespace
+}  // namespace avx512
+
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+const Kernels* kernels_avx2() {
+  static const Kernels k{"avx2",          avx2::quantize_act,  avx2::matmul_float,
+                         avx2::prep_bytes, avx2::prepare_quant, avx2::thread_bytes,
+                         avx2::matmul_quant, avx2::dot,         avx2::axpy,
+                         avx2::attn_scores, avx2::attn_accumulate, avx2::attn_scores_bf16,
+                         avx2::attn_accumulate_bf16, nullptr, avx2::softmax,
+                         avx2::swiglu,      nullptr,             nullptr,
+                         nullptr};
+  return &k;
+}
+
+const Kernels* kernels_avx512() {
+  static const Kernels k{"avx512",          avx512::quantize_act,  avx512::matmul_float,
+                         avx512::prep_bytes, avx512::prepare_quant, avx512::thread_bytes,
+                         avx512::matmul_quant, avx512::dot,         avx512::axpy,
+                         avx512::attn_scores, avx512::attn_accumulate,
+                         cpu_has_avx512bf16() ? avx512::attn_scores_bf16 : avx2::attn_scores_bf16,
+                         cpu_has_avx512bf16() ? avx512::attn_accumulate_bf16 : avx2::attn_accumulate_bf16,
+                         cpu_has_avx512bf16() ? avx512::to_bf16 : nullptr, avx512::softmax,
+                         avx512::swiglu,    avx512::packed_bytes, avx512::pack_quant,
+                         avx512::int8_dot_loop};
+  return &k;
+}
+
+#endif  // LLMQ_X86
+
+}  // namespace llmq::x86

@@ -1,0 +1,148 @@
+#include "formats/readers/convert.h"
+
+#include <fnmatch.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "base/error.h"
+#include "formats/readers/hf_model.h"
+#include "formats/llmq_file.h"
+
+namespace llmq {
+
+DType choose_type(const SourceTensor& src, const ConvertOptions& opts, bool* fell_back) {
+  *fell_back = false;
+  if (src.shape.size() < 2) return DType::F32;
+  DType t = opts.type ? *opts.type : src.raw ? src.raw_type : DType::F16;
+  for (const auto& [pattern, type] : opts.overrides)
+    if (fnmatch(pattern.c_str(), src.name.c_str(), 0) == 0) {
+      t = type;
+      break;
+    }
+  if (!row_fits(t, src.shape.back())) {
+    *fell_back = true;
+    return DType::F16;
+  }
+  return t;
+}
+
+std::string file_xxh64(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw FileError(path, "cannot open for hashing");
+  XXH64_state_t* st = XXH64_createState();
+  XXH64_reset(st, 0);
+  std::vector<char> buf(1 << 20);
+  while (in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    if (in.gcount() > 0) XXH64_update(st, buf.data(), size_t(in.gcount()));
+  }
+  const uint64_t h = XXH64_digest(st);
+  XXH64_freeState(st);
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+
+namespace {
+
+void draw_progress(size_t done, size_t total, const std::string& name) {
+  const int width = 30;
+  const int filled = total ? int(width * done / total) : width;
+  std::fprintf(stderr, "\r[%.*s%*s] %zu/%zu %-40.40s", filled, "==============================", width - filled, "", done,
+               total, name.c_str());
+  if (done == total) std::fputc('\n', stderr);
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const std::string& out, const ConvertOptions& opts) {
+  if (int64_t(vocab.size()) != src.config.vocab_size)
+    throw UsageError("the tokenizer has " + std::to_string(vocab.size()) + " tokens but the model's vocabulary is " +
+                     std::to_string(src.config.vocab_size));
+  LlmqWriter w(out, opts.overwrite);
+  src.config.to_metadata(w.meta);
+  vocab_to_metadata(vocab, w.meta);
+  if (!opts.chat_template.empty()) w.meta.set("tokenizer.chat_template", opts.chat_template);
+  w.meta.set("general.source.format", src.format);
+  if (!opts.source_path.empty()) {
+    w.meta.set("general.source.file", opts.source_path);
+    // A Hugging Face checkpoint is a directory: hash its checkpoint files (formats/readers/hf_model.h).
+    w.meta.set("general.source.xxh64", std::filesystem::is_directory(opts.source_path)
+                                           ? hf_checkpoint_xxh64(opts.source_path)
+                                           : file_xxh64(opts.source_path));
+  }
+  w.meta.set("general.converter", std::string("llmq-convert ") + LLMQ_VERSION);
+  w.meta.set("general.file_type", std::string(opts.type ? dtype_name(*opts.type) : "as source"));
+
+  ConvertReport rep;
+  std::vector<bool> fallback;
+  for (const SourceTensor& t : src.tensors) {
+    bool fb = false;
+    const DType type = choose_type(t, opts, &fb);
+    w.declare(t.name, type, t.shape);
+    fallback.push_back(fb);
+  }
+  // Filled in as tensors are written (same encoded size, so it may change after begin()).
+  w.meta.set("llmq.quantization.rel_rms_error", std::vector<float>(src.tensors.size(), 0.0f));
+  w.begin();
+
+  std::vector<float> data, back;
+  std::vector<uint8_t> packed;
+  std::vector<float> errors;
+  for (size_t i = 0; i < src.tensors.size(); ++i) {
+    const SourceTensor& t = src.tensors[i];
+    const TensorInfo& info = w.tensors()[i];
+    if (opts.progress) draw_progress(i, src.tensors.size(), t.name);
+    const int64_t n = t.numel(), cols = t.shape.back(), rows = n / cols;
+    if (t.raw && t.raw_type == info.type) {  // lossless repack: the stored bytes as they are
+      w.write_tensor(i, t.raw, info.nbytes);
+      if (t.release) t.release();
+      errors.push_back(0.0f);
+      rep.tensors.push_back({t.name, info.type, fallback[i], 0.0, info.nbytes, n});
+      rep.weight_bytes += info.nbytes;
+      rep.weights += n;
+      continue;
+    }
+    data.resize(size_t(n));
+    t.read(data.data());
+    if (t.release) t.release();
+    packed.resize(info.nbytes);
+    back.resize(size_t(cols));
+    const size_t rb = row_bytes(info.type, cols);
+    double err2 = 0.0, ref2 = 0.0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* x = data.data() + r * cols;
+      try {
+        quantize_row(info.type, x, packed.data() + size_t(r) * rb, cols);
+      } catch (const UsageError& e) {  // NaN/Inf/overflow: the source file is at fault
+        throw FileError(opts.source_path.empty() ? "source" : opts.source_path,
+                        "tensor '" + t.name + "' row " + std::to_string(r) + ": " + e.what());
+      }
+      dequantize_row(info.type, packed.data() + size_t(r) * rb, back.data(), cols);
+      for (int64_t j = 0; j < cols; ++j) {
+        const double d = double(back[size_t(j)]) - double(x[j]);
+        err2 += d * d;
+        ref2 += double(x[j]) * double(x[j]);
+      }
+    }
+    w.write_tensor(i, packed.data(), packed.size());
+    const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+    errors.push_back(float(rel));
+    rep.tensors.push_back({t.name, info.type, fallback[i], rel, info.nbytes, n});
+    rep.weight_bytes += info.nbytes;
+    rep.weights += n;
+  }
+  if (opts.progress) draw_progress(src.tensors.size(), src.tensors.size(), "done");
+  w.meta.set("llmq.quantization.rel_rms_error", errors);
+  w.finish();
+  rep.file_bytes = std::filesystem::file_size(out);
+  return rep;
+}
+
+}  // namespace llmq
