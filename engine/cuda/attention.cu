@@ -55,37 +55,32 @@ __device__ __forceinline__ void attn_load_tile(const AttnArgs& a, __half* Ks, __
                                                bool vec, int tid, int threads) {
   const int hd = a.hd, pitch = hd + kPad;
   const int64_t kv_dim = int64_t(a.n_kv) * hd;
+  auto at = [&](int r, int e) {  // the cache offset of element e of tile row r (paged: through the table)
+    const int p = p0 + r;
+    const int64_t row = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
+    return row * kv_dim + int64_t(kvh) * hd + e;
+  };
   if (vec) {
     const int C = hd / 8;  // 16-byte pieces per row
-    if (threads % C == 0) {  // each thread keeps one piece column and walks rows: no division per piece
-      const int c = tid % C, step = threads / C;
-      for (int r = tid / C; r < n; r += step) {
-        const int p = p0 + r;
-        const int64_t row = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
-        const int64_t at = row * kv_dim + int64_t(kvh) * hd + c * 8;
-        cp_async16(Ks + r * pitch + c * 8, a.kc + at);
-        cp_async16(Vs + r * pitch + c * 8, a.vc + at);
-      }
-      return;
-    }
-    for (int idx = tid; idx < n * C; idx += threads) {
-      const int r = idx / C, c = idx % C, p = p0 + r;
-      const int64_t row = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
-      const int64_t at = row * kv_dim + int64_t(kvh) * hd + c * 8;
-      cp_async16(Ks + r * pitch + c * 8, a.kc + at);
-      cp_async16(Vs + r * pitch + c * 8, a.vc + at);
-    }
+    auto piece = [&](int r, int c) {
+      const int64_t o = at(r, 8 * c);
+      cp_async16(Ks + r * pitch + 8 * c, a.kc + o);
+      cp_async16(Vs + r * pitch + 8 * c, a.vc + o);
+    };
+    if (threads % C == 0)  // each thread keeps one piece column and walks rows: no division per piece
+      for (int r = tid / C; r < n; r += threads / C) piece(r, tid % C);
+    else
+      for (int idx = tid; idx < n * C; idx += threads) piece(idx / C, idx % C);
     return;
   }
   for (int idx = tid; idx < n * hd; idx += threads) {
-    const int r = idx / hd, e = idx % hd, p = p0 + r;
-    const int64_t row = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
-    const int64_t at = row * kv_dim + int64_t(kvh) * hd + e;
-    if (a.kq) {  // Q8_0 cache: element at has scale at / 32 (kv_dim and hd are multiples of 32)
-      Ks[r * pitch + e] = __float2half(float(a.kq[at]) * __half2float(a.kd[at / 32]));
-      Vs[r * pitch + e] = __float2half(float(a.vq[at]) * __half2float(a.vd[at / 32]));
+    const int r = idx / hd, e = idx % hd;
+    const int64_t o = at(r, e);
+    if (a.kq) {  // Q8_0 cache: element o has scale o / 32 (kv_dim and hd are multiples of 32)
+      Ks[r * pitch + e] = __float2half(float(a.kq[o]) * __half2float(a.kd[o / 32]));
+      Vs[r * pitch + e] = __float2half(float(a.vq[o]) * __half2float(a.vd[o / 32]));
     } else {
-      Ks[r * pitch + e] = a.kc[at], Vs[r * pitch + e] = a.vc[at];
+      Ks[r * pitch + e] = a.kc[o], Vs[r * pitch + e] = a.vc[o];
     }
   }
 }
