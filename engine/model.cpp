@@ -196,256 +196,330 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
   return logits;
 }
 
-// Shapes in comments: T batch tokens, D = dim, Q = this rank's query width (its heads x hd),
-// KV = its KV width, H = its FFN width, V = vocab. With one rank these are the model's widths.
-const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
-                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end) {
-  const LlamaConfig& c = m.config;
-  const ShardRanges R = shard ? shard->ranges : ShardRanges::whole(c);
-  const std::vector<LayerWeights>& layers = shard ? shard->layers : m.layers;
-  const int64_t D = c.dim, hd = c.head_dim, V = c.vocab_size;
-  const int64_t Q = R.n_heads * hd, KV = R.n_kv_heads * hd, H = R.ffn_dim;
-  const int64_t group = c.n_heads / c.n_kv_heads;  // query heads per KV head (GQA)
-  const int64_t bt = cache.block_tokens();
-  const bool bf16 = cache.type() == KvType::BF16;  // bf16 KV blocks and attention on bf16 operands
-  const int pool_id = cache.n_shards() == 1 ? 0 : R.rank;  // this rank's KV-cache pool (a process rank's cache has one)
-  const float eps = float(c.norm_eps);
-  const float att_scale = float(1.0 / std::sqrt(double(hd)));
-  const int64_t n_logits = plan.n_logits;
-  if (ws.att_.size() < size_t(pool.size())) ws.att_.resize(size_t(pool.size()));
-  const int64_t* pos = plan.pos.data();
-  float* x = ws.x_.data();  // [T, D] residual stream (replicated on every rank)
+namespace detail {
 
-  if (!shard || R.n_embd == V) {
-    const Weight& emb = shard ? shard->token_embd : m.token_embd;
-    for (int64_t t = 0; t < T; ++t) embedding_row(x + t * D, emb, batch[t].token);
-  } else {  // vocab-parallel embedding: the rank holding the token's row adds it, the others 0
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t row = batch[t].token - R.embd0;
-      if (row >= 0 && row < R.n_embd) embedding_row(x + t * D, shard->token_embd, row);
-      else std::fill(x + t * D, x + (t + 1) * D, 0.0f);
-    }
-    comm->all_reduce_sum(x, T * D);
+// One forward pass of a batch through this rank's layers, as named steps; forward_shard (below)
+// runs them top to bottom. Shapes in comments: T batch tokens, D = dim, Q = this rank's query
+// width (its heads x hd), KV = its KV width, H = its FFN width, V = vocab. With one rank these
+// are the model's widths.
+class ShardPass {
+ public:
+  ShardPass(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool, Communicator* comm,
+            const BatchToken* batch, int64_t T, const BatchPlan& plan)
+      : m_(m), c_(m.config), shard_(shard), R(shard ? shard->ranges : ShardRanges::whole(m.config)),
+        layers_(shard ? shard->layers : m.layers), cache_(cache), ws_(ws), pool_(pool), comm_(comm), batch_(batch), T_(T),
+        plan_(plan), D(c_.dim), hd(c_.head_dim), V(c_.vocab_size), Q(R.n_heads * c_.head_dim), KV(R.n_kv_heads * c_.head_dim),
+        H(R.ffn_dim), group_(c_.n_heads / c_.n_kv_heads), bt_(cache.block_tokens()), bf16_(cache.type() == KvType::BF16),
+        pool_id_(cache.n_shards() == 1 ? 0 : R.rank), eps_(float(c_.norm_eps)), att_scale_(float(1.0 / std::sqrt(double(c_.head_dim)))),
+        pos_(plan.pos.data()), x_(ws.x_.data()) {
+    if (ws_.att_.size() < size_t(pool_.size())) ws_.att_.resize(size_t(pool_.size()));
   }
 
+  float* residual() const { return x_; }
+  void embed();
+  void rope_angles_all();
+  // The attention block of layer l: x's norm, q/k/v, RoPE, the KV-cache write, attention, the
+  // output projection (all-reduced under TP); returns the rows that go on (To: the flagged
+  // tokens in the last layer, else T), 0 when nothing does.
+  int64_t attention_block(int64_t l, bool last);
+  void ffn_block(int64_t l, int64_t To);  // x += W_down · (silu(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)
+  const float* logits();                  // the final norm and output rows of the flagged tokens
+
+ private:
   // Per-token work (norms, RoPE, residual adds) runs on the pool when there are enough tokens
   // to pay for the hand-off; a token's result does not depend on the split.
-  auto per_token = [&](int64_t n, const auto& fn) {  // fn(t0, t1); a template: no std::function on decode's path
+  template <class Fn>
+  void per_token(int64_t n, const Fn& fn) {  // fn(t0, t1); a template: no std::function on decode's path
     if (n < 4) return fn(0, n);
-    pool.parallel_for(n, [&](int64_t t0, int64_t t1, int) { fn(t0, t1); });
-  };
-
-  // RoPE angles of every token, for all layers: [T, hd] (cos, then sin, of each pair).
-  float* angles = ws.rope_.data();
-  per_token(T, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) rope_angles(angles + t * hd, hd, pos[t], c.rope_theta);
-  });
-
-  const bool hidden_only = layer_end >= 0;  // partial offload: stop after layer_end layers
-  const int64_t n_layers = hidden_only ? std::min(layer_end, c.n_layers) : c.n_layers;
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const LayerWeights& w = layers[size_t(l)];
-    // Every layer writes K and V of all T tokens, but only the flagged tokens' hidden states
-    // reach the logits: the last layer computes its queries, attention and FFN for those To
-    // tokens alone (as llama.cpp does), row i standing for batch token tok(i).
-    const bool last = !hidden_only && l + 1 == c.n_layers;
-    const int64_t To = last ? n_logits : T;
-    auto tok = [&](int64_t i) { return last ? plan.out[size_t(i)] : i; };
-
-    // Attention block: xb = RMSNorm(x); q, k, v = xb·Wqᵀ, xb·Wkᵀ, xb·Wvᵀ (this rank's heads)
-    per_token(T, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) rmsnorm(ws.xb_.data() + t * D, x + t * D, w.attn_norm, D, eps);
-    });
-    if (!last) {
-      matmul_many(pool, ws.scratch_, ws.xb_.data(), T,
-                  {{ws.q_.data(), &w.wq}, {ws.k_.data(), &w.wk}, {ws.v_.data(), &w.wv}});  // [T, Q], [T, KV], [T, KV]
-    } else {
-      matmul_many(pool, ws.scratch_, ws.xb_.data(), T, {{ws.k_.data(), &w.wk}, {ws.v_.data(), &w.wv}});  // [T, KV] x2
-      for (int64_t i = 0; i < To; ++i)  // xb rows of the flagged tokens to the front (tok(i) >= i)
-        if (tok(i) != i) std::memcpy(ws.xb_.data() + i * D, ws.xb_.data() + tok(i) * D, size_t(D) * sizeof(float));
-      if (To > 0) matmul(pool, ws.scratch_, ws.q_.data(), ws.xb_.data(), To, w.wq);  // [To, Q]
-    }
-    if (w.bq) {  // q, k, v += their biases (before RoPE, as in Qwen2 and HF Llama)
-      add_bias(ws.q_.data(), w.bq, To, Q);
-      add_bias(ws.k_.data(), w.bk, T, KV);
-      add_bias(ws.v_.data(), w.bv, T, KV);
-    }
-    per_token(T, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        rope_rotate(ws.k_.data() + t * KV, R.n_kv_heads, hd, angles + t * hd, c.rope_layout);
-        cache.store(l, batch[t].seq, pos[t], ws.k_.data() + t * KV, ws.v_.data() + t * KV, pool_id);
-      }
-    });
-    if (To == 0) break;  // last layer, no logits wanted: only its K and V were needed
-    per_token(To, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) rope_rotate(ws.q_.data() + i * Q, R.n_heads, hd, angles + tok(i) * hd, c.rope_layout);
-    });
-    // Causal attention: the token at position p sees its sequence's positions 0..p. A work item
-    // is one output row i (batch token tok(i)) and G query heads: G = group, the heads that
-    // share a KV head, so each K/V block is read once for all of them (a rank whose heads do not
-    // start and end on KV-group boundaries, in uneven TP splits, uses G = 1). Positions are taken
-    // in parts of kAttnPartTokens; each part keeps its softmax max m and sum l and its normalized
-    // output o, and the parts are merged: out = Σ_c l_c e^(m_c - M) o_c / Σ_c l_c e^(m_c - M),
-    // M = max_c m_c (the flash-decoding merge, Dao et al. 2023). The parts of a token are fixed by
-    // its position, so its result is the same in any batch and on any thread count. With enough
-    // (token, head group) items for the threads (prefill, big batches) an item runs its parts in
-    // turn; items are head-major and, within a head, take rows in the order 0, To-1, 1, To-2, ...
-    // so that contiguous ranges of items (one per thread) carry the same causal work. With fewer
-    // (decode), every part is an item of its own and the merge follows. Local head h is global
-    // head R.head0 + h; its KV head is (R.head0 + h) / group, local index that minus R.kv_head0.
-    const bool aligned = R.head0 % group == 0 && R.n_heads % group == 0;
-    const int64_t G = aligned ? group : 1, n_groups = R.n_heads / G, pair_count = To * n_groups;
-    const int64_t part_blocks = std::max<int64_t>(1, kAttnPartTokens / bt), part_len = part_blocks * bt;
-    const int64_t part_floats = G * (hd + 2);  // per part: o [G, hd], then m [G], then l [G]
-    auto parts_of = [&](int64_t i) { return (pos[tok(i)] + part_len) / part_len; };  // ceil((pos + 1) / part_len)
-    auto row_of = [&](int64_t pair) {
-      const int64_t j = pair % To;
-      return j % 2 == 0 ? j / 2 : To - 1 - j / 2;
-    };
-    // Part c of (row i, heads h0 ...): o, m, l at dst; `scores` holds [G, part_len], then (bf16
-    // cache) the bf16 copies of q [G, hd] and of the softmax weights [G, part_len].
-    auto attend_part = [&](int64_t i, int64_t h0, int64_t c, float* scores, float* dst) {
-      const int64_t kvh = (R.head0 + h0) / group - R.kv_head0, t = tok(i);
-      const int32_t seq = batch[t].seq;
-      const int64_t lo = c * part_len, hi = std::min(pos[t] + 1, lo + part_len);
-      const float* q = ws.q_.data() + i * Q + h0 * hd;  // [G, hd]
-      auto* qb = reinterpret_cast<uint16_t*>(scores + G * part_len);  // bf16 only: [G, hd]
-      uint16_t* ab = qb + G * hd;                                      // bf16 only: [G, part_len]
-      if (bf16) to_bf16(qb, q, G * hd);
-      for (int64_t p0 = lo; p0 < hi; p0 += bt) {
-        const int64_t n = std::min(bt, hi - p0);
-        if (bf16)
-          attn_scores_bf16(scores + p0 - lo, part_len, qb, G, cache.key_block_bf16(l, seq, p0 / bt, kvh, pool_id), n, bt, hd,
-                           att_scale);
-        else
-          attn_scores(scores + p0 - lo, part_len, q, G, cache.key_block(l, seq, p0 / bt, kvh, pool_id), n, bt, hd, att_scale);
-      }
-      for (int64_t g = 0; g < G; ++g) dst[G * hd + G + g] = softmax(scores + g * part_len, hi - lo, &dst[G * hd + g]);
-      std::fill(dst, dst + G * hd, 0.0f);
-      if (bf16)
-        for (int64_t g = 0; g < G; ++g) {
-          to_bf16(ab + g * part_len, scores + g * part_len, hi - lo);
-          if ((hi - lo) % 2) ab[g * part_len + hi - lo] = 0;  // the odd last position's pair partner
-        }
-      for (int64_t p0 = lo; p0 < hi; p0 += bt) {
-        const int64_t n = std::min(bt, hi - p0);
-        if (bf16)
-          attn_accumulate_bf16(dst, ab + p0 - lo, part_len, G, cache.value_block_bf16(l, seq, p0 / bt, kvh, pool_id), n, hd);
-        else
-          attn_accumulate(dst, scores + p0 - lo, part_len, G, cache.value_block(l, seq, p0 / bt, kvh, pool_id), n, hd, hd);
-      }
-    };
-    // out [G, hd] from n parts [n, part_floats].
-    auto merge = [&](const float* parts, int64_t n, float* out) {
-      if (n == 1) {
-        std::copy(parts, parts + G * hd, out);
-        return;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float M = -INFINITY;
-        for (int64_t c = 0; c < n; ++c) M = std::max(M, parts[c * part_floats + G * hd + g]);
-        float* o = out + g * hd;
-        std::fill(o, o + hd, 0.0f);
-        float denom = 0.0f;
-        for (int64_t c = 0; c < n; ++c) {
-          const float* pc = parts + c * part_floats;
-          const float wgt = pc[G * hd + G + g] * std::exp(pc[G * hd + g] - M);  // l_c e^(m_c - M)
-          denom += wgt;
-          axpy_f32(o, wgt, pc + g * hd, hd);
-        }
-        const float inv = 1.0f / denom;
-        for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
-      }
-    };
-    int64_t max_parts = 1;
-    for (int64_t i = 0; i < To; ++i) max_parts = std::max(max_parts, parts_of(i));
-    const size_t bf16_floats = size_t(G * (hd + part_len) + 1) / 2;  // room for the bf16 copies (always planned)
-    const int64_t threads = pool.size();
-    const bool split = pair_count < 2 * threads && max_parts > 1 &&
-                       ws.att_part_.size() >= size_t(pair_count * max_parts * part_floats);
-    auto thread_buf = [&](int thread) {  // [G, part_len] scores, bf16 [G, hd + part_len], then [max_parts, part_floats]
-      std::vector<float>& a = ws.att_[size_t(thread)];
-      const size_t need = size_t(G * part_len + max_parts * part_floats) + bf16_floats;
-      if (a.size() < need) a.resize(need);
-      return a.data();
-    };
-    if (!split) {
-      pool.parallel_for(pair_count, [&](int64_t i0, int64_t i1, int thread) {
-        float* scores = thread_buf(thread);
-        float* parts = scores + G * part_len + bf16_floats;
-        for (int64_t pair = i0; pair < i1; ++pair) {
-          const int64_t i = row_of(pair), h0 = (pair / To) * G, n = parts_of(i);
-          for (int64_t c = 0; c < n; ++c) attend_part(i, h0, c, scores, parts + c * part_floats);
-          merge(parts, n, ws.att_out_.data() + i * Q + h0 * hd);
-        }
-      });
-    } else {
-      pool.parallel_for(pair_count * max_parts, [&](int64_t i0, int64_t i1, int thread) {
-        float* scores = thread_buf(thread);
-        for (int64_t it = i0; it < i1; ++it) {
-          const int64_t pair = it / max_parts, c = it % max_parts, i = row_of(pair);
-          if (c < parts_of(i)) attend_part(i, (pair / To) * G, c, scores, ws.att_part_.data() + it * part_floats);
-        }
-      });
-      for (int64_t pair = 0; pair < pair_count; ++pair) {
-        const int64_t i = row_of(pair), h0 = (pair / To) * G;
-        merge(ws.att_part_.data() + pair * max_parts * part_floats, parts_of(i), ws.att_out_.data() + i * Q + h0 * hd);
-      }
-    }
-    matmul(pool, ws.scratch_, ws.xb_.data(), ws.att_out_.data(), To, w.wo);  // [To, D] (partial sum when split)
-    if (comm) comm->all_reduce_sum(ws.xb_.data(), To * D);
-    if (w.bo) add_bias(ws.xb_.data(), w.bo, To, D);  // [D], replicated: added once, after the sum
-    if (last)  // the flagged tokens' residual rows to the front too
-      for (int64_t i = 0; i < To; ++i)
-        if (tok(i) != i) std::memcpy(x + i * D, x + tok(i) * D, size_t(D) * sizeof(float));
-
-    // FFN block: x += W_down · (silu(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)
-    per_token(To, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t i = t * D; i < (t + 1) * D; ++i) x[i] += ws.xb_[size_t(i)];
-        rmsnorm(ws.xb_.data() + t * D, x + t * D, w.ffn_norm, D, eps);
-      }
-    });
-    matmul_many(pool, ws.scratch_, ws.xb_.data(), To, {{ws.h1_.data(), &w.w_gate}, {ws.h2_.data(), &w.w_up}});  // [To, H] x2
-    per_token(To, [&](int64_t t0, int64_t t1) { swiglu(ws.h1_.data() + t0 * H, ws.h2_.data() + t0 * H, (t1 - t0) * H); });
-    matmul(pool, ws.scratch_, ws.xb_.data(), ws.h1_.data(), To, w.w_down);  // [To, D] (partial sum when split)
-    if (comm) comm->all_reduce_sum(ws.xb_.data(), To * D);
-    per_token(To, [&](int64_t t0, int64_t t1) {
-      for (int64_t i = t0 * D; i < t1 * D; ++i) x[i] += ws.xb_[size_t(i)];
-    });
+    pool_.parallel_for(n, [&](int64_t t0, int64_t t1, int) { fn(t0, t1); });
   }
+  void attend(int64_t l, int64_t To, bool last);  // ws.att_out [To, Q] = causal attention of the To query rows
+  const float* gather_logits(int64_t n_logits);  // vocab-parallel output: rank 0 assembles [n_logits, V]
 
-  if (hidden_only) return x;  // partial offload: the residual stream [T, D] for the GPU's layers
-  // Final norm and the output projection for the flagged tokens only (the last layer left their
-  // rows at the front of x).
+  const Model& m_;
+  const LlamaConfig& c_;
+  const ModelShard* shard_;
+  const ShardRanges R;
+  const std::vector<LayerWeights>& layers_;
+  KVCache& cache_;
+  Workspace& ws_;
+  ThreadPool& pool_;
+  Communicator* comm_;
+  const BatchToken* batch_;
+  const int64_t T_;
+  const BatchPlan& plan_;
+  const int64_t D, hd, V, Q, KV, H;
+  const int64_t group_;  // query heads per KV head (GQA)
+  const int64_t bt_;     // KV-cache positions per block
+  const bool bf16_;      // bf16 KV blocks and attention on bf16 operands
+  const int pool_id_;    // this rank's KV-cache pool (a process rank's cache has one)
+  const float eps_, att_scale_;
+  const int64_t* pos_;
+  float* x_;  // [T, D] residual stream (replicated on every rank)
+  const float* angles_ = nullptr;  // [T, hd] RoPE cos, then sin, of each pair
+};
+
+void ShardPass::embed() {
+  if (!shard_ || R.n_embd == V) {
+    const Weight& emb = shard_ ? shard_->token_embd : m_.token_embd;
+    for (int64_t t = 0; t < T_; ++t) embedding_row(x_ + t * D, emb, batch_[t].token);
+    return;
+  }
+  for (int64_t t = 0; t < T_; ++t) {  // vocab-parallel embedding: the rank holding the token's row adds it, the others 0
+    const int64_t row = batch_[t].token - R.embd0;
+    if (row >= 0 && row < R.n_embd) embedding_row(x_ + t * D, shard_->token_embd, row);
+    else std::fill(x_ + t * D, x_ + (t + 1) * D, 0.0f);
+  }
+  comm_->all_reduce_sum(x_, T_ * D);
+}
+
+// RoPE angles of every token, for all layers: [T, hd] (cos, then sin, of each pair).
+void ShardPass::rope_angles_all() {
+  float* angles = ws_.rope_.data();
+  per_token(T_, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rope_angles(angles + t * hd, hd, pos_[t], c_.rope_theta);
+  });
+  angles_ = angles;
+}
+
+int64_t ShardPass::attention_block(int64_t l, bool last) {
+  const LayerWeights& w = layers_[size_t(l)];
+  // Every layer writes K and V of all T tokens, but only the flagged tokens' hidden states
+  // reach the logits: the last layer computes its queries, attention and FFN for those To
+  // tokens alone (as llama.cpp does), row i standing for batch token tok(i).
+  const int64_t To = last ? plan_.n_logits : T_;
+  auto tok = [&](int64_t i) { return last ? plan_.out[size_t(i)] : i; };
+  // xb = RMSNorm(x); q, k, v = xb·Wqᵀ, xb·Wkᵀ, xb·Wvᵀ (this rank's heads)
+  per_token(T_, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rmsnorm(ws_.xb_.data() + t * D, x_ + t * D, w.attn_norm, D, eps_);
+  });
+  if (!last) {
+    matmul_many(pool_, ws_.scratch_, ws_.xb_.data(), T_,
+                {{ws_.q_.data(), &w.wq}, {ws_.k_.data(), &w.wk}, {ws_.v_.data(), &w.wv}});  // [T, Q], [T, KV], [T, KV]
+  } else {
+    matmul_many(pool_, ws_.scratch_, ws_.xb_.data(), T_, {{ws_.k_.data(), &w.wk}, {ws_.v_.data(), &w.wv}});  // [T, KV] x2
+    for (int64_t i = 0; i < To; ++i)  // xb rows of the flagged tokens to the front (tok(i) >= i)
+      if (tok(i) != i) std::memcpy(ws_.xb_.data() + i * D, ws_.xb_.data() + tok(i) * D, size_t(D) * sizeof(float));
+    if (To > 0) matmul(pool_, ws_.scratch_, ws_.q_.data(), ws_.xb_.data(), To, w.wq);  // [To, Q]
+  }
+  if (w.bq) {  // q, k, v += their biases (before RoPE, as in Qwen2 and HF Llama)
+    add_bias(ws_.q_.data(), w.bq, To, Q);
+    add_bias(ws_.k_.data(), w.bk, T_, KV);
+    add_bias(ws_.v_.data(), w.bv, T_, KV);
+  }
+  per_token(T_, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      rope_rotate(ws_.k_.data() + t * KV, R.n_kv_heads, hd, angles_ + t * hd, c_.rope_layout);
+      cache_.store(l, batch_[t].seq, pos_[t], ws_.k_.data() + t * KV, ws_.v_.data() + t * KV, pool_id_);
+    }
+  });
+  if (To == 0) return 0;  // last layer, no logits wanted: only its K and V were needed
+  per_token(To, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) rope_rotate(ws_.q_.data() + i * Q, R.n_heads, hd, angles_ + tok(i) * hd, c_.rope_layout);
+  });
+  attend(l, To, last);
+  matmul(pool_, ws_.scratch_, ws_.xb_.data(), ws_.att_out_.data(), To, w.wo);  // [To, D] (partial sum when split)
+  if (comm_) comm_->all_reduce_sum(ws_.xb_.data(), To * D);
+  if (w.bo) add_bias(ws_.xb_.data(), w.bo, To, D);  // [D], replicated: added once, after the sum
+  if (last)  // the flagged tokens' residual rows to the front too
+    for (int64_t i = 0; i < To; ++i)
+      if (tok(i) != i) std::memcpy(x_ + i * D, x_ + tok(i) * D, size_t(D) * sizeof(float));
+  return To;
+}
+
+// Causal attention: the token at position p sees its sequence's positions 0..p. A work item is
+// one output row i (batch token tok(i)) and G query heads: G = group, the heads that share a KV
+// head, so each K/V block is read once for all of them (a rank whose heads do not start and end
+// on KV-group boundaries, in uneven TP splits, uses G = 1). Positions are taken in parts of
+// kAttnPartTokens; each part keeps its softmax max m and sum l and its normalized output o, and
+// the parts are merged: out = Σ_c l_c e^(m_c - M) o_c / Σ_c l_c e^(m_c - M), M = max_c m_c (the
+// flash-decoding merge, Dao et al. 2023). The parts of a token are fixed by its position, so
+// its result is the same in any batch and on any thread count. With enough (token, head group)
+// items for the threads (prefill, big batches) an item runs its parts in turn; items are
+// head-major and, within a head, take rows in the order 0, To-1, 1, To-2, ... so that contiguous
+// ranges of items (one per thread) carry the same causal work. With fewer (decode), every part
+// is an item of its own and the merge follows. Local head h is global head R.head0 + h; its KV
+// head is (R.head0 + h) / group, local index that minus R.kv_head0.
+void ShardPass::attend(int64_t l, int64_t To, bool last) {
+  const int64_t group = group_, bt = bt_;
+  const bool bf16 = bf16_;
+  const int64_t* pos = pos_;
+  auto tok = [&](int64_t i) { return last ? plan_.out[size_t(i)] : i; };
+  const bool aligned = R.head0 % group == 0 && R.n_heads % group == 0;
+  const int64_t G = aligned ? group : 1, n_groups = R.n_heads / G, pair_count = To * n_groups;
+  const int64_t part_blocks = std::max<int64_t>(1, kAttnPartTokens / bt), part_len = part_blocks * bt;
+  const int64_t part_floats = G * (hd + 2);  // per part: o [G, hd], then m [G], then l [G]
+  auto parts_of = [&](int64_t i) { return (pos[tok(i)] + part_len) / part_len; };  // ceil((pos + 1) / part_len)
+  auto row_of = [&](int64_t pair) {
+    const int64_t j = pair % To;
+    return j % 2 == 0 ? j / 2 : To - 1 - j / 2;
+  };
+  // Part c of (row i, heads h0 ...): o, m, l at dst; `scores` holds [G, part_len], then (bf16
+  // cache) the bf16 copies of q [G, hd] and of the softmax weights [G, part_len].
+  auto attend_part = [&](int64_t i, int64_t h0, int64_t c, float* scores, float* dst) {
+    const int64_t kvh = (R.head0 + h0) / group - R.kv_head0, t = tok(i);
+    const int32_t seq = batch_[t].seq;
+    const int64_t lo = c * part_len, hi = std::min(pos[t] + 1, lo + part_len);
+    const float* q = ws_.q_.data() + i * Q + h0 * hd;  // [G, hd]
+    auto* qb = reinterpret_cast<uint16_t*>(scores + G * part_len);  // bf16 only: [G, hd]
+    uint16_t* ab = qb + G * hd;                                      // bf16 only: [G, part_len]
+    if (bf16) to_bf16(qb, q, G * hd);
+    for (int64_t p0 = lo; p0 < hi; p0 += bt) {
+      const int64_t n = std::min(bt, hi - p0);
+      if (bf16)
+        attn_scores_bf16(scores + p0 - lo, part_len, qb, G, cache_.key_block_bf16(l, seq, p0 / bt, kvh, pool_id_), n, bt, hd,
+                         att_scale_);
+      else
+        attn_scores(scores + p0 - lo, part_len, q, G, cache_.key_block(l, seq, p0 / bt, kvh, pool_id_), n, bt, hd, att_scale_);
+    }
+    for (int64_t g = 0; g < G; ++g) dst[G * hd + G + g] = softmax(scores + g * part_len, hi - lo, &dst[G * hd + g]);
+    std::fill(dst, dst + G * hd, 0.0f);
+    if (bf16)
+      for (int64_t g = 0; g < G; ++g) {
+        to_bf16(ab + g * part_len, scores + g * part_len, hi - lo);
+        if ((hi - lo) % 2) ab[g * part_len + hi - lo] = 0;  // the odd last position's pair partner
+      }
+    for (int64_t p0 = lo; p0 < hi; p0 += bt) {
+      const int64_t n = std::min(bt, hi - p0);
+      if (bf16)
+        attn_accumulate_bf16(dst, ab + p0 - lo, part_len, G, cache_.value_block_bf16(l, seq, p0 / bt, kvh, pool_id_), n, hd);
+      else
+        attn_accumulate(dst, scores + p0 - lo, part_len, G, cache_.value_block(l, seq, p0 / bt, kvh, pool_id_), n, hd, hd);
+    }
+  };
+  // out [G, hd] from n parts [n, part_floats].
+  auto merge = [&](const float* parts, int64_t n, float* out) {
+    if (n == 1) {
+      std::copy(parts, parts + G * hd, out);
+      return;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float M = -INFINITY;
+      for (int64_t c = 0; c < n; ++c) M = std::max(M, parts[c * part_floats + G * hd + g]);
+      float* o = out + g * hd;
+      std::fill(o, o + hd, 0.0f);
+      float denom = 0.0f;
+      for (int64_t c = 0; c < n; ++c) {
+        const float* pc = parts + c * part_floats;
+        const float wgt = pc[G * hd + G + g] * std::exp(pc[G * hd + g] - M);  // l_c e^(m_c - M)
+        denom += wgt;
+        axpy_f32(o, wgt, pc + g * hd, hd);
+      }
+      const float inv = 1.0f / denom;
+      for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+    }
+  };
+  int64_t max_parts = 1;
+  for (int64_t i = 0; i < To; ++i) max_parts = std::max(max_parts, parts_of(i));
+  const size_t bf16_floats = size_t(G * (hd + part_len) + 1) / 2;  // room for the bf16 copies (always planned)
+  const int64_t threads = pool_.size();
+  const bool split = pair_count < 2 * threads && max_parts > 1 && ws_.att_part_.size() >= size_t(pair_count * max_parts * part_floats);
+  auto thread_buf = [&](int thread) {  // [G, part_len] scores, bf16 [G, hd + part_len], then [max_parts, part_floats]
+    std::vector<float>& a = ws_.att_[size_t(thread)];
+    const size_t need = size_t(G * part_len + max_parts * part_floats) + bf16_floats;
+    if (a.size() < need) a.resize(need);
+    return a.data();
+  };
+  if (!split) {
+    pool_.parallel_for(pair_count, [&](int64_t i0, int64_t i1, int thread) {
+      float* scores = thread_buf(thread);
+      float* parts = scores + G * part_len + bf16_floats;
+      for (int64_t pair = i0; pair < i1; ++pair) {
+        const int64_t i = row_of(pair), h0 = (pair / To) * G, n = parts_of(i);
+        for (int64_t c = 0; c < n; ++c) attend_part(i, h0, c, scores, parts + c * part_floats);
+        merge(parts, n, ws_.att_out_.data() + i * Q + h0 * hd);
+      }
+    });
+    return;
+  }
+  pool_.parallel_for(pair_count * max_parts, [&](int64_t i0, int64_t i1, int thread) {
+    float* scores = thread_buf(thread);
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t pair = it / max_parts, c = it % max_parts, i = row_of(pair);
+      if (c < parts_of(i)) attend_part(i, (pair / To) * G, c, scores, ws_.att_part_.data() + it * part_floats);
+    }
+  });
+  for (int64_t pair = 0; pair < pair_count; ++pair) {
+    const int64_t i = row_of(pair), h0 = (pair / To) * G;
+    merge(ws_.att_part_.data() + pair * max_parts * part_floats, parts_of(i), ws_.att_out_.data() + i * Q + h0 * hd);
+  }
+}
+
+void ShardPass::ffn_block(int64_t l, int64_t To) {
+  const LayerWeights& w = layers_[size_t(l)];
+  float* x = x_;
+  per_token(To, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = t * D; i < (t + 1) * D; ++i) x[i] += ws_.xb_[size_t(i)];
+      rmsnorm(ws_.xb_.data() + t * D, x + t * D, w.ffn_norm, D, eps_);
+    }
+  });
+  matmul_many(pool_, ws_.scratch_, ws_.xb_.data(), To, {{ws_.h1_.data(), &w.w_gate}, {ws_.h2_.data(), &w.w_up}});  // [To, H] x2
+  per_token(To, [&](int64_t t0, int64_t t1) { swiglu(ws_.h1_.data() + t0 * H, ws_.h2_.data() + t0 * H, (t1 - t0) * H); });
+  matmul(pool_, ws_.scratch_, ws_.xb_.data(), ws_.h1_.data(), To, w.w_down);  // [To, D] (partial sum when split)
+  if (comm_) comm_->all_reduce_sum(ws_.xb_.data(), To * D);
+  per_token(To, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0 * D; i < t1 * D; ++i) x[i] += ws_.xb_[size_t(i)];
+  });
+}
+
+// Final norm and the output projection for the flagged tokens only (the last layer left their
+// rows at the front of x).
+const float* ShardPass::logits() {
+  const int64_t n_logits = plan_.n_logits;
   if (n_logits == 0) return nullptr;
   per_token(n_logits, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) rmsnorm(ws.xb_.data() + r * D, x + r * D, m.output_norm, D, eps);
+    for (int64_t r = r0; r < r1; ++r) rmsnorm(ws_.xb_.data() + r * D, x_ + r * D, m_.output_norm, D, eps_);
   });
-  const Weight& out_w = shard ? shard->output : m.output;
+  const Weight& out_w = shard_ ? shard_->output : m_.output;
   const int64_t NV = R.n_vocab;  // this rank's logit rows
-  if (ws.logits_.size() < size_t(n_logits * NV)) ws.logits_.resize(size_t(n_logits * NV));
-  if (NV > 0) matmul(pool, ws.scratch_, ws.logits_.data(), ws.xb_.data(), n_logits, out_w);  // [n_logits, NV]
-  if (!comm) return ws.logits_.data();
+  if (ws_.logits_.size() < size_t(n_logits * NV)) ws_.logits_.resize(size_t(n_logits * NV));
+  if (NV > 0) matmul(pool_, ws_.scratch_, ws_.logits_.data(), ws_.xb_.data(), n_logits, out_w);  // [n_logits, NV]
+  if (!comm_) return ws_.logits_.data();
+  return gather_logits(n_logits);
+}
 
-  // Vocab-parallel output: rank 0 gathers every rank's [n_logits, NV_r] block (rank order) and
-  // interleaves them into rows of [V]; with one flagged token (decode) the concatenation
-  // already is the row. When rank 0 computes all V rows (output not split) nothing moves.
+// Vocab-parallel output: rank 0 gathers every rank's [n_logits, NV_r] block (rank order) and
+// interleaves them into rows of [V]; with one flagged token (decode) the concatenation already
+// is the row. When rank 0 computes all V rows (output not split) nothing moves.
+const float* ShardPass::gather_logits(int64_t n_logits) {
+  const int64_t NV = R.n_vocab;
   const bool root = R.rank == 0;
-  if (shard->vocab_bounds[1] == V) return root ? ws.logits_.data() : nullptr;
-  if (root && ws.gathered_.size() < size_t(n_logits * V)) ws.gathered_.resize(size_t(n_logits * V));
-  comm->gather(ws.logits_.data(), n_logits * NV, ws.gathered_.data(), root ? int64_t(ws.gathered_.size()) : 0, 0);
+  if (shard_->vocab_bounds[1] == V) return root ? ws_.logits_.data() : nullptr;
+  if (root && ws_.gathered_.size() < size_t(n_logits * V)) ws_.gathered_.resize(size_t(n_logits * V));
+  comm_->gather(ws_.logits_.data(), n_logits * NV, ws_.gathered_.data(), root ? int64_t(ws_.gathered_.size()) : 0, 0);
   if (!root) return nullptr;
-  if (n_logits == 1) return ws.gathered_.data();
-  if (ws.logits_.size() < size_t(n_logits * V)) ws.logits_.resize(size_t(n_logits * V));
-  float* out = ws.logits_.data();  // [n_logits, V]
-  const float* src = ws.gathered_.data();
-  for (size_t k = 0; k + 1 < shard->vocab_bounds.size(); ++k) {
-    const int64_t v0 = shard->vocab_bounds[k], nv = shard->vocab_bounds[k + 1] - v0;
+  if (n_logits == 1) return ws_.gathered_.data();
+  if (ws_.logits_.size() < size_t(n_logits * V)) ws_.logits_.resize(size_t(n_logits * V));
+  float* out = ws_.logits_.data();  // [n_logits, V]
+  const float* src = ws_.gathered_.data();
+  for (size_t k = 0; k + 1 < shard_->vocab_bounds.size(); ++k) {
+    const int64_t v0 = shard_->vocab_bounds[k], nv = shard_->vocab_bounds[k + 1] - v0;
     for (int64_t t = 0; t < n_logits; ++t) std::memcpy(out + t * V + v0, src + t * nv, size_t(nv) * sizeof(float));
     src += n_logits * nv;
   }
   return out;
+}
+
+}  // namespace detail
+
+// The forward pass (the CPU's; engine/cuda/session.cpp CudaSession::enqueue is the GPU's):
+// embedding, then per layer the attention block and the FFN block, then the logits.
+const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
+                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end) {
+  detail::ShardPass pass(m, shard, cache, ws, pool, comm, batch, T, plan);
+  pass.embed();
+  pass.rope_angles_all();
+  const bool hidden_only = layer_end >= 0;  // partial offload: stop after layer_end layers
+  const int64_t n_layers = hidden_only ? std::min(layer_end, m.config.n_layers) : m.config.n_layers;
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const bool last = !hidden_only && l + 1 == m.config.n_layers;
+    const int64_t To = pass.attention_block(l, last);
+    if (To == 0) break;  // no logits wanted: the last layer's K and V were all it had to write
+    pass.ffn_block(l, To);
+  }
+  if (hidden_only) return pass.residual();  // partial offload: the residual stream [T, D] for the GPU's layers
+  return pass.logits();
 }
 
 // ---------------------------------------------------------------- Session

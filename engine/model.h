@@ -134,6 +134,10 @@ void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, i
 /// The same for a model known only by its shapes (token ids checked against c.vocab_size).
 void plan_batch(const LlamaConfig& c, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity, BatchPlan& plan);
 
+namespace detail {
+class ShardPass;
+}  // namespace detail
+
 /// Scratch buffers for forward passes of up to `capacity` tokens (one rank's widths under
 /// tensor parallelism: engine/tp.cpp plans them from the rank's slices).
 class Workspace {
@@ -152,6 +156,7 @@ class Workspace {
   friend const float* forward_batch(const Model&, KVCache&, Workspace&, ThreadPool&, const BatchToken*, int64_t);
   friend const float* forward_shard(const Model&, const ModelShard*, KVCache&, Workspace&, ThreadPool&, Communicator*,
                                     const BatchToken*, int64_t, const BatchPlan&, int64_t);
+  friend class detail::ShardPass;  // forward_shard's steps (engine/model.cpp)
   int64_t cap_;
   std::vector<float> x_, xb_, q_, k_, v_, att_out_, h1_, h2_;  // [capacity, ...] (local widths)
   BatchPlan plan_;                           // forward_batch's plan (reused)
