@@ -263,127 +263,129 @@ void CudaSession::stage(const int32_t* tokens, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h_pos_.as<int32_t>()[i] = int32_t(pos_ + i);
 }
 
-// Shapes: T tokens, D = dim, Q = n_heads · hd, KV = n_kv · hd, H = hidden, V = vocab.
-void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool paged) {
-  const LlamaConfig& c = dm_.config();
-  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
-  const int64_t QKV = Q + 2 * KV;
-  const float eps = float(c.norm_eps), scale = float(1.0 / std::sqrt(double(hd)));
-  cudaStream_t s = stream_;
-  auto* tok = tokens_.as<int32_t>();
-  auto* pos = pos_buf_.as<int32_t>();
-  float *x = x_.as<float>(), *xb = xb_.as<float>(), *qkv = qkv_.as<float>(), *att = att_.as<float>();
-  float *h = h_.as<float>(), *hs = hs_.as<float>();
-  const size_t layer_kv = size_t(plan_.kv_rows) * size_t(KV);  // fp16 elements of one layer's K (or V)
-  auto* kv = kv_.as<uint16_t>();
-  // Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column.
-  auto matmul_cols = [&](const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld) {
-    int64_t col = 0;
-    for (const DeviceWeight& w : ws) matmul(*mm_, w, in, y + col, T, ld), col += w.rows;
-  };
+void CudaSession::mark(const char* op) {  // --profile: the time since the last mark is op's
+  if (prof_) prof_->mark(op);
+}
 
-  auto mark = [&](const char* op) {  // --profile: the time since the last mark is op's
-    if (prof_) prof_->mark(op);
-  };
-  if (prof_) prof_->begin(s);
-  check(cudaMemcpyAsync(tok, h_tokens_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (tokens)");
-  check(cudaMemcpyAsync(pos, h_pos_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (positions)");
-  // Paged: per token its cache row and its sequence's row of the block tables; the logits rows.
-  const int32_t* kv_row = nullptr;
-  KvPages pages;
-  const int32_t* out_rows = nullptr;
+// The pass's inputs to the device: token ids and positions; paged: per token its cache row and
+// its sequence's row of the block tables, and the logits rows.
+CudaSession::PassInputs CudaSession::stage_inputs(int64_t T, bool paged) {
+  PassInputs in;
+  in.tok = tokens_.as<int32_t>(), in.pos = pos_buf_.as<int32_t>();
+  check(cudaMemcpyAsync(tokens_.get(), h_tokens_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (tokens)");
+  check(cudaMemcpyAsync(pos_buf_.get(), h_pos_.get(), size_t(T) * 4, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (positions)");
   if (paged) {
-    check(cudaMemcpyAsync(paging_.get(), h_paging_.get(), paging_.bytes(), cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (block tables)");
+    check(cudaMemcpyAsync(paging_.get(), h_paging_.get(), paging_.bytes(), cudaMemcpyHostToDevice, stream_),
+          "cudaMemcpyAsync (block tables)");
     const auto* base = paging_.as<int32_t>();
-    kv_row = base;
-    pages = {base + plan_.n_batch, base + 2 * plan_.n_batch, plan_.table_stride, plan_.block_tokens};
-    out_rows = pages.tables + plan_.parallel * plan_.table_stride;
+    in.kv_row = base;
+    in.pages = {base + plan_.n_batch, base + 2 * plan_.n_batch, plan_.table_stride, plan_.block_tokens};
+    in.out_rows = in.pages.tables + plan_.parallel * plan_.table_stride;
   }
-  const auto n_layers = int64_t(dm_.layers.size());  // all, or the last ones (partial offload)
-  if (h_hidden_.bytes())  // partial offload: the CPU's layers left the residual stream in h_hidden_
-    check(cudaMemcpyAsync(x, h_hidden_.get(), size_t(T * D) * 4, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (hidden state)");
-  else
-    embedding(x, dm_.token_embd, tok, T, s);                          // x [T, D]
-  mark("embedding");
-  // Norms and SwiGLU quantize their output for the next GEMV / MMQ as they write it (one pass
-  // instead of two); `fused(next, n)` says when (the next product's weights take int8 inputs).
-  mm_->clear_note();
+  return in;
+}
+
+// out = RMSNorm(x (+= y when y)) with weights w; when the product that reads out takes int8
+// inputs (`next`), the norm quantizes out as it writes it (one pass instead of two) and tells
+// the matmul context so.
+void CudaSession::norm_for(const DeviceWeight& next, float* x, const float* y, float* out, const float* w, int64_t T) {
+  const int64_t D = dm_.config().dim;
+  const float eps = float(dm_.config().norm_eps);
   const DeviceActQ8 aq = mm_->act();
-  auto fused = [&](const DeviceWeight& next, int64_t n) { return matmul_quantizes(next, T) && n % 32 == 0 ? &aq : nullptr; };
-  auto noted = [&](const DeviceActQ8* q, const float* y, int64_t n) {
-    if (q) mm_->note_quantized(y, T, n);
-  };
-  const DeviceWeight& first = n_layers ? dm_.layers[0].qkv[0] : dm_.output;
-  const DeviceActQ8* q0 = fused(first, D);
-  rmsnorm(xb, x, n_layers ? dm_.layers[0].attn_norm : dm_.output_norm, T, D, eps, s, q0);  // xb [T, D]
-  noted(q0, xb, D);
+  const DeviceActQ8* q = matmul_quantizes(next, T) && D % 32 == 0 ? &aq : nullptr;
+  if (y) add_rmsnorm(x, y, out, w, T, D, eps, stream_, q);
+  else rmsnorm(out, x, w, T, D, eps, stream_, q);
+  if (q) mm_->note_quantized(out, T, D);
   mark("norm");
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const DeviceLayer& w = dm_.layers[size_t(l)];
-    uint16_t* kc = kv + size_t(2 * l) * layer_kv;  // [rows, KV] fp16
-    uint16_t* vc = kc + layer_kv;                  // [rows, KV] fp16
-    KvQ8 q8;  // a Q8_0 cache instead: per layer K int8 [rows, KV], its fp16 scales [rows, KV/32], then V the same
-    if (plan_.kv_q8) {
-      const size_t q_bytes = size_t(plan_.kv_rows) * size_t(KV), half_layer = q_bytes + q_bytes / 32 * 2;
-      uint8_t* base = kv_.as<uint8_t>() + size_t(2 * l) * half_layer;
-      q8 = {reinterpret_cast<int8_t*>(base), reinterpret_cast<uint16_t*>(base + q_bytes), reinterpret_cast<int8_t*>(base + half_layer),
-            reinterpret_cast<uint16_t*>(base + half_layer + q_bytes)};
-      kc = vc = nullptr;
-    }
-    // Attention: qkv = xb · [Wq; Wk; Wv]ᵀ (+ biases), RoPE on q and k, k and v to the cache.
-    matmul_cols(w.qkv, xb, qkv, QKV);                                 // qkv [T, Q + 2KV]
-    mark("matmul_qkv");
-    if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, s), mark("bias");
-    rope_store_kv(qkv, QKV, pos, kv_row, T, c.n_heads, c.n_kv_heads, hd, c.rope_theta, c.rope_layout, kc, vc, s);
-    if (q8.kq)
-      store_kv_q8(qkv, QKV, pos, kv_row, T, c.n_heads, c.n_kv_heads, hd, const_cast<int8_t*>(q8.kq), const_cast<uint16_t*>(q8.kd),
-                  const_cast<int8_t*>(q8.vq), const_cast<uint16_t*>(q8.vd), s);
-    mark("rope_kv");
-    // Decode (one token, or one per sequence of a paged batch): flash-decoding parts, a fixed
-    // count (graph-safe).
-    if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1)
-      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, plan_.decode_parts, plan_.decode_part_len, partial_.as<float>(),
-                att, Q, s, pages, q8, dm_.gqa());
-    else
-      attention(qkv, QKV, kc, vc, pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (plan_.ctx + 31) / 32 * 32, nullptr, att, Q, s, pages,
-                q8, dm_.gqa());  // att [T, Q]
-    mark("attention");
-    matmul(*mm_, w.wo, att, xb, T);                                   // xb [T, D] (a partial sum under TP)
-    mark("matmul_o");
-    if (comm_) all_reduce(xb, T * D), mark("all_reduce");
-    if (w.bo) add_bias(xb, D, w.bo, T, D, s), mark("bias");
-    const DeviceActQ8* q1 = fused(w.gate_up[0], D);
-    add_rmsnorm(x, xb, xb, w.ffn_norm, T, D, eps, s, q1);             // x += xb; xb = RMSNorm(x)
-    noted(q1, xb, D);
-    mark("norm");
-    // FFN: x += W_down · (silu(xb · W_gateᵀ) ⊙ (xb · W_upᵀ))
-    matmul_cols(w.gate_up, xb, h, 2 * H);                             // h [T, 2H]
-    mark("matmul_gate_up");
-    const DeviceActQ8* q2 = fused(w.w_down, H);
-    swiglu(hs, h, T, H, s, q2);                                       // hs [T, H]
-    noted(q2, hs, H);
-    mark("swiglu");
-    matmul(*mm_, w.w_down, hs, xb, T);                                // xb [T, D] (a partial sum under TP)
-    mark("matmul_down");
-    if (comm_) all_reduce(xb, T * D), mark("all_reduce");
-    const float* next_norm = l + 1 < n_layers ? dm_.layers[size_t(l + 1)].attn_norm : dm_.output_norm;
-    const DeviceActQ8* q3 = fused(l + 1 < n_layers ? dm_.layers[size_t(l + 1)].qkv[0] : dm_.output, D);
-    add_rmsnorm(x, xb, xb, next_norm, T, D, eps, s, q3);              // x += xb; xb = RMSNorm(x) for what follows
-    noted(q3, xb, D);
-    mark("norm");
+}
+
+// Layer l's K and V in the cache: fp16 [rows, KV] each, or (CudaPlan::kv_q8) int8 [rows, KV] with
+// fp16 scales [rows, KV/32] each (kc, vc null then).
+CudaSession::LayerKv CudaSession::layer_kv(int64_t l) {
+  const int64_t KV = dm_.config().n_kv_heads * dm_.config().head_dim;
+  LayerKv kv;
+  if (!plan_.kv_q8) {
+    const size_t layer = size_t(plan_.kv_rows) * size_t(KV);  // fp16 elements of one layer's K (or V)
+    kv.kc = kv_.as<uint16_t>() + size_t(2 * l) * layer, kv.vc = kv.kc + layer;
+    return kv;
   }
-  if (rows == 0 || out == Out::None || dm_.output.rows == 0) {  // no output here: a rank other than 0
-    if (prof_) prof_->end();
-    return;
-  }
-  float* logits = logits_.as<float>();
+  const size_t q_bytes = size_t(plan_.kv_rows) * size_t(KV), half_layer = q_bytes + q_bytes / 32 * 2;
+  uint8_t* base = kv_.as<uint8_t>() + size_t(2 * l) * half_layer;
+  kv.q8 = {reinterpret_cast<int8_t*>(base), reinterpret_cast<uint16_t*>(base + q_bytes), reinterpret_cast<int8_t*>(base + half_layer),
+           reinterpret_cast<uint16_t*>(base + half_layer + q_bytes)};
+  return kv;
+}
+
+// Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column.
+void CudaSession::matmul_cols(const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld, int64_t T) {
+  int64_t col = 0;
+  for (const DeviceWeight& w : ws) matmul(*mm_, w, in, y + col, T, ld), col += w.rows;
+}
+
+// Attention block of layer l on xb = RMSNorm(x): qkv = xb · [Wq; Wk; Wv]ᵀ (+ biases), RoPE on q
+// and k, k and v to the cache, attention, xb = att · Woᵀ (all-reduced under TP, + bias).
+// Shapes: Q = n_heads · hd, KV = n_kv · hd, D = dim.
+void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
+  const LlamaConfig& c = dm_.config();
+  const DeviceLayer& w = dm_.layers[size_t(l)];
+  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, QKV = Q + 2 * KV;
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  float *xb = xb_.as<float>(), *qkv = qkv_.as<float>(), *att = att_.as<float>();
+  const LayerKv kv = layer_kv(l);
+  matmul_cols(w.qkv, xb, qkv, QKV, T);  // qkv [T, Q + 2KV]
+  mark("matmul_qkv");
+  if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, stream_), mark("bias");
+  rope_store_kv(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, c.rope_theta, c.rope_layout, kv.kc, kv.vc, stream_);
+  if (kv.q8.kq)
+    store_kv_q8(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, const_cast<int8_t*>(kv.q8.kq), const_cast<uint16_t*>(kv.q8.kd),
+                const_cast<int8_t*>(kv.q8.vq), const_cast<uint16_t*>(kv.q8.vd), stream_);
+  mark("rope_kv");
+  // Decode (one token, or one per sequence of a paged batch): flash-decoding parts, a fixed
+  // count (graph-safe); else every position in one part.
+  if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1)
+    attention(qkv, QKV, kv.kc, kv.vc, in.pos, T, c.n_heads, c.n_kv_heads, hd, scale, plan_.decode_parts, plan_.decode_part_len,
+              partial_.as<float>(), att, Q, stream_, in.pages, kv.q8, dm_.gqa());
+  else
+    attention(qkv, QKV, kv.kc, kv.vc, in.pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (plan_.ctx + 31) / 32 * 32, nullptr, att, Q,
+              stream_, in.pages, kv.q8, dm_.gqa());  // att [T, Q]
+  mark("attention");
+  matmul(*mm_, w.wo, att, xb, T);  // xb [T, D] (a partial sum under TP)
+  mark("matmul_o");
+  if (comm_) all_reduce(xb, T * D), mark("all_reduce");
+  if (w.bo) add_bias(xb, D, w.bo, T, D, stream_), mark("bias");
+}
+
+// FFN block of layer l on xb = RMSNorm(x): xb = W_down · (silu(xb · W_gateᵀ) ⊙ (xb · W_upᵀ))
+// (all-reduced under TP). Shapes: H = hidden.
+void CudaSession::ffn_block(int64_t l, int64_t T) {
+  const DeviceLayer& w = dm_.layers[size_t(l)];
+  const int64_t D = dm_.config().dim, H = dm_.config().hidden_dim;
+  float *xb = xb_.as<float>(), *h = h_.as<float>(), *hs = hs_.as<float>();
+  matmul_cols(w.gate_up, xb, h, 2 * H, T);  // h [T, 2H]
+  mark("matmul_gate_up");
+  const DeviceActQ8 aq = mm_->act();
+  const DeviceActQ8* q = matmul_quantizes(w.w_down, T) && H % 32 == 0 ? &aq : nullptr;
+  swiglu(hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
+  if (q) mm_->note_quantized(hs, T, H);
+  mark("swiglu");
+  matmul(*mm_, w.w_down, hs, xb, T);  // xb [T, D] (a partial sum under TP)
+  mark("matmul_down");
+  if (comm_) all_reduce(xb, T * D), mark("all_reduce");
+}
+
+// Logits of rows [r0, r0 + rows) of xb (paged: the flagged tokens', gathered) and what `out`
+// copies back: the logits, the greedy token, or the top-k candidates.
+void CudaSession::output(int64_t r0, int64_t rows, Out out, const PassInputs& in) {
+  const int64_t D = dm_.config().dim, V = dm_.config().vocab_size;
+  float *x = x_.as<float>(), *xb = xb_.as<float>(), *logits = logits_.as<float>();
   const float* final_rows = xb + r0 * D;
-  if (out_rows) {  // paged: the flagged tokens' rows, gathered into x (the residual is spent)
-    gather_rows(x, xb, out_rows, rows, D, s);                         // x [rows, D]
+  if (in.out_rows) {  // paged: the flagged tokens' rows, gathered into x (the residual is spent)
+    gather_rows(x, xb, in.out_rows, rows, D, stream_);  // x [rows, D]
     final_rows = x;
   }
-  matmul(*mm_, dm_.output, final_rows, logits, rows);                 // logits [rows, V]
+  matmul(*mm_, dm_.output, final_rows, logits, rows);  // logits [rows, V]
   mark("matmul_output");
+  cudaStream_t s = stream_;
   if (out == Out::Greedy) {
     argmax(logits, V, next_.as<int32_t>(), s);
     check(cudaMemcpyAsync(h_next_.get(), next_.get(), 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (token)");
@@ -395,6 +397,34 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
     check(cudaMemcpyAsync(h_logits_.get(), logits, size_t(rows * V) * 4, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (logits)");
   }
   mark("sampling");
+}
+
+// The GPU forward pass (the CPU's is forward_shard, engine/model.cpp): the inputs staged, the
+// embedding (or the CPU layers' residual stream), the first norm, then per layer the attention
+// block, the residual add with the FFN norm, the FFN block and the residual add with the next
+// norm; then the output. Shapes: T tokens, D = dim.
+void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool paged) {
+  const int64_t D = dm_.config().dim;
+  float *x = x_.as<float>(), *xb = xb_.as<float>();
+  if (prof_) prof_->begin(stream_);
+  const PassInputs in = stage_inputs(T, paged);
+  const auto n_layers = int64_t(dm_.layers.size());  // all, or the last ones (partial offload)
+  if (h_hidden_.bytes())  // partial offload: the CPU's layers left the residual stream in h_hidden_
+    check(cudaMemcpyAsync(x, h_hidden_.get(), size_t(T * D) * 4, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (hidden state)");
+  else
+    embedding(x, dm_.token_embd, in.tok, T, stream_);  // x [T, D]
+  mark("embedding");
+  mm_->clear_note();
+  auto next_input = [&](int64_t l) -> const DeviceWeight& { return l < n_layers ? dm_.layers[size_t(l)].qkv[0] : dm_.output; };
+  auto attn_norm = [&](int64_t l) { return l < n_layers ? dm_.layers[size_t(l)].attn_norm : dm_.output_norm; };
+  norm_for(next_input(0), x, nullptr, xb, attn_norm(0), T);  // xb [T, D]
+  for (int64_t l = 0; l < n_layers; ++l) {
+    attention_block(l, T, in);
+    norm_for(dm_.layers[size_t(l)].gate_up[0], x, xb, xb, dm_.layers[size_t(l)].ffn_norm, T);  // x += xb; xb = RMSNorm(x)
+    ffn_block(l, T);
+    norm_for(next_input(l + 1), x, xb, xb, attn_norm(l + 1), T);  // x += xb; xb = RMSNorm(x) for what follows
+  }
+  if (rows > 0 && out != Out::None && dm_.output.rows > 0) output(r0, rows, out, in);  // none on a rank other than 0
   if (prof_) prof_->end();
 }
 

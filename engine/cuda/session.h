@@ -165,6 +165,25 @@ class CudaSession : public SessionBase {
   void enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool paged = false);
   void run_decode(Out out);  // one staged token: the graph of this Out (captured on first use)
   bool no_cublas(int64_t T) const;  // every product of a T-token pass runs on our kernels (graph-safe)
+  // enqueue's steps (engine/cuda/session.cpp).
+  struct PassInputs {
+    const int32_t *tok = nullptr, *pos = nullptr;  // [T] device
+    const int32_t* kv_row = nullptr;                // paged: [T] cache rows
+    KvPages pages;                                  // paged: the block tables
+    const int32_t* out_rows = nullptr;              // paged: the flagged tokens' batch rows
+  };
+  struct LayerKv {
+    uint16_t *kc = nullptr, *vc = nullptr;  // fp16 cache, or null with
+    KvQ8 q8;                                // a Q8_0 cache
+  };
+  void mark(const char* op);
+  PassInputs stage_inputs(int64_t T, bool paged);
+  void norm_for(const DeviceWeight& next, float* x, const float* y, float* out, const float* w, int64_t T);
+  LayerKv layer_kv(int64_t l);
+  void matmul_cols(const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld, int64_t T);
+  void attention_block(int64_t l, int64_t T, const PassInputs& in);
+  void ffn_block(int64_t l, int64_t T);
+  void output(int64_t r0, int64_t rows, Out out, const PassInputs& in);
   // Runs what enqueue_fn enqueues through `exec`, capturing it into a CUDA graph on first use
   // (every pointer and size fixed; tokens, positions and tables are read from pinned host
   // buffers by the graph's copies at each replay), or directly when graphs are off.
