@@ -249,147 +249,52 @@ nlohmann::json bench_cuda_tp(const Model& model, int tp, int64_t n_prompt, int64
 }
 #endif
 
-}  // namespace
 
-int main(int argc, char** argv) {
-  CLI::App app{"llmq-bench: measure prefill and decode tok/s (JSON output)"};
-  std::string model_path, tp_output = "vocab";
-  int64_t n_prompt = 512, n_gen = 128;
-  int threads = 0, reps = 3, tp = 1;
+// The command line, checked by main.
+struct BenchOptions {
+  std::string model_path, tp_output = "vocab", device_s = "cpu", synthetic, type_s = "q4_0", tp_init, kv_type_s = "f32";
+  int64_t n_prompt = 512, n_gen = 128, batch = 1, bandwidth_mib = 512;
+  int threads = 0, reps = 3, tp = 1, tp_rank = 0;
   bool no_verify = false, no_baseline = false, profile = false;
-  int64_t batch = 1;
-  int64_t bandwidth_mib = 512;
-  std::string device_s = "cpu", synthetic, type_s = "q4_0";
-  app.add_option("-m,--model", model_path, "model file (.llmq)");
-  app.add_option("--device", device_s, "cpu or cuda (GPU 0)")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--synthetic", synthetic, "with --device cuda, instead of -m: random weights with a preset's shapes (llama-2-7b, llama-3-8b, ...)");
-  app.add_option("--type", type_s, "weight type of --synthetic: q4_0, q4_1, q8_0, f16 or bf16");
-  app.add_option("-p,--prompt-tokens", n_prompt, "prompt length for the prefill measurement");
-  app.add_option("-n,--gen-tokens", n_gen, "tokens decoded one at a time after the prompt");
-  app.add_option("-t,--threads", threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
-  app.add_option("-r,--repetitions", reps, "repetitions; the best is reported");
-  app.add_option("--tp", tp, "tensor-parallel ranks (CPU: rank threads in this process; --device cuda -m FILE: one rank per GPU "
-                             "over NCCL, or all on GPU 0); with N > 1, TP=1 at the same total thread count (or on GPU 0) is measured "
-                             "too and the speed-up reported");
-  app.add_option("--tp-output", tp_output, "TP placement of embedding and output: vocab (vocab-parallel) or replicated");
-  app.add_flag("--no-baseline", no_baseline, "with --tp N > 1: skip the TP=1 measurement");
-  std::string tp_init;
-  int tp_rank = 0;
-  cli::add_tp_process_flags(app, tp_init, tp_rank, "measures (TP=1 baseline: one process with -t x N threads)");
-  std::string kv_type_s = "f32";
-  app.add_option("--kv-type", kv_type_s, "KV cache element type: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
-  app.add_flag("--no-verify", no_verify, "skip checksum verification at load");
-  app.add_option("--batch", batch, "with --device cuda: also N sequences decoding at once (llmq-server's batched steps), "
-                                   "aggregate tok/s as JSON \"batched\"");
-  app.add_flag("--profile", profile, "with --device cuda: the time of one prefill and of the decode steps per op class "
-                                     "(CUDA events, without graphs), as JSON \"profile\"");
-  app.add_option("--bandwidth-mib", bandwidth_mib,
-                 "buffer for the read-bandwidth measurement, MiB (0: skip it)");
-  LLMQ_CLI_PARSE(app, argc, argv);
+};
 
-  return cli::run_guarded("llmq-bench", [&] {
-    if (n_prompt < 1 || n_gen < 1 || reps < 1) throw UsageError("-p, -n and -r must be positive");
-    if (batch < 1 || batch > 1024) throw UsageError("--batch must be 1..1024");
-    if (tp_output != "vocab" && tp_output != "replicated") throw UsageError("--tp-output must be vocab or replicated");
-    if (bandwidth_mib < 0 || bandwidth_mib > (int64_t(1) << 20)) throw UsageError("--bandwidth-mib out of range");
-    if (model_path.empty() == synthetic.empty()) throw UsageError("give a model (-m) or --synthetic NAME, one of them");
-    const Device device = pick_device(device_s);
-    cli::check_tp_flags(tp_init, tp_rank, tp);
-    if (!tp_init.empty() && device != Device::Cpu) throw UsageError("llmq-bench --tp-init measures CPU ranks (GPU ranks as processes: llmq-run)");
-    if (!synthetic.empty() && device != Device::Cuda) throw UsageError("--synthetic runs on --device cuda");
-    if (device == Device::Cuda) {
-      if (tp != 1 && !synthetic.empty()) throw UsageError("--tp with --device cuda takes a model file (-m), not --synthetic");
+// --device cuda: one GPU (a model file or --synthetic), or --tp N ranks on GPUs.
+int run_cuda(const BenchOptions& o) {
+  if (o.tp != 1 && !o.synthetic.empty()) throw UsageError("--tp with --device cuda takes a model file (-m), not --synthetic");
 #ifdef LLMQ_HAVE_CUDA
-      if (tp > 1) {
-        auto m = Model::load(model_path, !no_verify, /*pack=*/false);
-        nlohmann::json j = bench_cuda_tp(*m, tp, n_prompt, n_gen, reps, no_baseline);
-        j["model"] = model_path;
-        std::printf("%s\n", j.dump(2).c_str());
-        return 0;
-      }
-      std::unique_ptr<Model> m;
-      LlamaConfig c;
-      if (!synthetic.empty()) {
-        const mem::ModelShape sh = mem::preset(synthetic);
-        c.dim = sh.dim, c.hidden_dim = sh.hidden, c.n_layers = sh.layers, c.n_heads = sh.heads, c.n_kv_heads = sh.kv_heads;
-        c.head_dim = sh.head_dim, c.vocab_size = sh.vocab, c.context_length = sh.context, c.tied_embeddings = sh.tied;
-      } else {
-        m = Model::load(model_path, !no_verify, /*pack=*/false);
-        c = m->config;
-      }
-      nlohmann::json j = bench_cuda(m.get(), c, dtype_from_name(type_s), n_prompt, n_gen, reps, profile, batch);
-      j["model"] = synthetic.empty() ? model_path : "synthetic " + synthetic;
-      std::printf("%s\n", j.dump(2).c_str());
-      return 0;
+  if (o.tp > 1) {
+    auto m = Model::load(o.model_path, !o.no_verify, /*pack=*/false);
+    nlohmann::json j = bench_cuda_tp(*m, o.tp, o.n_prompt, o.n_gen, o.reps, o.no_baseline);
+    j["model"] = o.model_path;
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::unique_ptr<Model> m;
+  LlamaConfig c;
+  if (!o.synthetic.empty()) {
+    const mem::ModelShape sh = mem::preset(o.synthetic);
+    c.dim = sh.dim, c.hidden_dim = sh.hidden, c.n_layers = sh.layers, c.n_heads = sh.heads, c.n_kv_heads = sh.kv_heads;
+    c.head_dim = sh.head_dim, c.vocab_size = sh.vocab, c.context_length = sh.context, c.tied_embeddings = sh.tied;
+  } else {
+    m = Model::load(o.model_path, !o.no_verify, /*pack=*/false);
+    c = m->config;
+  }
+  nlohmann::json j = bench_cuda(m.get(), c, dtype_from_name(o.type_s), o.n_prompt, o.n_gen, o.reps, o.profile, o.batch);
+  j["model"] = o.synthetic.empty() ? o.model_path : "synthetic " + o.synthetic;
+  std::printf("%s\n", j.dump(2).c_str());
+  return 0;
+#else
+  throw UsageError("this llmq-bench was built without the CUDA backend");
 #endif
-    }
-    // The TP=1 baseline wants the whole model's packed panels; without it, only what the ranks use.
-    auto model = Model::load(model_path, !no_verify, /*pack=*/true, /*gpu_layers=*/0, tp > 1 && no_baseline ? tp : 1);
-    TpOptions opt;
-    opt.vocab_parallel = tp_output == "vocab";
-    // --tp-init: the ranks are processes (engine/parallel/tp_process.h); this one holds rank tp_rank and
-    // runs at -t threads, the others as many each (assumed: the baseline uses -t x N threads).
-    if (!tp_init.empty() && !opt.vocab_parallel) throw UsageError("--tp-init ranks are vocab-parallel (--tp-output vocab)");
-    cli::TpRunnerSpec spec;
-    spec.capacity = n_prompt;
-    std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-bench", tp_init, tp_rank, tp, *model, spec);
-    std::unique_ptr<BatchRunner> local, procs;
-    std::unique_ptr<TensorParallel> in_process;
-    if (group) {
-      local = cli::make_tp_rank_runner("llmq-bench", *model, *group, spec, threads);
-      if (tp_rank > 0) return cli::serve_tp_rank("llmq-bench", *local, *group);
-      procs = std::make_unique<ProcessGroupRunner>(*local, *group);
-    } else {
-      in_process = std::make_unique<TensorParallel>(*model, tp, threads, n_prompt, opt);
-    }
-    TensorParallel& ranks = group ? static_cast<TensorParallel&>(*local) : *in_process;  // what this process holds
-    BatchRunner& runner = group ? *procs : static_cast<BatchRunner&>(*in_process);
-    const int total_threads = group ? ranks.threads() * tp : ranks.threads();
-    std::unique_ptr<TensorParallel> base;  // TP=1 at the same total thread count
-    if (tp > 1 && !no_baseline) base = std::make_unique<TensorParallel>(*model, 1, total_threads, n_prompt);
-    const KvType kv_type = kv_type_from_name(kv_type_s);
-    Session s(runner, n_prompt + n_gen, kv_type);
-    std::unique_ptr<Session> bs;
-    if (base) bs = std::make_unique<Session>(*base, n_prompt + n_gen, kv_type);
-    std::mt19937 rng(1234);
-    std::uniform_int_distribution<int32_t> pick(0, int32_t(model->config.vocab_size - 1));
-    std::vector<int32_t> prompt(static_cast<size_t>(n_prompt));
-    for (auto& t : prompt) t = pick(rng);
+}
 
-    Speed best, best_base;
-    for (int r = 0; r < reps; ++r) {  // interleaved, so a busy spell of a shared machine hits both
-      if (bs) measure(*bs, prompt, n_gen, best_base);
-      measure(s, prompt, n_gen, best);
-    }
-    // What the runs had to read and compute (engine/roofline.h), for the whole model.
-    const ForwardCost prefill = forward_cost(*model, n_prompt, 0, kv_elem_bytes(kv_type));
-    ForwardCost decode;
-    for (int64_t i = 0; i < n_gen; ++i) {
-      const ForwardCost c = forward_cost(*model, 1, n_prompt + i, kv_elem_bytes(kv_type));
-      decode.weight_bytes += c.weight_bytes;
-      decode.kv_bytes += c.kv_bytes;
-      decode.flops += c.flops;
-    }
-    nlohmann::json j;
-    j["model"] = model_path;
-    j["type"] = model->weight_type();
-    j["weight_bytes"] = model->weight_bytes();
-    j["threads"] = total_threads;
-    j["device"] = "cpu";
-    j["cpu_kernels"] = cpu_kernels_name();  // scalar | avx2 | avx512 (LLMQ_CPU overrides)
-    j["tp"] = tp;
-    if (group) j["tp_processes"] = true;  // the ranks below: this process's (rank 0) only
-    j["kv_type"] = kv_type_name(kv_type);
-    j["prompt_tokens"] = n_prompt;
-    j["gen_tokens"] = n_gen;
-    j["prefill_tok_s"] = double(n_prompt) / best.prefill_s;
-    j["decode_tok_s"] = double(n_gen) / best.decode_s;
-    if (tp > 1) {
-      j["tp_output"] = tp_output;
-      nlohmann::json rank_list = nlohmann::json::array();
-      for (int r = 0; r < ranks.size(); ++r) {
-        const ModelShard& sh = ranks.shard(r);
-        rank_list.push_back({{"rank", sh.ranges.rank},
+// The CPU ranks' layout (--tp N > 1) and the TP=1 baseline, into j.
+void tp_report(nlohmann::json& j, const TensorParallel& ranks, const Session& s, const Speed* base, const Speed& best, const BenchOptions& o) {
+  j["tp_output"] = o.tp_output;
+  nlohmann::json rank_list = nlohmann::json::array();
+  for (int r = 0; r < ranks.size(); ++r) {
+    const ModelShard& sh = ranks.shard(r);
+    rank_list.push_back({{"rank", sh.ranges.rank},
                          {"threads", ranks.rank_threads(r)},
                          {"heads", sh.ranges.n_heads},
                          {"kv_heads", sh.ranges.n_kv_heads},
@@ -398,45 +303,151 @@ int main(int argc, char** argv) {
                          {"weight_bytes", sh.weight_bytes()},
                          {"owned_weight_bytes", sh.owned_bytes},
                          {"kv_cache_bytes", s.cache().shard_bytes(r)}});
-      }
-      j["ranks"] = rank_list;
-      if (bs) {
-        j["tp1_prefill_tok_s"] = double(n_prompt) / best_base.prefill_s;
-        j["tp1_decode_tok_s"] = double(n_gen) / best_base.decode_s;
-        j["speedup_prefill"] = best_base.prefill_s / best.prefill_s;
-        j["speedup_decode"] = best_base.decode_s / best.decode_s;
-      }
-    }
-    j["cpu_model"] = cpu_model_name();
-    j["peak_rss_bytes"] = cli::peak_rss_bytes();  // before the bandwidth buffer below
-    j["prefill_gflop_s"] = prefill.flops / best.prefill_s / 1e9;
-    {
-      // The int8 multiply-add peak with the same threads: block-quantized prefill's ceiling.
-      ThreadPool pool(total_threads);
-      if (const double peak = measure_int8_peak(pool); peak > 0) {
-        j["int8_peak_gop_s"] = peak / 1e9;
-        j["prefill_fraction_of_int8_peak"] = prefill.flops / best.prefill_s / peak;
-      }
-    }
-    j["decode_bytes_per_token"] = decode.bytes() / double(n_gen);
-    j["decode_gb_s"] = decode.bytes() / best.decode_s / 1e9;
-    if (bandwidth_mib > 0) {
-      // Measured after the model runs, on as many threads: the machine's streaming-read rate.
-      ThreadPool pool(total_threads);
-      const ReadBandwidth bw = measure_read_bandwidth(pool, uint64_t(bandwidth_mib) << 20);
-      // The weights as the kernels read them: the packed copy if the CPU kernels repacked them
-      // (the mapped file's pages of those matrices were released), else the mapped file.
-      const auto& t = model->file->tensors();
-      const uint8_t* w0 = model->file->data(t.front());
-      const uint8_t* w1 = model->file->data(t.back()) + t.back().nbytes;
-      if (model->packed.bytes() > 0) w0 = model->packed.data(), w1 = w0 + model->packed.bytes();
-      const double weights_bw = measure_read_bandwidth(pool, w0, uint64_t(w1 - w0));
-      j["read_bandwidth_gb_s"] = bw.bytes_per_s / 1e9;           // heap buffer, bandwidth_mib
-      j["weights_read_bandwidth_gb_s"] = weights_bw / 1e9;       // the model's weights (packed or mapped)
-      j["packed_weight_bytes"] = model->packed.bytes();
-      j["decode_bandwidth_fraction"] = decode.bytes() / best.decode_s / bw.bytes_per_s;
-    }
-    std::printf("%s\n", j.dump(2).c_str());
-    return 0;
+  }
+  j["ranks"] = rank_list;
+  if (!base) return;
+  j["tp1_prefill_tok_s"] = double(o.n_prompt) / base->prefill_s;
+  j["tp1_decode_tok_s"] = double(o.n_gen) / base->decode_s;
+  j["speedup_prefill"] = base->prefill_s / best.prefill_s;
+  j["speedup_decode"] = base->decode_s / best.decode_s;
+}
+
+// What the CPU runs had to read and compute (engine/roofline.h), against the int8 peak and the
+// read bandwidth measured on as many threads after them, into j.
+void roofline_report(nlohmann::json& j, const Model& model, KvType kv_type, const Speed& best, int threads, const BenchOptions& o) {
+  const ForwardCost prefill = forward_cost(model, o.n_prompt, 0, kv_elem_bytes(kv_type));
+  ForwardCost decode;
+  for (int64_t i = 0; i < o.n_gen; ++i) {
+    const ForwardCost c = forward_cost(model, 1, o.n_prompt + i, kv_elem_bytes(kv_type));
+    decode.weight_bytes += c.weight_bytes;
+    decode.kv_bytes += c.kv_bytes;
+    decode.flops += c.flops;
+  }
+  j["prefill_gflop_s"] = prefill.flops / best.prefill_s / 1e9;
+  ThreadPool pool(threads);
+  if (const double peak = measure_int8_peak(pool); peak > 0) {  // block-quantized prefill's ceiling
+    j["int8_peak_gop_s"] = peak / 1e9;
+    j["prefill_fraction_of_int8_peak"] = prefill.flops / best.prefill_s / peak;
+  }
+  j["decode_bytes_per_token"] = decode.bytes() / double(o.n_gen);
+  j["decode_gb_s"] = decode.bytes() / best.decode_s / 1e9;
+  if (o.bandwidth_mib <= 0) return;
+  // The machine's streaming-read rate, then the weights as the kernels read them: the packed
+  // copy if the CPU kernels repacked them (the mapped file's pages of those matrices were
+  // released), else the mapped file.
+  const ReadBandwidth bw = measure_read_bandwidth(pool, uint64_t(o.bandwidth_mib) << 20);
+  const auto& t = model.file->tensors();
+  const uint8_t* w0 = model.file->data(t.front());
+  const uint8_t* w1 = model.file->data(t.back()) + t.back().nbytes;
+  if (model.packed.bytes() > 0) w0 = model.packed.data(), w1 = w0 + model.packed.bytes();
+  const double weights_bw = measure_read_bandwidth(pool, w0, uint64_t(w1 - w0));
+  j["read_bandwidth_gb_s"] = bw.bytes_per_s / 1e9;      // heap buffer, bandwidth_mib
+  j["weights_read_bandwidth_gb_s"] = weights_bw / 1e9;  // the model's weights (packed or mapped)
+  j["packed_weight_bytes"] = model.packed.bytes();
+  j["decode_bandwidth_fraction"] = decode.bytes() / best.decode_s / bw.bytes_per_s;
+}
+
+// --device cpu: TP=1, N rank threads, or (--tp-init) this process's rank of a process group;
+// with N > 1 also TP=1 at the same total thread count, interleaved.
+int run_cpu(const BenchOptions& o) {
+  // The TP=1 baseline wants the whole model's packed panels; without it, only what the ranks use.
+  auto model = Model::load(o.model_path, !o.no_verify, /*pack=*/true, /*gpu_layers=*/0, o.tp > 1 && o.no_baseline ? o.tp : 1);
+  TpOptions opt;
+  opt.vocab_parallel = o.tp_output == "vocab";
+  // --tp-init: the ranks are processes (engine/parallel/tp_process.h); this one holds rank tp_rank
+  // and runs at -t threads, the others as many each (assumed: the baseline uses -t x N threads).
+  if (!o.tp_init.empty() && !opt.vocab_parallel) throw UsageError("--tp-init ranks are vocab-parallel (--tp-output vocab)");
+  cli::TpRunnerSpec spec;
+  spec.capacity = o.n_prompt;
+  std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-bench", o.tp_init, o.tp_rank, o.tp, *model, spec);
+  std::unique_ptr<BatchRunner> local, procs;
+  std::unique_ptr<TensorParallel> in_process;
+  if (group) {
+    local = cli::make_tp_rank_runner("llmq-bench", *model, *group, spec, o.threads);
+    if (o.tp_rank > 0) return cli::serve_tp_rank("llmq-bench", *local, *group);
+    procs = std::make_unique<ProcessGroupRunner>(*local, *group);
+  } else {
+    in_process = std::make_unique<TensorParallel>(*model, o.tp, o.threads, o.n_prompt, opt);
+  }
+  TensorParallel& ranks = group ? static_cast<TensorParallel&>(*local) : *in_process;  // what this process holds
+  BatchRunner& runner = group ? *procs : static_cast<BatchRunner&>(*in_process);
+  const int total_threads = group ? ranks.threads() * o.tp : ranks.threads();
+  std::unique_ptr<TensorParallel> base;  // TP=1 at the same total thread count
+  if (o.tp > 1 && !o.no_baseline) base = std::make_unique<TensorParallel>(*model, 1, total_threads, o.n_prompt);
+  const KvType kv_type = kv_type_from_name(o.kv_type_s);
+  Session s(runner, o.n_prompt + o.n_gen, kv_type);
+  std::unique_ptr<Session> bs;
+  if (base) bs = std::make_unique<Session>(*base, o.n_prompt + o.n_gen, kv_type);
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int32_t> pick(0, int32_t(model->config.vocab_size - 1));
+  std::vector<int32_t> prompt(static_cast<size_t>(o.n_prompt));
+  for (auto& t : prompt) t = pick(rng);
+
+  Speed best, best_base;
+  for (int r = 0; r < o.reps; ++r) {  // interleaved, so a busy spell of a shared machine hits both
+    if (bs) measure(*bs, prompt, o.n_gen, best_base);
+    measure(s, prompt, o.n_gen, best);
+  }
+  nlohmann::json j;
+  j["model"] = o.model_path;
+  j["type"] = model->weight_type();
+  j["weight_bytes"] = model->weight_bytes();
+  j["threads"] = total_threads;
+  j["device"] = "cpu";
+  j["cpu_kernels"] = cpu_kernels_name();  // scalar | avx2 | avx512 (LLMQ_CPU overrides)
+  j["tp"] = o.tp;
+  if (group) j["tp_processes"] = true;  // the ranks below: this process's (rank 0) only
+  j["kv_type"] = kv_type_name(kv_type);
+  j["prompt_tokens"] = o.n_prompt;
+  j["gen_tokens"] = o.n_gen;
+  j["prefill_tok_s"] = double(o.n_prompt) / best.prefill_s;
+  j["decode_tok_s"] = double(o.n_gen) / best.decode_s;
+  if (o.tp > 1) tp_report(j, ranks, s, bs ? &best_base : nullptr, best, o);
+  j["cpu_model"] = cpu_model_name();
+  j["peak_rss_bytes"] = cli::peak_rss_bytes();  // before the bandwidth buffer
+  roofline_report(j, *model, kv_type, best, total_threads, o);
+  std::printf("%s\n", j.dump(2).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"llmq-bench: measure prefill and decode tok/s (JSON output)"};
+  BenchOptions o;
+  app.add_option("-m,--model", o.model_path, "model file (.llmq)");
+  app.add_option("--device", o.device_s, "cpu or cuda (GPU 0)")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--synthetic", o.synthetic, "with --device cuda, instead of -m: random weights with a preset's shapes (llama-2-7b, llama-3-8b, ...)");
+  app.add_option("--type", o.type_s, "weight type of --synthetic: q4_0, q4_1, q8_0, f16 or bf16");
+  app.add_option("-p,--prompt-tokens", o.n_prompt, "prompt length for the prefill measurement");
+  app.add_option("-n,--gen-tokens", o.n_gen, "tokens decoded one at a time after the prompt");
+  app.add_option("-t,--threads", o.threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
+  app.add_option("-r,--repetitions", o.reps, "repetitions; the best is reported");
+  app.add_option("--tp", o.tp, "tensor-parallel ranks (CPU: rank threads in this process; --device cuda -m FILE: one rank per GPU "
+                               "over NCCL, or all on GPU 0); with N > 1, TP=1 at the same total thread count (or on GPU 0) is measured "
+                               "too and the speed-up reported");
+  app.add_option("--tp-output", o.tp_output, "TP placement of embedding and output: vocab (vocab-parallel) or replicated");
+  app.add_flag("--no-baseline", o.no_baseline, "with --tp N > 1: skip the TP=1 measurement");
+  cli::add_tp_process_flags(app, o.tp_init, o.tp_rank, "measures (TP=1 baseline: one process with -t x N threads)");
+  app.add_option("--kv-type", o.kv_type_s, "KV cache element type: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_flag("--no-verify", o.no_verify, "skip checksum verification at load");
+  app.add_option("--batch", o.batch, "with --device cuda: also N sequences decoding at once (llmq-server's batched steps), "
+                                     "aggregate tok/s as JSON \"batched\"");
+  app.add_flag("--profile", o.profile, "with --device cuda: the time of one prefill and of the decode steps per op class "
+                                       "(CUDA events, without graphs), as JSON \"profile\"");
+  app.add_option("--bandwidth-mib", o.bandwidth_mib, "buffer for the read-bandwidth measurement, MiB (0: skip it)");
+  LLMQ_CLI_PARSE(app, argc, argv);
+
+  return cli::run_guarded("llmq-bench", [&] {
+    if (o.n_prompt < 1 || o.n_gen < 1 || o.reps < 1) throw UsageError("-p, -n and -r must be positive");
+    if (o.batch < 1 || o.batch > 1024) throw UsageError("--batch must be 1..1024");
+    if (o.tp_output != "vocab" && o.tp_output != "replicated") throw UsageError("--tp-output must be vocab or replicated");
+    if (o.bandwidth_mib < 0 || o.bandwidth_mib > (int64_t(1) << 20)) throw UsageError("--bandwidth-mib out of range");
+    if (o.model_path.empty() == o.synthetic.empty()) throw UsageError("give a model (-m) or --synthetic NAME, one of them");
+    const Device device = pick_device(o.device_s);
+    cli::check_tp_flags(o.tp_init, o.tp_rank, o.tp);
+    if (!o.tp_init.empty() && device != Device::Cpu) throw UsageError("llmq-bench --tp-init measures CPU ranks (GPU ranks as processes: llmq-run)");
+    if (!o.synthetic.empty() && device != Device::Cuda) throw UsageError("--synthetic runs on --device cuda");
+    return device == Device::Cuda ? run_cuda(o) : run_cpu(o);
   });
 }
