@@ -26,6 +26,7 @@
 
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/matmul.h"
+#include "dev/cuda/lab.h"
 
 using namespace llmq;
 using namespace llmq::cuda;
@@ -54,6 +55,39 @@ __device__ __forceinline__ uint4 ldw(const uint4* p) {
     return v;
   } else {
     return __ldg(p);
+  }
+}
+
+// y rows row0 .. row0 + R - 1 for T tokens from each lane's partial sums: KS = 1, a warp sum;
+// else the W warps' sums added through shared memory.
+template <int R, int W, int T, int KS>
+__device__ __forceinline__ void store_rows(float (&acc)[R][T], float* __restrict__ y, int rows, int row0) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if constexpr (KS == 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float v = wsum(acc[r][t]);
+        if (lane == 0 && row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
+      }
+  } else {
+    __shared__ float part[W][R * T];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float v = wsum(acc[r][t]);
+        if (lane == 0) part[warp][r * T + t] = v;
+      }
+    __syncthreads();
+    if (threadIdx.x < R * T) {
+      float v = 0;
+#pragma unroll
+      for (int i = 0; i < W; ++i) v += part[i][threadIdx.x];
+      const int r = threadIdx.x / T, t = threadIdx.x % T;
+      if (row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
+    }
   }
 }
 
@@ -99,32 +133,7 @@ __global__ void __launch_bounds__(32 * W) gemv_q4_0(const uint8_t* __restrict__ 
       }
     }
   }
-  if constexpr (KS == 1) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = wsum(acc[r][t]);
-        if (lane == 0 && row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
-      }
-  } else {
-    __shared__ float part[W][R * T];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = wsum(acc[r][t]);
-        if (lane == 0) part[warp][r * T + t] = v;
-      }
-    __syncthreads();
-    if (threadIdx.x < R * T) {
-      float v = 0;
-#pragma unroll
-      for (int i = 0; i < W; ++i) v += part[i][threadIdx.x];
-      const int r = threadIdx.x / T, t = threadIdx.x % T;
-      if (row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
-    }
-  }
+  store_rows<R, W, T, KS>(acc, y, rows, row0);
 }
 
 // Q8_0: a lane takes one block of 32 (two 16-byte loads) per step.
@@ -162,32 +171,7 @@ __global__ void __launch_bounds__(32 * W) gemv_q8_0(const uint8_t* __restrict__ 
       for (int r = 0; r < R; ++r) acc[r][t] += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
     }
   }
-  if constexpr (KS == 1) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = wsum(acc[r][t]);
-        if (lane == 0 && row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
-      }
-  } else {
-    __shared__ float part[W][R * T];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = wsum(acc[r][t]);
-        if (lane == 0) part[warp][r * T + t] = v;
-      }
-    __syncthreads();
-    if (threadIdx.x < R * T) {
-      float v = 0;
-#pragma unroll
-      for (int i = 0; i < W; ++i) v += part[i][threadIdx.x];
-      const int r = threadIdx.x / T, t = threadIdx.x % T;
-      if (row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
-    }
-  }
+  store_rows<R, W, T, KS>(acc, y, rows, row0);
 }
 
 struct Shape {
@@ -242,19 +226,12 @@ void run_type(DType type, const std::vector<Shape>& shapes, int reps, double cop
   std::vector<Case> cs = cases<T>(type);
   for (const Shape& sh : shapes) {
     const uint64_t bytes = split_weight_bytes(type, sh.rows, sh.cols);
-    const int copies = int(std::max<uint64_t>(2, (512ull << 20) / bytes + 1));  // >= 512 MiB in all: DRAM, not L2
-    DeviceBuffer wbuf(bytes * copies);
-    std::vector<DeviceWeight> ws;
-    for (int i = 0; i < copies; ++i) {
-      ws.push_back(split_weight_view(type, sh.rows, sh.cols, wbuf.as<uint8_t>() + bytes * i));
-      fill_random(ws.back(), 100 + i, nullptr);
-    }
-    DeviceBuffer x(size_t(T) * sh.cols * 4), q(size_t(T) * sh.cols), dd(size_t(T) * sh.cols / 8), ss(size_t(T) * sh.cols / 8);
-    std::vector<float> hx(size_t(T) * sh.cols);
-    srand(7);
-    for (auto& v : hx) v = float(rand()) / RAND_MAX * 2.0f - 1.0f;
-    x.upload(hx.data(), hx.size() * 4);
-    const DeviceActQ8 xq{q.as<int8_t>(), dd.as<float>(), ss.as<float>()};
+    const lab::WeightCopies wc(type, sh.rows, sh.cols);
+    const std::vector<DeviceWeight>& ws = wc.w;
+    const int copies = int(wc.size());
+    lab::Activations act(T, sh.cols);
+    const DeviceBuffer& x = act.x;
+    const DeviceActQ8 xq = act.xq;
     quantize_act(x.as<float>(), xq, T, sh.cols, nullptr);
     DeviceBuffer y(size_t(T) * sh.rows * 4);
     std::vector<float> ref(size_t(T) * sh.rows), got(ref.size());

@@ -23,6 +23,7 @@
 
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/matmul.h"
+#include "dev/cuda/lab.h"
 
 using namespace llmq;
 using namespace llmq::cuda;
@@ -67,20 +68,13 @@ int main(int argc, char** argv) {
     const int maxT = 512;
     for (DType type : {DType::Q4_0, DType::Q8_0}) {
       for (const Shape& sh : shapes) {
-        const uint64_t bytes = split_weight_bytes(type, sh.rows, sh.cols);
-        const int copies = int(std::max<uint64_t>(2, (512ull << 20) / bytes + 1));
-        DeviceBuffer wbuf(bytes * copies);
-        std::vector<DeviceWeight> w;
-        for (int i = 0; i < copies; ++i) {
-          w.push_back(split_weight_view(type, sh.rows, sh.cols, wbuf.as<uint8_t>() + bytes * i));
-          fill_random(w.back(), 100 + i, nullptr);
-        }
-        DeviceBuffer x(size_t(maxT) * sh.cols * 4), q(size_t(maxT) * sh.cols), d(size_t(maxT) * sh.cols / 8), s(size_t(maxT) * sh.cols / 8);
-        std::vector<float> hx(size_t(maxT) * sh.cols);
-        srand(7);
-        for (auto& v : hx) v = float(rand()) / RAND_MAX * 2.0f - 1.0f;
-        x.upload(hx.data(), hx.size() * 4);
-        const DeviceActQ8 xq{q.as<int8_t>(), d.as<float>(), s.as<float>()};
+        const lab::WeightCopies wc(type, sh.rows, sh.cols);
+        const std::vector<DeviceWeight>& w = wc.w;
+        const int copies = int(wc.size());
+        lab::Activations act(maxT, sh.cols);
+        const DeviceBuffer& x = act.x;
+        const std::vector<float>& hx = act.host;
+        const DeviceActQ8 xq = act.xq;
         DeviceBuffer xh(size_t(maxT) * sh.cols * 2), wh(size_t(sh.rows) * sh.cols * 2), y(size_t(maxT) * sh.rows * 4);
         DeviceBuffer split(8 << 20);  // the engine's split-K scratch (CudaMatmulPlan::mmq_split)
         MatmulContext ctx(maxT, sh.cols, nullptr, sh.rows);  // the engine's matmul: GEMV / MMQ / dequantize + cuBLAS by T

@@ -1,0 +1,43 @@
+// What the dev/cuda labs share: a matrix in enough copies that timed calls read DRAM, not L2,
+// and random activations with their int8 quantization (quantize_act's layout).
+#pragma once
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "engine/cuda/cuda.h"
+#include "engine/cuda/matmul.h"
+
+namespace llmq::cuda::lab {
+
+/// Copies of a random [rows, cols] matrix of type t, >= 512 MiB in all (at least 2).
+struct WeightCopies {
+  DeviceBuffer buf;
+  std::vector<DeviceWeight> w;
+  WeightCopies(DType t, int64_t rows, int64_t cols) {
+    const uint64_t bytes = split_weight_bytes(t, rows, cols);
+    const int copies = int(std::max<uint64_t>(2, (512ull << 20) / bytes + 1));
+    buf = DeviceBuffer(bytes * uint64_t(copies));
+    for (int i = 0; i < copies; ++i) {
+      w.push_back(split_weight_view(t, rows, cols, buf.as<uint8_t>() + bytes * uint64_t(i)));
+      fill_random(w.back(), 100 + uint64_t(i), nullptr);
+    }
+  }
+  size_t size() const { return w.size(); }
+};
+
+/// Activations x [T, cols] uniform in ±1 (fixed seed) and the buffers of their int8 copy.
+struct Activations {
+  DeviceBuffer x, q, d, s;
+  DeviceActQ8 xq;
+  std::vector<float> host;
+  Activations(int64_t T, int64_t cols)
+      : x(size_t(T * cols) * 4), q(size_t(T * cols)), d(size_t(T * cols / 8)), s(size_t(T * cols / 8)), host(size_t(T * cols)) {
+    srand(7);
+    for (auto& v : host) v = float(rand()) / float(RAND_MAX) * 2.0f - 1.0f;
+    x.upload(host.data(), host.size() * 4);
+    xq = {q.as<int8_t>(), d.as<float>(), s.as<float>()};
+  }
+};
+
+}  // namespace llmq::cuda::lab
