@@ -43,20 +43,97 @@ void emit(const MemReport& r, bool json, const std::string& svg) {
   if (!svg.empty()) write_file(svg, render_svg({r}));
 }
 
+// llmq-mem infer's flags.
+struct InferCli {
+  std::string model_path, mem_budget, svg;
+  InferOptions io;
+  bool fit = false, json = false, ctx_given = false, parallel_given = false;
+};
+
+// --fit --device cuda: the most layers on the GPU within --gpu-mem (llmq-run --gpu-layers auto).
+int fit_gpu(const InferCli& a) {
+  const InferOptions& io = a.io;
+  if (!io.budget) throw UsageError("--fit --device cuda needs --gpu-mem (the GPU memory to plan for)");
+  auto f = LlmqFile::open(a.model_path, false);
+  const LlamaConfig c = file_config(*f);
+  const int64_t n = fit_gpu_layers(*f, c, io, *io.budget);
+  InferOptions o = io;
+  o.gpu_layers = n;
+  const nlohmann::json j = {{"fits", n >= 0}, {"gpu_budget", std::llround(*io.budget)}, {"gpu_layers", n}, {"n_layers", c.n_layers},
+                            {"gpu_total", n >= 0 ? plan_cuda(c, f->tensors(), io.ctx, io.n_batch, 1, n).total() : 0},
+                            {"note", "the CUDA context (measured at load by llmq-run) is not included: leave room for it"}};
+  std::printf("%s\n", j.dump(a.json ? 2 : -1).c_str());
+  if (n >= 0 && !a.svg.empty()) write_file(a.svg, render_svg({infer_report(a.model_path, o)}));
+  return n >= 0 ? 0 : 3;
+}
+
+// --fit on the CPU: the largest context, then the most parallel sequences, within the budget.
+int fit_cpu(const InferCli& a) {
+  const double budget = a.io.budget ? *a.io.budget : double(available_memory());
+  if (budget <= 0) throw UsageError("--fit needs --mem (MemAvailable is unknown here)");
+  auto f = LlmqFile::open(a.model_path, false);
+  const LlamaConfig c = file_config(*f);
+  const FitResult r = fit_inference(*f, c, a.io, budget, a.ctx_given, a.parallel_given);
+  std::printf("%s\n", fit_json(r, budget).dump(a.json ? 2 : -1).c_str());
+  if (!a.svg.empty()) {
+    InferOptions o = r.options;
+    o.budget = budget;
+    write_file(a.svg, render_svg({infer_report(a.model_path, o)}));
+  }
+  return r.fits ? 0 : 3;
+}
+
+int run_infer(InferCli& a) {
+  if (!a.mem_budget.empty()) a.io.budget = parse_size(a.mem_budget);
+  if (a.fit) return a.io.device == "cuda" ? fit_gpu(a) : fit_cpu(a);
+  emit(infer_report(a.model_path, a.io), a.json, a.svg);
+  return 0;
+}
+
+// llmq-mem train's flags.
+struct TrainCli {
+  std::string model_spec, precision = "mixed", optimizer = "adamw", ckpt = "none", off_opt = "none", off_par = "none",
+                          framework = "analytic", targets = "q,k,v,o", fsdp, gpu_mem, svg;
+  TrainOptions to;
+  bool no_flash = false, no_dq = false, rule = false, json = false;
+};
+
+int run_train(TrainCli& a) {
+  TrainOptions& to = a.to;
+  to.precision = precision_from_name(a.precision);
+  to.optimizer = optimizer_from_name(a.optimizer);
+  to.checkpointing = checkpointing_from_name(a.ckpt);
+  to.offload_optimizer = offload_from_name(a.off_opt);
+  to.offload_params = offload_from_name(a.off_par);
+  to.framework = framework_from_name(a.framework);
+  to.flash_attention = !a.no_flash;
+  to.double_quant = !a.no_dq;
+  to.lora_targets = split_commas(a.targets);
+  if (!a.fsdp.empty()) {
+    if (a.fsdp == "full") to.zero = 3;
+    else if (a.fsdp == "grad-op") to.zero = 2;
+    else throw UsageError("--fsdp must be full or grad-op");
+  }
+  const ModelShape shape = load_shape(a.model_spec);
+  MemReport r = estimate_training(shape, to);
+  if (!a.gpu_mem.empty()) r.budget = parse_size(a.gpu_mem);
+  if (a.rule) r.lines.push_back(rule_of_thumb_line(shape, r));
+  emit(r, a.json, a.svg);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"llmq-mem: memory of inference (the engine's allocation plan) and of training (per GPU), before loading"};
   app.require_subcommand(1);
-  bool json = false;
-  std::string svg, mem_budget, gpu_mem;
+  InferCli ia;
+  TrainCli ta;
 
   // ---- infer
   auto* inf = app.add_subcommand("infer", "memory of llmq-run / llmq-server for a .llmq model (exact on the CPU)");
-  std::string model_path;
-  InferOptions io;
-  bool fit = false;
-  inf->add_option("-m,--model", model_path, "model file (.llmq)")->required();
+  InferOptions& io = ia.io;
+  inf->add_option("-m,--model", ia.model_path, "model file (.llmq)")->required();
   auto* ctx_opt = inf->add_option("-c,--ctx", io.ctx, "tokens per sequence (default: the model's context, at most 4096)");
   auto* par_opt = inf->add_option("--parallel", io.parallel, "sequences at once (> 1: llmq-server's plan)");
   inf->add_flag("--server", io.server, "plan llmq-server even for one sequence");
@@ -67,106 +144,53 @@ int main(int argc, char** argv) {
   inf->add_option("--device", io.device, "cpu or cuda: the plan the engine allocates from (GPU 0; with --tp, weights and KV per rank only)");
   inf->add_option("--gpu-layers,--n-gpu-layers", io.gpu_layers, "with --device cuda: the last N layers on the GPU, the rest on the CPU (llmq-run's partial offload)");
   inf->add_option("--tp", io.tp, "tensor-parallel ranks: weights and KV per rank by the Megatron split (report only)");
-  inf->add_option("--mem,--gpu-mem", mem_budget, "memory budget, e.g. 8GiB (default for --fit: MemAvailable)");
-  inf->add_flag("--fit", fit,
+  inf->add_option("--mem,--gpu-mem", ia.mem_budget, "memory budget, e.g. 8GiB (default for --fit: MemAvailable)");
+  inf->add_flag("--fit", ia.fit,
                 "pick the largest context (multiple of 16), then the most parallel sequences, that fit the budget; print the plan "
                 "as JSON. --ctx / --parallel given are kept. GPU layer offload (--gpu-layers) needs the CUDA backend: not available yet");
-  inf->add_flag("--json", json, "JSON output");
-  inf->add_option("--svg", svg, "also write a stacked bar chart to this SVG file");
+  inf->add_flag("--json", ia.json, "JSON output");
+  inf->add_option("--svg", ia.svg, "also write a stacked bar chart to this SVG file");
 
   // ---- train
   auto* tr = app.add_subcommand("train", "peak memory per GPU of training / fine-tuning, line by line with formulas and sources");
-  std::string model_spec, precision = "mixed", optimizer = "adamw", ckpt = "none", off_opt = "none", off_par = "none",
-                          framework = "analytic", targets = "q,k,v,o", fsdp;
-  TrainOptions to;
-  bool no_flash = false, no_dq = false, rule = false;
-  tr->add_option("model", model_spec,
+  TrainOptions& to = ta.to;
+  tr->add_option("model", ta.model_spec,
                  "a preset (" + [] {
                    std::string s;
                    for (const auto& n : preset_names()) s += (s.empty() ? "" : ", ") + n;
                    return s;
                  }() + "), a .llmq or .gguf file, a config.json or a directory holding one")
       ->required();
-  tr->add_option("--precision", precision, "fp32 | fp16 / bf16 / mixed (16-bit compute, fp32 master) | pure-bf16");
-  tr->add_option("--optimizer", optimizer, "adam | adamw | adam8bit | sgd | sgd-momentum");
+  tr->add_option("--precision", ta.precision, "fp32 | fp16 / bf16 / mixed (16-bit compute, fp32 master) | pure-bf16");
+  tr->add_option("--optimizer", ta.optimizer, "adam | adamw | adam8bit | sgd | sgd-momentum");
   tr->add_option("-b,--micro-batch", to.micro_batch, "sequences per GPU per forward pass");
   tr->add_option("-s,--seq", to.seq_len, "sequence length");
   tr->add_option("--grad-accum", to.grad_accum, "micro-batches per optimizer step");
-  tr->add_option("--checkpointing", ckpt, "activation checkpointing: none | selective | full");
-  tr->add_flag("--no-flash", no_flash, "attention materializes the s x s matrices (no FlashAttention)");
+  tr->add_option("--checkpointing", ta.ckpt, "activation checkpointing: none | selective | full");
+  tr->add_flag("--no-flash", ta.no_flash, "attention materializes the s x s matrices (no FlashAttention)");
   tr->add_option("--lora-rank", to.lora_rank, "LoRA rank (0: full fine-tuning)");
-  tr->add_option("--lora-targets", targets, "LoRA target matrices: q,k,v,o,gate,up,down or all");
+  tr->add_option("--lora-targets", ta.targets, "LoRA target matrices: q,k,v,o,gate,up,down or all");
   tr->add_flag("--qlora", to.qlora, "QLoRA: NF4 base weights (with --lora-rank)");
-  tr->add_flag("--no-double-quant", no_dq, "QLoRA without double quantization of the NF4 constants");
+  tr->add_flag("--no-double-quant", ta.no_dq, "QLoRA without double quantization of the NF4 constants");
   tr->add_option("--dp", to.dp, "data-parallel ranks N_d (DDP or ZeRO)");
   tr->add_option("--zero", to.zero, "ZeRO stage 0-3");
-  tr->add_option("--fsdp", fsdp, "FSDP sharding: full (= ZeRO-3) or grad-op (= ZeRO-2)");
-  tr->add_option("--offload-optimizer", off_opt, "none | cpu | nvme");
-  tr->add_option("--offload-params", off_par, "none | cpu | nvme (ZeRO-3)");
+  tr->add_option("--fsdp", ta.fsdp, "FSDP sharding: full (= ZeRO-3) or grad-op (= ZeRO-2)");
+  tr->add_option("--offload-optimizer", ta.off_opt, "none | cpu | nvme");
+  tr->add_option("--offload-params", ta.off_par, "none | cpu | nvme (ZeRO-3)");
   tr->add_option("--tp", to.tp, "tensor-parallel degree");
   tr->add_option("--pp", to.pp, "pipeline-parallel degree (1F1B)");
   tr->add_flag("--sp", to.sequence_parallel, "sequence parallelism (with --tp)");
-  tr->add_option("--framework", framework, "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed");
-  tr->add_option("--gpu-mem", gpu_mem, "GPU memory to check against, e.g. 80GB");
-  tr->add_flag("--rule-of-thumb", rule, "add the '6x the weights' rule of thumb beside the estimate, with the difference explained");
-  tr->add_flag("--json", json, "JSON output");
-  tr->add_option("--svg", svg, "also write a stacked bar chart to this SVG file");
+  tr->add_option("--framework", ta.framework, "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed");
+  tr->add_option("--gpu-mem", ta.gpu_mem, "GPU memory to check against, e.g. 80GB");
+  tr->add_flag("--rule-of-thumb", ta.rule, "add the '6x the weights' rule of thumb beside the estimate, with the difference explained");
+  tr->add_flag("--json", ta.json, "JSON output");
+  tr->add_option("--svg", ta.svg, "also write a stacked bar chart to this SVG file");
 
   LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-mem", [&] {
-    if (inf->parsed()) {
-      if (!mem_budget.empty()) io.budget = parse_size(mem_budget);
-      if (fit && io.device == "cuda") {  // the most layers on the GPU within --gpu-mem (llmq-run --gpu-layers auto)
-        if (!io.budget) throw UsageError("--fit --device cuda needs --gpu-mem (the GPU memory to plan for)");
-        auto f = LlmqFile::open(model_path, false);
-        const LlamaConfig c = file_config(*f);
-        const int64_t n = fit_gpu_layers(*f, c, io, *io.budget);
-        InferOptions o = io;
-        o.gpu_layers = n;
-        const nlohmann::json j = {{"fits", n >= 0}, {"gpu_budget", std::llround(*io.budget)}, {"gpu_layers", n}, {"n_layers", c.n_layers},
-                                  {"gpu_total", n >= 0 ? plan_cuda(c, f->tensors(), io.ctx, io.n_batch, 1, n).total() : 0},
-                                  {"note", "the CUDA context (measured at load by llmq-run) is not included: leave room for it"}};
-        std::printf("%s\n", j.dump(json ? 2 : -1).c_str());
-        if (n >= 0 && !svg.empty()) write_file(svg, render_svg({infer_report(model_path, o)}));
-        return n >= 0 ? 0 : 3;
-      }
-      if (fit) {
-        const double budget = io.budget ? *io.budget : double(available_memory());
-        if (budget <= 0) throw UsageError("--fit needs --mem (MemAvailable is unknown here)");
-        auto f = LlmqFile::open(model_path, false);
-        const LlamaConfig c = file_config(*f);
-        const FitResult r = fit_inference(*f, c, io, budget, ctx_opt->count() > 0, par_opt->count() > 0);
-        std::printf("%s\n", fit_json(r, budget).dump(json ? 2 : -1).c_str());
-        if (!svg.empty()) {
-          InferOptions o = r.options;
-          o.budget = budget;
-          write_file(svg, render_svg({infer_report(model_path, o)}));
-        }
-        return r.fits ? 0 : 3;
-      }
-      emit(infer_report(model_path, io), json, svg);
-      return 0;
-    }
-    to.precision = precision_from_name(precision);
-    to.optimizer = optimizer_from_name(optimizer);
-    to.checkpointing = checkpointing_from_name(ckpt);
-    to.offload_optimizer = offload_from_name(off_opt);
-    to.offload_params = offload_from_name(off_par);
-    to.framework = framework_from_name(framework);
-    to.flash_attention = !no_flash;
-    to.double_quant = !no_dq;
-    to.lora_targets = split_commas(targets);
-    if (!fsdp.empty()) {
-      if (fsdp == "full") to.zero = 3;
-      else if (fsdp == "grad-op") to.zero = 2;
-      else throw UsageError("--fsdp must be full or grad-op");
-    }
-    const ModelShape shape = load_shape(model_spec);
-    MemReport r = estimate_training(shape, to);
-    if (!gpu_mem.empty()) r.budget = parse_size(gpu_mem);
-    if (rule) r.lines.push_back(rule_of_thumb_line(shape, r));
-    emit(r, json, svg);
-    return 0;
+    if (!inf->parsed()) return run_train(ta);
+    ia.ctx_given = ctx_opt->count() > 0, ia.parallel_given = par_opt->count() > 0;
+    return run_infer(ia);
   });
 }
