@@ -48,17 +48,10 @@ CudaModel::CudaModel(const Model& m, const ModelShard& shard, bool progress) : c
 
 CudaModel::CudaModel(const LlamaConfig& c, DType type, uint64_t seed) : c_(c) { build(nullptr, nullptr, type, seed, false); }
 
-// Two passes: first every tensor gets its offset in one allocation (recorded as a job), then
-// the allocation is made and each job uploads (or, synthetic, generates) its tensor.
-void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress) {
-  const LlamaConfig& c = c_;
-  const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
-  uint64_t total = 0;
-  auto take = [&](uint64_t bytes) {
-    const uint64_t off = total;
-    total += aligned(bytes);
-    return off;
-  };
+// What CudaModel::build uploads, in two passes: first every tensor gets its offset in one
+// allocation (a job), then the allocation is made and each job uploads (or, synthetic,
+// generates) its tensor.
+struct UploadPlan {
   struct MatJob {
     uint64_t off;
     DType type;
@@ -74,16 +67,23 @@ void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint6
   };
   std::vector<MatJob> mats;
   std::vector<VecJob> vecs;
-  auto mat = [&](DeviceWeight* dst, DType t, int64_t rows, int64_t cols, std::vector<Weight> parts) {
+  uint64_t total = 0;
+
+  uint64_t take(uint64_t bytes) {
+    const uint64_t off = total;
+    total += aligned(bytes);
+    return off;
+  }
+  void mat(DeviceWeight* dst, DType t, int64_t rows, int64_t cols, std::vector<Weight> parts) {
     if (t != DType::F32 && t != DType::F16 && t != DType::BF16 && !row_fits(t, cols))
       throw UsageError("CUDA: a matrix of " + std::to_string(cols) + " columns cannot be " + dtype_name(t));
     mats.push_back({take(split_weight_bytes(t, rows, cols)), t, rows, cols, std::move(parts), dst});
-  };
-  auto vec = [&](const float** dst, int64_t n, std::vector<std::pair<const float*, int64_t>> parts) {
+  }
+  void vec(const float** dst, int64_t n, std::vector<std::pair<const float*, int64_t>> parts) {
     vecs.push_back({take(uint64_t(n) * 4), std::move(parts), n, dst});
-  };
-  // Stacks matrices of one type into one matrix (one view) or keeps them apart (one each).
-  auto stacked = [&](std::vector<DeviceWeight>& views, const std::vector<const Weight*>& ws, int64_t cols) {
+  }
+  // Matrices of one type stacked into one matrix (one view), or kept apart (one each).
+  void stacked(std::vector<DeviceWeight>& views, const std::vector<const Weight*>& ws, int64_t cols) {
     bool same = true;
     for (const Weight* w : ws) same = same && w->type == ws[0]->type;
     if (same) {
@@ -92,79 +92,99 @@ void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint6
       std::vector<Weight> parts;
       for (const Weight* w : ws) rows += w->rows, parts.push_back(*w);
       mat(&views[0], ws[0]->type, rows, cols, parts);
-    } else {
-      views.resize(ws.size());
-      for (size_t i = 0; i < ws.size(); ++i) mat(&views[i], ws[i]->type, ws[i]->rows, cols, {*ws[i]});
+      return;
     }
-  };
-
-  layers.resize(size_t(c.n_layers - first_layer_));
-  if (m) {
-    // A tensor-parallel shard: its slices (row ranges and column copies), the config its widths.
-    const std::vector<LayerWeights>& src = shard ? shard->layers : m->layers;
-    const Weight& out = shard ? shard->output : m->output;
-    if (first_layer_ == 0 || c.tied_embeddings) mat(&token_embd, m->token_embd.type, V, D, {m->token_embd});
-    for (int64_t i = first_layer_; i < c.n_layers; ++i) {
-      const LayerWeights& l = src[size_t(i)];
-      DeviceLayer& d = layers[size_t(i - first_layer_)];
-      vec(&d.attn_norm, D, {{l.attn_norm, D}});
-      stacked(d.qkv, {&l.wq, &l.wk, &l.wv}, D);
-      if (l.bq) vec(&d.bqkv, Q + 2 * KV, {{l.bq, Q}, {l.bk, KV}, {l.bv, KV}});
-      mat(&d.wo, l.wo.type, D, Q, {l.wo});
-      if (l.bo) vec(&d.bo, D, {{l.bo, D}});
-      vec(&d.ffn_norm, D, {{l.ffn_norm, D}});
-      stacked(d.gate_up, {&l.w_gate, &l.w_up}, D);
-      mat(&d.w_down, l.w_down.type, D, H, {l.w_down});
-    }
-    vec(&output_norm, D, {{m->output_norm, D}});
-    if (!c.tied_embeddings && out.rows > 0) mat(&output, out.type, out.rows, D, {out});  // rank 0's, under TP
-  } else {
-    mat(&token_embd, type, V, D, {});
-    for (DeviceLayer& d : layers) {
-      vec(&d.attn_norm, D, {});
-      d.qkv.resize(1);
-      mat(&d.qkv[0], type, Q + 2 * KV, D, {});
-      mat(&d.wo, type, D, Q, {});
-      vec(&d.ffn_norm, D, {});
-      d.gate_up.resize(1);
-      mat(&d.gate_up[0], type, 2 * H, D, {});
-      mat(&d.w_down, type, D, H, {});
-    }
-    vec(&output_norm, D, {});
-    if (!c.tied_embeddings) mat(&output, type, V, D, {});
+    views.resize(ws.size());
+    for (size_t i = 0; i < ws.size(); ++i) mat(&views[i], ws[i]->type, ws[i]->rows, cols, {*ws[i]});
   }
+};
 
+namespace {
+
+// Uploads a matrix job's host rows in the split layout (matmul.h). Returns its bytes.
+uint64_t upload_matrix(const UploadPlan::MatJob& j, uint8_t* base, std::vector<uint8_t>& file_rows, std::vector<uint8_t>& split) {
+  const size_t rb = row_bytes(j.type, j.cols), bytes = size_t(j.rows) * rb;
+  file_rows.resize(bytes);
+  size_t at = 0;
+  for (const Weight& w : j.parts) {
+    std::memcpy(file_rows.data() + at, w.data, size_t(w.rows) * rb);
+    at += size_t(w.rows) * rb;
+  }
+  split.resize(bytes);
+  split_weight(j.type, file_rows.data(), j.rows, j.cols, split.data());
+  check(cudaMemcpy(base + j.off, split.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy (weights)");
+  return bytes;
+}
+
+}  // namespace
+
+// The jobs of a host model (or a tensor-parallel shard: its slices, the config its widths).
+void CudaModel::plan_host(UploadPlan& u, const Model& m, const ModelShard* shard) {
+  const LlamaConfig& c = c_;
+  const int64_t D = c.dim, Q = c.n_heads * c.head_dim, KV = c.n_kv_heads * c.head_dim, H = c.hidden_dim, V = c.vocab_size;
+  const std::vector<LayerWeights>& src = shard ? shard->layers : m.layers;
+  const Weight& out = shard ? shard->output : m.output;
+  if (first_layer_ == 0 || c.tied_embeddings) u.mat(&token_embd, m.token_embd.type, V, D, {m.token_embd});
+  for (int64_t i = first_layer_; i < c.n_layers; ++i) {
+    const LayerWeights& l = src[size_t(i)];
+    DeviceLayer& d = layers[size_t(i - first_layer_)];
+    u.vec(&d.attn_norm, D, {{l.attn_norm, D}});
+    u.stacked(d.qkv, {&l.wq, &l.wk, &l.wv}, D);
+    if (l.bq) u.vec(&d.bqkv, Q + 2 * KV, {{l.bq, Q}, {l.bk, KV}, {l.bv, KV}});
+    u.mat(&d.wo, l.wo.type, D, Q, {l.wo});
+    if (l.bo) u.vec(&d.bo, D, {{l.bo, D}});
+    u.vec(&d.ffn_norm, D, {{l.ffn_norm, D}});
+    u.stacked(d.gate_up, {&l.w_gate, &l.w_up}, D);
+    u.mat(&d.w_down, l.w_down.type, D, H, {l.w_down});
+  }
+  u.vec(&output_norm, D, {{m.output_norm, D}});
+  if (!c.tied_embeddings && out.rows > 0) u.mat(&output, out.type, out.rows, D, {out});  // rank 0's, under TP
+}
+
+// The jobs of a synthetic model: every matrix of `type`, norms of ones.
+void CudaModel::plan_synthetic(UploadPlan& u, DType type) {
+  const LlamaConfig& c = c_;
+  const int64_t D = c.dim, Q = c.n_heads * c.head_dim, KV = c.n_kv_heads * c.head_dim, H = c.hidden_dim, V = c.vocab_size;
+  u.mat(&token_embd, type, V, D, {});
+  for (DeviceLayer& d : layers) {
+    u.vec(&d.attn_norm, D, {});
+    d.qkv.resize(1);
+    u.mat(&d.qkv[0], type, Q + 2 * KV, D, {});
+    u.mat(&d.wo, type, D, Q, {});
+    u.vec(&d.ffn_norm, D, {});
+    d.gate_up.resize(1);
+    u.mat(&d.gate_up[0], type, 2 * H, D, {});
+    u.mat(&d.w_down, type, D, H, {});
+  }
+  u.vec(&output_norm, D, {});
+  if (!c.tied_embeddings) u.mat(&output, type, V, D, {});
+}
+
+void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress) {
+  layers.resize(size_t(c_.n_layers - first_layer_));
+  UploadPlan u;
+  if (m) plan_host(u, *m, shard);
+  else plan_synthetic(u, type);
   const uint64_t free0 = mem_info().free;
-  buf_ = DeviceBuffer(total);
+  buf_ = DeviceBuffer(u.total);
   measured_ = free0 - mem_info().free;
   uint8_t* base = buf_.as<uint8_t>();
   std::vector<uint8_t> file_rows, split;
-  uint64_t done = 0, shown = 0;
-  uint64_t k = 0;
-  for (MatJob& j : mats) {
+  uint64_t done = 0, shown = 0, k = 0;
+  for (UploadPlan::MatJob& j : u.mats) {
     *j.dst = split_weight_view(j.type, j.rows, j.cols, base + j.off);
     if (!m) {
       fill_random(*j.dst, seed * 1000003 + k++, nullptr);
       continue;
     }
-    const size_t rb = row_bytes(j.type, j.cols), bytes = size_t(j.rows) * rb;
-    file_rows.resize(bytes);
-    size_t at = 0;
-    for (const Weight& w : j.parts) {
-      std::memcpy(file_rows.data() + at, w.data, size_t(w.rows) * rb);
-      at += size_t(w.rows) * rb;
-    }
-    split.resize(bytes);
-    split_weight(j.type, file_rows.data(), j.rows, j.cols, split.data());
-    check(cudaMemcpy(base + j.off, split.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy (weights)");
-    done += bytes;
-    if (progress && (done - shown) * 20 >= total) {
+    done += upload_matrix(j, base, file_rows, split);
+    if (progress && (done - shown) * 20 >= u.total) {
       shown = done;
-      std::fprintf(stderr, "\rllmq: uploading weights to the GPU: %3d%%", int(100 * done / std::max<uint64_t>(total, 1)));
+      std::fprintf(stderr, "\rllmq: uploading weights to the GPU: %3d%%", int(100 * done / std::max<uint64_t>(u.total, 1)));
     }
   }
   if (progress && shown) std::fprintf(stderr, "\rllmq: uploading weights to the GPU: 100%%\n");
-  for (VecJob& j : vecs) {
+  for (UploadPlan::VecJob& j : u.vecs) {
     auto* p = reinterpret_cast<float*>(base + j.off);
     *j.dst = p;
     std::vector<float> host(size_t(j.n), 1.0f);
@@ -172,7 +192,7 @@ void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint6
     for (const auto& [src, n] : j.parts) std::copy(src, src + n, host.begin() + ptrdiff_t(at)), at += size_t(n);
     check(cudaMemcpy(p, host.data(), host.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy (vectors)");
   }
-  if (c.tied_embeddings && (!shard || shard->output.rows > 0)) output = token_embd;
+  if (c_.tied_embeddings && (!shard || shard->output.rows > 0)) output = token_embd;
   check(cudaDeviceSynchronize(), "upload");
 }
 

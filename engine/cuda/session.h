@@ -31,6 +31,8 @@ struct DeviceLayer {
   DeviceWeight w_down;                 // [D, H]
 };
 
+struct UploadPlan;  // CudaModel's upload jobs (session.cpp)
+
 /// A model's weights on the current GPU, in one device allocation: every matrix in the split
 /// layout of matmul.h (the file's bytes rearranged, none added), norms and biases as fp32.
 /// Q/K/V (and gate/up) of the same type are stored as one matrix, so one GEMV reads them.
@@ -72,6 +74,8 @@ class CudaModel {
 
  private:
   void build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress);
+  void plan_host(UploadPlan& u, const Model& m, const ModelShard* shard);  // the upload jobs of a host model or shard
+  void plan_synthetic(UploadPlan& u, DType type);                          // ... of random weights
   LlamaConfig c_;
   GqaSlice gqa_;  // an uneven GQA split's head mapping (attention.h)
   int64_t first_layer_ = 0;
