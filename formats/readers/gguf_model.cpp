@@ -41,150 +41,166 @@ const char* file_type_name(int64_t ft) {
   return it == names.end() ? nullptr : it->second;
 }
 
+// The llama hyper-parameters (llama.cpp's LLM_KV names for arch "llama"), but the vocabulary
+// size and the tensor-dependent flags, which read_gguf_model fills. Throws FileError.
+LlamaConfig gguf_llama_config(const GgufFile& g, const std::string& path) {
+  const GgufValue* arch_v = g.find("general.architecture");
+  if (!arch_v) throw FileError(path, "GGUF model has no general.architecture key");
+  const std::string& arch = arch_v->as_string("general.architecture");
+  if (arch != "llama") throw FileError(path, "GGUF architecture '" + arch + "' is not supported (llmq converts: llama)");
+  auto need = [&](const std::string& key) -> const GgufValue& {
+    const GgufValue* v = g.find(key);
+    if (!v) throw FileError(path, "GGUF model lacks the required key " + key);
+    return *v;
+  };
+  auto get_int = [&](const std::string& key) { return need(key).as_int(key); };
+  auto get_int_or = [&](const std::string& key, int64_t fallback) {
+    const GgufValue* v = g.find(key);
+    return v ? v->as_int(key) : fallback;
+  };
+  auto get_float_or = [&](const std::string& key, double fallback) {
+    const GgufValue* v = g.find(key);
+    return v ? v->as_float(key) : fallback;
+  };
+  LlamaConfig c;
+  c.dim = get_int("llama.embedding_length");
+  c.hidden_dim = get_int("llama.feed_forward_length");
+  c.n_layers = get_int("llama.block_count");
+  c.n_heads = get_int("llama.attention.head_count");
+  c.n_kv_heads = get_int_or("llama.attention.head_count_kv", c.n_heads);
+  const int64_t default_head_dim = c.n_heads > 0 ? c.dim / c.n_heads : 0;
+  // As llama.cpp: head_dim = key_length (default dim / heads); rope.dimension_count (n_rot)
+  // defaults to head_dim and must equal it for llama (no partial rotary embedding).
+  c.head_dim = get_int_or("llama.attention.key_length", default_head_dim);
+  if (const GgufValue* vl = g.find("llama.attention.value_length"))
+    if (vl->as_int("llama.attention.value_length") != c.head_dim)
+      throw FileError(path, "llama.attention.value_length differs from the key length (not supported)");
+  if (const GgufValue* rd = g.find("llama.rope.dimension_count"))
+    if (rd->as_int("llama.rope.dimension_count") != c.head_dim)
+      throw FileError(path, "partial RoPE (llama.rope.dimension_count " + std::to_string(rd->as_int("llama.rope.dimension_count")) +
+                                " != head_dim " + std::to_string(c.head_dim) + ") is not supported");
+  c.context_length = get_int("llama.context_length");
+  c.norm_eps = need("llama.attention.layer_norm_rms_epsilon").as_float("llama.attention.layer_norm_rms_epsilon");
+  c.rope_theta = get_float_or("llama.rope.freq_base", 10000.0);
+  if (!std::isfinite(c.rope_theta) || !std::isfinite(c.norm_eps))
+    throw FileError(path, "llama.rope.freq_base and llama.attention.layer_norm_rms_epsilon must be finite");
+  c.rope_layout = RopeLayout::Interleaved;  // llama.cpp's converter stores Q/K in Meta order
+  if (const GgufValue* st = g.find("llama.rope.scaling.type")) {
+    const std::string& s = st->as_string("llama.rope.scaling.type");
+    const double factor = get_float_or("llama.rope.scaling.factor", 1.0);
+    if (s != "none" && factor != 1.0) throw FileError(path, "RoPE scaling '" + s + "' is not supported");
+  }
+  if (const GgufValue* ex = g.find("llama.expert_count"))
+    if (ex->as_int("llama.expert_count") > 0) throw FileError(path, "mixture-of-experts models are not supported");
+  return c;
+}
+
+// Tensors beyond the llama table: known-harmless ones pass (RoPE frequency factors of all ones),
+// anything else is refused.
+void check_extra_tensors(const GgufFile& g, const LlamaConfig& c, const std::vector<TensorSpec>& table, const std::string& path) {
+  std::set<std::string> expected;
+  for (const TensorSpec& s : table) expected.insert(s.name);
+  for (const GgufTensor& t : g.tensors()) {
+    if (expected.count(t.name)) continue;
+    if (t.name == "rope_freqs.weight") {
+      // RoPE frequency factors (Llama 3.1 style scaling). All ones changes nothing; anything
+      // else changes the model, which llmq's RoPE does not model.
+      bool ones = ggml_dequant_supported(t.type) && t.shape.size() == 1 && t.shape[0] == c.head_dim / 2;
+      if (ones) {
+        std::vector<float> f(size_t(t.shape[0]));
+        ggml_dequantize_row(t.type, t.data, f.data(), t.shape[0]);
+        for (float x : f) ones = ones && x == 1.0f;
+      }
+      if (ones) continue;
+      throw FileError(path, "tensor 'rope_freqs.weight' (RoPE frequency factors) is not supported");
+    }
+    throw FileError(path, "unexpected tensor '" + t.name + "' (not part of the llama architecture)");
+  }
+}
+
+// The table's tensor `spec` from the file: its raw bytes when llmq has its type, and readers
+// that dequantize rows to fp32 and release the pages afterwards.
+SourceTensor gguf_source_tensor(const std::shared_ptr<GgufFile>& g, const TensorSpec& spec, const std::string& path) {
+  const GgufTensor* t = g->find_tensor(spec.name);
+  if (!t) throw FileError(path, "missing tensor '" + spec.name + "'");
+  if (t->shape != spec.shape)
+    throw FileError(path, "tensor '" + spec.name + "' has shape " + shape_str(t->shape) + ", expected " + shape_str(spec.shape));
+  if (!ggml_dequant_supported(t->type))
+    throw FileError(path, "tensor '" + spec.name + "' has type " + type_name(t->type) + ", which llmq cannot convert (supported: " +
+                              kSupportedTypes + ")");
+  SourceTensor st;
+  st.name = spec.name;
+  st.shape = spec.shape;
+  if (dtype_known(t->type)) {
+    st.raw_type = DType(t->type);
+    st.raw = t->data;
+  }
+  const uint32_t type = t->type;
+  const uint8_t* data = t->data;
+  const int64_t cols = spec.shape.back();
+  const int64_t rows = st.numel() / cols;
+  const uint64_t rb = t->nbytes / uint64_t(rows);
+  std::shared_ptr<GgufFile> keep = g;
+  st.read = [keep, type, data, rows, cols, rb](float* out) {
+    for (int64_t r = 0; r < rows; ++r) ggml_dequantize_row(type, data + uint64_t(r) * rb, out + r * cols, cols);
+  };
+  // Done with the tensor: drop its whole pages from the resident set (the mapping is read-only
+  // and private, so they are simply read again if ever touched).
+  const uint64_t nbytes = t->nbytes;
+  st.release = [keep, data, nbytes] { keep->mapping()->release(data, nbytes); };
+  return st;
+}
+
+// "GGUF v3 (Q4_1)": the file type named by general.file_type, else the type of most weights.
+std::string gguf_format(const GgufFile& g, const std::map<uint32_t, int64_t>& weights_by_type) {
+  std::string ftype;
+  if (const GgufValue* ft = g.find("general.file_type"); ft && ft->is_int() && ft->u <= uint64_t(INT64_MAX))
+    if (const char* n = file_type_name(ft->as_int("general.file_type"))) ftype = n;
+  if (ftype.empty() && !weights_by_type.empty()) {
+    auto best = weights_by_type.begin();
+    for (auto it = weights_by_type.begin(); it != weights_by_type.end(); ++it)
+      if (it->second > best->second) best = it;
+    ftype = type_name(best->first);
+  }
+  return "GGUF v" + std::to_string(g.version()) + (ftype.empty() ? "" : " (" + ftype + ")");
+}
+
 }  // namespace
 
 SourceModel read_gguf_model(const std::string& path) {
   std::shared_ptr<GgufFile> g = GgufFile::open(path);
   SourceModel sm;
   try {
-    // --- architecture and hyper-parameters (llama.cpp's LLM_KV names for arch "llama")
-    const GgufValue* arch_v = g->find("general.architecture");
-    if (!arch_v) throw FileError(path, "GGUF model has no general.architecture key");
-    const std::string& arch = arch_v->as_string("general.architecture");
-    if (arch != "llama")
-      throw FileError(path, "GGUF architecture '" + arch + "' is not supported (llmq converts: llama)");
-    auto need = [&](const std::string& key) -> const GgufValue& {
-      const GgufValue* v = g->find(key);
-      if (!v) throw FileError(path, "GGUF model lacks the required key " + key);
-      return *v;
-    };
-    auto get_int = [&](const std::string& key) { return need(key).as_int(key); };
-    auto get_int_or = [&](const std::string& key, int64_t fallback) {
-      const GgufValue* v = g->find(key);
-      return v ? v->as_int(key) : fallback;
-    };
-    auto get_float_or = [&](const std::string& key, double fallback) {
-      const GgufValue* v = g->find(key);
-      return v ? v->as_float(key) : fallback;
-    };
     LlamaConfig& c = sm.config;
-    c.dim = get_int("llama.embedding_length");
-    c.hidden_dim = get_int("llama.feed_forward_length");
-    c.n_layers = get_int("llama.block_count");
-    c.n_heads = get_int("llama.attention.head_count");
-    c.n_kv_heads = get_int_or("llama.attention.head_count_kv", c.n_heads);
-    const int64_t default_head_dim = c.n_heads > 0 ? c.dim / c.n_heads : 0;
-    // As llama.cpp: head_dim = key_length (default dim / heads); rope.dimension_count (n_rot)
-    // defaults to head_dim and must equal it for llama (no partial rotary embedding).
-    c.head_dim = get_int_or("llama.attention.key_length", default_head_dim);
-    if (const GgufValue* vl = g->find("llama.attention.value_length"))
-      if (vl->as_int("llama.attention.value_length") != c.head_dim)
-        throw FileError(path, "llama.attention.value_length differs from the key length (not supported)");
-    if (const GgufValue* rd = g->find("llama.rope.dimension_count"))
-      if (rd->as_int("llama.rope.dimension_count") != c.head_dim)
-        throw FileError(path, "partial RoPE (llama.rope.dimension_count " +
-                                  std::to_string(rd->as_int("llama.rope.dimension_count")) + " != head_dim " +
-                                  std::to_string(c.head_dim) + ") is not supported");
-    c.context_length = get_int("llama.context_length");
-    c.norm_eps = need("llama.attention.layer_norm_rms_epsilon").as_float("llama.attention.layer_norm_rms_epsilon");
-    c.rope_theta = get_float_or("llama.rope.freq_base", 10000.0);
-    if (!std::isfinite(c.rope_theta) || !std::isfinite(c.norm_eps))
-      throw FileError(path, "llama.rope.freq_base and llama.attention.layer_norm_rms_epsilon must be finite");
-    c.rope_layout = RopeLayout::Interleaved;  // llama.cpp's converter stores Q/K in Meta order
-    if (const GgufValue* st = g->find("llama.rope.scaling.type")) {
-      const std::string& s = st->as_string("llama.rope.scaling.type");
-      const double factor = get_float_or("llama.rope.scaling.factor", 1.0);
-      if (s != "none" && factor != 1.0)
-        throw FileError(path, "RoPE scaling '" + s + "' is not supported");
-    }
-    if (const GgufValue* ex = g->find("llama.expert_count"))
-      if (ex->as_int("llama.expert_count") > 0) throw FileError(path, "mixture-of-experts models are not supported");
-
-    // --- tokenizer (its token count is the vocabulary size)
+    c = gguf_llama_config(*g, path);
+    // The tokenizer (its token count is the vocabulary size).
     sm.vocab = vocab_from_gguf(*g);
     sm.has_vocab = true;
-    c.vocab_size = get_int_or("llama.vocab_size", int64_t(sm.vocab.size()));
+    const GgufValue* vs = g->find("llama.vocab_size");
+    c.vocab_size = vs ? vs->as_int("llama.vocab_size") : int64_t(sm.vocab.size());
     if (c.vocab_size != int64_t(sm.vocab.size()))
-      throw FileError(path, "llama.vocab_size " + std::to_string(c.vocab_size) + " differs from the " +
-                                std::to_string(sm.vocab.size()) + " tokens of tokenizer.ggml.tokens");
+      throw FileError(path, "llama.vocab_size " + std::to_string(c.vocab_size) + " differs from the " + std::to_string(sm.vocab.size()) +
+                                " tokens of tokenizer.ggml.tokens");
     if (const GgufValue* ct = g->find("tokenizer.chat_template")) sm.chat_template = ct->as_string("tokenizer.chat_template");
     c.tied_embeddings = g->find_tensor("output.weight") == nullptr;
-    // Attention biases (a llama GGUF of a checkpoint with attention_bias): then every layer
-    // must have them (the table asks for them).
-    c.attn_qkv_bias = g->find_tensor("blk.0.attn_q.bias") || g->find_tensor("blk.0.attn_k.bias") ||
-                      g->find_tensor("blk.0.attn_v.bias");
+    // Attention biases (a llama GGUF of a checkpoint with attention_bias): then every layer must
+    // have them (the table asks for them).
+    c.attn_qkv_bias = g->find_tensor("blk.0.attn_q.bias") || g->find_tensor("blk.0.attn_k.bias") || g->find_tensor("blk.0.attn_v.bias");
     c.attn_out_bias = g->find_tensor("blk.0.attn_output.bias") != nullptr;
     try {
       c.validate();
     } catch (const UsageError& e) {
       throw FileError(path, std::string("GGUF llama hyper-parameters: ") + e.what());
     }
-
-    // --- tensors: exactly the llama table, plus known-harmless extras
+    // The tensors: exactly the llama table, plus known-harmless extras.
     const std::vector<TensorSpec> table = llama_tensor_table(c);
-    std::set<std::string> expected;
-    for (const TensorSpec& s : table) expected.insert(s.name);
-    for (const GgufTensor& t : g->tensors()) {
-      if (expected.count(t.name)) continue;
-      if (t.name == "rope_freqs.weight") {
-        // RoPE frequency factors (Llama 3.1 style scaling). All ones changes nothing; anything
-        // else changes the model, which llmq's RoPE does not model.
-        bool ones = ggml_dequant_supported(t.type) && t.shape.size() == 1 && t.shape[0] == c.head_dim / 2;
-        if (ones) {
-          std::vector<float> f(size_t(t.shape[0]));
-          ggml_dequantize_row(t.type, t.data, f.data(), t.shape[0]);
-          for (float x : f) ones = ones && x == 1.0f;
-        }
-        if (ones) continue;
-        throw FileError(path, "tensor 'rope_freqs.weight' (RoPE frequency factors) is not supported");
-      }
-      throw FileError(path, "unexpected tensor '" + t.name + "' (not part of the llama architecture)");
-    }
+    check_extra_tensors(*g, c, table, path);
     std::map<uint32_t, int64_t> weights_by_type;  // 2-D tensors only, for the format line
     for (const TensorSpec& spec : table) {
-      const GgufTensor* t = g->find_tensor(spec.name);
-      if (!t) throw FileError(path, "missing tensor '" + spec.name + "'");
-      if (t->shape != spec.shape)
-        throw FileError(path, "tensor '" + spec.name + "' has shape " + shape_str(t->shape) + ", expected " +
-                                  shape_str(spec.shape));
-      if (!ggml_dequant_supported(t->type))
-        throw FileError(path, "tensor '" + spec.name + "' has type " + type_name(t->type) +
-                                  ", which llmq cannot convert (supported: " + kSupportedTypes + ")");
-      SourceTensor st;
-      st.name = spec.name;
-      st.shape = spec.shape;
-      if (dtype_known(t->type)) {
-        st.raw_type = DType(t->type);
-        st.raw = t->data;
-      }
-      const uint32_t type = t->type;
-      const uint8_t* data = t->data;
-      const int64_t cols = spec.shape.back();
-      const int64_t rows = st.numel() / cols;
-      const uint64_t rb = t->nbytes / uint64_t(rows);
-      std::shared_ptr<GgufFile> keep = g;
-      st.read = [keep, type, data, rows, cols, rb](float* out) {
-        for (int64_t r = 0; r < rows; ++r) ggml_dequantize_row(type, data + uint64_t(r) * rb, out + r * cols, cols);
-      };
-      // Done with the tensor: drop its whole pages from the resident set (the mapping is
-      // read-only and private, so they are simply read again if ever touched).
-      const uint64_t nbytes = t->nbytes;
-      st.release = [keep, data, nbytes] { keep->mapping()->release(data, nbytes); };
-      if (spec.shape.size() >= 2) weights_by_type[type] += st.numel();
-      sm.tensors.push_back(std::move(st));
+      sm.tensors.push_back(gguf_source_tensor(g, spec, path));
+      if (spec.shape.size() >= 2) weights_by_type[g->find_tensor(spec.name)->type] += sm.tensors.back().numel();
     }
-
-    // --- format line: "GGUF v3 (Q4_1)"
-    std::string ftype;
-    if (const GgufValue* ft = g->find("general.file_type"); ft && ft->is_int() && ft->u <= uint64_t(INT64_MAX))
-      if (const char* n = file_type_name(ft->as_int("general.file_type"))) ftype = n;
-    if (ftype.empty() && !weights_by_type.empty()) {
-      auto best = weights_by_type.begin();
-      for (auto it = weights_by_type.begin(); it != weights_by_type.end(); ++it)
-        if (it->second > best->second) best = it;
-      ftype = type_name(best->first);
-    }
-    sm.format = "GGUF v" + std::to_string(g->version()) + (ftype.empty() ? "" : " (" + ftype + ")");
+    sm.format = gguf_format(*g, weights_by_type);
   } catch (const MetadataError& e) {
     throw FileError(path, e.what());
   } catch (const UsageError& e) {
