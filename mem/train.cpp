@@ -226,6 +226,51 @@ struct Phase {
   double total() const { return w + g + s + act + temp + comm; }
 };
 
+// pytorch_estimate's report of its peak phase P (raw bytes) whose allocator blocks total
+// blocks_total: one line per kind, formulas and sources beside them.
+MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, const ModelShape& m, const TrainOptions& o) {
+  const bool autocast = o.precision == Precision::Mixed, bf16 = o.precision == Precision::BF16;
+  const double p = bf16 ? 2 : 4;              // parameter (and gradient, state) bytes
+  const double c = autocast || bf16 ? 2 : 4;  // compute (matmul output) bytes
+  const double res = bf16 ? 2 : 4;            // residual stream bytes
+  MemReport r;
+  r.device = "gpu 0";
+  const std::string prec = autocast ? "fp32 parameters + bf16 autocast" : bf16 ? "pure bf16" : "fp32";
+  r.lines.push_back({"parameters", P.w, fmt::format("{} B x Ψ = {} x {}", p, p, num(double(m.params()))), kTorch, Place::Device, Basis::Formula});
+  r.lines.push_back({"gradients", P.g, fmt::format("{} B x parameters whose gradient exists at the peak", p), kTorch, Place::Device, Basis::Formula});
+  r.lines.push_back({"optimizer states", P.s,
+                     o.optimizer == Optimizer::Adam ? fmt::format("exp_avg + exp_avg_sq: 2 x {} B x Ψ", p)
+                     : o.optimizer == Optimizer::SGDMomentum ? fmt::format("momentum buffer: {} B x Ψ", p)
+                     : o.optimizer == Optimizer::Adam8bit ? "2 x 1 B x Ψ + fp32 absmax per 2048 (bitsandbytes)"
+                                                          : "none",
+                     o.optimizer == Optimizer::Adam8bit ? k8bit : kTorch, Place::Device, Basis::Formula});
+  r.lines.push_back({"activations (saved for backward)", P.act,
+                     fmt::format("per layer {}: 2·(res·sbh + 4sb + c·sbh) + 2c·sb·q + 2c·sb·kv + {} + 4c·sbH; head res·sbh + 4sb + c·sbh + "
+                                 "4sbV; res={} c={} s={} b={}",
+                                 o.checkpointing == Checkpointing::Full ? "(checkpointed: res·sbh kept, one layer recomputed)" : "",
+                                 o.flash_attention ? "lse 4bas" : "probs c·bas²", res, c, o.seq_len, o.micro_batch),
+                     std::string(kKorth) + " (method); bench/train_mem.py (tensors)", Place::Device, Basis::Formula});
+  r.lines.push_back({"temporary buffers", P.temp,
+                     "at the peak: autocast weight copies 2 B x Linear params, loss gradients 4sbV each, layer-backward gradients, "
+                     "AdamW foreach sqrt(exp_avg_sq) copy",
+                     kTorch, Place::Device, Basis::Formula});
+  if (P.comm > 0)
+    r.lines.push_back({"communication: DDP gradient buckets", P.comm, "one copy of the gradients", kTorch, Place::Device, Basis::Formula});
+  r.lines.push_back({"allocator rounding", blocks_total - P.total(),
+                     "Σ per tensor (round_up(n, 512) - n), large segments to 2 MiB when < 1 MiB would remain", kTorch, Place::Device,
+                     Basis::Formula});
+  r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes,
+                     "assumed constant; not in torch.cuda.max_memory_allocated (not measured here)", kKo2, Place::GpuOther, Basis::Assumed});
+  if (o.dp > 1)
+    r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
+                       Basis::Assumed});
+  r.notes.push_back(fmt::format("peak phase: {} (of {} phases modelled); precision {}", P.name, n_phases, prec));
+  r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
+  r.extra["peak_phase"] = P.name;
+  r.extra["predicted_max_memory_allocated"] = std::llround(blocks_total);
+  return r;
+}
+
 MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
   if (o.tp != 1 || o.pp != 1 || o.zero != 0 || o.lora_rank > 0 || o.offload_optimizer != Offload::None ||
       o.offload_params != Offload::None || o.checkpointing == Checkpointing::Selective || m.gpt)
@@ -310,44 +355,7 @@ MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
   size_t peak = 0;
   for (size_t i = 0; i < blk.size(); ++i)
     if (blk[i].total() > blk[peak].total()) peak = i;
-  const Phase& P = raw[peak];
-
-  MemReport r;
-  r.device = "gpu 0";
-  const std::string prec = autocast ? "fp32 parameters + bf16 autocast" : bf16 ? "pure bf16" : "fp32";
-  r.lines.push_back({"parameters", P.w, fmt::format("{} B x Ψ = {} x {}", p, p, num(double(m.params()))), kTorch, Place::Device, Basis::Formula});
-  r.lines.push_back({"gradients", P.g, fmt::format("{} B x parameters whose gradient exists at the peak", p), kTorch, Place::Device, Basis::Formula});
-  r.lines.push_back({"optimizer states", P.s,
-                     o.optimizer == Optimizer::Adam ? fmt::format("exp_avg + exp_avg_sq: 2 x {} B x Ψ", p)
-                     : o.optimizer == Optimizer::SGDMomentum ? fmt::format("momentum buffer: {} B x Ψ", p)
-                     : o.optimizer == Optimizer::Adam8bit ? "2 x 1 B x Ψ + fp32 absmax per 2048 (bitsandbytes)"
-                                                          : "none",
-                     o.optimizer == Optimizer::Adam8bit ? k8bit : kTorch, Place::Device, Basis::Formula});
-  r.lines.push_back({"activations (saved for backward)", P.act,
-                     fmt::format("per layer {}: 2·(res·sbh + 4sb + c·sbh) + 2c·sb·q + 2c·sb·kv + {} + 4c·sbH; head res·sbh + 4sb + c·sbh + "
-                                 "4sbV; res={} c={} s={} b={}",
-                                 o.checkpointing == Checkpointing::Full ? "(checkpointed: res·sbh kept, one layer recomputed)" : "",
-                                 o.flash_attention ? "lse 4bas" : "probs c·bas²", res, c, o.seq_len, o.micro_batch),
-                     std::string(kKorth) + " (method); bench/train_mem.py (tensors)", Place::Device, Basis::Formula});
-  r.lines.push_back({"temporary buffers", P.temp,
-                     "at the peak: autocast weight copies 2 B x Linear params, loss gradients 4sbV each, layer-backward gradients, "
-                     "AdamW foreach sqrt(exp_avg_sq) copy",
-                     kTorch, Place::Device, Basis::Formula});
-  if (P.comm > 0)
-    r.lines.push_back({"communication: DDP gradient buckets", P.comm, "one copy of the gradients", kTorch, Place::Device, Basis::Formula});
-  r.lines.push_back({"allocator rounding", blk[peak].total() - P.total(),
-                     "Σ per tensor (round_up(n, 512) - n), large segments to 2 MiB when < 1 MiB would remain", kTorch, Place::Device,
-                     Basis::Formula});
-  r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes,
-                     "assumed constant; not in torch.cuda.max_memory_allocated (not measured here)", kKo2, Place::GpuOther, Basis::Assumed});
-  if (o.dp > 1)
-    r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
-                       Basis::Assumed});
-  r.notes.push_back(fmt::format("peak phase: {} (of {} phases modelled); precision {}", P.name, raw.size(), prec));
-  r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
-  r.extra["peak_phase"] = P.name;
-  r.extra["predicted_max_memory_allocated"] = std::llround(blk[peak].total());
-  return r;
+  return pytorch_report(raw[peak], blk[peak].total(), raw.size(), m, o);
 }
 
 }  // namespace
