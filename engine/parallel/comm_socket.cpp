@@ -222,6 +222,40 @@ void publish(const std::string& path, const std::string& text, const std::string
   }
 }
 
+// A rank other than 0, connected: its hello (magic, --tp, rank, secret, model signature), then
+// rank 0's verdict. Throws UsageError (closing fd) when rank 0 does not answer or refuses.
+void say_hello(int& fd, int size, int rank, const std::string& token, const std::string& signature, const std::string& init) {
+  const uint32_t hdr[2] = {uint32_t(size), uint32_t(rank)};
+  std::string verdict;
+  uint32_t ok = 0;
+  if (!write_exact(fd, kMagic, 8) || !write_exact(fd, hdr, 8) || !write_string(fd, token) || !write_string(fd, signature) ||
+      !read_exact(fd, &ok, 4) || !read_string(fd, verdict, 4096)) {
+    close_fd(fd);
+    throw UsageError("--tp-init '" + init + "': rank 0 did not answer rank " + std::to_string(rank) + "'s hello");
+  }
+  if (!ok) {
+    close_fd(fd);
+    throw UsageError("tensor parallel: rank 0 refused rank " + std::to_string(rank) + ": " + verdict);
+  }
+  set_timeout(fd, std::chrono::milliseconds(0));
+  tune(fd);
+}
+
+// file://: rank 0's listening address and a fresh secret, written to the rendezvous file
+// (publish: mode 0600, atomically). Returns the secret.
+std::string publish_rendezvous(int lfd, const std::string& path, const std::string& init) {
+  sockaddr_storage a{};
+  socklen_t len = sizeof a;
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&a)->sin6_port)
+                                           : ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "localhost");
+  const std::string token = make_token();
+  publish(path, std::string(host) + ":" + std::to_string(port) + " " + token + "\n", init);
+  return token;
+}
+
 }  // namespace
 
 SocketComm::SocketComm(int rank, int size, std::vector<int> fds) : rank_(rank), size_(size), fds_(std::move(fds)) {}
@@ -256,20 +290,7 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
   if (rank != 0) {
     int fd = connect_to_rank0(tcp, rest, deadline, init, token, cancel);
     set_timeout(fd, hello_time());
-    const uint32_t hdr[2] = {uint32_t(size), uint32_t(rank)};
-    std::string verdict;
-    uint32_t ok = 0;
-    if (!write_exact(fd, kMagic, 8) || !write_exact(fd, hdr, 8) || !write_string(fd, token) || !write_string(fd, signature) ||
-        !read_exact(fd, &ok, 4) || !read_string(fd, verdict, 4096)) {
-      close_fd(fd);
-      throw UsageError("--tp-init '" + init + "': rank 0 did not answer rank " + std::to_string(rank) + "'s hello");
-    }
-    if (!ok) {
-      close_fd(fd);
-      throw UsageError("tensor parallel: rank 0 refused rank " + std::to_string(rank) + ": " + verdict);
-    }
-    set_timeout(fd, std::chrono::milliseconds(0));
-    tune(fd);
+    say_hello(fd, size, rank, token, signature, init);
     return std::unique_ptr<SocketComm>(new SocketComm(rank, size, {fd}));
   }
 
@@ -290,16 +311,8 @@ std::unique_ptr<SocketComm> SocketComm::join(const std::string& init, int rank, 
     throw UsageError(msg);
   };
   if (file) {
-    sockaddr_storage a{};
-    socklen_t len = sizeof a;
-    getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
-    const int port = a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&a)->sin6_port)
-                                             : ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port);
-    char host[256] = {};
-    if (gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "localhost");
-    token = make_token();
     try {
-      publish(rest, std::string(host) + ":" + std::to_string(port) + " " + token + "\n", init);
+      token = publish_rendezvous(lfd, rest, init);
     } catch (const UsageError&) {
       close_fd(lfd);
       throw;
