@@ -450,7 +450,7 @@ int main(int argc, char** argv) {
     spec.cuda = gpu, spec.capacity = tp_cap, spec.ctx = ctx, spec.n_batch = n_batch, spec.parallel = parallel;
     spec.kv_tokens = kv_tokens, spec.kv_q8 = gpu_kv_q8;
     if (tp_rank > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
-      auto model = Model::load(model_path, !no_verify, /*pack=*/!gpu, /*gpu_layers=*/0, tp);
+      auto model = load_model(model_path, !no_verify, Placement{gpu ? Device::Cuda : Device::Cpu, -1, tp});
       auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, *model, spec);
       auto local = cli::make_tp_rank_runner("llmq-server", *model, *group, spec, threads);
       return cli::serve_tp_rank("llmq-server", *local, *group);
@@ -556,8 +556,8 @@ int main(int argc, char** argv) {
     // Load in the background: /health answers 503 until the model is ready.
     std::thread loader([&] {
       try {
-        const bool partial = gpu && gpu_layers >= 0;  // the CPU runs the first layers: pack those
-        st->model = Model::load(model_path, !no_verify, /*pack=*/!gpu || partial, /*gpu_layers=*/partial ? gpu_layers : 0, gpu ? 1 : tp);
+        const bool partial = gpu && gpu_layers >= 0;  // the CPU runs the first layers (load_model packs those)
+        st->model = load_model(model_path, !no_verify, Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, tp});
         // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
         // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());

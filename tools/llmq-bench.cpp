@@ -263,7 +263,7 @@ int run_cuda(const BenchOptions& o) {
   if (o.tp != 1 && !o.synthetic.empty()) throw UsageError("--tp with --device cuda takes a model file (-m), not --synthetic");
 #ifdef LLMQ_HAVE_CUDA
   if (o.tp > 1) {
-    auto m = Model::load(o.model_path, !o.no_verify, /*pack=*/false);
+    auto m = load_model(o.model_path, !o.no_verify, Placement{Device::Cuda, -1, o.tp});
     nlohmann::json j = bench_cuda_tp(*m, o.tp, o.n_prompt, o.n_gen, o.reps, o.no_baseline);
     j["model"] = o.model_path;
     std::printf("%s\n", j.dump(2).c_str());
@@ -276,7 +276,7 @@ int run_cuda(const BenchOptions& o) {
     c.dim = sh.dim, c.hidden_dim = sh.hidden, c.n_layers = sh.layers, c.n_heads = sh.heads, c.n_kv_heads = sh.kv_heads;
     c.head_dim = sh.head_dim, c.vocab_size = sh.vocab, c.context_length = sh.context, c.tied_embeddings = sh.tied;
   } else {
-    m = Model::load(o.model_path, !o.no_verify, /*pack=*/false);
+    m = load_model(o.model_path, !o.no_verify, Placement{Device::Cuda});
     c = m->config;
   }
   nlohmann::json j = bench_cuda(m.get(), c, dtype_from_name(o.type_s), o.n_prompt, o.n_gen, o.reps, o.profile, o.batch);
@@ -351,7 +351,7 @@ void roofline_report(nlohmann::json& j, const Model& model, KvType kv_type, cons
 // with N > 1 also TP=1 at the same total thread count, interleaved.
 int run_cpu(const BenchOptions& o) {
   // The TP=1 baseline wants the whole model's packed panels; without it, only what the ranks use.
-  auto model = Model::load(o.model_path, !o.no_verify, /*pack=*/true, /*gpu_layers=*/0, o.tp > 1 && o.no_baseline ? o.tp : 1);
+  auto model = load_model(o.model_path, !o.no_verify, Placement{Device::Cpu, -1, o.tp, /*whole_panels=*/!o.no_baseline});
   TpOptions opt;
   opt.vocab_parallel = o.tp_output == "vocab";
   // --tp-init: the ranks are processes (engine/parallel/tp_process.h); this one holds rank tp_rank

@@ -336,10 +336,9 @@ int run(RunOptions& o) {
   mem::InferOptions lo;
   lo.ctx = o.ctx, lo.n_batch = o.n_batch;
   L.gpu_layers = cli::resolve_gpu_layers("llmq-run", o.gpu_layers_s, device == Device::Cuda, o.model_path, lo, o.mem_budget);
-  // The CPU kernels' packed copies only for what the CPU runs (engine/model.h; with -ngl 0 the
-  // output is packed too, unused).
-  auto model = Model::load(o.model_path, !o.no_verify, /*pack=*/device == Device::Cpu || L.gpu_layers >= 0,
-                           /*gpu_layers=*/device == Device::Cpu ? 0 : L.gpu_layers, o.tp);
+  // The CPU kernels' packed copies only for what the CPU runs (with -ngl 0 the output is packed
+  // too, unused).
+  auto model = load_model(o.model_path, !o.no_verify, Placement{device, L.gpu_layers, o.tp});
   L.partial = device == Device::Cuda && L.gpu_layers >= 0 && L.gpu_layers < model->config.n_layers;
   L.ppl_ctx = o.ctx > 0 ? o.ctx : 512;
   o.sp.seed = o.seed >= 0 ? uint64_t(o.seed) : uint64_t(time(nullptr));

@@ -1,5 +1,6 @@
 #include "engine/runner/device.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -123,6 +124,14 @@ uint64_t cuda_free_bytes() {
 #else
   throw UsageError("this build has no CUDA backend");
 #endif
+}
+
+std::unique_ptr<Model> load_model(const std::string& path, bool verify, const Placement& p) {
+  const bool cpu = p.device == Device::Cpu;
+  const bool pack = cpu || p.gpu_layers >= 0;
+  const int64_t gpu_layers = cpu ? 0 : std::max<int64_t>(0, p.gpu_layers);
+  const int tp = cpu && !p.whole_panels ? p.tp : 1;
+  return Model::load(path, verify, pack, gpu_layers, tp);
 }
 
 Device pick_device(const std::string& name) {

@@ -12,6 +12,21 @@ class SocketComm;  // engine/parallel/comm_socket.h
 
 enum class Device { Cpu, Cuda };
 
+/// Where a model's layers run, as the tools choose it (--device, --gpu-layers, --tp): what
+/// decides how the model is loaded (which matrices the CPU kernels pack, engine/model.h).
+struct Placement {
+  Device device = Device::Cpu;
+  int64_t gpu_layers = -1;    ///< with Cuda: the last N layers and the output on the GPU, the others on the CPU; < 0: all on the GPU
+  int tp = 1;                 ///< tensor-parallel ranks (CPU: rank threads or processes; CUDA: GPU ranks)
+  bool whole_panels = false;  ///< CPU, tp > 1: pack the whole model's panels too (llmq-bench's TP = 1 baseline)
+};
+
+/// The tools' one loading path: Model::load(path, verify, ...) with the packing `p` needs. CPU:
+/// every matrix (tp > 1 without whole_panels: each rank packs its own slices of the attention
+/// output and FFN down, so the model's are left unpacked); CUDA: none, but the first layers'
+/// under partial offload (gpu_layers >= 0), which the CPU runs. Throws as Model::load.
+std::unique_ptr<Model> load_model(const std::string& path, bool verify, const Placement& p);
+
 /// True when this build has the CUDA backend (engine/cuda/, built whenever nvcc was found).
 bool cuda_built();
 /// Number of CUDA devices usable now (0 in a CPU-only build, without a driver or a GPU).
