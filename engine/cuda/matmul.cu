@@ -177,8 +177,9 @@ void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t col
 
 namespace {
 
-// A block is kGemvWarps warps, one weight row each; lanes stride over the row in 16-byte chunks,
-// and every chunk read is used for all T tokens (acc[t]), so the weights are read once.
+// Float weights (gemv_float_kernel): a block is kGemvWarps warps, one weight row each; lanes
+// stride over the row in 16-byte chunks, and every chunk read is used for all T tokens (acc[t]),
+// so the weights are read once.
 constexpr int kGemvWarps = 4;
 
 __device__ __forceinline__ int dp4a4(uint4 a, int4 b, int acc) {
@@ -197,7 +198,7 @@ __device__ __forceinline__ void store_rows(float (&acc)[kGemvMaxTokens], float* 
     }
 }
 
-// Block-quantized weights (dev/cuda/gemv.cu's versions 2 and 3; bench/RESULTS.md has their
+// Block-quantized weights (dev/cuda/gemv.cu's versions 2 and 3; dev/README.md has their
 // timings). R rows per group; each lane takes whole quant blocks b = lane, lane + 32 KS, ...:
 // Q8_0 two 16-byte loads, Q4 one (low nibbles = weights 0..15 of the block, high = 16..31); every
 // load of weights and activations serves all R rows and T tokens (registers). KS = 1: one warp

@@ -2,8 +2,10 @@
 //   decode (T <= kGemvMaxTokens): our GEMV kernels, dequantization fused in registers, 16-byte
 //     loads, int8 dot products (dp4a) against activations quantized per block of 32 (as the
 //     CPU path and llama.cpp's MMVQ do);
-//   prefill (larger T): the weight dequantized to fp16 tiles of rows, then cuBLAS on the tensor
-//     cores (fp32 accumulation).
+//   batches of block-quantized weights (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8 tensor
+//     cores on the quant blocks, split-K when the grid would be small;
+//   prefill (larger T, or weights MMQ does not take): the weight dequantized to fp16 tiles of
+//     rows, then cuBLAS on the tensor cores (fp32 accumulation).
 // CPU references: engine/cpu/cpu_ops.h ref_matmul (fp32 activations, fp64 sums) and the block dot
 // products of engine/cpu/cpu_ops.cpp; tests/test_cuda.cpp compares every type on odd shapes.
 #pragma once
