@@ -8,6 +8,7 @@
 #include <string>
 #include <type_traits>
 
+#include "engine/cuda/act_q8.cuh"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/matmul.h"
 #include "base/error.h"
@@ -145,21 +146,13 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
 
 namespace {
 
-// One warp per block of 32 activations: d = max|x| / 127, q = rint(x / d) (round half to even,
-// as the CPU's nearbyint), s = d · Σq.
-__global__ void quantize_act_kernel(const float* __restrict__ x, int8_t* __restrict__ q, float* __restrict__ d,
-                                    float* __restrict__ s, int64_t n_blocks) {
+// One warp per block of 32 activations (act_q8.cuh's rule).
+__global__ void quantize_act_kernel(const float* __restrict__ x, DeviceActQ8 q, int64_t n_blocks) {
   const int64_t b = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (b >= n_blocks) return;  // whole warps leave together
-  const float v = x[b * 32 + lane];
-  const float amax = warp_max(fabsf(v));
-  const float dd = amax / 127.0f;
-  const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-  const float qv = rintf(v * id);
-  q[b * 32 + lane] = int8_t(qv);
-  const float sum = warp_sum(qv);
-  if (lane == 0) d[b] = dd, s[b] = dd * sum;
+  const float v[1] = {x[b * 32 + lane]};
+  quantize_act_block<1>(v, b, lane, true, q);
 }
 
 }  // namespace
@@ -169,7 +162,7 @@ void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t col
   if (n_blocks == 0) return;
   const int threads = 256;
   const int64_t grid = (n_blocks * 32 + threads - 1) / threads;
-  LLMQ_LAUNCH(quantize_act_kernel, unsigned(grid), threads, 0, s)(x, out.q, out.d, out.s, n_blocks);
+  LLMQ_LAUNCH(quantize_act_kernel, unsigned(grid), threads, 0, s)(x, out, n_blocks);
   check_launch("quantize_act");
 }
 
@@ -509,6 +502,12 @@ static bool use_mmq(const DeviceWeight& w, int64_t T) {
 }
 
 bool matmul_quantizes(const DeviceWeight& w, int64_t T) { return is_block_type(w.type) && (T <= kGemvMaxTokens || use_mmq(w, T)); }
+
+const DeviceActQ8* MatmulContext::fusable(const DeviceWeight& next, int64_t T, int64_t cols) {
+  if (!matmul_quantizes(next, T) || cols % 32 != 0) return nullptr;
+  act_view_ = act();
+  return &act_view_;
+}
 
 void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, int64_t T, int64_t ldy) {
   if (T < 1 || T > c.cap_) throw UsageError("CUDA matmul: " + std::to_string(T) + " tokens (capacity " + std::to_string(c.cap_) + ")");

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "engine/cuda/attention.h"
+#include "engine/cuda/act_q8.cuh"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
 #include "base/error.h"
@@ -13,11 +14,9 @@ namespace {
 constexpr int kNormThreads = 1024;
 constexpr int kNormVec = 4;  // float4s per thread on the register path: rows of up to 16384
 
-__device__ __forceinline__ void quantize_block32(float v, int64_t b, const DeviceActQ8& q);
-__device__ __forceinline__ void quantize4_block32(float4 v, int64_t b, int part, bool store, const DeviceActQ8& q);
 
 // One block per row. With y: x += y first (written back), then the norm of the sum. With q: the
-// output also quantized per block of 32 into q (quantize_act's rule, below).
+// output also quantized per block of 32 into q (quantize_act's rule, act_q8.cuh).
 // Rows of a multiple of 4 and at most 4 · kNormThreads · kNormVec elements take the register
 // path: each thread loads its float4s of x (and y) at once, keeps them for the second pass, and
 // a block of 32 outputs is 8 consecutive threads' float4s. (A row per 256 threads walking it
@@ -67,7 +66,8 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(float* out, float
         o = make_float4(v[k].x * scale * g.x, v[k].y * scale * g.y, v[k].z * scale * g.z, v[k].w * scale * g.w);
         reinterpret_cast<float4*>(orow)[i] = o;
       }
-      if (q.q && k * nt < n4) quantize4_block32(o, int64_t(blockIdx.x) * (n / 32) + i / 8, i % 8, in, q);
+      const float ov[4] = {o.x, o.y, o.z, o.w};
+      if (q.q && k * nt < n4) quantize_act_block<4>(ov, int64_t(blockIdx.x) * (n / 32) + i / 8, i % 8, in, q);
     }
     return;
   }
@@ -88,40 +88,9 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(float* out, float
     const int64_t i = b * 32 + lane;
     const float v = xr[i] * scale * w[i];
     orow[i] = v;
-    quantize_block32(v, int64_t(blockIdx.x) * (n / 32) + b, q);
+    const float vv[1] = {v};
+    quantize_act_block<1>(vv, int64_t(blockIdx.x) * (n / 32) + b, lane, true, q);
   }
-}
-
-// Block b of 32 outputs held as float4 `part` (0..7) by 8 consecutive lanes: the same d, q, s as
-// quantize_block32 (max and the integer sum do not depend on the order).
-__device__ __forceinline__ void quantize4_block32(float4 v, int64_t b, int part, bool store, const DeviceActQ8& q) {
-  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-  for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
-  const float dd = amax / 127.0f;
-  const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-  const float q0 = rintf(v.x * id), q1 = rintf(v.y * id), q2 = rintf(v.z * id), q3 = rintf(v.w * id);
-  float sum = q0 + q1 + q2 + q3;
-#pragma unroll
-  for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
-  if (!store) return;
-  char4 c;
-  c.x = int8_t(q0), c.y = int8_t(q1), c.z = int8_t(q2), c.w = int8_t(q3);
-  reinterpret_cast<char4*>(q.q + b * 32)[part] = c;
-  if (part == 0) q.d[b] = dd, q.s[b] = dd * sum;
-}
-
-// Lane l holds element l of activation block b: d = max|x| / 127, q = rint(x / d) (round half
-// to even), s = d · Σq, exactly as quantize_act (matmul.cu), so a fused producer and an
-// unfused one give the same bytes.
-__device__ __forceinline__ void quantize_block32(float v, int64_t b, const DeviceActQ8& q) {
-  const float amax = warp_max(fabsf(v));
-  const float dd = amax / 127.0f;
-  const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-  const float qv = rintf(v * id);
-  q.q[b * 32 + threadIdx.x % 32] = int8_t(qv);
-  const float sum = warp_sum(qv);
-  if (threadIdx.x % 32 == 0) q.d[b] = dd, q.s[b] = dd * sum;
 }
 
 void check_quantizable(int64_t n, const DeviceActQ8* q, const char* what) {
@@ -218,7 +187,8 @@ __global__ void swiglu_kernel(float* __restrict__ out, const float* __restrict__
       const float g = h[t * 2 * H + j], u = h[t * 2 * H + H + j];
       out[i] = v = g / (1.0f + expf(-g)) * u;
     }
-    if (q.q) quantize_block32(v, i0 / 32, q);
+    const float vv[1] = {v};
+    if (q.q) quantize_act_block<1>(vv, i0 / 32, int(threadIdx.x % 32), true, q);
   }
 }
 
