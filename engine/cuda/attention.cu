@@ -419,10 +419,11 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   if (q8.kq && hd % 32 != 0) throw UsageError("CUDA attention: a Q8_0 KV cache needs head_dim a multiple of 32");
   if (T == 0) return;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
-  if (use_prefill_kernel(T, hd, n_splits, pages, q8, ldo)) {
-    const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, nullptr, nullptr, 0, 0,
-                        nullptr, nullptr, nullptr, nullptr, int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, 1,
-                        int(part_len), nullptr, out, ldo};
+  const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, pages.seq, pages.tables,
+                      pages.table_stride, int(pages.block_tokens), q8.kq, reinterpret_cast<const __half*>(q8.kd), q8.vq,
+                      reinterpret_cast<const __half*>(q8.vd), int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, int(n_splits),
+                      int(part_len), partial, out, ldo};
+  if (use_prefill_kernel(T, hd, n_splits, pages, q8, ldo)) {  // one sequence, fp16 cache, one part: the tensor cores
     const size_t smem = prefill_smem(hd);
     auto kernel = hd == 64 ? attention_prefill_kernel<64> : attention_prefill_kernel<128>;
     allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
@@ -436,10 +437,6 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   const int tq = pages.tables || T < 4 ? 1 : int(std::max<int64_t>(1, std::min<int64_t>(4, 8 / G)));
   const size_t smem = size_t(4) * kTile * (hd + kPad) * 2 + size_t(tq * G * hd) * 4;
   const dim3 grid{unsigned((T + tq - 1) / tq), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(G), unsigned(tq)};
-  const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, pages.seq, pages.tables,
-                      pages.table_stride, int(pages.block_tokens), q8.kq, reinterpret_cast<const __half*>(q8.kd), q8.vq,
-                      reinterpret_cast<const __half*>(q8.vd), int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, int(n_splits),
-                      int(part_len), partial, out, ldo};
   auto launch = [&](auto kernel) {
     allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);  // above the default 48 KiB: opt in
     LLMQ_LAUNCH(kernel, grid, block, smem, s)(args);

@@ -85,6 +85,10 @@ class MatmulContext {
   /// another input (which overwrites the buffers) or clear_note(). Host-side bookkeeping at
   /// enqueue time (a captured CUDA graph replays what was enqueued).
   DeviceActQ8 act() const { return {act_q_.as<int8_t>(), act_d_.as<float>(), act_s_.as<float>()}; }
+  /// The buffers a producer of the input of the product with `next` (T rows of `cols`) should
+  /// quantize its output into — when that product takes int8 inputs (matmul_quantizes) and
+  /// cols is whole blocks — else null. After writing them, note_quantized.
+  const DeviceActQ8* fusable(const DeviceWeight& next, int64_t T, int64_t cols);
   void note_quantized(const float* x, int64_t T, int64_t cols) { note_ = {x, T, cols}; }
   void clear_note() { note_ = {}; }
 
@@ -102,7 +106,8 @@ class MatmulContext {
   struct Note {
     const float* x = nullptr;
     int64_t T = 0, cols = 0;
-  } note_;  // what act_ holds (note_quantized)
+  } note_;             // what act_ holds (note_quantized)
+  DeviceActQ8 act_view_;  // act(), for fusable's callers
   // The activation buffers for x [T, cols]: quantized now, unless the note says they hold it.
   DeviceActQ8 quantized(const float* x, int64_t T, int64_t cols);
 };

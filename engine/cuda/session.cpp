@@ -311,8 +311,7 @@ CudaSession::PassInputs CudaSession::stage_inputs(int64_t T, bool paged) {
 void CudaSession::norm_for(const DeviceWeight& next, float* x, const float* y, float* out, const float* w, int64_t T) {
   const int64_t D = dm_.config().dim;
   const float eps = float(dm_.config().norm_eps);
-  const DeviceActQ8 aq = mm_->act();
-  const DeviceActQ8* q = matmul_quantizes(next, T) && D % 32 == 0 ? &aq : nullptr;
+  const DeviceActQ8* q = mm_->fusable(next, T, D);
   if (y) add_rmsnorm(x, y, out, w, T, D, eps, stream_, q);
   else rmsnorm(out, x, w, T, D, eps, stream_, q);
   if (q) mm_->note_quantized(out, T, D);
@@ -383,8 +382,7 @@ void CudaSession::ffn_block(int64_t l, int64_t T) {
   float *xb = xb_.as<float>(), *h = h_.as<float>(), *hs = hs_.as<float>();
   matmul_cols(w.gate_up, xb, h, 2 * H, T);  // h [T, 2H]
   mark("matmul_gate_up");
-  const DeviceActQ8 aq = mm_->act();
-  const DeviceActQ8* q = matmul_quantizes(w.w_down, T) && H % 32 == 0 ? &aq : nullptr;
+  const DeviceActQ8* q = mm_->fusable(w.w_down, T, H);
   swiglu(hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
   if (q) mm_->note_quantized(hs, T, H);
   mark("swiglu");
