@@ -91,12 +91,14 @@ __device__ __forceinline__ void store_rows(float (&acc)[R][T], float* __restrict
   }
 }
 
-// Q4_0, R rows per warp: lane handles blocks b = lane, lane + 32 * KS, ... of the K slice ks.
-// KS = 1: one warp per row group (v2/v4); KS = W: the block's warps split K (v3).
-template <int R, int W, int T, int KS, bool kStream>
-__global__ void __launch_bounds__(32 * W) gemv_q4_0(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
-                                                    const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                                                    const float* __restrict__ xs, float* __restrict__ y, int rows, int cols) {
+// Q4_0 or Q8_0, R rows per warp: lane handles blocks b = lane, lane + 32 * KS, ... of the K
+// slice ks (Q8_0: two 16-byte loads per block, Q4_0: one). KS = 1: one warp per row group
+// (v2/v4); KS = W: the block's warps split K (v3).
+template <bool kQ8, int R, int W, int T, int KS, bool kStream>
+__global__ void __launch_bounds__(32 * W) gemv_lab(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
+                                                   const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                                   const float* __restrict__ xs, float* __restrict__ y, int rows, int cols) {
+  constexpr int kChunks = kQ8 ? 2 : 1;  // 16-byte loads per block
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int group = KS == 1 ? blockIdx.x * W + warp : blockIdx.x;
   const int ks = KS == 1 ? 0 : warp;
@@ -108,51 +110,7 @@ __global__ void __launch_bounds__(32 * W) gemv_q4_0(const uint8_t* __restrict__ 
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int row = min(row0 + r, rows - 1);
-    w[r] = reinterpret_cast<const uint4*>(wq + size_t(row) * (cols / 2));
-    d[r] = wd + size_t(row) * nb;
-  }
-  float acc[R][T] = {};
-#pragma unroll 2
-  for (int b = ks * 32 + lane; b < nb; b += 32 * KS) {
-    uint4 wv[R];
-    float dw[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) wv[r] = ldw<kStream>(w[r] + b), dw[r] = h2f(__ldg(d[r] + b));
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const int4* xb = reinterpret_cast<const int4*>(xq + size_t(t) * cols + b * 32);
-      const int4 x0 = __ldg(xb), x1 = __ldg(xb + 1);
-      const float dx = __ldg(xd + t * nb + b), sx8 = 8.0f * __ldg(xs + t * nb + b);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint4 v = wv[r];
-        const uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
-        const uint4 hi = make_uint4((v.x >> 4) & 0x0f0f0f0fu, (v.y >> 4) & 0x0f0f0f0fu, (v.z >> 4) & 0x0f0f0f0fu, (v.w >> 4) & 0x0f0f0f0fu);
-        const int s = dp4a4(hi, x1, dp4a4(lo, x0, 0));
-        acc[r][t] += dw[r] * (dx * float(s) - sx8);
-      }
-    }
-  }
-  store_rows<R, W, T, KS>(acc, y, rows, row0);
-}
-
-// Q8_0: a lane takes one block of 32 (two 16-byte loads) per step.
-template <int R, int W, int T, int KS, bool kStream>
-__global__ void __launch_bounds__(32 * W) gemv_q8_0(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
-                                                    const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                                                    float* __restrict__ y, int rows, int cols) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int group = KS == 1 ? blockIdx.x * W + warp : blockIdx.x;
-  const int ks = KS == 1 ? 0 : warp;
-  const int row0 = group * R;
-  if (row0 >= rows) return;
-  const int nb = cols / 32;
-  const uint4* w[R];
-  const uint16_t* d[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int row = min(row0 + r, rows - 1);
-    w[r] = reinterpret_cast<const uint4*>(wq + size_t(row) * cols);
+    w[r] = reinterpret_cast<const uint4*>(wq) + size_t(row) * nb * kChunks;
     d[r] = wd + size_t(row) * nb;
   }
   float acc[R][T] = {};
@@ -161,14 +119,26 @@ __global__ void __launch_bounds__(32 * W) gemv_q8_0(const uint8_t* __restrict__ 
     uint4 w0[R], w1[R];
     float dw[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) w0[r] = ldw<kStream>(w[r] + 2 * b), w1[r] = ldw<kStream>(w[r] + 2 * b + 1), dw[r] = h2f(__ldg(d[r] + b));
+    for (int r = 0; r < R; ++r) {
+      w0[r] = ldw<kStream>(w[r] + kChunks * b), dw[r] = h2f(__ldg(d[r] + b));
+      if constexpr (kQ8) w1[r] = ldw<kStream>(w[r] + 2 * b + 1);
+    }
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const int4* xb = reinterpret_cast<const int4*>(xq + size_t(t) * cols + b * 32);
       const int4 x0 = __ldg(xb), x1 = __ldg(xb + 1);
       const float dx = __ldg(xd + t * nb + b);
 #pragma unroll
-      for (int r = 0; r < R; ++r) acc[r][t] += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
+      for (int r = 0; r < R; ++r) {
+        if constexpr (kQ8) {
+          acc[r][t] += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
+        } else {
+          const uint4 v = w0[r];
+          const uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
+          const uint4 hi = make_uint4((v.x >> 4) & 0x0f0f0f0fu, (v.y >> 4) & 0x0f0f0f0fu, (v.z >> 4) & 0x0f0f0f0fu, (v.w >> 4) & 0x0f0f0f0fu);
+          acc[r][t] += dw[r] * (dx * float(dp4a4(hi, x1, dp4a4(lo, x0, 0))) - 8.0f * __ldg(xs + t * nb + b));
+        }
+      }
     }
   }
   store_rows<R, W, T, KS>(acc, y, rows, row0);
@@ -190,9 +160,9 @@ Case make_case(DType type, const char* name) {
             const int groups = (int(w.rows) + R - 1) / R;
             const unsigned grid = KS == 1 ? unsigned((groups + W - 1) / W) : unsigned(groups);
             if (type == DType::Q4_0)
-              gemv_q4_0<R, W, T, KS, kStream><<<grid, 32 * W>>>(w.q, w.d, xq.q, xq.d, xq.s, y, int(w.rows), int(w.cols));
+              gemv_lab<false, R, W, T, KS, kStream><<<grid, 32 * W>>>(w.q, w.d, xq.q, xq.d, xq.s, y, int(w.rows), int(w.cols));
             else
-              gemv_q8_0<R, W, T, KS, kStream><<<grid, 32 * W>>>(w.q, w.d, xq.q, xq.d, y, int(w.rows), int(w.cols));
+              gemv_lab<true, R, W, T, KS, kStream><<<grid, 32 * W>>>(w.q, w.d, xq.q, xq.d, xq.s, y, int(w.rows), int(w.cols));
           }};
 }
 
