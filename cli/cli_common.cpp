@@ -65,7 +65,7 @@ int64_t resolve_gpu_layers(const char* tool, const std::string& spec, bool cuda,
   if (spec == "all") return -1;
   if (!cuda) throw UsageError("--gpu-layers needs --device cuda (or auto with a GPU)");
   auto f = LlmqFile::open(model_path, false);
-  const LlamaConfig c = mem::file_config(*f);
+  const ModelConfig c = mem::file_config(*f);
   if (spec == "auto") {  // the plan of llmq-mem infer --device cuda --fit
     const double budget = budget_s.empty() ? double(cuda_free_bytes()) : mem::parse_size(budget_s);
     const int64_t n = mem::fit_gpu_layers(*f, c, o, budget);

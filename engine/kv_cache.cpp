@@ -16,18 +16,18 @@ KvType kv_type_from_name(const std::string& name) {
   throw UsageError("KV cache type must be f32 or bf16, not '" + name + "'");
 }
 
-KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, KvType type)
+KVCache::KVCache(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens, KvType type)
     : KVCache(c, n_blocks, block_tokens, std::vector<int64_t>{c.kv_dim()}, type) {}
 
-KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
+KVCache::KVCache(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
                  KvType type)
     : KVCache(c, n_blocks, block_tokens, shard_kv_dims, type, true) {}
 
-KVCache KVCache::tables_only(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens) {
+KVCache KVCache::tables_only(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens) {
   return KVCache(c, n_blocks, block_tokens, {c.kv_dim()}, KvType::F32, false);
 }
 
-KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
+KVCache::KVCache(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
                  KvType type, bool allocate)
     : n_layers_(c.n_layers), head_dim_(c.head_dim), bt_(block_tokens), n_blocks_(n_blocks), type_(type), kv_dim_(shard_kv_dims) {
   if (n_blocks <= 0 || block_tokens <= 0 || kv_dim_.empty() || head_dim_ <= 0)
@@ -45,7 +45,7 @@ KVCache::KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, c
 }
 
 void KVCache::store(int64_t layer, int32_t seq, int64_t pos, const float* k, const float* v, int shard) {
-  constexpr int64_t kMaxHeadDim = 4096;  // the bound LlamaConfig checks (models/llama.cpp)
+  constexpr int64_t kMaxHeadDim = 4096;  // the bound ModelConfig checks (models/llama.cpp)
   const int64_t hd = head_dim_, blk = pos / bt_, slot = pos % bt_;
   for (int64_t h = 0; h < kv_dim_[size_t(shard)] / hd; ++h, k += hd, v += hd) {
     if (type_ == KvType::BF16) {  // K [hd/2, bt, 2], V [bt/2, hd, 2]

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "base/buffer.h"
-#include "models/llama.h"
+#include "models/config.h"
 
 namespace llmq {
 
@@ -37,18 +37,18 @@ class KVCache {
   /// With KvType::BF16 the blocks hold bf16 pairs instead (K [head_dim/2, block_tokens, 2],
   /// V [block_tokens/2, head_dim, 2]; block_tokens must be even).
   /// Throws UsageError for non-positive sizes.
-  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens = 16, KvType type = KvType::F32);
+  KVCache(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens = 16, KvType type = KvType::F32);
   /// Tensor parallelism: one K and V pool per rank, pool r with rank r's KV width
   /// shard_kv_dims[r] (its KV heads x head_dim), all sharing one block table, so a sequence's
   /// block b is block b of every pool. Throws UsageError for non-positive sizes.
-  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
+  KVCache(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims,
           KvType type = KvType::F32);
 
   /// The block bookkeeping alone (block tables, free list, lengths), with no K and V pools
   /// (bytes() == 0, n_shards() == 0): for a cache whose storage lives elsewhere, a GPU's paged
   /// cache (engine/cuda/session.h); key_block and store must not be called on it.
   /// Throws UsageError for non-positive sizes.
-  static KVCache tables_only(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens);
+  static KVCache tables_only(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens);
 
   KvType type() const { return type_; }
 
@@ -119,7 +119,7 @@ class KVCache {
     int64_t length = 0;
     std::vector<int32_t> blocks;  // block table: block i holds positions [i*bt, (i+1)*bt)
   };
-  KVCache(const LlamaConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims, KvType type,
+  KVCache(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims, KvType type,
           bool allocate);
   size_t offset(int64_t layer, int64_t kv_head, int32_t block, int shard) const {
     const size_t heads = size_t(kv_dim_[size_t(shard)] / head_dim_);

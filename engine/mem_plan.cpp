@@ -12,7 +12,7 @@
 
 namespace llmq {
 
-KVPlan plan_kv(const LlamaConfig& c, int64_t tokens, int elem_bytes, int64_t block_tokens) {
+KVPlan plan_kv(const ModelConfig& c, int64_t tokens, int elem_bytes, int64_t block_tokens) {
   if (tokens <= 0 || block_tokens <= 0) throw UsageError("KV cache: the token count and block size must be positive");
   KVPlan p;
   p.block_tokens = block_tokens;
@@ -23,7 +23,7 @@ KVPlan plan_kv(const LlamaConfig& c, int64_t tokens, int elem_bytes, int64_t blo
   return p;
 }
 
-std::vector<MatmulUse> llama_matmuls(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t capacity,
+std::vector<MatmulUse> llama_matmuls(const ModelConfig& c, const std::vector<TensorInfo>& tensors, int64_t capacity,
                                      int64_t logits_rows) {
   std::map<std::string, const TensorInfo*> by_name;
   for (const auto& t : tensors) by_name[t.name] = &t;
@@ -35,7 +35,7 @@ std::vector<MatmulUse> llama_matmuls(const LlamaConfig& c, const std::vector<Ten
   std::vector<MatmulUse> uses;
   for (int64_t l = 0; l < c.n_layers; ++l)
     for (const char* what : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}) {
-      const TensorInfo* t = find(llama_layer_tensor(l, what));
+      const TensorInfo* t = find(layer_tensor(l, what));
       uses.push_back({t->type, t->cols(), capacity});
     }
   const TensorInfo* out = find(c.tied_embeddings ? "token_embd.weight" : "output.weight");
@@ -78,7 +78,7 @@ std::vector<PlannedBuffer> WorkspacePlan::buffers() const {
   return out;
 }
 
-WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>& matmuls, int64_t capacity, int64_t max_ctx,
+WorkspacePlan plan_workspace(const ModelConfig& c, const std::vector<MatmulUse>& matmuls, int64_t capacity, int64_t max_ctx,
                              int64_t logits_rows, int threads) {
   WorkspacePlan p;
   p.capacity = std::max<int64_t>(1, capacity);
@@ -92,7 +92,7 @@ WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>&
   p.k = p.v = B * size_t(c.kv_dim());
   p.h1 = p.h2 = B * size_t(c.hidden_dim);
   p.pos = B;
-  p.rope = B * size_t(c.head_dim);
+  p.rope = B * size_t(c.head_dim) * size_t(c.rope_tables());  // one table of angles per distinct RoPE frequencies
   // forward_batch scores G query heads per work item: the GQA group (1 for uneven TP splits),
   // over parts of kAttnPartTokens positions (engine/model.cpp, attention).
   const int64_t G = c.n_heads / c.n_kv_heads;
@@ -109,7 +109,7 @@ WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>&
   return p;
 }
 
-SessionSizes session_sizes(const LlamaConfig& c, int64_t ctx, int64_t n_batch, int64_t logits_rows) {
+SessionSizes session_sizes(const ModelConfig& c, int64_t ctx, int64_t n_batch, int64_t logits_rows) {
   SessionSizes s{};
   s.ctx = ctx > 0 ? ctx : std::min(c.context_length, kDefaultMaxCtx);
   s.n_batch = std::max<int64_t>(1, std::min(n_batch, s.ctx));
@@ -129,7 +129,7 @@ uint64_t model_packed_bytes(const std::vector<TensorInfo>& tensors, int64_t n_la
   std::set<std::string> names;  // the matrices Model::load packs (engine/model.cpp)
   for (int64_t l = 0; l < cpu_layers; ++l)
     for (const char* what : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
-      if (tp <= 1 || (std::string(what) != "attn_output" && std::string(what) != "ffn_down")) names.insert(llama_layer_tensor(l, what));
+      if (tp <= 1 || (std::string(what) != "attn_output" && std::string(what) != "ffn_down")) names.insert(layer_tensor(l, what));
   if (gpu_layers <= 0) names.insert(has_output ? "output.weight" : "token_embd.weight");
   uint64_t bytes = 0, file = 0;
   for (const auto& t : tensors) {
@@ -142,7 +142,7 @@ uint64_t model_packed_bytes(const std::vector<TensorInfo>& tensors, int64_t n_la
   return bytes;
 }
 
-InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t ctx, int64_t n_batch, int threads,
+InferencePlan plan_inference(const LlmqFile& file, const ModelConfig& c, int64_t ctx, int64_t n_batch, int threads,
                              int64_t parallel, bool server, int64_t kv_tokens) {
   if (parallel < 1) throw UsageError("--parallel must be at least 1");
   InferencePlan p;
@@ -197,7 +197,7 @@ CudaMatmulPlan plan_cuda_matmul(int64_t cap, int64_t max_cols, int64_t max_rows)
   return p;
 }
 
-int64_t cuda_matmul_max_rows(const LlamaConfig& c) {
+int64_t cuda_matmul_max_rows(const ModelConfig& c) {
   return std::max({c.vocab_size, c.n_heads * c.head_dim + 2 * c.kv_dim(), 2 * c.hidden_dim, c.dim});
 }
 
@@ -207,7 +207,7 @@ namespace {
 // and gate/up stacked when of one type; rank R's rows of the column-parallel matrices and
 // columns of the row-parallel ones (R whole: the model), layers from first_layer on, the
 // embedding when all layers are there or it is tied, the output rows R.n_vocab when untied.
-uint64_t cuda_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t first_layer) {
+uint64_t cuda_weight_bytes(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t first_layer) {
   std::map<std::string, const TensorInfo*> by_name;
   for (const TensorInfo& t : tensors) by_name[t.name] = &t;
   auto find = [&](const std::string& name) -> const TensorInfo& {
@@ -237,20 +237,23 @@ uint64_t cuda_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& 
   if (first_layer == 0 || c.tied_embeddings) w += al(rows("token_embd.weight", R.n_embd).bytes);
   if (!c.tied_embeddings && R.n_vocab > 0) w += al(rows("output.weight", R.n_vocab).bytes);
   for (int64_t i = first_layer; i < c.n_layers; ++i) {
-    auto name = [&](const char* what) { return llama_layer_tensor(i, what); };
+    auto name = [&](const char* what) { return layer_tensor(i, what); };
     w += 2 * vec;  // attn_norm, ffn_norm
     w += stacked({rows(name("attn_q"), Q), rows(name("attn_k"), KV), rows(name("attn_v"), KV)});
     w += stacked({rows(name("ffn_gate"), R.ffn_dim), rows(name("ffn_up"), R.ffn_dim)});
     w += al(cols(name("attn_output"), Q).bytes) + al(cols(name("ffn_down"), R.ffn_dim).bytes);
     if (c.attn_qkv_bias) w += al(uint64_t(Q + 2 * KV) * 4);
     if (c.attn_out_bias) w += vec;
+    if (c.qk_norm) w += 2 * al(uint64_t(hd) * 4);
+    if (c.norms == NormPlacement::PrePost) w += 2 * vec;
   }
+  w += al(uint64_t(c.rope_tables()) * uint64_t(hd / 2) * 8);  // the fp64 RoPE frequency tables
   return w;
 }
 
 // The plan of a session of p.ctx tokens per sequence, p.n_batch tokens per pass, p.logits_rows
 // logits rows, p.kv_rows cache rows, and p.parallel sequences (0: one, contiguous).
-CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, CudaPlan p) {
+CudaPlan plan_cuda_buffers(const ModelConfig& c, const std::vector<TensorInfo>& tensors, CudaPlan p) {
   p.decode_parts = (p.ctx + kCudaDecodePartTokens - 1) / kCudaDecodePartTokens;
   p.decode_part_len = p.decode_parts == 1 ? (p.ctx + 31) / 32 * 32 : kCudaDecodePartTokens;
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, H = c.hidden_dim, V = c.vocab_size;
@@ -280,7 +283,7 @@ CudaPlan plan_cuda_buffers(const LlamaConfig& c, const std::vector<TensorInfo>& 
 
 }  // namespace
 
-CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows,
+CudaPlan plan_cuda(const ModelConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows,
                    int64_t gpu_layers, bool kv_q8) {
   if (gpu_layers > c.n_layers)
     throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": the model has " + std::to_string(c.n_layers) + " layers");
@@ -292,22 +295,22 @@ CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors,
   return plan_cuda_buffers(c, tensors, p);
 }
 
-LlamaConfig rank_config(const LlamaConfig& c, const ShardRanges& R) {
-  LlamaConfig rc = c;
+ModelConfig rank_config(const ModelConfig& c, const ShardRanges& R) {
+  ModelConfig rc = c;
   rc.n_heads = R.n_heads, rc.n_kv_heads = R.n_kv_heads, rc.hidden_dim = R.ffn_dim;
   return rc;
 }
 
-CudaPlan plan_cuda_rank(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t ctx, int64_t n_batch,
+CudaPlan plan_cuda_rank(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t ctx, int64_t n_batch,
                         int64_t logits_rows, int64_t parallel, int64_t kv_tokens, bool kv_q8) {
-  const LlamaConfig rc = rank_config(c, R);
+  const ModelConfig rc = rank_config(c, R);
   CudaPlan p = parallel > 0 ? plan_cuda_server(rc, {}, ctx, n_batch, parallel, kv_tokens, -1, kv_q8)
                             : plan_cuda(rc, {}, ctx, n_batch, logits_rows, -1, kv_q8);
   p.weights = cuda_weight_bytes(c, tensors, R, 0);
   return p;
 }
 
-CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
+CudaPlan plan_cuda_server(const ModelConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
                           int64_t parallel, int64_t kv_tokens, int64_t gpu_layers, bool kv_q8) {
   if (parallel < 1) throw UsageError("--parallel must be at least 1");
   if (gpu_layers > c.n_layers)

@@ -10,7 +10,7 @@
 #include "engine/cpu/cpu_ops.h"
 #include "engine/cuda_plan.h"
 #include "formats/llmq_file.h"
-#include "models/llama.h"
+#include "models/config.h"
 
 namespace llmq {
 
@@ -44,7 +44,7 @@ struct KVPlan {
 
 /// KV cache for `tokens` positions over all sequences, rounded up to whole blocks.
 /// Throws UsageError for tokens <= 0.
-KVPlan plan_kv(const LlamaConfig& c, int64_t tokens, int elem_bytes = 4, int64_t block_tokens = kKvBlockTokens);
+KVPlan plan_kv(const ModelConfig& c, int64_t tokens, int elem_bytes = 4, int64_t block_tokens = kKvBlockTokens);
 
 /// One matrix the forward pass multiplies by, and the most tokens it is applied to at once.
 struct MatmulUse {
@@ -57,7 +57,7 @@ struct MatmulUse {
 /// directory): every layer matrix with up to `capacity` tokens, the output matrix (the
 /// embedding when tied) with up to `logits_rows` tokens. Throws UsageError if a
 /// table tensor is missing.
-std::vector<MatmulUse> llama_matmuls(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t capacity,
+std::vector<MatmulUse> llama_matmuls(const ModelConfig& c, const std::vector<TensorInfo>& tensors, int64_t capacity,
                                      int64_t logits_rows);
 
 /// Scratch buffers of forward_batch (engine/model.h, class Workspace), in elements. A Workspace
@@ -90,7 +90,7 @@ struct WorkspacePlan {
 /// The workspace for a model: activations sized by `capacity`, attention scores by `max_ctx`
 /// and the GQA group, logits by `logits_rows`, matmul scratch from `matmuls` at the active CPU
 /// level (cpu_level(): the plan is for this machine's kernels) and `threads`.
-WorkspacePlan plan_workspace(const LlamaConfig& c, const std::vector<MatmulUse>& matmuls, int64_t capacity, int64_t max_ctx,
+WorkspacePlan plan_workspace(const ModelConfig& c, const std::vector<MatmulUse>& matmuls, int64_t capacity, int64_t max_ctx,
                              int64_t logits_rows, int threads);
 
 /// Everything the CPU engine holds for a loaded model and its runtime state.
@@ -117,7 +117,7 @@ struct InferencePlan {
 struct SessionSizes {
   int64_t ctx, n_batch, logits_rows;
 };
-SessionSizes session_sizes(const LlamaConfig& c, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1);
+SessionSizes session_sizes(const ModelConfig& c, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1);
 
 /// The KV-cache size llmq-server uses: kv_tokens when > 0, else max(ctx, parallel · min(ctx,
 /// 2048)); never less than ctx.
@@ -135,7 +135,7 @@ uint64_t model_packed_bytes(const std::vector<TensorInfo>& tensors, int64_t n_la
 /// or server = true: a Scheduler with `parallel` sequences of up to `ctx` tokens, a KV cache of
 /// server_kv_tokens(ctx, parallel, kv_tokens) tokens and a workspace of max(n_batch, parallel)
 /// tokens). `file` is only read for its metadata and tensor directory.
-InferencePlan plan_inference(const LlmqFile& file, const LlamaConfig& c, int64_t ctx, int64_t n_batch, int threads,
+InferencePlan plan_inference(const LlmqFile& file, const ModelConfig& c, int64_t ctx, int64_t n_batch, int threads,
                              int64_t parallel = 1, bool server = false, int64_t kv_tokens = 0);
 
 /// Device memory of the CUDA backend for one model and one sequence, or, for llmq-server, many
@@ -166,35 +166,35 @@ struct CudaPlan {
 };
 /// Most rows of a matrix the CUDA backend multiplies by: the output's vocabulary rows, stacked
 /// Q/K/V, stacked gate/up, or dim (plan_cuda_matmul's max_rows).
-int64_t cuda_matmul_max_rows(const LlamaConfig& c);
+int64_t cuda_matmul_max_rows(const ModelConfig& c);
 /// The plan of a CUDA session on the model whose tensor directory is `tensors` (empty: weights
 /// left 0): ctx, n_batch, logits_rows as session_sizes (logits_rows at most n_batch); gpu_layers
 /// (partial offload, < 0: all) the last layers on the GPU, whose weights (plus the output, and
 /// the embedding only when all layers are there or it is tied) and KV cache it holds. Throws
 /// UsageError when a tensor of the Llama table is missing, or gpu_layers > n_layers. kv_q8: a
 /// Q8_0 KV cache (17/32 of fp16's bytes; head_dim must be a multiple of 32: UsageError).
-CudaPlan plan_cuda(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1,
+CudaPlan plan_cuda(const ModelConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch, int64_t logits_rows = 1,
                    int64_t gpu_layers = -1, bool kv_q8 = false);
 /// The plan of llmq-server on a GPU (cuda::CudaBatchRunner): `parallel` sequences of up to ctx
 /// tokens over a paged cache of server_kv_tokens(ctx, parallel, kv_tokens) tokens in blocks of
 /// kKvBlockTokens, forward passes of max(n_batch, parallel) tokens with logits for up to
 /// `parallel` of them (the scheduler's); gpu_layers as plan_cuda (partial offload). Throws
 /// UsageError as plan_cuda, or for parallel < 1.
-CudaPlan plan_cuda_server(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
+CudaPlan plan_cuda_server(const ModelConfig& c, const std::vector<TensorInfo>& tensors, int64_t ctx, int64_t n_batch,
                           int64_t parallel, int64_t kv_tokens = 0, int64_t gpu_layers = -1, bool kv_q8 = false);
 
 struct ShardRanges;  // engine/model.h
 
 /// A tensor-parallel rank's config: the model's, with n_heads, n_kv_heads and hidden_dim of the
 /// rank's slices (the widths its kernels run on).
-LlamaConfig rank_config(const LlamaConfig& c, const ShardRanges& R);
+ModelConfig rank_config(const ModelConfig& c, const ShardRanges& R);
 
 /// The plan of tensor-parallel rank R on the GPU (cuda::CudaRanks: CudaModel of its shard,
 /// CudaSession of its widths): weights as CudaModel uploads the shard (its rows of Q/K/V,
 /// gate/up and the output, its columns of the attention output and FFN down, the embedding and
 /// norms whole), buffers as plan_cuda (parallel 0) or plan_cuda_server (parallel > 0) on
 /// rank_config. Throws UsageError as plan_cuda.
-CudaPlan plan_cuda_rank(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t ctx, int64_t n_batch,
+CudaPlan plan_cuda_rank(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t ctx, int64_t n_batch,
                         int64_t logits_rows = 1, int64_t parallel = 0, int64_t kv_tokens = 0, bool kv_q8 = false);
 
 /// Bytes a tensor holds on one of `tp` tensor-parallel ranks under the Megatron-LM split

@@ -17,20 +17,20 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
   model->file = LlmqFile::open(path, verify);
   const LlmqFile& f = *model->file;
   try {
-    model->config = LlamaConfig::from_metadata(f.meta());
+    model->config = ModelConfig::from_metadata(f.meta());
     model->vocab = vocab_from_metadata(f.meta());
     model->chat_template = f.meta().get_string("tokenizer.chat_template", "");
     model->tokenizer = std::make_unique<Tokenizer>(model->vocab);
   } catch (const std::exception& e) {
     throw FileError(path, e.what());
   }
-  const LlamaConfig& c = model->config;
+  const ModelConfig& c = model->config;
   if (int64_t(model->vocab.size()) != c.vocab_size)
-    throw FileError(path, "tokenizer has " + std::to_string(model->vocab.size()) + " tokens but llama.vocab_size is " +
+    throw FileError(path, "tokenizer has " + std::to_string(model->vocab.size()) + " tokens but " + c.arch + ".vocab_size is " +
                               std::to_string(c.vocab_size));
 
   std::map<std::string, const TensorInfo*> expected;
-  for (const TensorSpec& spec : llama_tensor_table(c)) {
+  for (const TensorSpec& spec : tensor_table(c)) {
     const TensorInfo* t = f.find(spec.name);
     if (!t) throw FileError(path, "missing tensor '" + spec.name + "'");
     if (t->shape != spec.shape) {
@@ -50,23 +50,26 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
   auto vec = [&](const std::string& name) { return reinterpret_cast<const float*>(f.data(*expected.at(name))); };
 
   model->token_embd = mat("token_embd.weight");
+  auto opt = [&](const std::string& name) { return expected.count(name) ? vec(name) : nullptr; };  // in the table or not
   for (int64_t i = 0; i < c.n_layers; ++i) {
     LayerWeights l;
-    l.attn_norm = vec(llama_layer_tensor(i, "attn_norm"));
-    l.wq = mat(llama_layer_tensor(i, "attn_q"));
-    l.wk = mat(llama_layer_tensor(i, "attn_k"));
-    l.wv = mat(llama_layer_tensor(i, "attn_v"));
-    l.wo = mat(llama_layer_tensor(i, "attn_output"));
-    if (c.attn_qkv_bias) {
-      l.bq = vec(llama_layer_bias(i, "attn_q"));
-      l.bk = vec(llama_layer_bias(i, "attn_k"));
-      l.bv = vec(llama_layer_bias(i, "attn_v"));
-    }
-    if (c.attn_out_bias) l.bo = vec(llama_layer_bias(i, "attn_output"));
-    l.ffn_norm = vec(llama_layer_tensor(i, "ffn_norm"));
-    l.w_gate = mat(llama_layer_tensor(i, "ffn_gate"));
-    l.w_up = mat(llama_layer_tensor(i, "ffn_up"));
-    l.w_down = mat(llama_layer_tensor(i, "ffn_down"));
+    l.attn_norm = vec(layer_tensor(i, "attn_norm"));
+    l.wq = mat(layer_tensor(i, "attn_q"));
+    l.wk = mat(layer_tensor(i, "attn_k"));
+    l.wv = mat(layer_tensor(i, "attn_v"));
+    l.wo = mat(layer_tensor(i, "attn_output"));
+    l.bq = opt(layer_bias(i, "attn_q"));
+    l.bk = opt(layer_bias(i, "attn_k"));
+    l.bv = opt(layer_bias(i, "attn_v"));
+    l.bo = opt(layer_bias(i, "attn_output"));
+    l.q_norm = opt(layer_tensor(i, "attn_q_norm"));
+    l.k_norm = opt(layer_tensor(i, "attn_k_norm"));
+    l.post_attn_norm = opt(layer_tensor(i, "post_attention_norm"));
+    l.ffn_norm = vec(layer_tensor(i, "ffn_norm"));
+    l.w_gate = mat(layer_tensor(i, "ffn_gate"));
+    l.w_up = mat(layer_tensor(i, "ffn_up"));
+    l.w_down = mat(layer_tensor(i, "ffn_down"));
+    l.post_ffn_norm = opt(layer_tensor(i, "post_ffw_norm"));
     model->layers.push_back(l);
   }
   model->output_norm = vec("output_norm.weight");
@@ -108,7 +111,7 @@ std::string Model::weight_type() const {
 
 // ---------------------------------------------------------------- forward pass
 
-ShardRanges ShardRanges::whole(const LlamaConfig& c) {
+ShardRanges ShardRanges::whole(const ModelConfig& c) {
   ShardRanges r;
   r.n_heads = c.n_heads, r.n_kv_heads = c.n_kv_heads, r.ffn_dim = c.hidden_dim;
   r.n_vocab = c.vocab_size, r.n_embd = c.vocab_size;
@@ -124,6 +127,8 @@ uint64_t ModelShard::weight_bytes() const {
          bytes(l.w_up) + bytes(l.w_down);
     if (l.bq) n += uint64_t(l.wq.rows + l.wk.rows + l.wv.rows) * sizeof(float);  // biases: the rows' slices
     if (l.bo) n += uint64_t(dim) * sizeof(float);                                // replicated
+    if (l.q_norm && ranges.n_heads > 0) n += 2 * uint64_t(l.wq.rows / ranges.n_heads) * sizeof(float);  // [head_dim] x2
+    if (l.post_attn_norm) n += 2 * uint64_t(dim) * sizeof(float);                                       // post norms
   }
   const bool inside_embd = output.data >= token_embd.data && output.data + bytes(output) <= token_embd.data + bytes(token_embd);
   if (!(inside_embd && output.type == token_embd.type)) n += bytes(output);  // tied: already counted
@@ -166,7 +171,7 @@ void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, i
   plan_batch(m.config, cache, batch, T, capacity, plan);
 }
 
-void plan_batch(const LlamaConfig& c, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity, BatchPlan& plan) {
+void plan_batch(const ModelConfig& c, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity, BatchPlan& plan) {
   if (T <= 0 || T > capacity)
     throw UsageError("forward: batch of " + std::to_string(T) + " tokens (capacity " + std::to_string(capacity) + ")");
   // Positions: each sequence continues from its cached length.
@@ -210,7 +215,7 @@ class ShardPass {
         layers_(shard ? shard->layers : m.layers), cache_(cache), ws_(ws), pool_(pool), comm_(comm), batch_(batch), T_(T),
         plan_(plan), D(c_.dim), hd(c_.head_dim), V(c_.vocab_size), Q(R.n_heads * c_.head_dim), KV(R.n_kv_heads * c_.head_dim),
         H(R.ffn_dim), group_(c_.n_heads / c_.n_kv_heads), bt_(cache.block_tokens()), bf16_(cache.type() == KvType::BF16),
-        pool_id_(cache.n_shards() == 1 ? 0 : R.rank), eps_(float(c_.norm_eps)), att_scale_(float(1.0 / std::sqrt(double(c_.head_dim)))),
+        pool_id_(cache.n_shards() == 1 ? 0 : R.rank), eps_(float(c_.norm_eps)), att_scale_(c_.softmax_scale()),
         pos_(plan.pos.data()), x_(ws.x_.data()) {
     if (ws_.att_.size() < size_t(pool_.size())) ws_.att_.resize(size_t(pool_.size()));
   }
@@ -222,8 +227,8 @@ class ShardPass {
   // output projection (all-reduced under TP); returns the rows that go on (To: the flagged
   // tokens in the last layer, else T), 0 when nothing does.
   int64_t attention_block(int64_t l, bool last);
-  void ffn_block(int64_t l, int64_t To);  // x += W_down · (silu(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)
-  const float* logits();                  // the final norm and output rows of the flagged tokens
+  void ffn_block(int64_t l, int64_t To);  // x += W_down · (act(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)
+  const float* logits();                  // the final norm and output rows of the flagged tokens (soft-capped)
 
  private:
   // Per-token work (norms, RoPE, residual adds) runs on the pool when there are enough tokens
@@ -234,10 +239,12 @@ class ShardPass {
     pool_.parallel_for(n, [&](int64_t t0, int64_t t1, int) { fn(t0, t1); });
   }
   void attend(int64_t l, int64_t To, bool last);  // ws.att_out [To, Q] = causal attention of the To query rows
+  void head_norms(const LayerWeights& w, int64_t To);  // QK-norm: RMSNorm over each head of q [To, Q] and k [T, KV]
+  void norm_rows(float* x, const float* w, int64_t n);  // x [n, D] = RMSNorm(x) in place (post norms)
   const float* gather_logits(int64_t n_logits);  // vocab-parallel output: rank 0 assembles [n_logits, V]
 
   const Model& m_;
-  const LlamaConfig& c_;
+  const ModelConfig& c_;
   const ModelShard* shard_;
   const ShardRanges R;
   const std::vector<LayerWeights>& layers_;
@@ -256,30 +263,53 @@ class ShardPass {
   const float eps_, att_scale_;
   const int64_t* pos_;
   float* x_;  // [T, D] residual stream (replicated on every rank)
-  const float* angles_ = nullptr;  // [T, hd] RoPE cos, then sin, of each pair
+  const float* angles_ = nullptr;  // [rope tables, T, hd] RoPE cos, then sin, of each pair (ModelConfig::rope_table)
 };
 
 void ShardPass::embed() {
   if (!shard_ || R.n_embd == V) {
     const Weight& emb = shard_ ? shard_->token_embd : m_.token_embd;
     for (int64_t t = 0; t < T_; ++t) embedding_row(x_ + t * D, emb, batch_[t].token);
-    return;
+  } else {
+    for (int64_t t = 0; t < T_; ++t) {  // vocab-parallel embedding: the rank holding the token's row adds it, the others 0
+      const int64_t row = batch_[t].token - R.embd0;
+      if (row >= 0 && row < R.n_embd) embedding_row(x_ + t * D, shard_->token_embd, row);
+      else std::fill(x_ + t * D, x_ + (t + 1) * D, 0.0f);
+    }
+    comm_->all_reduce_sum(x_, T_ * D);
   }
-  for (int64_t t = 0; t < T_; ++t) {  // vocab-parallel embedding: the rank holding the token's row adds it, the others 0
-    const int64_t row = batch_[t].token - R.embd0;
-    if (row >= 0 && row < R.n_embd) embedding_row(x_ + t * D, shard_->token_embd, row);
-    else std::fill(x_ + t * D, x_ + (t + 1) * D, 0.0f);
-  }
-  comm_->all_reduce_sum(x_, T_ * D);
+  if (const float s = c_.embedding_multiplier(); s != 1.0f)  // Gemma: rows × √dim
+    for (int64_t i = 0; i < T_ * D; ++i) x_[i] *= s;
 }
 
-// RoPE angles of every token, for all layers: [T, hd] (cos, then sin, of each pair).
+// RoPE angles of every token, for all layers: [rope tables, T, hd] (cos, then sin, of each pair;
+// a second table when sliding-window layers have their own frequencies).
 void ShardPass::rope_angles_all() {
   float* angles = ws_.rope_.data();
-  per_token(T_, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) rope_angles(angles + t * hd, hd, pos_[t], c_.rope_theta);
-  });
+  for (int table = 0; table < c_.rope_tables(); ++table) {
+    const std::vector<double> freqs = c_.rope_freqs(c_.rope_table_layer(table));
+    float* a = angles + table * T_ * hd;
+    per_token(T_, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) rope_angles(a + t * hd, hd, pos_[t], freqs.data());
+    });
+  }
   angles_ = angles;
+}
+
+void ShardPass::head_norms(const LayerWeights& w, int64_t To) {
+  per_token(T_, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < R.n_kv_heads; ++h) rmsnorm(ws_.k_.data() + t * KV + h * hd, ws_.k_.data() + t * KV + h * hd, w.k_norm, hd, eps_);
+      if (t < To)
+        for (int64_t h = 0; h < R.n_heads; ++h) rmsnorm(ws_.q_.data() + t * Q + h * hd, ws_.q_.data() + t * Q + h * hd, w.q_norm, hd, eps_);
+    }
+  });
+}
+
+void ShardPass::norm_rows(float* x, const float* w, int64_t n) {
+  per_token(n, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rmsnorm(x + t * D, x + t * D, w, D, eps_);
+  });
 }
 
 int64_t ShardPass::attention_block(int64_t l, bool last) {
@@ -307,27 +337,32 @@ int64_t ShardPass::attention_block(int64_t l, bool last) {
     add_bias(ws_.k_.data(), w.bk, T_, KV);
     add_bias(ws_.v_.data(), w.bv, T_, KV);
   }
+  if (w.q_norm) head_norms(w, To);  // QK-norm (before RoPE, as Qwen3 and Gemma 3)
+  const float* angles = angles_ + c_.rope_table(l) * T_ * hd;  // this layer's RoPE table [T, hd]
   per_token(T_, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      rope_rotate(ws_.k_.data() + t * KV, R.n_kv_heads, hd, angles_ + t * hd, c_.rope_layout);
+      rope_rotate(ws_.k_.data() + t * KV, R.n_kv_heads, hd, angles + t * hd, c_.rope_layout);
       cache_.store(l, batch_[t].seq, pos_[t], ws_.k_.data() + t * KV, ws_.v_.data() + t * KV, pool_id_);
     }
   });
   if (To == 0) return 0;  // last layer, no logits wanted: only its K and V were needed
   per_token(To, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) rope_rotate(ws_.q_.data() + i * Q, R.n_heads, hd, angles_ + tok(i) * hd, c_.rope_layout);
+    for (int64_t i = i0; i < i1; ++i) rope_rotate(ws_.q_.data() + i * Q, R.n_heads, hd, angles + tok(i) * hd, c_.rope_layout);
   });
   attend(l, To, last);
   matmul(pool_, ws_.scratch_, ws_.xb_.data(), ws_.att_out_.data(), To, w.wo);  // [To, D] (partial sum when split)
   if (comm_) comm_->all_reduce_sum(ws_.xb_.data(), To * D);
   if (w.bo) add_bias(ws_.xb_.data(), w.bo, To, D);  // [D], replicated: added once, after the sum
+  if (w.post_attn_norm) norm_rows(ws_.xb_.data(), w.post_attn_norm, To);  // pre_post norms: RMSNorm of the block's output
   if (last)  // the flagged tokens' residual rows to the front too
     for (int64_t i = 0; i < To; ++i)
       if (tok(i) != i) std::memcpy(x_ + i * D, x_ + tok(i) * D, size_t(D) * sizeof(float));
   return To;
 }
 
-// Causal attention: the token at position p sees its sequence's positions 0..p. A work item is
+// Causal attention: the token at position p sees its sequence's positions 0..p (a sliding-window
+// layer: window_start(l, p)..p; parts wholly before the window are skipped, the rest of a part
+// before it gets softmax weight 0 exactly). A work item is
 // one output row i (batch token tok(i)) and G query heads: G = group, the heads that share a KV
 // head, so each K/V block is read once for all of them (a rank whose heads do not start and end
 // on KV-group boundaries, in uneven TP splits, uses G = 1). Positions are taken in parts of
@@ -350,6 +385,8 @@ void ShardPass::attend(int64_t l, int64_t To, bool last) {
   const int64_t part_blocks = std::max<int64_t>(1, kAttnPartTokens / bt), part_len = part_blocks * bt;
   const int64_t part_floats = G * (hd + 2);  // per part: o [G, hd], then m [G], then l [G]
   auto parts_of = [&](int64_t i) { return (pos[tok(i)] + part_len) / part_len; };  // ceil((pos + 1) / part_len)
+  auto first_of = [&](int64_t i) { return c_.window_start(l, pos[tok(i)]); };      // a sliding window's first position
+  auto part0_of = [&](int64_t i) { return first_of(i) / part_len; };              // parts before it are skipped
   auto row_of = [&](int64_t pair) {
     const int64_t j = pair % To;
     return j % 2 == 0 ? j / 2 : To - 1 - j / 2;
@@ -360,6 +397,7 @@ void ShardPass::attend(int64_t l, int64_t To, bool last) {
     const int64_t kvh = (R.head0 + h0) / group - R.kv_head0, t = tok(i);
     const int32_t seq = batch_[t].seq;
     const int64_t lo = c * part_len, hi = std::min(pos[t] + 1, lo + part_len);
+    const int64_t off = std::max<int64_t>(0, first_of(i) - lo);  // positions of the part before the window: weight 0
     const float* q = ws_.q_.data() + i * Q + h0 * hd;  // [G, hd]
     auto* qb = reinterpret_cast<uint16_t*>(scores + G * part_len);  // bf16 only: [G, hd]
     uint16_t* ab = qb + G * hd;                                      // bf16 only: [G, part_len]
@@ -372,7 +410,10 @@ void ShardPass::attend(int64_t l, int64_t To, bool last) {
       else
         attn_scores(scores + p0 - lo, part_len, q, G, cache_.key_block(l, seq, p0 / bt, kvh, pool_id_), n, bt, hd, att_scale_);
     }
-    for (int64_t g = 0; g < G; ++g) dst[G * hd + G + g] = softmax(scores + g * part_len, hi - lo, &dst[G * hd + g]);
+    for (int64_t g = 0; g < G; ++g) {
+      dst[G * hd + G + g] = softmax(scores + g * part_len + off, hi - lo - off, &dst[G * hd + g]);
+      std::fill(scores + g * part_len, scores + g * part_len + off, 0.0f);
+    }
     std::fill(dst, dst + G * hd, 0.0f);
     if (bf16)
       for (int64_t g = 0; g < G; ++g) {
@@ -425,9 +466,9 @@ void ShardPass::attend(int64_t l, int64_t To, bool last) {
       float* scores = thread_buf(thread);
       float* parts = scores + G * part_len + bf16_floats;
       for (int64_t pair = i0; pair < i1; ++pair) {
-        const int64_t i = row_of(pair), h0 = (pair / To) * G, n = parts_of(i);
-        for (int64_t c = 0; c < n; ++c) attend_part(i, h0, c, scores, parts + c * part_floats);
-        merge(parts, n, ws_.att_out_.data() + i * Q + h0 * hd);
+        const int64_t i = row_of(pair), h0 = (pair / To) * G, c0 = part0_of(i), n = parts_of(i);
+        for (int64_t c = c0; c < n; ++c) attend_part(i, h0, c, scores, parts + (c - c0) * part_floats);
+        merge(parts, n - c0, ws_.att_out_.data() + i * Q + h0 * hd);
       }
     });
     return;
@@ -436,12 +477,13 @@ void ShardPass::attend(int64_t l, int64_t To, bool last) {
     float* scores = thread_buf(thread);
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t pair = it / max_parts, c = it % max_parts, i = row_of(pair);
-      if (c < parts_of(i)) attend_part(i, (pair / To) * G, c, scores, ws_.att_part_.data() + it * part_floats);
+      if (c >= part0_of(i) && c < parts_of(i)) attend_part(i, (pair / To) * G, c, scores, ws_.att_part_.data() + it * part_floats);
     }
   });
   for (int64_t pair = 0; pair < pair_count; ++pair) {
     const int64_t i = row_of(pair), h0 = (pair / To) * G;
-    merge(ws_.att_part_.data() + pair * max_parts * part_floats, parts_of(i), ws_.att_out_.data() + i * Q + h0 * hd);
+    const int64_t c0 = part0_of(i);
+    merge(ws_.att_part_.data() + (pair * max_parts + c0) * part_floats, parts_of(i) - c0, ws_.att_out_.data() + i * Q + h0 * hd);
   }
 }
 
@@ -455,9 +497,10 @@ void ShardPass::ffn_block(int64_t l, int64_t To) {
     }
   });
   matmul_many(pool_, ws_.scratch_, ws_.xb_.data(), To, {{ws_.h1_.data(), &w.w_gate}, {ws_.h2_.data(), &w.w_up}});  // [To, H] x2
-  per_token(To, [&](int64_t t0, int64_t t1) { swiglu(ws_.h1_.data() + t0 * H, ws_.h2_.data() + t0 * H, (t1 - t0) * H); });
+  per_token(To, [&](int64_t t0, int64_t t1) { gated_act(c_.act, ws_.h1_.data() + t0 * H, ws_.h2_.data() + t0 * H, (t1 - t0) * H); });
   matmul(pool_, ws_.scratch_, ws_.xb_.data(), ws_.h1_.data(), To, w.w_down);  // [To, D] (partial sum when split)
   if (comm_) comm_->all_reduce_sum(ws_.xb_.data(), To * D);
+  if (w.post_ffn_norm) norm_rows(ws_.xb_.data(), w.post_ffn_norm, To);  // pre_post norms
   per_token(To, [&](int64_t t0, int64_t t1) {
     for (int64_t i = t0 * D; i < t1 * D; ++i) x[i] += ws_.xb_[size_t(i)];
   });
@@ -475,6 +518,7 @@ const float* ShardPass::logits() {
   const int64_t NV = R.n_vocab;  // this rank's logit rows
   if (ws_.logits_.size() < size_t(n_logits * NV)) ws_.logits_.resize(size_t(n_logits * NV));
   if (NV > 0) matmul(pool_, ws_.scratch_, ws_.logits_.data(), ws_.xb_.data(), n_logits, out_w);  // [n_logits, NV]
+  if (c_.logit_softcap > 0) softcap(ws_.logits_.data(), n_logits * NV, float(c_.logit_softcap));  // Gemma 2: per logit
   if (!comm_) return ws_.logits_.data();
   return gather_logits(n_logits);
 }

@@ -1,4 +1,4 @@
-// A Llama model loaded from a `.llmq` file and the CPU forward pass over a KV cache.
+// A model loaded from a `.llmq` file and the CPU forward pass over a KV cache.
 #pragma once
 #include <memory>
 #include <string>
@@ -12,7 +12,7 @@
 #include "text/tokenizer.h"
 #include "formats/llmq_file.h"
 #include "formats/vocab.h"
-#include "models/llama.h"
+#include "models/config.h"
 
 namespace llmq {
 
@@ -27,16 +27,20 @@ struct LayerWeights {
   const float* bk = nullptr;  // [kv_dim] or null
   const float* bv = nullptr;  // [kv_dim] or null
   const float* bo = nullptr;  // [dim] or null
+  const float* q_norm = nullptr;          // [head_dim] or null (QK-norm: Qwen3, Gemma 3)
+  const float* k_norm = nullptr;          // [head_dim] or null
+  const float* post_attn_norm = nullptr;  // [dim] or null (pre_post norms: Gemma)
   const float* ffn_norm;   // [dim]
   Weight w_gate;           // [hidden, dim]
   Weight w_up;             // [hidden, dim]
   Weight w_down;           // [dim, hidden]
+  const float* post_ffn_norm = nullptr;   // [dim] or null (pre_post norms)
 };
 
 /// The model: config, tokenizer vocabulary and weights, used in place from the mmap.
 struct Model {
   std::unique_ptr<LlmqFile> file;
-  LlamaConfig config;
+  ModelConfig config;
   Vocab vocab;
   std::unique_ptr<Tokenizer> tokenizer;  // built from vocab at load (validates it)
   std::string chat_template;
@@ -50,7 +54,7 @@ struct Model {
   PackedWeights packed;
 
   /// Opens and validates `path` (see LlmqFile::open), builds the tokenizer, and binds every
-  /// tensor of the Llama table (models/llama.h), checking names, shapes and that 1-D tensors
+  /// tensor of the Llama table (models/config.h), checking names, shapes and that 1-D tensors
   /// are F32.
   /// Throws FileError for any fault (the message names the file).
   /// pack = false leaves the matrices unpacked (a model whose weights go to a GPU);
@@ -78,7 +82,7 @@ struct ShardRanges {
   int64_t embd0 = 0, n_embd = 0;         ///< embedding rows held (vocab-parallel embedding)
 
   /// The whole model on one rank.
-  static ShardRanges whole(const LlamaConfig& c);
+  static ShardRanges whole(const ModelConfig& c);
 };
 
 /// One rank's weights: a view of the model with every matrix cut to the rank's ranges.
@@ -132,7 +136,7 @@ struct BatchPlan {
 void plan_batch(const Model& m, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity,
                 BatchPlan& plan);
 /// The same for a model known only by its shapes (token ids checked against c.vocab_size).
-void plan_batch(const LlamaConfig& c, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity, BatchPlan& plan);
+void plan_batch(const ModelConfig& c, const KVCache& cache, const BatchToken* batch, int64_t T, int64_t capacity, BatchPlan& plan);
 
 namespace detail {
 class ShardPass;

@@ -12,7 +12,7 @@
 namespace llmq {
 
 ForwardCost forward_cost(const Model& m, int64_t n_tokens, int64_t pos0, int kv_elem_bytes) {
-  const LlamaConfig& c = m.config;
+  const ModelConfig& c = m.config;
   ForwardCost cost;
   // Weights multiplied per token: by every token (layer matrices), and by the last token only
   // (the last layer's Q, output and FFN matrices, the output projection: forward_shard computes

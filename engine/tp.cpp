@@ -41,7 +41,7 @@ const TensorInfo& tensor(const std::vector<TensorInfo>& tensors, const std::stri
 }
 }  // namespace
 
-std::vector<ShardRanges> plan_shards(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int N, const TpOptions& opt) {
+std::vector<ShardRanges> plan_shards(const ModelConfig& c, const std::vector<TensorInfo>& tensors, int N, const TpOptions& opt) {
   if (N < 1) throw UsageError("--tp must be at least 1");
   if (N > c.n_heads)
     throw UsageError(tp_prefix(N) + "the model has " + std::to_string(c.n_heads) +
@@ -51,8 +51,8 @@ std::vector<ShardRanges> plan_shards(const LlamaConfig& c, const std::vector<Ten
   int64_t a_o = 1, a_d = 1;
   std::string t_o = "f32", t_d = "f32";
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    const DType wo = tensor(tensors, llama_layer_tensor(l, "attn_output")).type;
-    const DType wd = tensor(tensors, llama_layer_tensor(l, "ffn_down")).type;
+    const DType wo = tensor(tensors, layer_tensor(l, "attn_output")).type;
+    const DType wd = tensor(tensors, layer_tensor(l, "ffn_down")).type;
     if (dtype_info(wo).block > a_o) a_o = dtype_info(wo).block, t_o = dtype_name(wo);
     if (dtype_info(wd).block > a_d) a_d = dtype_info(wd).block, t_d = dtype_name(wd);
   }
@@ -86,7 +86,7 @@ std::vector<ShardRanges> plan_shards(const LlamaConfig& c, const std::vector<Ten
   return out;
 }
 
-uint64_t shard_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R) {
+uint64_t shard_weight_bytes(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R) {
   const int64_t hd = c.head_dim, D = c.dim;
   auto rows = [&](const std::string& name, int64_t n) {  // n rows of a [rows, cols] tensor
     const TensorInfo& t = tensor(tensors, name);
@@ -100,18 +100,20 @@ uint64_t shard_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>&
   uint64_t b = rows("token_embd.weight", R.n_embd) + uint64_t(D) * f32;  // + output_norm
   if (!c.tied_embeddings) b += rows("output.weight", R.n_vocab);
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    auto name = [&](const char* what) { return llama_layer_tensor(l, what); };
+    auto name = [&](const char* what) { return layer_tensor(l, what); };
     b += 2 * uint64_t(D) * f32;  // attn_norm, ffn_norm
     b += rows(name("attn_q"), R.n_heads * hd) + rows(name("attn_k"), R.n_kv_heads * hd) + rows(name("attn_v"), R.n_kv_heads * hd);
     b += cols(name("attn_output"), R.n_heads * hd);
     b += rows(name("ffn_gate"), R.ffn_dim) + rows(name("ffn_up"), R.ffn_dim) + cols(name("ffn_down"), R.ffn_dim);
     if (c.attn_qkv_bias) b += uint64_t(R.n_heads + 2 * R.n_kv_heads) * uint64_t(hd) * f32;
     if (c.attn_out_bias) b += uint64_t(D) * f32;
+    if (c.qk_norm) b += 2 * uint64_t(hd) * f32;                          // q_norm, k_norm (replicated)
+    if (c.norms == NormPlacement::PrePost) b += 2 * uint64_t(D) * f32;  // post norms (replicated)
   }
   return b;
 }
 
-uint64_t shard_packed_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R) {
+uint64_t shard_packed_bytes(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R) {
   const int64_t hd = c.head_dim;
   std::vector<Weight> own;  // shapes only, as make_shard leaves them unpacked
   auto rows = [&](const std::string& name, int64_t r0, int64_t n) {  // weight_rows keeps the model's panels at r0 % 16 == 0
@@ -123,7 +125,7 @@ uint64_t shard_packed_bytes(const LlamaConfig& c, const std::vector<TensorInfo>&
     if (!(c0 == 0 && n == t.shape[1])) own.push_back(Weight{t.type, nullptr, t.shape[0], n});
   };
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    auto name = [&](const char* what) { return llama_layer_tensor(l, what); };
+    auto name = [&](const char* what) { return layer_tensor(l, what); };
     rows(name("attn_q"), R.head0 * hd, R.n_heads * hd);
     rows(name("attn_k"), R.kv_head0 * hd, R.n_kv_heads * hd);
     rows(name("attn_v"), R.kv_head0 * hd, R.n_kv_heads * hd);
@@ -139,7 +141,7 @@ uint64_t shard_packed_bytes(const LlamaConfig& c, const std::vector<TensorInfo>&
 }
 
 ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int rank, bool pack) {
-  const LlamaConfig& c = m.config;
+  const ModelConfig& c = m.config;
   const ShardRanges& R = all.at(size_t(rank));
   const int64_t hd = c.head_dim;
   ModelShard s;
@@ -180,14 +182,14 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
   return s;
 }
 
-WorkspacePlan rank_workspace_plan(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R,
+WorkspacePlan rank_workspace_plan(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R,
                                   int64_t capacity, int threads) {
-  LlamaConfig rc = c;  // the rank's widths
+  ModelConfig rc = c;  // the rank's widths
   rc.n_heads = R.n_heads, rc.n_kv_heads = R.n_kv_heads, rc.hidden_dim = R.ffn_dim, rc.vocab_size = R.n_vocab;
   std::vector<MatmulUse> uses;
   for (int64_t l = 0; l < c.n_layers; ++l)
     for (const char* what : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}) {
-      const DType t = tensor(tensors, llama_layer_tensor(l, what)).type;
+      const DType t = tensor(tensors, layer_tensor(l, what)).type;
       const std::string w = what;
       const int64_t cols = w == "attn_output" ? R.n_heads * c.head_dim : w == "ffn_down" ? R.ffn_dim : c.dim;
       uses.push_back({t, cols, capacity});
@@ -310,7 +312,7 @@ const float* TensorParallel::forward(KVCache& cache, const BatchToken* batch, in
 }
 
 std::string tp_signature(const Model& m, int tp) {
-  const LlamaConfig& c = m.config;
+  const ModelConfig& c = m.config;
   return "model of " + std::to_string(m.file->file_size()) + " bytes (" + m.weight_type() + ", " + std::to_string(c.n_layers) + " layers, dim " +
          std::to_string(c.dim) + ", vocab " + std::to_string(c.vocab_size) + "), --tp " + std::to_string(tp);
 }

@@ -45,21 +45,21 @@ struct TpOptions {
 std::vector<ShardRanges> plan_shards(const Model& m, int n_ranks, const TpOptions& opt = {});
 /// The same from a model's config and tensor directory alone (what `llmq-mem infer --tp`
 /// reads: nothing is loaded). Throws UsageError as above, or when a layer tensor is missing.
-std::vector<ShardRanges> plan_shards(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, int n_ranks,
+std::vector<ShardRanges> plan_shards(const ModelConfig& c, const std::vector<TensorInfo>& tensors, int n_ranks,
                                      const TpOptions& opt = {});
 
 /// Bytes of weights the rank with ranges R holds, from the tensor directory: the same sum as
 /// ModelShard::weight_bytes() of that rank (row slices of column-parallel matrices, column
 /// slices of Wo and W_down at their stored type, norms and the output bias replicated, q/k/v
 /// biases sliced).
-uint64_t shard_weight_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R);
+uint64_t shard_weight_bytes(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R);
 
 /// Bytes of the packed copies the rank with ranges R makes for itself (ModelShard::packed, the
 /// same sum as its bytes()): at the active CPU level, every matrix of the rank that the model's
 /// own packed panels do not cover, i.e. the column slices of Wo and W_down and the row slices
 /// that do not start on a 16-row panel (weight_rows). The model's panels themselves
 /// (Model::packed, plan_inference's packed_bytes) are one allocation all ranks share.
-uint64_t shard_packed_bytes(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R);
+uint64_t shard_packed_bytes(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R);
 
 /// Rank r's view of the model for ranges r (from plan_shards): slices the weights (see above),
 /// copying the row-parallel ones into owned buffers. vocab_bounds is filled from `all`.
@@ -69,7 +69,7 @@ ModelShard make_shard(const Model& m, const std::vector<ShardRanges>& all, int r
 /// The workspace plan (engine/mem_plan.h) of a rank: activations of the rank's widths (its
 /// heads, KV heads, FFN units and vocabulary rows) for `capacity` tokens, matmul scratch for its
 /// slices, `threads` threads; attention scores and logits grow on demand.
-WorkspacePlan rank_workspace_plan(const LlamaConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R,
+WorkspacePlan rank_workspace_plan(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R,
                                   int64_t capacity, int threads);
 
 /// The model split over N in-process ranks (CPU tensor parallelism), each a thread with its

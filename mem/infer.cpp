@@ -30,7 +30,7 @@ std::string type_mix(const std::vector<TensorInfo>& tensors) {
   return s;
 }
 
-void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, size_t n_tensors, const std::string& mix) {
+void add_cpu_lines(MemReport& r, const InferencePlan& p, const ModelConfig& c, size_t n_tensors, const std::string& mix) {
   r.lines.push_back({"weights (tensor directory)", double(p.weight_bytes),
                      fmt::format("Σ bytes of {} tensors, block scales included: {}", n_tensors, mix), "", Place::Device, Basis::Exact});
   r.lines.push_back({"file header, metadata, tokenizer, padding", double(p.file_bytes - p.weight_bytes),
@@ -66,7 +66,7 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const LlamaConfig& c, s
 // llmq-run --device cuda (one sequence) or llmq-server --device cuda (server: a paged cache):
 // every device buffer of the backend, from the plan it allocates from (engine/mem_plan.h
 // plan_cuda, plan_cuda_server); the CUDA context is measured at load, not predicted here.
-void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, bool server) {
+void add_cuda_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, const InferOptions& o, bool server) {
   const bool q8 = o.kv_type == "q8_0";
   const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens, o.gpu_layers, q8)
                             : plan_cuda(c, f.tensors(), o.ctx, o.n_batch, 1, o.gpu_layers, q8);
@@ -116,7 +116,7 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const
   r.notes.push_back("exact: CudaModel and CudaSession allocate these sizes (tests/test_cuda.cpp checks); cudaMalloc rounds each "
                     "allocation up (2 MiB pages for large ones), which the measured line printed at load includes");
   if (p.first_layer > 0) {  // partial offload: the CPU's part (CudaOffloadSession, CudaOffloadBatchRunner), in host memory
-    LlamaConfig ck = c;
+    ModelConfig ck = c;
     ck.n_layers = p.first_layer;
     const KVPlan kv = plan_kv(ck, p.kv_rows);  // a session's ctx, or the server's paged blocks
     const WorkspacePlan ws =
@@ -137,7 +137,7 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const
 // KV cache (its KV heads) and its workspace, all from the plan TensorParallel allocates from
 // (engine/tp.h: plan_shards, shard_weight_bytes, rank_workspace_plan). The ranks share one
 // process and one mapping of the file; the row-parallel slices are copies each rank owns.
-void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, const InferencePlan& p, const InferOptions& o) {
+void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, const InferencePlan& p, const InferOptions& o) {
   const std::vector<ShardRanges> ranks = plan_shards(c, f.tensors(), o.tp);
   const int total = resolve_threads(o.threads);
   r.device = fmt::format("cpu, {} tensor-parallel ranks in one process", o.tp);
@@ -191,7 +191,7 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const LlamaConfig& c, con
 
 int resolve_threads(int threads) { return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency())); }
 
-InferencePlan infer_plan(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o) {
+InferencePlan infer_plan(const LlmqFile& f, const ModelConfig& c, const InferOptions& o) {
   InferencePlan p = plan_inference(f, c, o.ctx, o.n_batch, resolve_threads(o.threads), o.parallel, o.server, o.kv_tokens);
   p.kv.elem_bytes = o.kv_type == "f32" ? 4 : 2;  // bf16 (CPU) or f16 (CUDA plan)
   return p;
@@ -205,7 +205,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
     throw UsageError("the CPU engine stores the KV cache as f32 or bf16 (--kv-type)");
   if (o.tp < 1) throw UsageError("--tp must be >= 1");
   auto f = LlmqFile::open(path, /*verify=*/false);
-  const LlamaConfig c = file_config(*f);
+  const ModelConfig c = file_config(*f);
   const InferencePlan p = infer_plan(*f, c, o);
   MemReport r;
   r.budget = o.budget;
@@ -276,7 +276,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
   return r;
 }
 
-FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel) {
+FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel) {
   // llmq-run (one Session) when parallel stays 1; otherwise llmq-server with parallel x ctx KV tokens.
   const bool session = fix_parallel && o.parallel <= 1 && !o.server;
   auto plan = [&](int64_t ctx, int64_t par) {
@@ -318,7 +318,7 @@ FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o,
   return r;
 }
 
-int64_t fit_gpu_layers(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, double gpu_budget) {
+int64_t fit_gpu_layers(const LlmqFile& f, const ModelConfig& c, const InferOptions& o, double gpu_budget) {
   const bool server = o.parallel > 1 || o.server;
   auto fits = [&](int64_t n) {
     const CudaPlan p = server ? plan_cuda_server(c, f.tensors(), o.ctx, o.n_batch, o.parallel, o.kv_tokens, n)
@@ -391,9 +391,9 @@ uint64_t available_memory() {
   return 0;
 }
 
-LlamaConfig file_config(const LlmqFile& f) {
+ModelConfig file_config(const LlmqFile& f) {
   try {
-    return LlamaConfig::from_metadata(f.meta());
+    return ModelConfig::from_metadata(f.meta());
   } catch (const std::exception& e) {
     throw FileError(f.path(), e.what());
   }

@@ -36,10 +36,10 @@ MemReport infer_report(const std::string& path, const InferOptions& o);
 
 /// The model's hyper-parameters from a `.llmq` file's metadata; FileError (naming the file) when
 /// they are missing or inconsistent.
-LlamaConfig file_config(const LlmqFile& f);
+ModelConfig file_config(const LlmqFile& f);
 
 /// The plan behind infer_report for the CPU device (what llmq-run / llmq-server allocate).
-InferencePlan infer_plan(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o);
+InferencePlan infer_plan(const LlmqFile& f, const ModelConfig& c, const InferOptions& o);
 
 /// --fit: the largest ctx (a multiple of kKvBlockTokens, at most the model's context) and then
 /// the most parallel sequences (at most 256) whose plan fits `budget` bytes, with a KV cache of
@@ -54,13 +54,13 @@ struct FitResult {
   std::optional<CudaPlan> cuda;
   bool fits = false;
 };
-FitResult fit_inference(const LlmqFile& f, const LlamaConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel);
+FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel);
 
 /// --fit with --device cuda (llmq-run --gpu-layers auto): the most layers N in [0, n_layers] whose
 /// GPU plan (plan_cuda with gpu_layers N, the CUDA context not included) fits `gpu_budget` bytes,
 /// for o's ctx and n_batch; -1 when not even the output alone fits. Monotone in N: a binary
 /// search.
-int64_t fit_gpu_layers(const LlmqFile& f, const LlamaConfig& c, const InferOptions& o, double gpu_budget);
+int64_t fit_gpu_layers(const LlmqFile& f, const ModelConfig& c, const InferOptions& o, double gpu_budget);
 
 /// The fit as JSON: {"fits", "budget", "ctx", "parallel", "kv_tokens", "n_batch", "threads",
 /// "total", "weights", "kv_cache", "workspace", "gpu_layers": "n/a (CPU plan ...)"}.

@@ -116,7 +116,7 @@ ModelShape preset(const std::string& name) {
   throw UsageError("unknown model '" + name + "': not a file, and not a preset (" + known + ")");
 }
 
-ModelShape shape_from_config(const LlamaConfig& c, const std::string& name) {
+ModelShape shape_from_config(const ModelConfig& c, const std::string& name) {
   ModelShape s;
   s.name = name, s.dim = c.dim, s.hidden = c.hidden_dim, s.layers = c.n_layers, s.heads = c.n_heads;
   s.kv_heads = c.n_kv_heads, s.head_dim = c.head_dim, s.vocab = c.vocab_size, s.context = c.context_length;
@@ -144,7 +144,7 @@ ModelShape load_shape(const std::string& model) {
     } else {
       auto f = LlmqFile::open(model, /*verify=*/false);  // maps; reads the header, metadata, directory
       try {
-        s = shape_from_config(LlamaConfig::from_metadata(f->meta()), name);
+        s = shape_from_config(ModelConfig::from_metadata(f->meta()), name);
       } catch (const std::exception& e) {
         throw FileError(model, e.what());
       }

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/config.h"
 
 namespace llmq::mem {
 
@@ -54,7 +54,7 @@ std::vector<std::string> preset_names();
 ModelShape preset(const std::string& name);
 
 /// A Llama config as a shape.
-ModelShape shape_from_config(const LlamaConfig& c, const std::string& name);
+ModelShape shape_from_config(const ModelConfig& c, const std::string& name);
 
 /// A model given as a preset name, a `.llmq` file, a GGUF file, a Hugging Face config.json or a
 /// directory holding one. Files are read for their metadata and tensor directory only (the

@@ -429,7 +429,7 @@ int main(int argc, char** argv) {
                             : gpu               ? double(cuda_free_bytes())
                                                 : double(mem::available_memory());
       auto f = LlmqFile::open(model_path, false);
-      const LlamaConfig c = mem::file_config(*f);
+      const ModelConfig c = mem::file_config(*f);
       mem::InferOptions o;
       o.ctx = ctx, o.parallel = parallel, o.server = true, o.n_batch = n_batch, o.threads = threads, o.kv_type = kv_type;
       o.device = gpu ? "cuda" : "cpu";

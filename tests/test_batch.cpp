@@ -14,7 +14,7 @@
 using namespace llmq;
 
 TEST_CASE("paged KV cache: reserve, truncate, remove", "[batch]") {
-  LlamaConfig c;
+  ModelConfig c;
   c.dim = 8, c.hidden_dim = 8, c.n_layers = 2, c.n_heads = 2, c.n_kv_heads = 1, c.head_dim = 4;
   c.vocab_size = 4, c.context_length = 64;
   KVCache kv(c, 5, 4);

@@ -14,11 +14,11 @@ using namespace llmq;
 
 TEST_CASE("forward_cost counts what the engine computes", "[bench]") {
   auto m = Model::load(test::stories("q8_0"));
-  const LlamaConfig& c = m->config;
+  const ModelConfig& c = m->config;
   // Weights of every layer matrix, the last layer's Q, output and FFN matrices, and the output.
   double per_layer = 0, kv = 0;
   for (const char* what : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}) {
-    const TensorInfo* t = m->file->find(llama_layer_tensor(0, what));
+    const TensorInfo* t = m->file->find(layer_tensor(0, what));
     REQUIRE(t);
     per_layer += double(t->numel());
     if (std::string(what) == "attn_k" || std::string(what) == "attn_v") kv += double(t->numel());

@@ -26,6 +26,7 @@
 #include "base/error.h"
 #include "server/scheduler.h"
 #include "formats/quant.h"
+#include "arch_variants.h"
 #include "test_util.h"
 
 #ifdef LLMQ_HAVE_CUDA
@@ -356,7 +357,7 @@ TEST_CASE("CUDA RMSNorm, SwiGLU, bias, embedding match the CPU", "[cuda]") {
       std::copy(g.begin(), g.end(), ref.begin() + t * H);
     }
     DeviceBuffer hd = to_device(h), od(ref.size() * 4);
-    cuda::swiglu(od.as<float>(), hd.as<float>(), T, H, nullptr);
+    cuda::gated_act(Activation::SwiGLU, od.as<float>(), hd.as<float>(), T, H, nullptr);
     const auto out = from_device<float>(od, ref.size());
     CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-5);
   }
@@ -386,11 +387,11 @@ TEST_CASE("CUDA RMSNorm, SwiGLU, bias, embedding match the CPU", "[cuda]") {
     cuda::add_rmsnorm(xd2.as<float>(), yd.as<float>(), od.as<float>(), wd.as<float>(), T, n, 1e-5f, nullptr, &fq);
     same(od, T, n, plain2);
     DeviceBuffer hd = to_device(h);
-    cuda::swiglu(od.as<float>(), hd.as<float>(), T, H, nullptr);
+    cuda::gated_act(Activation::SwiGLU, od.as<float>(), hd.as<float>(), T, H, nullptr);
     const auto plain3 = from_device<float>(od, size_t(T * H));
-    cuda::swiglu(od.as<float>(), hd.as<float>(), T, H, nullptr, &fq);
+    cuda::gated_act(Activation::SwiGLU, od.as<float>(), hd.as<float>(), T, H, nullptr, &fq);
     same(od, T, H, plain3);
-    CHECK_THROWS_AS(cuda::swiglu(od.as<float>(), hd.as<float>(), T, 1000, nullptr, &fq), UsageError);  // not whole blocks
+    CHECK_THROWS_AS(cuda::gated_act(Activation::SwiGLU, od.as<float>(), hd.as<float>(), T, 1000, nullptr, &fq), UsageError);  // not whole blocks
   }
   {  // bias on columns [0, n) of rows of ld
     const int64_t T = 4, n = 37, ld = 50;
@@ -431,12 +432,13 @@ TEST_CASE("CUDA RoPE with the KV-cache write matches the CPU", "[cuda]") {
       std::vector<float> ref(qkv);
       std::vector<float> cs(static_cast<size_t>(hd));
       for (int64_t t = 0; t < T; ++t) {
-        rope_angles(cs.data(), hd, pos[size_t(t)], 10000.0);
+        rope_angles(cs.data(), hd, pos[size_t(t)], test::rope_freqs(hd).data());
         rope_rotate(ref.data() + t * ld, n_heads, hd, cs.data(), layout);
         rope_rotate(ref.data() + t * ld + Q, n_kv, hd, cs.data(), layout);
       }
       DeviceBuffer qd = to_device(qkv), pd = to_device(pos), kc(size_t(ctx * KV) * 2), vc(size_t(ctx * KV) * 2);
-      cuda::rope_store_kv(qd.as<float>(), ld, pd.as<int32_t>(), nullptr, T, n_heads, n_kv, hd, 10000.0, layout, kc.as<uint16_t>(),
+      DeviceBuffer fd = to_device(test::rope_freqs(hd));
+      cuda::rope_store_kv(qd.as<float>(), ld, pd.as<int32_t>(), nullptr, T, n_heads, n_kv, hd, fd.as<double>(), layout, kc.as<uint16_t>(),
                           vc.as<uint16_t>(), nullptr);
       const auto out = from_device<float>(qd, qkv.size());
       const auto k = from_device<uint16_t>(kc, size_t(ctx * KV)), v = from_device<uint16_t>(vc, size_t(ctx * KV));
@@ -589,10 +591,10 @@ TEST_CASE("CUDA paged attention and KV rows match the contiguous cache", "[cuda]
     for (int64_t t = 0; t < T; ++t)
       rows[size_t(t)] = tables[size_t(seq[size_t(t)]) * size_t(stride) + size_t(pos[size_t(t)] / bt)] * int32_t(bt) + pos[size_t(t)] % int32_t(bt);
     DeviceBuffer a = to_device(qkv), b = to_device(qkv), rd = to_device(rows), kc(pool_k.size() * 2), vc(pool_k.size() * 2);
-    DeviceBuffer kc1(size_t(ctx * KV) * 2), vc1(size_t(ctx * KV) * 2);
-    cuda::rope_store_kv(a.as<float>(), ld, pd.as<int32_t>(), rd.as<int32_t>(), T, n_heads, n_kv, hd, 10000.0, RopeLayout::RotateHalf,
+    DeviceBuffer kc1(size_t(ctx * KV) * 2), vc1(size_t(ctx * KV) * 2), fd = to_device(test::rope_freqs(hd));
+    cuda::rope_store_kv(a.as<float>(), ld, pd.as<int32_t>(), rd.as<int32_t>(), T, n_heads, n_kv, hd, fd.as<double>(), RopeLayout::RotateHalf,
                         kc.as<uint16_t>(), vc.as<uint16_t>(), nullptr);
-    cuda::rope_store_kv(b.as<float>(), ld, pd.as<int32_t>(), nullptr, T, n_heads, n_kv, hd, 10000.0, RopeLayout::RotateHalf,
+    cuda::rope_store_kv(b.as<float>(), ld, pd.as<int32_t>(), nullptr, T, n_heads, n_kv, hd, fd.as<double>(), RopeLayout::RotateHalf,
                         kc1.as<uint16_t>(), vc1.as<uint16_t>(), nullptr);
     CHECK(from_device<float>(a, qkv.size()) == from_device<float>(b, qkv.size()));
     const auto k = from_device<uint16_t>(kc, pool_k.size()), v = from_device<uint16_t>(vc, pool_k.size());
@@ -832,6 +834,89 @@ void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_l
 
 }  // namespace
 
+// The test-only architecture (tests/arch_variants.h: sandwich norms, QK-norm, GeGLU, √dim
+// embedding, biases, soft-cap, attention scale) runs on the GPU from its declaration alone:
+// GPU logits = the CPU's (which tests/test_arch.cpp checks against an fp64 reference) for a
+// prompt of 24 random tokens and 16 teacher-forced decode steps; bounds as compare_model (1e-2
+// f32, 5e-2 q8_0). Whole model and partial offload (first layer on the CPU). A sliding-window
+// model is refused on the GPU with UsageError (not implemented there yet).
+TEST_CASE("CUDA runs a declared architecture: the test-only sandwich variant = the CPU", "[cuda][model][arch]") {
+  if (!have_gpu()) return;
+  const ModelConfig c = test::sandwich_config();
+  for (auto [type, gpu_layers] : {std::pair<DType, int64_t>{DType::F32, -1}, {DType::Q8_0, -1}, {DType::F32, 2}}) {
+    const std::string path = test::random_model(std::string("sandwich_") + dtype_name(type), c, type, 21);
+    auto m = gpu_layers < 0 ? Model::load(path) : Model::load(path, true, true, gpu_layers);
+    const double bound = type == DType::F32 ? 1e-2 : 5e-2;
+    ThreadPool pool(2);
+    std::mt19937_64 rng(3);
+    std::vector<int32_t> ids(40);
+    for (auto& t : ids) t = int32_t(rng() % 512);
+    const int64_t n = 24, V = c.vocab_size;
+    Session cpu(*m, pool, 128, 64, n);
+    std::unique_ptr<cuda::CudaModel> dm;
+    std::unique_ptr<SessionBase> gpu;
+    if (gpu_layers >= 0) {
+      gpu = std::make_unique<cuda::CudaOffloadSession>(*m, pool, gpu_layers, 128, 64, n);
+    } else {
+      dm = std::make_unique<cuda::CudaModel>(*m);
+      gpu = std::make_unique<cuda::CudaSession>(*dm, m.get(), 128, 64, n);
+    }
+    const float* lc = cpu.forward(ids.data(), n, true);
+    const std::vector<float> ref(lc, lc + n * V);
+    double worst = rel_err(gpu->forward(ids.data(), n, true), ref.data(), ref.size());
+    for (int64_t t = n; t < int64_t(ids.size()); ++t) {
+      const float* c1 = cpu.forward(&ids[size_t(t)], 1);
+      const std::vector<float> r1(c1, c1 + V);
+      worst = std::max(worst, rel_err(gpu->forward(&ids[size_t(t)], 1), r1.data(), r1.size()));
+    }
+    INFO(dtype_name(type) << " gpu_layers " << gpu_layers << ": worst rel err " << worst << ", bound " << bound);
+    CHECK(worst < bound);
+  }
+  auto sliding = Model::load(test::random_model("sliding_cuda", test::sliding_config(), DType::F32, 22));
+  CHECK_THROWS_WITH(cuda::CudaModel(*sliding), Catch::Contains("sliding-window attention"));
+}
+
+TEST_CASE("CUDA QK-norm, GeGLU, soft-cap and embedding scale kernels = their CPU references", "[cuda]") {
+  if (!have_gpu()) return;
+  std::mt19937_64 rng(test::fresh_seed());
+  const int64_t T = 5, n_q = 6, n_k = 2, hd = 64, ld = (n_q + 2 * n_k) * hd + 3, H = 96;
+  {  // head_rmsnorm: q heads with wq, k heads with wk, v untouched
+    const auto x = gaussian(size_t(T * ld), rng), wq = gaussian(size_t(hd), rng), wk = gaussian(size_t(hd), rng);
+    std::vector<float> ref(x);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < n_q + n_k; ++h) {
+        float* p = ref.data() + t * ld + h * hd;
+        rmsnorm(p, p, h < n_q ? wq.data() : wk.data(), hd, 1e-6f);
+      }
+    DeviceBuffer xd = to_device(x), wqd = to_device(wq), wkd = to_device(wk);
+    cuda::head_rmsnorm(xd.as<float>(), ld, T, n_q, n_k, hd, wqd.as<float>(), wkd.as<float>(), 1e-6f, nullptr);
+    const auto out = from_device<float>(xd, x.size());
+    CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-6);
+  }
+  {  // GeGLU: out = gelu_tanh(gate) ⊙ up
+    const auto h = gaussian(size_t(T * 2 * H), rng);
+    std::vector<float> ref(size_t(T * H));
+    for (int64_t t = 0; t < T; ++t) {
+      std::copy_n(h.begin() + t * 2 * H, H, ref.begin() + t * H);
+      geglu(ref.data() + t * H, h.data() + t * 2 * H + H, H);
+    }
+    DeviceBuffer hd_ = to_device(h), od(size_t(T * H) * 4);
+    cuda::gated_act(Activation::GeGLU, od.as<float>(), hd_.as<float>(), T, H, nullptr);
+    const auto out = from_device<float>(od, ref.size());
+    CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-6);
+  }
+  {  // soft-cap
+    auto x = gaussian(1000, rng);
+    for (float& v : x) v *= 40.0f;
+    std::vector<float> ref(x);
+    softcap(ref.data(), int64_t(ref.size()), 30.0f);
+    DeviceBuffer xd = to_device(x);
+    cuda::softcap(xd.as<float>(), int64_t(x.size()), 30.0f, nullptr);
+    const auto out = from_device<float>(xd, x.size());
+    CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-6);
+  }
+}
+
 TEST_CASE("CUDA whole model: stories260K logits and 64 greedy tokens equal the CPU's", "[cuda][model]") {
   if (!have_gpu()) return;
   for (const char* type : {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"}) {
@@ -1058,7 +1143,7 @@ TEST_CASE("CUDA graphs replay llmq-server's batched decode steps exactly", "[cud
 // are multiples of 64, as MMQ needs) decode 6 steps, graphed and not, bit for bit.
 TEST_CASE("CUDA graphs replay batched MMQ decode steps exactly", "[cuda][batch]") {
   if (!have_gpu()) return;
-  LlamaConfig c;
+  ModelConfig c;
   c.dim = 128, c.hidden_dim = 256, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 32, c.vocab_size = 256;
   c.context_length = 64;
   cuda::CudaModel dm(c, DType::Q4_0, 77);

@@ -342,15 +342,15 @@ GgufBuilder tiny_model(const TinySpec& s, uint32_t seed = 1) {
   auto norm = [&](const std::string& name) { g.tensor(name, {s.dim}, tF32, tensor_data(tF32, 1, s.dim, rng)); };
   mat("token_embd.weight", "token_embd", V, s.dim);
   for (int64_t i = 0; i < s.layers; ++i) {
-    norm(llama_layer_tensor(i, "attn_norm"));
-    mat(llama_layer_tensor(i, "attn_q"), "attn_q", qd, s.dim);
-    mat(llama_layer_tensor(i, "attn_k"), "attn_k", kvd, s.dim);
-    mat(llama_layer_tensor(i, "attn_v"), "attn_v", kvd, s.dim);
-    mat(llama_layer_tensor(i, "attn_output"), "attn_output", s.dim, qd);
-    norm(llama_layer_tensor(i, "ffn_norm"));
-    mat(llama_layer_tensor(i, "ffn_gate"), "ffn_gate", s.hidden, s.dim);
-    mat(llama_layer_tensor(i, "ffn_up"), "ffn_up", s.hidden, s.dim);
-    mat(llama_layer_tensor(i, "ffn_down"), "ffn_down", s.dim, s.hidden);
+    norm(layer_tensor(i, "attn_norm"));
+    mat(layer_tensor(i, "attn_q"), "attn_q", qd, s.dim);
+    mat(layer_tensor(i, "attn_k"), "attn_k", kvd, s.dim);
+    mat(layer_tensor(i, "attn_v"), "attn_v", kvd, s.dim);
+    mat(layer_tensor(i, "attn_output"), "attn_output", s.dim, qd);
+    norm(layer_tensor(i, "ffn_norm"));
+    mat(layer_tensor(i, "ffn_gate"), "ffn_gate", s.hidden, s.dim);
+    mat(layer_tensor(i, "ffn_up"), "ffn_up", s.hidden, s.dim);
+    mat(layer_tensor(i, "ffn_down"), "ffn_down", s.dim, s.hidden);
   }
   norm("output_norm.weight");
   if (!s.tied) mat("output.weight", "output", V, s.dim);
@@ -371,7 +371,7 @@ TinySpec mixed_spec() {
 GgufBuilder stories_gguf_builder(bool q8) {
   const SourceModel src = read_llama2c(test::shared("models/stories260K/stories260K.bin"));
   const Vocab voc = read_llama2c_tokenizer(test::shared("models/stories260K/tok512.bin"), int32_t(src.config.vocab_size));
-  const LlamaConfig& c = src.config;
+  const ModelConfig& c = src.config;
   GgufBuilder g;
   g.str("general.architecture", "llama").str("general.name", "stories260K");
   g.u32("llama.context_length", uint32_t(c.context_length)).u32("llama.embedding_length", uint32_t(c.dim));
@@ -387,7 +387,7 @@ GgufBuilder stories_gguf_builder(bool q8) {
   g.u32("tokenizer.ggml.bos_token_id", uint32_t(voc.bos_id)).u32("tokenizer.ggml.eos_token_id", uint32_t(voc.eos_id));
   g.u32("tokenizer.ggml.unknown_token_id", uint32_t(voc.unk_id));
   g.boolean("tokenizer.ggml.add_bos_token", voc.add_bos).boolean("tokenizer.ggml.add_space_prefix", voc.add_space_prefix);
-  for (const TensorSpec& spec : llama_tensor_table(c)) {
+  for (const TensorSpec& spec : tensor_table(c)) {
     const SourceTensor* st = nullptr;
     for (const SourceTensor& t : src.tensors)
       if (t.name == spec.name) st = &t;
@@ -544,7 +544,7 @@ TEST_CASE("stories260K as GGUF (F32) converts to the same model as the llama2.c 
   const auto b = LlmqFile::open(test::stories("f32"));
   CHECK(a->meta().get_string("general.source.format") == "GGUF v3 (F32)");
   // Same hyper-parameters and vocabulary as the llama2.c route.
-  const LlamaConfig ca = LlamaConfig::from_metadata(a->meta()), cb = LlamaConfig::from_metadata(b->meta());
+  const ModelConfig ca = ModelConfig::from_metadata(a->meta()), cb = ModelConfig::from_metadata(b->meta());
   CHECK(ca.dim == cb.dim);
   CHECK(ca.hidden_dim == cb.hidden_dim);
   CHECK(ca.n_layers == cb.n_layers);
@@ -738,7 +738,7 @@ TEST_CASE("SmolLM2-135M-Instruct Q4_1 GGUF repacks losslessly with its metadata"
   CHECK(per_type[DType::F32] == 61);
 
   // Metadata carried over.
-  const LlamaConfig c = LlamaConfig::from_metadata(f->meta());
+  const ModelConfig c = ModelConfig::from_metadata(f->meta());
   CHECK(c.dim == 576);
   CHECK(c.n_layers == 30);
   CHECK(c.n_heads == 9);
@@ -1145,7 +1145,7 @@ TEST_CASE("GGUF attention biases (attn_{q,k,v,output}.bias) are carried into the
   // here: a llama GGUF with biases converts with them (bytes unchanged, config flags set),
   // they change the logits, and a file with some layers' biases missing is refused.
   const std::string dir = test::scratch("gguf-bias");
-  const LlamaConfig c = read_llama2c(test::shared("models/stories260K/stories260K.bin")).config;
+  const ModelConfig c = read_llama2c(test::shared("models/stories260K/stories260K.bin")).config;
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.0f, 0.3f);
   auto with_biases = [&](int64_t layers) {
@@ -1155,7 +1155,7 @@ TEST_CASE("GGUF attention biases (attn_{q,k,v,output}.bias) are carried into the
                {"attn_q", c.q_dim()}, {"attn_k", c.kv_dim()}, {"attn_v", c.kv_dim()}, {"attn_output", c.dim}}) {
         std::vector<float> b(static_cast<size_t>(n));
         for (float& x : b) x = nd(rng);
-        g.tensor(llama_layer_bias(l, what), {n}, tF32, encode_rows(DType::F32, b, n));
+        g.tensor(layer_bias(l, what), {n}, tF32, encode_rows(DType::F32, b, n));
       }
     return g;
   };

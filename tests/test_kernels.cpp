@@ -513,7 +513,7 @@ TEST_CASE("rope_angles + rope_rotate match the complex-rotation formula in both 
           ref[h * hd + b] = float(r.imag());
         }
       std::vector<float> cs(static_cast<size_t>(hd));
-      rope_angles(cs.data(), hd, pos, 10000.0);
+      rope_angles(cs.data(), hd, pos, test::rope_freqs(hd).data());
       rope_rotate(v.data(), heads, hd, cs.data(), layout);
       INFO("layout " << rope_layout_name(layout) << " pos " << pos);
       CHECK(rel_err(v.data(), ref.data(), v.size()) < 1e-6);

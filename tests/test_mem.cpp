@@ -369,7 +369,7 @@ TEST_CASE("llmq-mem infer predicts what llmq-run reports at load (within 1% - eq
 TEST_CASE("llmq-mem infer --fit picks the largest context that fits - llmq-run --fit uses it", "[mem][tools]") {
   const std::string path = test::stories("q8_0");
   auto f = LlmqFile::open(path, false);
-  const LlamaConfig c = LlamaConfig::from_metadata(f->meta());
+  const ModelConfig c = ModelConfig::from_metadata(f->meta());
   InferOptions o;
   o.threads = 2;
   const double budget = 1.5 * 1024 * 1024;

@@ -274,7 +274,7 @@ TEST_CASE("sample_top on the top-k candidates draws what sample draws on all log
 // exactly the legacy tensors; v2 (int8 + fp32 scale per group) must dequantize to q * s.
 TEST_CASE("llama2.c v1 and v2 checkpoints read the same weights as the legacy file", "[model][llama2c]") {
   const SourceModel legacy = read_llama2c(shared("models/stories260K/stories260K.bin"));
-  const LlamaConfig& c = legacy.config;
+  const ModelConfig& c = legacy.config;
   std::map<std::string, std::vector<float>> w;
   for (const auto& t : legacy.tensors) {
     w[t.name].resize(size_t(t.numel()));
@@ -294,7 +294,7 @@ TEST_CASE("llama2.c v1 and v2 checkpoints read the same weights as the legacy fi
   };
   auto layer_names = [&](const char* what) {
     std::vector<std::string> v;
-    for (int64_t i = 0; i < c.n_layers; ++i) v.push_back(llama_layer_tensor(i, what));
+    for (int64_t i = 0; i < c.n_layers; ++i) v.push_back(layer_tensor(i, what));
     return v;
   };
   std::vector<std::string> norms = layer_names("attn_norm"), ffn_norms = layer_names("ffn_norm");

@@ -275,7 +275,7 @@ TEST_CASE("TP: per-rank weight bytes equal the slices each rank holds", "[tp]") 
   for (const DType type : {DType::F32, DType::Q8_0}) {
     const std::string path = synthetic(std::string("bytes-") + dtype_name(type), 8, 2, 32, 256, type, 5);
     auto m = Model::load(path);
-    const LlamaConfig& c = m->config;
+    const ModelConfig& c = m->config;
     TensorParallel one(*m, 1, 1, 8);
     CHECK(one.shard(0).weight_bytes() == m->weight_bytes());
     CHECK(one.shard(0).owned_bytes == 0);

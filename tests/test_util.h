@@ -17,7 +17,7 @@
 
 #include "formats/llmq_file.h"
 #include "formats/quant.h"
-#include "models/llama.h"
+#include "models/config.h"
 
 namespace llmq::test {
 
@@ -102,6 +102,13 @@ inline uint64_t fresh_seed() {
   return (uint64_t(rd()) << 32) | rd();
 }
 
+/// RoPE's plain frequencies θ^(-2i/hd) [hd/2] (ModelConfig::rope_freqs of a Llama).
+inline std::vector<double> rope_freqs(int64_t hd, double theta = 10000.0) {
+  ModelConfig c;
+  c.head_dim = hd, c.rope_theta = theta, c.n_layers = 1;
+  return c.rope_freqs(0);
+}
+
 /// n samples of N(0, 1).
 inline std::vector<float> gaussian(size_t n, std::mt19937_64& rng) {
   std::normal_distribution<float> d(0.0f, 1.0f);
@@ -133,23 +140,17 @@ inline std::string stories(const std::string& type) {
   return done[type] = out;
 }
 
-// A synthetic Llama model with random weights (uniform, scaled by 1/sqrt(fan-in)), matrices
-// stored as `type`, the 512-token vocabulary of stories260K, untied output, 3 layers; written
-// to the scratch directory as NAME.llmq.
-inline std::string synthetic(const std::string& name, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t hidden,
-                      DType type, uint32_t seed, bool biases = false) {
-  static const std::string dir = test::scratch("tp_models");
+// A model of config c with random weights (matrices uniform, scaled by 1/sqrt(fan-in), stored as
+// `type`; norm weights near 1; biases in [-0.5, 0.5)) and the 512-token vocabulary of
+// stories260K (c.vocab_size must be 512), written to the scratch directory as NAME.llmq.
+inline std::string random_model(const std::string& name, const ModelConfig& c, DType type, uint32_t seed) {
+  static const std::string dir = test::scratch("random_models");
   const std::string path = dir + "/" + name + ".llmq";
   auto src = LlmqFile::open(test::stories("f32"));
-  LlamaConfig c;
-  c.n_heads = n_heads, c.n_kv_heads = n_kv_heads, c.head_dim = head_dim, c.dim = n_heads * head_dim;
-  c.hidden_dim = hidden, c.n_layers = 3, c.vocab_size = 512, c.context_length = 256;
-  c.tied_embeddings = false;
-  c.attn_qkv_bias = c.attn_out_bias = biases;  // with biases: Qwen2's q/k/v and Llama's o
   LlmqWriter w(path, true);
   w.meta = src->meta();  // the tokenizer keys
   c.to_metadata(w.meta);
-  const std::vector<TensorSpec> table = llama_tensor_table(c);
+  const std::vector<TensorSpec> table = tensor_table(c);
   for (const TensorSpec& t : table) w.declare(t.name, t.shape.size() == 1 ? DType::F32 : type, t.shape);
   w.begin();
   std::mt19937 rng(seed);
@@ -169,6 +170,17 @@ inline std::string synthetic(const std::string& name, int64_t n_heads, int64_t n
   }
   w.finish();
   return path;
+}
+
+// A synthetic Llama model (random_model): 3 layers, untied output, context 256.
+inline std::string synthetic(const std::string& name, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t hidden,
+                             DType type, uint32_t seed, bool biases = false) {
+  ModelConfig c;
+  c.n_heads = n_heads, c.n_kv_heads = n_kv_heads, c.head_dim = head_dim, c.dim = n_heads * head_dim;
+  c.hidden_dim = hidden, c.n_layers = 3, c.vocab_size = 512, c.context_length = 256;
+  c.tied_embeddings = false;
+  c.attn_qkv_bias = c.attn_out_bias = biases;  // with biases: Qwen2's q/k/v and Llama's o
+  return random_model(name, c, type, seed);
 }
 
 }  // namespace llmq::test

@@ -104,7 +104,7 @@ nlohmann::json profile_cuda(cuda::CudaSession& s, const std::vector<int32_t>& pr
 // kGemvMaxTokens tokens run on MMQ.
 nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_t n_prompt, int64_t n_gen, int reps) {
   using clock = std::chrono::steady_clock;
-  const LlamaConfig& c = dm.config();
+  const ModelConfig& c = dm.config();
   const int64_t ctx = n_prompt + n_gen;
   const CudaPlan plan = plan_cuda_server(c, {}, ctx, std::max(batch, n_prompt), batch, batch * ctx);
   cuda::CudaSession s(dm, nullptr, plan);
@@ -135,7 +135,7 @@ nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_
           {"aggregate_decode_tok_s", double(batch * n_gen) / best}, {"step_ms", best / double(n_gen) * 1e3}};
 }
 
-nlohmann::json bench_cuda(const Model* model, const LlamaConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps,
+nlohmann::json bench_cuda(const Model* model, const ModelConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps,
                           bool profile, int64_t batch) {
   using clock = std::chrono::steady_clock;
   cuda::check(cudaSetDevice(0), "cudaSetDevice");
@@ -270,7 +270,7 @@ int run_cuda(const BenchOptions& o) {
     return 0;
   }
   std::unique_ptr<Model> m;
-  LlamaConfig c;
+  ModelConfig c;
   if (!o.synthetic.empty()) {
     const mem::ModelShape sh = mem::preset(o.synthetic);
     c.dim = sh.dim, c.hidden_dim = sh.hidden, c.n_layers = sh.layers, c.n_heads = sh.heads, c.n_kv_heads = sh.kv_heads;

@@ -55,7 +55,7 @@ int fit_gpu(const InferCli& a) {
   const InferOptions& io = a.io;
   if (!io.budget) throw UsageError("--fit --device cuda needs --gpu-mem (the GPU memory to plan for)");
   auto f = LlmqFile::open(a.model_path, false);
-  const LlamaConfig c = file_config(*f);
+  const ModelConfig c = file_config(*f);
   const int64_t n = fit_gpu_layers(*f, c, io, *io.budget);
   InferOptions o = io;
   o.gpu_layers = n;
@@ -72,7 +72,7 @@ int fit_cpu(const InferCli& a) {
   const double budget = a.io.budget ? *a.io.budget : double(available_memory());
   if (budget <= 0) throw UsageError("--fit needs --mem (MemAvailable is unknown here)");
   auto f = LlmqFile::open(a.model_path, false);
-  const LlamaConfig c = file_config(*f);
+  const ModelConfig c = file_config(*f);
   const FitResult r = fit_inference(*f, c, a.io, budget, a.ctx_given, a.parallel_given);
   std::printf("%s\n", fit_json(r, budget).dump(a.json ? 2 : -1).c_str());
   if (!a.svg.empty()) {

@@ -76,7 +76,7 @@ void fit_cpu(RunOptions& o) {
   if (!o.ppl_file.empty()) throw UsageError("--fit plans generation, not --perplexity");
   const double budget = o.mem_budget.empty() ? double(mem::available_memory()) : mem::parse_size(o.mem_budget);
   auto f = LlmqFile::open(o.model_path, false);
-  const LlamaConfig c = mem::file_config(*f);
+  const ModelConfig c = mem::file_config(*f);
   mem::InferOptions io;
   io.ctx = o.ctx, io.n_batch = o.n_batch, io.threads = o.threads, io.kv_type = o.kv_type_s;
   const mem::FitResult r = mem::fit_inference(*f, c, io, budget, o.ctx > 0, true);

@@ -491,10 +491,10 @@ void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
 }
 
-void rope_angles(float* cs, int64_t head_dim, int64_t pos, double theta) {
+void rope_angles(float* cs, int64_t head_dim, int64_t pos, const double* freqs) {
   const int64_t half = head_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const double angle = double(pos) * std::pow(theta, -2.0 * double(i) / double(head_dim));
+    const double angle = double(pos) * freqs[i];
     cs[i] = float(std::cos(angle));
     cs[half + i] = float(std::sin(angle));
   }
@@ -533,6 +533,23 @@ float softmax(float* x, int64_t n, float* max_out) {
 void swiglu(float* gate, const float* up, int64_t n) {
   if (const x86::Kernels* k = active_kernels()) return k->swiglu(gate, up, n);
   for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void geglu(float* gate, const float* up, int64_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    gate[i] = 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g))) * up[i];
+  }
+}
+
+void gated_act(Activation act, float* gate, const float* up, int64_t n) {
+  if (act == Activation::GeGLU) geglu(gate, up, n);
+  else swiglu(gate, up, n);
+}
+
+void softcap(float* x, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
 void add_bias(float* x, const float* bias, int64_t rows, int64_t n) {

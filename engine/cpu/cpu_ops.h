@@ -9,7 +9,7 @@
 #include "base/buffer.h"
 #include "base/threadpool.h"
 #include "formats/quant.h"
-#include "models/llama.h"
+#include "models/config.h"
 
 namespace llmq {
 
@@ -189,9 +189,9 @@ void rmsnorm(float* out, const float* x, const float* w, int64_t n, float eps);
 
 /// Rotary embedding (Su et al. 2021), in two steps so that a batch computes each token's angles
 /// once for every layer, q and k. rope_angles: the angles at position `pos`,
-/// cs[i] = cos(pos·θ^(-2i/head_dim)), cs[head_dim/2 + i] = its sine, i < head_dim/2 (fp64,
-/// rounded to fp32).
-void rope_angles(float* cs, int64_t head_dim, int64_t pos, double theta);
+/// cs[i] = cos(pos·freqs[i]), cs[head_dim/2 + i] = its sine, i < head_dim/2 (fp64, rounded to
+/// fp32); freqs [head_dim/2] from ModelConfig::rope_freqs (θ^(-2i/head_dim), maybe scaled).
+void rope_angles(float* cs, int64_t head_dim, int64_t pos, const double* freqs);
 /// Rotates n_heads vectors of head_dim in place by the angles cs (rope_angles): pair i turns by
 /// angle i. Interleaved pairs are (2i, 2i+1); rotate-half pairs are (i, i + head_dim/2).
 void rope_rotate(float* v, int64_t n_heads, int64_t head_dim, const float* cs, RopeLayout layout);
@@ -205,7 +205,14 @@ float softmax(float* x, int64_t n, float* max_out = nullptr);
 /// SwiGLU (Shazeer 2020): gate[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + e^-g)
 /// (vector e^x at the SIMD levels, as softmax).
 void swiglu(float* gate, const float* up, int64_t n);
-
+/// GeGLU (Shazeer 2020; Gemma): gate[i] = gelu(gate[i]) * up[i], gelu by its tanh approximation
+/// 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³))) (Hendrycks & Gimpel 2016; PyTorch's
+/// gelu(approximate="tanh"), which Gemma's `gelu_pytorch_tanh` is). Scalar at every level.
+void geglu(float* gate, const float* up, int64_t n);
+/// The gated activation of `act` (models/config.h): swiglu or geglu.
+void gated_act(Activation act, float* gate, const float* up, int64_t n);
+/// Logit soft-capping (Gemma 2): x[i] = cap · tanh(x[i] / cap), cap > 0.
+void softcap(float* x, int64_t n, float cap);
 /// x[t, j] += bias[j] for a row-major x [rows, n] (a linear layer's bias, e.g. Qwen2's q/k/v).
 void add_bias(float* x, const float* bias, int64_t rows, int64_t n);
 

@@ -123,7 +123,7 @@ constexpr int kRopeThreads = 256, kRopeItems = 1024;
 
 __global__ void __launch_bounds__(kRopeThreads) rope_store_kv_kernel(float* __restrict__ qkv, int64_t ld, const int32_t* __restrict__ pos,
                                                                      const int32_t* __restrict__ rows, int n_heads, int n_kv, int hd,
-                                                                     double theta, bool interleaved, __half* __restrict__ kc,
+                                                                     const double* __restrict__ freqs, bool interleaved, __half* __restrict__ kc,
                                                                      __half* __restrict__ vc) {
   __shared__ float cs[kMaxHeadDim / 2][2];  // cos, sin of angle i
   const int64_t t = blockIdx.y;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kRopeThreads) rope_store_kv_kernel(float* __re
   const int rot_pairs = (n_heads + n_kv) * half, v_pairs = n_kv * half;
   const int64_t p = pos[t], r = rows ? rows[t] : p;  // position (angles), cache row (store)
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const double angle = double(p) * pow(theta, -2.0 * double(i) / double(hd));  // as the CPU's rope_angles
+    const double angle = double(p) * freqs[i];  // as the CPU's rope_angles
     cs[i][0] = float(cos(angle)), cs[i][1] = float(sin(angle));
   }
   __syncthreads();
@@ -162,12 +162,12 @@ __global__ void __launch_bounds__(kRopeThreads) rope_store_kv_kernel(float* __re
 }  // namespace
 
 void rope_store_kv(float* qkv, int64_t ld, const int32_t* pos, const int32_t* rows, int64_t T, int64_t n_heads, int64_t n_kv,
-                   int64_t hd, double theta, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s) {
+                   int64_t hd, const double* freqs, RopeLayout layout, uint16_t* kc, uint16_t* vc, cudaStream_t s) {
   if (T == 0) return;
   if (hd > kMaxHeadDim || hd % 2 != 0) throw UsageError("rope_store_kv: head_dim must be even and at most 256");
   const int64_t items = (n_heads + 2 * n_kv) * (hd / 2);
   const dim3 grid(unsigned((items + kRopeItems - 1) / kRopeItems), unsigned(T));
-  LLMQ_LAUNCH(rope_store_kv_kernel, grid, kRopeThreads, 0, s)(qkv, ld, pos, rows, int(n_heads), int(n_kv), int(hd), theta, layout == RopeLayout::Interleaved,
+  LLMQ_LAUNCH(rope_store_kv_kernel, grid, kRopeThreads, 0, s)(qkv, ld, pos, rows, int(n_heads), int(n_kv), int(hd), freqs, layout == RopeLayout::Interleaved,
                                             reinterpret_cast<__half*>(kc), reinterpret_cast<__half*>(vc));
   check_launch("rope_store_kv");
 }
@@ -177,7 +177,8 @@ namespace {
 // With q: each warp takes whole blocks of 32 outputs (H a multiple of 32) and quantizes them
 // as quantize_act; the grid stride is a multiple of 32 (blockDim.x is), so a warp never straddles
 // two blocks.
-__global__ void swiglu_kernel(float* __restrict__ out, const float* __restrict__ h, int64_t T, int64_t H, DeviceActQ8 q) {
+template <bool kGelu>
+__global__ void gated_act_kernel(float* __restrict__ out, const float* __restrict__ h, int64_t T, int64_t H, DeviceActQ8 q) {
   const int64_t n = T * H, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x / 32 * 32; i0 < n; i0 += stride) {  // warp-uniform
     const int64_t i = i0 + threadIdx.x % 32;
@@ -185,11 +186,32 @@ __global__ void swiglu_kernel(float* __restrict__ out, const float* __restrict__
     if (i < n) {
       const int64_t t = i / H, j = i % H;
       const float g = h[t * 2 * H + j], u = h[t * 2 * H + H + j];
-      out[i] = v = g / (1.0f + expf(-g)) * u;
+      if constexpr (kGelu) out[i] = v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;  // as the CPU's geglu
+      else out[i] = v = g / (1.0f + expf(-g)) * u;
     }
     const float vv[1] = {v};
     if (q.q) quantize_act_block<1>(vv, i0 / 32, int(threadIdx.x % 32), true, q);
   }
+}
+
+__global__ void softcap_kernel(float* __restrict__ x, int64_t n, float cap) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) x[i] = cap * tanhf(x[i] / cap);
+}
+
+// One warp per head of a token's row: Σx² over the head's hd elements (fp32 lane sums, then the
+// warp's), then x · w / sqrt(mean + eps) in place. Heads [0, n_q) take wq, [n_q, n_q + n_k) wk.
+constexpr int kHeadNormWarps = 4;
+__global__ void head_rmsnorm_kernel(float* __restrict__ qkv, int64_t ld, int n_q, int n_k, int hd, const float* __restrict__ wq,
+                                    const float* __restrict__ wk, float eps) {
+  const int head = int(blockIdx.x) * kHeadNormWarps + int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+  if (head >= n_q + n_k) return;  // warp-uniform
+  float* x = qkv + int64_t(blockIdx.y) * ld + int64_t(head) * hd;
+  const float* w = head < n_q ? wq : wk;
+  float ss = 0.0f;
+  for (int i = lane; i < hd; i += 32) ss += x[i] * x[i];
+  for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float scale = rsqrtf(ss / float(hd) + eps);
+  for (int i = lane; i < hd; i += 32) x[i] = x[i] * scale * w[i];
 }
 
 __global__ void add_kernel(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
@@ -223,21 +245,36 @@ __device__ __forceinline__ float weight_at(DType type, const uint8_t* q, const u
 }
 
 __global__ void embedding_kernel(float* __restrict__ x, DType type, const uint8_t* __restrict__ q, const uint16_t* __restrict__ d,
-                                 const uint16_t* __restrict__ m, int64_t cols, const int32_t* __restrict__ tokens) {
+                                 const uint16_t* __restrict__ m, int64_t cols, const int32_t* __restrict__ tokens, float scale) {
   const int64_t t = blockIdx.y, r = tokens[t];
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < cols; j += int64_t(gridDim.x) * blockDim.x)
-    x[t * cols + j] = weight_at(type, q, d, m, cols, r, j);
+    x[t * cols + j] = weight_at(type, q, d, m, cols, r, j) * scale;
 }
 
 unsigned grid_for(int64_t n, int threads) { return unsigned(std::min<int64_t>((n + threads - 1) / threads, 8192)); }
 
 }  // namespace
 
-void swiglu(float* out, const float* h, int64_t T, int64_t H, cudaStream_t s, const DeviceActQ8* q) {
+void gated_act(Activation act, float* out, const float* h, int64_t T, int64_t H, cudaStream_t s, const DeviceActQ8* q) {
   if (T * H == 0) return;
-  check_quantizable(H, q, "swiglu");
-  LLMQ_LAUNCH(swiglu_kernel, grid_for(T * H, 256), 256, 0, s)(out, h, T, H, q ? *q : DeviceActQ8{});
-  check_launch("swiglu");
+  check_quantizable(H, q, "gated_act");
+  if (act == Activation::GeGLU) LLMQ_LAUNCH(gated_act_kernel<true>, grid_for(T * H, 256), 256, 0, s)(out, h, T, H, q ? *q : DeviceActQ8{});
+  else LLMQ_LAUNCH(gated_act_kernel<false>, grid_for(T * H, 256), 256, 0, s)(out, h, T, H, q ? *q : DeviceActQ8{});
+  check_launch("gated_act");
+}
+
+void softcap(float* x, int64_t n, float cap, cudaStream_t s) {
+  if (n == 0) return;
+  LLMQ_LAUNCH(softcap_kernel, grid_for(n, 256), 256, 0, s)(x, n, cap);
+  check_launch("softcap");
+}
+
+void head_rmsnorm(float* qkv, int64_t ld, int64_t T, int64_t n_q, int64_t n_k, int64_t hd, const float* wq, const float* wk, float eps,
+                  cudaStream_t s) {
+  if (T * (n_q + n_k) == 0) return;
+  const dim3 grid(unsigned((n_q + n_k + kHeadNormWarps - 1) / kHeadNormWarps), unsigned(T));
+  LLMQ_LAUNCH(head_rmsnorm_kernel, grid, 32 * kHeadNormWarps, 0, s)(qkv, ld, int(n_q), int(n_k), int(hd), wq, wk, eps);
+  check_launch("head_rmsnorm");
 }
 
 void add(float* x, const float* y, int64_t n, cudaStream_t s) {
@@ -252,10 +289,10 @@ void add_bias(float* x, int64_t ld, const float* b, int64_t T, int64_t n, cudaSt
   check_launch("add_bias");
 }
 
-void embedding(float* x, const DeviceWeight& table, const int32_t* tokens, int64_t T, cudaStream_t s) {
+void embedding(float* x, const DeviceWeight& table, const int32_t* tokens, int64_t T, cudaStream_t s, float scale) {
   if (T == 0) return;
   const dim3 grid(unsigned((table.cols + 255) / 256), unsigned(T));
-  LLMQ_LAUNCH(embedding_kernel, grid, 256, 0, s)(x, table.type, table.q, table.d, table.m, table.cols, tokens);
+  LLMQ_LAUNCH(embedding_kernel, grid, 256, 0, s)(x, table.type, table.q, table.d, table.m, table.cols, tokens, scale);
   check_launch("embedding");
 }
 

@@ -46,7 +46,7 @@ CudaModel::CudaModel(const Model& m, const ModelShard& shard, bool progress) : c
   build(&m, &shard, DType::F32, 0, progress);
 }
 
-CudaModel::CudaModel(const LlamaConfig& c, DType type, uint64_t seed) : c_(c) { build(nullptr, nullptr, type, seed, false); }
+CudaModel::CudaModel(const ModelConfig& c, DType type, uint64_t seed) : c_(c) { build(nullptr, nullptr, type, seed, false); }
 
 // What CudaModel::build uploads, in two passes: first every tensor gets its offset in one
 // allocation (a job), then the allocation is made and each job uploads (or, synthetic,
@@ -120,7 +120,7 @@ uint64_t upload_matrix(const UploadPlan::MatJob& j, uint8_t* base, std::vector<u
 
 // The jobs of a host model (or a tensor-parallel shard: its slices, the config its widths).
 void CudaModel::plan_host(UploadPlan& u, const Model& m, const ModelShard* shard) {
-  const LlamaConfig& c = c_;
+  const ModelConfig& c = c_;
   const int64_t D = c.dim, Q = c.n_heads * c.head_dim, KV = c.n_kv_heads * c.head_dim, H = c.hidden_dim, V = c.vocab_size;
   const std::vector<LayerWeights>& src = shard ? shard->layers : m.layers;
   const Weight& out = shard ? shard->output : m.output;
@@ -133,9 +133,12 @@ void CudaModel::plan_host(UploadPlan& u, const Model& m, const ModelShard* shard
     if (l.bq) u.vec(&d.bqkv, Q + 2 * KV, {{l.bq, Q}, {l.bk, KV}, {l.bv, KV}});
     u.mat(&d.wo, l.wo.type, D, Q, {l.wo});
     if (l.bo) u.vec(&d.bo, D, {{l.bo, D}});
+    if (l.q_norm) u.vec(&d.q_norm, c.head_dim, {{l.q_norm, c.head_dim}}), u.vec(&d.k_norm, c.head_dim, {{l.k_norm, c.head_dim}});
+    if (l.post_attn_norm) u.vec(&d.post_attn_norm, D, {{l.post_attn_norm, D}});
     u.vec(&d.ffn_norm, D, {{l.ffn_norm, D}});
     u.stacked(d.gate_up, {&l.w_gate, &l.w_up}, D);
     u.mat(&d.w_down, l.w_down.type, D, H, {l.w_down});
+    if (l.post_ffn_norm) u.vec(&d.post_ffn_norm, D, {{l.post_ffn_norm, D}});
   }
   u.vec(&output_norm, D, {{m.output_norm, D}});
   if (!c.tied_embeddings && out.rows > 0) u.mat(&output, out.type, out.rows, D, {out});  // rank 0's, under TP
@@ -143,7 +146,7 @@ void CudaModel::plan_host(UploadPlan& u, const Model& m, const ModelShard* shard
 
 // The jobs of a synthetic model: every matrix of `type`, norms of ones.
 void CudaModel::plan_synthetic(UploadPlan& u, DType type) {
-  const LlamaConfig& c = c_;
+  const ModelConfig& c = c_;
   const int64_t D = c.dim, Q = c.n_heads * c.head_dim, KV = c.n_kv_heads * c.head_dim, H = c.hidden_dim, V = c.vocab_size;
   u.mat(&token_embd, type, V, D, {});
   for (DeviceLayer& d : layers) {
@@ -151,6 +154,8 @@ void CudaModel::plan_synthetic(UploadPlan& u, DType type) {
     d.qkv.resize(1);
     u.mat(&d.qkv[0], type, Q + 2 * KV, D, {});
     u.mat(&d.wo, type, D, Q, {});
+    if (c.qk_norm) u.vec(&d.q_norm, c.head_dim, {}), u.vec(&d.k_norm, c.head_dim, {});
+    if (c.norms == NormPlacement::PrePost) u.vec(&d.post_attn_norm, D, {}), u.vec(&d.post_ffn_norm, D, {});
     u.vec(&d.ffn_norm, D, {});
     d.gate_up.resize(1);
     u.mat(&d.gate_up[0], type, 2 * H, D, {});
@@ -161,14 +166,24 @@ void CudaModel::plan_synthetic(UploadPlan& u, DType type) {
 }
 
 void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress) {
+  if (c_.sliding_window > 0)
+    throw UsageError("CUDA: sliding-window attention (" + c_.arch + ") is not implemented on the GPU yet; run with --device cpu");
   layers.resize(size_t(c_.n_layers - first_layer_));
   UploadPlan u;
   if (m) plan_host(u, *m, shard);
   else plan_synthetic(u, type);
+  std::vector<double> freqs;  // the RoPE tables [tables, hd/2], at the end of the allocation
+  for (int t = 0; t < c_.rope_tables(); ++t) {
+    const std::vector<double> f = c_.rope_freqs(c_.rope_table_layer(t));
+    freqs.insert(freqs.end(), f.begin(), f.end());
+  }
+  const uint64_t rope_off = u.take(freqs.size() * sizeof(double));
   const uint64_t free0 = mem_info().free;
   buf_ = DeviceBuffer(u.total);
   measured_ = free0 - mem_info().free;
   uint8_t* base = buf_.as<uint8_t>();
+  rope_ = reinterpret_cast<const double*>(base + rope_off);
+  check(cudaMemcpy(base + rope_off, freqs.data(), freqs.size() * sizeof(double), cudaMemcpyHostToDevice), "cudaMemcpy (RoPE)");
   std::vector<uint8_t> file_rows, split;
   uint64_t done = 0, shown = 0, k = 0;
   for (UploadPlan::MatJob& j : u.mats) {
@@ -204,7 +219,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, int64_t ctx, int64
 
 // Every size comes from the plan (engine/mem_plan.h plan_cuda), which llmq-mem reports.
 CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p) : dm_(dm), m_(m), plan_(p) {
-  const LlamaConfig& c = dm.config();
+  const ModelConfig& c = dm.config();
   if (p.first_layer != dm.first_layer()) throw UsageError("CUDA: the session's plan starts at another layer than the model upload");
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, H = c.hidden_dim;
   if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
@@ -345,16 +360,18 @@ void CudaSession::matmul_cols(const std::vector<DeviceWeight>& ws, const float* 
 // and k, k and v to the cache, attention, xb = att · Woᵀ (all-reduced under TP, + bias).
 // Shapes: Q = n_heads · hd, KV = n_kv · hd, D = dim.
 void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
-  const LlamaConfig& c = dm_.config();
+  const ModelConfig& c = dm_.config();
   const DeviceLayer& w = dm_.layers[size_t(l)];
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, KV = c.n_kv_heads * hd, QKV = Q + 2 * KV;
-  const float scale = float(1.0 / std::sqrt(double(hd)));
+  const float scale = c.softmax_scale();
   float *xb = xb_.as<float>(), *qkv = qkv_.as<float>(), *att = att_.as<float>();
   const LayerKv kv = layer_kv(l);
   matmul_cols(w.qkv, xb, qkv, QKV, T);  // qkv [T, Q + 2KV]
   mark("matmul_qkv");
   if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, stream_), mark("bias");
-  rope_store_kv(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, c.rope_theta, c.rope_layout, kv.kc, kv.vc, stream_);
+  if (w.q_norm) head_rmsnorm(qkv, QKV, T, c.n_heads, c.n_kv_heads, hd, w.q_norm, w.k_norm, float(c.norm_eps), stream_), mark("qk_norm");
+  const double* freqs = dm_.rope_freqs(dm_.first_layer() + l);  // by the model's layer index (offload holds the last ones)
+  rope_store_kv(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, freqs, c.rope_layout, kv.kc, kv.vc, stream_);
   if (kv.q8.kq)
     store_kv_q8(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, const_cast<int8_t*>(kv.q8.kq), const_cast<uint16_t*>(kv.q8.kd),
                 const_cast<int8_t*>(kv.q8.vq), const_cast<uint16_t*>(kv.q8.vd), stream_);
@@ -372,10 +389,11 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   mark("matmul_o");
   if (comm_) all_reduce(xb, T * D), mark("all_reduce");
   if (w.bo) add_bias(xb, D, w.bo, T, D, stream_), mark("bias");
+  if (w.post_attn_norm) rmsnorm(xb, xb, w.post_attn_norm, T, D, float(c.norm_eps), stream_), mark("norm");  // pre_post norms
 }
 
-// FFN block of layer l on xb = RMSNorm(x): xb = W_down · (silu(xb · W_gateᵀ) ⊙ (xb · W_upᵀ))
-// (all-reduced under TP). Shapes: H = hidden.
+// FFN block of layer l on xb = RMSNorm(x): xb = W_down · (act(xb · W_gateᵀ) ⊙ (xb · W_upᵀ))
+// (all-reduced under TP; then its post norm with pre_post norms). Shapes: H = hidden.
 void CudaSession::ffn_block(int64_t l, int64_t T) {
   const DeviceLayer& w = dm_.layers[size_t(l)];
   const int64_t D = dm_.config().dim, H = dm_.config().hidden_dim;
@@ -383,12 +401,13 @@ void CudaSession::ffn_block(int64_t l, int64_t T) {
   matmul_cols(w.gate_up, xb, h, 2 * H, T);  // h [T, 2H]
   mark("matmul_gate_up");
   const DeviceActQ8* q = mm_->fusable(w.w_down, T, H);
-  swiglu(hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
+  gated_act(dm_.config().act, hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
   if (q) mm_->note_quantized(hs, T, H);
-  mark("swiglu");
+  mark("gated_act");
   matmul(*mm_, w.w_down, hs, xb, T);  // xb [T, D] (a partial sum under TP)
   mark("matmul_down");
   if (comm_) all_reduce(xb, T * D), mark("all_reduce");
+  if (w.post_ffn_norm) rmsnorm(xb, xb, w.post_ffn_norm, T, D, float(dm_.config().norm_eps), stream_), mark("norm");  // pre_post norms
 }
 
 // Logits of rows [r0, r0 + rows) of xb (paged: the flagged tokens', gathered) and what `out`
@@ -403,6 +422,7 @@ void CudaSession::output(int64_t r0, int64_t rows, Out out, const PassInputs& in
   }
   matmul(*mm_, dm_.output, final_rows, logits, rows);  // logits [rows, V]
   mark("matmul_output");
+  if (const double cap = dm_.config().logit_softcap; cap > 0) softcap(logits, rows * V, float(cap), stream_), mark("softcap");
   cudaStream_t s = stream_;
   if (out == Out::Greedy) {
     argmax(logits, V, next_.as<int32_t>(), s);
@@ -430,7 +450,7 @@ void CudaSession::enqueue(int64_t T, int64_t r0, int64_t rows, Out out, bool pag
   if (h_hidden_.bytes())  // partial offload: the CPU's layers left the residual stream in h_hidden_
     check(cudaMemcpyAsync(x, h_hidden_.get(), size_t(T * D) * 4, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (hidden state)");
   else
-    embedding(x, dm_.token_embd, in.tok, T, stream_);  // x [T, D]
+    embedding(x, dm_.token_embd, in.tok, T, stream_, dm_.config().embedding_multiplier());  // x [T, D]
   mark("embedding");
   mm_->clear_note();
   auto next_input = [&](int64_t l) -> const DeviceWeight& { return l < n_layers ? dm_.layers[size_t(l)].qkv[0] : dm_.output; };
@@ -607,13 +627,13 @@ void CudaSession::all_reduce(float* x, int64_t n) {
 
 namespace {
 
-LlamaConfig first_layers(LlamaConfig c, int64_t n) {
+ModelConfig first_layers(ModelConfig c, int64_t n) {
   c.n_layers = n;
   return c;
 }
 
 // The CPU layers of a partial offload of gpu_layers layers; UsageError out of [0, n_layers).
-int64_t offload_cpu_layers(const LlamaConfig& c, int64_t gpu_layers) {
+int64_t offload_cpu_layers(const ModelConfig& c, int64_t gpu_layers) {
   if (gpu_layers < 0 || gpu_layers >= c.n_layers)
     throw UsageError("--gpu-layers " + std::to_string(gpu_layers) + ": partial offload takes 0 .. " + std::to_string(c.n_layers - 1) +
                      " layers (all " + std::to_string(c.n_layers) + ": the whole model on the GPU)");
@@ -645,7 +665,7 @@ CudaOffloadSession::CudaOffloadSession(const Model& m, ThreadPool& pool, int64_t
       pool_(pool),
       cpu_layers_(offload_cpu_layers(m.config, gpu_layers)),
       cache_([&] {
-        const LlamaConfig c = first_layers(m.config, cpu_layers_);
+        const ModelConfig c = first_layers(m.config, cpu_layers_);
         return KVCache(c, plan_kv(c, session_sizes(m.config, ctx, n_batch).ctx).n_blocks, kKvBlockTokens);
       }()),
       seq_(cache_.add_sequence()),
@@ -710,7 +730,7 @@ int32_t CudaOffloadSession::forward_sample(const int32_t* tokens, int64_t n, Sam
 
 // ---------------------------------------------------------------- CudaRanks
 
-CudaRanks::CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(const LlamaConfig&)>& plan_of, bool progress,
+CudaRanks::CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(const ModelConfig&)>& plan_of, bool progress,
                      CudaComms comms)
     : comms_(std::move(comms)) {
   TpOptions opt;
@@ -810,7 +830,7 @@ CudaTpSession::CudaTpSession(const Model& m, int n_ranks, int64_t ctx, int64_t n
                              CudaComms comms, bool kv_q8)
     : m_(m),
       ranks_(
-          m, n_ranks, [&](const LlamaConfig& c) { return plan_cuda(c, {}, ctx, n_batch, logits_rows, -1, kv_q8); }, progress,
+          m, n_ranks, [&](const ModelConfig& c) { return plan_cuda(c, {}, ctx, n_batch, logits_rows, -1, kv_q8); }, progress,
           std::move(comms)) {}
 
 const float* CudaTpSession::forward(const int32_t* tokens, int64_t n, bool all_logits) {
@@ -844,7 +864,7 @@ CudaBatchRunner::CudaBatchRunner(const Model& m, int64_t ctx, int64_t n_batch, i
                              kv_q8)),
       ranks_(
           m, tp,
-          [&](const LlamaConfig& c) { return tp > 1 ? plan_cuda_server(c, {}, ctx, n_batch, parallel, kv_tokens, -1, kv_q8) : plan_; },
+          [&](const ModelConfig& c) { return tp > 1 ? plan_cuda_server(c, {}, ctx, n_batch, parallel, kv_tokens, -1, kv_q8) : plan_; },
           progress, std::move(comms)),
       tp_(tp) {
   if (tp > 1) plan_ = ranks_.session(0).plan();

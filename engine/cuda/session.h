@@ -26,9 +26,13 @@ struct DeviceLayer {
   const float* bqkv = nullptr;         // [Q + 2KV] or null (Qwen2-style biases)
   DeviceWeight wo;                     // [D, Q]
   const float* bo = nullptr;           // [D] or null
+  const float* q_norm = nullptr;       // [hd] or null (QK-norm)
+  const float* k_norm = nullptr;       // [hd] or null
+  const float* post_attn_norm = nullptr;  // [D] or null (pre_post norms)
   const float* ffn_norm = nullptr;     // [D]
   std::vector<DeviceWeight> gate_up;   // w_gate [H, D], w_up [H, D], or one [2H, D] matrix
   DeviceWeight w_down;                 // [D, H]
+  const float* post_ffn_norm = nullptr;  // [D] or null (pre_post norms)
 };
 
 struct UploadPlan;  // CudaModel's upload jobs (session.cpp)
@@ -53,11 +57,11 @@ class CudaModel {
   /// Weights of type `type` with the shapes of c, random and made on the device (norms 1, no
   /// biases, untied output unless c.tied_embeddings): for synthetic benchmarks of large shapes
   /// without a file. Throws CudaError when they do not fit.
-  CudaModel(const LlamaConfig& c, DType type, uint64_t seed);
+  CudaModel(const ModelConfig& c, DType type, uint64_t seed);
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
 
-  const LlamaConfig& config() const { return c_; }
+  const ModelConfig& config() const { return c_; }
   /// How this rank's query heads map onto its KV heads (default: evenly, n_heads / n_kv_heads).
   const GqaSlice& gqa() const { return gqa_; }
   /// The model's first layer held here: layers[i] is model layer first_layer() + i.
@@ -66,6 +70,8 @@ class CudaModel {
   uint64_t weight_bytes() const { return buf_.bytes(); }
   /// Device memory the upload took, measured with cudaMemGetInfo before and after.
   uint64_t measured_bytes() const { return measured_; }
+  /// RoPE frequencies of model layer `layer` (ModelConfig::rope_freqs): [hd/2] device fp64.
+  const double* rope_freqs(int64_t layer) const { return rope_ + c_.rope_table(layer) * (c_.head_dim / 2); }
 
   DeviceWeight token_embd;           // [V, D] (empty when first_layer > 0, unless tied)
   std::vector<DeviceLayer> layers;   // [n_layers - first_layer]
@@ -76,10 +82,11 @@ class CudaModel {
   void build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress);
   void plan_host(UploadPlan& u, const Model& m, const ModelShard* shard);  // the upload jobs of a host model or shard
   void plan_synthetic(UploadPlan& u, DType type);                          // ... of random weights
-  LlamaConfig c_;
+  ModelConfig c_;
   GqaSlice gqa_;  // an uneven GQA split's head mapping (attention.h)
   int64_t first_layer_ = 0;
   DeviceBuffer buf_;
+  const double* rope_ = nullptr;  // [rope tables, hd/2] fp64 RoPE frequencies (in buf_)
   uint64_t measured_ = 0;
 };
 
@@ -291,7 +298,7 @@ class CudaRanks {
  public:
   /// plan_of(c) gives the session plan of a rank whose config (widths) is c. Throws UsageError
   /// when the ranks cannot be formed (plan_shards), CudaError when they do not fit.
-  CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(const LlamaConfig&)>& plan_of, bool progress,
+  CudaRanks(const Model& m, int n_ranks, const std::function<CudaPlan(const ModelConfig&)>& plan_of, bool progress,
             CudaComms comms = {});
   ~CudaRanks();
   int size() const { return int(sessions_.size()); }

@@ -43,7 +43,7 @@ const char* file_type_name(int64_t ft) {
 
 // The llama hyper-parameters (llama.cpp's LLM_KV names for arch "llama"), but the vocabulary
 // size and the tensor-dependent flags, which read_gguf_model fills. Throws FileError.
-LlamaConfig gguf_llama_config(const GgufFile& g, const std::string& path) {
+ModelConfig gguf_llama_config(const GgufFile& g, const std::string& path) {
   const GgufValue* arch_v = g.find("general.architecture");
   if (!arch_v) throw FileError(path, "GGUF model has no general.architecture key");
   const std::string& arch = arch_v->as_string("general.architecture");
@@ -62,7 +62,7 @@ LlamaConfig gguf_llama_config(const GgufFile& g, const std::string& path) {
     const GgufValue* v = g.find(key);
     return v ? v->as_float(key) : fallback;
   };
-  LlamaConfig c;
+  ModelConfig c;
   c.dim = get_int("llama.embedding_length");
   c.hidden_dim = get_int("llama.feed_forward_length");
   c.n_layers = get_int("llama.block_count");
@@ -97,7 +97,7 @@ LlamaConfig gguf_llama_config(const GgufFile& g, const std::string& path) {
 
 // Tensors beyond the llama table: known-harmless ones pass (RoPE frequency factors of all ones),
 // anything else is refused.
-void check_extra_tensors(const GgufFile& g, const LlamaConfig& c, const std::vector<TensorSpec>& table, const std::string& path) {
+void check_extra_tensors(const GgufFile& g, const ModelConfig& c, const std::vector<TensorSpec>& table, const std::string& path) {
   std::set<std::string> expected;
   for (const TensorSpec& s : table) expected.insert(s.name);
   for (const GgufTensor& t : g.tensors()) {
@@ -171,7 +171,7 @@ SourceModel read_gguf_model(const std::string& path) {
   std::shared_ptr<GgufFile> g = GgufFile::open(path);
   SourceModel sm;
   try {
-    LlamaConfig& c = sm.config;
+    ModelConfig& c = sm.config;
     c = gguf_llama_config(*g, path);
     // The tokenizer (its token count is the vocabulary size).
     sm.vocab = vocab_from_gguf(*g);
@@ -193,7 +193,7 @@ SourceModel read_gguf_model(const std::string& path) {
       throw FileError(path, std::string("GGUF llama hyper-parameters: ") + e.what());
     }
     // The tensors: exactly the llama table, plus known-harmless extras.
-    const std::vector<TensorSpec> table = llama_tensor_table(c);
+    const std::vector<TensorSpec> table = tensor_table(c);
     check_extra_tensors(*g, c, table, path);
     std::map<uint32_t, int64_t> weights_by_type;  // 2-D tensors only, for the format line
     for (const TensorSpec& spec : table) {

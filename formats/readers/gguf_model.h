@@ -22,7 +22,7 @@ namespace llmq {
 /// interleaved (llama.cpp's converter permutes Q/K to Meta's order); embeddings are tied
 /// when there is no output.weight. The tokenizer comes from vocab_from_gguf (formats/readers/gguf.h).
 ///
-/// Tensors: exactly those of llama_tensor_table(config) with those shapes. The only extra
+/// Tensors: exactly those of tensor_table(config) with those shapes. The only extra
 /// tensor accepted is rope_freqs.weight [head_dim/2] when all its factors are 1 (it changes
 /// nothing); any other extra tensor is an error, as is a missing or mis-shaped one.
 ///

@@ -82,8 +82,8 @@ std::string model_family(const std::string& path, const json& c) {
   return family;
 }
 
-LlamaConfig read_config(const std::string& path, const json& c, const std::string& family) {
-  LlamaConfig cfg;
+ModelConfig read_config(const std::string& path, const json& c, const std::string& family) {
+  ModelConfig cfg;
   cfg.dim = config_int(path, c, "hidden_size", std::nullopt);
   cfg.hidden_dim = config_int(path, c, "intermediate_size", std::nullopt);
   cfg.n_layers = config_int(path, c, "num_hidden_layers", std::nullopt);
@@ -282,7 +282,7 @@ SourceModel read_hf_model(const std::string& dir) {
   } catch (const json::exception& e) {
     throw FileError(config_path, std::string("unexpected content: ") + e.what());
   }
-  const LlamaConfig& c = sm.config;
+  const ModelConfig& c = sm.config;
 
   std::string weights_path;
   int n_files = 0;
@@ -326,7 +326,7 @@ SourceModel read_hf_model(const std::string& dir) {
     if (ends(".attn_q.bias") || ends(".attn_k.bias") || ends(".attn_v.bias")) sm.config.attn_qkv_bias = true;
     if (ends(".attn_output.bias")) sm.config.attn_out_bias = true;
   }
-  for (const TensorSpec& spec : llama_tensor_table(c)) {
+  for (const TensorSpec& spec : tensor_table(c)) {
     if (!take(spec.name, spec.shape))
       throw FileError(weights_path, "tensor '" + hf_name_of(spec.name) + "' (" + spec.name + " " + dims_text(spec.shape) +
                                         ") is missing");

@@ -19,7 +19,7 @@ namespace llmq {
 ///  * tensors from `model.safetensors`, or from the shards named by the `weight_map` of
 ///    `model.safetensors.index.json` (each a plain file name in the directory; every tensor
 ///    must be in the shard the map names). Dtypes F32, F16 and BF16.
-///  * names mapped to ours (models/llama.h): model.embed_tokens.weight -> token_embd.weight;
+///  * names mapped to ours (models/config.h): model.embed_tokens.weight -> token_embd.weight;
 ///    model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
 ///    mlp.{gate,up,down}_proj}.weight -> blk.N.{attn_norm, attn_q, attn_k, attn_v,
 ///    attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight; model.norm.weight ->

@@ -87,7 +87,7 @@ SourceModel read_llama2c(const std::string& path) {
     }
     header = 256;
   }
-  LlamaConfig& c = sm.config;
+  ModelConfig& c = sm.config;
   c.dim = read_i32(params);
   c.hidden_dim = read_i32(params + 4);
   c.n_layers = read_i32(params + 8);
@@ -133,8 +133,8 @@ SourceModel read_llama2c(const std::string& path) {
   const int64_t Li = c.n_layers;
   auto per_layer = [&](const char* what, std::vector<int64_t> shape, bool quant) {
     for (int64_t i = 0; i < Li; ++i) {
-      if (quant) lay.add_q8(llama_layer_tensor(i, what), shape, group);
-      else lay.add_f32(llama_layer_tensor(i, what), shape);
+      if (quant) lay.add_q8(layer_tensor(i, what), shape, group);
+      else lay.add_f32(layer_tensor(i, what), shape);
     }
   };
   const std::vector<int64_t> q_shape{c.q_dim(), c.dim}, kv_shape{c.kv_dim(), c.dim}, o_shape{c.dim, c.q_dim()};

@@ -8,13 +8,13 @@
 #include <vector>
 
 #include "formats/vocab.h"
-#include "models/llama.h"
+#include "models/config.h"
 
 namespace llmq {
 
 /// A tensor of a source checkpoint, read on demand (so a converter holds one at a time).
 struct SourceTensor {
-  std::string name;            ///< our name (models/llama.h)
+  std::string name;            ///< our name (models/config.h)
   std::vector<int64_t> shape;  ///< outermost first
   /// Writes the tensor as fp32 into out[numel]. May throw FileError.
   std::function<void(float* out)> read;
@@ -35,7 +35,7 @@ struct SourceTensor {
 
 /// A checkpoint opened for conversion: hyper-parameters and its tensors in table order.
 struct SourceModel {
-  LlamaConfig config;
+  ModelConfig config;
   std::string format;  ///< e.g. "llama2.c legacy", "llama2.c v1", "llama2.c v2 (int8, group 64)"
   std::vector<SourceTensor> tensors;
   bool has_vocab = false;     ///< the source carries its tokenizer (GGUF); else one is given

@@ -1,0 +1,37 @@
+// Architectures: each one declared once, as a name and a recipe function.
+//
+// The recipe function fixes what the architecture always is (norm placement, activation,
+// QK-norm, embedding scale, ...) and reads what its files may vary (the `<arch>.*` keys beyond
+// the common sizes, which ModelConfig::from_metadata reads for every architecture). Every backend
+// executes the resulting ModelConfig; none of them names an architecture. Adding one: a file
+// models/<name>.cpp defining its Architecture, one line in the table of models/architecture.cpp,
+// and the kernels it lacks (docs/ARCHITECTURE.md, "How to add an architecture").
+#pragma once
+#include <string>
+#include <vector>
+
+#include "models/config.h"
+
+namespace llmq {
+
+/// One architecture: `general.architecture` = name.
+struct Architecture {
+  const char* name;  ///< the metadata prefix too: `<name>.block_count`, ... (static storage)
+  const char* doc;   ///< one line: the models it covers and its source
+  /// Sets the recipe fields of c (c.arch and the common keys are already read from m). Throws
+  /// MetadataError for a mistyped key.
+  void (*recipe)(const Metadata& m, ModelConfig& c);
+};
+
+/// The architecture called `name`, or nullptr.
+const Architecture* find_architecture(const std::string& name);
+/// The names of every architecture this build runs, comma-separated (for error messages).
+std::string architecture_names();
+/// Adds an architecture at run time (a test-only variant, tests/test_arch.cpp); replaces one of
+/// the same name. Not thread-safe: call before loading models.
+void register_architecture(const Architecture& a);
+
+// The built-in declarations (one file each in models/).
+extern const Architecture kLlama;  ///< models/llama.cpp
+
+}  // namespace llmq
