@@ -37,6 +37,16 @@
 #endif
 #include <cpuid.h>
 #include <immintrin.h>
+// Everything between LLMQ_TARGET_BEGIN("isa,...") and LLMQ_TARGET_END is compiled for that
+// instruction set (the functions of one level), whatever the build's -march.
+#define LLMQ_PRAGMA(x) _Pragma(#x)
+#ifdef __clang__
+#define LLMQ_TARGET_BEGIN(isa) LLMQ_PRAGMA(clang attribute push(__attribute__((target(isa))), apply_to = function))
+#define LLMQ_TARGET_END LLMQ_PRAGMA(clang attribute pop)
+#else
+#define LLMQ_TARGET_BEGIN(isa) LLMQ_PRAGMA(GCC push_options) LLMQ_PRAGMA(GCC target(isa))
+#define LLMQ_TARGET_END LLMQ_PRAGMA(GCC pop_options)
+#endif
 #endif
 
 namespace llmq::x86 {
@@ -125,12 +135,7 @@ void fill_corr(DType type, const int32_t* sums, int64_t n, int32_t* corr) {
 // =====================================================================================
 // AVX2 + FMA + F16C
 // =====================================================================================
-#ifdef __clang__
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+LLMQ_TARGET_BEGIN("avx2,fma,f16c")
 
 namespace avx2 {
 namespace {
@@ -178,110 +183,63 @@ void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
   }
 }
 
-// ---- F32 / F16 / BF16
+// ---- The vector type of the shared float kernels (x86_float.inc): 8 fp32 lanes.
 
-template <DType D>
-inline __m256 load8(const uint8_t* row, int64_t k) {
-  if constexpr (D == DType::F32) {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
-    if constexpr (D == DType::F16) return _mm256_cvtph_ps(h);
-    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-// Elements k .. K-1 (fewer than 8), the rest zero.
-template <DType D>
-inline __m256 load8_tail(const uint8_t* row, int64_t k, int64_t K) {
-  const int rem = int(K - k);
-  if constexpr (D == DType::F32) {
+struct Vec {
+  using F = __m256;
+  static constexpr int N = 8;
+  static constexpr int kTileRows = 3, kTileTokens = 4;  // 12 accumulators + 3 weights + 1 activation = 16 registers
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float a) { return _mm256_set1_ps(a); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static __m256i first(int n) {  // lanes [0, n) all ones
     alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-    const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - rem));
-    return _mm256_maskload_ps(reinterpret_cast<const float*>(row) + k, mask);
-  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - n));
+  }
+  static F load_part(const float* p, int n) { return _mm256_maskload_ps(p, first(n)); }
+  static void store_part(float* p, F v, int n) { _mm256_maskstore_ps(p, first(n), v); }
+  static F keep_first(F v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first(n))); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static float hsum(F v) { return avx2::hsum(v); }
+  static float hmax(F v) { return avx2::hmax(v); }
+  static F widen(__m128i h, DType d) {  // 8 F16 or BF16 values to fp32
+    return d == DType::F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  template <DType D>
+  static F load_w(const uint8_t* row, int64_t k) {
+    if constexpr (D == DType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+    else return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)), D);
+  }
+  template <DType D>
+  static F load_w_part(const uint8_t* row, int64_t k, int n) {
+    if constexpr (D == DType::F32) return load_part(reinterpret_cast<const float*>(row) + k, n);
     alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    std::memcpy(tmp, row + 2 * k, size_t(rem) * 2);
-    const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-    if constexpr (D == DType::F16) return _mm256_cvtph_ps(h);
-    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    std::memcpy(tmp, row + 2 * k, size_t(n) * 2);
+    return widen(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)), D);
   }
-}
-inline __m256 loadx_tail(const float* x, int64_t k, int64_t K) {
-  alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-  const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - int(K - k)));
-  return _mm256_maskload_ps(x + k, mask);
-}
+  // e^x: 2^n is built in the exponent field, so x is clamped to [-87.3, 88.7] (results below
+  // ~1.2e-38 become ~1.2e-38, above FLT_MAX stay finite); n in [-126, 128] as (n + 127) << 23,
+  // split in two factors so that n = 128 works too.
+  static constexpr float kExpLo = -87.3f, kExpHi = 88.7f;
+  static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F scale2n(F p, F n) {
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i h = _mm256_srai_epi32(ni, 1);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  }
+};
 
-// R rows × C tokens; every output gets the same instruction sequence whatever R and C are.
-template <DType D, int R, int C>
-void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, size_t rs, int64_t r, int64_t t) {
-  __m256 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
-  const uint8_t* wr[R];
-  for (int i = 0; i < R; ++i) wr[i] = w.data + size_t(r + i) * rs;
-  const float* xr[C];
-  for (int c = 0; c < C; ++c) xr[c] = x + (t + c) * K;
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[R];
-    for (int i = 0; i < R; ++i) wv[i] = load8<D>(wr[i], k);
-    for (int c = 0; c < C; ++c) {
-      const __m256 xv = _mm256_loadu_ps(xr[c] + k);
-      for (int i = 0; i < R; ++i) acc[i][c] = _mm256_fmadd_ps(wv[i], xv, acc[i][c]);
-    }
-  }
-  if (k < K) {
-    __m256 wv[R];
-    for (int i = 0; i < R; ++i) wv[i] = load8_tail<D>(wr[i], k, K);
-    for (int c = 0; c < C; ++c) {
-      const __m256 xv = loadx_tail(xr[c], k, K);
-      for (int i = 0; i < R; ++i) acc[i][c] = _mm256_fmadd_ps(wv[i], xv, acc[i][c]);
-    }
-  }
-  for (int c = 0; c < C; ++c)
-    for (int i = 0; i < R; ++i) y[(t + c) * M + r + i] = hsum(acc[i][c]);
-}
-
-template <DType D>
-void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
-  constexpr int R = 3, C = 4;  // 12 accumulators + 3 weights + 1 activation = 16 registers
-  constexpr int DR = 1;        // rows per step in decode: one sequential stream (see gemv)
-  const int64_t M = w.rows, K = w.cols;
-  const size_t rs = w.row_stride();
-  if (T < C) {  // decode: DR rows at a time, one token at a time
-    for (int64_t t = 0; t < T; ++t) {
-      int64_t r = r0;
-      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, rs, r, t);
-      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
-    }
-    return;
-  }
-  // Token blocks whose activations stay in L2 while every row of the range passes.
-  const int64_t tb = std::max<int64_t>(C, (int64_t(256 << 10) / (K * 4)) / C * C);
-  for (int64_t t0 = 0; t0 < T; t0 += tb) {
-    const int64_t t1 = std::min(T, t0 + tb);
-    int64_t r = r0;
-    for (; r + R <= r1; r += R) {
-      int64_t t = t0;
-      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, rs, r, t);
-      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, rs, r, t);
-    }
-    for (; r < r1; ++r) {
-      int64_t t = t0;
-      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, rs, r, t);
-      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
-    }
-  }
-}
-
-void matmul_float(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
-  switch (w.type) {
-    case DType::F32: matmul_float_t<DType::F32>(y, x, T, w, r0, r1); break;
-    case DType::F16: matmul_float_t<DType::F16>(y, x, T, w, r0, r1); break;
-    default: matmul_float_t<DType::BF16>(y, x, T, w, r0, r1); break;
-  }
-}
+#include "engine/cpu/x86_float.inc"
 
 // ---- Q8_0 / Q4_0 / Q4_1: one block per step, lanes along K.
 //
@@ -493,105 +451,6 @@ void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int
   }
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  if (i + 8 <= n) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    i += 8;
-  }
-  if (i < n) acc1 = _mm256_fmadd_ps(loadx_tail(a, i, n), loadx_tail(b, i, n), acc1);
-  return hsum(_mm256_add_ps(acc0, acc1));
-}
-
-void axpy(float* y, float a, const float* x, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
-}
-
-// e^x as in the AVX-512 version; 2^n is built in the exponent field, so x is clamped to
-// [-87.3, 88.7] (results below ~1.2e-38 become ~1.2e-38, above FLT_MAX stay finite).
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606820309417232e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  // n in [-126, 128]: 2^n as (n + 127) << 23, split in two factors so that n = 128 works too
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i h = _mm256_srai_epi32(ni, 1);
-  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
-
-float softmax(float* x, int64_t n, float* max_out) {
-  float m = x[0];
-  int64_t i = 0;
-  if (n >= 8) {
-    __m256 mx = _mm256_loadu_ps(x);
-    for (i = 8; i + 8 <= n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + i));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  }
-  for (; i < n; ++i) m = std::max(m, x[i]);
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  for (i = 0; i < n; i += 8) {
-    const int64_t len = std::min<int64_t>(8, n - i);
-    __m256 v = len == 8 ? _mm256_loadu_ps(x + i) : loadx_tail(x, i, n);
-    __m256 e = exp_ps(_mm256_sub_ps(v, mv));
-    if (len < 8) {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, e);
-      for (int64_t j = len; j < 8; ++j) tmp[j] = 0.0f;
-      e = _mm256_load_ps(tmp);
-      std::memcpy(x + i, tmp, size_t(len) * 4);
-    } else {
-      _mm256_storeu_ps(x + i, e);
-    }
-    sum = _mm256_add_ps(sum, e);
-  }
-  const float total = hsum(sum), inv = 1.0f / total;
-  for (i = 0; i < n; ++i) x[i] *= inv;
-  if (max_out) *max_out = m;
-  return total;
-}
-
-void swiglu(float* gate, const float* up, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    _mm256_storeu_ps(gate + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-  }
-  if (i < n) {  // the tail through the same vector e^x, so an element's result does not depend on n
-    alignas(32) float g8[8] = {}, u8[8] = {};
-    std::memcpy(g8, gate + i, size_t(n - i) * sizeof(float));
-    std::memcpy(u8, up + i, size_t(n - i) * sizeof(float));
-    const __m256 g = _mm256_load_ps(g8);
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    _mm256_store_ps(g8, _mm256_mul_ps(silu, _mm256_load_ps(u8)));
-    std::memcpy(gate + i, g8, size_t(n - i) * sizeof(float));
-  }
-}
-
 // Keys transposed ([hd, bt]): 8 positions per vector, four partial sums over j mod 4 per head.
 void attn_scores(float* s, int64_t ss, const float* q, int64_t G, const float* kT, int64_t n, int64_t bt, int64_t hd,
                  float scale) {
@@ -670,21 +529,12 @@ void attn_accumulate_bf16(float* out, const uint16_t* a, int64_t as, int64_t G, 
 }  // namespace
 }  // namespace avx2
 
-#ifdef __clang__
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+LLMQ_TARGET_END
 
 // =====================================================================================
 // AVX-512 F/BW/VL/DQ + VNNI
 // =====================================================================================
-#ifdef __clang__
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
-#endif
+LLMQ_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
 namespace avx512 {
 namespace {
@@ -720,100 +570,55 @@ void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
   }
 }
 
-// ---- F32 / F16 / BF16
+// ---- The vector type of the shared float kernels (x86_float.inc): 16 fp32 lanes.
 
-template <DType D>
-inline __m512 load16(const uint8_t* row, int64_t k) {
-  if constexpr (D == DType::F32) {
-    // two 256-bit loads: streams from DRAM faster than one 512-bit load on Zen 4 (dev/cpu)
-    const float* p = reinterpret_cast<const float*>(row) + k;
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + 8), 1);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k));
-    if constexpr (D == DType::F16) return _mm512_cvtph_ps(h);
-    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+struct Vec {
+  using F = __m512;
+  static constexpr int N = 16;
+  static constexpr int kTileRows = 4, kTileTokens = 6;  // 24 accumulators + 4 weights + 1 activation of 32 registers
+  static __mmask16 first(int n) { return __mmask16((1u << n) - 1); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float a) { return _mm512_set1_ps(a); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F load_part(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
+  static void store_part(float* p, F v, int n) { _mm512_mask_storeu_ps(p, first(n), v); }
+  static F keep_first(F v, int n) { return _mm512_maskz_mov_ps(first(n), v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static float hsum(F v) { return avx512::hsum(v); }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static F widen(__m256i h, DType d) {  // 16 F16 or BF16 values to fp32
+    return d == DType::F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-}
-template <DType D>
-inline __m512 load16_mask(const uint8_t* row, int64_t k, __mmask16 m) {
-  if constexpr (D == DType::F32) {
-    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + k);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(m, row + 2 * k);
-    if constexpr (D == DType::F16) return _mm512_cvtph_ps(h);
-    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  template <DType D>
+  static F load_w(const uint8_t* row, int64_t k) {
+    if constexpr (D == DType::F32) {
+      // two 256-bit loads: streams from DRAM faster than one 512-bit load on Zen 4 (dev/cpu)
+      const float* p = reinterpret_cast<const float*>(row) + k;
+      return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + 8), 1);
+    } else {
+      return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k)), D);
+    }
   }
-}
+  template <DType D>
+  static F load_w_part(const uint8_t* row, int64_t k, int n) {
+    if constexpr (D == DType::F32) return load_part(reinterpret_cast<const float*>(row) + k, n);
+    else return widen(_mm256_maskz_loadu_epi16(first(n), row + 2 * k), D);
+  }
+  // e^x: 2^n by vscalefps, which gives +inf / 0 on overflow / underflow; the clamp only keeps r finite.
+  static constexpr float kExpLo = -200.0f, kExpHi = 200.0f;
+  static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F scale2n(F p, F n) { return _mm512_scalef_ps(p, n); }
+};
 
-template <DType D, int R, int C>
-void tile_float(float* y, int64_t M, const float* x, int64_t K, const Weight& w, size_t rs, int64_t r, int64_t t) {
-  __m512 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-  const uint8_t* wr[R];
-  for (int i = 0; i < R; ++i) wr[i] = w.data + size_t(r + i) * rs;
-  const float* xr[C];
-  for (int c = 0; c < C; ++c) xr[c] = x + (t + c) * K;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[R];
-    for (int i = 0; i < R; ++i) wv[i] = load16<D>(wr[i], k);
-    for (int c = 0; c < C; ++c) {
-      const __m512 xv = _mm512_loadu_ps(xr[c] + k);
-      for (int i = 0; i < R; ++i) acc[i][c] = _mm512_fmadd_ps(wv[i], xv, acc[i][c]);
-    }
-  }
-  if (k < K) {
-    const __mmask16 m = __mmask16((1u << (K - k)) - 1);
-    __m512 wv[R];
-    for (int i = 0; i < R; ++i) wv[i] = load16_mask<D>(wr[i], k, m);
-    for (int c = 0; c < C; ++c) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, xr[c] + k);
-      for (int i = 0; i < R; ++i) acc[i][c] = _mm512_fmadd_ps(wv[i], xv, acc[i][c]);
-    }
-  }
-  for (int c = 0; c < C; ++c)
-    for (int i = 0; i < R; ++i) y[(t + c) * M + r + i] = hsum(acc[i][c]);
-}
-
-template <DType D>
-void matmul_float_t(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
-  constexpr int R = 4, C = 6;  // 24 accumulators + 4 weights + 1 activation of 32 registers
-  constexpr int DR = 1;        // rows per step in decode: one sequential stream (see gemv)
-  const int64_t M = w.rows, K = w.cols;
-  const size_t rs = w.row_stride();
-  if (T < C) {  // decode: DR rows at a time, one token at a time
-    for (int64_t t = 0; t < T; ++t) {
-      int64_t r = r0;
-      for (; r + DR <= r1; r += DR) tile_float<D, DR, 1>(y, M, x, K, w, rs, r, t);
-      for (; r < r1; ++r) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
-    }
-    return;
-  }
-  const int64_t tb = std::max<int64_t>(C, (int64_t(256 << 10) / (K * 4)) / C * C);
-  for (int64_t t0 = 0; t0 < T; t0 += tb) {
-    const int64_t t1 = std::min(T, t0 + tb);
-    int64_t r = r0;
-    for (; r + R <= r1; r += R) {
-      int64_t t = t0;
-      for (; t + C <= t1; t += C) tile_float<D, R, C>(y, M, x, K, w, rs, r, t);
-      for (; t < t1; ++t) tile_float<D, R, 1>(y, M, x, K, w, rs, r, t);
-    }
-    for (; r < r1; ++r) {
-      int64_t t = t0;
-      for (; t + C <= t1; t += C) tile_float<D, 1, C>(y, M, x, K, w, rs, r, t);
-      for (; t < t1; ++t) tile_float<D, 1, 1>(y, M, x, K, w, rs, r, t);
-    }
-  }
-}
-
-void matmul_float(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1) {
-  switch (w.type) {
-    case DType::F32: matmul_float_t<DType::F32>(y, x, T, w, r0, r1); break;
-    case DType::F16: matmul_float_t<DType::F16>(y, x, T, w, r0, r1); break;
-    default: matmul_float_t<DType::BF16>(y, x, T, w, r0, r1); break;
-  }
-}
+#include "engine/cpu/x86_float.inc"
 
 // ---- Q8_0 / Q4_0 / Q4_1
 
@@ -1021,34 +826,6 @@ void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int
   }
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  if (i + 16 <= n) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    i += 16;
-  }
-  if (i < n) {
-    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
-    acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc1);
-  }
-  return hsum(_mm512_add_ps(acc0, acc1));
-}
-
-void axpy(float* y, float a, const float* x, int64_t n) {
-  const __m512 av = _mm512_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  if (i < n) {
-    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
-  }
-}
-
 // Keys transposed ([hd, bt]): 16 positions per vector, R heads at a time sharing each key
 // load, four partial sums over j mod 4 per head (R·4 independent chains hide the FMA latency).
 template <int R>
@@ -1159,50 +936,6 @@ void attn_accumulate(float* out, const float* a, int64_t as, int64_t G, const fl
         o = _mm512_fmadd_ps(_mm512_set1_ps(a[p]), _mm512_maskz_loadu_ps(m, v + p * stride + j), o);
       _mm512_mask_storeu_ps(out + j, m, o);
     }
-}
-
-// e^x: x = n·ln2 + r with n = round(x·log2(e)) and r by a two-part ln2 (|r| <= ln2/2), e^r by
-// its Taylor series to r^7 (truncation < 6e-9 relative), times 2^n by vscalefps (which gives
-// +inf / 0 on overflow / underflow). About 2 ulp.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(200.0f)), _mm512_set1_ps(-200.0f));  // keeps r finite
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417232e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-float softmax(float* x, int64_t n, float* max_out) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + i));
-  float m = _mm512_reduce_max_ps(mx);
-  for (int64_t j = i; j < n; ++j) m = std::max(m, x[j]);
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 sum = _mm512_setzero_ps();
-  for (i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv));
-    _mm512_mask_storeu_ps(x + i, k, e);
-    sum = _mm512_mask_add_ps(sum, k, sum, e);
-  }
-  const float total = hsum(sum);
-  const __m512 inv = _mm512_set1_ps(1.0f / total);
-  for (i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
-  }
-  if (max_out) *max_out = m;
-  return total;
 }
 
 // ---- Attention on bf16 KV blocks (layouts in cpu_ops.h): `vdpbf16ps` multiplies the bf16
@@ -1321,24 +1054,10 @@ int64_t int8_dot_loop(int64_t rounds) {
   return _mm_cvtsi128_si32(_mm512_castsi512_si128(s));
 }
 
-void swiglu(float* gate, const float* up, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    const __m512 g = _mm512_maskz_loadu_ps(k, gate + i);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    _mm512_mask_storeu_ps(gate + i, k, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(k, up + i)));
-  }
-}
-
 }  // namespace
 }  // namespace avx512
 
-#ifdef __clang__
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+LLMQ_TARGET_END
 
 const Kernels* kernels_avx2() {
   static const Kernels k{"avx2",          avx2::quantize_act,  avx2::matmul_float,

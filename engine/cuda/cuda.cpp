@@ -117,28 +117,26 @@ double measure_copy_bandwidth(uint64_t bytes, int reps) {
   return 2.0 * double(bytes) / (ms * 1e-3);
 }
 
-DeviceBuffer::DeviceBuffer(size_t bytes) : n_(bytes) {
+template <MemoryKind kind>
+CudaAllocation<kind>::CudaAllocation(size_t bytes) : n_(bytes) {
   if (bytes == 0) return;
-  const cudaError_t e = cudaMalloc(&p_, bytes);
+  const cudaError_t e = kind == MemoryKind::Device ? cudaMalloc(&p_, bytes) : cudaMallocHost(&p_, bytes);
   if (e != cudaSuccess) {
     cudaGetLastError();
     p_ = nullptr, n_ = 0;
-    throw CudaError("cudaMalloc of " + std::to_string(bytes) + " bytes: " + cudaGetErrorString(e));
+    throw CudaError(std::string(kind == MemoryKind::Device ? "cudaMalloc" : "cudaMallocHost") + " of " + std::to_string(bytes) +
+                    " bytes: " + cudaGetErrorString(e));
   }
 }
 
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  if (this != &o) {
-    if (p_) cudaFree(p_);
-    p_ = o.p_, n_ = o.n_;
-    o.p_ = nullptr, o.n_ = 0;
-  }
-  return *this;
+template <MemoryKind kind>
+void CudaAllocation<kind>::release() noexcept {
+  if (p_ && kind == MemoryKind::Device) cudaFree(p_);
+  else if (p_) cudaFreeHost(p_);
 }
 
-DeviceBuffer::~DeviceBuffer() {
-  if (p_) cudaFree(p_);
-}
+template class CudaAllocation<MemoryKind::Device>;
+template class CudaAllocation<MemoryKind::Pinned>;
 
 void DeviceBuffer::upload(const void* src, size_t n, size_t off) {
   if (off + n > n_) throw CudaError("DeviceBuffer::upload past the end");
@@ -148,23 +146,6 @@ void DeviceBuffer::upload(const void* src, size_t n, size_t off) {
 void DeviceBuffer::download(void* dst, size_t n, size_t off) const {
   if (off + n > n_) throw CudaError("DeviceBuffer::download past the end");
   check(cudaMemcpy(dst, static_cast<const uint8_t*>(p_) + off, n, cudaMemcpyDeviceToHost), "cudaMemcpy (download)");
-}
-
-PinnedBuffer::PinnedBuffer(size_t bytes) : n_(bytes) {
-  if (bytes) check(cudaMallocHost(&p_, bytes), "cudaMallocHost");
-}
-
-PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
-  if (this != &o) {
-    if (p_) cudaFreeHost(p_);
-    p_ = o.p_, n_ = o.n_;
-    o.p_ = nullptr, o.n_ = 0;
-  }
-  return *this;
-}
-
-PinnedBuffer::~PinnedBuffer() {
-  if (p_) cudaFreeHost(p_);
 }
 
 }  // namespace llmq::cuda

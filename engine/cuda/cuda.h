@@ -78,17 +78,29 @@ class OpProfile {
   cudaEvent_t event(size_t i);
 };
 
-/// One device allocation (cudaMalloc), freed by the destructor. Move-only.
-class DeviceBuffer {
+/// Where a CudaAllocation lives: device memory (cudaMalloc) or pinned, page-locked host memory
+/// (cudaMallocHost: copies a CUDA graph replays).
+enum class MemoryKind { Device, Pinned };
+
+/// One allocation of `kind`, freed by the destructor. Move-only.
+template <MemoryKind kind>
+class CudaAllocation {
  public:
-  DeviceBuffer() = default;
-  /// Allocates `bytes` (none for 0); throws CudaError when the device is out of memory.
-  explicit DeviceBuffer(size_t bytes);
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer();
+  CudaAllocation() = default;
+  /// Allocates `bytes` (none for 0); throws CudaError when the memory is not there.
+  explicit CudaAllocation(size_t bytes);
+  CudaAllocation(CudaAllocation&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  CudaAllocation& operator=(CudaAllocation&& o) noexcept {
+    if (this != &o) {
+      release();
+      p_ = o.p_, n_ = o.n_;
+      o.p_ = nullptr, o.n_ = 0;
+    }
+    return *this;
+  }
+  CudaAllocation(const CudaAllocation&) = delete;
+  CudaAllocation& operator=(const CudaAllocation&) = delete;
+  ~CudaAllocation() { release(); }
 
   size_t bytes() const { return n_; }
   void* get() const { return p_; }
@@ -96,36 +108,24 @@ class DeviceBuffer {
   T* as() const {
     return static_cast<T*>(p_);
   }
+
+ protected:
+  void release() noexcept;
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+/// One device allocation (cudaMalloc).
+class DeviceBuffer : public CudaAllocation<MemoryKind::Device> {
+ public:
+  using CudaAllocation::CudaAllocation;
   /// Copies `n` bytes from host memory to offset `off` (synchronous).
   void upload(const void* src, size_t n, size_t off = 0);
   /// Copies `n` bytes from offset `off` to host memory (synchronous).
   void download(void* dst, size_t n, size_t off = 0) const;
-
- private:
-  void* p_ = nullptr;
-  size_t n_ = 0;
 };
 
-/// Pinned (page-locked) host memory, for copies a CUDA graph replays. Move-only.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  explicit PinnedBuffer(size_t bytes);
-  PinnedBuffer(PinnedBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
-  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer();
-  size_t bytes() const { return n_; }
-  void* get() const { return p_; }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t n_ = 0;
-};
+/// Pinned (page-locked) host memory (cudaMallocHost), for copies a CUDA graph replays.
+using PinnedBuffer = CudaAllocation<MemoryKind::Pinned>;
 
 }  // namespace llmq::cuda
