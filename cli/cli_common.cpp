@@ -121,7 +121,7 @@ void check_tp_flags(const std::string& init, int rank, int tp, bool partial) {
 }
 
 std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
-                                          TpRunnerSpec& spec, const std::atomic<bool>* cancel) {
+                                          RunnerOptions& o, const std::atomic<bool>* cancel) {
   check_tp_flags(init, rank, tp);
   if (init.empty()) return nullptr;
   plan_shards(m, tp);  // a split the model cannot take fails here, before waiting for the others
@@ -134,19 +134,22 @@ std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& i
   std::fprintf(stderr, "%s: rank %d of %d joining through %s\n", tool, rank, tp, init.c_str());
   std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp), std::chrono::milliseconds(int64_t(secs * 1000)), cancel);
   // Rank 0's runner settings, as JSON.
+  const bool cuda = o.place.device == Device::Cuda;
   if (rank == 0) {
-    const std::string j = nlohmann::json{{"cuda", spec.cuda}, {"capacity", spec.capacity}, {"ctx", spec.ctx}, {"n_batch", spec.n_batch},
-                                         {"parallel", spec.parallel}, {"kv_tokens", spec.kv_tokens}, {"kv_q8", spec.kv_q8}}
+    o = resolve(m, o);
+    const std::string j = nlohmann::json{{"cuda", cuda}, {"capacity", o.capacity}, {"ctx", o.ctx}, {"n_batch", o.n_batch},
+                                         {"parallel", std::max<int64_t>(1, o.parallel)}, {"kv_tokens", o.kv_tokens}, {"kv_q8", o.gpu_kv_q8}}
                               .dump();
     c->broadcast(j.data(), j.size());
   } else {
     const std::vector<uint8_t> msg = c->recv_broadcast();
-    TpRunnerSpec got;
+    RunnerOptions got = o;
+    bool got_cuda = false;
     try {
       const nlohmann::json j = nlohmann::json::parse(msg.begin(), msg.end());
-      got.cuda = j.at("cuda").get<bool>(), got.capacity = j.at("capacity").get<int64_t>(), got.ctx = j.at("ctx").get<int64_t>();
+      got_cuda = j.at("cuda").get<bool>(), got.capacity = j.at("capacity").get<int64_t>(), got.ctx = j.at("ctx").get<int64_t>();
       got.n_batch = j.at("n_batch").get<int64_t>(), got.parallel = j.at("parallel").get<int64_t>();
-      got.kv_tokens = j.at("kv_tokens").get<int64_t>(), got.kv_q8 = j.at("kv_q8").get<bool>();
+      got.kv_tokens = j.at("kv_tokens").get<int64_t>(), got.gpu_kv_q8 = j.at("kv_q8").get<bool>();
     } catch (const nlohmann::json::exception& e) {
       c->abort();
       throw UsageError(std::string("tensor parallel: rank 0's settings are malformed: ") + e.what());
@@ -155,32 +158,37 @@ std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& i
       c->abort();
       throw UsageError("tensor parallel: rank 0's settings are out of range");
     }
-    if (got.cuda != spec.cuda) {
+    if (got_cuda != cuda) {
       c->abort();
-      throw UsageError(std::string("tensor parallel: rank 0 runs on ") + (got.cuda ? "a GPU" : "the CPU") + ": start rank " +
-                       std::to_string(rank) + " with --device " + (got.cuda ? "cuda" : "cpu"));
+      throw UsageError(std::string("tensor parallel: rank 0 runs on ") + (got_cuda ? "a GPU" : "the CPU") + ": start rank " +
+                       std::to_string(rank) + " with --device " + (got_cuda ? "cuda" : "cpu"));
     }
-    spec = got;
+    o = got;
   }
   // Every rank took the settings (one that did not aborted the group: rank 0 hears it here,
   // before it goes on to build its runner and wait in NCCL's initialisation).
   c->barrier();
+  o.group = c.get();
   std::fprintf(stderr, "%s: rank %d of %d joined\n", tool, rank, tp);
   return c;
 }
 
-std::unique_ptr<BatchRunner> make_tp_rank_runner(const char* tool, const Model& m, SocketComm& group, const TpRunnerSpec& spec,
-                                                 int threads) {
-  if (spec.cuda) return make_cuda_rank_runner(m, group, spec.ctx, spec.n_batch, spec.parallel, spec.kv_tokens, true, spec.kv_q8);
-  auto t = std::make_unique<TensorParallel>(m, group.size(), group.rank(), group, threads, spec.capacity);
-  std::fprintf(stderr, "%s: tensor parallel over %d processes; %s\n", tool, group.size(), describe_rank(t->shard(0), t->threads()).c_str());
-  return t;
+std::unique_ptr<Runner> make_tool_runner(const char* tool, const Model& m, const RunnerOptions& o) {
+  std::unique_ptr<Runner> r = make_runner(m, o);
+  if (const TensorParallel* t = r->cpu_ranks(); t && (o.group || t->size() > 1)) {
+    if (o.group)
+      std::fprintf(stderr, "%s: tensor parallel over %d processes; %s\n", tool, o.group->size(), describe_rank(t->shard(0), t->threads()).c_str());
+    else
+      std::fprintf(stderr, "%s: tensor parallel over %d ranks, %d threads in all\n", tool, t->size(), t->threads());
+    for (int i = 0; !o.group && i < t->size(); ++i) std::fprintf(stderr, "  %s\n", describe_rank(t->shard(i), t->rank_threads(i)).c_str());
+  }
+  return r;
 }
 
-int serve_tp_rank(const char* tool, BatchRunner& local, SocketComm& comm) {
-  std::fprintf(stderr, "%s: rank %d serving rank 0\n", tool, comm.rank());
-  serve_process_group(local, comm);
-  std::fprintf(stderr, "%s: rank %d done (rank 0 stopped)\n", tool, comm.rank());
+int serve_tp_rank(const char* tool, Runner& r) {
+  std::fprintf(stderr, "%s: rank %d serving rank 0\n", tool, r.group_rank());
+  r.serve();
+  std::fprintf(stderr, "%s: rank %d done (rank 0 stopped)\n", tool, r.group_rank());
   return 0;
 }
 

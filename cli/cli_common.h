@@ -6,6 +6,7 @@
 #include <string>
 
 #include "formats/vocab.h"
+#include "engine/runner/runner.h"
 #include "mem/infer.h"
 
 namespace CLI {
@@ -69,34 +70,24 @@ void add_tp_process_flags(CLI::App& app, std::string& init, int& rank, const std
 /// 0 .. tp-1.
 void check_tp_flags(const std::string& init, int rank, int tp, bool partial = false);
 
-/// What every rank of a group over processes builds its runner from: rank 0's settings, sent to
-/// the others when they join, so a rank needs only the model, --tp, its rank and its device
-/// (an llmq-run rank serves an llmq-server's rank 0 as well as an llmq-run's).
-struct TpRunnerSpec {
-  bool cuda = false;      ///< the ranks run on GPUs (make_cuda_rank_runner), else on the CPU
-  int64_t capacity = 1;   ///< CPU: tokens per forward pass
-  int64_t ctx = 0, n_batch = 512, parallel = 1, kv_tokens = 0;  ///< GPU: the paged session's sizes
-  bool kv_q8 = false;     ///< GPU: a Q8_0 KV cache
-};
-
 /// --tp-init / --tp-rank: joins this process as rank `rank` of `tp` processes through the
 /// rendezvous `init` (engine/parallel/comm_socket.h), after check_tp_flags; nullptr without --tp-init.
-/// Every rank must use the same model (a rank with another is refused). Rank 0 then sends
-/// `spec`; the others receive it into `spec` and must run on the same kind of device
-/// (`spec.cuda` as given to them). Waits LLMQ_TP_TIMEOUT seconds (default 300) for the other
-/// ranks, or until *cancel is set (llmq-server stopping). Prints who joined. Throws UsageError
-/// for bad flags, a refused hello, a device that differs from rank 0's, the timeout or cancel.
+/// Every rank must use the same model (a rank with another is refused). Rank 0 then sends its
+/// runner's sizes (`o` resolved: ctx, n_batch, capacity, parallel, kv_tokens, the GPU's KV
+/// type); the others receive them into `o` (so an llmq-run rank serves an llmq-server's rank 0
+/// as well as an llmq-run's) and must run on the same kind of device. Sets o.group. Waits
+/// LLMQ_TP_TIMEOUT seconds (default 300) for the other ranks, or until *cancel is set
+/// (llmq-server stopping). Prints who joined. Throws UsageError for bad flags, a refused hello,
+/// a device that differs from rank 0's, the timeout or cancel.
 std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
-                                          TpRunnerSpec& spec, const std::atomic<bool>* cancel = nullptr);
+                                          RunnerOptions& o, const std::atomic<bool>* cancel = nullptr);
 
-/// This process's rank of the group, built from spec: a TensorParallel holding the rank (CPU,
-/// `threads` threads; its shard printed on stderr) or make_cuda_rank_runner's GPU rank.
-std::unique_ptr<BatchRunner> make_tp_rank_runner(const char* tool, const Model& m, SocketComm& group, const TpRunnerSpec& spec,
-                                                 int threads);
+/// make_runner, then on stderr the CPU ranks' layout (one line per rank this process holds),
+/// and for a following rank of a process group that it serves rank 0.
+std::unique_ptr<Runner> make_tool_runner(const char* tool, const Model& m, const RunnerOptions& o);
 
-/// A rank other than 0: runs rank 0's commands on `local`, this rank's runner
-/// (serve_process_group), until rank 0 is done; prints the end on stderr. Returns the exit
-/// code (0).
-int serve_tp_rank(const char* tool, BatchRunner& local, SocketComm& comm);
+/// A following rank: runs rank 0's forward passes until rank 0 is done; prints the end on
+/// stderr. Returns the exit code (0).
+int serve_tp_rank(const char* tool, Runner& r);
 
 }  // namespace llmq::cli

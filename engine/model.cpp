@@ -605,12 +605,11 @@ const float* Session::forward(const int32_t* tokens, int64_t n, bool all_logits)
   if (all_logits && n > n_batch_) throw UsageError("forward: all_logits needs n <= n_batch");
   cache_.reserve(seq_, pos() + n);
   const float* out = nullptr;
-  for (int64_t i = 0; i < n; i += n_batch_) {
-    const int64_t len = std::min(n_batch_, n - i);
+  for_each_chunk(n, n_batch_, [&](int64_t i, int64_t len, bool) {
     batch_.resize(size_t(len));
     for (int64_t j = 0; j < len; ++j) batch_[size_t(j)] = {seq_, tokens[i + j], all_logits || i + j == n - 1};
     out = tp_.forward(cache_, batch_.data(), len);
-  }
+  });
   return out;
 }
 

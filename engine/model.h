@@ -1,5 +1,6 @@
 // A model loaded from a `.llmq` file and the CPU forward pass over a KV cache.
 #pragma once
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -198,6 +199,16 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
 /// layers take on from (cuda::CudaOffloadSession); the cache needs only those layers.
 const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
                            Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end = -1);
+
+/// The one chunked-prefill loop of every session: fn(i, len, last) for the consecutive chunks
+/// [i, i + len) of n tokens, each at most n_batch long (last: the chunk that ends at n).
+template <class Fn>
+void for_each_chunk(int64_t n, int64_t n_batch, const Fn& fn) {
+  for (int64_t i = 0; i < n; i += n_batch) {
+    const int64_t len = std::min(n_batch, n - i);
+    fn(i, len, i + len == n);
+  }
+}
 
 class TensorParallel;  // engine/tp.h
 class Sampler;         // engine/sampler.h

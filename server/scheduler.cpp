@@ -76,11 +76,8 @@ size_t utf8_safe_end(const std::string& text, size_t end) {
 
 Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOptions& opt)
     : m_(model),
-      own_(std::make_unique<TensorParallel>(model, pool, [&] {  // the plan llmq-mem infer reports (plan_inference)
-        const int64_t cap = std::max<int64_t>(opt.n_batch, opt.parallel);
-        return plan_workspace(model.config, llama_matmuls(model.config, model.file->tensors(), cap, opt.parallel), cap, opt.ctx,
-                              opt.parallel, pool.size());
-      }())),
+      own_(std::make_unique<TensorParallel>(  // the plan llmq-mem infer reports
+          model, pool, plan_inference(*model.file, model.config, opt.ctx, opt.n_batch, pool.size(), opt.parallel, true, opt.kv_tokens).ws)),
       run_(*own_),
       opt_(opt),
       cache_(run_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,

@@ -58,10 +58,8 @@ struct ServerState {
   std::shared_ptr<std::atomic<bool>> stopping = std::make_shared<std::atomic<bool>>(false);
   std::string load_error;
   std::unique_ptr<Model> model;
-  std::unique_ptr<ThreadPool> pool;        // --tp 1: the forward passes on one pool
   std::unique_ptr<SocketComm> group;       // --tp-init: the other ranks are processes
-  std::unique_ptr<BatchRunner> local;      // --tp-init: this process's rank of the group
-  std::unique_ptr<BatchRunner> runner;     // --tp N > 1: N ranks; --device cuda: the GPU
+  std::unique_ptr<Runner> runner;          // what runs the batches (engine/runner/runner.h)
   std::unique_ptr<Scheduler> scheduler;
   std::optional<ChatTemplate> tmpl;
   std::string model_id;
@@ -446,14 +444,16 @@ int main(int argc, char** argv) {
     // --tp-init: this process's rank of a group over processes (engine/parallel/tp_process.h), the same
     // runner on every rank, built from rank 0's sizes: the CPU's TensorParallel for one rank, or a
     // GPU rank.
-    cli::TpRunnerSpec spec;
-    spec.cuda = gpu, spec.capacity = tp_cap, spec.ctx = ctx, spec.n_batch = n_batch, spec.parallel = parallel;
-    spec.kv_tokens = kv_tokens, spec.kv_q8 = gpu_kv_q8;
+    RunnerOptions ro;
+    ro.place = Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, tp};
+    ro.threads = threads, ro.ctx = ctx, ro.n_batch = n_batch, ro.parallel = parallel, ro.kv_tokens = kv_tokens;
+    ro.capacity = tp_cap, ro.gpu_kv_q8 = gpu_kv_q8, ro.kv_type = gpu ? KvType::F32 : kv_type_from_name(kv_type);
     if (tp_rank > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
-      auto model = load_model(model_path, !no_verify, Placement{gpu ? Device::Cuda : Device::Cpu, -1, tp});
-      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, *model, spec);
-      auto local = cli::make_tp_rank_runner("llmq-server", *model, *group, spec, threads);
-      return cli::serve_tp_rank("llmq-server", *local, *group);
+      ro.place.gpu_layers = -1;
+      auto model = load_model(model_path, !no_verify, ro.place);
+      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, *model, ro);
+      auto runner = cli::make_tool_runner("llmq-server", *model, ro);
+      return cli::serve_tp_rank("llmq-server", *runner);
     }
     // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
     sigset_t sigs;
@@ -556,21 +556,15 @@ int main(int argc, char** argv) {
     // Load in the background: /health answers 503 until the model is ready.
     std::thread loader([&] {
       try {
-        const bool partial = gpu && gpu_layers >= 0;  // the CPU runs the first layers (load_model packs those)
-        st->model = load_model(model_path, !no_verify, Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, tp});
+        st->model = load_model(model_path, !no_verify, ro.place);  // with -ngl N the CPU runs the first layers: load_model packs those
         // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
         // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
         for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());
         const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
-        if ((gpu && partial) || (!gpu && tp == 1)) st->pool = std::make_unique<ThreadPool>(threads);
-        if (!tp_init.empty()) {
-          spec.ctx = seq_ctx;
-          st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, spec, st->stopping.get());
-          st->local = cli::make_tp_rank_runner("llmq-server", *st->model, *st->group, spec, threads);
-          st->runner = std::make_unique<ProcessGroupRunner>(*st->local, *st->group);
-        } else if (gpu)
-          st->runner = make_cuda_batch_runner(*st->model, seq_ctx, n_batch, parallel, kv_tokens, true, tp, gpu_layers, st->pool.get(), gpu_kv_q8);
-        else if (tp > 1) st->runner = std::make_unique<TensorParallel>(*st->model, tp, threads, tp_cap);
+        RunnerOptions rs = ro;
+        rs.ctx = seq_ctx;
+        st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, rs, st->stopping.get());
+        st->runner = cli::make_tool_runner("llmq-server", *st->model, rs);
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
         SchedulerOptions so;
@@ -579,8 +573,8 @@ int main(int argc, char** argv) {
         so.max_queue = max_queue;
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
-        so.kv_type = gpu ? KvType::F32 : kv_type_from_name(kv_type);  // the CPU's pools (partial offload: f32)
-        st->scheduler = st->runner ? std::make_unique<Scheduler>(*st->runner, so) : std::make_unique<Scheduler>(*st->model, *st->pool, so);
+        so.kv_type = ro.kv_type;  // the CPU's pools (partial offload: f32)
+        st->scheduler = std::make_unique<Scheduler>(st->runner->batch(), so);
         st->ready = true;
         const uint64_t file_bytes = st->model->file->file_size() + st->model->packed.bytes(), kv_b = st->scheduler->kv_bytes(),
                        ws_b = st->scheduler->workspace_bytes();

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "engine/comm_host.h"
+#include "engine/runner/runner.h"
 #include "engine/tp.h"
 #include "base/error.h"
 #include "formats/quant.h"
@@ -417,5 +418,41 @@ TEST_CASE("TP: llmq-mem infer --tp reports each rank's weights, KV cache and wor
         if (l.name == "weights repacked for the CPU kernels (shared)") shared = uint64_t(l.bytes);
       CHECK(shared == m->packed.bytes());
     }
+  }
+}
+
+// make_runner (engine/runner/runner.h), the tools' one factory: a session (TP 1 on a pool, TP 2
+// rank threads) and a batch runner (TP 1 planned as the server's, TP 2) all give the logits of
+// the plain Session on the same prompt (F32: within 1e-5 for the split ranks, exactly for TP 1).
+TEST_CASE("make_runner: sessions and batch runners of every CPU placement give the same logits", "[tp][runner]") {
+  auto m = Model::load(test::stories("f32"), true, true, 0, 2);
+  const std::vector<int32_t> prompt = some_prompt(12, 3);
+  const int64_t V = m->config.vocab_size, n = int64_t(prompt.size());
+  ThreadPool pool(2);
+  Session ref_s(*m, pool, 64, 64, n);
+  const float* l = ref_s.forward(prompt.data(), n, true);
+  const std::vector<float> ref(l, l + n * V);
+  for (int tp : {1, 2}) {
+    RunnerOptions o;
+    o.place = Placement{Device::Cpu, -1, tp};
+    o.threads = 2, o.ctx = 64, o.n_batch = 64, o.logits_rows = n;
+    auto r = make_runner(*m, o);
+    CHECK_FALSE(r->follower());
+    CHECK((r->cpu_ranks() != nullptr) == (tp > 1));
+    const float* got = r->session().forward(prompt.data(), n, true);
+    INFO("session, tp " << tp);
+    CHECK(test::rel_err(got, ref.data(), ref.size()) <= (tp == 1 ? 0.0 : 1e-5));
+    if (tp == 1) CHECK_THROWS_AS(r->batch(), UsageError);  // the session owns its one rank
+    o.parallel = 2, o.logits_rows = 1;  // batching: the scheduler's sizes
+    auto b = make_runner(*m, o);
+    CHECK_THROWS_AS(b->session(), UsageError);
+    KVCache cache = b->batch().make_cache(plan_kv(m->config, 128).n_blocks, kKvBlockTokens, KvType::F32);
+    const int32_t seq = cache.add_sequence();
+    REQUIRE(cache.reserve(seq, n));
+    std::vector<BatchToken> batch;
+    for (int64_t i = 0; i < n; ++i) batch.push_back({seq, prompt[size_t(i)], i == n - 1});
+    const float* last = b->batch().forward(cache, batch.data(), n);
+    INFO("batch runner, tp " << tp);
+    CHECK(test::rel_err(last, ref.data() + (n - 1) * V, size_t(V)) <= 1e-5);
   }
 }

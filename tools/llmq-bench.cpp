@@ -58,7 +58,7 @@ struct Speed {
 };
 
 // One repetition: prefill of the prompt, then n_gen single-token decode steps.
-void measure(Session& s, const std::vector<int32_t>& prompt, int64_t n_gen, Speed& best) {
+void measure(SessionBase& s, const std::vector<int32_t>& prompt, int64_t n_gen, Speed& best) {
   using clock = std::chrono::steady_clock;
   const auto n_prompt = int64_t(prompt.size());
   s.reset();
@@ -214,7 +214,11 @@ nlohmann::json bench_cuda_tp(const Model& model, int tp, int64_t n_prompt, int64
   SamplerParams greedy;
   greedy.temperature = 0;
   auto run = [&](int ranks) {
-    std::unique_ptr<SessionBase> s = make_cuda_session(model, n_prompt + n_gen, n_prompt, 1, false, -1, nullptr, ranks);
+    RunnerOptions ro;
+    ro.place = Placement{Device::Cuda, -1, ranks};
+    ro.ctx = n_prompt + n_gen, ro.n_batch = n_prompt, ro.progress = false;
+    std::unique_ptr<Runner> runner = make_runner(model, ro);
+    SessionBase* s = &runner->session();
     Sampler sampler(greedy);
     double prefill_s = 1e30, decode_s = 1e30;
     for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up
@@ -289,8 +293,9 @@ int run_cuda(const BenchOptions& o) {
 }
 
 // The CPU ranks' layout (--tp N > 1) and the TP=1 baseline, into j.
-void tp_report(nlohmann::json& j, const TensorParallel& ranks, const Session& s, const Speed* base, const Speed& best, const BenchOptions& o) {
+void tp_report(nlohmann::json& j, const TensorParallel& ranks, const SessionBase& s, const Speed* base, const Speed& best, const BenchOptions& o) {
   j["tp_output"] = o.tp_output;
+  const auto* cpu_session = dynamic_cast<const Session*>(&s);  // the CPU ranks' session: one KV pool per rank
   nlohmann::json rank_list = nlohmann::json::array();
   for (int r = 0; r < ranks.size(); ++r) {
     const ModelShard& sh = ranks.shard(r);
@@ -302,7 +307,7 @@ void tp_report(nlohmann::json& j, const TensorParallel& ranks, const Session& s,
                          {"vocab_rows", sh.ranges.n_vocab},
                          {"weight_bytes", sh.weight_bytes()},
                          {"owned_weight_bytes", sh.owned_bytes},
-                         {"kv_cache_bytes", s.cache().shard_bytes(r)}});
+                         {"kv_cache_bytes", cpu_session ? cpu_session->cache().shard_bytes(r) : 0}});
   }
   j["ranks"] = rank_list;
   if (!base) return;
@@ -357,27 +362,24 @@ int run_cpu(const BenchOptions& o) {
   // --tp-init: the ranks are processes (engine/parallel/tp_process.h); this one holds rank tp_rank
   // and runs at -t threads, the others as many each (assumed: the baseline uses -t x N threads).
   if (!o.tp_init.empty() && !opt.vocab_parallel) throw UsageError("--tp-init ranks are vocab-parallel (--tp-output vocab)");
-  cli::TpRunnerSpec spec;
-  spec.capacity = o.n_prompt;
-  std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-bench", o.tp_init, o.tp_rank, o.tp, *model, spec);
-  std::unique_ptr<BatchRunner> local, procs;
-  std::unique_ptr<TensorParallel> in_process;
-  if (group) {
-    local = cli::make_tp_rank_runner("llmq-bench", *model, *group, spec, o.threads);
-    if (o.tp_rank > 0) return cli::serve_tp_rank("llmq-bench", *local, *group);
-    procs = std::make_unique<ProcessGroupRunner>(*local, *group);
-  } else {
-    in_process = std::make_unique<TensorParallel>(*model, o.tp, o.threads, o.n_prompt, opt);
+  RunnerOptions ro;
+  ro.place = Placement{Device::Cpu, -1, o.tp};
+  ro.threads = o.threads, ro.ctx = o.n_prompt + o.n_gen, ro.n_batch = o.n_prompt, ro.capacity = o.n_prompt;
+  ro.kv_type = kv_type_from_name(o.kv_type_s), ro.vocab_parallel = opt.vocab_parallel;
+  std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-bench", o.tp_init, o.tp_rank, o.tp, *model, ro);
+  std::unique_ptr<Runner> runner = group ? cli::make_tool_runner("llmq-bench", *model, ro) : make_runner(*model, ro);
+  if (runner->follower()) return cli::serve_tp_rank("llmq-bench", *runner);
+  const TensorParallel* ranks = runner->cpu_ranks();  // what this process holds (nullptr: TP = 1 on one pool)
+  const int total_threads = ranks ? (group ? ranks->threads() * o.tp : ranks->threads()) : mem::resolve_threads(o.threads);
+  std::unique_ptr<Runner> base;  // TP=1 at the same total thread count
+  if (o.tp > 1 && !o.no_baseline) {
+    RunnerOptions bo = ro;
+    bo.place.tp = 1, bo.threads = total_threads, bo.group = nullptr;
+    base = make_runner(*model, bo);
   }
-  TensorParallel& ranks = group ? static_cast<TensorParallel&>(*local) : *in_process;  // what this process holds
-  BatchRunner& runner = group ? *procs : static_cast<BatchRunner&>(*in_process);
-  const int total_threads = group ? ranks.threads() * o.tp : ranks.threads();
-  std::unique_ptr<TensorParallel> base;  // TP=1 at the same total thread count
-  if (o.tp > 1 && !o.no_baseline) base = std::make_unique<TensorParallel>(*model, 1, total_threads, o.n_prompt);
-  const KvType kv_type = kv_type_from_name(o.kv_type_s);
-  Session s(runner, o.n_prompt + o.n_gen, kv_type);
-  std::unique_ptr<Session> bs;
-  if (base) bs = std::make_unique<Session>(*base, o.n_prompt + o.n_gen, kv_type);
+  const KvType kv_type = ro.kv_type;
+  SessionBase& s = runner->session();
+  SessionBase* bs = base ? &base->session() : nullptr;
   std::mt19937 rng(1234);
   std::uniform_int_distribution<int32_t> pick(0, int32_t(model->config.vocab_size - 1));
   std::vector<int32_t> prompt(static_cast<size_t>(o.n_prompt));
@@ -402,7 +404,7 @@ int run_cpu(const BenchOptions& o) {
   j["gen_tokens"] = o.n_gen;
   j["prefill_tok_s"] = double(o.n_prompt) / best.prefill_s;
   j["decode_tok_s"] = double(o.n_gen) / best.decode_s;
-  if (o.tp > 1) tp_report(j, ranks, s, bs ? &best_base : nullptr, best, o);
+  if (o.tp > 1 && ranks) tp_report(j, *ranks, s, bs ? &best_base : nullptr, best, o);
   j["cpu_model"] = cpu_model_name();
   j["peak_rss_bytes"] = cli::peak_rss_bytes();  // before the bandwidth buffer
   roofline_report(j, *model, kv_type, best, total_threads, o);

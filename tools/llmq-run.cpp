@@ -85,17 +85,6 @@ void fit_cpu(RunOptions& o) {
   o.ctx = r.options.ctx;
 }
 
-// What runs the model on the CPU side: one pool (TP = 1: the planned workspace, what llmq-mem
-// infer reports), N in-process rank threads sharing `threads`, or this process's rank of a
-// process group (--tp-init; `runner` then drives the group from rank 0). On the GPU (the whole
-// model) none of these: the session is made later.
-struct Backend {
-  std::unique_ptr<ThreadPool> pool;
-  std::unique_ptr<SocketComm> group;
-  std::unique_ptr<BatchRunner> local;   // this process's rank of the group
-  std::unique_ptr<BatchRunner> runner;  // what a Session or perplexity drives, when not the pool
-};
-
 // The settings every path shares after the model is loaded.
 struct Loaded {
   Device device;
@@ -105,56 +94,32 @@ struct Loaded {
   int64_t ppl_ctx;
 };
 
-Backend make_backend(const RunOptions& o, const Model& model, const Loaded& L) {
-  Backend b;
-  const int64_t tp_cap = o.ppl_file.empty() ? session_sizes(model.config, o.ctx, o.n_batch).n_batch : L.ppl_ctx;
+// What runs the model (engine/runner/runner.h): one sequence, sized for generation or, with
+// --perplexity, for whole chunks of every position's logits.
+std::unique_ptr<Runner> make_run_runner(const RunOptions& o, const Model& model, const Loaded& L, std::unique_ptr<SocketComm>& group) {
+  RunnerOptions ro;
+  ro.place = Placement{L.device, L.gpu_layers, o.tp};
+  ro.threads = o.threads, ro.ctx = o.ctx, ro.n_batch = o.n_batch, ro.kv_type = L.kv_type, ro.gpu_kv_q8 = L.gpu_kv_q8;
+  if (!o.ppl_file.empty()) ro.ctx = ro.n_batch = ro.logits_rows = L.ppl_ctx;
   if (!o.tp_init.empty()) {  // ranks as processes (engine/parallel/tp_process.h); those other than 0 serve rank 0
     cli::check_tp_flags(o.tp_init, o.tp_rank, o.tp, L.partial);
     if (L.device == Device::Cuda && !o.ppl_file.empty())
       throw UsageError("--perplexity with --tp-init --device cuda: the GPU ranks keep one logits row (use the CPU ranks, or one process)");
   }
-  cli::TpRunnerSpec spec;  // rank 0's sizes; the other ranks receive them at the join
-  spec.cuda = L.device == Device::Cuda, spec.capacity = tp_cap, spec.ctx = session_sizes(model.config, o.ctx, o.n_batch).ctx;
-  spec.n_batch = o.n_batch, spec.parallel = 1, spec.kv_tokens = 0, spec.kv_q8 = L.gpu_kv_q8;
-  b.group = cli::join_tp_group("llmq-run", o.tp_init, o.tp_rank, o.tp, model, spec);
-  if (b.group) {
-    b.local = cli::make_tp_rank_runner("llmq-run", model, *b.group, spec, o.threads);
-    if (o.tp_rank == 0) b.runner = std::make_unique<ProcessGroupRunner>(*b.local, *b.group);
-  } else if (L.device == Device::Cuda && !L.partial) {
-    // the GPU runs everything but sampling (--tp N: N ranks on it, engine/cuda/session.h CudaTpSession)
-  } else if (o.tp == 1) {
-    b.pool = std::make_unique<ThreadPool>(o.threads);
-  } else {
-    auto t = std::make_unique<TensorParallel>(model, o.tp, o.threads, tp_cap);
-    std::fprintf(stderr, "llmq-run: tensor parallel over %d ranks, %d threads in all\n", t->size(), t->threads());
-    for (int r = 0; r < t->size(); ++r) std::fprintf(stderr, "  %s\n", cli::describe_rank(t->shard(r), t->rank_threads(r)).c_str());
-    b.runner = std::move(t);
-  }
-  return b;
+  group = cli::join_tp_group("llmq-run", o.tp_init, o.tp_rank, o.tp, model, ro);
+  return cli::make_tool_runner("llmq-run", model, ro);
 }
 
-int run_perplexity(const RunOptions& o, const Model& model, Backend& b, const Loaded& L) {
+int run_perplexity(const RunOptions& o, const Model& model, SessionBase& session, const Loaded& L) {
   const int64_t n_ctx = L.ppl_ctx;
-  const std::vector<int32_t> tokens = model.tokenizer->encode(read_text_file(o.ppl_file), true);
+  const std::vector<int32_t> tokens = model.tokenizer->encode(read_text_file(o.ppl_file), model.vocab.add_bos);  // as llama.cpp: BOS only where the model takes one
   std::fprintf(stderr, "llmq-run: perplexity over %s: %zu tokens, %lld chunks of %lld\n", o.ppl_file.c_str(), tokens.size(),
                (long long)(int64_t(tokens.size()) / n_ctx), (long long)n_ctx);
   const auto progress = [](int64_t i, double ppl) { std::fprintf(stderr, "[%lld] %.4f\n", (long long)i + 1, ppl); };
-  std::unique_ptr<SessionBase> gpu;
-  if (L.device == Device::Cuda) gpu = make_cuda_session(model, n_ctx, n_ctx, n_ctx, true, L.gpu_layers, b.pool.get(), o.tp, L.gpu_kv_q8);
-  const PerplexityResult r = gpu        ? perplexity(*gpu, tokens, n_ctx, progress, o.ppl_chunks)
-                             : b.runner ? perplexity(*b.runner, tokens, n_ctx, progress, o.ppl_chunks, L.kv_type)
-                                        : perplexity(model, *b.pool, tokens, n_ctx, progress, o.ppl_chunks, L.kv_type);
+  const PerplexityResult r = perplexity(session, tokens, n_ctx, progress, o.ppl_chunks);
   std::printf("PPL = %.4f +/- %.4f (%lld chunks, %lld tokens scored, ctx %lld, model %s)\n", r.ppl, r.ppl_err, (long long)r.chunks,
               (long long)r.scored, (long long)n_ctx, model.weight_type().c_str());
   return 0;
-}
-
-std::unique_ptr<SessionBase> make_session(const RunOptions& o, const Model& model, Backend& b, const Loaded& L) {
-  if (b.group) return std::make_unique<Session>(*b.runner, o.ctx, L.kv_type);
-  if (L.device == Device::Cuda)  // prints the GPU's memory
-    return make_cuda_session(model, o.ctx, o.n_batch, 1, true, L.gpu_layers, b.pool.get(), o.tp, L.gpu_kv_q8);
-  if (b.runner) return std::make_unique<Session>(*b.runner, o.ctx, L.kv_type);
-  return std::make_unique<Session>(model, *b.pool, o.ctx, o.n_batch, 1, L.kv_type);
 }
 
 // Measured at load on the CPU: bytes of our own buffers (the mapping, the weights the CPU
@@ -342,12 +307,13 @@ int run(RunOptions& o) {
   L.partial = device == Device::Cuda && L.gpu_layers >= 0 && L.gpu_layers < model->config.n_layers;
   L.ppl_ctx = o.ctx > 0 ? o.ctx : 512;
   o.sp.seed = o.seed >= 0 ? uint64_t(o.seed) : uint64_t(time(nullptr));
-  Backend b = make_backend(o, *model, L);
-  if (b.group && o.tp_rank > 0) return cli::serve_tp_rank("llmq-run", *b.local, *b.group);
-  if (!o.ppl_file.empty()) return run_perplexity(o, *model, b, L);
-  std::unique_ptr<SessionBase> session = make_session(o, *model, b, L);
-  if (device == Device::Cpu) print_memory(*model, *session, L.kv_type);
-  Conversation conv(o, *model, *session);
+  std::unique_ptr<SocketComm> group;
+  std::unique_ptr<Runner> runner = make_run_runner(o, *model, L, group);
+  if (runner->follower()) return cli::serve_tp_rank("llmq-run", *runner);
+  SessionBase& session = runner->session();
+  if (!o.ppl_file.empty()) return run_perplexity(o, *model, session, L);
+  if (device == Device::Cpu) print_memory(*model, session, L.kv_type);
+  Conversation conv(o, *model, session);
   return o.have_prompt ? conv.one_shot() : conv.interactive();
 }
 

@@ -495,9 +495,7 @@ const float* CudaSession::forward(const int32_t* tokens, int64_t n, bool all_log
   check_tokens(tokens, n);
   if (all_logits && n > plan_.logits_rows)
     throw UsageError("forward: all_logits for " + std::to_string(n) + " tokens, the session keeps " + std::to_string(plan_.logits_rows));
-  for (int64_t i = 0; i < n; i += plan_.n_batch) {
-    const int64_t len = std::min(plan_.n_batch, n - i);
-    const bool last = i + len == n;
+  for_each_chunk(n, plan_.n_batch, [&](int64_t i, int64_t len, bool last) {
     stage(tokens + i, len);
     if (len == 1 && !all_logits) {
       run_decode(Out::Logits);
@@ -506,7 +504,7 @@ const float* CudaSession::forward(const int32_t* tokens, int64_t n, bool all_log
       check(cudaStreamSynchronize(stream_), "forward");
     }
     pos_ += len;
-  }
+  });
   return h_logits_.as<float>();
 }
 
@@ -705,27 +703,24 @@ void CudaOffloadSession::run_cpu(const int32_t* tokens, int64_t n) {
 
 const float* CudaOffloadSession::forward(const int32_t* tokens, int64_t n, bool all_logits) {
   check_input(tokens, n, all_logits);
-  const int64_t nb = gpu_->n_batch();
   const float* out = nullptr;
-  for (int64_t i = 0; i < n; i += nb) {
-    const int64_t len = std::min(nb, n - i);
+  for_each_chunk(n, gpu_->n_batch(), [&](int64_t i, int64_t len, bool last) {
     run_cpu(tokens + i, len);
-    if (i + len < n) gpu_->prefill(tokens + i, len);  // a chunk before the last: no logits
+    if (!last) gpu_->prefill(tokens + i, len);  // a chunk before the last: no logits
     else out = gpu_->forward(tokens + i, len, all_logits);
-  }
+  });
   return out;
 }
 
 int32_t CudaOffloadSession::forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) {
   check_input(tokens, n, false);
-  const int64_t nb = gpu_->n_batch();
-  for (int64_t i = 0; i + nb < n; i += nb) {
-    run_cpu(tokens + i, nb);
-    gpu_->prefill(tokens + i, nb);
-  }
-  const int64_t last = (n - 1) / nb * nb;
-  run_cpu(tokens + last, n - last);
-  return gpu_->forward_sample(tokens + last, n - last, sampler, history);
+  int32_t id = -1;
+  for_each_chunk(n, gpu_->n_batch(), [&](int64_t i, int64_t len, bool last) {
+    run_cpu(tokens + i, len);
+    if (!last) gpu_->prefill(tokens + i, len);
+    else id = gpu_->forward_sample(tokens + i, len, sampler, history);
+  });
+  return id;
 }
 
 // ---------------------------------------------------------------- CudaRanks
