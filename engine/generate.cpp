@@ -79,7 +79,7 @@ PerplexityResult perplexity_on(SessionBase& s, const std::vector<int32_t>& token
   std::vector<int32_t> chunk(static_cast<size_t>(n_ctx));
   for (int64_t c = 0; c < n_chunks; ++c) {
     std::copy(tokens.begin() + c * n_ctx, tokens.begin() + (c + 1) * n_ctx, chunk.begin());
-    chunk[0] = m.vocab.bos_id;
+    if (m.vocab.add_bos && m.vocab.bos_id >= 0) chunk[0] = m.vocab.bos_id;  // as llama.cpp: only for models that take a BOS
     s.reset();
     const float* logits = s.forward(chunk.data(), n_ctx, /*all_logits=*/true);  // [n_ctx, V]
     for (int64_t j = first; j < n_ctx - 1; ++j) {

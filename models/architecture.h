@@ -21,6 +21,9 @@ struct Architecture {
   /// Sets the recipe fields of c (c.arch and the common keys are already read from m). Throws
   /// MetadataError for a mistyped key.
   void (*recipe)(const Metadata& m, ModelConfig& c);
+  /// How llama.cpp's converter stores this architecture's q and k rows in a GGUF: Meta's
+  /// interleaved pairs (it permutes llama's) or the checkpoint's rotate-half order (the others).
+  RopeLayout gguf_rope = RopeLayout::RotateHalf;
 };
 
 /// The architecture called `name`, or nullptr.
@@ -32,6 +35,8 @@ std::string architecture_names();
 void register_architecture(const Architecture& a);
 
 // The built-in declarations (one file each in models/).
-extern const Architecture kLlama;  ///< models/llama.cpp
+extern const Architecture kLlama;   ///< models/llama.cpp
+extern const Architecture kQwen2;   ///< models/qwen2.cpp
+extern const Architecture kGemma3;  ///< models/gemma3.cpp
 
 }  // namespace llmq

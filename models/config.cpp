@@ -114,8 +114,9 @@ void ModelConfig::validate() const {
   check(vocab_size > 0 && vocab_size <= kBig, "vocab_size " + std::to_string(vocab_size) + " out of range");
   check(context_length > 0 && context_length <= kBig, "context_length " + std::to_string(context_length) + " out of range");
   check(norm_eps > 0 && norm_eps < 1, "norm_eps out of range");
-  check(std::isfinite(rope_theta) && rope_theta > 1, "rope_theta must be finite and above 1");
-  check(rope_theta_local == 0 || (std::isfinite(rope_theta_local) && rope_theta_local > 1), "rope_theta_local must be finite and above 1");
+  check(std::isfinite(rope_theta) && rope_theta > 1, "rope_theta (rope.freq_base) must be finite and above 1");
+  check(rope_theta_local == 0 || (std::isfinite(rope_theta_local) && rope_theta_local > 1),
+        "rope_theta_local (rope.freq_base_swa) must be finite and above 1");
   check(std::isfinite(rope_factor) && rope_factor >= 1 && rope_factor <= 1024, "rope scaling factor out of [1, 1024]");
   check(rope_scaling != RopeScaling::Llama3 ||
             (rope_orig_ctx > 0 && std::isfinite(rope_low_freq) && std::isfinite(rope_high_freq) && rope_low_freq > 0 &&

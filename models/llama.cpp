@@ -16,6 +16,7 @@ const Architecture kLlama = {
       c.qk_norm = false;
       c.embed_scale = false;
     },
+    RopeLayout::Interleaved,
 };
 
 }  // namespace llmq

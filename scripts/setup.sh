@@ -17,7 +17,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-bash scripts/fetch_models.sh
+bash scripts/fetch_models.sh all  # SmolLM2, Qwen2.5-Coder-0.5B, Gemma-3-270M (about 800 MB)
 
 jobs=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release ${LLMQ_CMAKE_ARGS:-} >/dev/null

@@ -962,9 +962,9 @@ std::vector<BadCase> hostile_cases() {
   with("context_length 0", [](GgufBuilder& g) { g.u32("llama.context_length", 0); }, {"context_length"});
   with("negative rms epsilon", [](GgufBuilder& g) { g.f32("llama.attention.layer_norm_rms_epsilon", -1.0f); }, {"norm_eps"});
   with("rope freq_base NaN", [](GgufBuilder& g) { g.f32("llama.rope.freq_base", std::nanf("")); }, {"freq_base"});
-  with("rope scaling linear x4", [](GgufBuilder& g) {
-    g.str("llama.rope.scaling.type", "linear").f32("llama.rope.scaling.factor", 4.0f);
-  }, {"RoPE scaling"});
+  with("rope scaling yarn", [](GgufBuilder& g) {  // linear and llama3 are read; YaRN is not (yet)
+    g.str("llama.rope.scaling.type", "yarn").f32("llama.rope.scaling.factor", 4.0f);
+  }, {"yarn"});
   with("vocab_size differs from the tokens", [](GgufBuilder& g) { g.u32("llama.vocab_size", 9); }, {"vocab_size"});
   with("missing tokenizer model", [](GgufBuilder& g) { g.erase("tokenizer.ggml.model"); }, {"tokenizer.ggml.model"});
   with("missing tokens", [](GgufBuilder& g) { g.erase("tokenizer.ggml.tokens"); }, {"tokenizer.ggml.tokens"});
@@ -1060,6 +1060,9 @@ TEST_CASE("hostile GGUF files: llmq-convert and llmq-info exit 2, name the file,
     GgufBuilder none = tiny_model(mixed_spec(), 3);
     none.str("llama.rope.scaling.type", "none");
     fine.emplace_back("rope scaling none", none);
+    GgufBuilder linear = tiny_model(mixed_spec(), 3);
+    linear.str("llama.rope.scaling.type", "linear").f32("llama.rope.scaling.factor", 4.0f);
+    fine.emplace_back("rope scaling linear x4", linear);
     for (auto& [name, g] : fine) {
       INFO(name);
       write_file(dir + "/fine.gguf", g.build());

@@ -12,6 +12,7 @@
 #include "formats/ggml_dequant.h"
 #include "formats/readers/gguf.h"
 #include "formats/llmq_file.h"  // MetadataError
+#include "models/architecture.h"
 
 namespace llmq {
 
@@ -41,57 +42,51 @@ const char* file_type_name(int64_t ft) {
   return it == names.end() ? nullptr : it->second;
 }
 
-// The llama hyper-parameters (llama.cpp's LLM_KV names for arch "llama"), but the vocabulary
-// size and the tensor-dependent flags, which read_gguf_model fills. Throws FileError.
-ModelConfig gguf_llama_config(const GgufFile& g, const std::string& path) {
+// The `<arch>.*` scalar keys of a GGUF as llmq metadata (the .llmq file uses GGUF's key
+// names), so ModelConfig::from_metadata reads them and applies the architecture's recipe.
+Metadata arch_metadata(const GgufFile& g, const std::string& arch) {
+  Metadata m;
+  m.set("general.architecture", arch);
+  const std::string prefix = arch + ".";
+  for (const auto& [key, v] : g.kv()) {
+    if (key.compare(0, prefix.size(), prefix) != 0) continue;
+    if (v.type == GgufType::BOOL) m.set(key, v.u != 0);
+    else if (v.is_int()) m.set(key, v.as_int(key));
+    else if (v.type == GgufType::F32 || v.type == GgufType::F64) m.set(key, v.as_float(key));
+    else if (v.type == GgufType::STRING) m.set(key, v.s);
+  }
+  return m;
+}
+
+// The hyper-parameters and recipe of a GGUF's architecture (llama.cpp's LLM_KV names, which
+// are llmq's), but the vocabulary size and the tensor-dependent flags, which read_gguf_model
+// fills. Throws FileError.
+ModelConfig gguf_config(const GgufFile& g, const std::string& path) {
   const GgufValue* arch_v = g.find("general.architecture");
   if (!arch_v) throw FileError(path, "GGUF model has no general.architecture key");
   const std::string& arch = arch_v->as_string("general.architecture");
-  if (arch != "llama") throw FileError(path, "GGUF architecture '" + arch + "' is not supported (llmq converts: llama)");
-  auto need = [&](const std::string& key) -> const GgufValue& {
-    const GgufValue* v = g.find(key);
-    if (!v) throw FileError(path, "GGUF model lacks the required key " + key);
-    return *v;
-  };
-  auto get_int = [&](const std::string& key) { return need(key).as_int(key); };
-  auto get_int_or = [&](const std::string& key, int64_t fallback) {
-    const GgufValue* v = g.find(key);
-    return v ? v->as_int(key) : fallback;
-  };
-  auto get_float_or = [&](const std::string& key, double fallback) {
-    const GgufValue* v = g.find(key);
-    return v ? v->as_float(key) : fallback;
-  };
+  const Architecture* a = find_architecture(arch);
+  if (!a) throw FileError(path, "GGUF architecture '" + arch + "' is not supported (llmq converts: " + architecture_names() + ")");
+  Metadata m = arch_metadata(g, arch);
+  const std::string p = arch + ".";
+  if (!m.has(p + "vocab_size")) m.set(p + "vocab_size", int64_t(1));  // from the tokenizer, below
+  m.set(p + "rope.layout", std::string(rope_layout_name(a->gguf_rope)));
+  if (m.get_string(p + "rope.scaling.type", "none") == "none") m.values.erase(p + "rope.scaling.type");
+  if (m.has(p + "rope.scaling.type") && m.get_float(p + "rope.scaling.factor", 1.0) == 1.0) m.values.erase(p + "rope.scaling.type");
+  // As llama.cpp: head_dim = key_length (default dim / heads); the value length and
+  // rope.dimension_count (n_rot) must equal it (no partial rotary embedding).
   ModelConfig c;
-  c.dim = get_int("llama.embedding_length");
-  c.hidden_dim = get_int("llama.feed_forward_length");
-  c.n_layers = get_int("llama.block_count");
-  c.n_heads = get_int("llama.attention.head_count");
-  c.n_kv_heads = get_int_or("llama.attention.head_count_kv", c.n_heads);
-  const int64_t default_head_dim = c.n_heads > 0 ? c.dim / c.n_heads : 0;
-  // As llama.cpp: head_dim = key_length (default dim / heads); rope.dimension_count (n_rot)
-  // defaults to head_dim and must equal it for llama (no partial rotary embedding).
-  c.head_dim = get_int_or("llama.attention.key_length", default_head_dim);
-  if (const GgufValue* vl = g.find("llama.attention.value_length"))
-    if (vl->as_int("llama.attention.value_length") != c.head_dim)
-      throw FileError(path, "llama.attention.value_length differs from the key length (not supported)");
-  if (const GgufValue* rd = g.find("llama.rope.dimension_count"))
-    if (rd->as_int("llama.rope.dimension_count") != c.head_dim)
-      throw FileError(path, "partial RoPE (llama.rope.dimension_count " + std::to_string(rd->as_int("llama.rope.dimension_count")) +
-                                " != head_dim " + std::to_string(c.head_dim) + ") is not supported");
-  c.context_length = get_int("llama.context_length");
-  c.norm_eps = need("llama.attention.layer_norm_rms_epsilon").as_float("llama.attention.layer_norm_rms_epsilon");
-  c.rope_theta = get_float_or("llama.rope.freq_base", 10000.0);
-  if (!std::isfinite(c.rope_theta) || !std::isfinite(c.norm_eps))
-    throw FileError(path, "llama.rope.freq_base and llama.attention.layer_norm_rms_epsilon must be finite");
-  c.rope_layout = RopeLayout::Interleaved;  // llama.cpp's converter stores Q/K in Meta order
-  if (const GgufValue* st = g.find("llama.rope.scaling.type")) {
-    const std::string& s = st->as_string("llama.rope.scaling.type");
-    const double factor = get_float_or("llama.rope.scaling.factor", 1.0);
-    if (s != "none" && factor != 1.0) throw FileError(path, "RoPE scaling '" + s + "' is not supported");
+  try {
+    c = ModelConfig::from_metadata(m);
+  } catch (const std::exception& e) {
+    throw FileError(path, std::string("GGUF ") + arch + " hyper-parameters: " + e.what());
   }
-  if (const GgufValue* ex = g.find("llama.expert_count"))
-    if (ex->as_int("llama.expert_count") > 0) throw FileError(path, "mixture-of-experts models are not supported");
+  if (m.has(p + "attention.value_length") && m.get_int(p + "attention.value_length") != c.head_dim)
+    throw FileError(path, p + "attention.value_length differs from the key length (not supported)");
+  if (m.has(p + "rope.dimension_count") && m.get_int(p + "rope.dimension_count") != c.head_dim)
+    throw FileError(path, "partial RoPE (" + p + "rope.dimension_count " + std::to_string(m.get_int(p + "rope.dimension_count")) +
+                              " != head_dim " + std::to_string(c.head_dim) + ") is not supported");
+  if (m.get_int(p + "expert_count", 0) > 0) throw FileError(path, "mixture-of-experts models are not supported");
   return c;
 }
 
@@ -114,7 +109,7 @@ void check_extra_tensors(const GgufFile& g, const ModelConfig& c, const std::vec
       if (ones) continue;
       throw FileError(path, "tensor 'rope_freqs.weight' (RoPE frequency factors) is not supported");
     }
-    throw FileError(path, "unexpected tensor '" + t.name + "' (not part of the llama architecture)");
+    throw FileError(path, "unexpected tensor '" + t.name + "' (not part of the " + c.arch + " architecture)");
   }
 }
 
@@ -172,14 +167,15 @@ SourceModel read_gguf_model(const std::string& path) {
   SourceModel sm;
   try {
     ModelConfig& c = sm.config;
-    c = gguf_llama_config(*g, path);
+    c = gguf_config(*g, path);
     // The tokenizer (its token count is the vocabulary size).
     sm.vocab = vocab_from_gguf(*g);
     sm.has_vocab = true;
-    const GgufValue* vs = g->find("llama.vocab_size");
-    c.vocab_size = vs ? vs->as_int("llama.vocab_size") : int64_t(sm.vocab.size());
+    const std::string vs_key = c.arch + ".vocab_size";
+    const GgufValue* vs = g->find(vs_key);
+    c.vocab_size = vs ? vs->as_int(vs_key) : int64_t(sm.vocab.size());
     if (c.vocab_size != int64_t(sm.vocab.size()))
-      throw FileError(path, "llama.vocab_size " + std::to_string(c.vocab_size) + " differs from the " + std::to_string(sm.vocab.size()) +
+      throw FileError(path, vs_key + " " + std::to_string(c.vocab_size) + " differs from the " + std::to_string(sm.vocab.size()) +
                                 " tokens of tokenizer.ggml.tokens");
     if (const GgufValue* ct = g->find("tokenizer.chat_template")) sm.chat_template = ct->as_string("tokenizer.chat_template");
     c.tied_embeddings = g->find_tensor("output.weight") == nullptr;
@@ -190,7 +186,7 @@ SourceModel read_gguf_model(const std::string& path) {
     try {
       c.validate();
     } catch (const UsageError& e) {
-      throw FileError(path, std::string("GGUF llama hyper-parameters: ") + e.what());
+      throw FileError(path, "GGUF " + c.arch + " hyper-parameters: " + std::string(e.what()));
     }
     // The tensors: exactly the llama table, plus known-harmless extras.
     const std::vector<TensorSpec> table = tensor_table(c);
