@@ -14,12 +14,12 @@
 namespace llmq {
 
 std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a FIFO does not block the open
   if (fd < 0) throw FileError(path, std::string("cannot open: ") + std::strerror(errno));
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    throw FileError(path, "not a regular file");
+    throw FileError(path, "not a regular file (a FIFO, device or directory)");
   }
   std::shared_ptr<MappedFile> m(new MappedFile());
   m->path_ = path;
@@ -44,6 +44,18 @@ void MappedFile::release(const uint8_t* p, uint64_t n) const {
   const uintptr_t lo = uintptr_t(p) / page * page;
   const uintptr_t hi = std::min(end, (uintptr_t(p) + n + page - 1) / page * page);
   if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
+std::ifstream open_regular_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) throw FileError(path, std::string("cannot open: ") + std::strerror(errno));
+  struct stat st {};
+  const bool regular = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  ::close(fd);
+  if (!regular) throw FileError(path, "not a regular file (a FIFO, device or directory)");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw FileError(path, "cannot open");
+  return in;
 }
 
 MappedFile::~MappedFile() {

@@ -1,6 +1,7 @@
 // A read-only memory mapping of a whole file, shared by every reader.
 #pragma once
 #include <cstdint>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -8,8 +9,9 @@ namespace llmq {
 
 class MappedFile {
  public:
-  /// Maps `path` read-only. Throws FileError if it cannot be opened, is not a regular file,
-  /// or cannot be mapped. An empty file maps to data() == nullptr, size() == 0.
+  /// Maps `path` read-only. Throws FileError if it cannot be opened, is not a regular file
+  /// (checked without blocking: a FIFO is refused, not waited on), or cannot be mapped. An
+  /// empty file maps to data() == nullptr, size() == 0.
   static std::shared_ptr<MappedFile> open(const std::string& path);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
@@ -29,5 +31,11 @@ class MappedFile {
   const uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
 };
+
+/// Opens `path` for reading (binary) after checking, without blocking, that it is a regular
+/// file: a FIFO would block the open until a writer came (forever, for a tool that was handed
+/// one), a device would never end. Throws FileError naming the path ("cannot open: ...", "not a
+/// regular file"). Every reader of a user-named file goes through this or MappedFile::open.
+std::ifstream open_regular_file(const std::string& path);
 
 }  // namespace llmq

@@ -1,4 +1,5 @@
 #include "mem/shape.h"
+#include "base/mapped_file.h"
 
 #include <filesystem>
 #include <fstream>
@@ -76,8 +77,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 ModelShape from_hf_config(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw FileError(path, "cannot open");
+  std::ifstream in = open_regular_file(path);
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(in);
@@ -136,7 +136,7 @@ ModelShape load_shape(const std::string& model) {
     s = from_hf_config(model);
   } else {
     char magic[8] = {};
-    std::ifstream(model, std::ios::binary).read(magic, sizeof magic);
+    open_regular_file(model).read(magic, sizeof magic);
     if (std::string(magic, 4) == "GGUF") {
       const SourceModel src = read_gguf_model(model);  // config and tensor infos; no weight is read
       s = shape_from_config(src.config, name);

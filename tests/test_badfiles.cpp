@@ -27,6 +27,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -1163,4 +1164,36 @@ TEST_CASE("badfiles: random byte mutations end in exit 0 or 2, never a crash or 
     }
   }
   CHECK(exit2 > 100);
+}
+
+// Issue 22 item 6: a FIFO (or other non-regular file) handed to any tool as a model, tokenizer,
+// text or source is refused at once (exit 2, naming it) instead of blocking in open() until a
+// writer comes — which left every tool, and the server, hanging (and deaf to SIGTERM). Nothing
+// ever writes to these FIFOs: a tool that opened one for reading would wait forever.
+TEST_CASE("badfiles: a FIFO given as any input is refused at once, never waited on", "[badfiles]") {
+  const std::string dir = llmq::test::scratch("badfiles_fifo");
+  const std::string fifo = dir + "/model.fifo", out = dir + "/out.llmq", model = llmq::test::stories("f32");
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  auto bin = [](const char* t) { return llmq::test::bin(t); };
+  const std::vector<std::pair<const char*, std::vector<std::string>>> runs = {
+      {"llmq-run model", {bin("llmq-run"), "-m", fifo, "-p", "x", "-n", "1"}},
+      {"llmq-run perplexity text", {bin("llmq-run"), "-m", model, "--perplexity", fifo, "--ctx", "64"}},
+      {"llmq-info", {bin("llmq-info"), fifo}},
+      {"llmq-convert source", {bin("llmq-convert"), fifo, "-o", out}},
+      {"llmq-convert tokenizer", {bin("llmq-convert"), checkpoint_path(), "--tokenizer", fifo, "-o", out}},
+      {"llmq-tokenize", {bin("llmq-tokenize"), fifo, "hello"}},
+      {"llmq-tokenize text", {bin("llmq-tokenize"), model, "-f", fifo}},
+      {"llmq-mem", {bin("llmq-mem"), "infer", "-m", fifo}},
+      {"llmq-server", {bin("llmq-server"), "-m", fifo, "--port", "0"}},
+  };
+  for (const auto& [what, argv] : runs) {
+    const RunResult r = run_tool(argv, 10.0);
+    INFO(what << ": " << r.describe());
+    CHECK_FALSE(r.timed_out);
+    CHECK(r.exited);
+    CHECK(r.code != 0);
+    CHECK(r.err.find(fifo) != std::string::npos);
+    CHECK(r.err.find("not a regular file") != std::string::npos);
+  }
+  CHECK_FALSE(std::filesystem::exists(out));
 }

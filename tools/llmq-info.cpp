@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "base/error.h"
+#include "base/mapped_file.h"
 #include "formats/readers/gguf.h"
 #include "formats/llmq_file.h"
 #include "cli/cli_common.h"
@@ -268,8 +269,7 @@ int main(int argc, char** argv) {
   }
 
   return cli::run_guarded("llmq-info", [&] {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw FileError(path, "cannot open");
+    std::ifstream in = open_regular_file(path);
     char magic[8] = {};
     in.read(magic, 8);
     const auto got = size_t(in.gcount());

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "text/chat.h"
+#include "base/mapped_file.h"
 #include "engine/runner/device.h"
 #include "engine/generate.h"
 #include "engine/model.h"
@@ -53,8 +54,7 @@ void print_stats(const GenerateStats& st) {
 }
 
 std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path, "cannot open");
+  std::ifstream in = open_regular_file(path);
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "text/tokenizer.h"
+#include "base/mapped_file.h"
 #include "base/error.h"
 #include "formats/readers/gguf.h"
 #include "formats/llmq_file.h"
@@ -37,8 +38,7 @@ using json = nlohmann::json;
 namespace {
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path, "cannot open");
+  std::ifstream in = open_regular_file(path);
   std::ostringstream ss;
   ss << in.rdbuf();
   if (in.bad()) throw FileError(path, "read error");
@@ -54,8 +54,7 @@ bool ends_with(const std::string& s, const char* suffix) {
 Vocab load_vocab(const std::string& path) {
   char magic[8] = {};
   {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw FileError(path, "cannot open");
+    std::ifstream in = open_regular_file(path);
     in.read(magic, sizeof magic);
   }
   if (std::memcmp(magic, "GGUF", 4) == 0) return vocab_from_gguf(*GgufFile::open(path));

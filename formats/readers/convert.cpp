@@ -1,4 +1,5 @@
 #include "formats/readers/convert.h"
+#include "base/mapped_file.h"
 
 #include <fnmatch.h>
 #include <unistd.h>
@@ -32,8 +33,7 @@ DType choose_type(const SourceTensor& src, const ConvertOptions& opts, bool* fel
 }
 
 std::string file_xxh64(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path, "cannot open for hashing");
+  std::ifstream in = open_regular_file(path);
   XXH64_state_t* st = XXH64_createState();
   XXH64_reset(st, 0);
   std::vector<char> buf(1 << 20);

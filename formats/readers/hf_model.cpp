@@ -1,4 +1,5 @@
 #include "formats/readers/hf_model.h"
+#include "base/mapped_file.h"
 
 #include <xxhash.h>
 
@@ -375,8 +376,7 @@ std::string hf_checkpoint_xxh64(const std::string& dir) {
   std::vector<char> buf(1 << 20);
   for (const std::string& n : names) {
     const std::string path = dir + "/" + n;
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw FileError(path, "cannot open for hashing");
+    std::ifstream in = open_regular_file(path);
     const uint64_t size = fs::file_size(path, ec);
     if (ec) throw FileError(path, "cannot determine the file size: " + ec.message());
     uint8_t le[8];

@@ -1,4 +1,5 @@
 #include "formats/readers/hf_tokenizer.h"
+#include "base/mapped_file.h"
 
 #include <filesystem>
 #include <fstream>
@@ -216,8 +217,7 @@ json read_json_file(const std::string& path, uint64_t max_bytes) {
   if (ec) throw FileError(path, "cannot determine the file size: " + ec.message());
   if (size > max_bytes)
     throw FileError(path, "file is " + std::to_string(size) + " bytes, above the limit of " + std::to_string(max_bytes));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path, "cannot open for reading");
+  std::ifstream in = open_regular_file(path);
   std::string text(size_t(size), '\0');
   if (size > 0 && !in.read(text.data(), std::streamsize(size))) throw FileError(path, "read error");
   try {
@@ -367,7 +367,7 @@ HfTokenizer read_hf_tokenizer(const std::string& dir, const json& config_json, i
   }
   const std::string jinja = dir + "/chat_template.jinja";
   if (out.chat_template.empty() && fs::is_regular_file(jinja, ec)) {
-    std::ifstream in(jinja, std::ios::binary);
+    std::ifstream in = open_regular_file(jinja);
     const uint64_t size = fs::file_size(jinja, ec);
     if (ec || size > (uint64_t(64) << 20)) throw FileError(jinja, "cannot read (or larger than 64 MiB)");
     out.chat_template.assign(size_t(size), '\0');

@@ -1,4 +1,5 @@
 #include "formats/readers/source.h"
+#include "base/mapped_file.h"
 
 #include <cstring>
 #include <filesystem>
@@ -13,8 +14,7 @@ namespace llmq {
 SourceModel open_source(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) return read_hf_model(path);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path, "cannot open");
+  std::ifstream in = open_regular_file(path);
   char magic[4] = {};
   in.read(magic, 4);
   if (in.gcount() == 4 && std::memcmp(magic, "GGUF", 4) == 0) return read_gguf_model(path);

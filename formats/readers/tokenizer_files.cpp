@@ -1,5 +1,6 @@
 // Tokenizer file readers: llama2.c `tokenizer.bin` and SentencePiece `tokenizer.model`.
 #include "formats/readers/tokenizer_files.h"
+#include "base/mapped_file.h"
 
 #include <sentencepiece_processor.h>
 
@@ -32,8 +33,7 @@ std::string read_whole_file(const std::string& path) {
   if (size > kMaxTokenizerFile)
     throw FileError(path, fmt::format("file is {} bytes, too large for a tokenizer (limit {})", size,
                                       kMaxTokenizerFile));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path, "cannot open for reading");
+  std::ifstream in = open_regular_file(path);
   std::string data(static_cast<size_t>(size), '\0');
   if (size > 0 && !in.read(data.data(), static_cast<std::streamsize>(size)))
     throw FileError(path, "read error");
