@@ -1,6 +1,7 @@
 #include "formats/llmq_file.h"
 
 #include <fcntl.h>
+#include <stdio.h>  // renameat2
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -413,7 +414,7 @@ void remove_stale_temporaries(const std::filesystem::path& dir, const std::strin
 
 }  // namespace
 
-LlmqWriter::LlmqWriter(const std::string& path, bool overwrite) : path_(path) {
+LlmqWriter::LlmqWriter(const std::string& path, bool overwrite) : path_(path), overwrite_(overwrite) {
   namespace fs = std::filesystem;
   const fs::path target(path);
   fs::path dir = target.parent_path();
@@ -530,6 +531,29 @@ void LlmqWriter::write_tensor(size_t index, const void* data, uint64_t bytes) {
   ++next_;
 }
 
+// The temporary file becomes `path_`. Without overwrite the target is created exclusively: of
+// two writers of one path only the first to finish succeeds, the other gets EEXIST (a rename
+// would let the last one win silently). renameat2(RENAME_NOREPLACE) where the file system
+// takes it, else a hard link (which fails on an existing name too) and the temporary unlinked.
+void LlmqWriter::put_in_place() {
+  if (overwrite_) {
+    if (::rename(tmp_path_.c_str(), path_.c_str()) != 0)
+      throw FileError(path_, std::string("cannot rename the temporary file into place: ") + std::strerror(errno));
+    return;
+  }
+  if (::renameat2(AT_FDCWD, tmp_path_.c_str(), AT_FDCWD, path_.c_str(), RENAME_NOREPLACE) == 0) return;
+  int err = errno;
+  if (err == EINVAL || err == ENOSYS || err == ENOTSUP) {  // no RENAME_NOREPLACE here: link, then unlink
+    if (::link(tmp_path_.c_str(), path_.c_str()) == 0) {
+      ::unlink(tmp_path_.c_str());
+      return;
+    }
+    err = errno;
+  }
+  if (err == EEXIST) throw FileError(path_, "exists already: another writer finished it first (use --force to overwrite)");
+  throw FileError(path_, std::string("cannot move the temporary file into place: ") + std::strerror(err));
+}
+
 void LlmqWriter::finish() {
   if (!begun_ || next_ != tensors_.size()) throw UsageError("LlmqWriter::finish before all tensors were written");
   uint64_t dir_offset = 0;
@@ -552,8 +576,7 @@ void LlmqWriter::finish() {
   if (::fsync(fd_) != 0) throw FileError(path_, std::string("fsync failed: ") + std::strerror(errno));
   // Rename while the file is still open, so its lock keeps other writers' cleanup away until it
   // has its final name; the data is on disk already (fsync), so close cannot lose any.
-  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0)
-    throw FileError(path_, std::string("cannot rename the temporary file into place: ") + std::strerror(errno));
+  put_in_place();
   done_ = true;
   const int close_rc = ::close(fd_);
   fd_ = -1;

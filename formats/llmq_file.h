@@ -103,7 +103,8 @@ class LlmqFile {
 };
 
 /// Writes a `.llmq` file atomically: everything goes to a temporary file beside the target,
-/// which is fsync'ed and renamed over the target only by finish(). Tensors are streamed one
+/// which is fsync'ed and moved to the target only by finish() (exclusively unless overwrite:
+/// of two writers of one new path, the second to finish fails). Tensors are streamed one
 /// at a time (declare all first, then write them in declaration order), so peak memory is
 /// one tensor. Destroying the writer before finish() removes the temporary file.
 ///
@@ -140,6 +141,8 @@ class LlmqWriter {
   std::string path_, tmp_path_;
   int fd_ = -1;
   bool begun_ = false, done_ = false;
+  bool overwrite_ = false;
+  void put_in_place();  // the temporary file to path_ (exclusively unless overwrite_)
   size_t next_ = 0;
   uint64_t pos_ = 0, data_offset_ = 0, meta_size_ = 0, dir_size_ = 0;
   std::vector<TensorInfo> tensors_;

@@ -28,6 +28,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <future>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -1196,4 +1197,27 @@ TEST_CASE("badfiles: a FIFO given as any input is refused at once, never waited 
     CHECK(r.err.find("not a regular file") != std::string::npos);
   }
   CHECK_FALSE(std::filesystem::exists(out));
+}
+
+// Issue 22 item 11: two converters writing the same new target at once: exactly one succeeds,
+// the other exits 2 saying the target exists (the file is created exclusively; a rename let the
+// last writer win silently), and no temporary file is left. Five rounds.
+TEST_CASE("badfiles: two converters racing for one target: one wins, the other is told", "[badfiles]") {
+  const std::string dir = llmq::test::scratch("badfiles_race");
+  for (int round = 0; round < 5; ++round) {
+    const std::string out = dir + "/model" + std::to_string(round) + ".llmq";
+    auto a = std::async(std::launch::async, [&] { return run_convert(checkpoint_path(), tokenizer_path(), out); });
+    auto b = std::async(std::launch::async, [&] { return run_convert(checkpoint_path(), tokenizer_path(), out); });
+    const RunResult ra = a.get(), rb = b.get();
+    INFO("round " << round << "\nfirst: " << ra.describe() << "\nsecond: " << rb.describe());
+    CHECK((ra.code == 0) != (rb.code == 0));  // exactly one wins
+    const RunResult& lost = ra.code == 0 ? rb : ra;
+    CHECK(lost.exited);
+    CHECK(lost.code == 2);
+    CHECK(lost.err.find("exists") != std::string::npos);
+    CHECK(tmp_siblings(out).empty());
+    const RunResult run = run_model(out);
+    INFO(run.describe());
+    CHECK(run.code == 0);
+  }
 }
