@@ -302,6 +302,15 @@ TEST_CASE("Byte-level BPE: merge ranks, ties, bytes, special tokens", "[tokenize
   holes.tokens[0x0B] = "<vt>";  // the vertical tab's character is missing
   const Tokenizer h(holes);
   CHECK(h.encode("a\vb", false) == std::vector<int32_t>{h.token_id("a"), h.token_id("b")});
+
+  // Issue 22 item 15: a vocabulary without the pieces ordinary text needs (printable ASCII, tab,
+  // newline, CR) is refused when it is loaded or converted, not when a prompt first hits the gap.
+  for (int missing : {'x', ' ', '\n'}) {
+    llmq::Vocab gap = tiny_bpe_vocab({"a b"}, "gpt-2");
+    gap.tokens[size_t(missing)] = "<gone>";
+    INFO("byte " << missing);
+    CHECK_THROWS_WITH(Tokenizer(gap), Catch::Contains("no piece for byte"));
+  }
 }
 
 TEST_CASE("llama.cpp's tokenizer vectors pass for every supported vocabulary", "[tokenizer]") {

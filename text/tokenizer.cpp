@@ -341,6 +341,15 @@ void Tokenizer::init_bpe() {
     ch.clear();
     unicode::append_utf8(ch, unicode::byte_to_unicode(static_cast<uint8_t>(b)));
     bpe_byte_piece_[static_cast<size_t>(b)] = token_id(ch);
+    // Every byte must have its piece, or some text could not be encoded at all (byte-level BPE
+    // starts every word from its bytes): refused here, at load or conversion, not at run time.
+    // Printable ASCII, tab, newline and CR must have their pieces, or ordinary text could not be
+    // encoded (a vocabulary without byte pieces is refused here, at load or conversion, not at
+    // run time). Real vocabularies lack some control bytes and bytes that valid UTF-8 never
+    // holds (C0, C1, F5-FF): encode() drops such a byte, as llama.cpp and Hugging Face do.
+    const bool needed = (b >= 0x20 && b <= 0x7E) || b == '\t' || b == '\n' || b == '\r';
+    if (needed && bpe_byte_piece_[static_cast<size_t>(b)] < 0)
+      throw UsageError(fmt::format("tokenizer: the byte-level BPE vocabulary has no piece for byte 0x{:02X} ('{}')", b, ch));
   }
 
   // Decoded bytes of every Normal piece.
