@@ -35,9 +35,20 @@ std::string Histogram::render(const std::string& name, const std::string& help) 
   return out;
 }
 
+// Label values come from fixed sets only (issue 22 item 4): a request's own path (a refused
+// request to any URL) would otherwise become a label value, unescaped (label injection) and
+// without bound (a series per distinct path).
+const char* endpoint_label(const std::string& endpoint) {
+  static const char* const kRoutes[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/"};
+  for (const char* r : kRoutes)
+    if (endpoint == r) return r;
+  return "other";
+}
+
 void Metrics::count_request(const std::string& endpoint, int status) {
+  const std::string code = status >= 100 && status <= 599 ? std::to_string(status) : "other";
   std::lock_guard<std::mutex> lk(mu);
-  ++requests[endpoint + "|" + std::to_string(status)];
+  ++requests[std::string(endpoint_label(endpoint)) + "|" + code];
 }
 
 std::string Metrics::render(int64_t queued, int64_t running, int64_t kv_used, int64_t kv_total) {

@@ -33,9 +33,14 @@ struct Metrics {
   Histogram ttft{{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram tpot{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
 
+  /// One request to `endpoint` answered `status`. Endpoints outside the server's routes count as
+  /// "other" and statuses outside 100-599 as "other", so the label values are a fixed set.
   void count_request(const std::string& endpoint, int status);
   /// The whole exposition, with the scheduler's gauges passed in.
   std::string render(int64_t queued, int64_t running, int64_t kv_used, int64_t kv_total);
 };
+
+/// The label value of an endpoint: one of the server's routes, or "other".
+const char* endpoint_label(const std::string& endpoint);
 
 }  // namespace llmq

@@ -8,6 +8,7 @@
 
 #include "engine/model.h"
 #include "base/error.h"
+#include "server/metrics.h"
 #include "server/scheduler.h"
 #include "test_util.h"
 
@@ -127,4 +128,20 @@ TEST_CASE("scheduler with a bf16 KV cache: batched greedy requests equal each on
     CHECK(got == std::vector<int32_t>(want[r].begin(), want[r].begin() + int64_t(got.size())));
     CHECK((got.size() == 12 || reqs[r]->finish_reason == "stop"));
   }
+}
+
+// Issue 22 item 4: /metrics label values come from fixed sets. A thousand refused requests to
+// distinct hostile paths (quotes, newlines, label syntax) leave one "other" series, and the
+// exposition has no line that a path wrote.
+TEST_CASE("metrics: request labels are the server's routes or \"other\", never a client's path", "[server]") {
+  Metrics m;
+  for (int i = 0; i < 1000; ++i) m.count_request("/x" + std::to_string(i) + "\"} 1\nevil_metric{a=\"", 401);
+  m.count_request("/v1/completions", 200);
+  m.count_request("/v1/completions", 1234);
+  CHECK(m.requests.size() == 3);
+  const std::string out = m.render(0, 0, 0, 1);
+  CHECK(out.find("evil") == std::string::npos);
+  CHECK(out.find("llmq_requests_total{endpoint=\"other\",status=\"401\"} 1000") != std::string::npos);
+  CHECK(out.find("llmq_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1") != std::string::npos);
+  CHECK(out.find("llmq_requests_total{endpoint=\"/v1/completions\",status=\"other\"} 1") != std::string::npos);
 }
