@@ -362,6 +362,17 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
 
 }  // namespace
 
+// Why a request's body is refused from its headers alone, or nullptr: a chunked body ("chunked
+// request bodies are not accepted: send Content-Length") or a Content-Length over `max_body`.
+static const char* body_refusal(const httplib::Request& req, size_t max_body) {
+  const std::string te = req.get_header_value("Transfer-Encoding");
+  if (!te.empty() && te != "identity") return "chunked request bodies are not accepted: send Content-Length";
+  if (!req.has_header("Content-Length")) return nullptr;
+  const std::string cl = req.get_header_value("Content-Length");
+  if (cl.empty() || cl.size() > 18 || cl.find_first_not_of("0123456789") != std::string::npos) return "request body too large";
+  return std::stoull(cl) > max_body ? "request body too large" : nullptr;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
   std::string model_path, host = "127.0.0.1", api_key, device = "cpu", template_name;
@@ -477,6 +488,16 @@ int main(int argc, char** argv) {
     });
 
     svr.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
+      // Bodies are judged by their headers before a byte of them is read (issue 22 items 2, 13):
+      // a Content-Length over the limit gets 413 at once (not after the timeout the library
+      // spends draining it), a chunked body 411 (send Content-Length), and the connection closes.
+      if (const char* refused = body_refusal(req, st->max_body)) {
+        const int code = refused[0] == 'c' ? 411 : 413;
+        send_json(res, code, ApiError(code, refused).body());
+        res.set_header("Connection", "close");
+        st->metrics.count_request(req.path, code);
+        return httplib::Server::HandlerResponse::Handled;
+      }
       if (api_key.empty() || req.path == "/health" || req.path == "/") return httplib::Server::HandlerResponse::Unhandled;
       if (req.get_header_value("Authorization") == "Bearer " + api_key) return httplib::Server::HandlerResponse::Unhandled;
       send_json(res, 401, ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "", "invalid_api_key").body());

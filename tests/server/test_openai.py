@@ -404,6 +404,49 @@ def test_body_over_the_limit(client, srv):
     assert complete(client, srv, max_tokens=2).usage.completion_tokens == 2
 
 
+def _raw(srv, request: bytes, timeout: float = 10.0) -> tuple[bytes, float]:
+    """Sends raw bytes, returns what the server answered before closing, and how long it took."""
+    import socket
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
+        s.sendall(request)
+        got = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            got += chunk
+            if b"\r\n\r\n" in got and b"}" in got:
+                break
+    return got, time.monotonic() - t0
+
+
+def test_oversized_content_length_is_413_at_once(srv):
+    """Issue 22 item 13: a Content-Length over the limit is answered 413 from the headers alone,
+    without waiting for (or draining) a body that never comes (before: 413 after 30 s)."""
+    got, secs = _raw(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 1000000000\r\n\r\n{\"prompt\": \"")
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    assert secs < 2.0
+    assert b"too large" in got
+
+
+def test_chunked_body_is_refused_at_once(srv):
+    """Issue 22 item 2: a chunked body is refused before it is read (411: send Content-Length),
+    instead of being buffered up to the library's 1 GiB before a 413."""
+    got, secs = _raw(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Transfer-Encoding: chunked\r\n\r\n100000\r\n" + b"x" * 4096)
+    assert got.startswith(b"HTTP/1.1 411"), got[:200]
+    assert secs < 2.0
+    assert b"Content-Length" in got
+    # The server still serves.
+    r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200
+
+
 # ---------------------------------------------------------------- the context
 
 @pytest.fixture(scope="module")
