@@ -975,6 +975,14 @@ std::vector<BadCase> hostile_cases() {
     g.set("tokenizer.ggml.token_type", kArr, enc_arr<float>(kF32, {1, 1, 1, 1, 1, 1, 1, 1}));
   }, {"token_type"});
   with("chat template not a string", [](GgufBuilder& g) { g.u32("tokenizer.chat_template", 5); }, {"chat_template"});
+  // Issue 22 item 8: tokenizer metadata the loader would refuse is refused before writing.
+  // (Special-token ids out of range are read as absent, as llama.cpp reads them: not an error.)
+  with("token type out of range", [](GgufBuilder& g) {
+    g.set("tokenizer.ggml.token_type", kArr, enc_arr<int32_t>(kI32, {1, 1, 1, 9, 1, 1, 1, 1}));
+  }, {"type"});
+  with("token types of the wrong length", [](GgufBuilder& g) {
+    g.set("tokenizer.ggml.token_type", kArr, enc_arr<int32_t>(kI32, {1, 1, 1}));
+  }, {"token_type"});
   with("missing required tensor", [](GgufBuilder& g) { g.erase_tensor("blk.0.ffn_up.weight"); }, {"blk.0.ffn_up.weight"});
   with("missing token_embd", [](GgufBuilder& g) { g.erase_tensor("token_embd.weight"); }, {"token_embd.weight"});
   with("wrong tensor shape", [](GgufBuilder& g) {
