@@ -9,7 +9,10 @@ namespace llmq {
 
 class MappedFile {
  public:
-  /// Maps `path` read-only. Throws FileError if it cannot be opened, is not a regular file
+  /// Maps `path` read-only. While the mapping lives, a read past the end of the file (another
+  /// program truncated it) ends the process with exit 2 and a message naming the file, instead
+  /// of SIGBUS (a handler installed with the first mapping; other SIGBUS keep their default).
+  /// Throws FileError if it cannot be opened, is not a regular file
   /// (checked without blocking: a FIFO is refused, not waited on), or cannot be mapped. An
   /// empty file maps to data() == nullptr, size() == 0.
   static std::shared_ptr<MappedFile> open(const std::string& path);

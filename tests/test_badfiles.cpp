@@ -1221,3 +1221,22 @@ TEST_CASE("badfiles: two converters racing for one target: one wins, the other i
     CHECK(run.code == 0);
   }
 }
+
+// Issue 22 item 5: a model file truncated by another program while a tool has it mapped: the
+// next read past its new end ends the tool with exit 2 and a message naming the file (before:
+// killed by SIGBUS). llmq-run loads, the file is cut to 0 bytes, then a prompt arrives: the
+// embedding rows it reads are gone.
+TEST_CASE("badfiles: a model file that shrinks while in use ends the tool with exit 2, not SIGBUS", "[badfiles]") {
+  const std::string dir = llmq::test::scratch("badfiles_shrink");
+  const std::string model = dir + "/model.llmq";
+  std::filesystem::copy_file(llmq::test::stories("f32"), model);
+  const std::string cmd = "(sleep 1.5; truncate -s 0 " + model + "; echo 'Once upon a time'; sleep 2) | " + llmq::test::bin("llmq-run") +
+                          " -m " + model + " -n 16 --no-verify >/dev/null 2>" + dir + "/err.txt";
+  const int rc = llmq::test::run(cmd);
+  const Bytes eb = read_file(dir + "/err.txt");
+  const std::string err(eb.begin(), eb.end());
+  INFO("exit " << rc << ", stderr: " << err);
+  CHECK(rc == 2);
+  CHECK(err.find(model) != std::string::npos);
+  CHECK(err.find("shrank") != std::string::npos);
+}
