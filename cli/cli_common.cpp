@@ -30,9 +30,9 @@ int run_guarded(const char* tool, const std::function<int()>& body) {
   } catch (const MetadataError& e) {
     std::fprintf(stderr, "%s: error: bad model metadata: %s\n", tool, e.what());
     return kBadFile;
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "%s: error: out of memory\n", tool);
-    return kUsage;
+  } catch (const std::bad_alloc&) {  // an input that asks for more memory than there is: exit 2 (issue 22 item 9)
+    std::fprintf(stderr, "%s: error: out of memory (the model, file or sizes asked for more than this machine gives)\n", tool);
+    return kBadFile;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: error: %s\n", tool, e.what());
     return kUsage;

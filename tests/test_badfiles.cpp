@@ -1240,3 +1240,13 @@ TEST_CASE("badfiles: a model file that shrinks while in use ends the tool with e
   CHECK(err.find(model) != std::string::npos);
   CHECK(err.find("shrank") != std::string::npos);
 }
+
+// Issue 22 item 9 (its last part): running out of memory is exit 2 with a message, like every
+// other input the machine cannot take (a KV cache of 16 M positions under a 4 GiB cap).
+TEST_CASE("badfiles: out of memory exits 2 with a message", "[badfiles]") {
+  const RunResult r = run_tool({llmq::test::bin("llmq-run"), "-m", llmq::test::stories("f32"), "--ctx", "16000000", "-p", "x", "-n", "1"});
+  INFO(r.describe());
+  CHECK(r.exited);
+  CHECK(r.code == 2);
+  CHECK(r.err.find("out of memory") != std::string::npos);
+}
