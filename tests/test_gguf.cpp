@@ -1201,3 +1201,20 @@ TEST_CASE("GGUF attention biases (attn_{q,k,v,output}.bias) are carried into the
   CHECK(bad.err.find("blk.2.attn_q.bias") != std::string::npos);
   CHECK_FALSE(fs::exists(dir + "/partial.llmq"));
 }
+
+// Issue 22 item 9: metadata arrays cost their bytes, not ~96 bytes per element. A GGUF with a
+// 48-million-element u8 array (48 MB) is read by llmq-info and llmq-convert under the tools'
+// 4 GiB address-space cap (before: ~4.6 GB of values, out of memory).
+TEST_CASE("GGUF: a huge metadata array costs its bytes, not 96 bytes per element", "[gguf]") {
+  const std::string dir = test::scratch("gguf_big_array");
+  GgufBuilder g = tiny_model(mixed_spec(), 3);
+  g.set("general.big_array", kArr, enc_arr<uint8_t>(kU8, std::vector<uint8_t>(size_t(48) << 20, 7)));
+  const std::string file = dir + "/big.gguf", out = dir + "/big.llmq", err = dir + "/err.txt";
+  write_file(file, g.build());
+  const Outcome info = run_tool("llmq-info", "'" + file + "'", err);
+  INFO("llmq-info: " << info.err);
+  CHECK(info.code == 0);
+  const Outcome conv = convert(file, out, err);
+  INFO("llmq-convert: " << conv.err);
+  CHECK(conv.code == 0);
+}

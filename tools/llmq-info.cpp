@@ -96,8 +96,8 @@ json gguf_value_json(const GgufValue& v) {
     case GgufType::STRING: return shown_string(v.s);
     case GgufType::ARRAY: {
       json first = json::array();
-      for (size_t k = 0; k < v.arr.size() && k < kMaxElems; ++k) first.push_back(gguf_value_json(v.arr[k]));
-      return json{{"type", gguf_type_label(v)}, {"length", v.arr.size()}, {"first", first}};
+      for (uint64_t k = 0; k < v.count && k < kMaxElems; ++k) first.push_back(gguf_value_json(v.element(k)));
+      return json{{"type", gguf_type_label(v)}, {"length", v.count}, {"first", first}};
     }
   }
   return nullptr;
@@ -116,7 +116,7 @@ json describe_gguf(const std::string& path) {
   for (const auto& [key, v] : g->kv()) {
     json e{{"key", key}, {"type", gguf_type_label(v)}};
     if (v.type == GgufType::ARRAY) {
-      e["length"] = v.arr.size();
+      e["length"] = v.count;
       e["first"] = gguf_value_json(v)["first"];
     } else {
       e["value"] = gguf_value_json(v);

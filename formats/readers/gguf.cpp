@@ -14,6 +14,40 @@ const char* gguf_type_name(GgufType t) {
   return i < 13 ? names[i] : "unknown";
 }
 
+namespace {
+uint64_t min_size(GgufType t);
+}  // namespace
+
+GgufValue GgufValue::element(uint64_t k) const {
+  if (type != GgufType::ARRAY || k >= count) throw MetadataError("GGUF: array element " + std::to_string(k) + " out of range");
+  if (elem == GgufType::ARRAY) return arr[size_t(k)];
+  GgufValue e;
+  e.type = elem;
+  if (elem == GgufType::STRING) {
+    e.s = strs[size_t(k)];
+    return e;
+  }
+  const uint64_t size = min_size(elem);
+  uint64_t bits = 0;
+  std::memcpy(&bits, raw.data() + k * size, size_t(size));
+  switch (elem) {
+    case GgufType::I8: e.i = int8_t(bits); break;
+    case GgufType::I16: e.i = int16_t(bits); break;
+    case GgufType::I32: e.i = int32_t(bits); break;
+    case GgufType::I64: e.i = int64_t(bits); break;
+    case GgufType::F32: {
+      float x;
+      const auto b32 = uint32_t(bits);
+      std::memcpy(&x, &b32, 4);
+      e.f = x;
+      break;
+    }
+    case GgufType::F64: std::memcpy(&e.f, &bits, 8); break;
+    default: e.u = bits; break;  // unsigned integers, bool
+  }
+  return e;
+}
+
 bool GgufValue::is_int() const {
   switch (type) {
     case GgufType::U8: case GgufType::I8: case GgufType::U16: case GgufType::I16: case GgufType::U32:
@@ -140,8 +174,25 @@ GgufValue read_value(Cursor& c, GgufType t, const std::string& key, int depth) {
       const uint64_t n = c.get<uint64_t>("an array length");
       if (n > c.left() / min_size(v.elem))
         c.fail("key '" + key + "': array length " + std::to_string(n) + " exceeds the bytes left in the file");
-      v.arr.reserve(size_t(n));
-      for (uint64_t k = 0; k < n; ++k) v.arr.push_back(read_value(c, v.elem, key, depth + 1));
+      v.count = n;
+      if (v.elem == GgufType::STRING) {
+        v.strs.reserve(size_t(n));
+        for (uint64_t k = 0; k < n; ++k) v.strs.push_back(c.str("a string value"));
+      } else if (v.elem == GgufType::ARRAY) {
+        v.arr.reserve(size_t(n));
+        for (uint64_t k = 0; k < n; ++k) v.arr.push_back(read_value(c, v.elem, key, depth + 1));
+      } else {
+        const uint64_t size = min_size(v.elem);  // the element's exact size for numbers and bools
+        v.raw.resize(size_t(n * size));
+        for (uint64_t k = 0; k < n; ++k) {  // each element read (and, for bools, checked) as a scalar would be
+          const GgufValue e = read_value(c, v.elem, key, depth + 1);
+          const uint64_t bits = e.type == GgufType::F32 ? [&] { float x = float(e.f); uint32_t b; std::memcpy(&b, &x, 4); return uint64_t(b); }()
+                                : e.type == GgufType::F64 ? [&] { uint64_t b; std::memcpy(&b, &e.f, 8); return b; }()
+                                : e.is_int() && (e.type == GgufType::I8 || e.type == GgufType::I16 || e.type == GgufType::I32 || e.type == GgufType::I64) ? uint64_t(e.i)
+                                                   : e.u;
+          std::memcpy(v.raw.data() + k * size, &bits, size_t(size));  // little-endian: the low bytes
+        }
+      }
       break;
     }
     default: c.fail("key '" + key + "': unknown value type " + std::to_string(uint32_t(t)));
@@ -262,23 +313,23 @@ Vocab vocab_from_gguf(const GgufFile& g) {
     voc.model = need("tokenizer.ggml.model").as_string("tokenizer.ggml.model");
     if (const GgufValue* pre = g.find("tokenizer.ggml.pre")) voc.pre = pre->as_string("tokenizer.ggml.pre");
     const GgufValue* tokens = array_of("tokenizer.ggml.tokens", GgufType::STRING);
-    if (!tokens || tokens->arr.empty()) throw MetadataError("missing or empty tokenizer.ggml.tokens");
-    const size_t n = tokens->arr.size();
-    for (const auto& t : tokens->arr) voc.tokens.push_back(t.s);
+    if (!tokens || tokens->strs.empty()) throw MetadataError("missing or empty tokenizer.ggml.tokens");
+    const size_t n = tokens->strs.size();
+    voc.tokens = tokens->strs;
     if (const GgufValue* sc = array_of("tokenizer.ggml.scores", GgufType::F32)) {
-      if (sc->arr.size() != n) throw MetadataError("tokenizer.ggml.scores has a different length than the tokens");
-      for (const auto& x : sc->arr) voc.scores.push_back(float(x.f));
+      if (sc->count != n) throw MetadataError("tokenizer.ggml.scores has a different length than the tokens");
+      for (uint64_t k = 0; k < n; ++k) voc.scores.push_back(float(sc->element(k).f));
     } else {
       voc.scores.assign(n, 0.0f);
     }
     if (const GgufValue* ty = array_of("tokenizer.ggml.token_type", GgufType::I32)) {
-      if (ty->arr.size() != n) throw MetadataError("tokenizer.ggml.token_type has a different length than the tokens");
-      for (const auto& x : ty->arr) voc.types.push_back(int32_t(x.i));
+      if (ty->count != n) throw MetadataError("tokenizer.ggml.token_type has a different length than the tokens");
+      for (uint64_t k = 0; k < n; ++k) voc.types.push_back(int32_t(ty->element(k).i));
     } else {
       voc.types.assign(n, int32_t(TokenType::Normal));
     }
     if (const GgufValue* mg = array_of("tokenizer.ggml.merges", GgufType::STRING))
-      for (const auto& x : mg->arr) voc.merges.push_back(x.s);
+      voc.merges = mg->strs;
     auto id = [&](const char* key) -> int32_t {
       const GgufValue* v = g.find(key);
       if (!v) return -1;

@@ -20,8 +20,10 @@ enum class GgufType : uint32_t {
 };
 const char* gguf_type_name(GgufType t);
 
-/// One metadata value; arrays hold their elements (which may be arrays: nesting is allowed
-/// up to kGgufMaxDepth levels).
+/// One metadata value. Arrays keep their elements compactly, by element type (a value per
+/// element would cost ~96 bytes each: a file of 1-byte elements could make the reader allocate
+/// ~100x its size): numbers and bools as the file's little-endian bytes (`raw`), strings as
+/// strings, nested arrays (up to kGgufMaxDepth levels) as values.
 struct GgufValue {
   GgufType type = GgufType::U8;
   uint64_t u = 0;       ///< unsigned integers and bool
@@ -29,7 +31,13 @@ struct GgufValue {
   double f = 0;         ///< floats
   std::string s;        ///< strings
   GgufType elem = GgufType::U8;  ///< arrays: element type
-  std::vector<GgufValue> arr;    ///< arrays: elements
+  uint64_t count = 0;            ///< arrays: number of elements
+  std::vector<uint8_t> raw;      ///< arrays of numbers or bools: the elements' bytes
+  std::vector<std::string> strs; ///< arrays of strings
+  std::vector<GgufValue> arr;    ///< arrays of arrays
+
+  /// Element k of an array as a scalar value (numbers, bools, strings) or the nested array.
+  GgufValue element(uint64_t k) const;
 
   bool is_int() const;
   /// Integer value of any integer type or bool; throws MetadataError otherwise.
