@@ -1003,6 +1003,20 @@ TEST_CASE("hf: hostile checkpoint directories make llmq-convert exit 2 naming th
          write_text(dir + "/tokenizer.json", t.dump());
        },
        "tokenizer.json", "Unigram"},
+      // Issue 22 item 9: an id far past the entries (before: 2 GB and 30 s of allocation) and a
+      // JSON nested a million deep (before: 2.3 GB as a document) are refused before either.
+      {"tokenizer.json with one id of 16 million", [&](const std::string& dir) {
+         make_dir(dir, &orig);
+         json t = tiny_tokenizer_json();
+         t["model"]["vocab"]["far"] = 16000000;
+         write_text(dir + "/tokenizer.json", t.dump());
+       },
+       "tokenizer.json", "outside 0.."},
+      {"config.json nested a million deep", [&](const std::string& dir) {
+         make_dir(dir, &orig);
+         write_text(dir + "/config.json", std::string(1000000, '[') + std::string(1000000, ']'));
+       },
+       "config.json", "nested deeper"},
       {"tokenizer.json with a repeated id", [&](const std::string& dir) {
          make_dir(dir, &orig);
          json t = tiny_tokenizer_json();

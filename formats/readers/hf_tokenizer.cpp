@@ -109,10 +109,15 @@ Vocab vocab_from_tokenizer_json(const std::string& path, const json& j) {
   std::vector<std::string> tokens;
   std::vector<int32_t> types;
   std::vector<bool> have;
+  // Ids are dense in real vocabularies (0 .. entries-1, added tokens just past them): an id far
+  // beyond the entries the file has would make us allocate for it (issue 22 item 9: one entry
+  // with id 16M cost 2 GB and 30 s). Allowed: below twice the entries plus 64K, and below 16M.
+  const size_t added = j.contains("added_tokens") && j["added_tokens"].is_array() ? j["added_tokens"].size() : 0;
+  const int64_t max_id = std::min<int64_t>(kMaxVocab, 2 * int64_t(vi->size() + added) + 65536);
   auto place = [&](int64_t id, const std::string& text, TokenType type, bool may_repeat) {
-    if (id < 0 || id >= kMaxVocab)
-      throw FileError(path, "token '" + text + "' has id " + std::to_string(id) + ", outside 0.." +
-                                std::to_string(kMaxVocab - 1));
+    if (id < 0 || id >= max_id)
+      throw FileError(path, "token '" + text + "' has id " + std::to_string(id) + ", outside 0.." + std::to_string(max_id - 1) +
+                                " (the file lists " + std::to_string(vi->size() + added) + " tokens)");
     if (size_t(id) >= tokens.size()) {
       tokens.resize(size_t(id) + 1);
       types.resize(size_t(id) + 1, int32_t(TokenType::Unused));
@@ -220,6 +225,24 @@ json read_json_file(const std::string& path, uint64_t max_bytes) {
   std::ifstream in = open_regular_file(path);
   std::string text(size_t(size), '\0');
   if (size > 0 && !in.read(text.data(), std::streamsize(size))) throw FileError(path, "read error");
+  // Nesting is bounded before parsing (issue 22 item 9): a file of a billion '[' took 2.3 GB as a
+  // document. Real configuration and tokenizer files nest a few levels.
+  constexpr int kMaxDepth = 128;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char ch : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (ch == '\\') escaped = true;
+      else if (ch == '"') in_string = false;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      if (++depth > kMaxDepth) throw FileError(path, "JSON nested deeper than " + std::to_string(kMaxDepth) + " levels");
+    } else if (ch == ']' || ch == '}') {
+      --depth;
+    }
+  }
   try {
     return json::parse(text);
   } catch (const json::exception& e) {
