@@ -53,6 +53,12 @@ std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_hand
 
 struct ServerState {
   std::atomic<bool> ready{false};
+  // Graceful shutdown (issue 22 item 7): after the first SIGTERM/SIGINT the server is `draining`
+  // (new requests get 503, running ones go on) until no request is `active` or the drain timeout
+  // passes; then `aborting` makes every running response end with an error and the truth
+  // (finish_reason "cancelled"), and the server stops.
+  std::atomic<int> active{0};
+  std::atomic<bool> draining{false}, aborting{false};
   // A signal arrived: the loader gives up waiting (shared with the signal thread, which must not
   // keep the whole state alive).
   std::shared_ptr<std::atomic<bool>> stopping = std::make_shared<std::atomic<bool>>(false);
@@ -179,6 +185,8 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
     return;
   }
 
+  ++st.active;  // until the response is done: the last copy of `in_flight` goes with it
+  const auto in_flight = std::shared_ptr<void>(nullptr, [&st](void*) { --st.active; });
   const std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + std::to_string(st.next_id++);
   const int64_t created = int64_t(std::time(nullptr));
   auto usage = [g]() {
@@ -240,7 +248,13 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
     auto events = std::make_shared<std::vector<GenEvent>>();
     const double deadline = now_seconds() + 2.0;
     bool alive = true;
-    while (alive && now_seconds() < deadline) alive = g->wait(events.get(), 200);
+    while (alive && now_seconds() < deadline && !st.aborting) alive = g->wait(events.get(), 200);
+    if (alive && st.aborting) {  // shutting down past the drain timeout, nothing sent yet: a real 503
+      g->cancel();
+      send_json(res, 503, ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body());
+      record(503);
+      return;
+    }
     if (!alive) {
       const auto [status, body] = build(*events);
       send_json(res, status, body);
@@ -253,7 +267,17 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
     auto finished = std::make_shared<bool>(false);
     res.set_chunked_content_provider(
         "application/json",
-        [g, events, build, record, finished](size_t, httplib::DataSink& sink) {
+        [&st, g, events, build, record, finished, in_flight](size_t, httplib::DataSink& sink) {
+          if (st.aborting) {  // shutting down past the drain timeout: say so (the status, 200, is on the wire)
+            g->cancel();
+            const std::string text = dump(ApiError(503, "the server is shutting down: the completion was cancelled", "", "",
+                                                   "server_error").body());
+            sink.write(text.data(), text.size());
+            sink.done();
+            *finished = true;
+            record(503);
+            return true;
+          }
           if (g->wait(events.get(), 1000)) {
             if (!sink.write(" ", 1)) {
               g->cancel();
@@ -281,7 +305,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   auto finished = std::make_shared<bool>(false);
   res.set_chunked_content_provider(
       "text/event-stream",
-      [&st, g, r, id, created, chat, started, finished, usage, record, finish_reason](size_t, httplib::DataSink& sink) {
+      [&st, g, r, id, created, chat, started, finished, usage, record, finish_reason, in_flight](size_t, httplib::DataSink& sink) {
         const Tokenizer& tok = *st.model->tokenizer;
         auto chunk = [&](const json& choice) {
           json c = {{"id", id},
@@ -301,6 +325,21 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
             g->cancel();
             return false;
           }
+        }
+        if (st.aborting) {  // shutting down past the drain timeout: an error event, the true finish_reason, [DONE]
+          g->cancel();
+          json err = ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body();
+          json last = {{"index", 0}, {"finish_reason", "cancelled"}, {"logprobs", nullptr}};
+          if (chat) last["delta"] = json::object();
+          else last["text"] = "";
+          if (send(err) && send(chunk(last))) {
+            const std::string done = "data: [DONE]\n\n";
+            sink.write(done.data(), done.size());
+          }
+          sink.done();
+          *finished = true;
+          record(503);
+          return true;
         }
         std::vector<GenEvent> events;
         const bool alive = g->wait(&events, 200);
@@ -362,6 +401,29 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
 
 }  // namespace
 
+// The graceful part of a shutdown, after signal `sig`: new requests get 503 while the running
+// ones finish, for up to drain_s seconds or until a second signal; what still runs then is ended
+// with an error (ServerState::aborting), given up to 3 s to say so.
+static void drain(ServerState& st, const sigset_t& sigs, int sig, double drain_s) {
+  st.draining = true;
+  std::fprintf(stderr, "llmq-server: signal %d: draining %d running request(s) for up to %g s (a second signal stops at once)\n",
+               sig, st.active.load(), drain_s);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto waited = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  const timespec step{0, 100 * 1000 * 1000};
+  bool second = false;
+  while (st.ready && st.active > 0 && waited() < drain_s && !second) second = sigtimedwait(&sigs, nullptr, &step) > 0;
+  if (st.active > 0) {
+    std::fprintf(stderr, "llmq-server: %s: ending %d request(s) that did not finish\n", second ? "second signal" : "drain timeout",
+                 st.active.load());
+    st.aborting = true;
+    const auto t1 = std::chrono::steady_clock::now();
+    while (!second && st.active > 0 && std::chrono::steady_clock::now() - t1 < std::chrono::seconds(3))
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::fprintf(stderr, "llmq-server: stopping\n");
+}
+
 // Why a request's body is refused from its headers alone, or nullptr: a chunked body ("chunked
 // request bodies are not accepted: send Content-Length") or a Content-Length over `max_body`.
 static const char* body_refusal(const httplib::Request& req, size_t max_body) {
@@ -379,6 +441,7 @@ int main(int argc, char** argv) {
   int port = 8080, threads = 0, parallel = 4, tp = 1;
   int64_t ctx = 0, max_queue = 64, kv_tokens = 0, n_batch = 512;
   int timeout_s = 30;
+  double drain_s = 30;
   bool no_verify = false;
   app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
   app.add_option("--host", host, "address to bind (default 127.0.0.1: this machine only)");
@@ -405,6 +468,10 @@ int main(int argc, char** argv) {
   cli::add_tp_process_flags(app, tp_init, tp_rank, "serves HTTP");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
+  app.add_option("--drain-timeout", drain_s,
+                 "on SIGTERM/SIGINT: seconds the running requests may take to finish (new ones get 503) before they are ended "
+                 "with an error; a second signal stops at once")
+      ->check(CLI::Range(0.0, 3600.0));
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
   bool fit = false;
   std::string mem_budget;
@@ -491,6 +558,12 @@ int main(int argc, char** argv) {
       // Bodies are judged by their headers before a byte of them is read (issue 22 items 2, 13):
       // a Content-Length over the limit gets 413 at once (not after the timeout the library
       // spends draining it), a chunked body 411 (send Content-Length), and the connection closes.
+      if (st->draining) {  // shutting down: finishing what runs, taking nothing new
+        send_json(res, 503, ApiError(503, "the server is shutting down", "", "", "server_error").body());
+        res.set_header("Connection", "close");
+        st->metrics.count_request(req.path, 503);
+        return httplib::Server::HandlerResponse::Handled;
+      }
       if (const char* refused = body_refusal(req, st->max_body)) {
         const int code = refused[0] == 'c' ? 411 : 413;
         send_json(res, code, ApiError(code, refused).body());
@@ -614,11 +687,11 @@ int main(int argc, char** argv) {
         stop_server(svr);
       }
     });
-    std::thread([&svr, sigs, stopping = st->stopping] {
+    std::thread([&svr, sigs, drain_s, weak = std::weak_ptr<ServerState>(st)] {
       int sig = 0;
       sigwait(&sigs, &sig);
-      std::fprintf(stderr, "llmq-server: signal %d, stopping\n", sig);
-      *stopping = true;
+      if (auto state = weak.lock()) drain(*state, sigs, sig, drain_s);
+      if (auto state = weak.lock()) *state->stopping = true;
       stop_server(svr);
     }).detach();
     std::fprintf(stderr, "llmq-server: listening on http://%s:%d, loading %s\n", host.c_str(), port, model_path.c_str());

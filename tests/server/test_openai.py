@@ -7,6 +7,7 @@ runs with --chat-template chatml. It rarely ends a story, so greedy requests run
 """
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -639,8 +640,9 @@ def test_load_error_exits(tmp_path):
 
 
 def test_sigterm_during_a_stream(fresh_servers, stories_model):
-    """SIGTERM while a client streams: the server still exits 0 (checked by the fixture), promptly."""
-    s = fresh_servers.start(stories_model, "--ctx", "2048")
+    """SIGTERM while a client streams (and does not read): with a drain timeout of 1 s the server
+    ends the stream and exits 0 (checked by the fixture), promptly."""
+    s = fresh_servers.start(stories_model, "--ctx", "2048", "--drain-timeout", "1")
     r = requests.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2000, "stream": True},
                       stream=True, timeout=30)
     lines = r.iter_lines()
@@ -651,6 +653,70 @@ def test_sigterm_during_a_stream(fresh_servers, stories_model):
     r.close()
     s.check_clean_exit(rc)
     assert elapsed < 10, f"the server took {elapsed:.1f} s to stop"
+
+
+def _collect(s, body: dict, out: dict, key: str) -> None:
+    """POSTs body to /v1/completions and keeps the whole answer (status and text) in out[key]."""
+    try:
+        r = requests.post(s.url + "/v1/completions", json=body, timeout=120)
+        out[key] = (r.status_code, r.text)
+    except requests.RequestException as e:
+        out[key] = (0, repr(e))
+
+
+def _sigterm_with_two_requests(fresh_servers, stories_model, drain: str, max_tokens: int) -> tuple[dict, int, object]:
+    """A stream and a plain completion running, then SIGTERM and, 0.1 s later, a new request."""
+    import signal
+    import threading
+    s = fresh_servers.start(stories_model, "--ctx", "2048", "--drain-timeout", drain)
+    out: dict = {}
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}  # greedy: no end of text before max_tokens
+    threads = [threading.Thread(target=_collect, args=(s, {**body, "stream": True}, out, "stream")),
+               threading.Thread(target=_collect, args=(s, body, out, "plain"))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while s.metrics().value("llmq_running_sequences") < 2:
+        assert time.monotonic() < deadline, s.log_text()
+        time.sleep(0.02)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    try:
+        late = requests.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=10).status_code
+    except requests.ConnectionError:
+        late = 0
+    for t in threads:
+        t.join(timeout=120)
+    return out, late, s
+
+
+def test_sigterm_drains_running_requests(fresh_servers, stories_model):
+    """Issue 22 item 7: SIGTERM lets running requests finish (up to --drain-timeout) and answers
+    new ones 503: the stream ends with its true finish_reason and [DONE], the plain completion
+    with all its tokens; the server then exits 0 (the fixture checks). Before: the stream was
+    cut without a final event and the plain request got a 200 with a body of spaces."""
+    out, late, s = _sigterm_with_two_requests(fresh_servers, stories_model, "120", 1800)
+    assert late == 503
+    status, text = out["stream"]
+    assert status == 200
+    assert '"finish_reason":"length"' in text and text.rstrip().endswith("data: [DONE]"), text[-500:]
+    status, text = out["plain"]
+    assert status == 200, text[:500]
+    assert json.loads(text)["usage"]["completion_tokens"] == 1800
+
+
+def test_sigterm_past_the_drain_timeout(fresh_servers, stories_model):
+    """Past --drain-timeout the running responses end with the truth: the stream with an error
+    event, finish_reason "cancelled" and [DONE]; the plain completion (its 200 already sent)
+    with an error body instead of a completion."""
+    out, late, s = _sigterm_with_two_requests(fresh_servers, stories_model, "0.3", 2000)
+    assert late in (503, 0)  # 503 while draining, refused once stopped
+    status, text = out["stream"]
+    assert status == 200
+    assert '"error"' in text and '"finish_reason":"cancelled"' in text, text[-800:]
+    assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+    status, text = out["plain"]  # 503 when nothing was sent yet, else the 200 already sent and an error body
+    assert status in (503, 200) and "error" in json.loads(text) and "shutting down" in text, text[:500]
 
 
 def test_port_in_use(srv, stories_model):
