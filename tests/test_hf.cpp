@@ -552,7 +552,8 @@ TEST_CASE("hf: config.json variants (Mistral sliding window, architectures witho
   cfg["head_dim"] = nullptr;  // null: hidden_size / num_attention_heads
   write_text(dir + "/config.json", cfg.dump());
   llmq::SourceModel sm = llmq::read_hf_model(dir);
-  CHECK(sm.config.context_length == 256);
+  CHECK(sm.config.sliding_window == 256);  // every layer (was: the context cut to the window)
+  CHECK(sm.config.is_sliding(0));
   CHECK(sm.config.head_dim == 8);
   CHECK(sm.format == "Hugging Face safetensors (mistral, F32, 1 file)");
 

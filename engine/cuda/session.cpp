@@ -166,8 +166,6 @@ void CudaModel::plan_synthetic(UploadPlan& u, DType type) {
 }
 
 void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint64_t seed, bool progress) {
-  if (c_.sliding_window > 0)
-    throw UsageError("CUDA: sliding-window attention (" + c_.arch + ") is not implemented on the GPU yet; run with --device cpu");
   layers.resize(size_t(c_.n_layers - first_layer_));
   UploadPlan u;
   if (m) plan_host(u, *m, shard);
@@ -223,6 +221,11 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p)
   if (p.first_layer != dm.first_layer()) throw UsageError("CUDA: the session's plan starts at another layer than the model upload");
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, H = c.hidden_dim;
   if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
+  // Sliding-window layers: the GPU's attention has no window yet, so a context longer than the
+  // window would read what the model never saw; up to it the window changes nothing.
+  if (c.sliding_window > 0 && p.ctx > c.sliding_window)
+    throw UsageError("CUDA: sliding-window attention (window " + std::to_string(c.sliding_window) + ") is not on the GPU yet: use --ctx " +
+                     std::to_string(c.sliding_window) + " or less, or --device cpu");
   const int64_t group = dm.gqa().group ? dm.gqa().group : c.n_heads / c.n_kv_heads;  // a rank's uneven GQA slice: the model's group
   if ((!dm.gqa().group && c.n_heads % c.n_kv_heads) || group > 32)
     throw UsageError("CUDA: n_heads must be a multiple of n_kv_heads, at most 32 times it");

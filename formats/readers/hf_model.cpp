@@ -105,12 +105,9 @@ ModelConfig read_config(const std::string& path, const json& c, const std::strin
   if (config_bool(path, c, "mlp_bias", false)) throw FileError(path, "mlp_bias is not supported");
   if (family == "qwen2" && config_bool(path, c, "use_sliding_window", false))
     throw FileError(path, "use_sliding_window is not supported");
-  if (family == "mistral") {
+  if (family == "mistral") {  // Mistral 7B v0.1: every layer attends over a window (v0.2 on: null)
     auto sw = c.find("sliding_window");
-    if (sw != c.end() && !sw->is_null()) {
-      const int64_t w = config_int(path, c, "sliding_window", std::nullopt);
-      cfg.context_length = std::min(cfg.context_length, w);
-    }
+    if (sw != c.end() && !sw->is_null()) cfg.sliding_window = config_int(path, c, "sliding_window", std::nullopt);
   }
   try {
     cfg.validate();
