@@ -20,20 +20,7 @@ using test::fresh_seed;
 using test::gaussian;
 using test::rel_err;
 
-// A random weight matrix [rows, cols] stored in type t.
-struct OwnedWeight {
-  std::vector<uint8_t> bytes;
-  Weight w;
-  OwnedWeight(DType t, int64_t rows, int64_t cols, std::mt19937_64& rng) {
-    const size_t rb = row_bytes(t, cols);
-    bytes.resize(rb * size_t(rows));
-    for (int64_t r = 0; r < rows; ++r) {
-      auto x = gaussian(size_t(cols), rng);
-      quantize_row(t, x.data(), bytes.data() + size_t(r) * rb, cols);
-    }
-    w = Weight{t, bytes.data(), rows, cols};
-  }
-};
+using OwnedWeight = test::RandomWeight;
 
 }  // namespace
 

@@ -47,20 +47,7 @@ struct Prepared {
   std::function<Floats()> result;
 };
 
-/// A weight [rows, cols] of type t in the file's layout, from fp32 values.
-struct HostWeight {
-  std::vector<uint8_t> bytes;
-  Weight w;
-  HostWeight(DType t, int64_t rows, int64_t cols, std::mt19937_64& rng) {
-    const size_t rb = row_bytes(t, cols);
-    bytes.resize(rb * size_t(rows));
-    for (int64_t r = 0; r < rows; ++r) {
-      const Floats x = test::gaussian(size_t(cols), rng);
-      quantize_row(t, x.data(), bytes.data() + size_t(r) * rb, cols);
-    }
-    w = Weight{t, bytes.data(), rows, cols};
-  }
-};
+using HostWeight = test::RandomWeight;  // a weight [rows, cols] of type t in the file's layout
 
 /// Causal GQA attention inputs: q [T, heads·hd] at positions pos [T] over a cache k, v
 /// [ctx, kv·hd] (fp16-rounded values, so a backend with an fp16 cache reads them exactly).

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "formats/llmq_file.h"
+#include "engine/cpu/cpu_ops.h"
 #include "formats/quant.h"
 #include "models/config.h"
 
@@ -116,6 +117,21 @@ inline std::vector<float> gaussian(size_t n, std::mt19937_64& rng) {
   for (auto& x : v) x = d(rng);
   return v;
 }
+
+/// A random weight matrix [rows, cols] (N(0, 1) values) stored in type t, owning its bytes.
+struct RandomWeight {
+  std::vector<uint8_t> bytes;
+  Weight w;
+  RandomWeight(DType t, int64_t rows, int64_t cols, std::mt19937_64& rng) {
+    const size_t rb = row_bytes(t, cols);
+    bytes.resize(rb * size_t(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<float> x = gaussian(size_t(cols), rng);
+      quantize_row(t, x.data(), bytes.data() + size_t(r) * rb, cols);
+    }
+    w = Weight{t, bytes.data(), rows, cols};
+  }
+};
 
 /// ||a - ref|| / ||ref|| in fp64 (the relative error every kernel test states a bound for).
 inline double rel_err(const float* a, const float* ref, size_t n) {
