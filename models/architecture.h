@@ -37,6 +37,7 @@ void register_architecture(const Architecture& a);
 // The built-in declarations (one file each in models/).
 extern const Architecture kLlama;   ///< models/llama.cpp
 extern const Architecture kQwen2;   ///< models/qwen2.cpp
+extern const Architecture kQwen3;   ///< models/qwen3.cpp
 extern const Architecture kGemma3;  ///< models/gemma3.cpp
 
 }  // namespace llmq

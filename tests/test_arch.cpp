@@ -254,3 +254,22 @@ TEST_CASE("sliding-window layers with their own RoPE base and Llama 3.1 scaling 
     CHECK(e < (kv == KvType::F32 ? 2e-5 : 2e-2));
   }
 }
+
+TEST_CASE("qwen3 (QK-norm, no biases, head_dim beside dim / heads) = the fp64 reference within 2e-5", "[arch][model]") {
+  ModelConfig c;
+  c.arch = "qwen3";
+  c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 32, c.dim = 64, c.hidden_dim = 96, c.n_layers = 2;  // q_dim 128 != dim
+  c.vocab_size = 512, c.context_length = 256, c.rope_theta = 1000000.0, c.norm_eps = 1e-6;
+  c.qk_norm = true, c.rope_layout = RopeLayout::RotateHalf, c.tied_embeddings = true;
+  const std::string path = test::random_model("qwen3_f32", c, DType::F32, 13);
+  auto m = Model::load(path);
+  CHECK(m->config.qk_norm);
+  CHECK_FALSE(m->config.attn_qkv_bias);
+  const std::vector<int32_t> ids = random_ids(24, 7);
+  const std::vector<Vec> ref = ref_forward(ref_weights(path), ids);
+  ThreadPool pool(2);
+  Session s(*m, pool, 64, 64, 64);
+  const double e = worst_vs_ref(*m, s, ids, 16, ref);
+  INFO("worst row error " << e);
+  CHECK(e < 2e-5);
+}
