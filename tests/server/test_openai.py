@@ -668,7 +668,7 @@ def _sigterm_with_two_requests(fresh_servers, stories_model, drain: str, max_tok
     """A stream and a plain completion running, then SIGTERM and, 0.1 s later, a new request."""
     import signal
     import threading
-    s = fresh_servers.start(stories_model, "--ctx", "2048", "--drain-timeout", drain)
+    s = fresh_servers.start(stories_model, "--ctx", "8192", "--kv-tokens", "20000", "--drain-timeout", drain)
     out: dict = {}
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}  # greedy: no end of text before max_tokens
     threads = [threading.Thread(target=_collect, args=(s, {**body, "stream": True}, out, "stream")),
@@ -709,7 +709,8 @@ def test_sigterm_past_the_drain_timeout(fresh_servers, stories_model):
     """Past --drain-timeout the running responses end with the truth: the stream with an error
     event, finish_reason "cancelled" and [DONE]; the plain completion (its 200 already sent)
     with an error body instead of a completion."""
-    out, late, s = _sigterm_with_two_requests(fresh_servers, stories_model, "0.3", 2000)
+    # 8000 tokens: seconds of generation, far past the 0.3 s drain even when one request had a head start
+    out, late, s = _sigterm_with_two_requests(fresh_servers, stories_model, "0.3", 8000)
     assert late in (503, 0)  # 503 while draining, refused once stopped
     status, text = out["stream"]
     assert status == 200
