@@ -181,17 +181,14 @@ GgufValue read_value(Cursor& c, GgufType t, const std::string& key, int depth) {
       } else if (v.elem == GgufType::ARRAY) {
         v.arr.reserve(size_t(n));
         for (uint64_t k = 0; k < n; ++k) v.arr.push_back(read_value(c, v.elem, key, depth + 1));
-      } else {
-        const uint64_t size = min_size(v.elem);  // the element's exact size for numbers and bools
-        v.raw.resize(size_t(n * size));
-        for (uint64_t k = 0; k < n; ++k) {  // each element read (and, for bools, checked) as a scalar would be
-          const GgufValue e = read_value(c, v.elem, key, depth + 1);
-          const uint64_t bits = e.type == GgufType::F32 ? [&] { float x = float(e.f); uint32_t b; std::memcpy(&b, &x, 4); return uint64_t(b); }()
-                                : e.type == GgufType::F64 ? [&] { uint64_t b; std::memcpy(&b, &e.f, 8); return b; }()
-                                : e.is_int() && (e.type == GgufType::I8 || e.type == GgufType::I16 || e.type == GgufType::I32 || e.type == GgufType::I64) ? uint64_t(e.i)
-                                                   : e.u;
-          std::memcpy(v.raw.data() + k * size, &bits, size_t(size));  // little-endian: the low bytes
-        }
+      } else {  // numbers and bools: the file's bytes as they are (min_size is their exact size)
+        const uint64_t bytes = n * min_size(v.elem);
+        c.need(bytes, "an array");
+        v.raw.assign(c.p, c.p + bytes);
+        c.p += bytes;
+        if (v.elem == GgufType::BOOL)
+          for (uint8_t b : v.raw)
+            if (b > 1) c.fail("key '" + key + "': bool value " + std::to_string(b));
       }
       break;
     }
