@@ -72,6 +72,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
     l.post_ffn_norm = opt(layer_tensor(i, "post_ffw_norm"));
     model->layers.push_back(l);
   }
+  model->rope_freqs = c.rope_freq_tables();
   model->output_norm = vec("output_norm.weight");
   model->output = c.tied_embeddings ? model->token_embd : mat("output.weight");
 
@@ -287,10 +288,10 @@ void ShardPass::embed() {
 void ShardPass::rope_angles_all() {
   float* angles = ws_.rope_.data();
   for (int table = 0; table < c_.rope_tables(); ++table) {
-    const std::vector<double> freqs = c_.rope_freqs(c_.rope_table_layer(table));
+    const double* freqs = m_.rope_freqs.data() + table * (hd / 2);  // computed at load
     float* a = angles + table * T_ * hd;
     per_token(T_, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) rope_angles(a + t * hd, hd, pos_[t], freqs.data());
+      for (int64_t t = t0; t < t1; ++t) rope_angles(a + t * hd, hd, pos_[t], freqs);
     });
   }
   angles_ = angles;

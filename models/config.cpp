@@ -52,10 +52,20 @@ int64_t ModelConfig::window_start(int64_t layer, int64_t pos) const {
 }
 
 int ModelConfig::rope_tables() const {
-  bool sliding = false, global = false;
-  for (int64_t l = 0; l < n_layers; ++l) (is_sliding(l) ? sliding : global) = true;
+  // Both kinds of layer exist iff there is a window and a pattern of period 2 .. n_layers
+  // (layer period-1 is global, layer 0 sliding); called per layer per pass, so no loop.
+  const bool mixed = sliding_window > 0 && swa_period > 1 && swa_period <= n_layers;
   const bool differ = (rope_theta_local > 0 && rope_theta_local != rope_theta) || rope_scaling != RopeScaling::None;
-  return sliding && global && differ ? 2 : 1;
+  return mixed && differ ? 2 : 1;
+}
+
+std::vector<double> ModelConfig::rope_freq_tables() const {
+  std::vector<double> all;
+  for (int t = 0; t < rope_tables(); ++t) {
+    const std::vector<double> f = rope_freqs(rope_table_layer(t));
+    all.insert(all.end(), f.begin(), f.end());
+  }
+  return all;
 }
 
 int ModelConfig::rope_table(int64_t layer) const { return rope_tables() == 2 && is_sliding(layer) ? 1 : 0; }

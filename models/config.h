@@ -106,6 +106,8 @@ struct ModelConfig {
   /// Distinct RoPE frequency tables among the layers: 2 when sliding-window layers and global
   /// layers both exist and their frequencies differ (own base or scaling), else 1.
   int rope_tables() const;
+  /// Every table's frequencies, [rope_tables(), head_dim/2]: what a backend computes once.
+  std::vector<double> rope_freq_tables() const;
   /// The table layer l uses (0 or 1), and the first layer using table t.
   int rope_table(int64_t layer) const;
   int64_t rope_table_layer(int table) const;

@@ -170,11 +170,7 @@ void CudaModel::build(const Model* m, const ModelShard* shard, DType type, uint6
   UploadPlan u;
   if (m) plan_host(u, *m, shard);
   else plan_synthetic(u, type);
-  std::vector<double> freqs;  // the RoPE tables [tables, hd/2], at the end of the allocation
-  for (int t = 0; t < c_.rope_tables(); ++t) {
-    const std::vector<double> f = c_.rope_freqs(c_.rope_table_layer(t));
-    freqs.insert(freqs.end(), f.begin(), f.end());
-  }
+  const std::vector<double> freqs = c_.rope_freq_tables();  // [tables, hd/2], at the end of the allocation
   const uint64_t rope_off = u.take(freqs.size() * sizeof(double));
   const uint64_t free0 = mem_info().free;
   buf_ = DeviceBuffer(u.total);
