@@ -424,15 +424,20 @@ static void drain(ServerState& st, const sigset_t& sigs, int sig, double drain_s
   std::fprintf(stderr, "llmq-server: stopping\n");
 }
 
-// Why a request's body is refused from its headers alone, or nullptr: a chunked body ("chunked
-// request bodies are not accepted: send Content-Length") or a Content-Length over `max_body`.
-static const char* body_refusal(const httplib::Request& req, size_t max_body) {
+// A request's body refused from its headers alone: a chunked body (411: send Content-Length) or
+// a Content-Length over `max_body` (413); code 0 when it may be read.
+struct BodyRefusal {
+  int code = 0;
+  const char* message = nullptr;
+};
+static BodyRefusal body_refusal(const httplib::Request& req, size_t max_body) {
   const std::string te = req.get_header_value("Transfer-Encoding");
-  if (!te.empty() && te != "identity") return "chunked request bodies are not accepted: send Content-Length";
-  if (!req.has_header("Content-Length")) return nullptr;
+  if (!te.empty() && te != "identity") return {411, "chunked request bodies are not accepted: send Content-Length"};
+  if (!req.has_header("Content-Length")) return {};
   const std::string cl = req.get_header_value("Content-Length");
-  if (cl.empty() || cl.size() > 18 || cl.find_first_not_of("0123456789") != std::string::npos) return "request body too large";
-  return std::stoull(cl) > max_body ? "request body too large" : nullptr;
+  const bool absurd = cl.empty() || cl.size() > 18 || cl.find_first_not_of("0123456789") != std::string::npos;
+  if (absurd || std::stoull(cl) > max_body) return {413, "request body too large"};
+  return {};
 }
 
 int main(int argc, char** argv) {
@@ -564,11 +569,10 @@ int main(int argc, char** argv) {
         st->metrics.count_request(req.path, 503);
         return httplib::Server::HandlerResponse::Handled;
       }
-      if (const char* refused = body_refusal(req, st->max_body)) {
-        const int code = refused[0] == 'c' ? 411 : 413;
-        send_json(res, code, ApiError(code, refused).body());
+      if (const BodyRefusal refused = body_refusal(req, st->max_body); refused.code) {
+        send_json(res, refused.code, ApiError(refused.code, refused.message).body());
         res.set_header("Connection", "close");
-        st->metrics.count_request(req.path, code);
+        st->metrics.count_request(req.path, refused.code);
         return httplib::Server::HandlerResponse::Handled;
       }
       if (api_key.empty() || req.path == "/health" || req.path == "/") return httplib::Server::HandlerResponse::Unhandled;
