@@ -15,7 +15,13 @@ const DTypeInfo kBF16{"bf16", 1, 2};
 const DTypeInfo kQ8_0{"q8_0", QK, sizeof(BlockQ8_0)};
 const DTypeInfo kQ4_0{"q4_0", QK, sizeof(BlockQ4_0)};
 const DTypeInfo kQ4_1{"q4_1", QK, sizeof(BlockQ4_1)};
-constexpr DType kAll[] = {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1};
+const DTypeInfo kQ5_0{"q5_0", QK, sizeof(BlockQ5_0)};
+const DTypeInfo kQ5_1{"q5_1", QK, sizeof(BlockQ5_1)};
+const DTypeInfo kQ4_K{"q4_k", QK_K, sizeof(BlockQ4_K)};
+const DTypeInfo kQ5_K{"q5_k", QK_K, sizeof(BlockQ5_K)};
+const DTypeInfo kQ6_K{"q6_k", QK_K, sizeof(BlockQ6_K)};
+constexpr DType kAll[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
+                          DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
 
 uint32_t bits_of(float f) {
   uint32_t u;
@@ -37,6 +43,11 @@ const DTypeInfo& dtype_info(DType t) {
     case DType::Q8_0: return kQ8_0;
     case DType::Q4_0: return kQ4_0;
     case DType::Q4_1: return kQ4_1;
+    case DType::Q5_0: return kQ5_0;
+    case DType::Q5_1: return kQ5_1;
+    case DType::Q4_K: return kQ4_K;
+    case DType::Q5_K: return kQ5_K;
+    case DType::Q6_K: return kQ6_K;
   }
   throw UsageError("unknown tensor type id " + std::to_string(uint32_t(t)));
 }
@@ -163,7 +174,199 @@ void quantize_q4_1(const float* x, BlockQ4_1* b, int64_t nb) {
   }
 }
 
+
+// Writes the 5th bits qh (bit j = bit 4 of weight j) and the nibbles of 32 quants q[32].
+void pack_q5(const int* q, uint8_t* qh, uint8_t* qs) {
+  uint32_t h = 0;
+  for (int j = 0; j < 16; ++j) {
+    qs[j] = uint8_t((q[j] & 15) | (q[j + 16] & 15) << 4);
+    h |= uint32_t(q[j] >> 4) << j | uint32_t(q[j + 16] >> 4) << (j + 16);
+  }
+  std::memcpy(qh, &h, 4);  // little-endian hosts only (as the whole format)
+}
+
+// Q5_0 (has_min false) and Q5_1 (true): as quantize_q4_0 / quantize_q4_1 with 5-bit quants.
+void quantize_q5(const float* x, uint8_t* out, int64_t nb, bool has_min) {
+  const size_t bytes = has_min ? sizeof(BlockQ5_1) : sizeof(BlockQ5_0);
+  for (int64_t i = 0; i < nb; ++i, x += QK, out += bytes) {
+    int q[QK];
+    if (has_min) {
+      float lo = x[0], hi = x[0];
+      for (int j = 1; j < QK; ++j) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
+      const float d = (hi - lo) / 31.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      const uint16_t dh = fp32_to_fp16(d), mh = fp32_to_fp16(lo);
+      std::memcpy(out, &dh, 2), std::memcpy(out + 2, &mh, 2);
+      for (int j = 0; j < QK; ++j) q[j] = std::min(31, int((x[j] - lo) * id + 0.5f));
+    } else {
+      float amax = 0.0f, m = 0.0f;
+      for (int j = 0; j < QK; ++j)
+        if (std::fabs(x[j]) > amax) amax = std::fabs(x[j]), m = x[j];
+      const float d = m / -16.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      const uint16_t dh = fp32_to_fp16(d);
+      std::memcpy(out, &dh, 2);
+      for (int j = 0; j < QK; ++j) q[j] = std::min(31, int(x[j] * id + 16.5f));
+    }
+    const size_t off = has_min ? 4 : 2;
+    pack_q5(q, out + off, out + off + 4);
+  }
+}
+
+// Rounds v / scale to the nearest integer in [lo, hi] (0 when scale is 0).
+int round_clamp(float v, float scale, int lo, int hi) {
+  if (scale == 0.0f) return std::clamp(0, lo, hi);
+  return std::clamp(int(std::lround(v / scale)), lo, hi);
+}
+
+// Q4_K (five_bit false) and Q5_K: per sub-block of 32 the range [min(0, x), max(x)]; the
+// scales (range / 15 or 31) and mins (-min) as 6-bit multiples of the super-block's d and dmin.
+void quantize_k45(const float* x, uint8_t* out, int64_t nsb, bool five_bit) {
+  const int qmax = five_bit ? 31 : 15;
+  const size_t bytes = five_bit ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  for (int64_t i = 0; i < nsb; ++i, x += QK_K, out += bytes) {
+    std::memset(out, 0, bytes);
+    float scale[8], mn[8], smax = 0.0f, mmax = 0.0f;
+    for (int j = 0; j < 8; ++j) {
+      float lo = 0.0f, hi = x[32 * j];
+      for (int l = 0; l < 32; ++l) lo = std::min(lo, x[32 * j + l]), hi = std::max(hi, x[32 * j + l]);
+      scale[j] = (hi - lo) / float(qmax), mn[j] = -lo;
+      smax = std::max(smax, scale[j]), mmax = std::max(mmax, mn[j]);
+    }
+    const uint16_t dh = fp32_to_fp16(smax / 63.0f), mh = fp32_to_fp16(mmax / 63.0f);
+    std::memcpy(out, &dh, 2), std::memcpy(out + 2, &mh, 2);
+    const float d = fp16_to_fp32(dh), dmin = fp16_to_fp32(mh);
+    int sc[8], m[8];
+    for (int j = 0; j < 8; ++j) sc[j] = round_clamp(scale[j], d, 0, 63), m[j] = round_clamp(mn[j], dmin, 0, 63);
+    uint8_t* s = out + 4;
+    for (int j = 0; j < 4; ++j) {
+      s[j] = uint8_t((sc[j] & 63) | (sc[j + 4] >> 4) << 6);
+      s[j + 4] = uint8_t((m[j] & 63) | (m[j + 4] >> 4) << 6);
+      s[j + 8] = uint8_t((sc[j + 4] & 15) | (m[j + 4] & 15) << 4);
+    }
+    uint8_t* qh = out + 16;
+    uint8_t* qs = five_bit ? out + 48 : out + 16;
+    for (int j = 0; j < 8; ++j) {
+      const float a = d * float(sc[j]), b = dmin * float(m[j]);
+      for (int l = 0; l < 32; ++l) {
+        const int q = round_clamp(x[32 * j + l] + b, a, 0, qmax);
+        qs[32 * (j / 2) + l] |= uint8_t((q & 15) << (4 * (j % 2)));
+        if (five_bit) qh[l] |= uint8_t((q >> 4) << j);
+      }
+    }
+  }
+}
+
+// Q6_K: per sub-block of 16 the value of largest magnitude maps to -32 (as Q4_0's -8); the 16
+// scales as 8-bit multiples of d = max|scale| / 127.
+void quantize_q6_k(const float* x, uint8_t* out, int64_t nsb) {
+  for (int64_t i = 0; i < nsb; ++i, x += QK_K, out += sizeof(BlockQ6_K)) {
+    std::memset(out, 0, sizeof(BlockQ6_K));
+    float scale[16], smax = 0.0f;
+    for (int j = 0; j < 16; ++j) {
+      float amax = 0.0f, m = 0.0f;
+      for (int l = 0; l < 16; ++l)
+        if (std::fabs(x[16 * j + l]) > amax) amax = std::fabs(x[16 * j + l]), m = x[16 * j + l];
+      scale[j] = m / -32.0f;
+      smax = std::max(smax, std::fabs(scale[j]));
+    }
+    const uint16_t dh = fp32_to_fp16(smax / 127.0f);
+    std::memcpy(out + 208, &dh, 2);
+    const float d = fp16_to_fp32(dh);
+    auto* scales = reinterpret_cast<int8_t*>(out + 192);
+    for (int j = 0; j < 16; ++j) scales[j] = int8_t(round_clamp(scale[j], d, -127, 127));
+    for (int w = 0; w < QK_K; ++w) {
+      const int q = round_clamp(x[w], d * float(scales[w / 16]), -32, 31) + 32;
+      const int h = w / 128, r = w % 128;
+      out[64 * h + r % 64] |= uint8_t((q & 15) << (4 * (r / 64)));
+      out[128 + 32 * h + r % 32] |= uint8_t((q >> 4) << (2 * (r / 32)));
+    }
+  }
+}
+
+// Little-endian fp16 at p (any alignment) as fp32.
+inline float half_at(const uint8_t* p) { return fp16_to_fp32(uint16_t(p[0] | (p[1] << 8))); }
+
+// The 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes of Q4_K / Q5_K.
+inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Nibbles of a 32-weight block (weight j low nibble of qs[j], j+16 the high one) plus the
+// 5th bits of Q5_0/Q5_1 (qh, or null).
+void unpack_q4_q5(const uint8_t* qs, const uint8_t* qh, uint8_t* q) {
+  uint32_t h = 0;
+  if (qh) h = uint32_t(qh[0]) | uint32_t(qh[1]) << 8 | uint32_t(qh[2]) << 16 | uint32_t(qh[3]) << 24;
+  for (int j = 0; j < 16; ++j) {
+    q[j] = uint8_t((qs[j] & 15) | ((h >> j) & 1) << 4);
+    q[j + 16] = uint8_t((qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4);
+  }
+}
+
 }  // namespace
+
+bool is_quantized(DType t) { return t != DType::F32 && t != DType::F16 && t != DType::BF16; }
+
+void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
+  o.m = 0.0f;
+  o.offset = 0;
+  switch (t) {
+    case DType::Q8_0: {
+      const uint8_t* blk = row + size_t(b) * sizeof(BlockQ8_0);
+      o.a[0] = o.a[1] = half_at(blk), o.offset = 128;
+      for (int i = 0; i < QK; ++i) o.q[i] = uint8_t(blk[2 + i] ^ 0x80);
+      return;
+    }
+    case DType::Q4_0: case DType::Q5_0: {
+      const bool five = t == DType::Q5_0;
+      const uint8_t* blk = row + size_t(b) * (five ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0));
+      o.a[0] = o.a[1] = half_at(blk), o.offset = five ? 16 : 8;
+      unpack_q4_q5(blk + (five ? 6 : 2), five ? blk + 2 : nullptr, o.q);
+      return;
+    }
+    case DType::Q4_1: case DType::Q5_1: {
+      const bool five = t == DType::Q5_1;
+      const uint8_t* blk = row + size_t(b) * (five ? sizeof(BlockQ5_1) : sizeof(BlockQ4_1));
+      o.a[0] = o.a[1] = half_at(blk), o.m = -half_at(blk + 2);
+      unpack_q4_q5(blk + (five ? 8 : 4), five ? blk + 4 : nullptr, o.q);
+      return;
+    }
+    case DType::Q4_K: case DType::Q5_K: {
+      const bool five = t == DType::Q5_K;
+      const uint8_t* blk = row + size_t(b / 8) * (five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K));
+      const int j = int(b % 8);
+      int sc, m;
+      scale_min_k4(j, blk + 4, &sc, &m);
+      o.a[0] = o.a[1] = half_at(blk) * float(sc), o.m = half_at(blk + 2) * float(m);
+      const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
+      for (int l = 0; l < 32; ++l) {
+        int v = (qs[l] >> (4 * (j % 2))) & 15;
+        if (five) v |= ((blk[16 + l] >> j) & 1) << 4;
+        o.q[l] = uint8_t(v);
+      }
+      return;
+    }
+    case DType::Q6_K: {
+      const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ6_K);
+      const int j = int(b % 8);
+      const float d = half_at(blk + 208);
+      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      o.a[0] = d * float(scales[2 * j]), o.a[1] = d * float(scales[2 * j + 1]), o.offset = 32;
+      for (int l = 0; l < 32; ++l) {
+        const int w = 32 * j + l, h = w / 128, r = w % 128;
+        const int lo = (blk[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+        const int hi = (blk[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
+        o.q[l] = uint8_t(lo | hi << 4);
+      }
+      return;
+    }
+    default: return;
+  }
+}
 
 void quantize_row(DType t, const float* x, void* dst, int64_t n) {
   row_bytes(t, n);  // validates n
@@ -187,12 +390,36 @@ void quantize_row(DType t, const float* x, void* dst, int64_t n) {
     case DType::Q8_0: quantize_q8_0(x, static_cast<BlockQ8_0*>(dst), nb); return;
     case DType::Q4_0: quantize_q4_0(x, static_cast<BlockQ4_0*>(dst), nb); return;
     case DType::Q4_1: quantize_q4_1(x, static_cast<BlockQ4_1*>(dst), nb); return;
+    case DType::Q5_0: quantize_q5(x, static_cast<uint8_t*>(dst), nb, false); return;
+    case DType::Q5_1: quantize_q5(x, static_cast<uint8_t*>(dst), nb, true); return;
+    case DType::Q4_K: quantize_k45(x, static_cast<uint8_t*>(dst), n / QK_K, false); return;
+    case DType::Q5_K: quantize_k45(x, static_cast<uint8_t*>(dst), n / QK_K, true); return;
+    case DType::Q6_K: quantize_q6_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
   }
+}
+
+int64_t first_nonfinite(DType t, const void* src, int64_t n) {
+  row_bytes(t, n);
+  const auto* p = static_cast<const uint8_t*>(src);
+  if (!is_quantized(t)) {
+    float v;
+    for (int64_t i = 0; i < n; ++i) {
+      if (t == DType::F32) std::memcpy(&v, p + 4 * i, 4);
+      else v = t == DType::F16 ? half_at(p + 2 * i) : bf16_to_fp32(uint16_t(p[2 * i] | p[2 * i + 1] << 8));
+      if (!std::isfinite(v)) return i;
+    }
+    return -1;
+  }
+  QuantBlock qb;
+  for (int64_t b = 0; b < n / QK; ++b) {
+    decode_quant_block(t, p, b, qb);
+    if (!std::isfinite(qb.a[0]) || !std::isfinite(qb.a[1]) || !std::isfinite(qb.m)) return b * QK;
+  }
+  return -1;
 }
 
 void dequantize_row(DType t, const void* src, float* y, int64_t n) {
   row_bytes(t, n);
-  const int64_t nb = n / QK;
   switch (t) {
     case DType::F32: std::memcpy(y, src, size_t(n) * 4); return;
     case DType::F16: {
@@ -205,33 +432,12 @@ void dequantize_row(DType t, const void* src, float* y, int64_t n) {
       for (int64_t i = 0; i < n; ++i) y[i] = bf16_to_fp32(x[i]);
       return;
     }
-    case DType::Q8_0: {
-      auto* b = static_cast<const BlockQ8_0*>(src);
-      for (int64_t i = 0; i < nb; ++i) {
-        const float d = fp16_to_fp32(b[i].d);
-        for (int j = 0; j < QK; ++j) y[i * QK + j] = d * float(b[i].qs[j]);
-      }
-      return;
-    }
-    case DType::Q4_0: {
-      auto* b = static_cast<const BlockQ4_0*>(src);
-      for (int64_t i = 0; i < nb; ++i) {
-        const float d = fp16_to_fp32(b[i].d);
-        for (int j = 0; j < QK / 2; ++j) {
-          y[i * QK + j] = d * float((b[i].qs[j] & 0x0f) - 8);
-          y[i * QK + j + QK / 2] = d * float((b[i].qs[j] >> 4) - 8);
-        }
-      }
-      return;
-    }
-    case DType::Q4_1: {
-      auto* b = static_cast<const BlockQ4_1*>(src);
-      for (int64_t i = 0; i < nb; ++i) {
-        const float d = fp16_to_fp32(b[i].d), m = fp16_to_fp32(b[i].m);
-        for (int j = 0; j < QK / 2; ++j) {
-          y[i * QK + j] = d * float(b[i].qs[j] & 0x0f) + m;
-          y[i * QK + j + QK / 2] = d * float(b[i].qs[j] >> 4) + m;
-        }
+    default: {
+      QuantBlock qb;
+      const auto* row = static_cast<const uint8_t*>(src);
+      for (int64_t b = 0; b < n / QK; ++b, y += QK) {
+        decode_quant_block(t, row, b, qb);
+        for (int i = 0; i < QK; ++i) y[i] = qb.a[i / 16] * float(int(qb.q[i]) - qb.offset) - qb.m;
       }
       return;
     }

@@ -18,11 +18,17 @@ enum class DType : uint32_t {
   F16 = 1,
   Q4_0 = 2,
   Q4_1 = 3,
+  Q5_0 = 6,
+  Q5_1 = 7,
   Q8_0 = 8,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
   BF16 = 30,
 };
 
-constexpr int QK = 32;  ///< weights per quantization block (all block types here)
+constexpr int QK = 32;     ///< weights per block of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 (and per activation block)
+constexpr int QK_K = 256;  ///< weights per super-block of the K-quants (Q4_K, Q5_K, Q6_K)
 
 /// Q8_0: 32 weights = fp16 scale d + 32 int8 q; w = d * q. 34 bytes, 8.5 bits per weight.
 struct BlockQ8_0 {
@@ -43,6 +49,57 @@ struct BlockQ4_1 {
   uint16_t m;
   uint8_t qs[QK / 2];
 };
+/// Q5_0: 32 weights = fp16 d; u8 qh[4] (a little-endian u32 whose bit j is bit 4 of weight
+/// j's quant); u8 qs[16] (weight j in the low nibble of qs[j], weight j+16 in the high
+/// nibble). w = d * (q - 16), q in 0..31. 22 bytes, 5.5 bits per weight.
+struct BlockQ5_0 {
+  uint16_t d;
+  uint8_t qh[4];
+  uint8_t qs[16];
+};
+/// Q5_1: 32 weights = fp16 d; fp16 m; qh[4] and qs[16] as Q5_0. w = d * q + m. 24 bytes.
+struct BlockQ5_1 {
+  uint16_t d;
+  uint16_t m;
+  uint8_t qh[4];
+  uint8_t qs[16];
+};
+/// Q4_K: 256 weights in 8 sub-blocks of 32 = fp16 d; fp16 dmin; u8 scales[12] (8 six-bit
+/// scales sc[j] and 8 six-bit mins m[j]: for j < 4, sc = scales[j] & 63, m = scales[j+4] & 63;
+/// for j >= 4, sc = (scales[j+4] & 15) | (scales[j-4] >> 6) << 4,
+/// m = (scales[j+4] >> 4) | (scales[j] >> 6) << 4); u8 qs[128] (64 weights per 32 bytes:
+/// sub-block 2c in the low nibbles of qs[32c .. 32c+31], sub-block 2c+1 in the high nibbles).
+/// w = (d * sc) * q - (dmin * m). 144 bytes, 4.5 bits per weight.
+struct BlockQ4_K {
+  uint16_t d;
+  uint16_t dmin;
+  uint8_t scales[12];
+  uint8_t qs[128];
+};
+/// Q5_K: as Q4_K plus u8 qh[32] before qs: bit 4 of weight l of sub-block j is bit j of
+/// qh[l]. w = (d * sc) * q - (dmin * m), q in 0..31. 176 bytes, 5.5 bits per weight.
+struct BlockQ5_K {
+  uint16_t d;
+  uint16_t dmin;
+  uint8_t scales[12];
+  uint8_t qh[32];
+  uint8_t qs[128];
+};
+/// Q6_K: 256 weights in 16 sub-blocks of 16 = u8 ql[128] (low 4 bits); u8 qh[64] (high 2
+/// bits); int8 scales[16]; fp16 d (last). Weight i: h = i / 128, r = i % 128;
+/// low = ql[64h + r % 64] >> (4 * (r / 64)) & 15; high = qh[32h + r % 32] >> (2 * (r / 32)) & 3;
+/// q = (low | high << 4) - 32; w = (d * scales[i / 16]) * q. 210 bytes, 6.5625 bits per weight.
+struct BlockQ6_K {
+  uint8_t ql[128];
+  uint8_t qh[64];
+  int8_t scales[16];
+  uint16_t d;
+};
+static_assert(sizeof(BlockQ5_0) == 22, "Q5_0 block must be 22 bytes (GGUF layout)");
+static_assert(sizeof(BlockQ5_1) == 24, "Q5_1 block must be 24 bytes (GGUF layout)");
+static_assert(sizeof(BlockQ4_K) == 144, "Q4_K block must be 144 bytes (GGUF layout)");
+static_assert(sizeof(BlockQ5_K) == 176, "Q5_K block must be 176 bytes (GGUF layout)");
+static_assert(sizeof(BlockQ6_K) == 210, "Q6_K block must be 210 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block must be 34 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block must be 18 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block must be 20 bytes (GGUF layout)");
@@ -66,6 +123,24 @@ DType dtype_from_name(std::string_view name);
 size_t row_bytes(DType t, int64_t n);
 /// True when rows of length n can be stored in type t (n a multiple of the block size).
 bool row_fits(DType t, int64_t n);
+/// True for the block-quantized types (everything but F32, F16, BF16).
+bool is_quantized(DType t);
+/// The (sub-)block decomposition every integer kernel uses: a row of a quantized type is a
+/// sequence of 32-weight blocks, block b holding w_i = a_h · (q_i − o) − m for i in half h
+/// (h = i / 16), q_i ≥ 0. `QuantBlock` is that block decoded (formats/quant.cpp,
+/// decode_quant_block): 32 unsigned quants, the offset o, the scale of each half (equal except
+/// for Q6_K, whose sub-blocks have 16 weights) and the subtracted minimum m (Q4_1/Q5_1 store
+/// −m, the K-quants dmin·m). Scales are the exact fp32 products of the file's fields
+/// (fp16 × 6- or 8-bit integer, at most 19 significant bits).
+struct QuantBlock {
+  uint8_t q[32];
+  int offset;    ///< o: 128 for Q8_0 (q = w + 128), 8 Q4_0, 16 Q5_0, 32 Q6_K, else 0
+  float a[2];    ///< scale of weights 0..15 and 16..31
+  float m;       ///< subtracted minimum (0 for the symmetric types)
+};
+/// Decodes 32-weight block b (0-based, counting 32-weight blocks along the row) of a row of
+/// quantized type t at `row`. Throws nothing; t must be quantized.
+void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& out);
 
 // --- scalar conversions (IEEE 754 binary16 and bfloat16) ---
 
@@ -88,9 +163,18 @@ inline float bf16_to_fp32(uint16_t h) {
 /// Encodes n floats `x` [n] into type t at `dst` (row_bytes(t, n) bytes).
 /// Reference quantizers (as in ggml's reference functions): Q8_0 d = max|x|/127, q = round(x/d);
 /// Q4_0 d = m/-8 where m is the x of largest magnitude, q = clamp(trunc(x/d + 8.5), 0, 15);
-/// Q4_1 d = (max-min)/15, m = min, q = clamp(trunc((x-min)/d + 0.5), 0, 15).
+/// Q4_1 d = (max-min)/15, m = min, q = clamp(trunc((x-min)/d + 0.5), 0, 15); Q5_0 and Q5_1 as
+/// Q4_0 and Q4_1 with 16 and 31 for 8 and 15. The K-quants use llmq's own simple search (not
+/// llama.cpp's iterative one): per sub-block the range [min(0, x), max x] (Q4_K/Q5_K) or the
+/// value of largest magnitude (Q6_K, as Q4_0), the sub-block scales and mins rounded to 6 (8)
+/// bits against the super-block's largest, then every weight rounded to nearest with the
+/// rounded scales.
 /// Throws UsageError if x holds NaN or Inf, or n is not a multiple of the block size.
 void quantize_row(DType t, const float* x, void* dst, int64_t n);
+/// Index of the first weight among n of type t at `src` whose value is not finite (a NaN or
+/// infinite element of a float type; a weight of a block whose scale or minimum is not finite),
+/// or -1 when all are. Checks a lossless repack, which never dequantizes.
+int64_t first_nonfinite(DType t, const void* src, int64_t n);
 /// Decodes n weights of type t from `src` into `y` [n].
 void dequantize_row(DType t, const void* src, float* y, int64_t n);
 

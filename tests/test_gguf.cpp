@@ -41,6 +41,7 @@
 #include "base/threadpool.h"
 #include "base/error.h"
 #include "formats/ggml_dequant.h"
+#include "formats/readers/convert.h"
 #include "formats/readers/gguf.h"
 #include "formats/readers/gguf_model.h"
 #include "formats/readers/llama2c.h"
@@ -1217,4 +1218,45 @@ TEST_CASE("GGUF: a huge metadata array costs its bytes, not 96 bytes per element
   const Outcome conv = convert(file, out, err);
   INFO("llmq-convert: " << conv.err);
   CHECK(conv.code == 0);
+}
+
+// llama.cpp's Q4_K_M / Q5_K_M choice per tensor (formats/readers/convert.h QuantMix): the output
+// in Q6_K, attn_v and ffn_down in Q6_K where use_more_bits picks (counted in file order), the
+// rest in the base type; K-quants that do not fit a row take llama.cpp's stand-ins.
+TEST_CASE("K-quant mixes choose llama.cpp's type per tensor", "[gguf][convert]") {
+  // use_more_bits for 24 layers: the first and last three, and every third in between.
+  std::vector<int> picked;
+  for (int i = 0; i < 24; ++i)
+    if (use_more_bits(i, 24)) picked.push_back(i);
+  CHECK(picked == std::vector<int>{0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23});
+  CHECK(k_quant_fallback(DType::Q4_K) == DType::Q5_0);
+  CHECK(k_quant_fallback(DType::Q5_K) == DType::Q5_1);
+  CHECK(k_quant_fallback(DType::Q6_K) == DType::Q8_0);
+  CHECK(k_quant_fallback(DType::Q8_0) == DType::Q8_0);
+  CHECK_FALSE(quant_mix_from_name("q4_k").has_value());
+  ConvertOptions o;
+  o.mix = quant_mix_from_name("q4_k_m");
+  REQUIRE(o.mix);
+  o.more_bits = {"blk.0.attn_v.weight"};
+  auto type_of = [&](const std::string& name, int64_t cols, bool tied = false) {
+    SourceTensor t;
+    t.name = name;
+    t.shape = {64, cols};
+    o.tied_output = tied;
+    bool fb = false;
+    const DType d = choose_type(t, o, &fb);
+    CHECK_FALSE(fb);
+    return d;
+  };
+  CHECK(type_of("blk.0.attn_q.weight", 512) == DType::Q4_K);
+  CHECK(type_of("blk.0.attn_q.weight", 896) == DType::Q5_0);  // 896 is no multiple of 256
+  CHECK(type_of("blk.0.attn_v.weight", 512) == DType::Q6_K);
+  CHECK(type_of("blk.1.attn_v.weight", 512) == DType::Q4_K);
+  CHECK(type_of("output.weight", 512) == DType::Q6_K);
+  CHECK(type_of("output.weight", 640) == DType::Q8_0);
+  CHECK(type_of("token_embd.weight", 512) == DType::Q4_K);
+  CHECK(type_of("token_embd.weight", 512, true) == DType::Q6_K);  // tied: the embedding is the output
+  o.mix = quant_mix_from_name("Q5_K_M");
+  CHECK(type_of("blk.1.ffn_up.weight", 768) == DType::Q5_K);
+  CHECK(type_of("blk.1.ffn_up.weight", 800) == DType::Q5_1);
 }

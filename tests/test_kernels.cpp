@@ -79,6 +79,14 @@ std::vector<CpuLevel> supported_levels() {
 // (d) give bit-identical results for a token whether it is alone (decode) or in a batch.
 // Relative errors are taken against ||ref|| when there are enough outputs for that to be
 // meaningful, and always against the cancellation-free scale Σ|w||x|.
+// Every weight type, and a column count rounded up to the type's (super-)block.
+const DType kWeightTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
+                              DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+int64_t whole(DType t, int64_t cols) {
+  const int64_t b = dtype_info(t).block;
+  return (cols + b - 1) / b * b;
+}
+
 TEST_CASE("matmul at every CPU level matches the scalar path on awkward shapes", "[kernels]") {
   LevelGuard guard;
   const uint64_t seed = fresh_seed();
@@ -89,10 +97,10 @@ TEST_CASE("matmul at every CPU level matches the scalar path on awkward shapes",
   const int64_t float_cols[] = {1, 15, 33, 172, 300};
   const int64_t block_cols[] = {32, 64, 96, 160, 320};
   const int64_t Ts[] = {1, 2, 3, 7, 8, 17, 33, 64};  // both sides of every GEMV/GEMM switch, tile tails
-  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+  for (DType t : kWeightTypes) {
     const bool block = dtype_info(t).block > 1;
     for (size_t si = 0; si < 5; ++si) {
-      const int64_t rows = rows_list[si], cols = block ? block_cols[si] : float_cols[si];
+      const int64_t rows = rows_list[si], cols = block ? whole(t, block_cols[si]) : float_cols[si];
       OwnedWeight w(t, rows, cols, rng);
       for (int64_t T : Ts) {
         const auto x = gaussian(size_t(T * cols), rng);
@@ -153,8 +161,10 @@ TEST_CASE("packed weights give bit-identical matmul results", "[kernels]") {
   struct Shape { int64_t rows, cols; };
   const Shape shapes[] = {{1, 32}, {15, 96}, {16, 64}, {17, 160}, {37, 320}, {130, 576}};
   const int64_t Ts[] = {1, 2, 7, 8, 9, 17};
-  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
-    for (const Shape& sh : shapes) {
+  for (DType t : kWeightTypes) {
+    if (!is_quantized(t)) continue;
+    for (Shape sh : shapes) {
+      sh.cols = whole(t, sh.cols);
       OwnedWeight w(t, sh.rows, sh.cols, rng);
       Weight pw = w.w;
       std::vector<Weight*> one{&pw};
@@ -201,16 +211,17 @@ TEST_CASE("matmul_many equals one matmul per weight, bit for bit, at every CPU l
   for (CpuLevel level : {CpuLevel::Scalar, CpuLevel::Avx2, CpuLevel::Avx512}) {
     if (!cpu_level_supported(level)) continue;
     set_cpu_level(level);
-    for (DType t : {DType::F32, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+    for (DType t : kWeightTypes) {
       // Q, K, V-like shapes (rows not multiples of 16), then a mixed-type group (per-weight path).
-      OwnedWeight a(t, 70, 96, rng), b(t, 24, 96, rng), c(t, 17, 96, rng);
-      OwnedWeight d(t == DType::Q8_0 ? DType::Q4_0 : DType::Q8_0, 33, 96, rng);
+      const int64_t K = whole(t, 96);
+      OwnedWeight a(t, 70, K, rng), b(t, 24, K, rng), c(t, 17, K, rng);
+      OwnedWeight d(t == DType::Q8_0 ? DType::Q4_0 : DType::Q8_0, 33, K, rng);
       Weight pa = a.w, pb = b.w, pc = c.w;
       std::vector<Weight*> ws{&pa, &pb, &pc};
       const PackedWeights packed = pack_weights(ws);
       for (int64_t T : {1, 5, 9}) {
         INFO(cpu_level_name(level) << " " << dtype_name(t) << " T " << T);
-        const auto x = gaussian(size_t(T * 96), rng);
+        const auto x = gaussian(size_t(T * K), rng);
         std::vector<float> ya(size_t(T * 70), NAN), yb(size_t(T * 24), NAN), yc(size_t(T * 17), NAN), yd(size_t(T * 33), NAN);
         auto ra = ya, rb = yb, rc = yc, rd = yd;
         MatmulScratch s1, s2;

@@ -322,6 +322,10 @@ struct Op {
   std::vector<Shape> perf_shapes = {};
 };
 
+// Every weight type, for the ops that take weights.
+const std::vector<DType> kAllTypes{DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
+                                   DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+
 // For ops whose shape[1] is a weight's columns.
 bool whole_blocks(DType t, const Shape& s) { return s[1] % int64_t(dtype_info(t).block) == 0; }
 
@@ -346,8 +350,9 @@ Op matmul_op() {
   // (rows, cols, T): awkward sizes for the float types; the block types' cols are whole blocks.
   // T = 1 is decode (GEMV), 5 and 8 the GPU's GEMV batches, 17 and 64 MMQ or cuBLAS.
   return {"matmul",
-          {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1},
-          {{37, 64, 1}, {130, 96, 5}, {33, 160, 8}, {129, 256, 17}, {64, 512, 64}, {7, 33, 3}, {65, 172, 17}},
+          kAllTypes,
+          {{37, 64, 1}, {130, 96, 5}, {33, 160, 8}, {129, 256, 17}, {64, 512, 64}, {7, 33, 3}, {65, 172, 17}, {19, 256, 1},
+           {40, 768, 6}},
           [](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
             const int64_t rows = s[0], cols = s[1], T = s[2];
             auto w = std::make_shared<HostWeight>(t, rows, cols, rng);
@@ -496,7 +501,7 @@ Op attention_op() {
 }
 
 Op embedding_op() {
-  return {"embedding", {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1}, {{50, 64, 7}, {300, 96, 3}},
+  return {"embedding", kAllTypes, {{50, 64, 7}, {300, 96, 3}, {40, 512, 5}},
           [](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
             auto w = std::make_shared<HostWeight>(t, s[0], s[1], rng);
             std::vector<int32_t> tok;

@@ -405,7 +405,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos, bool
   const FirstByteIndex* index = nullptr;
   if (parse_special && has_special_)
     index = &special_;
-  else if (byte_level_ && has_user_defined_)
+  else if (has_user_defined_)  // always split out of the raw text first (llama.cpp, Hugging Face)
     index = &user_defined_;
   if (!index) {
     if (byte_level_)

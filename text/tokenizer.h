@@ -51,12 +51,13 @@ class Tokenizer {
   /// piece (e.g. "<|im_start|>", "<s>") found in the text is emitted as that single id
   /// (scanning left to right, the longest piece matching at a position wins), and the plain
   /// text between them is encoded as below. Without it, such text is ordinary text, except
-  /// that byte-level vocabularies always split out UserDefined pieces (as llama.cpp and
-  /// Hugging Face tokenizers do) and SentencePiece vocabularies always take them whole.
+  /// that UserDefined pieces are always split out of the raw text first (as llama.cpp and
+  /// Hugging Face tokenizers do: Gemma's runs of spaces "  ", "   ", … are such pieces, spelled
+  /// with real spaces, so they must be found before spaces become "▁").
   ///
   /// "llama" (SentencePiece BPE as llama.cpp's SPM tokenizer applies it): if the text is
-  /// non-empty and the vocabulary has add_space_prefix, "▁" is prepended (with parse_special:
-  /// to the text at the start and after each special token, as llama.cpp does); every ' '
+  /// non-empty and the vocabulary has add_space_prefix, "▁" is prepended (to the text at the
+  /// start and after each piece split out above, as llama.cpp does); every ' '
   /// becomes "▁" (U+2581). The text is split into UTF-8 characters (a malformed byte is a
   /// character of its own; a user-defined piece matching at a position is taken whole and
   /// never merged). Then, repeatedly, the adjacent pair whose concatenation is a Normal or

@@ -25,7 +25,8 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer,
                  "tokenizer: llama2.c tokenizer.bin or SentencePiece tokenizer.model (needed when the source has none)");
   app.add_option("--type", type_name,
-                 "type of 2-D weights: f32|f16|bf16|q8_0|q4_0|q4_1 (1-D tensors stay f32); default: as in the source");
+                 "type of 2-D weights: f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k, or the K-quant mix "
+                 "q4_k_m|q5_k_m (llama.cpp's per-tensor policy); 1-D tensors stay f32; default: as in the source");
   app.add_option("--tensor-type", overrides,
                  "per-tensor type, PATTERN=TYPE with a glob pattern, e.g. token_embd.weight=q8_0 (repeatable)");
   app.add_flag("-f,--force", force, "overwrite an existing output file");
@@ -34,7 +35,10 @@ int main(int argc, char** argv) {
 
   return cli::run_guarded("llmq-convert", [&] {
     ConvertOptions opts;
-    if (!type_name.empty()) opts.type = dtype_from_name(type_name);
+    if (!type_name.empty()) {
+      opts.mix = quant_mix_from_name(type_name);
+      if (!opts.mix) opts.type = dtype_from_name(type_name);
+    }
     for (const std::string& o : overrides) {
       const size_t eq = o.rfind('=');
       if (eq == std::string::npos || eq == 0) throw UsageError("--tensor-type expects PATTERN=TYPE, got '" + o + "'");

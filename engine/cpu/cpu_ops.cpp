@@ -150,7 +150,21 @@ float dot_q4_1(const BlockQ4_1* w, const BlockQ8Act* x, int64_t nb) {
   return sum;
 }
 
-bool is_block_quant(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
+// Any other quantized type (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) through formats/quant.h's QuantBlock:
+// per block x.d · (a0 · Σ_{i<16} (q_i − o) q_x,i + a1 · Σ_{i≥16} …) − m · s_x.
+float dot_quant_blocks(DType t, const uint8_t* row, const BlockQ8Act* x, int64_t nb) {
+  float sum = 0.0f;
+  QuantBlock qb;
+  for (int64_t b = 0; b < nb; ++b) {
+    decode_quant_block(t, row, b, qb);
+    int32_t half[2] = {0, 0};
+    for (int i = 0; i < QK; ++i) half[i / 16] += (int32_t(qb.q[i]) - qb.offset) * int32_t(x[b].qs[i]);
+    sum += x[b].d * (qb.a[0] * float(half[0]) + qb.a[1] * float(half[1])) - qb.m * x[b].s;
+  }
+  return sum;
+}
+
+bool is_block_quant(DType t) { return is_quantized(t); }
 
 }  // namespace
 
@@ -439,7 +453,8 @@ void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_
           switch (w.type) {
             case DType::Q8_0: v = dot_q8_0(reinterpret_cast<const BlockQ8_0*>(row), xt, nb); break;
             case DType::Q4_0: v = dot_q4_0(reinterpret_cast<const BlockQ4_0*>(row), xt, nb); break;
-            default: v = dot_q4_1(reinterpret_cast<const BlockQ4_1*>(row), xt, nb); break;
+            case DType::Q4_1: v = dot_q4_1(reinterpret_cast<const BlockQ4_1*>(row), xt, nb); break;
+            default: v = dot_quant_blocks(w.type, row, xt, nb); break;
           }
           y[t * M + r] = v;
         }

@@ -27,8 +27,9 @@ struct Weight {
   const uint8_t* row(int64_t r) const { return data + size_t(r) * row_stride(); }
 };
 
-/// Activations quantized on the fly for integer dot products against Q8_0/Q4_0/Q4_1 weights:
-/// 32 values = fp32 scale d + int8 q, plus s = d * sum(q) (needed by Q4_1's offset term).
+/// Activations quantized on the fly for integer dot products against the quantized weight types:
+/// 32 values = fp32 scale d + int8 q, plus s = d * sum(q) (needed by the minimum term of Q4_1,
+/// Q5_1, Q4_K and Q5_K).
 struct BlockQ8Act {
   float d;
   float s;
@@ -98,8 +99,8 @@ using PackedWeights = HugeBuffer;
 uint64_t packed_weights_bytes(const std::vector<const Weight*>& ws);
 
 /// Repacks every weight of `ws` whose type has a packed layout at the active CPU level (AVX-512:
-/// Q8_0, Q4_0, Q4_1 into 16-row panels, the file's bytes rearranged so that one panel is one
-/// sequential stream; engine/cpu/cpu_x86.cpp) and points its `packed` at the copy. Other weights and
+/// every quantized type into 16-row panels, the file's bytes rearranged so that one panel is one
+/// sequential stream, the K-quants' scales widened to fp32; engine/cpu/cpu_x86.cpp) and points its `packed` at the copy. Other weights and
 /// other levels are left alone. The environment variable LLMQ_PACK=0 turns packing off (the
 /// AVX-512 kernels then pack each panel per call: for measurements only).
 /// Results of matmul are bit-identical with and without packing. The weights' `data` stays
@@ -112,8 +113,9 @@ Weight weight_rows(const Weight& w, int64_t r0, int64_t n);
 
 /// y [T, W.rows] = x [T, W.cols] · Wᵀ, in W's stored type, split over the pool's threads by
 /// rows of W (every weight row is read once for all T tokens: batched prefill).
-/// F32/F16/BF16 weights use fp32 activations; Q8_0/Q4_0/Q4_1 weights use activations
-/// quantized to 8 bits per block of 32 (as llama.cpp does) and integer dot products.
+/// F32/F16/BF16 weights use fp32 activations; the quantized types use activations quantized
+/// to 8 bits per block of 32 (as llama.cpp does; it uses blocks of 256 for the K-quants) and
+/// integer dot products per 32-weight (sub-)block.
 void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_t T, const Weight& w);
 
 /// One product of matmul_many: y [T, w->rows].

@@ -1,6 +1,8 @@
 // x86-64 SIMD kernels; see cpu_x86.h for the contract and the numerics.
 //
-// Block-quantized weights (Q8_0/Q4_0/Q4_1), activations quantized per block of 32 to int8:
+// Block-quantized weights (every type of formats/quant.h but the floats), activations quantized
+// per block of 32 to int8; the K-quants are taken a 32-weight sub-block at a time (Q6_K's two
+// 16-weight halves keep separate integer sums):
 // - AVX-512: the weights are repacked into panels of 16 rows (section "Packed weights" below):
 //   one 64-byte vector holds 4 consecutive quants of each of the 16 rows (Q4: nibbles still
 //   packed), so one `vpdpbusd` with a broadcast 4-byte group of one token's activations does 64
@@ -17,6 +19,9 @@
 // nibble is unsigned already (its minimum m enters as m·s_x per block, s_x = d_x·Σq_x).
 // AVX2 keeps Q8_0 signed and uses |w|·(x·sign w), because (w+128)·x overflows int16 pairs;
 // its GEMV does the same for Q4_0's q-8, its GEMM uses the nibble with the -8·Σx correction.
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: AVX-512 as above (the 5th and 6th bits kept as bit masks beside
+// the nibbles, Q5_0's offset 16 corrected as Q4_0's 8, Q6_K's 32 per half block); AVX2 decodes
+// each block in registers row by row (rows_matmul), offsets removed before the sign trick.
 //
 // Float weights (F32/F16/BF16): fp32 activations, tiles of R rows × C tokens with one vector
 // accumulator per output along K (F16 by F16C, BF16 by a 16-bit shift), a fixed-order
@@ -100,6 +105,11 @@ inline uint32_t load_u32(const void* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
+inline uint64_t load_u64(const void* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
 inline uint16_t load_u16(const void* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
@@ -115,9 +125,16 @@ template <DType D>
 constexpr size_t quant_offset() {
   return D == DType::Q4_1 ? 4 : 2;
 }
+// True for the types the AVX2 rows_matmul serves (at both SIMD levels).
+constexpr bool is_row_type(DType t) {
+  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
+}
+
 // Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
-constexpr int32_t corr_factor(DType t) { return t == DType::Q8_0 ? -128 : t == DType::Q4_0 ? -8 : 0; }
+constexpr int32_t corr_factor(DType t) {
+  return t == DType::Q8_0 ? -128 : t == DType::Q4_0 ? -8 : t == DType::Q5_0 ? -16 : 0;
+}
 
 // Fills corr[t, b] = corr_factor · Σq_x for the GEMM paths. For finite activations
 // |Σq_x| <= 32 · 127 and nothing overflows; a NaN or infinite activation (a model file whose
@@ -128,6 +145,16 @@ constexpr int32_t corr_factor(DType t) { return t == DType::Q8_0 ? -128 : t == D
 void fill_corr(DType type, const int32_t* sums, int64_t n, int32_t* corr) {
   const auto k = uint32_t(corr_factor(type));
   for (int64_t i = 0; i < n; ++i) corr[i] = int32_t(k * uint32_t(sums[i]));
+}
+
+// Q6_K's corrections hold the two half-block sums of the quants instead (|Σ| <= 16 · 128, so
+// each fits int16): corr[i] = Σ_{j<16} q_j (low 16 bits) | Σ_{j>=16} q_j << 16.
+void fill_corr_halves(const BlockQ8Act* xq, int64_t n, int32_t* corr) {
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t lo = 0, hi = 0;
+    for (int j = 0; j < 16; ++j) lo += xq[i].qs[j], hi += xq[i].qs[16 + j];
+    corr[i] = int32_t((uint32_t(lo) & 0xffffu) | uint32_t(hi) << 16);
+  }
 }
 
 }  // namespace
@@ -431,11 +458,128 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
   fill_corr(type, sums + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
 }
 size_t thread_bytes(DType type, int64_t T, int64_t K) {
+  if (is_row_type(type)) return 0;
   if (T < gemm_min_t(type)) return gemv_scratch_bytes(K / QK);
   return size_t(K / QK) * (type == DType::Q8_0 ? panel_block_bytes<DType::Q8_0>() : panel_block_bytes<DType::Q4_1>());
 }
 
+// ---- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: each 32-weight block decoded in registers, row by row.
+//
+// A block decodes to 32 unsigned quants and the scales of formats/quant.h's QuantBlock
+// (w = a_h·(q − o) − m, h the half). The offset is removed first (q − o fits int8), so the
+// dot product takes the sign trick as Q8_0's and needs no correction; the int32 lanes of
+// `_mm256_madd_epi16` hold elements 4l..4l+3, so lanes 0-3 are the first half (scale a0) and
+// lanes 4-7 the second (a1): one fp32 vector of scales serves Q6_K's 16-weight sub-blocks.
+// Every output is computed by the same instruction sequence whatever T, r0 and r1 are.
+
+struct BlockScales {
+  float a0, a1, m;
+};
+
+// Byte i of the result is 0x10 when bit i of x is set, else 0.
+inline __m256i bits_to_0x10(uint32_t x) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(x)), _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+// 16 bytes of nibbles as 32 values: low nibbles (weights 0..15), then high nibbles (16..31).
+inline __m256i nibbles_32(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                          _mm256_set1_epi8(0x0f));
+}
+// 32 bytes at p shifted right by `shift` bits, masked: one field of packed K-quant bytes.
+inline __m256i field_32(const uint8_t* p, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), shift),
+                          _mm256_set1_epi8(char(mask)));
+}
+
+template <DType D>
+constexpr int quant_zero() {
+  return D == DType::Q5_0 ? 16 : D == DType::Q6_K ? 32 : 0;
+}
+
+// Block b (of 32 weights) of a row: its quants q (0 ≤ q < 64) and scales.
+template <DType D>
+inline __m256i decode_block(const uint8_t* row, int64_t b, BlockScales& s) {
+  if constexpr (D == DType::Q5_0 || D == DType::Q5_1) {
+    constexpr size_t BS = D == DType::Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ5_1), H = D == DType::Q5_0 ? 2 : 4;
+    const uint8_t* blk = row + size_t(b) * BS;
+    s.a0 = s.a1 = f16(load_u16(blk));
+    s.m = D == DType::Q5_1 ? -f16(load_u16(blk + 2)) : 0.0f;
+    return _mm256_or_si256(nibbles_32(blk + H + 4), bits_to_0x10(load_u32(blk + H)));
+  } else if constexpr (D == DType::Q4_K || D == DType::Q5_K) {
+    constexpr bool five = D == DType::Q5_K;
+    const uint8_t* blk = row + size_t(b / 8) * (five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K));
+    const int j = int(b % 8);
+    const uint8_t* sc = blk + 4;
+    const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | (sc[j - 4] >> 6) << 4;
+    const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
+    s.a0 = s.a1 = f16(load_u16(blk)) * float(scale);
+    s.m = f16(load_u16(blk + 2)) * float(min);
+    const __m256i q = field_32(blk + (five ? 48 : 16) + 32 * (j / 2), 4 * (j % 2), 0x0f);
+    if constexpr (!five) return q;
+    else return _mm256_or_si256(q, _mm256_slli_epi16(field_32(blk + 16, j, 1), 4));
+  } else {  // Q6_K: weights 32j .. 32j+31 of the super-block (formats/quant.h's bit layout)
+    const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ6_K);
+    const int j = int(b % 8), h = j / 4, jj = j % 4;
+    const float d = f16(load_u16(blk + 208));
+    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    s.a0 = d * float(scales[2 * j]), s.a1 = d * float(scales[2 * j + 1]), s.m = 0.0f;
+    const __m256i lo = field_32(blk + 64 * h + 32 * (jj % 2), 4 * (jj / 2), 0x0f);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(field_32(blk + 128 + 32 * h, 2 * jj, 3), 4));
+  }
+}
+
+// y[t, r] for rows [r0, r1), all tokens, 4 tokens per pass over a row (each block decoded once
+// for them).
+template <DType D>
+void rows_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1) {
+  constexpr int C = 4, O = quant_zero<D>();
+  const int64_t M = w.rows, nb = a.nb, T = a.T;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w.row(r);
+    for (int64_t t0 = 0; t0 < T; t0 += C) {
+      const int nc = int(std::min<int64_t>(C, T - t0));
+      __m256 acc[C];
+      float mins[C] = {0, 0, 0, 0};
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        BlockScales s;
+        __m256i q = decode_block<D>(row, b, s);
+        if constexpr (O != 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(O));
+        const __m256i aq = O != 0 ? _mm256_sign_epi8(q, q) : q;
+        const __m256 sc = _mm256_set_m128(_mm_set1_ps(s.a1), _mm_set1_ps(s.a0));
+        for (int c = 0; c < nc; ++c) {
+          const BlockQ8Act& xa = a.xq[(t0 + c) * nb + b];
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.qs));
+          if constexpr (O != 0) xv = _mm256_sign_epi8(xv, q);
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones);
+          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_set1_ps(xa.d)), acc[c]);
+          mins[c] += s.m * xa.s;
+        }
+      }
+      for (int c = 0; c < nc; ++c) y[(t0 + c) * M + r] = hsum(acc[c]) - mins[c];
+    }
+  }
+}
+
+// rows_matmul for w's type; false when the type is not one of is_row_type's.
+bool row_types_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1) {
+  switch (w.type) {
+    case DType::Q5_0: rows_matmul<DType::Q5_0>(y, a, w, r0, r1); return true;
+    case DType::Q5_1: rows_matmul<DType::Q5_1>(y, a, w, r0, r1); return true;
+    case DType::Q4_K: rows_matmul<DType::Q4_K>(y, a, w, r0, r1); return true;
+    case DType::Q5_K: rows_matmul<DType::Q5_K>(y, a, w, r0, r1); return true;
+    case DType::Q6_K: rows_matmul<DType::Q6_K>(y, a, w, r0, r1); return true;
+    default: return false;
+  }
+}
+
 void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  if (row_types_matmul(y, a, w, r0, r1)) return;
   if (a.T < gemm_min_t(w.type)) {
     switch (w.type) {
       case DType::Q8_0: gemv<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
@@ -629,12 +773,15 @@ struct Vec {
 constexpr int kTile = 8;
 constexpr size_t kTileBlockBytes = kTile * sizeof(BlockQ8Act) + kTile * sizeof(int32_t);
 
-size_t prep_bytes(DType, int64_t T, int64_t K) { return size_t(T / kTile) * size_t(K / QK) * kTileBlockBytes; }
+size_t prep_bytes(DType, int64_t T, int64_t K) {
+  return size_t(T / kTile) * size_t(K / QK) * kTileBlockBytes;
+}
 
 void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr,
                    uint8_t* prep) {
   const int64_t nb = a.nb, tiled = a.T / kTile * kTile;
-  fill_corr(type, sums + t0 * nb, (t1 - t0) * nb, corr + t0 * nb);
+  if (type == DType::Q6_K) fill_corr_halves(a.xq + t0 * nb, (t1 - t0) * nb, corr + t0 * nb);
+  else fill_corr(type, sums + t0 * nb, (t1 - t0) * nb, corr + t0 * nb);
   for (int64_t t = t0; t < std::min(t1, tiled); ++t) {
     uint8_t* tile = prep + size_t(t / kTile) * size_t(nb) * kTileBlockBytes;
     const size_t c = size_t(t % kTile);
@@ -649,74 +796,130 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
 // ---- Packed weights (Weight::packed): the GEMM's panels built once at load, nibbles kept packed.
 //
 // Panels of 16 rows, one after the other (rows past the matrix: zero quants and scales). A
-// panel holds its blocks in pairs (b0, b1; an odd last block pairs with zeros):
-//   [quants b0 | quants b1 | scales b0 | scales b1]
+// panel holds its 32-weight blocks in pairs (b0, b1; an odd last block pairs with zeros):
+//   [quants b0 | quants b1 | high bits b0 | high bits b1 | scales b0 | scales b1]
 // quants of a block, lanes = the 16 rows, 64 bytes per vector:
-//   Q4_0/Q4_1: 4 vectors; vector j, lane r = bytes 4j..4j+3 of row r's 16 quant bytes, so its
-//              low nibbles are elements 4j..4j+3 and its high nibbles elements 16+4j..16+4j+3.
-//   Q8_0:      8 vectors; vector j, lane r = quants 4j..4j+3 of row r, stored as w + 128.
-// scales: d of the 16 rows as fp16 (32 bytes), then Q4_1's m as fp16 (32 bytes).
-// Q4_0 pair = 2·256 + 2·32 = 576 bytes for 32 rows' worth of blocks (= 16 rows × 2 blocks × 18),
-// Q4_1 640, Q8_0 1088: the file's bytes, rearranged (a multiple of 64, so every load is aligned).
+//   Q8_0:   8 vectors; vector j, lane r = quants 4j..4j+3 of row r, stored as w + 128.
+//   others: 4 vectors; vector j, lane r holds in its low nibbles the low 4 bits of elements
+//           4j..4j+3 of row r, in its high nibbles those of elements 16+4j..16+4j+3 (for Q4_0
+//           and Q4_1 these are the file's quant bytes 4j..4j+3).
+// high bits (formats/quant.h's QuantBlock q ≥ 16): one 64-bit mask per quant vector and bit,
+//   bit 4r+k = that bit of the element in byte k of lane r: Q5_0/Q5_1/Q5_K 8 masks of bit 4
+//   (4 for the low nibbles, then 4 for the high ones; 64 bytes); Q6_K those of bit 4, then of
+//   bit 5 (128 bytes).
+// scales of the 16 rows: Q8_0/Q4_0/Q5_0 d as fp16 (32 bytes); Q4_1/Q5_1 d, then m, as fp16
+//   (64); Q4_K/Q5_K a = d·sc, then the added minimum −dmin·m, as fp32 (128; both exact
+//   products of the file's fields); Q6_K the two half-block scales d·sc as fp32 (128).
+// A pair is a multiple of 64 bytes, so every load is aligned: Q4_0 576 (= 16 rows × 2 blocks
+// × 18: the file's bytes), Q4_1 640, Q5_0 704 (the file's), Q5_1 768, Q8_0 1088, Q4_K 768 and
+// Q5_K 896 (the file's 576 and 704 plus the scales widened to fp32), Q6_K 1024 (file: 840).
 // One panel is one sequential stream, which decode reads at the DRAM bandwidth (16 rows read in
 // place, 16 streams, lost up to half of it: dev/README.md #5, #14); prefill reuses
 // each panel (up to 27 KiB for K = 1536 at Q4_0) from L1/L2 for every tile of 8 tokens.
 template <DType D>
-constexpr size_t pk_quant_bytes() { return D == DType::Q8_0 ? 512 : 256; }
-template <DType D>
-constexpr size_t pk_scale_bytes() { return D == DType::Q4_1 ? 64 : 32; }
-template <DType D>
-constexpr size_t pk_pair_bytes() { return 2 * (pk_quant_bytes<D>() + pk_scale_bytes<D>()); }
-template <DType D>
-size_t pk_panel_bytes(int64_t K) { return size_t((K / QK + 1) / 2) * pk_pair_bytes<D>(); }
+struct Pk {
+  static constexpr DType kType = D;
+  static constexpr bool kF32Scales = D == DType::Q4_K || D == DType::Q5_K || D == DType::Q6_K;
+  static constexpr bool kMin = D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
+  static constexpr bool kTwoScales = D == DType::Q6_K;  // one per half block (16 weights)
+  static constexpr int kHighBits = D == DType::Q6_K ? 2 : (D == DType::Q5_0 || D == DType::Q5_1 || D == DType::Q5_K) ? 1 : 0;
+  static constexpr size_t QB = D == DType::Q8_0 ? 512 : 256;
+  static constexpr size_t HB = 64 * size_t(kHighBits);
+  static constexpr size_t SB = kF32Scales ? 128 : kMin ? 64 : 32;
+  static constexpr size_t PAIR = 2 * (QB + HB + SB);
+  static size_t panel_bytes(int64_t K) { return size_t((K / QK + 1) / 2) * PAIR; }
+};
 
-size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
-  const size_t panels = size_t((rows + 15) / 16);
-  switch (type) {
-    case DType::Q8_0: return panels * pk_panel_bytes<DType::Q8_0>(cols);
-    case DType::Q4_0: return panels * pk_panel_bytes<DType::Q4_0>(cols);
-    case DType::Q4_1: return panels * pk_panel_bytes<DType::Q4_1>(cols);
-    default: return 0;
+// The packed layout of a type, by value: dispatch on a run-time DType once.
+template <class F>
+auto with_packed_type(DType t, F&& f) {
+  switch (t) {
+    case DType::Q8_0: return f(Pk<DType::Q8_0>{});
+    case DType::Q4_0: return f(Pk<DType::Q4_0>{});
+    case DType::Q4_1: return f(Pk<DType::Q4_1>{});
+    case DType::Q5_0: return f(Pk<DType::Q5_0>{});
+    case DType::Q5_1: return f(Pk<DType::Q5_1>{});
+    case DType::Q4_K: return f(Pk<DType::Q4_K>{});
+    case DType::Q5_K: return f(Pk<DType::Q5_K>{});
+    default: return f(Pk<DType::Q6_K>{});
   }
 }
 
-// Rows 16p .. 16p+15 of w as one packed panel at out (pk_panel_bytes; rows past the matrix zero).
+size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
+  if (!is_quantized(type)) return 0;
+  return with_packed_type(type, [&](auto pk) { return size_t((rows + 15) / 16) * pk.panel_bytes(cols); });
+}
+
+// Block b of row i (of 16) at its place in a panel: Q8_0/Q4_0/Q4_1 byte copies of the file.
+template <DType D>
+void pack_block_bytes(const uint8_t* blk, int i, uint8_t* q, uint8_t* sc) {
+  constexpr size_t off = quant_offset<D>();
+  for (size_t j = 0; j < Pk<D>::QB / 64; ++j)
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t v = blk[off + 4 * j + size_t(k)];
+      q[64 * j + 4 * size_t(i) + size_t(k)] = D == DType::Q8_0 ? uint8_t(v ^ 0x80) : v;
+    }
+  std::memcpy(sc + 2 * i, blk, 2);                                           // d
+  if constexpr (D == DType::Q4_1) std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
+}
+
+// The other types from their decoded block (formats/quant.h decode_quant_block).
+template <DType D>
+void pack_block_decoded(const QuantBlock& qb, int i, uint8_t* q, uint8_t* hb, uint8_t* sc) {
+  auto* masks = reinterpret_cast<uint64_t*>(hb);  // 64-aligned
+  for (int j = 0; j < 4; ++j)
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t lo = qb.q[4 * j + k], hi = qb.q[16 + 4 * j + k];
+      q[64 * j + 4 * i + k] = uint8_t((lo & 15) | (hi & 15) << 4);
+      const int bit = 4 * i + k;
+      for (int h = 0; h < Pk<D>::kHighBits; ++h) {
+        masks[8 * h + j] |= uint64_t((lo >> (4 + h)) & 1) << bit;
+        masks[8 * h + 4 + j] |= uint64_t((hi >> (4 + h)) & 1) << bit;
+      }
+    }
+  if constexpr (Pk<D>::kF32Scales) {
+    auto* f = reinterpret_cast<float*>(sc);
+    f[i] = qb.a[0];
+    f[16 + i] = Pk<D>::kTwoScales ? qb.a[1] : -qb.m;
+  } else {
+    const uint16_t d = fp32_to_fp16(qb.a[0]), m = fp32_to_fp16(-qb.m);  // exact: they were fp16
+    std::memcpy(sc + 2 * i, &d, 2);
+    if constexpr (Pk<D>::kMin) std::memcpy(sc + 32 + 2 * i, &m, 2);
+  }
+}
+
+// Rows 16p .. 16p+15 of w as one packed panel at out (Pk::panel_bytes; rows past the matrix zero).
 template <DType D>
 void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
-  constexpr size_t BS = block_size<D>(), QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
-  constexpr size_t off = quant_offset<D>();
+  using P = Pk<D>;
   const int64_t nb = w.cols / QK, nrows = std::min<int64_t>(16, w.rows - p * 16);
-  if (nrows < 16 || nb % 2) std::memset(out, 0, pk_panel_bytes<D>(w.cols));  // padding rows, odd last block
+  if (nrows < 16 || nb % 2 || P::kHighBits) std::memset(out, 0, P::panel_bytes(w.cols));  // padding; masks are OR-ed
+  QuantBlock qb;
   for (int i = 0; i < nrows; ++i) {
     const uint8_t* row = w.row(p * 16 + i);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + size_t(b) * BS;
-      uint8_t* q = out + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
-      uint8_t* sc = out + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
-      for (size_t j = 0; j < QB / 64; ++j)
-        for (int k = 0; k < 4; ++k) {
-          const uint8_t v = blk[off + 4 * j + size_t(k)];
-          q[64 * j + 4 * size_t(i) + size_t(k)] = D == DType::Q8_0 ? uint8_t(v ^ 0x80) : v;
-        }
-      std::memcpy(sc + 2 * i, blk, 2);                                           // d
-      if constexpr (D == DType::Q4_1) std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
+      uint8_t* pair = out + size_t(b / 2) * P::PAIR;
+      uint8_t* q = pair + size_t(b % 2) * P::QB;
+      uint8_t* hb = pair + 2 * P::QB + size_t(b % 2) * P::HB;
+      uint8_t* sc = pair + 2 * (P::QB + P::HB) + size_t(b % 2) * P::SB;
+      if constexpr (D == DType::Q8_0 || D == DType::Q4_0 || D == DType::Q4_1) {
+        pack_block_bytes<D>(row + size_t(b) * block_size<D>(), i, q, sc);
+      } else {
+        decode_quant_block(D, row, b, qb);
+        pack_block_decoded<D>(qb, i, q, hb, sc);
+      }
     }
   }
 }
 
-template <DType D>
-void pack_t(const Weight& w, uint8_t* out) {
-  const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
-  for (int64_t p = 0; p < (w.rows + 15) / 16; ++p) pack_panel<D>(w, p, out + size_t(p) * panel_bytes);
-}
-
 void pack_quant(const Weight& w, uint8_t* out) {
-  switch (w.type) {
-    case DType::Q8_0: pack_t<DType::Q8_0>(w, out); break;
-    case DType::Q4_0: pack_t<DType::Q4_0>(w, out); break;
-    case DType::Q4_1: pack_t<DType::Q4_1>(w, out); break;
-    default: break;
-  }
+  if (!is_quantized(w.type)) return;
+  with_packed_type(w.type, [&](auto pk) {
+    constexpr DType D = decltype(pk)::kType;
+    const size_t panel_bytes = pk.panel_bytes(w.cols);
+    for (int64_t p = 0; p < (w.rows + 15) / 16; ++p) pack_panel<D>(w, p, out + size_t(p) * panel_bytes);
+    return 0;
+  });
 }
 
 // Token c's activations of block b: with C = kTile from one tile of prep (xq points at it, corr
@@ -738,28 +941,61 @@ inline int32_t tile_corr(const BlockQ8Act* xq, const int32_t* corr, int64_t nb, 
     return corr[c * nb + b];
 }
 
+// The low (h = 0) or high (h = 1) nibbles of quant vector v, with the high bits of that vector
+// (j: its index 0..3) added back from the masks.
+template <DType D>
+inline __m512i nibbles_with_high_bits(__m512i v, const uint8_t* hb, int j, int h) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512i n = h ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4) : _mm512_and_si512(v, low4);
+  if constexpr (Pk<D>::kHighBits > 0) {
+    const __mmask64 m4 = _cvtu64_mask64(load_u64(hb + 8 * (4 * h + j)));
+    n = _mm512_mask_add_epi8(n, m4, n, _mm512_set1_epi8(0x10));
+  }
+  if constexpr (Pk<D>::kHighBits > 1) {
+    const __mmask64 m5 = _cvtu64_mask64(load_u64(hb + 64 + 8 * (4 * h + j)));
+    n = _mm512_mask_add_epi8(n, m5, n, _mm512_set1_epi8(0x20));
+  }
+  return n;
+}
+
+// The integer corrections of a token's block, for the first and second half accumulators:
+// Q6_K's corr holds the two half sums of q_x as int16 (fill_corr_halves), the others the whole
+// block's correction.
+template <DType D>
+inline void block_corr(int32_t c, int32_t& lo, int32_t& hi) {
+  if constexpr (Pk<D>::kTwoScales) {
+    lo = -32 * int32_t(int16_t(uint32_t(c) & 0xffffu)), hi = -32 * int32_t(int16_t(uint32_t(c) >> 16));
+  } else {
+    lo = c, hi = 0;
+  }
+}
+
 // 16 packed rows × C tokens: the integer dot of every block (two accumulators per token, summed
-// exactly), then acc = fma(float(dot), d_w·d_x, acc) (+ fma(m, s_x, acc)) over the blocks in
-// order: the same instructions for an output whatever the number of tokens.
+// exactly, or scaled apart for Q6_K's two half-block scales), then acc = fma(float(dot),
+// d_w·d_x, acc) (+ fma(m, s_x, acc)) over the blocks in order: the same instructions for an
+// output whatever the number of tokens.
 template <DType D, int C>
 void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr,
                  __mmask16 rmask) {
+  using P = Pk<D>;
   static_assert(C == 1 || C == kTile, "tiles of one token or kTile tokens");
-  constexpr size_t QB = pk_quant_bytes<D>(), SB = pk_scale_bytes<D>(), PAIR = pk_pair_bytes<D>();
   // Integer accumulators per token: with one token, two chains (even and odd quant vectors)
   // halve the vpdpbusd dependency chain; with 8 tokens there are 8 chains already (and more
-  // accumulators would spill).
-  constexpr int NS = C >= 4 ? 1 : 2;
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  // accumulators would spill). Q6_K keeps its halves apart.
+  constexpr int NS = C >= 4 && !P::kTwoScales ? 1 : 2;
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q = panel + size_t(b / 2) * PAIR + size_t(b % 2) * QB;
-    const uint8_t* sc = panel + size_t(b / 2) * PAIR + 2 * QB + size_t(b % 2) * SB;
+    const uint8_t* pair = panel + size_t(b / 2) * P::PAIR;
+    const uint8_t* q = pair + size_t(b % 2) * P::QB;
+    const uint8_t* hb = pair + 2 * P::QB + size_t(b % 2) * P::HB;
+    const uint8_t* sc = pair + 2 * (P::QB + P::HB) + size_t(b % 2) * P::SB;
     __m512i s[C][NS];
     for (int c = 0; c < C; ++c) {
-      s[c][0] = D == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(tile_corr<C>(xq, corr, nb, c, b));
-      if constexpr (NS > 1) s[c][NS - 1] = _mm512_setzero_si512();
+      int32_t lo, hi;
+      block_corr<D>(tile_corr<C>(xq, corr, nb, c, b), lo, hi);
+      s[c][0] = _mm512_set1_epi32(lo);
+      if constexpr (NS > 1) s[c][NS - 1] = _mm512_set1_epi32(hi);
     }
     if constexpr (D == DType::Q8_0) {
       for (int j = 0; j < 8; ++j) {
@@ -771,7 +1007,7 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
     } else {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_load_si512(q + 64 * j);
-        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        const __m512i lo = nibbles_with_high_bits<D>(v, hb, j, 0), hi = nibbles_with_high_bits<D>(v, hb, j, 1);
         for (int c = 0; c < C; ++c) {
           const int8_t* x = tile_act<C>(xq, nb, c, b).qs;
           s[c][0] = _mm512_dpbusd_epi32(s[c][0], lo, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
@@ -779,14 +1015,25 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
         }
       }
     }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
+    __m512 dw, dw2 = _mm512_setzero_ps(), mw = _mm512_setzero_ps();
+    if constexpr (P::kF32Scales) {
+      dw = _mm512_load_ps(reinterpret_cast<const float*>(sc));
+      (P::kTwoScales ? dw2 : mw) = _mm512_load_ps(reinterpret_cast<const float*>(sc + 64));
+    } else {
+      dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
+      if constexpr (P::kMin) mw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+    }
     for (int c = 0; c < C; ++c) {
       const BlockQ8Act& xa = tile_act<C>(xq, nb, c, b);
-      const __m512i dot = NS > 1 ? _mm512_add_epi32(s[c][0], s[c][NS - 1]) : s[c][0];
-      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xa.d)), acc[c]);
-      if constexpr (D == DType::Q4_1)
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32))),
-                                 _mm512_set1_ps(xa.s), acc[c]);
+      const __m512 dx = _mm512_set1_ps(xa.d);
+      if constexpr (P::kTwoScales) {
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[c][0]), _mm512_mul_ps(dw, dx), acc[c]);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[c][1]), _mm512_mul_ps(dw2, dx), acc[c]);
+      } else {
+        const __m512i dot = NS > 1 ? _mm512_add_epi32(s[c][0], s[c][NS - 1]) : s[c][0];
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[c]);
+      }
+      if constexpr (P::kMin) acc[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.s), acc[c]);
     }
   }
   for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * M, rmask, acc[c]);
@@ -799,7 +1046,7 @@ template <DType D>
 void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
   constexpr int C = kTile;
   const int64_t M = w.rows, T = a.T, nb = a.nb;
-  const size_t panel_bytes = pk_panel_bytes<D>(w.cols);
+  const size_t panel_bytes = Pk<D>::panel_bytes(w.cols);
   for (int64_t r = r0; r < r1; r += 16) {
     const uint8_t* panel = w.packed + size_t(r / 16) * panel_bytes;
     if (!w.packed) pack_panel<D>(w, r / 16, scratch), panel = scratch;
@@ -815,15 +1062,14 @@ void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, in
 
 // Scratch: one panel, for weights that were not packed at load.
 size_t thread_bytes(DType type, int64_t, int64_t K) {
-  return type == DType::Q4_1 ? pk_panel_bytes<DType::Q4_1>(K) : pk_panel_bytes<DType::Q8_0>(K);
+  return with_packed_type(type, [&](auto pk) { return pk.panel_bytes(K); });
 }
 
 void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  switch (w.type) {
-    case DType::Q8_0: packed_matmul<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
-    case DType::Q4_0: packed_matmul<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
-    default: packed_matmul<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
-  }
+  with_packed_type(w.type, [&](auto pk) {
+    packed_matmul<decltype(pk)::kType>(y, a, w, r0, r1, scratch);
+    return 0;
+  });
 }
 
 // Keys transposed ([hd, bt]): 16 positions per vector, R heads at a time sharing each key

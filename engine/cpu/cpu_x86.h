@@ -8,9 +8,10 @@
 // same instruction sequence wherever its row falls in a tile or a thread's range):
 // - F32/F16/BF16: fp32 products accumulated in fp32, one vector accumulator per output
 //   (16 or 8 independent lanes along K), lanes summed in a fixed order at the end.
-// - Q8_0/Q4_0/Q4_1: exact int32 dot products of 8-bit activations with the weight quants per
-//   block of 32, then sum_b d_w[b] * d_x[b] * dot_b (+ m[b] * s_x[b] for Q4_1) in fp32, as the
-//   scalar path; only the fp32 rounding of those per-block terms differs from it.
+// - quantized types: exact int32 dot products of 8-bit activations with the weight quants per
+//   block of 32 (per half block for Q6_K), then sum_b d_w[b] * d_x[b] * dot_b (+ m[b] * s_x[b]
+//   for the types with a minimum) in fp32, as the scalar path; only the fp32 rounding of those
+//   per-block terms differs from it.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -44,7 +45,7 @@ struct Kernels {
                         uint8_t* prep);
   /// Bytes of per-thread scratch (64-aligned by the caller) matmul_quant needs for K columns.
   size_t (*thread_bytes)(DType type, int64_t T, int64_t K);
-  /// y[t, r] for rows r in [r0, r1) and all tokens of a Q8_0/Q4_0/Q4_1 weight.
+  /// y[t, r] for rows r in [r0, r1) and all tokens of a quantized weight (any block type).
   void (*matmul_quant)(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch);
   /// Σ a[i]·b[i] in fp32 (vector lanes, fixed reduction order).
   float (*dot)(const float* a, const float* b, int64_t n);

@@ -11,6 +11,7 @@
 #include "engine/cuda/act_q8.cuh"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/matmul.h"
+#include "engine/cuda/raw_blocks.cuh"
 #include "base/error.h"
 
 namespace llmq::cuda {
@@ -28,8 +29,8 @@ size_t q_row_bytes(DType t, int64_t cols) {
     case DType::F32: return size_t(cols) * 4;
     case DType::F16:
     case DType::BF16: return size_t(cols) * 2;
+    default: return row_bytes(t, cols);  // raw types: the file's rows (raw_blocks.cuh)
   }
-  throw UsageError("CUDA: unsupported weight type");
 }
 
 void check_cublas(cublasStatus_t st, const char* what) {
@@ -121,6 +122,7 @@ constexpr int kFillBlocks = 1024, kFillThreads = 256;
 }  // namespace
 
 void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
+  if (is_raw_type(w.type)) throw UsageError(std::string("synthetic weights are not made for ") + dtype_name(w.type));
   const uint64_t n = uint64_t(w.rows) * uint64_t(w.cols), nb = n / QK;
   auto* q = const_cast<uint8_t*>(w.q);
   auto* d = const_cast<uint16_t*>(w.d);
@@ -138,6 +140,7 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
         LLMQ_LAUNCH(neg_scaled_kernel, kFillBlocks, kFillThreads, 0, s)(const_cast<uint16_t*>(w.m), w.d, nb, 8.0f);
       break;
     }
+    default: break;  // raw types refused above
   }
   check_launch("fill_random");
 }
@@ -369,6 +372,28 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_float_kernel(const E* __
   store_rows(acc, y, ldy, row, T);
 }
 
+// Raw-layout weights (raw_blocks.cuh) against fp32 activations: one warp per row, each lane
+// decodes whole blocks b = lane, lane + 32, ... A correct first version, not tuned (no GPU
+// measurement yet; the issue of GPU speed tracks it).
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, const uint8_t* __restrict__ wq, size_t rb,
+                                                                  const float* __restrict__ x, float* __restrict__ y, int64_t ldy,
+                                                                  int64_t rows, int64_t cols, int T) {
+  const int64_t row = int64_t(blockIdx.x) * kGemvWarps + threadIdx.y;
+  if (row >= rows) return;
+  float acc[kGemvMaxTokens] = {};
+  for (int64_t b = threadIdx.x; b < cols / 32; b += 32) {
+    float wf[32];
+    raw_block(type, wq + row * rb, b, wf);
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const float* xr = x + t * cols + b * 32;
+        for (int j = 0; j < 32; ++j) acc[t] += wf[j] * xr[j];
+      }
+  }
+  store_rows(acc, y, ldy, row, T);
+}
+
 }  // namespace
 
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s) {
@@ -390,6 +415,9 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
       break;
     case DType::BF16:
       LLMQ_LAUNCH(gemv_float_kernel<__nv_bfloat16>, grid, block, 0, s)(reinterpret_cast<const __nv_bfloat16*>(w.q), x, y, ldy, w.rows, w.cols, nt);
+      break;
+    default:
+      LLMQ_LAUNCH(gemv_raw_kernel, grid, block, 0, s)(w.type, w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
       break;
   }
   check_launch("gemv");
@@ -432,6 +460,22 @@ __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint
   out[i] = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
+// Raw-layout weights: one thread per block of 32, four 16-byte stores.
+__global__ void dequantize_raw_f16_kernel(DType type, const uint8_t* __restrict__ wq, int64_t nb_row, size_t rb,
+                                          uint4* __restrict__ out, int64_t n_blocks) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_blocks) return;
+  float f[32];
+  raw_block(type, wq + (i / nb_row) * rb, i % nb_row, f);
+  for (int k = 0; k < 4; ++k) {
+    uint32_t h[4];
+    for (int j = 0; j < 4; ++j)
+      h[j] = uint32_t(__half_as_ushort(__float2half(f[8 * k + 2 * j]))) |
+             (uint32_t(__half_as_ushort(__float2half(f[8 * k + 2 * j + 1]))) << 16);
+    out[4 * i + k] = make_uint4(h[0], h[1], h[2], h[3]);
+  }
+}
+
 // fp32 → fp16 (bf16 = false) or bf16.
 __global__ void convert_kernel(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n, bool bf16) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -450,7 +494,11 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
     case DType::Q8_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q8_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
     case DType::Q4_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
     case DType::Q4_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_1>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
-    default: throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));
+    default:
+      if (!is_raw_type(w.type)) throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));
+      LLMQ_LAUNCH(dequantize_raw_f16_kernel, unsigned((n_blocks + 127) / 128), 128, 0, s)(w.type, v.q, w.cols / QK,
+                                                                                      row_bytes(w.type, w.cols), o, n_blocks);
+      break;
   }
   check_launch("dequantize_rows_f16");
 }

@@ -5,6 +5,7 @@
 #include "engine/cuda/act_q8.cuh"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
+#include "engine/cuda/raw_blocks.cuh"
 #include "base/error.h"
 
 namespace llmq::cuda {
@@ -240,8 +241,12 @@ __device__ __forceinline__ float weight_at(DType type, const uint8_t* q, const u
       return type == DType::Q4_0 ? fp16_bits_to_float(d[b]) * float(nib - 8)
                                  : fp16_bits_to_float(d[b]) * float(nib) + fp16_bits_to_float(m[b]);
     }
+    default: {  // raw layout (raw_blocks.cuh): decode the element's block
+      float w[32];
+      raw_block(type, q + r * int64_t(raw_row_bytes(type, cols)), j / 32, w);
+      return w[j % 32];
+    }
   }
-  return 0.0f;
 }
 
 __global__ void embedding_kernel(float* __restrict__ x, DType type, const uint8_t* __restrict__ q, const uint16_t* __restrict__ d,

@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -16,15 +17,58 @@
 
 namespace llmq {
 
+std::optional<QuantMix> quant_mix_from_name(const std::string& name) {
+  if (name == "q4_k_m" || name == "Q4_K_M") return QuantMix{DType::Q4_K, "q4_k_m"};
+  if (name == "q5_k_m" || name == "Q5_K_M") return QuantMix{DType::Q5_K, "q5_k_m"};
+  return std::nullopt;
+}
+
+bool use_more_bits(int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; }
+
+DType k_quant_fallback(DType t) {
+  switch (t) {
+    case DType::Q4_K: return DType::Q5_0;
+    case DType::Q5_K: return DType::Q5_1;
+    case DType::Q6_K: return DType::Q8_0;
+    default: return t;
+  }
+}
+
+namespace {
+
+// The mix's type for a 2-D tensor (ConvertOptions::mix).
+DType mix_type(const QuantMix& mix, const std::string& name, const ConvertOptions& opts) {
+  if (name == "output.weight" || (opts.tied_output && name == "token_embd.weight")) return DType::Q6_K;
+  if (std::find(opts.more_bits.begin(), opts.more_bits.end(), name) != opts.more_bits.end()) return DType::Q6_K;
+  return mix.base;
+}
+
+// The attn_v and ffn_down tensors use_more_bits picks, each kind counted in file order.
+std::vector<std::string> more_bits_tensors(const std::vector<SourceTensor>& ts) {
+  std::vector<std::string> out;
+  for (const char* kind : {".attn_v.weight", ".ffn_down.weight"}) {
+    std::vector<const SourceTensor*> of;
+    for (const SourceTensor& t : ts)
+      if (t.name.find(kind) != std::string::npos) of.push_back(&t);
+    std::stable_sort(of.begin(), of.end(), [](auto* a, auto* b) { return a->file_order < b->file_order; });
+    for (size_t i = 0; i < of.size(); ++i)
+      if (use_more_bits(int(i), int(of.size()))) out.push_back(of[i]->name);
+  }
+  return out;
+}
+
+}  // namespace
+
 DType choose_type(const SourceTensor& src, const ConvertOptions& opts, bool* fell_back) {
   *fell_back = false;
   if (src.shape.size() < 2) return DType::F32;
-  DType t = opts.type ? *opts.type : src.raw ? src.raw_type : DType::F16;
+  DType t = opts.type ? *opts.type : opts.mix ? mix_type(*opts.mix, src.name, opts) : src.raw ? src.raw_type : DType::F16;
   for (const auto& [pattern, type] : opts.overrides)
     if (fnmatch(pattern.c_str(), src.name.c_str(), 0) == 0) {
       t = type;
       break;
     }
+  if (!row_fits(t, src.shape.back())) t = k_quant_fallback(t);
   if (!row_fits(t, src.shape.back())) {
     *fell_back = true;
     return DType::F16;
@@ -78,13 +122,18 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
                                            : file_xxh64(opts.source_path));
   }
   w.meta.set("general.converter", std::string("llmq-convert ") + LLMQ_VERSION);
-  w.meta.set("general.file_type", std::string(opts.type ? dtype_name(*opts.type) : "as source"));
+  w.meta.set("general.file_type",
+             std::string(opts.type ? dtype_name(*opts.type) : opts.mix ? opts.mix->name.c_str() : "as source"));
 
   ConvertReport rep;
   std::vector<bool> fallback;
+  ConvertOptions o = opts;
+  if (o.mix) o.more_bits = more_bits_tensors(src.tensors);
+  o.tied_output = true;
+  for (const SourceTensor& t : src.tensors) o.tied_output = o.tied_output && t.name != "output.weight";
   for (const SourceTensor& t : src.tensors) {
     bool fb = false;
-    const DType type = choose_type(t, opts, &fb);
+    const DType type = choose_type(t, o, &fb);
     w.declare(t.name, type, t.shape);
     fallback.push_back(fb);
   }
@@ -101,6 +150,12 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
     if (opts.progress) draw_progress(i, src.tensors.size(), t.name);
     const int64_t n = t.numel(), cols = t.shape.back(), rows = n / cols;
     if (t.raw && t.raw_type == info.type) {  // lossless repack: the stored bytes as they are
+      const size_t rb = row_bytes(info.type, cols);
+      for (int64_t r = 0; r < rows; ++r)
+        if (const int64_t j = first_nonfinite(info.type, t.raw + size_t(r) * rb, cols); j >= 0)
+          throw FileError(opts.source_path.empty() ? "source" : opts.source_path,
+                          "tensor '" + t.name + "' row " + std::to_string(r) + ": weight " + std::to_string(j) +
+                              " is not finite (NaN or infinite value or scale)");
       w.write_tensor(i, t.raw, info.nbytes);
       if (t.release) t.release();
       errors.push_back(0.0f);

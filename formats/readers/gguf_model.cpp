@@ -126,6 +126,7 @@ SourceTensor gguf_source_tensor(const std::shared_ptr<GgufFile>& g, const Tensor
   SourceTensor st;
   st.name = spec.name;
   st.shape = spec.shape;
+  st.file_order = t - g->tensors().data();
   if (dtype_known(t->type)) {
     st.raw_type = DType(t->type);
     st.raw = t->data;

@@ -26,6 +26,9 @@ struct SourceTensor {
   /// read()); a reader over a mapping drops the tensor's pages from the resident set, so a
   /// lossless conversion does not end with the whole source resident. Empty: nothing to do.
   std::function<void()> release;
+  /// Position of the tensor in the source file when the source orders its tensors (GGUF),
+  /// else -1 (table order). llama.cpp's K-quant mixes count tensors in file order.
+  int64_t file_order = -1;
   int64_t numel() const {
     int64_t n = 1;
     for (auto d : shape) n *= d;

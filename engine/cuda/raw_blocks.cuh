@@ -1,0 +1,66 @@
+// Weights of the types the device keeps in the file's own block layout ("raw": Q5_0, Q5_1,
+// Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
+// The CPU reference is formats/quant.h's decode_quant_block / dequantize_row: the same
+// w = a·(q − o) − m per weight (the device may fuse the multiply and subtract into an FMA).
+// Bytes are read one at a time, so a row needs no alignment.
+#pragma once
+#include "engine/cuda/common.cuh"
+#include "formats/quant.h"
+
+namespace llmq::cuda {
+
+/// True for the types kept raw on the device.
+__host__ __device__ constexpr bool is_raw_type(DType t) {
+  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
+}
+
+/// Bytes of a row of `cols` weights of raw type t (formats/quant.h's row_bytes, on either side).
+__host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) {
+  return t == DType::Q5_0 ? cols / 32 * 22 : t == DType::Q5_1 ? cols / 32 * 24 : t == DType::Q4_K ? cols / 256 * 144
+       : t == DType::Q5_K ? cols / 256 * 176 : cols / 256 * 210;
+}
+
+__device__ __forceinline__ float half_at(const uint8_t* p) { return fp16_bits_to_float(uint16_t(p[0] | (p[1] << 8))); }
+
+/// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
+__device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* w) {
+  if (t == DType::Q5_0 || t == DType::Q5_1) {
+    const bool has_min = t == DType::Q5_1;
+    const uint8_t* blk = row + b * (has_min ? 24 : 22);
+    const float d = half_at(blk), m = has_min ? half_at(blk + 2) : 0.0f;
+    const uint8_t* qh = blk + (has_min ? 4 : 2);
+    const uint8_t* qs = qh + 4;
+    const uint32_t h = uint32_t(qh[0]) | uint32_t(qh[1]) << 8 | uint32_t(qh[2]) << 16 | uint32_t(qh[3]) << 24;
+    for (int i = 0; i < 32; ++i) {
+      const int q = ((i < 16 ? qs[i] : qs[i - 16] >> 4) & 15) | int((h >> i) & 1) << 4;
+      w[i] = has_min ? d * float(q) + m : d * float(q - 16);
+    }
+  } else if (t == DType::Q4_K || t == DType::Q5_K) {
+    const bool five = t == DType::Q5_K;
+    const uint8_t* blk = row + (b / 8) * (five ? 176 : 144);
+    const int j = int(b % 8);
+    const uint8_t* s = blk + 4;
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    const float a = half_at(blk) * float(sc), m = half_at(blk + 2) * float(mn);
+    const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
+    for (int l = 0; l < 32; ++l) {
+      int q = (qs[l] >> (4 * (j % 2))) & 15;
+      if (five) q |= ((blk[16 + l] >> j) & 1) << 4;
+      w[l] = a * float(q) - m;
+    }
+  } else {  // Q6_K
+    const uint8_t* blk = row + (b / 8) * 210;
+    const int j = int(b % 8), h = j / 4, jj = j % 4;
+    const float d = half_at(blk + 208);
+    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const float a0 = d * float(scales[2 * j]), a1 = d * float(scales[2 * j + 1]);
+    for (int l = 0; l < 32; ++l) {
+      const int lo = (blk[64 * h + 32 * (jj % 2) + l] >> (4 * (jj / 2))) & 15;
+      const int hi = (blk[128 + 32 * h + l] >> (2 * jj)) & 3;
+      w[l] = (l < 16 ? a0 : a1) * float((lo | hi << 4) - 32);
+    }
+  }
+}
+
+}  // namespace llmq::cuda
