@@ -21,7 +21,8 @@
 // its GEMV does the same for Q4_0's q-8, its GEMM uses the nibble with the -8·Σx correction.
 // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: AVX-512 as above (the 5th and 6th bits kept as bit masks beside
 // the nibbles, Q5_0's offset 16 corrected as Q4_0's 8, Q6_K's 32 per half block); AVX2 decodes
-// each block in registers row by row (rows_matmul), offsets removed before the sign trick.
+// each block in registers (decode_block): its GEMV reads rows in place as Q4_0's does (offsets
+// removed before the sign trick), its GEMM builds 8-row panels of the decoded quants.
 //
 // Float weights (F32/F16/BF16): fp32 activations, tiles of R rows × C tokens with one vector
 // accumulator per output along K (F16 by F16C, BF16 by a 16-bit shift), a fixed-order
@@ -125,10 +126,16 @@ template <DType D>
 constexpr size_t quant_offset() {
   return D == DType::Q4_1 ? 4 : 2;
 }
-// True for the types the AVX2 rows_matmul serves (at both SIMD levels).
+// True for the types whose AVX2 kernels decode blocks in registers (decode_block) and whose
+// GEMM panel is build_row_panel's.
 constexpr bool is_row_type(DType t) {
   return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
 }
+
+// AVX2, the types of is_row_type: tokens from which the panel GEMM (rows_gemm) replaces the
+// row-by-row kernel, and the bytes of one block of its 8-row panel (quants, then two fp32 rows).
+constexpr int64_t kRowGemmMinT = 16;
+constexpr size_t kRowPanelBlock = 256 + 64;
 
 // Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
@@ -288,58 +295,123 @@ inline __m256i block_quants(const uint8_t* blk) {
   }
 }
 
+// Stores C tokens' accumulators of 8 rows (lanes) at y + c·M, the first nrows lanes only.
+template <int C>
+inline void store_rows8(float* y, int64_t M, const __m256* acc, int nrows) {
+  if (nrows == 8) {
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * M, acc[c]);
+    return;
+  }
+  alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - nrows));
+  for (int c = 0; c < C; ++c) _mm256_maskstore_ps(y + c * M, mask, acc[c]);
+}
+
 // Tokens per pass of the GEMV over a group of rows.
 constexpr int kGemvTokens = 4;
 
 // Scratch of the GEMV: for 8 rows, the int32 block dot products of kGemvTokens tokens
-// [kGemvTokens][nb][8], then d_w and m (Q4_1) [nb][8] (transposed: rows are lanes, as in the GEMM).
-size_t gemv_scratch_bytes(int64_t nb) { return size_t(nb) * (kGemvTokens * 32 + 64); }
+// [kGemvTokens][nb][8] (Q6_K: of each half block, twice that), then per block the two fp32
+// values of each row (the scale; the minimum or Q6_K's second scale) [nb][8] each (transposed:
+// rows are lanes, as in the GEMM).
+size_t gemv_scratch_bytes(DType t, int64_t nb) { return size_t(nb) * (kGemvTokens * 32 * (t == DType::Q6_K ? 2 : 1) + 64); }
 
-// Few tokens (T below gemm_min_t): the weights are read in place, row after row, each block
-// decoded once for up to 4 tokens; the exact integer dot product of every block is stored
-// transposed, and per 8 rows the fp32 part runs with rows in lanes, the instruction sequence
-// of gemm_tile, so that GEMV and GEMM results are bit-identical.
+// The block decoders of the types of is_row_type (below).
+struct BlockScales {
+  float a0, a1, m;
+};
+template <DType D>
+inline __m256i decode_block(const uint8_t* row, int64_t b, BlockScales& s);
+template <DType D>
+constexpr int quant_zero() {
+  return D == DType::Q5_0 ? 16 : D == DType::Q6_K ? 32 : 0;
+}
+// Whether the GEMV takes the block's quants as signed (sign trick) or unsigned.
+template <DType D>
+constexpr bool gemv_signed() {
+  return D == DType::Q8_0 || D == DType::Q4_0 || quant_zero<D>() != 0;
+}
+// Whether a block adds a minimum term m·s_x (the types of the form d·q + m).
+template <DType D>
+constexpr bool has_min() {
+  return D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
+}
+
+// Block b of a row for the GEMV: its quants (signed with the offset removed, or unsigned), and
+// the two fp32 values of its row: the scale, and the minimum (Q4_1: m; Q5_1/Q4_K/Q5_K: −m) or
+// Q6_K's second scale.
+template <DType D>
+inline __m256i gemv_block(const uint8_t* row, int64_t b, float& s0, float& s1) {
+  if constexpr (is_row_type(D)) {
+    BlockScales s;
+    __m256i q = decode_block<D>(row, b, s);
+    s0 = s.a0, s1 = D == DType::Q6_K ? s.a1 : -s.m;
+    if constexpr (quant_zero<D>() != 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(quant_zero<D>()));
+    return q;
+  } else {
+    const uint8_t* blk = row + size_t(b) * block_size<D>();
+    s0 = f16(load_u16(blk)), s1 = D == DType::Q4_1 ? f16(load_u16(blk + 2)) : 0.0f;
+    return block_quants<D>(blk);
+  }
+}
+
+inline int32_t hsum_i32x4(__m128i s) {
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// Few tokens (below the GEMM's threshold): the weights are read in place, row after row, each
+// block decoded once for up to 4 tokens; the exact integer dot product of every block is stored
+// transposed, and per 8 rows the fp32 part runs with rows in lanes, the instruction sequence of
+// gemm_tile / row_gemm_tile, so that GEMV and GEMM results are bit-identical.
 template <DType D>
 void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
   constexpr int C = kGemvTokens;
-  constexpr size_t BS = block_size<D>();
+  constexpr bool kHalves = D == DType::Q6_K;
   const int64_t M = w.rows, nb = a.nb, T = a.T;
   const size_t rs = w.row_stride();
-  auto* DT = reinterpret_cast<int32_t*>(scratch);  // [C][nb][8]
-  auto* WT = reinterpret_cast<float*>(scratch + size_t(nb) * C * 32);
+  auto* DT = reinterpret_cast<int32_t*>(scratch);  // [C][nb][8], Q6_K: first halves
+  int32_t* DT2 = DT + size_t(C) * size_t(nb) * 8;  // Q6_K: second halves
+  auto* WT = reinterpret_cast<float*>(scratch + size_t(nb) * C * 32 * (kHalves ? 2 : 1));
   auto* MT = WT + nb * 8;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = r0; g < r1; g += 8) {
     const int n = int(std::min<int64_t>(8, r1 - g));
     for (int64_t t0 = 0; t0 < T; t0 += C) {
       const int nc = int(std::min<int64_t>(C, T - t0));
-      if (n < 8) std::memset(scratch, 0, gemv_scratch_bytes(nb));
+      if (n < 8) std::memset(scratch, 0, gemv_scratch_bytes(D, nb));
       for (int i = 0; i < n; ++i) {
         const uint8_t* row = w.data + size_t(g + i) * rs;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = row + size_t(b) * BS;
-          const __m256i q = block_quants<D>(blk);
-          WT[b * 8 + i] = f16(load_u16(blk));
-          if constexpr (D == DType::Q4_1) MT[b * 8 + i] = f16(load_u16(blk + 2));
-          const __m256i aq = D == DType::Q4_1 ? q : _mm256_sign_epi8(q, q);  // unsigned operand
+          const __m256i q = gemv_block<D>(row, b, WT[b * 8 + i], MT[b * 8 + i]);
+          const __m256i aq = gemv_signed<D>() ? _mm256_sign_epi8(q, q) : q;  // unsigned operand
           for (int c = 0; c < nc; ++c) {
             __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq[(t0 + c) * nb + b].qs));
-            if constexpr (D != DType::Q4_1) xv = _mm256_sign_epi8(xv, q);
-            DT[(c * nb + b) * 8 + i] = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones));
+            if constexpr (gemv_signed<D>()) xv = _mm256_sign_epi8(xv, q);
+            const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones);
+            if constexpr (kHalves) {
+              DT[(c * nb + b) * 8 + i] = hsum_i32x4(_mm256_castsi256_si128(d));
+              DT2[(c * nb + b) * 8 + i] = hsum_i32x4(_mm256_extracti128_si256(d, 1));
+            } else {
+              DT[(c * nb + b) * 8 + i] = hsum_i32(d);
+            }
           }
         }
       }
-      alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-      const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - n));
       for (int c = 0; c < nc; ++c) {
         const BlockQ8Act* xq = a.xq + (t0 + c) * nb;
         __m256 acc = _mm256_setzero_ps();  // as gemm_tile, lanes = rows g .. g+7
         for (int64_t b = 0; b < nb; ++b) {
           const __m256i s32 = _mm256_load_si256(reinterpret_cast<const __m256i*>(DT + (c * nb + b) * 8));
-          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_load_ps(WT + b * 8), _mm256_set1_ps(xq[b].d)), acc);
-          if constexpr (D == DType::Q4_1) acc = _mm256_fmadd_ps(_mm256_load_ps(MT + b * 8), _mm256_set1_ps(xq[b].s), acc);
+          const __m256 dx = _mm256_set1_ps(xq[b].d);
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_load_ps(WT + b * 8), dx), acc);
+          if constexpr (kHalves) {
+            const __m256i h32 = _mm256_load_si256(reinterpret_cast<const __m256i*>(DT2 + (c * nb + b) * 8));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h32), _mm256_mul_ps(_mm256_load_ps(MT + b * 8), dx), acc);
+          }
+          if constexpr (has_min<D>()) acc = _mm256_fmadd_ps(_mm256_load_ps(MT + b * 8), _mm256_set1_ps(xq[b].s), acc);
         }
-        _mm256_maskstore_ps(y + (t0 + c) * M + g, mask, acc);
+        store_rows8<1>(y + (t0 + c) * M + g, M, &acc, n);
       }
     }
   }
@@ -352,7 +424,7 @@ void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1,
 
 // Tokens from which the repacked GEMM beats the in-place GEMV (dev/cpu/bench_matmul on Zen 4:
 // the Q8_0 sign trick costs the GEMM more).
-constexpr int64_t gemm_min_t(DType t) { return t == DType::Q8_0 ? 32 : 16; }
+constexpr int64_t gemm_min_t(DType t) { return t == DType::Q8_0 ? 32 : is_row_type(t) ? kRowGemmMinT : 16; }
 
 template <DType D>
 constexpr size_t panel_block_bytes() {
@@ -431,14 +503,15 @@ void gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bloc
         acc[c] = _mm256_fmadd_ps(_mm256_load_ps(reinterpret_cast<const float*>(pb + 288)), _mm256_set1_ps(xa.s), acc[c]);
     }
   }
-  if (nrows == 8) {
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * M, acc[c]);
-  } else {
-    alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-    const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - nrows));
-    for (int c = 0; c < C; ++c) _mm256_maskstore_ps(y + c * M, mask, acc[c]);
-  }
+  store_rows8<C>(y, M, acc, nrows);
 }
+
+// The panel GEMM of 8 rows for type D: Q8_0/Q4_0/Q4_1 (build_panel, gemm_tile) or the types of
+// is_row_type (build_row_panel, row_gemm_tile, defined below).
+template <DType D, int C>
+void row_gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, int nrows);
+template <DType D>
+void build_row_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb);
 
 template <DType D>
 void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* panel) {
@@ -446,20 +519,27 @@ void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1,
   const int64_t M = w.rows, T = a.T, nb = a.nb;
   for (int64_t r = r0; r < r1; r += 8) {
     const int nrows = int(std::min<int64_t>(8, r1 - r));
-    build_panel<D>(panel, w, r, nrows, nb);
+    if constexpr (is_row_type(D)) build_row_panel<D>(panel, w, r, nrows, nb);
+    else build_panel<D>(panel, w, r, nrows, nb);
+    const auto tile = [&](auto cc, int64_t t) {
+      constexpr int CC = decltype(cc)::value;
+      if constexpr (is_row_type(D)) row_gemm_tile<D, CC>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+      else gemm_tile<D, CC>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+    };
     int64_t t = 0;
-    for (; t + C <= T; t += C) gemm_tile<D, C>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
-    for (; t < T; ++t) gemm_tile<D, 1>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+    for (; t + C <= T; t += C) tile(std::integral_constant<int, C>{}, t);
+    for (; t < T; ++t) tile(std::integral_constant<int, 1>{}, t);
   }
 }
 
 size_t prep_bytes(DType, int64_t, int64_t) { return 0; }
 void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr, uint8_t*) {
-  fill_corr(type, sums + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
+  if (type == DType::Q6_K) fill_corr_halves(a.xq + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
+  else fill_corr(type, sums + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
 }
 size_t thread_bytes(DType type, int64_t T, int64_t K) {
-  if (is_row_type(type)) return 0;
-  if (T < gemm_min_t(type)) return gemv_scratch_bytes(K / QK);
+  if (T < gemm_min_t(type)) return gemv_scratch_bytes(type, K / QK);
+  if (is_row_type(type)) return size_t(K / QK) * kRowPanelBlock;
   return size_t(K / QK) * (type == DType::Q8_0 ? panel_block_bytes<DType::Q8_0>() : panel_block_bytes<DType::Q4_1>());
 }
 
@@ -471,10 +551,6 @@ size_t thread_bytes(DType type, int64_t T, int64_t K) {
 // `_mm256_madd_epi16` hold elements 4l..4l+3, so lanes 0-3 are the first half (scale a0) and
 // lanes 4-7 the second (a1): one fp32 vector of scales serves Q6_K's 16-weight sub-blocks.
 // Every output is computed by the same instruction sequence whatever T, r0 and r1 are.
-
-struct BlockScales {
-  float a0, a1, m;
-};
 
 // Byte i of the result is 0x10 when bit i of x is set, else 0.
 inline __m256i bits_to_0x10(uint32_t x) {
@@ -493,11 +569,6 @@ inline __m256i nibbles_32(const uint8_t* qs) {
 inline __m256i field_32(const uint8_t* p, int shift, int mask) {
   return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), shift),
                           _mm256_set1_epi8(char(mask)));
-}
-
-template <DType D>
-constexpr int quant_zero() {
-  return D == DType::Q5_0 ? 16 : D == DType::Q6_K ? 32 : 0;
 }
 
 // Block b (of 32 weights) of a row: its quants q (0 ≤ q < 64) and scales.
@@ -532,66 +603,84 @@ inline __m256i decode_block(const uint8_t* row, int64_t b, BlockScales& s) {
   }
 }
 
-// y[t, r] for rows [r0, r1), all tokens, 4 tokens per pass over a row (each block decoded once
-// for them).
+// Many tokens: 8 rows per panel built per call from the decoded blocks, as the Q4 GEMM's panels:
+// per block 8 vectors (vector j, lane i = quants 4j..4j+3 of row i, unsigned), then a0 of the 8
+// rows and their second value (Q6_K: a1; the types with a minimum: −m) as fp32. The unsigned
+// pair products fit int16 over 8 vectors (Q4_K: 8·2·15·127), 4 (5-bit: 31496) or 2 (Q6_K:
+// 32004); Q5_0's offset comes back as the −16·Σx correction, Q6_K's as −32 per half.
 template <DType D>
-void rows_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1) {
-  constexpr int C = 4, O = quant_zero<D>();
-  const int64_t M = w.rows, nb = a.nb, T = a.T;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w.row(r);
-    for (int64_t t0 = 0; t0 < T; t0 += C) {
-      const int nc = int(std::min<int64_t>(C, T - t0));
-      __m256 acc[C];
-      float mins[C] = {0, 0, 0, 0};
-      for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        BlockScales s;
-        __m256i q = decode_block<D>(row, b, s);
-        if constexpr (O != 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(O));
-        const __m256i aq = O != 0 ? _mm256_sign_epi8(q, q) : q;
-        const __m256 sc = _mm256_set_m128(_mm_set1_ps(s.a1), _mm_set1_ps(s.a0));
-        for (int c = 0; c < nc; ++c) {
-          const BlockQ8Act& xa = a.xq[(t0 + c) * nb + b];
-          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.qs));
-          if constexpr (O != 0) xv = _mm256_sign_epi8(xv, q);
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones);
-          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_set1_ps(xa.d)), acc[c]);
-          mins[c] += s.m * xa.s;
-        }
-      }
-      for (int c = 0; c < nc; ++c) y[(t0 + c) * M + r] = hsum(acc[c]) - mins[c];
+void build_row_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb) {
+  alignas(32) uint8_t tmp[32];
+  const size_t rs = w.row_stride();
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* pb = panel + size_t(b) * kRowPanelBlock;
+    auto* W = reinterpret_cast<uint32_t*>(pb);
+    auto* sc = reinterpret_cast<float*>(pb + 256);
+    for (int i = 0; i < 8; ++i) {
+      BlockScales s{0, 0, 0};
+      if (i < nrows) _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), decode_block<D>(w.data + size_t(r + i) * rs, b, s));
+      else std::memset(tmp, 0, sizeof tmp);
+      for (int j = 0; j < 8; ++j) W[j * 8 + i] = load_u32(tmp + 4 * j);
+      sc[i] = s.a0, sc[8 + i] = D == DType::Q6_K ? s.a1 : -s.m;
     }
   }
 }
 
-// rows_matmul for w's type; false when the type is not one of is_row_type's.
-bool row_types_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1) {
-  switch (w.type) {
-    case DType::Q5_0: rows_matmul<DType::Q5_0>(y, a, w, r0, r1); return true;
-    case DType::Q5_1: rows_matmul<DType::Q5_1>(y, a, w, r0, r1); return true;
-    case DType::Q4_K: rows_matmul<DType::Q4_K>(y, a, w, r0, r1); return true;
-    case DType::Q5_K: rows_matmul<DType::Q5_K>(y, a, w, r0, r1); return true;
-    case DType::Q6_K: rows_matmul<DType::Q6_K>(y, a, w, r0, r1); return true;
-    default: return false;
+template <DType D, int C>
+void row_gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, int nrows) {
+  constexpr int G = D == DType::Q4_K ? 8 : D == DType::Q6_K ? 2 : 4;  // vectors summed in int16
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + size_t(b) * kRowPanelBlock;
+    const auto* W = reinterpret_cast<const __m256i*>(pb);
+    const __m256 a0 = _mm256_load_ps(reinterpret_cast<const float*>(pb + 256));
+    const __m256 a1 = _mm256_load_ps(reinterpret_cast<const float*>(pb + 288));
+    for (int c = 0; c < C; ++c) {
+      const BlockQ8Act& xa = xq[c * nb + b];
+      __m256i part[8 / G];
+      for (int g = 0; g < 8 / G; ++g) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int j = g * G; j < g * G + G; ++j)
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256(W + j), _mm256_set1_epi32(int(load_u32(xa.qs + 4 * j)))));
+        part[g] = _mm256_madd_epi16(s16, ones);
+      }
+      const __m256 dx = _mm256_set1_ps(xa.d);
+      if constexpr (D == DType::Q6_K) {
+        const auto k = uint32_t(corr[c * nb + b]);
+        const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_set1_epi32(-32 * int32_t(int16_t(k & 0xffffu))));
+        const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(part[2], part[3]), _mm256_set1_epi32(-32 * int32_t(int16_t(k >> 16))));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(a0, dx), acc[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(a1, dx), acc[c]);
+      } else {
+        __m256i s32 = part[0];
+        for (int g = 1; g < 8 / G; ++g) s32 = _mm256_add_epi32(s32, part[g]);
+        if constexpr (D == DType::Q5_0) s32 = _mm256_add_epi32(s32, _mm256_set1_epi32(corr[c * nb + b]));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(a0, dx), acc[c]);
+        if constexpr (D != DType::Q5_0) acc[c] = _mm256_fmadd_ps(a1, _mm256_set1_ps(xa.s), acc[c]);
+      }
+    }
   }
+  store_rows8<C>(y, M, acc, nrows);
+}
+
+template <DType D>
+void gemv_or_gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  if (a.T < gemm_min_t(D)) gemv<D>(y, a, w, r0, r1, scratch);
+  else gemm<D>(y, a, w, r0, r1, scratch);
 }
 
 void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  if (row_types_matmul(y, a, w, r0, r1)) return;
-  if (a.T < gemm_min_t(w.type)) {
-    switch (w.type) {
-      case DType::Q8_0: gemv<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
-      case DType::Q4_0: gemv<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
-      default: gemv<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
-    }
-    return;
-  }
   switch (w.type) {
-    case DType::Q8_0: gemm<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
-    case DType::Q4_0: gemm<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
-    default: gemm<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+    case DType::Q8_0: gemv_or_gemm<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
+    case DType::Q4_0: gemv_or_gemm<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
+    case DType::Q4_1: gemv_or_gemm<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
+    case DType::Q5_0: gemv_or_gemm<DType::Q5_0>(y, a, w, r0, r1, scratch); break;
+    case DType::Q5_1: gemv_or_gemm<DType::Q5_1>(y, a, w, r0, r1, scratch); break;
+    case DType::Q4_K: gemv_or_gemm<DType::Q4_K>(y, a, w, r0, r1, scratch); break;
+    case DType::Q5_K: gemv_or_gemm<DType::Q5_K>(y, a, w, r0, r1, scratch); break;
+    default: gemv_or_gemm<DType::Q6_K>(y, a, w, r0, r1, scratch); break;
   }
 }
 
