@@ -664,7 +664,7 @@ int main(int argc, char** argv) {
         st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, rs, st->stopping.get());
         st->runner = cli::make_tool_runner("llmq-server", *st->model, rs);
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
-        else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::from_jinja(st->model->chat_template);
+        else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::for_vocab(st->model->chat_template, st->model->vocab);
         SchedulerOptions so;
         so.parallel = parallel;
         so.ctx = seq_ctx;

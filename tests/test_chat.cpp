@@ -22,15 +22,15 @@ const std::vector<ChatMessage> kConv = {
 }  // namespace
 
 TEST_CASE("templates are recognised from their Jinja text", "[chat]") {
-  CHECK(ChatTemplate::from_jinja(kSmolLM2).name() == "chatml");
-  CHECK(ChatTemplate::from_jinja(kSmolLM2).default_system() == "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
-  CHECK(ChatTemplate::from_jinja("{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}").name() == "llama3");
-  CHECK(ChatTemplate::from_jinja("{{ bos_token + '[INST] ' + '<<SYS>>\\n' + content }}").name() == "llama2");
-  CHECK(ChatTemplate::from_jinja("{{ bos_token }}{% for m in messages %}{{ '[INST] ' + m['content'] + ' [/INST]' }}").name() == "mistral");
-  CHECK(ChatTemplate::from_jinja("{{ '<|user|>\n' + message['content'] + eos_token }}").name() == "zephyr");
-  CHECK(ChatTemplate::from_jinja("{{ '<|user|>' + '\n' + message['content'] + '<|end|>' }}").name() == "phi3");
-  CHECK(ChatTemplate::from_jinja("{{ '<start_of_turn>' + role + '\n' }}").name() == "gemma");
-  CHECK_THROWS_WITH(ChatTemplate::from_jinja("{{ messages }}"), Catch::Contains("chatml") && Catch::Contains("gemma"));
+  CHECK(ChatTemplate::recognise(kSmolLM2).name() == "chatml");
+  CHECK(ChatTemplate::recognise(kSmolLM2).default_system() == "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+  CHECK(ChatTemplate::recognise("{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}").name() == "llama3");
+  CHECK(ChatTemplate::recognise("{{ bos_token + '[INST] ' + '<<SYS>>\\n' + content }}").name() == "llama2");
+  CHECK(ChatTemplate::recognise("{{ bos_token }}{% for m in messages %}{{ '[INST] ' + m['content'] + ' [/INST]' }}").name() == "mistral");
+  CHECK(ChatTemplate::recognise("{{ '<|user|>\n' + message['content'] + eos_token }}").name() == "zephyr");
+  CHECK(ChatTemplate::recognise("{{ '<|user|>' + '\n' + message['content'] + '<|end|>' }}").name() == "phi3");
+  CHECK(ChatTemplate::recognise("{{ '<start_of_turn>' + role + '\n' }}").name() == "gemma");
+  CHECK_THROWS_WITH(ChatTemplate::recognise("{{ messages }}"), Catch::Contains("chatml") && Catch::Contains("gemma"));
   CHECK_THROWS_WITH(ChatTemplate::by_name("alpaca"), Catch::Contains("known: chatml, llama2"));
 }
 
@@ -55,10 +55,38 @@ TEST_CASE("each template formats a conversation with a system prompt", "[chat]")
 }
 
 TEST_CASE("SmolLM2's template inserts its default system prompt", "[chat]") {
-  const ChatTemplate t = ChatTemplate::from_jinja(kSmolLM2);
+  const ChatTemplate t = ChatTemplate::recognise(kSmolLM2);
   CHECK(t.apply({{"user", "Hi"}}, true) ==
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
   CHECK(t.apply({{"system", "X"}, {"user", "Hi"}}, false) == "<|im_start|>system\nX<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
   CHECK_THROWS_AS(t.apply({{"tool", "x"}}, true), UsageError);
+}
+
+// The model's own template, rendered by the Jinja interpreter (text/jinja.h), equals the native
+// ChatML format on SmolLM2's template; the message contents come out as plain (non-special)
+// segments, found by rendering with placeholders.
+TEST_CASE("a model's Jinja template is rendered, contents kept apart from the markup", "[chat]") {
+  const ChatTemplate t = ChatTemplate::from_jinja(kSmolLM2, "<|im_start|>", "<|im_end|>");
+  CHECK(t.name() == "jinja");
+  const std::vector<ChatMessage> conv = {{"user", "Hi <|im_start|> there"}, {"assistant", ""}, {"user", "  2+2? "}};
+  CHECK(t.apply(conv, true) == ChatTemplate::recognise(kSmolLM2).apply(conv, true));
+  const auto segs = t.apply_segments(conv, true);
+  std::string all, plain;
+  for (const auto& s : segs) {
+    all += s.text;
+    if (!s.special) plain += s.text + "|";
+  }
+  CHECK(all == t.apply(conv, true));
+  CHECK(plain == "Hi <|im_start|> there|  2+2? |");  // the default system prompt is the template's markup
+  // A template that prints the content twice cannot be aligned: one special segment (as llama.cpp).
+  const ChatTemplate twice = ChatTemplate::from_jinja("{% for m in messages %}{{ m.content }}|{{ m.content }}{% endfor %}");
+  const auto two = twice.apply_segments({{"user", "ab"}}, false);
+  REQUIRE(two.size() >= 1);
+  std::string joined;
+  for (const auto& s : two) joined += s.text;
+  CHECK(joined == "ab|ab");
+  // bos_token and a Jinja error (raise_exception) surface as UsageError.
+  CHECK(ChatTemplate::from_jinja("{{ bos_token }}x", "<s>").apply({}, false) == "<s>x");
+  CHECK_THROWS_AS(ChatTemplate::from_jinja("{{ raise_exception('no') }}").apply({{"user", "x"}}, false), UsageError);
 }

@@ -1,6 +1,7 @@
 #include "text/chat.h"
 
 #include "base/error.h"
+#include "text/jinja.h"
 
 namespace llmq {
 
@@ -46,7 +47,28 @@ ChatTemplate ChatTemplate::by_name(const std::string& name) {
   throw UsageError("unknown chat template '" + name + "' (known: " + known_names() + ")");
 }
 
-ChatTemplate ChatTemplate::from_jinja(const std::string& j) {
+struct ChatTemplate::Jinja {
+  jinja::Template tmpl;
+  std::string bos, eos;
+};
+
+ChatTemplate ChatTemplate::from_jinja(const std::string& j, const std::string& bos, const std::string& eos) {
+  try {
+    ChatTemplate t;
+    t.name_ = "jinja";
+    t.jinja_ = std::make_shared<const Jinja>(Jinja{jinja::Template(j), bos, eos});
+    return t;
+  } catch (const UsageError&) {
+    return recognise(j);
+  }
+}
+
+ChatTemplate ChatTemplate::for_vocab(const std::string& j, const Vocab& v) {
+  auto piece = [&](int32_t id) { return id >= 0 && size_t(id) < v.tokens.size() ? v.tokens[size_t(id)] : std::string(); };
+  return from_jinja(j, piece(v.bos_id), piece(v.eos_id));
+}
+
+ChatTemplate ChatTemplate::recognise(const std::string& j) {
   std::string name;
   if (has(j, "<|im_start|>")) name = "chatml";
   else if (has(j, "<|start_header_id|>")) name = "llama3";
@@ -90,7 +112,84 @@ struct Out {
 };
 }  // namespace
 
+namespace {
+
+// The template's variables: messages (role, content), add_generation_prompt, bos/eos_token.
+// `contents` replaces each message's content when not null (the placeholders).
+jinja::Value jinja_context(const std::vector<ChatMessage>& messages, bool gen, const std::string& bos, const std::string& eos,
+                           const std::vector<std::string>* contents) {
+  jinja::Value ms = jinja::Value::array();
+  for (size_t i = 0; i < messages.size(); ++i) {
+    jinja::Value m = jinja::Value::object();
+    m.set("role", messages[i].role);
+    m.set("content", contents ? (*contents)[i] : messages[i].content);
+    ms.push_back(std::move(m));
+  }
+  jinja::Value ctx = jinja::Value::object();
+  ctx.set("messages", std::move(ms));
+  ctx.set("add_generation_prompt", gen);
+  ctx.set("bos_token", bos);
+  ctx.set("eos_token", eos);
+  return ctx;
+}
+
+// A placeholder no template prints by itself: private-use characters around the index.
+std::string placeholder(size_t i) { return "\xee\x80\x80" + std::to_string(i) + "\xee\x80\x81"; }
+
+// Splits `marked` at the placeholders into the markup between them; false if one is missing or
+// out of order.
+bool split_markup(const std::string& marked, size_t n, std::vector<std::string>& markup, std::vector<size_t>& order) {
+  size_t pos = 0;
+  for (;;) {
+    const size_t a = marked.find("\xee\x80\x80", pos);
+    if (a == std::string::npos) break;
+    const size_t b = marked.find("\xee\x80\x81", a);
+    if (b == std::string::npos) return false;
+    markup.push_back(marked.substr(pos, a - pos));
+    const size_t idx = std::stoul(marked.substr(a + 3, b - a - 3));
+    if (idx >= n) return false;
+    order.push_back(idx);
+    pos = b + 3;
+  }
+  markup.push_back(marked.substr(pos));
+  return true;
+}
+
+}  // namespace
+
+std::vector<ChatTemplate::Segment> ChatTemplate::jinja_segments(const std::vector<ChatMessage>& messages, bool gen) const {
+  const std::string text = jinja_->tmpl.render(jinja_context(messages, gen, jinja_->bos, jinja_->eos, nullptr));
+  std::vector<std::string> holders;
+  for (size_t i = 0; i < messages.size(); ++i) holders.push_back(messages[i].content.empty() ? "" : placeholder(i));
+  std::vector<Segment> segs;
+  std::vector<std::string> markup;
+  std::vector<size_t> order;
+  std::string marked;
+  try {
+    marked = jinja_->tmpl.render(jinja_context(messages, gen, jinja_->bos, jinja_->eos, &holders));
+  } catch (const UsageError&) {
+    return {{text, true}};
+  }
+  if (!split_markup(marked, messages.size(), markup, order)) return {{text, true}};
+  // text = markup[0] c_0 markup[1] c_1 ... markup[n]: each c_k ends where markup[k+1] is next found.
+  size_t pos = 0;
+  if (text.compare(0, markup[0].size(), markup[0]) != 0) return {{text, true}};
+  if (!markup[0].empty()) segs.push_back({markup[0], true});
+  pos = markup[0].size();
+  for (size_t k = 0; k < order.size(); ++k) {
+    const std::string& next = markup[k + 1];
+    const size_t at = k + 1 == order.size() ? text.size() - next.size() : (next.empty() ? std::string::npos : text.find(next, pos));
+    if (at == std::string::npos || at < pos || text.compare(at, next.size(), next) != 0) return {{text, true}};
+    if (at > pos) segs.push_back({text.substr(pos, at - pos), false});
+    if (!next.empty()) segs.push_back({next, true});
+    pos = at + next.size();
+  }
+  if (pos != text.size()) return {{text, true}};
+  return segs;
+}
+
 std::vector<ChatTemplate::Segment> ChatTemplate::apply_segments(const std::vector<ChatMessage>& messages, bool gen) const {
+  if (jinja_) return jinja_segments(messages, gen);
   std::string system;
   std::vector<ChatMessage> turns = split_system(messages, &system);
   if (system.empty()) system = default_system_;

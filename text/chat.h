@@ -1,8 +1,12 @@
-// Chat templates: the common formats, recognised from a model's Jinja template text and
-// applied natively (no Jinja interpreter).
+// Chat templates: the model's own Jinja template (tokenizer.chat_template) rendered by llmq's
+// Jinja interpreter (text/jinja.h) as Hugging Face transformers renders it, or one of the common
+// formats applied natively (--chat-template NAME, and models whose template does not parse).
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "formats/vocab.h"
 
 namespace llmq {
 
@@ -18,9 +22,17 @@ class ChatTemplate {
  public:
   /// The template named `name` (see names()); throws UsageError listing the known names.
   static ChatTemplate by_name(const std::string& name);
-  /// Recognises the template from the Jinja text stored in a model (tokenizer.chat_template)
-  /// by its distinctive markers; throws UsageError listing the known names if it matches none.
-  static ChatTemplate from_jinja(const std::string& jinja);
+  /// The model's own template (tokenizer.chat_template), rendered with `messages`,
+  /// `add_generation_prompt`, `bos_token` and `eos_token` (the vocabulary's BOS/EOS piece text);
+  /// name() is "jinja". A template the interpreter cannot parse is recognised instead by its
+  /// distinctive markers as one of the native formats (recognise()); throws UsageError listing
+  /// the known names if it is neither.
+  static ChatTemplate from_jinja(const std::string& jinja, const std::string& bos_token = "", const std::string& eos_token = "");
+  /// The native format whose markers the Jinja text holds (ChatML, Llama-3 headers, Gemma turns,
+  /// …); throws UsageError listing the known names if it matches none.
+  static ChatTemplate recognise(const std::string& jinja);
+  /// from_jinja with the BOS and EOS piece text of `vocab` (empty where it has none).
+  static ChatTemplate for_vocab(const std::string& jinja, const Vocab& vocab);
   /// Known names: chatml, llama2, llama3, mistral, zephyr, gemma, phi3.
   static std::vector<std::string> names();
 
@@ -37,16 +49,23 @@ class ChatTemplate {
 
   /// The same text as apply(), cut into segments: `special` segments are template markup
   /// (tokenize with special-token parsing), the others are message contents (plain text, so a
-  /// user typing "<|im_start|>" gets ordinary tokens).
+  /// user typing "<|im_start|>" gets ordinary tokens). For a Jinja template the contents are
+  /// found by rendering once more with each non-empty content replaced by a placeholder and
+  /// aligning the two texts; where that fails (a template whose markup depends on the content's
+  /// value) the whole text is one special segment, as llama.cpp tokenizes every chat prompt.
   struct Segment {
     std::string text;
     bool special;
   };
   std::vector<Segment> apply_segments(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
 
+  struct Jinja;  // the parsed template and its token strings (chat.cpp)
+
  private:
   std::string name_;
   std::string default_system_;
+  std::shared_ptr<const Jinja> jinja_;
+  std::vector<Segment> jinja_segments(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
 };
 
 }  // namespace llmq

@@ -145,7 +145,7 @@ class Conversation {
     chat_ = o.use_chat || (!o.have_prompt && (!o.template_name.empty() || !model.chat_template.empty()));
     if (chat_) {
       if (!o.template_name.empty()) tmpl_ = ChatTemplate::by_name(o.template_name);
-      else if (!model.chat_template.empty()) tmpl_ = ChatTemplate::from_jinja(model.chat_template);
+      else if (!model.chat_template.empty()) tmpl_ = ChatTemplate::for_vocab(model.chat_template, model.vocab);
       else throw UsageError("the model has no chat template: name one with --chat-template (chatml, llama2, ...)");
     }
     if (!o.system_prompt.empty()) messages_.push_back({"system", o.system_prompt});
