@@ -57,6 +57,56 @@ std::string content_text(const json& c, size_t i) {
   bad("'content' must be a string or an array of text parts", param);
 }
 
+// One chat message (see parse_completion_request).
+ChatMessage parse_message(const json& m, size_t i) {
+  const std::string where = "messages[" + std::to_string(i) + "]";
+  if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+    bad("each message needs a string 'role' and a 'content'", where);
+  std::string role = m["role"].get<std::string>();
+  if (role == "developer") role = "system";
+  if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+    bad("unsupported role '" + role + "'", where + ".role");
+  const bool calls = role == "assistant" && m.contains("tool_calls") && !m["tool_calls"].is_null();
+  if (!m.contains("content") && !calls) bad("each message needs a string 'role' and a 'content'", where);
+  ChatMessage msg{role, !m.contains("content") || m["content"].is_null() ? "" : content_text(m["content"], i)};
+  if (calls) {
+    const json& tc = m["tool_calls"];
+    if (!tc.is_array()) bad("'tool_calls' must be an array", where + ".tool_calls");
+    for (const json& c : tc)
+      if (!c.is_object() || !c.contains("function") || !c["function"].is_object() || !c["function"].contains("name") ||
+          !c["function"]["name"].is_string())
+        bad("each tool call needs a 'function' with a string 'name'", where + ".tool_calls");
+    msg.tool_calls = tc.dump();
+  }
+  if (role == "tool") {
+    if (m.contains("tool_call_id") && !m["tool_call_id"].is_string()) bad("'tool_call_id' must be a string", where + ".tool_call_id");
+    if (m.contains("tool_call_id")) msg.tool_call_id = m["tool_call_id"].get<std::string>();
+  }
+  return msg;
+}
+
+// `tools` and `tool_choice` of a chat request.
+void parse_tools(const json& j, CompletionRequest& r) {
+  if (has(j, "tools") && !j["tools"].is_null()) {
+    const json& t = j["tools"];
+    if (!t.is_array()) bad("'tools' must be an array", "tools");
+    for (const json& f : t)
+      if (!f.is_object() || f.value("type", "") != "function" || !f.contains("function") || !f["function"].is_object() ||
+          !f["function"].contains("name") || !f["function"]["name"].is_string() ||
+          (f["function"].contains("parameters") && !f["function"]["parameters"].is_object()))
+        bad("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}", "tools");
+    if (!t.empty()) r.tools = t.dump();
+  }
+  if (has(j, "tool_choice") && !j["tool_choice"].is_null()) {
+    const json& c = j["tool_choice"];
+    if (c == "none") r.tool_choice_none = true;
+    else if (c != "auto")
+      bad("tool_choice 'required' and a named function need constrained decoding, which llmq-server does not have yet; "
+          "use \"auto\" or \"none\"",
+          "tool_choice");
+  }
+}
+
 }  // namespace
 
 nlohmann::json parse_json_body(const std::string& body) {
@@ -92,16 +142,8 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
     if (chat) {
       if (!has(j, "messages") || !j["messages"].is_array() || j["messages"].empty())
         bad("'messages' must be a non-empty array", "messages");
-      for (size_t i = 0; i < j["messages"].size(); ++i) {
-        const json& m = j["messages"][i];
-        if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
-          bad("each message needs a string 'role' and a 'content'", "messages[" + std::to_string(i) + "]");
-        std::string role = m["role"].get<std::string>();
-        if (role == "developer") role = "system";
-        if (role != "system" && role != "user" && role != "assistant")
-          bad("unsupported role '" + role + "'", "messages[" + std::to_string(i) + "].role");
-        r.messages.push_back({role, m["content"].is_null() ? "" : content_text(m["content"], i)});
-      }
+      for (size_t i = 0; i < j["messages"].size(); ++i) r.messages.push_back(parse_message(j["messages"][i], i));
+      parse_tools(j, r);
     } else {
       if (!has(j, "prompt")) bad("'prompt' is required", "prompt");
       const json& p = j["prompt"];

@@ -33,6 +33,10 @@ struct CompletionRequest {
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
   int top_logprobs = -1;              ///< -1: no logprobs
+  /// chat: the request's `tools` as a JSON array text (empty: none), checked to be OpenAI's
+  /// [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
+  std::string tools;
+  bool tool_choice_none = false;      ///< tool_choice "none": the reply is not parsed for calls
 };
 
 /// Most nesting levels of arrays and objects a request body may have. A valid request needs 4
@@ -46,8 +50,11 @@ inline constexpr int kMaxJsonDepth = 32;
 nlohmann::json parse_json_body(const std::string& body);
 
 /// Parses and validates a request body. `model_id` is the served model's id (a different
-/// `model` is a 404); `ctx` bounds max_tokens; `max_body` the body size. Throws ApiError
-/// (400 malformed JSON, wrong types or ranges, n != 1; 404 unknown model; 413 body too large).
+/// `model` is a 404); `ctx` bounds max_tokens; `max_body` the body size. Chat messages may be
+/// system/developer, user, assistant (with `tool_calls`, content then optional) or tool (with
+/// `tool_call_id`); `tools` and `tool_choice` "auto" or "none" are taken ("required" and a named
+/// function need constrained decoding: 400 for now). Throws ApiError (400 malformed JSON, wrong
+/// types or ranges, n != 1; 404 unknown model; 413 body too large).
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
                                            size_t max_body);
 

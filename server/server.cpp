@@ -32,6 +32,7 @@
 #include "base/error.h"
 #include "mem/infer.h"
 #include "server/api.h"
+#include "server/tool_calls.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "cli/cli_common.h"
@@ -115,6 +116,32 @@ void check_prompt_bytes(const ServerState& st, const CompletionRequest& r, size_
                    r.chat ? "messages" : "prompt", "context_length_exceeded");
 }
 
+// Whether the reply of a chat request is parsed for tool calls (server/tool_calls.h).
+bool uses_tools(const CompletionRequest& r) { return r.chat && !r.tools.empty() && !r.tool_choice_none; }
+
+// A streamed reply of a request with tools: its text so far and the bytes sent as content.
+struct ToolStream {
+  std::string text;
+  size_t sent = 0;
+};
+
+// The deltas that end a streamed reply whose `rest` was held back: its text outside the calls
+// (if any), then one delta with every call (OpenAI's streamed form: index, id, type, function).
+std::vector<json> held_deltas(const std::string& rest, const std::string& id, const std::vector<std::string>& tools) {
+  const ParsedReply p = parse_tool_calls(rest, id, tools);
+  if (p.calls.empty()) return {json{{"content", rest}}};
+  std::vector<json> out;
+  if (!p.content.empty()) out.push_back({{"content", p.content}});
+  json calls = json::array();
+  for (size_t i = 0; i < p.calls.size(); ++i) {
+    json c = p.calls[i];
+    c["index"] = i;
+    calls.push_back(c);
+  }
+  out.push_back({{"tool_calls", calls}});
+  return out;
+}
+
 // Tokens of the request's prompt (chat: through the template, markup as special tokens).
 std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionRequest& r, int64_t ctx) {
   const Tokenizer& tok = *st.model->tokenizer;
@@ -122,7 +149,12 @@ std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionReques
   std::vector<int32_t> ids;
   if (r.chat) {
     if (!st.tmpl) throw ApiError(400, "the model has no chat template; use /v1/completions", "messages");
-    const auto segs = st.tmpl->apply_segments(r.messages, true);
+    std::vector<ChatTemplate::Segment> segs;
+    try {
+      segs = st.tmpl->apply_segments(r.messages, true, r.tools);
+    } catch (const UsageError& e) {  // the template refused the conversation (raise_exception, a role it lacks, tools)
+      throw ApiError(400, std::string("the chat template cannot render this conversation: ") + e.what(), "messages");
+    }
     size_t bytes = 0;
     for (const auto& seg : segs) bytes += seg.text.size();
     check_prompt_bytes(st, r, bytes, ctx);
@@ -231,6 +263,13 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
       json choice = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
       if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", text}};
+        if (uses_tools(r)) {
+          const ParsedReply p = parse_tool_calls(text, id, tool_names(r.tools));
+          if (!p.calls.empty()) {
+            choice["message"] = {{"role", "assistant"}, {"content", p.content.empty() ? json(nullptr) : json(p.content)}, {"tool_calls", p.calls}};
+            choice["finish_reason"] = "tool_calls";
+          }
+        }
         if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
       } else {
         choice["text"] = text;
@@ -303,9 +342,10 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   res.set_header("Cache-Control", "no-cache");
   auto started = std::make_shared<bool>(false);
   auto finished = std::make_shared<bool>(false);
+  auto held = std::make_shared<ToolStream>();  // with tools: the reply, and how much of it went out as content
   res.set_chunked_content_provider(
       "text/event-stream",
-      [&st, g, r, id, created, chat, started, finished, usage, record, finish_reason, in_flight](size_t, httplib::DataSink& sink) {
+      [&st, g, r, id, created, chat, started, finished, usage, record, finish_reason, in_flight, held](size_t, httplib::DataSink& sink) {
         const Tokenizer& tok = *st.model->tokenizer;
         auto chunk = [&](const json& choice) {
           json c = {{"id", id},
@@ -345,7 +385,13 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
         const bool alive = g->wait(&events, 200);
         for (const GenEvent& e : events) {
           json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
-          if (chat) {
+          if (chat && uses_tools(r)) {  // content up to a (possible) <tool_call>; the rest waits for the end
+            held->text += e.text;
+            const size_t safe = tool_call_safe_prefix(held->text);
+            if (safe <= held->sent) continue;
+            choice["delta"] = {{"content", held->text.substr(held->sent, safe - held->sent)}};
+            held->sent = safe;
+          } else if (chat) {
             choice["delta"] = {{"content", e.text}};
             if (r.top_logprobs >= 0) {
               json content = json::array();
@@ -379,7 +425,14 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
         json last = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
         if (chat) last["delta"] = json::object();
         else last["text"] = "";
-        bool ok = send(chunk(last));
+        bool ok = true;
+        if (chat && uses_tools(r) && held->sent < held->text.size()) {  // the held rest: calls and text
+          for (const json& delta : held_deltas(held->text.substr(held->sent), id, tool_names(r.tools))) {
+            ok = ok && send(chunk({{"index", 0}, {"delta", delta}, {"finish_reason", nullptr}, {"logprobs", nullptr}}));
+            if (delta.contains("tool_calls")) last["finish_reason"] = "tool_calls";
+          }
+        }
+        ok = ok && send(chunk(last));
         if (ok && r.include_usage) {
           json u = chunk(nullptr);
           u["usage"] = usage();

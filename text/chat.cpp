@@ -1,5 +1,7 @@
 #include "text/chat.h"
 
+#include <nlohmann/json.hpp>
+
 #include "base/error.h"
 #include "text/jinja.h"
 
@@ -92,9 +94,9 @@ ChatTemplate ChatTemplate::recognise(const std::string& j) {
   return t;
 }
 
-std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool gen) const {
+std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool gen, const std::string& tools) const {
   std::string out;
-  for (const Segment& s : apply_segments(messages, gen)) out += s.text;
+  for (const Segment& s : apply_segments(messages, gen, tools)) out += s.text;
   return out;
 }
 
@@ -116,17 +118,39 @@ namespace {
 
 // The template's variables: messages (role, content), add_generation_prompt, bos/eos_token.
 // `contents` replaces each message's content when not null (the placeholders).
+// JSON text (already validated by the caller) as a template value, key order kept; a call's
+// "arguments" given as JSON text becomes the object it spells (as transformers expects).
+jinja::Value json_value(const std::string& text, bool tool_calls) {
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw UsageError(std::string("chat: malformed JSON given to the template: ") + e.what());
+  }
+  if (tool_calls && j.is_array())
+    for (auto& c : j)
+      if (c.is_object() && c.contains("function") && c["function"].is_object() && c["function"].contains("arguments") &&
+          c["function"]["arguments"].is_string()) {
+        auto args = nlohmann::ordered_json::parse(c["function"]["arguments"].get<std::string>(), nullptr, false);
+        if (!args.is_discarded()) c["function"]["arguments"] = args;
+      }
+  return jinja::Value::from_json(j);
+}
+
 jinja::Value jinja_context(const std::vector<ChatMessage>& messages, bool gen, const std::string& bos, const std::string& eos,
-                           const std::vector<std::string>* contents) {
+                           const std::vector<std::string>* contents, const std::string& tools) {
   jinja::Value ms = jinja::Value::array();
   for (size_t i = 0; i < messages.size(); ++i) {
     jinja::Value m = jinja::Value::object();
     m.set("role", messages[i].role);
     m.set("content", contents ? (*contents)[i] : messages[i].content);
+    if (!messages[i].tool_calls.empty()) m.set("tool_calls", json_value(messages[i].tool_calls, true));
+    if (!messages[i].tool_call_id.empty()) m.set("tool_call_id", messages[i].tool_call_id);
     ms.push_back(std::move(m));
   }
   jinja::Value ctx = jinja::Value::object();
   ctx.set("messages", std::move(ms));
+  ctx.set("tools", tools.empty() ? jinja::Value(nullptr) : json_value(tools, false));
   ctx.set("add_generation_prompt", gen);
   ctx.set("bos_token", bos);
   ctx.set("eos_token", eos);
@@ -157,8 +181,9 @@ bool split_markup(const std::string& marked, size_t n, std::vector<std::string>&
 
 }  // namespace
 
-std::vector<ChatTemplate::Segment> ChatTemplate::jinja_segments(const std::vector<ChatMessage>& messages, bool gen) const {
-  const std::string text = jinja_->tmpl.render(jinja_context(messages, gen, jinja_->bos, jinja_->eos, nullptr));
+std::vector<ChatTemplate::Segment> ChatTemplate::jinja_segments(const std::vector<ChatMessage>& messages, bool gen,
+                                                                const std::string& tools) const {
+  const std::string text = jinja_->tmpl.render(jinja_context(messages, gen, jinja_->bos, jinja_->eos, nullptr, tools));
   std::vector<std::string> holders;
   for (size_t i = 0; i < messages.size(); ++i) holders.push_back(messages[i].content.empty() ? "" : placeholder(i));
   std::vector<Segment> segs;
@@ -166,7 +191,7 @@ std::vector<ChatTemplate::Segment> ChatTemplate::jinja_segments(const std::vecto
   std::vector<size_t> order;
   std::string marked;
   try {
-    marked = jinja_->tmpl.render(jinja_context(messages, gen, jinja_->bos, jinja_->eos, &holders));
+    marked = jinja_->tmpl.render(jinja_context(messages, gen, jinja_->bos, jinja_->eos, &holders, tools));
   } catch (const UsageError&) {
     return {{text, true}};
   }
@@ -188,8 +213,10 @@ std::vector<ChatTemplate::Segment> ChatTemplate::jinja_segments(const std::vecto
   return segs;
 }
 
-std::vector<ChatTemplate::Segment> ChatTemplate::apply_segments(const std::vector<ChatMessage>& messages, bool gen) const {
-  if (jinja_) return jinja_segments(messages, gen);
+std::vector<ChatTemplate::Segment> ChatTemplate::apply_segments(const std::vector<ChatMessage>& messages, bool gen,
+                                                                const std::string& tools) const {
+  if (jinja_) return jinja_segments(messages, gen, tools);
+  if (!tools.empty()) throw UsageError("the built-in chat template '" + name_ + "' cannot render tools");
   std::string system;
   std::vector<ChatMessage> turns = split_system(messages, &system);
   if (system.empty()) system = default_system_;

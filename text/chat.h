@@ -10,10 +10,16 @@
 
 namespace llmq {
 
-/// One turn of a conversation; role is "system", "user" or "assistant".
+/// One turn of a conversation; role is "system", "user", "assistant" or "tool" (the last only
+/// through a Jinja template that knows it).
 struct ChatMessage {
   std::string role;
   std::string content;
+  /// assistant turns that called tools: the calls as a JSON array in OpenAI's form
+  /// ([{"id", "type": "function", "function": {"name", "arguments"}}], arguments an object or
+  /// the JSON text of one), given to the template as message.tool_calls; empty: none.
+  std::string tool_calls = {};
+  std::string tool_call_id = {};  ///< tool turns: the id of the call answered (message.tool_call_id)
 };
 
 /// A chat format. Output strings contain the special-token text (e.g. "<|im_start|>"), to be
@@ -45,7 +51,9 @@ class ChatTemplate {
   /// an assistant turn. Formats per the models' published templates (ChatML: OpenAI/Qwen;
   /// Llama-2 [INST] with <<SYS>>; Llama-3 header ids; Mistral [INST]; Zephyr; Gemma turns;
   /// Phi-3). Throws UsageError for an unknown role.
-  std::string apply(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+  /// `tools`: the request's tools as a JSON array (OpenAI's form), given to a Jinja template as
+  /// `tools`; a built-in format takes none (throws UsageError when it is not empty).
+  std::string apply(const std::vector<ChatMessage>& messages, bool add_generation_prompt, const std::string& tools = "") const;
 
   /// The same text as apply(), cut into segments: `special` segments are template markup
   /// (tokenize with special-token parsing), the others are message contents (plain text, so a
@@ -57,7 +65,8 @@ class ChatTemplate {
     std::string text;
     bool special;
   };
-  std::vector<Segment> apply_segments(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+  std::vector<Segment> apply_segments(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+                                      const std::string& tools = "") const;
 
   struct Jinja;  // the parsed template and its token strings (chat.cpp)
 
@@ -65,7 +74,8 @@ class ChatTemplate {
   std::string name_;
   std::string default_system_;
   std::shared_ptr<const Jinja> jinja_;
-  std::vector<Segment> jinja_segments(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+  std::vector<Segment> jinja_segments(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+                                      const std::string& tools) const;
 };
 
 }  // namespace llmq

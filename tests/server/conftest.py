@@ -33,6 +33,7 @@ import server_load  # noqa: E402  (bench/server_load.py: the load measurement, s
 STORIES_BIN = SHARED_DIR / "models" / "stories260K" / "stories260K.bin"
 STORIES_TOK = SHARED_DIR / "models" / "stories260K" / "tok512.bin"
 SMOL_GGUF = MODELS_DIR / "smollm2-135m-instruct-q4_1.gguf"
+QWEN_GGUF = MODELS_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
 # What a crashed or sanitized run leaves in its log.
 CRASH_MARKERS = ("AddressSanitizer", "LeakSanitizer", "UndefinedBehaviorSanitizer", "runtime error:",
@@ -79,6 +80,17 @@ def smol_model(models_dir) -> Path:
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
         pytest.skip(f"llmq-convert cannot convert {SMOL_GGUF.name} yet (exit {r.returncode}): {' | '.join(tail)}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen_model(models_dir) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (its chat template renders tools); skips when unavailable."""
+    if not QWEN_GGUF.is_file():
+        pytest.skip(f"{QWEN_GGUF} is missing: run scripts/fetch_models.sh all")
+    out = models_dir / "qwen2.5-coder-0.5b-instruct.llmq"
+    r = run_convert([QWEN_GGUF, "-o", out])
+    assert r.returncode == 0, f"llmq-convert failed ({r.returncode}):\n{r.stderr[-2000:]}"
     return out
 
 

@@ -1,0 +1,88 @@
+#include "server/tool_calls.h"
+
+#include <algorithm>
+
+namespace llmq {
+
+namespace {
+
+constexpr const char* kOpen = "<tool_call>";
+constexpr const char* kClose = "</tool_call>";
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r\n");
+  if (a == std::string::npos) return "";
+  const size_t b = s.find_last_not_of(" \t\r\n");
+  return s.substr(a, b - a + 1);
+}
+
+// The call a block's body spells, or null.
+nlohmann::json call_of(const std::string& body) {
+  const auto j = nlohmann::json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("name") || !j["name"].is_string()) return nullptr;
+  nlohmann::json args = j.contains("arguments") ? j["arguments"] : nlohmann::json::object();
+  if (args.is_string()) args = nlohmann::json::parse(args.get<std::string>(), nullptr, false);
+  if (args.is_discarded() || !args.is_object()) return nullptr;
+  return {{"type", "function"}, {"function", {{"name", j["name"]}, {"arguments", args.dump()}}}};
+}
+
+}  // namespace
+
+ParsedReply parse_tool_calls(const std::string& text, const std::string& id_prefix, const std::vector<std::string>& tools) {
+  ParsedReply r;
+  const std::string whole = trim(text);
+  if (!whole.empty() && whole[0] == '{') {  // the bare form
+    nlohmann::json call = call_of(whole);
+    if (!call.is_null() && std::count(tools.begin(), tools.end(), call["function"]["name"].get<std::string>()) > 0) {
+      call["id"] = "call_" + id_prefix + "_0";
+      r.calls.push_back(std::move(call));
+      return r;
+    }
+  }
+  std::string content;
+  const std::string open = kOpen, close = kClose;
+  size_t pos = 0;
+  for (;;) {
+    const size_t a = text.find(open, pos);
+    if (a == std::string::npos) break;
+    const size_t body = a + open.size();
+    const size_t b = text.find(close, body);
+    const size_t end = b == std::string::npos ? text.size() : b + close.size();
+    nlohmann::json call = call_of(text.substr(body, (b == std::string::npos ? text.size() : b) - body));
+    content += text.substr(pos, a - pos);
+    if (call.is_null()) {
+      content += text.substr(a, end - a);
+    } else {
+      call["id"] = "call_" + id_prefix + "_" + std::to_string(r.calls.size());
+      r.calls.push_back(std::move(call));
+    }
+    pos = end;
+  }
+  content += text.substr(std::min(pos, text.size()));
+  r.content = trim(content);
+  return r;
+}
+
+std::vector<std::string> tool_names(const std::string& tools_json) {
+  std::vector<std::string> names;
+  const auto j = nlohmann::json::parse(tools_json, nullptr, false);
+  if (j.is_array())
+    for (const auto& t : j)
+      if (t.is_object() && t.contains("function") && t["function"].is_object() && t["function"].contains("name") &&
+          t["function"]["name"].is_string())
+        names.push_back(t["function"]["name"].get<std::string>());
+  return names;
+}
+
+size_t tool_call_safe_prefix(const std::string& text) {
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  if (first != std::string::npos && text[first] == '{') return 0;
+  const std::string open = kOpen;
+  const size_t a = text.find(open);
+  if (a != std::string::npos) return a;
+  for (size_t k = std::min(open.size() - 1, text.size()); k > 0; --k)  // a trailing "<", "<t", ... "<tool_call"
+    if (text.compare(text.size() - k, k, open, 0, k) == 0) return text.size() - k;
+  return text.size();
+}
+
+}  // namespace llmq

@@ -1,0 +1,42 @@
+// Tool calls in a model's output, for /v1/chat/completions with `tools`: the Hermes format that
+// Qwen2.5/Qwen3, Hermes and many fine-tunes are trained on (their chat templates ask for it):
+//   <tool_call>
+//   {"name": "get_weather", "arguments": {"city": "Paris"}}
+//   </tool_call>
+// one block per call, anywhere in the reply; small models often drop the tags and reply with
+// the bare object, which counts when it is the whole reply and names one of the request's tools.
+// (Llama 3.x JSON and Mistral [TOOL_CALLS] are not parsed yet.)
+#pragma once
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace llmq {
+
+/// A reply split into its text and its calls.
+struct ParsedReply {
+  std::string content;  ///< the text outside the <tool_call> blocks, trimmed of surrounding white space
+  /// OpenAI's tool_calls: [{"id": "call_<prefix>_<i>", "type": "function",
+  /// "function": {"name", "arguments": JSON text}}]; empty array when there are none.
+  nlohmann::json calls = nlohmann::json::array();
+};
+
+/// Parses the Hermes <tool_call> blocks of `text`. A block whose body is not a JSON object with
+/// a string "name" (and "arguments" an object, or absent) stays in the content as text; a last
+/// block without its closing tag is taken to the end of the text (generation stopped there).
+/// Call ids are "call_" + id_prefix + "_" + index. `tools`: the names of the request's tools
+/// (for the bare-object form).
+ParsedReply parse_tool_calls(const std::string& text, const std::string& id_prefix, const std::vector<std::string>& tools);
+
+/// How many leading bytes of a reply streamed so far can be sent as content now: everything
+/// before the first "<tool_call>", and before a trailing partial "<tool_call" (which may yet
+/// become one); nothing while the reply so far starts with "{" (it may be a bare call). The
+/// rest is held until the reply ends.
+size_t tool_call_safe_prefix(const std::string& text);
+
+/// The function names of a request's `tools` (JSON array text, as CompletionRequest::tools).
+std::vector<std::string> tool_names(const std::string& tools_json);
+
+}  // namespace llmq

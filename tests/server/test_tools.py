@@ -1,0 +1,105 @@
+"""Tool calling through /v1/chat/completions with the openai client (issue 21, first part):
+`tools` rendered by the model's own chat template (Qwen2.5-Coder's, a Jinja template with a tools
+section), the reply parsed for Hermes <tool_call> blocks (or the bare call object), returned as
+`tool_calls` with finish_reason "tool_calls", streamed as OpenAI's deltas; tool results sent back
+with role "tool"; tool_choice "none" leaves the reply as text; "required" is refused (it needs
+constrained decoding)."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
+                       "required": ["city"]},
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def srv(servers, qwen_model):
+    return servers.start(qwen_model, "--parallel", "2")
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with srv.client() as c:
+        yield c
+
+
+def test_tool_call_is_returned_as_tool_calls(client, srv):
+    r = client.chat.completions.create(model=srv.model_id, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_streamed_tool_call_matches(client, srv):
+    stream = client.chat.completions.create(model=srv.model_id, messages=ASK, tools=[WEATHER], temperature=0,
+                                            max_tokens=80, stream=True)
+    calls, finish, content = [], None, ""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        calls += d.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    (call,) = calls
+    assert call.index == 0 and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_tool_result_turn_is_accepted(client, srv):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature_c\": 21, \"sky\": \"sunny\"}"},
+    ]
+    r = client.chat.completions.create(model=srv.model_id, messages=messages, tools=[WEATHER], temperature=0, max_tokens=40)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The tool result reached the prompt inside the template's <tool_response> block.
+    assert r.usage.prompt_tokens > 200
+
+
+def test_tool_choice_none_keeps_text(client, srv):
+    r = client.chat.completions.create(model=srv.model_id, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                       temperature=0, max_tokens=40)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content
+
+
+def test_tool_choice_required_is_refused(client, srv):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=srv.model_id, messages=ASK, tools=[WEATHER], tool_choice="required")
+    assert "constrained decoding" in str(e.value)
+
+
+def test_malformed_tools_are_400(srv):
+    for tools in ([{"type": "function"}], [{"type": "retrieval", "function": {"name": "x"}}], "x",
+                  [{"type": "function", "function": {"name": "x", "parameters": "no"}}]):
+        r = srv.post("/v1/chat/completions", {"model": srv.model_id, "messages": ASK, "tools": tools})
+        assert r.status_code == 400, tools
+        assert r.json()["error"]["param"] == "tools"
+    r = srv.post("/v1/chat/completions", {"model": srv.model_id, "messages": ASK + [{"role": "assistant", "tool_calls": 3}]})
+    assert r.status_code == 400
+
+
+def test_builtin_template_refuses_tools(servers, stories_model):
+    s = servers.start(stories_model, "--chat-template", "chatml")
+    r = s.post("/v1/chat/completions", {"model": s.model_id, "messages": ASK, "tools": [WEATHER]})
+    assert r.status_code == 400
+    assert "cannot render tools" in r.json()["error"]["message"]
