@@ -1,5 +1,7 @@
 #include "mem/train.h"
 
+#include "formats/quant.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -423,12 +425,16 @@ double inference_bytes_per_param(const std::string& format) {
   if (n == "fp32" || n == "f32") return 4;
   if (n == "bf16" || n == "fp16" || n == "f16") return 2;
   if (n == "int8") return 1;
-  if (n == "q8_0") return 34.0 / 32;
-  if (n == "q4_0") return 18.0 / 32;
-  if (n == "q4_1") return 20.0 / 32;
   if (n == "nf4") return 0.5 + 4.0 / 64;
   if (n == "nf4-dq") return (4 + 0.127) / 8;
-  throw UsageError("unknown weight format '" + format + "' (fp32, bf16, fp16, int8, q8_0, q4_0, q4_1, nf4, nf4-dq)");
+  for (const char* q : {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})  // llmq's block types
+    if (n == q) {
+      const DTypeInfo& t = dtype_info(dtype_from_name(q));
+      return double(t.block_bytes) / double(t.block);
+    }
+  throw UsageError("unknown weight format '" + format +
+                   "' (fp32, bf16, fp16, int8, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, nf4, nf4-dq; for a mix such as "
+                   "q4_k_m give the converted file, whose tensor sizes are exact)");
 }
 
 double zero_model_states(double params, int stage, int n_d, double k) {

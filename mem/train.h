@@ -97,8 +97,10 @@ StateBytes state_bytes(Precision p, Optimizer o, Framework f);
 inline double weights_bytes(double params, double bytes_per_param) { return params * bytes_per_param; }
 
 /// Inference weight bytes per parameter of a storage format: "fp32" 4, "bf16"/"fp16" 2,
-/// "int8" 1, "q8_0" 34/32, "q4_0" 18/32, "q4_1" 20/32, "nf4" 0.5 + 4/64, "nf4-dq"
-/// (4 + 0.127)/8 (QLORA). Throws UsageError for other names.
+/// "int8" 1, llmq's block types by their block bytes (formats/quant.h: "q8_0" 34/32, "q4_0"
+/// 18/32, "q4_1" 20/32, "q5_0" 22/32, "q5_1" 24/32, "q4_k" 144/256, "q5_k" 176/256, "q6_k"
+/// 210/256), "nf4" 0.5 + 4/64, "nf4-dq" (4 + 0.127)/8 (QLORA). Throws UsageError for other names
+/// (a mix such as q4_k_m has no single figure: the file's tensor sizes are exact).
 double inference_bytes_per_param(const std::string& format);
 
 /// ZeRO's model-state bytes per GPU for Ψ parameters (ZeRO §3, Fig. 1): stage 0: (2+2+K)Ψ;
