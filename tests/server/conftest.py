@@ -70,28 +70,26 @@ def stories_model(models_dir) -> Path:
     return out
 
 
+def converted_gguf(models_dir: Path, gguf: Path, name: str) -> Path:
+    """A real GGUF from models/ converted by llmq-convert (a lossless repack); skips when missing."""
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} is missing: run scripts/fetch_models.sh all")
+    out = models_dir / f"{name}.llmq"
+    r = run_convert([gguf, "-o", out])
+    assert r.returncode == 0, f"llmq-convert failed ({r.returncode}):\n{(r.stderr or r.stdout)[-2000:]}"
+    return out
+
+
 @pytest.fixture(scope="session")
 def smol_model(models_dir) -> Path:
-    """SmolLM2-135M-Instruct (the real chat model) converted from its GGUF; skips when unavailable."""
-    if not SMOL_GGUF.is_file():
-        pytest.skip(f"{SMOL_GGUF} is missing: run scripts/fetch_models.sh")
-    out = models_dir / "smollm2-135m-instruct.llmq"
-    r = run_convert([SMOL_GGUF, "-o", out])
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-        pytest.skip(f"llmq-convert cannot convert {SMOL_GGUF.name} yet (exit {r.returncode}): {' | '.join(tail)}")
-    return out
+    """SmolLM2-135M-Instruct (the real chat model) converted from its GGUF."""
+    return converted_gguf(models_dir, SMOL_GGUF, "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def qwen_model(models_dir) -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (its chat template renders tools); skips when unavailable."""
-    if not QWEN_GGUF.is_file():
-        pytest.skip(f"{QWEN_GGUF} is missing: run scripts/fetch_models.sh all")
-    out = models_dir / "qwen2.5-coder-0.5b-instruct.llmq"
-    r = run_convert([QWEN_GGUF, "-o", out])
-    assert r.returncode == 0, f"llmq-convert failed ({r.returncode}):\n{r.stderr[-2000:]}"
-    return out
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (its chat template renders tools)."""
+    return converted_gguf(models_dir, QWEN_GGUF, "qwen2.5-coder-0.5b-instruct")
 
 
 # ---------------------------------------------------------------- the server
