@@ -177,168 +177,162 @@ std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionReques
   return ids;
 }
 
-void handle_completion(ServerState& st, const httplib::Request& req, httplib::Response& res, bool chat) {
-  const char* endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
-  if (!st.ready) {
-    send_json(res, 503, ApiError(503, "the model is loading", "", "", "server_error").body());
-    return;
-  }
-  const int64_t ctx = st.scheduler->options().ctx;
+// One accepted completion request on its way out: what the response needs.
+struct Reply {
+  ServerState& st;
+  std::shared_ptr<GenRequest> g;
   CompletionRequest r;
-  std::vector<int32_t> prompt;
-  try {
-    r = parse_completion_request(req.body, chat, st.model_id, ctx, st.max_body);
-    prompt = prompt_tokens(st, r, ctx);
-    if (int64_t(prompt.size()) + 1 > ctx)
-      throw ApiError(400, "the prompt has " + std::to_string(prompt.size()) + " tokens; the context is " + std::to_string(ctx),
-                     chat ? "messages" : "prompt", "context_length_exceeded");
-  } catch (const ApiError& e) {
-    send_error(res, e);
-    st.metrics.count_request(endpoint, e.status);
-    return;
-  }
-  GenParams gp;
-  gp.prompt = prompt;
-  const int64_t room = ctx - int64_t(prompt.size());
-  gp.max_tokens = std::min(r.max_tokens > 0 ? r.max_tokens : (chat ? room : 16), room);
-  gp.sampling = r.sampling;
-  gp.stop = r.stop;
-  gp.top_logprobs = r.top_logprobs;
-  auto g = std::make_shared<GenRequest>(gp);
-  const Scheduler::Submit sub = st.scheduler->submit(g);
-  if (sub == Scheduler::Submit::QueueFull) {
-    send_error(res, ApiError(429, "the server is busy: too many requests queued; retry later", "", "rate_limit_exceeded",
-                             "rate_limit_error"));
-    st.metrics.count_request(endpoint, 429);
-    return;
-  }
-  if (sub == Scheduler::Submit::TooLong) {
-    send_error(res, ApiError(400, "the prompt does not fit the context", chat ? "messages" : "prompt", "context_length_exceeded"));
-    return;
-  }
+  bool chat;
+  std::string id;
+  int64_t created;
+  const char* endpoint;
+  std::shared_ptr<void> in_flight;  ///< keeps st.active counted until the last copy goes
 
-  ++st.active;  // until the response is done: the last copy of `in_flight` goes with it
-  const auto in_flight = std::shared_ptr<void>(nullptr, [&st](void*) { --st.active; });
-  const std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + std::to_string(st.next_id++);
-  const int64_t created = int64_t(std::time(nullptr));
-  auto usage = [g]() {
+  json usage() const {
     return json{{"prompt_tokens", g->prompt_tokens},
                 {"completion_tokens", g->completion_tokens},
                 {"total_tokens", g->prompt_tokens + g->completion_tokens}};
-  };
-  auto record = [&st, g, endpoint](int status) {
+  }
+  void record(int status) const {
     st.metrics.count_request(endpoint, status);
     st.metrics.prompt_tokens += uint64_t(g->prompt_tokens);
     st.metrics.generated_tokens += uint64_t(g->completion_tokens);
     if (g->completion_tokens > 0) st.metrics.ttft.observe(g->t_first - g->t_submit);
     if (g->completion_tokens > 1) st.metrics.tpot.observe((g->t_done - g->t_first) / double(g->completion_tokens - 1));
-  };
-  auto finish_reason = [g]() -> json {
+  }
+  json finish_reason() const {
     if (g->finish_reason == "stop" || g->finish_reason == "length") return g->finish_reason;
     return "stop";
-  };
+  }
+};
 
-  if (!r.stream) {
-    // The whole response as one JSON body, built once the request has finished.
-    auto build = [&st, g, r, chat, id, created, usage, finish_reason](const std::vector<GenEvent>& events) -> std::pair<int, json> {
-      const Tokenizer& tok = *st.model->tokenizer;
-      std::string text;
-      json lp_content = json::array(), tokens = json::array(), token_lps = json::array(), tops = json::array(),
-           offsets = json::array();
-      for (const GenEvent& e : events) {
-        for (const TokenInfo& t : e.tokens) {
-          if (r.top_logprobs < 0) continue;
-          if (chat) {
-            lp_content.push_back(token_logprob_json(tok, t));
-          } else {
-            offsets.push_back(text.size());
-            tokens.push_back(t.piece);
-            token_lps.push_back(t.logprob);
-            tops.push_back(completion_top_logprobs(tok, t));
-          }
-        }
-        text += e.text;
-      }
-      if (g->finish_reason.rfind("error", 0) == 0) return {500, ApiError(500, g->finish_reason, "", "", "server_error").body()};
-      json choice = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
+// The whole response of a finished request: its status and JSON body.
+std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& events) {
+  ServerState& st = rp.st;
+  const auto& g = rp.g;
+  const CompletionRequest& r = rp.r;
+  const bool chat = rp.chat;
+  const std::string& id = rp.id;
+  const int64_t created = rp.created;
+  auto usage = [&rp] { return rp.usage(); };
+  auto finish_reason = [&rp] { return rp.finish_reason(); };
+  const Tokenizer& tok = *st.model->tokenizer;
+  std::string text;
+  json lp_content = json::array(), tokens = json::array(), token_lps = json::array(), tops = json::array(),
+       offsets = json::array();
+  for (const GenEvent& e : events) {
+    for (const TokenInfo& t : e.tokens) {
+      if (r.top_logprobs < 0) continue;
       if (chat) {
-        choice["message"] = {{"role", "assistant"}, {"content", text}};
-        if (uses_tools(r)) {
-          const ParsedReply p = parse_tool_calls(text, id, tool_names(r.tools));
-          if (!p.calls.empty()) {
-            choice["message"] = {{"role", "assistant"}, {"content", p.content.empty() ? json(nullptr) : json(p.content)}, {"tool_calls", p.calls}};
-            choice["finish_reason"] = "tool_calls";
-          }
-        }
-        if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
+        lp_content.push_back(token_logprob_json(tok, t));
       } else {
-        choice["text"] = text;
-        if (r.top_logprobs >= 0)
-          choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+        offsets.push_back(text.size());
+        tokens.push_back(t.piece);
+        token_lps.push_back(t.logprob);
+        tops.push_back(completion_top_logprobs(tok, t));
       }
-      return {200, json{{"id", id},
-                        {"object", chat ? "chat.completion" : "text_completion"},
-                        {"created", created},
-                        {"model", st.model_id},
-                        {"choices", json::array({choice})},
-                        {"usage", usage()}}};
-    };
-    // A request that ends within 2 s gets a plain response.
-    auto events = std::make_shared<std::vector<GenEvent>>();
-    const double deadline = now_seconds() + 2.0;
-    bool alive = true;
-    while (alive && now_seconds() < deadline && !st.aborting) alive = g->wait(events.get(), 200);
-    if (alive && st.aborting) {  // shutting down past the drain timeout, nothing sent yet: a real 503
-      g->cancel();
-      send_json(res, 503, ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body());
-      record(503);
-      return;
     }
-    if (!alive) {
-      const auto [status, body] = build(*events);
-      send_json(res, status, body);
-      record(status);
-      return;
+    text += e.text;
+  }
+  if (g->finish_reason.rfind("error", 0) == 0) return {500, ApiError(500, g->finish_reason, "", "", "server_error").body()};
+  json choice = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
+  if (chat) {
+    choice["message"] = {{"role", "assistant"}, {"content", text}};
+    if (uses_tools(r)) {
+      const ParsedReply p = parse_tool_calls(text, id, tool_names(r.tools));
+      if (!p.calls.empty()) {
+        choice["message"] = {{"role", "assistant"}, {"content", p.content.empty() ? json(nullptr) : json(p.content)}, {"tool_calls", p.calls}};
+        choice["finish_reason"] = "tool_calls";
+      }
     }
-    // A longer one is sent chunked, and each second a space (white space before JSON is valid
-    // JSON) probes the connection, so a client that went away cancels its sequence and frees
-    // its KV blocks within a second or two instead of at max_tokens.
-    auto finished = std::make_shared<bool>(false);
-    res.set_chunked_content_provider(
-        "application/json",
-        [&st, g, events, build, record, finished, in_flight](size_t, httplib::DataSink& sink) {
-          if (st.aborting) {  // shutting down past the drain timeout: say so (the status, 200, is on the wire)
-            g->cancel();
-            const std::string text = dump(ApiError(503, "the server is shutting down: the completion was cancelled", "", "",
-                                                   "server_error").body());
-            sink.write(text.data(), text.size());
-            sink.done();
-            *finished = true;
-            record(503);
-            return true;
-          }
-          if (g->wait(events.get(), 1000)) {
-            if (!sink.write(" ", 1)) {
-              g->cancel();
-              return false;
-            }
-            return true;
-          }
-          const auto [status, body] = build(*events);  // status is already 200 on the wire
-          const std::string text = dump(body);
+    if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
+  } else {
+    choice["text"] = text;
+    if (r.top_logprobs >= 0)
+      choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+  }
+  return {200, json{{"id", id},
+                    {"object", chat ? "chat.completion" : "text_completion"},
+                    {"created", created},
+                    {"model", st.model_id},
+                    {"choices", json::array({choice})},
+                    {"usage", usage()}}};
+}
+
+// A non-streamed response: a request that ends within 2 s gets a plain one, a longer one is
+// sent chunked with a space each second (a probe that cancels the request when the client left).
+void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
+  ServerState& st = rp->st;
+  const auto g = rp->g;
+  auto build = [rp](const std::vector<GenEvent>& events) { return whole_body(*rp, events); };
+  auto record = [rp](int status) { rp->record(status); };
+  const auto in_flight = rp->in_flight;
+  // A request that ends within 2 s gets a plain response.
+  auto events = std::make_shared<std::vector<GenEvent>>();
+  const double deadline = now_seconds() + 2.0;
+  bool alive = true;
+  while (alive && now_seconds() < deadline && !st.aborting) alive = g->wait(events.get(), 200);
+  if (alive && st.aborting) {  // shutting down past the drain timeout, nothing sent yet: a real 503
+    g->cancel();
+    send_json(res, 503, ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body());
+    record(503);
+    return;
+  }
+  if (!alive) {
+    const auto [status, body] = build(*events);
+    send_json(res, status, body);
+    record(status);
+    return;
+  }
+  // A longer one is sent chunked, and each second a space (white space before JSON is valid
+  // JSON) probes the connection, so a client that went away cancels its sequence and frees
+  // its KV blocks within a second or two instead of at max_tokens.
+  auto finished = std::make_shared<bool>(false);
+  res.set_chunked_content_provider(
+      "application/json",
+      [&st, g, events, build, record, finished, in_flight](size_t, httplib::DataSink& sink) {
+        if (st.aborting) {  // shutting down past the drain timeout: say so (the status, 200, is on the wire)
+          g->cancel();
+          const std::string text = dump(ApiError(503, "the server is shutting down: the completion was cancelled", "", "",
+                                                 "server_error").body());
           sink.write(text.data(), text.size());
           sink.done();
           *finished = true;
-          record(status);
+          record(503);
           return true;
-        },
-        [g, finished](bool) {
-          if (!*finished) g->cancel();
-        });
-    return;
-  }
+        }
+        if (g->wait(events.get(), 1000)) {
+          if (!sink.write(" ", 1)) {
+            g->cancel();
+            return false;
+          }
+          return true;
+        }
+        const auto [status, body] = build(*events);  // status is already 200 on the wire
+        const std::string text = dump(body);
+        sink.write(text.data(), text.size());
+        sink.done();
+        *finished = true;
+        record(status);
+        return true;
+      },
+      [g, finished](bool) {
+        if (!*finished) g->cancel();
+      });
+}
 
-  // Streaming: Server-Sent Events, one chunk per step's output, then [DONE].
+// A streamed response: Server-Sent Events, one chunk per step's output, then [DONE].
+void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
+  ServerState& st = rp->st;
+  const auto g = rp->g;
+  const CompletionRequest& r = rp->r;
+  const bool chat = rp->chat;
+  const std::string id = rp->id;
+  const int64_t created = rp->created;
+  auto usage = [rp] { return rp->usage(); };
+  auto record = [rp](int status) { rp->record(status); };
+  auto finish_reason = [rp] { return rp->finish_reason(); };
+  const auto in_flight = rp->in_flight;
   res.set_header("Cache-Control", "no-cache");
   auto started = std::make_shared<bool>(false);
   auto finished = std::make_shared<bool>(false);
@@ -450,6 +444,55 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
       [g, finished](bool) {
         if (!*finished) g->cancel();  // connection closed before the end
       });
+}
+
+void handle_completion(ServerState& st, const httplib::Request& req, httplib::Response& res, bool chat) {
+  const char* endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
+  if (!st.ready) {
+    send_json(res, 503, ApiError(503, "the model is loading", "", "", "server_error").body());
+    return;
+  }
+  const int64_t ctx = st.scheduler->options().ctx;
+  CompletionRequest r;
+  std::vector<int32_t> prompt;
+  try {
+    r = parse_completion_request(req.body, chat, st.model_id, ctx, st.max_body);
+    prompt = prompt_tokens(st, r, ctx);
+    if (int64_t(prompt.size()) + 1 > ctx)
+      throw ApiError(400, "the prompt has " + std::to_string(prompt.size()) + " tokens; the context is " + std::to_string(ctx),
+                     chat ? "messages" : "prompt", "context_length_exceeded");
+  } catch (const ApiError& e) {
+    send_error(res, e);
+    st.metrics.count_request(endpoint, e.status);
+    return;
+  }
+  GenParams gp;
+  gp.prompt = prompt;
+  const int64_t room = ctx - int64_t(prompt.size());
+  gp.max_tokens = std::min(r.max_tokens > 0 ? r.max_tokens : (chat ? room : 16), room);
+  gp.sampling = r.sampling;
+  gp.stop = r.stop;
+  gp.top_logprobs = r.top_logprobs;
+  auto g = std::make_shared<GenRequest>(gp);
+  const Scheduler::Submit sub = st.scheduler->submit(g);
+  if (sub == Scheduler::Submit::QueueFull) {
+    send_error(res, ApiError(429, "the server is busy: too many requests queued; retry later", "", "rate_limit_exceeded",
+                             "rate_limit_error"));
+    st.metrics.count_request(endpoint, 429);
+    return;
+  }
+  if (sub == Scheduler::Submit::TooLong) {
+    send_error(res, ApiError(400, "the prompt does not fit the context", chat ? "messages" : "prompt", "context_length_exceeded"));
+    return;
+  }
+
+  ++st.active;  // until the response is done: the last copy of `in_flight` goes with it
+  std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + std::to_string(st.next_id++);
+  auto in_flight = std::shared_ptr<void>(nullptr, [&st](void*) { --st.active; });
+  auto reply = std::make_shared<Reply>(
+      Reply{st, g, std::move(r), chat, std::move(id), int64_t(std::time(nullptr)), endpoint, std::move(in_flight)});
+  if (reply->r.stream) respond_stream(reply, res);
+  else respond_whole(reply, res);
 }
 
 }  // namespace
