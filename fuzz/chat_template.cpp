@@ -8,7 +8,10 @@
 // role: 0 system, 1 user, 2 assistant (modulo 4), 3: the rest of the field is the role text
 // (an unknown role must be a UsageError).
 // Checked: only UsageError is thrown; apply() equals the concatenation of apply_segments();
-// every user or assistant message's content appears in a non-special segment.
+// for the built-in formats every user or assistant message's content appears in a non-special
+// segment; for a Jinja template (which may print a content transformed, twice or not at all) no
+// segment holds the placeholder characters that find the contents (U+E000, U+E001) unless the
+// template or a message holds them.
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -63,6 +66,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string joined;
     for (const auto& s : segs) joined += s.text;
     if (joined != text) fuzz::fail(t.name() + ": apply() differs from its segments");
+    if (t.name() == "jinja") {
+      const std::string mark = "\xee\x80";
+      bool given = fields[0].find(mark) != std::string::npos;
+      for (const ChatMessage& m : messages) given = given || m.content.find(mark) != std::string::npos || m.role.find(mark) != std::string::npos;
+      if (!given && text.find(mark) != std::string::npos) fuzz::fail("jinja: a placeholder leaked into the prompt");
+      return 0;
+    }
     for (const ChatMessage& m : messages) {
       if (m.content.empty() || m.role == "system") continue;  // a system text may be dropped or merged
       bool found = false;
