@@ -16,29 +16,48 @@ std::string trim(const std::string& s) {
   return s.substr(a, b - a + 1);
 }
 
-// The call a block's body spells, or null.
-nlohmann::json call_of(const std::string& body) {
-  const auto j = nlohmann::json::parse(body, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("name") || !j["name"].is_string()) return nullptr;
-  nlohmann::json args = j.contains("arguments") ? j["arguments"] : nlohmann::json::object();
+// The call a JSON object spells ({"name", "arguments" or Llama's "parameters"}), or null.
+nlohmann::json call_of_json(const nlohmann::json& j) {
+  if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return nullptr;
+  const char* key = j.contains("arguments") ? "arguments" : "parameters";
+  nlohmann::json args = j.contains(key) ? j[key] : nlohmann::json::object();
   if (args.is_string()) args = nlohmann::json::parse(args.get<std::string>(), nullptr, false);
   if (args.is_discarded() || !args.is_object()) return nullptr;
   return {{"type", "function"}, {"function", {{"name", j["name"]}, {"arguments", args.dump()}}}};
+}
+
+nlohmann::json call_of(const std::string& body) {
+  const auto j = nlohmann::json::parse(body, nullptr, false);
+  return j.is_discarded() ? nlohmann::json(nullptr) : call_of_json(j);
+}
+
+// A whole reply that is only calls: one object (Llama 3.x, bare Hermes) or an array of them
+// (Mistral), after an optional "[TOOL_CALLS]" or "<|python_tag|>"; each must name a tool of the
+// request. Empty array when the reply is not of that form.
+nlohmann::json whole_reply_calls(std::string text, const std::vector<std::string>& tools) {
+  for (const char* tag : {"[TOOL_CALLS]", "<|python_tag|>"})
+    if (text.rfind(tag, 0) == 0) text = trim(text.substr(std::string(tag).size()));
+  if (text.empty() || (text[0] != '{' && text[0] != '[')) return nlohmann::json::array();
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded()) return nlohmann::json::array();
+  if (j.is_object()) j = nlohmann::json::array({j});
+  nlohmann::json calls = nlohmann::json::array();
+  for (const auto& c : j) {
+    nlohmann::json call = call_of_json(c);
+    if (call.is_null() || std::count(tools.begin(), tools.end(), call["function"]["name"].get<std::string>()) == 0)
+      return nlohmann::json::array();
+    calls.push_back(std::move(call));
+  }
+  return calls;
 }
 
 }  // namespace
 
 ParsedReply parse_tool_calls(const std::string& text, const std::string& id_prefix, const std::vector<std::string>& tools) {
   ParsedReply r;
-  const std::string whole = trim(text);
-  if (!whole.empty() && whole[0] == '{') {  // the bare form
-    nlohmann::json call = call_of(whole);
-    if (!call.is_null() && std::count(tools.begin(), tools.end(), call["function"]["name"].get<std::string>()) > 0) {
-      call["id"] = "call_" + id_prefix + "_0";
-      r.calls.push_back(std::move(call));
-      return r;
-    }
-  }
+  r.calls = whole_reply_calls(trim(text), tools);
+  for (size_t i = 0; i < r.calls.size(); ++i) r.calls[i]["id"] = "call_" + id_prefix + "_" + std::to_string(i);
+  if (!r.calls.empty()) return r;
   std::string content;
   const std::string open = kOpen, close = kClose;
   size_t pos = 0;
@@ -76,7 +95,12 @@ std::vector<std::string> tool_names(const std::string& tools_json) {
 
 size_t tool_call_safe_prefix(const std::string& text) {
   const size_t first = text.find_first_not_of(" \t\r\n");
-  if (first != std::string::npos && text[first] == '{') return 0;
+  if (first != std::string::npos) {
+    const std::string head = text.substr(first, 16);
+    if (head[0] == '{' || head[0] == '[') return 0;
+    for (const std::string tag : {"[TOOL_CALLS]", "<|python_tag|>"})
+      if (tag.compare(0, std::min(tag.size(), head.size()), head, 0, std::min(tag.size(), head.size())) == 0) return 0;
+  }
   const std::string open = kOpen;
   const size_t a = text.find(open);
   if (a != std::string::npos) return a;

@@ -3,9 +3,12 @@
 //   <tool_call>
 //   {"name": "get_weather", "arguments": {"city": "Paris"}}
 //   </tool_call>
-// one block per call, anywhere in the reply; small models often drop the tags and reply with
-// the bare object, which counts when it is the whole reply and names one of the request's tools.
-// (Llama 3.x JSON and Mistral [TOOL_CALLS] are not parsed yet.)
+// one block per call, anywhere in the reply. A reply that is only calls may also come as
+//   {"name": "get_weather", "parameters": {...}}        Llama 3.1/3.2 (after <|python_tag|>)
+//   [TOOL_CALLS][{"name": ..., "arguments": {...}}]    Mistral ([TOOL_CALLS] is a control token,
+//                                                      so often only the array reaches the text)
+// or as the bare Hermes object (small models drop the tags): such a whole-reply form counts when
+// every call names one of the request's tools.
 #pragma once
 #include <cstddef>
 #include <string>
@@ -32,8 +35,9 @@ ParsedReply parse_tool_calls(const std::string& text, const std::string& id_pref
 
 /// How many leading bytes of a reply streamed so far can be sent as content now: everything
 /// before the first "<tool_call>", and before a trailing partial "<tool_call" (which may yet
-/// become one); nothing while the reply so far starts with "{" (it may be a bare call). The
-/// rest is held until the reply ends.
+/// become one); nothing while the reply so far (white space skipped) starts with "{", "[" or a
+/// prefix of "[TOOL_CALLS]" or "<|python_tag|>" (it may be a whole-reply call). The rest is held
+/// until the reply ends.
 size_t tool_call_safe_prefix(const std::string& text);
 
 /// The function names of a request's `tools` (JSON array text, as CompletionRequest::tools).

@@ -28,6 +28,17 @@ TEST_CASE("Hermes <tool_call> blocks become OpenAI tool_calls", "[server][tools]
   CHECK(parse_tool_calls(" {\"name\": \"add\", \"arguments\": {\"a\": 2}}\n", "w", tools).calls.size() == 1);
   CHECK(parse_tool_calls("{\"name\": \"rm_rf\", \"arguments\": {}}", "w", tools).calls.empty());
   CHECK(parse_tool_calls("{\"name\": \"add\"} and more", "w", tools).calls.empty());
+  // Llama 3.x: "parameters", maybe after <|python_tag|>; Mistral: an array, maybe after [TOOL_CALLS].
+  const auto llama = parse_tool_calls("<|python_tag|>{\"name\": \"add\", \"parameters\": {\"a\": 1}}", "l", tools);
+  REQUIRE(llama.calls.size() == 1);
+  CHECK(llama.calls[0]["function"]["arguments"] == "{\"a\":1}");
+  const auto mistral = parse_tool_calls(
+      "[TOOL_CALLS] [{\"name\": \"add\", \"arguments\": {\"a\": 1}}, {\"name\": \"get_weather\", \"arguments\": {}}]", "m", tools);
+  REQUIRE(mistral.calls.size() == 2);
+  CHECK(mistral.calls[1]["id"] == "call_m_1");
+  CHECK(parse_tool_calls("[{\"name\": \"add\", \"arguments\": {}}]", "m", tools).calls.size() == 1);
+  CHECK(parse_tool_calls("[{\"name\": \"add\", \"arguments\": {}}, {\"name\": \"nope\"}]", "m", tools).calls.empty());
+  CHECK(parse_tool_calls("[1, 2, 3]", "m", tools).content == "[1, 2, 3]");
 }
 
 TEST_CASE("a streamed reply is held from a possible <tool_call> on", "[server][tools]") {
@@ -36,6 +47,11 @@ TEST_CASE("a streamed reply is held from a possible <tool_call> on", "[server][t
   CHECK(tool_call_safe_prefix("Hello <") == 6);
   CHECK(tool_call_safe_prefix("Hi <tool_call>{") == 3);
   CHECK(tool_call_safe_prefix("  {\"name\"") == 0);  // may be a bare call
+  CHECK(tool_call_safe_prefix("[TOOL_") == 0);
+  CHECK(tool_call_safe_prefix("<|python") == 0);
+  CHECK(tool_call_safe_prefix("<|") == 0);    // may become <|python_tag|>
+  CHECK(tool_call_safe_prefix("<|im") == 4);  // cannot
+  CHECK(tool_call_safe_prefix("Sure, [1]") == 9);
   CHECK(tool_names(R"([{"type":"function","function":{"name":"a"}},{"type":"function","function":{"name":"b"}}])") ==
         std::vector<std::string>{"a", "b"});
 }
