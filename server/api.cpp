@@ -163,7 +163,7 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
     }
     if (has(j, "n") && integer(j, "n", 1, 1) != 1) bad("only n = 1 is supported", "n");
     const char* mt = has(j, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-    if (has(j, mt)) r.max_tokens = integer(j, mt, 1, ctx);
+    if (has(j, mt)) r.max_tokens = std::min<int64_t>(integer(j, mt, 1, INT64_MAX), ctx);  // clamped, as OpenAI-compatible servers do
     SamplerParams& s = r.sampling;
     s.temperature = 1.0f, s.top_k = 0, s.top_p = 1.0f, s.min_p = 0.0f;  // OpenAI defaults
     if (has(j, "temperature")) s.temperature = float(number(j, "temperature", 0, 2));

@@ -50,7 +50,8 @@ inline constexpr int kMaxJsonDepth = 32;
 nlohmann::json parse_json_body(const std::string& body);
 
 /// Parses and validates a request body. `model_id` is the served model's id (a different
-/// `model` is a 404); `ctx` bounds max_tokens; `max_body` the body size. Chat messages may be
+/// `model` is a 404); max_tokens is clamped to `ctx` (the room the prompt leaves is taken later);
+/// `max_body` the body size. Chat messages may be
 /// system/developer, user, assistant (with `tool_calls`, content then optional) or tool (with
 /// `tool_call_id`); `tools` and `tool_choice` "auto" or "none" are taken ("required" and a named
 /// function need constrained decoding: 400 for now). Throws ApiError (400 malformed JSON, wrong

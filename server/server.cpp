@@ -1,10 +1,12 @@
 // llmq-server: OpenAI-compatible HTTP completions with streaming and continuous batching.
 //
 //   llmq-server -m model.llmq [--host 127.0.0.1] [--port 8080] [--parallel 4] [--api-key KEY]
+//               [--alias NAME] [--cors-origin ORIGIN]
 //
 // Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true -> Server-Sent
-// Events), GET /v1/models, GET /health (503 while loading), GET /metrics (Prometheus),
-// POST /tokenize, POST /detokenize, GET / (a web chat page).
+// Events; tools -> tool_calls), GET /v1/models and /v1/models/{id}, GET /health (503 while
+// loading), GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET / (a web chat
+// page); OPTIONS (CORS preflight) on every path.
 #include <httplib.h>
 
 #include <CLI/CLI.hpp>
@@ -21,6 +23,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "text/chat.h"
@@ -71,7 +74,6 @@ struct ServerState {
   std::optional<ChatTemplate> tmpl;
   std::string model_id;
   Metrics metrics;
-  std::atomic<uint64_t> next_id{1};
   size_t max_body = 1 << 20;
   size_t max_token_bytes = 4;  ///< most text bytes one token can stand for (set at load)
 };
@@ -114,6 +116,18 @@ void check_prompt_bytes(const ServerState& st, const CompletionRequest& r, size_
     throw ApiError(400, "the prompt of " + std::to_string(bytes) + " bytes is longer than the context of " + std::to_string(ctx) +
                             " tokens can hold",
                    r.chat ? "messages" : "prompt", "context_length_exceeded");
+}
+
+// The build that answered, as OpenAI's system_fingerprint.
+const std::string kSystemFingerprint = std::string("fp_llmq_") + LLMQ_VERSION;
+
+// n random hex digits (response ids, as OpenAI's are random rather than counting).
+std::string random_hex(int n) {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < n; ++i) s += digits[rng() % 16];
+  return s;
 }
 
 // Whether the reply of a chat request is parsed for tool calls (server/tool_calls.h).
@@ -253,6 +267,7 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
   }
   return {200, json{{"id", id},
                     {"object", chat ? "chat.completion" : "text_completion"},
+                    {"system_fingerprint", kSystemFingerprint},
                     {"created", created},
                     {"model", st.model_id},
                     {"choices", json::array({choice})},
@@ -344,6 +359,7 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
         auto chunk = [&](const json& choice) {
           json c = {{"id", id},
                     {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                    {"system_fingerprint", kSystemFingerprint},
                     {"created", created},
                     {"model", st.model_id},
                     {"choices", choice.is_null() ? json::array() : json::array({choice})}};
@@ -487,7 +503,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   }
 
   ++st.active;  // until the response is done: the last copy of `in_flight` goes with it
-  std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + std::to_string(st.next_id++);
+  std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
   auto in_flight = std::shared_ptr<void>(nullptr, [&st](void*) { --st.active; });
   auto reply = std::make_shared<Reply>(
       Reply{st, g, std::move(r), chat, std::move(id), int64_t(std::time(nullptr)), endpoint, std::move(in_flight)});
@@ -558,6 +574,11 @@ int main(int argc, char** argv) {
                                     "--device cuda: f16 (default) or q8_0 (17/32 of f16's bytes)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "q8_0"}));
   app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
+  std::string alias, cors_origin = "*";
+  app.add_option("--alias", alias, "the model id clients name (default: the model file's name without .llmq)");
+  app.add_option("--cors-origin", cors_origin,
+                 "Access-Control-Allow-Origin for browser apps (default *: any page may call the API, as with vLLM and "
+                 "llama.cpp; an API key still applies); empty: no CORS headers");
   app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
   std::string gpu_layers_s = "all";
   app.add_option("--gpu-layers,--n-gpu-layers", gpu_layers_s,
@@ -641,7 +662,7 @@ int main(int argc, char** argv) {
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
     auto st = std::make_shared<ServerState>();
-    st->model_id = std::filesystem::path(model_path).stem().string();
+    st->model_id = alias.empty() ? std::filesystem::path(model_path).stem().string() : alias;
     httplib::Server svr;
     const int http_threads = std::max(8, 2 * (parallel + int(max_queue)) + 8);
     svr.new_task_queue = [http_threads] { return new httplib::ThreadPool(size_t(http_threads)); };
@@ -671,9 +692,11 @@ int main(int argc, char** argv) {
         st->metrics.count_request(req.path, refused.code);
         return httplib::Server::HandlerResponse::Handled;
       }
-      if (api_key.empty() || req.path == "/health" || req.path == "/") return httplib::Server::HandlerResponse::Unhandled;
+      if (api_key.empty() || req.path == "/health" || req.path == "/" || req.method == "OPTIONS")  // CORS preflights carry no key
+        return httplib::Server::HandlerResponse::Unhandled;
       if (req.get_header_value("Authorization") == "Bearer " + api_key) return httplib::Server::HandlerResponse::Unhandled;
-      send_json(res, 401, ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "", "invalid_api_key").body());
+      send_json(res, 401, ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "", "invalid_api_key",
+                                   "authentication_error").body());
       res.set_header("Connection", "close");  // the body was not read: this connection cannot carry another request
       st->metrics.count_request(req.path, 401);
       return httplib::Server::HandlerResponse::Handled;
@@ -694,16 +717,32 @@ int main(int argc, char** argv) {
       else if (res.status == 413) send_json(res, 413, ApiError(413, "request body too large").body());
     });
 
+    if (!cors_origin.empty()) {  // CORS: every response names the allowed origin; preflights are answered here
+      svr.set_default_headers({{"Access-Control-Allow-Origin", cors_origin}});
+      svr.Options(R"(.*)", [](const httplib::Request&, httplib::Response& res) {
+        res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+        res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+        res.set_header("Access-Control-Max-Age", "86400");
+        res.status = 204;
+      });
+    }
     svr.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
       if (st->ready) send_json(res, 200, {{"status", "ok"}});
       else if (!st->load_error.empty()) send_json(res, 503, {{"status", "error"}, {"error", st->load_error}});
       else send_json(res, 503, {{"status", "loading"}});
     });
     svr.Get("/", [&](const httplib::Request&, httplib::Response& res) { res.set_content(kIndexHtml, "text/html; charset=utf-8"); });
+    const auto model_json = [&] { return json{{"id", st->model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "llmq"}}; };
     svr.Get("/v1/models", [&](const httplib::Request&, httplib::Response& res) {
-      send_json(res, 200, {{"object", "list"},
-                           {"data", json::array({{{"id", st->model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "llmq"}}})}});
+      send_json(res, 200, {{"object", "list"}, {"data", json::array({model_json()})}});
       st->metrics.count_request("/v1/models", 200);
+    });
+    svr.Get(R"(/v1/models/(.+))", [&](const httplib::Request& req, httplib::Response& res) {
+      if (req.matches[1] != st->model_id) {
+        send_error(res, ApiError(404, "The model '" + std::string(req.matches[1]) + "' does not exist", "model", "model_not_found"));
+        return;
+      }
+      send_json(res, 200, model_json());
     });
     svr.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(*st, req, res, false); });
     svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(*st, req, res, true); });
