@@ -42,6 +42,8 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
       l -= p_.presence_penalty + p_.frequency_penalty * float(k);
     }
   }
+  for (const auto& [id, bias] : p_.logit_bias)
+    if (id >= 0 && id < n) cand_[size_t(id)].logit += bias;
   if (p_.temperature <= 0.0f) {
     int64_t best = 0;
     for (int64_t i = 1; i < n; ++i)
@@ -75,8 +77,11 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
 }
 
 namespace {
+// Whether sample() changes logits before choosing (penalties, logit bias): the argmax and top-k
+// shortcuts of greedy() / top_k_suffices() do not apply then.
 bool penalizes(const SamplerParams& p) {
-  return (p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) && p.repeat_last_n != 0;
+  return ((p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) && p.repeat_last_n != 0) ||
+         !p.logit_bias.empty();
 }
 }  // namespace
 

@@ -1,6 +1,7 @@
 // Token sampling from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace llmq {
@@ -16,6 +17,9 @@ struct SamplerParams {
   float presence_penalty = 0;  ///< OpenAI: logit -= presence * [count > 0]
   float frequency_penalty = 0; ///< OpenAI: logit -= frequency * count
   uint64_t seed = 0;           ///< same seed, same logits -> same tokens
+  /// OpenAI's logit_bias: (token id, bias) pairs added to those logits after the penalties
+  /// (-100 effectively bans a token, +100 forces it); ids must be in the vocabulary.
+  std::vector<std::pair<int32_t, float>> logit_bias = {};
 };
 
 /// Draws one token per call. Deterministic: the random stream depends only on the seed.
@@ -23,7 +27,7 @@ class Sampler {
  public:
   explicit Sampler(const SamplerParams& p);
   /// Picks a token from logits [n_vocab]; `history` is the sequence so far (for the penalty).
-  /// Order of filters (as llama.cpp): penalty, top-k, top-p, min-p, temperature, draw.
+  /// Order of filters (as llama.cpp): penalty, logit bias, top-k, top-p, min-p, temperature, draw.
   int32_t sample(const float* logits, int64_t n_vocab, const std::vector<int32_t>& history);
   /// True when sample() is the plain argmax (temperature <= 0, no penalties).
   bool greedy() const;

@@ -173,6 +173,17 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
     if (has(j, "presence_penalty")) s.presence_penalty = float(number(j, "presence_penalty", -2, 2));
     if (has(j, "frequency_penalty")) s.frequency_penalty = float(number(j, "frequency_penalty", -2, 2));
     if (has(j, "repetition_penalty")) s.repeat_penalty = float(number(j, "repetition_penalty", 0.01, 10));
+    if (has(j, "logit_bias")) {
+      const json& lb = j["logit_bias"];
+      if (!lb.is_object() || lb.size() > 1024) bad("'logit_bias' must be an object of at most 1024 token ids", "logit_bias");
+      for (const auto& [key, v] : lb.items()) {
+        char* end = nullptr;
+        const long long id = std::strtoll(key.c_str(), &end, 10);
+        if (key.empty() || *end || id < 0 || id > INT32_MAX || !v.is_number() || v.get<double>() < -100 || v.get<double>() > 100)
+          bad("'logit_bias' maps token ids (\"123\") to numbers in [-100, 100]", "logit_bias");
+        s.logit_bias.emplace_back(int32_t(id), v.get<float>());
+      }
+    }
     s.seed = has(j, "seed") ? uint64_t(integer(j, "seed", INT64_MIN, INT64_MAX)) : uint64_t(std::random_device{}());
     if (has(j, "stop")) {
       const json& st = j["stop"];

@@ -473,6 +473,8 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   std::vector<int32_t> prompt;
   try {
     r = parse_completion_request(req.body, chat, st.model_id, ctx, st.max_body);
+    for (const auto& [tid, bias] : r.sampling.logit_bias)
+      if (tid >= int32_t(st.model->vocab.size())) throw ApiError(400, "logit_bias token id " + std::to_string(tid) + " is out of range", "logit_bias");
     prompt = prompt_tokens(st, r, ctx);
     if (int64_t(prompt.size()) + 1 > ctx)
       throw ApiError(400, "the prompt has " + std::to_string(prompt.size()) + " tokens; the context is " + std::to_string(ctx),

@@ -366,3 +366,20 @@ TEST_CASE("llmq-run one-shot streams the golden text", "[model][tools]") {
   const std::string text = read_file(out);
   CHECK(text.rfind("Once upon a time, there was a little girl named Lily.", 0) == 0);
 }
+
+// OpenAI's logit_bias: added after the penalties; -100 bans a token, +100 forces it; a biased
+// sampler never takes the argmax / top-k shortcuts (a GPU copies back all logits then).
+TEST_CASE("logit_bias bans and forces tokens", "[sampler]") {
+  const std::vector<float> logits{1.0f, 5.0f, 2.0f, 0.5f};
+  SamplerParams p;
+  p.temperature = 0.0f;
+  CHECK(Sampler(p).sample(logits.data(), 4, {}) == 1);
+  p.logit_bias = {{1, -100.0f}};
+  Sampler banned(p);
+  CHECK_FALSE(banned.greedy());
+  CHECK(banned.sample(logits.data(), 4, {}) == 2);
+  p.temperature = 1.0f, p.top_k = 2, p.logit_bias = {{3, 100.0f}};
+  Sampler forced(p);
+  CHECK_FALSE(forced.top_k_suffices());
+  for (int i = 0; i < 50; ++i) CHECK(forced.sample(logits.data(), 4, {}) == 3);
+}

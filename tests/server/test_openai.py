@@ -74,6 +74,20 @@ def test_cors(srv, keyed):
     assert requests.post(keyed.url + "/v1/completions", json={"prompt": PROMPT}, timeout=30).status_code == 401
 
 
+def test_logit_bias(client, srv):
+    def first_token(**kw):  # the id of the first generated token (llmq's chat logprobs carry ids)
+        body = {"model": srv.model_id, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 3,
+                "temperature": 0, "logprobs": True, **kw}
+        return srv.post("/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"][0]["id"]
+    first = first_token()
+    assert first_token(logit_bias={str(first): -100}) != first
+    other = (first + 7) % 500
+    assert first_token(logit_bias={str(other): 100}) == other
+    for bad in ({"x": 1}, {"5": 101}, {"-1": 1}, {"99999999": 1}, [1]):
+        r = srv.post("/v1/completions", {"model": srv.model_id, "prompt": PROMPT, "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", bad
+
+
 def test_ids_are_random_and_fingerprinted(client, srv):
     a = complete(client, srv, max_tokens=1)
     b = complete(client, srv, max_tokens=1)
