@@ -107,6 +107,19 @@ void parse_tools(const json& j, CompletionRequest& r) {
   }
 }
 
+// /v1/completions' `echo` (the prompt in front of the text; with logprobs it would need the
+// prompt's logprobs, which the scheduler does not compute yet) and `suffix` (fill-in-the-middle,
+// not supported): refused with a 400 where they would otherwise be ignored.
+void parse_echo_suffix(const json& j, CompletionRequest& r) {
+  if (has(j, "echo")) {
+    if (!j["echo"].is_boolean()) bad("'echo' must be a boolean", "echo");
+    r.echo = j["echo"].get<bool>();
+    if (r.echo && r.top_logprobs >= 0) bad("'echo' with 'logprobs' (prompt logprobs) is not supported yet", "echo");
+  }
+  if (has(j, "suffix") && !(j["suffix"].is_string() && j["suffix"].get<std::string>().empty()))
+    bad("'suffix' (fill-in-the-middle) is not supported", "suffix");
+}
+
 }  // namespace
 
 nlohmann::json parse_json_body(const std::string& body) {
@@ -217,8 +230,9 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
         if (r.top_logprobs < 0) bad("'top_logprobs' needs 'logprobs': true", "top_logprobs");
         r.top_logprobs = int(k);
       }
-    } else if (has(j, "logprobs")) {
-      r.top_logprobs = int(integer(j, "logprobs", 0, 5));
+    } else {
+      if (has(j, "logprobs")) r.top_logprobs = int(integer(j, "logprobs", 0, 5));
+      parse_echo_suffix(j, r);
     }
   } catch (const json::exception& e) {
     bad(std::string("invalid request: ") + e.what(), "");

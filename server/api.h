@@ -32,6 +32,7 @@ struct CompletionRequest {
   SamplerParams sampling;
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
+  bool echo = false;                  ///< completions: the prompt text goes in front of the reply
   int top_logprobs = -1;              ///< -1: no logprobs
   /// chat: the request's `tools` as a JSON array text (empty: none), checked to be OpenAI's
   /// [{"type": "function", "function": {"name", "description"?, "parameters"?}}]

@@ -130,6 +130,15 @@ std::string random_hex(int n) {
   return s;
 }
 
+// The prompt as /v1/completions' echo gives it back: the text, or the given token ids decoded.
+std::string echo_text(const ServerState& st, const CompletionRequest& r) {
+  if (r.prompt_ids.empty()) return r.prompt;
+  std::string text;
+  int32_t prev = -1;
+  for (int32_t id : r.prompt_ids) text += st.model->tokenizer->decode_piece(prev, id), prev = id;
+  return text;
+}
+
 // Whether the reply of a chat request is parsed for tool calls (server/tool_calls.h).
 bool uses_tools(const CompletionRequest& r) { return r.chat && !r.tools.empty() && !r.tool_choice_none; }
 
@@ -261,7 +270,7 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
     }
     if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
   } else {
-    choice["text"] = text;
+    choice["text"] = r.echo ? echo_text(st, r) + text : text;
     if (r.top_logprobs >= 0)
       choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
   }
@@ -372,6 +381,10 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
         if (!*started) {
           *started = true;
           if (chat && !send(chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"finish_reason", nullptr}}))) {
+            g->cancel();
+            return false;
+          }
+          if (r.echo && !send(chunk({{"index", 0}, {"text", echo_text(st, r)}, {"finish_reason", nullptr}, {"logprobs", nullptr}}))) {
             g->cancel();
             return false;
           }

@@ -88,6 +88,24 @@ def test_logit_bias(client, srv):
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", bad
 
 
+def test_echo_and_suffix(client, srv):
+    plain = complete(client, srv, max_tokens=5, temperature=0)
+    echoed = complete(client, srv, max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    stream = complete(client, srv, max_tokens=5, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
+    ids = srv.tokenize(PROMPT, add_special=True)
+    assert complete(client, srv, prompt=ids, max_tokens=5, temperature=0, echo=True).choices[0].text.endswith(plain.choices[0].text)
+    # Not silently ignored: echo with logprobs (prompt logprobs) and suffix (fill-in-the-middle) are refused.
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, srv, max_tokens=5, echo=True, logprobs=1)
+    assert e.value.param == "echo"
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, srv, max_tokens=5, suffix=" The end.")
+    assert e.value.param == "suffix"
+    assert complete(client, srv, max_tokens=2, suffix="").choices[0].text
+
+
 def test_ids_are_random_and_fingerprinted(client, srv):
     a = complete(client, srv, max_tokens=1)
     b = complete(client, srv, max_tokens=1)
