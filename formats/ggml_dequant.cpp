@@ -9,8 +9,6 @@
 
 namespace llmq {
 
-bool ggml_dequant_supported(uint32_t t) { return dtype_known(t); }
-
 void ggml_dequantize_row(uint32_t t, const void* src, float* dst, int64_t n) {
   if (!dtype_known(t)) throw UsageError("ggml_dequantize_row: ggml type " + std::to_string(t) + " is not supported");
   if (reinterpret_cast<uintptr_t>(src) % alignof(uint32_t) == 0) return dequantize_row(DType(t), src, dst, n);

@@ -3,13 +3,11 @@
 // (formats/quant.h: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, with ggml's
 // block layouts and ggml's reference dequantization formulas, checked bit for bit against the
 // `gguf` Python package's `gguf.quants.dequantize` in tests/test_gguf.cpp).
+// Which ids it decodes: formats/quant.h's dtype_known.
 #pragma once
 #include <cstdint>
 
 namespace llmq {
-
-/// True when ggml_dequantize_row can decode `ggml_type` (exactly the ids dtype_known accepts).
-bool ggml_dequant_supported(uint32_t ggml_type);
 
 /// Decodes n weights of ggml type `ggml_type` from `src` (any alignment) into dst [n] as fp32,
 /// with dequantize_row (formats/quant.h). Bit-identical to ggml's reference dequantization as

@@ -285,17 +285,6 @@ void quantize_q6_k(const float* x, uint8_t* out, int64_t nsb) {
 // Little-endian fp16 at p (any alignment) as fp32.
 inline float half_at(const uint8_t* p) { return fp16_to_fp32(uint16_t(p[0] | (p[1] << 8))); }
 
-// The 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes of Q4_K / Q5_K.
-inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *m = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 // Nibbles of a 32-weight block (weight j low nibble of qs[j], j+16 the high one) plus the
 // 5th bits of Q5_0/Q5_1 (qh, or null).
 void unpack_q4_q5(const uint8_t* qs, const uint8_t* qh, uint8_t* q) {
@@ -340,7 +329,7 @@ void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
       const uint8_t* blk = row + size_t(b / 8) * (five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K));
       const int j = int(b % 8);
       int sc, m;
-      scale_min_k4(j, blk + 4, &sc, &m);
+      k_quant_scale_min(j, blk + 4, &sc, &m);
       o.a[0] = o.a[1] = half_at(blk) * float(sc), o.m = half_at(blk + 2) * float(m);
       const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
       for (int l = 0; l < 32; ++l) {

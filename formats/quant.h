@@ -138,6 +138,17 @@ struct QuantBlock {
   float a[2];    ///< scale of weights 0..15 and 16..31
   float m;       ///< subtracted minimum (0 for the symmetric types)
 };
+/// The 6-bit scale and minimum of sub-block j (0..7) of a Q4_K / Q5_K super-block from its
+/// 12 packed scale bytes `s` (the layout at BlockQ4_K).
+inline void k_quant_scale_min(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
 /// Decodes 32-weight block b (0-based, counting 32-weight blocks along the row) of a row of
 /// quantized type t at `row`. Throws nothing; t must be quantized.
 void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& out);

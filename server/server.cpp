@@ -237,8 +237,6 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
   const bool chat = rp.chat;
   const std::string& id = rp.id;
   const int64_t created = rp.created;
-  auto usage = [&rp] { return rp.usage(); };
-  auto finish_reason = [&rp] { return rp.finish_reason(); };
   const Tokenizer& tok = *st.model->tokenizer;
   std::string text;
   json lp_content = json::array(), tokens = json::array(), token_lps = json::array(), tops = json::array(),
@@ -258,7 +256,7 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
     text += e.text;
   }
   if (g->finish_reason.rfind("error", 0) == 0) return {500, ApiError(500, g->finish_reason, "", "", "server_error").body()};
-  json choice = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
+  json choice = {{"index", 0}, {"finish_reason", rp.finish_reason()}, {"logprobs", nullptr}};
   if (chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text}};
     if (uses_tools(r)) {
@@ -280,7 +278,7 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
                     {"created", created},
                     {"model", st.model_id},
                     {"choices", json::array({choice})},
-                    {"usage", usage()}}};
+                    {"usage", rp.usage()}}};
 }
 
 // A non-streamed response: a request that ends within 2 s gets a plain one, a longer one is
@@ -288,9 +286,6 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
 void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
   ServerState& st = rp->st;
   const auto g = rp->g;
-  auto build = [rp](const std::vector<GenEvent>& events) { return whole_body(*rp, events); };
-  auto record = [rp](int status) { rp->record(status); };
-  const auto in_flight = rp->in_flight;
   // A request that ends within 2 s gets a plain response.
   auto events = std::make_shared<std::vector<GenEvent>>();
   const double deadline = now_seconds() + 2.0;
@@ -299,13 +294,13 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
   if (alive && st.aborting) {  // shutting down past the drain timeout, nothing sent yet: a real 503
     g->cancel();
     send_json(res, 503, ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body());
-    record(503);
+    rp->record(503);
     return;
   }
   if (!alive) {
-    const auto [status, body] = build(*events);
+    const auto [status, body] = whole_body(*rp, *events);
     send_json(res, status, body);
-    record(status);
+    rp->record(status);
     return;
   }
   // A longer one is sent chunked, and each second a space (white space before JSON is valid
@@ -314,7 +309,7 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
   auto finished = std::make_shared<bool>(false);
   res.set_chunked_content_provider(
       "application/json",
-      [&st, g, events, build, record, finished, in_flight](size_t, httplib::DataSink& sink) {
+      [&st, rp, g, events, finished](size_t, httplib::DataSink& sink) {
         if (st.aborting) {  // shutting down past the drain timeout: say so (the status, 200, is on the wire)
           g->cancel();
           const std::string text = dump(ApiError(503, "the server is shutting down: the completion was cancelled", "", "",
@@ -322,7 +317,7 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
           sink.write(text.data(), text.size());
           sink.done();
           *finished = true;
-          record(503);
+          rp->record(503);
           return true;
         }
         if (g->wait(events.get(), 1000)) {
@@ -332,12 +327,12 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
           }
           return true;
         }
-        const auto [status, body] = build(*events);  // status is already 200 on the wire
+        const auto [status, body] = whole_body(*rp, *events);  // status is already 200 on the wire
         const std::string text = dump(body);
         sink.write(text.data(), text.size());
         sink.done();
         *finished = true;
-        record(status);
+        rp->record(status);
         return true;
       },
       [g, finished](bool) {
@@ -349,21 +344,17 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
 void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
   ServerState& st = rp->st;
   const auto g = rp->g;
-  const CompletionRequest& r = rp->r;
-  const bool chat = rp->chat;
-  const std::string id = rp->id;
-  const int64_t created = rp->created;
-  auto usage = [rp] { return rp->usage(); };
-  auto record = [rp](int status) { rp->record(status); };
-  auto finish_reason = [rp] { return rp->finish_reason(); };
-  const auto in_flight = rp->in_flight;
   res.set_header("Cache-Control", "no-cache");
   auto started = std::make_shared<bool>(false);
   auto finished = std::make_shared<bool>(false);
   auto held = std::make_shared<ToolStream>();  // with tools: the reply, and how much of it went out as content
   res.set_chunked_content_provider(
       "text/event-stream",
-      [&st, g, r, id, created, chat, started, finished, usage, record, finish_reason, in_flight, held](size_t, httplib::DataSink& sink) {
+      [&st, rp, g, started, finished, held](size_t, httplib::DataSink& sink) {
+        const CompletionRequest& r = rp->r;
+        const bool chat = rp->chat;
+        const std::string& id = rp->id;
+        const int64_t created = rp->created;
         const Tokenizer& tok = *st.model->tokenizer;
         auto chunk = [&](const json& choice) {
           json c = {{"id", id},
@@ -401,7 +392,7 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
           }
           sink.done();
           *finished = true;
-          record(503);
+          rp->record(503);
           return true;
         }
         std::vector<GenEvent> events;
@@ -445,7 +436,7 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
           }
           return true;
         }
-        json last = {{"index", 0}, {"finish_reason", finish_reason()}, {"logprobs", nullptr}};
+        json last = {{"index", 0}, {"finish_reason", rp->finish_reason()}, {"logprobs", nullptr}};
         if (chat) last["delta"] = json::object();
         else last["text"] = "";
         bool ok = true;
@@ -458,7 +449,7 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
         ok = ok && send(chunk(last));
         if (ok && r.include_usage) {
           json u = chunk(nullptr);
-          u["usage"] = usage();
+          u["usage"] = rp->usage();
           ok = send(u);
         }
         if (ok) {
@@ -467,7 +458,7 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
         }
         sink.done();
         *finished = true;
-        record(200);
+        rp->record(200);
         return true;
       },
       [g, finished](bool) {

@@ -299,7 +299,7 @@ Bytes tensor_data(uint32_t type, int64_t rows, int64_t cols, std::mt19937& rng) 
     for (float& v : x) v = nd(rng);
     return encode_rows(DType(type), x, cols);
   }
-  if (ggml_dequant_supported(type)) return random_blocks(type, rows * cols, rng);
+  if (dtype_known(type)) return random_blocks(type, rows * cols, rng);
   Bytes b(ggml_bytes(type, rows, cols));
   for (auto& x : b) x = uint8_t(rng());
   return b;
@@ -525,10 +525,10 @@ TEST_CASE("ggml_dequantize_row rejects unsupported types and partial blocks", "[
   CHECK_THROWS_AS(ggml_dequantize_row(tQ2_K, buf.data(), out.data(), 256), UsageError);
   CHECK_THROWS_AS(ggml_dequantize_row(tQ4_K, buf.data(), out.data(), 128), UsageError);
   CHECK_THROWS_AS(ggml_dequantize_row(tQ5_0, buf.data(), out.data(), 33), UsageError);
-  CHECK(ggml_dequant_supported(tQ6_K));
-  CHECK(ggml_dequant_supported(tBF16));
-  CHECK_FALSE(ggml_dequant_supported(tQ8_1));
-  CHECK_FALSE(ggml_dequant_supported(tF64));
+  CHECK(dtype_known(tQ6_K));
+  CHECK(dtype_known(tBF16));
+  CHECK_FALSE(dtype_known(tQ8_1));
+  CHECK_FALSE(dtype_known(tF64));
 }
 
 // ================================================================ stories260K through GGUF

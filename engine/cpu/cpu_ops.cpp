@@ -164,7 +164,6 @@ float dot_quant_blocks(DType t, const uint8_t* row, const BlockQ8Act* x, int64_t
   return sum;
 }
 
-bool is_block_quant(DType t) { return is_quantized(t); }
 
 }  // namespace
 
@@ -230,7 +229,7 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, cons
       if (a < b) fn(outs[i], (a - first_unit[i]) * 16, std::min(M, (b - first_unit[i]) * 16));
     }
   };
-  if (!is_block_quant(type)) {
+  if (!is_quantized(type)) {
     run_units(pool, inline_work, units, [&](int64_t u0, int64_t u1, int) {
       for_rows(u0, u1, [&](const MatmulOut& o, int64_t r0, int64_t r1) { k.matmul_float(o.y, x, T, *o.w, r0, r1); });
     });
@@ -274,7 +273,7 @@ void plan_matmul_scratch(MatmulScratchPlan& p, DType type, int64_t cols, int64_t
   p.threads = std::max(p.threads, threads);
   const auto n = size_t(T * (cols / QK));
   if (const x86::Kernels* k = active_kernels()) {  // as matmul_simd
-    if (!is_block_quant(type)) return;
+    if (!is_quantized(type)) return;
     p.xq = std::max(p.xq, n), p.xsum = std::max(p.xsum, n), p.corr = std::max(p.corr, n);
     for (int64_t t = 1; t <= T; ++t) {  // aligned_buffer() keeps 64 bytes of slack
       p.prep = std::max(p.prep, k->prep_bytes(type, t, cols) + 64);
@@ -282,7 +281,7 @@ void plan_matmul_scratch(MatmulScratchPlan& p, DType type, int64_t cols, int64_t
     }
     return;
   }
-  if (is_block_quant(type)) p.xq = std::max(p.xq, n);  // as the scalar matmul
+  if (is_quantized(type)) p.xq = std::max(p.xq, n);  // as the scalar matmul
   else if (type != DType::F32) p.rowbuf = std::max(p.rowbuf, size_t(cols));
 }
 
@@ -437,7 +436,7 @@ void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_
     return matmul_simd(*k, pool, s, x, T, &out, 1);
   }
   const int64_t M = w.rows, K = w.cols;
-  if (is_block_quant(w.type)) {
+  if (is_quantized(w.type)) {
     const int64_t nb = K / QK;
     if (s.xq.size() < size_t(T * nb)) s.xq.resize(size_t(T * nb));
     BlockQ8Act* xq = s.xq.data();

@@ -584,9 +584,8 @@ inline __m256i decode_block(const uint8_t* row, int64_t b, BlockScales& s) {
     constexpr bool five = D == DType::Q5_K;
     const uint8_t* blk = row + size_t(b / 8) * (five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K));
     const int j = int(b % 8);
-    const uint8_t* sc = blk + 4;
-    const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | (sc[j - 4] >> 6) << 4;
-    const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
+    int scale, min;
+    k_quant_scale_min(j, blk + 4, &scale, &min);
     s.a0 = s.a1 = f16(load_u16(blk)) * float(scale);
     s.m = f16(load_u16(blk + 2)) * float(min);
     const __m256i q = field_32(blk + (five ? 48 : 16) + 32 * (j / 2), 4 * (j % 2), 0x0f);

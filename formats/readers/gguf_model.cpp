@@ -100,7 +100,7 @@ void check_extra_tensors(const GgufFile& g, const ModelConfig& c, const std::vec
     if (t.name == "rope_freqs.weight") {
       // RoPE frequency factors (Llama 3.1 style scaling). All ones changes nothing; anything
       // else changes the model, which llmq's RoPE does not model.
-      bool ones = ggml_dequant_supported(t.type) && t.shape.size() == 1 && t.shape[0] == c.head_dim / 2;
+      bool ones = dtype_known(t.type) && t.shape.size() == 1 && t.shape[0] == c.head_dim / 2;
       if (ones) {
         std::vector<float> f(size_t(t.shape[0]));
         ggml_dequantize_row(t.type, t.data, f.data(), t.shape[0]);
@@ -120,7 +120,7 @@ SourceTensor gguf_source_tensor(const std::shared_ptr<GgufFile>& g, const Tensor
   if (!t) throw FileError(path, "missing tensor '" + spec.name + "'");
   if (t->shape != spec.shape)
     throw FileError(path, "tensor '" + spec.name + "' has shape " + shape_str(t->shape) + ", expected " + shape_str(spec.shape));
-  if (!ggml_dequant_supported(t->type))
+  if (!dtype_known(t->type))
     throw FileError(path, "tensor '" + spec.name + "' has type " + type_name(t->type) + ", which llmq cannot convert (supported: " +
                               kSupportedTypes + ")");
   SourceTensor st;
