@@ -12,7 +12,7 @@ namespace llmq {
 
 // ---------------------------------------------------------------- loading
 
-std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack, int64_t gpu_layers, int tp) {
+std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack, int64_t gpu_layers, int tp, int64_t ctx) {
   auto model = std::make_unique<Model>();
   model->file = LlmqFile::open(path, verify);
   const LlmqFile& f = *model->file;
@@ -24,6 +24,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
   } catch (const std::exception& e) {
     throw FileError(path, e.what());
   }
+  model->config.use_context(ctx > 0 ? ctx : std::min(model->config.context_length, kDefaultMaxCtx));
   const ModelConfig& c = model->config;
   if (int64_t(model->vocab.size()) != c.vocab_size)
     throw FileError(path, "tokenizer has " + std::to_string(model->vocab.size()) + " tokens but " + c.arch + ".vocab_size is " +

@@ -64,8 +64,10 @@ struct Model {
   /// a GPU runs them, the CPU the layers before); tp > 1 leaves the attention output and FFN
   /// down unpacked (tensor parallelism: each rank packs its own column slice of them, so the
   /// model's panels would go unused). model_packed_bytes (engine/mem_plan.h) predicts the bytes.
+  /// ctx: KV positions per sequence the runs will use (<= 0: the model's, at most
+  /// kDefaultMaxCtx); LongRoPE picks its factors by it (ModelConfig::use_context).
   static std::unique_ptr<Model> load(const std::string& path, bool verify = true, bool pack = true, int64_t gpu_layers = 0,
-                                     int tp = 1);
+                                     int tp = 1, int64_t ctx = 0);
   /// Bytes of weights in the file (all tensors).
   uint64_t weight_bytes() const;
   /// The type holding most 2-D weights, e.g. "q8_0" (for reports).

@@ -6,7 +6,7 @@ namespace {
 
 // Every architecture this build runs: the built-in table, then any registered at run time.
 std::vector<Architecture>& registry() {
-  static std::vector<Architecture> all = {kLlama, kQwen2, kQwen3, kGemma3};
+  static std::vector<Architecture> all = {kLlama, kQwen2, kQwen3, kGemma3, kMistral, kPhi3};
   return all;
 }
 

@@ -24,6 +24,9 @@ struct Architecture {
   /// How llama.cpp's converter stores this architecture's q and k rows in a GGUF: Meta's
   /// interleaved pairs (it permutes llama's) or the checkpoint's rotate-half order (the others).
   RopeLayout gguf_rope = RopeLayout::RotateHalf;
+  /// The files fuse q, k, v into attn_qkv [q_dim + 2 kv_dim, dim] and gate, up into one ffn_up
+  /// [2 hidden, dim], gate first (Phi-3); the readers split them into the table's tensors by rows.
+  bool fused_projections = false;
 };
 
 /// The architecture called `name`, or nullptr.
@@ -39,5 +42,7 @@ extern const Architecture kLlama;   ///< models/llama.cpp
 extern const Architecture kQwen2;   ///< models/qwen2.cpp
 extern const Architecture kQwen3;   ///< models/qwen3.cpp
 extern const Architecture kGemma3;  ///< models/gemma3.cpp
+extern const Architecture kMistral;  ///< models/mistral.cpp
+extern const Architecture kPhi3;     ///< models/phi3.cpp
 
 }  // namespace llmq

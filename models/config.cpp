@@ -28,7 +28,7 @@ const char* enum_name(const std::pair<E, const char*> (&table)[N], E e) {
 
 const std::pair<RopeLayout, const char*> kRopeLayouts[] = {{RopeLayout::Interleaved, "interleaved"}, {RopeLayout::RotateHalf, "rotate_half"}};
 const std::pair<RopeScaling, const char*> kRopeScalings[] = {
-    {RopeScaling::None, "none"}, {RopeScaling::Linear, "linear"}, {RopeScaling::Llama3, "llama3"}};
+    {RopeScaling::None, "none"}, {RopeScaling::Linear, "linear"}, {RopeScaling::Llama3, "llama3"}, {RopeScaling::LongRope, "longrope"}};
 const std::pair<NormPlacement, const char*> kNorms[] = {{NormPlacement::Pre, "pre"}, {NormPlacement::PrePost, "pre_post"}};
 const std::pair<Activation, const char*> kActs[] = {{Activation::SwiGLU, "swiglu"}, {Activation::GeGLU, "geglu"}};
 
@@ -76,14 +76,30 @@ int64_t ModelConfig::rope_table_layer(int table) const {
   return 0;
 }
 
+// LongRoPE multiplies cos and sin by m, so q and k each by m and q·k by m² (transformers
+// `_compute_longrope_parameters`: m = √(1 + ln s / ln orig_ctx), s = context / orig_ctx).
+static double longrope_attn_factor(const ModelConfig& c) {
+  if (c.rope_attn_factor > 0) return c.rope_attn_factor;
+  const double s = double(c.context_length) / double(c.rope_orig_ctx);
+  return s <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(s) / std::log(double(c.rope_orig_ctx)));
+}
+
 float ModelConfig::softmax_scale() const {
-  return float(attn_scale > 0 ? attn_scale : 1.0 / std::sqrt(double(head_dim)));
+  double s = attn_scale > 0 ? attn_scale : 1.0 / std::sqrt(double(head_dim));
+  if (rope_scaling == RopeScaling::LongRope) s *= longrope_attn_factor(*this) * longrope_attn_factor(*this);
+  return float(s);
+}
+
+void ModelConfig::use_context(int64_t ctx) {
+  rope_use_long = rope_scaling == RopeScaling::LongRope && ctx > rope_orig_ctx;
 }
 
 float ModelConfig::embedding_multiplier() const { return embed_scale ? float(std::sqrt(double(dim))) : 1.0f; }
 
 std::vector<double> ModelConfig::rope_freqs(int64_t layer) const {
-  const bool local = is_sliding(layer);
+  // Sliding-window layers of a mixed pattern (Gemma) have their own base and no scaling; a model
+  // whose every layer slides (Mistral, Phi-3) scales them all.
+  const bool local = is_sliding(layer) && swa_period > 0;
   const double theta = local && rope_theta_local > 0 ? rope_theta_local : rope_theta;
   const int64_t half = head_dim / 2;
   std::vector<double> f(static_cast<size_t>(half));
@@ -91,6 +107,11 @@ std::vector<double> ModelConfig::rope_freqs(int64_t layer) const {
   if (local || rope_scaling == RopeScaling::None) return f;
   if (rope_scaling == RopeScaling::Linear) {
     for (double& x : f) x /= rope_factor;
+    return f;
+  }
+  if (rope_scaling == RopeScaling::LongRope) {
+    const std::vector<float>& by = rope_use_long ? rope_long_factors : rope_short_factors;
+    for (int64_t i = 0; i < half; ++i) f[size_t(i)] /= double(by[size_t(i)]);
     return f;
   }
   // Llama 3.1: wavelengths longer than orig_ctx / low_freq are stretched by the factor, shorter
@@ -132,6 +153,18 @@ void ModelConfig::validate() const {
             (rope_orig_ctx > 0 && std::isfinite(rope_low_freq) && std::isfinite(rope_high_freq) && rope_low_freq > 0 &&
              rope_high_freq > rope_low_freq),
         "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and an original context");
+  if (rope_scaling == RopeScaling::LongRope) {
+    auto factors_ok = [&](const std::vector<float>& v) {
+      if (int64_t(v.size()) != head_dim / 2) return false;
+      for (float x : v)
+        if (!(std::isfinite(x) && x >= 1e-3f && x <= 1e6f)) return false;
+      return true;
+    };
+    check(factors_ok(rope_short_factors) && factors_ok(rope_long_factors),
+          "longrope needs short and long factor lists of head_dim/2 finite positive values");
+    check(rope_orig_ctx > 0 && rope_orig_ctx <= kBig, "longrope needs an original context length");
+    check(std::isfinite(rope_attn_factor) && rope_attn_factor >= 0 && rope_attn_factor <= 16, "longrope attention factor out of [0, 16]");
+  }
   check(std::isfinite(attn_scale) && attn_scale >= 0 && attn_scale <= 16, "attention scale out of [0, 16]");
   check(sliding_window >= 0 && sliding_window <= kBig, "sliding_window out of range");
   check(swa_period >= 0 && swa_period <= n_layers, "sliding_window_pattern out of [0, n_layers]");
@@ -160,6 +193,12 @@ void ModelConfig::to_metadata(Metadata& m) const {
   if (rope_scaling != RopeScaling::None) {
     m.set(p + "rope.scaling.type", std::string(rope_scaling_name(rope_scaling)));
     m.set(p + "rope.scaling.factor", rope_factor);
+  }
+  if (rope_scaling == RopeScaling::LongRope) {
+    m.set(p + "rope.scaling.original_context_length", rope_orig_ctx);
+    m.set(p + "rope.scaling.short_factor", rope_short_factors);
+    m.set(p + "rope.scaling.long_factor", rope_long_factors);
+    if (rope_attn_factor > 0) m.set(p + "rope.scaling.attn_factor", rope_attn_factor);
   }
   if (rope_scaling == RopeScaling::Llama3) {
     m.set(p + "rope.scaling.original_context_length", rope_orig_ctx);
@@ -195,6 +234,11 @@ ModelConfig ModelConfig::from_metadata(const Metadata& m) {
   c.rope_orig_ctx = m.get_int(p + "rope.scaling.original_context_length", c.rope_orig_ctx);
   c.rope_low_freq = m.get_float(p + "rope.scaling.low_freq_factor", c.rope_low_freq);
   c.rope_high_freq = m.get_float(p + "rope.scaling.high_freq_factor", c.rope_high_freq);
+  if (c.rope_scaling == RopeScaling::LongRope) {
+    c.rope_short_factors = m.get_f32_array(p + "rope.scaling.short_factor");
+    c.rope_long_factors = m.get_f32_array(p + "rope.scaling.long_factor");
+    c.rope_attn_factor = m.get_float(p + "rope.scaling.attn_factor", 0.0);
+  }
   c.tied_embeddings = m.get_bool(p + "tied_embeddings", false);
   c.attn_qkv_bias = m.get_bool(p + "attention.qkv_bias", false);
   c.attn_out_bias = m.get_bool(p + "attention.output_bias", false);

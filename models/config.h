@@ -33,8 +33,11 @@ enum class RopeScaling {
   Linear,  ///< every frequency ÷ factor (position interpolation, Chen et al. 2023)
   Llama3,  ///< Llama 3.1's: low frequencies ÷ factor, high ones kept, a smooth ramp between
            ///< (Meta's reference `apply_scaling`; transformers `_compute_llama3_parameters`)
+  LongRope,  ///< Phi-3's LongRoPE (Ding et al. 2024): frequency i ÷ factor[i], a short and a long
+             ///< factor list (the long one when the run's context exceeds the original), and q·k
+             ///< scaled by attn_factor² (transformers `_compute_longrope_parameters`)
 };
-const char* rope_scaling_name(RopeScaling s);            ///< "none" | "linear" | "llama3"
+const char* rope_scaling_name(RopeScaling s);            ///< "none" | "linear" | "llama3" | "longrope"
 RopeScaling rope_scaling_from_name(const std::string&);  ///< throws MetadataError
 
 /// Where each sub-block (attention, FFN) of a layer applies RMSNorm.
@@ -74,7 +77,11 @@ struct ModelConfig {
   double rope_factor = 1.0;         ///< scaling factor (Linear, Llama3)
   double rope_low_freq = 1.0;       ///< Llama3: low_freq_factor
   double rope_high_freq = 4.0;      ///< Llama3: high_freq_factor
-  int64_t rope_orig_ctx = 8192;     ///< Llama3: original_max_position_embeddings
+  int64_t rope_orig_ctx = 8192;     ///< Llama3, LongRope: original_max_position_embeddings
+  std::vector<float> rope_short_factors;  ///< LongRope: [head_dim/2] divisors of the frequencies
+  std::vector<float> rope_long_factors;   ///< LongRope: [head_dim/2], used when rope_use_long
+  double rope_attn_factor = 0.0;    ///< LongRope: cos and sin × this; 0: √(1 + ln s / ln orig_ctx), s = context / orig_ctx
+  bool rope_use_long = false;       ///< LongRope: the long factors (set by use_context, not stored)
   // ---- the block's recipe
   NormPlacement norms = NormPlacement::Pre;
   Activation act = Activation::SwiGLU;
@@ -94,8 +101,12 @@ struct ModelConfig {
   bool is_sliding(int64_t layer) const;
   /// The first position a token at `pos` sees in `layer` (0 for a global layer).
   int64_t window_start(int64_t layer, int64_t pos) const;
-  /// The softmax scale of q·k: attn_scale, or 1/√head_dim.
+  /// The softmax scale of q·k: attn_scale, or 1/√head_dim; × the LongRoPE attention factor².
   float softmax_scale() const;
+  /// LongRope: picks the long factors iff a run of `ctx` positions per sequence exceeds the
+  /// original context (llama.cpp's rule; transformers switches by the sequence's length, which
+  /// agrees whenever the sequence fills the context). Other scalings: nothing to do.
+  void use_context(int64_t ctx);
   /// The multiplier of the embedding rows: √dim with embed_scale, else 1.
   float embedding_multiplier() const;
   /// RoPE's angular frequencies of `layer` [head_dim / 2]: pair i turns by pos · f[i].

@@ -651,7 +651,7 @@ int main(int argc, char** argv) {
     // runner on every rank, built from rank 0's sizes: the CPU's TensorParallel for one rank, or a
     // GPU rank.
     RunnerOptions ro;
-    ro.place = Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, tp};
+    ro.place = Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, tp, false, ctx};
     ro.threads = threads, ro.ctx = ctx, ro.n_batch = n_batch, ro.parallel = parallel, ro.kv_tokens = kv_tokens;
     ro.capacity = tp_cap, ro.gpu_kv_q8 = gpu_kv_q8, ro.kv_type = gpu ? KvType::F32 : kv_type_from_name(kv_type);
     if (tp_rank > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops

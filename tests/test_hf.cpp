@@ -983,10 +983,24 @@ TEST_CASE("hf: hostile checkpoint directories make llmq-convert exit 2 naming th
        "n_kv_heads"},
       {"config.json unsupported model_type", with_config([](json& c) { c["model_type"] = "gpt2"; }), "config.json",
        "model_type 'gpt2' is not supported"},
-      {"config.json rope_scaling", with_config([](json& c) {
+      {"config.json llama3 rope_scaling without its factors", with_config([](json& c) {
          c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
        }),
-       "config.json", "not supported yet"},
+       "config.json", "missing key \"low_freq_factor\""},
+      {"config.json rope_scaling of an unknown type", with_config([](json& c) {
+         c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+       }),
+       "config.json", "RoPE scaling type 'yarn' is not supported"},
+      {"config.json longrope factors of the wrong length", with_config([](json& c) {
+         c["model_type"] = "phi3";
+         c["rope_scaling"] = {{"type", "longrope"}, {"short_factor", {1.0, 2.0}}, {"long_factor", {1.0, 2.0}}};
+       }),
+       "config.json", "must be a list of head_dim/2"},
+      {"config.json gemma3 layer_types without a period", with_config([](json& c) {
+         c["model_type"] = "gemma3_text";
+         c["layer_types"] = {"full_attention", "sliding_attention", "sliding_attention", "full_attention", "sliding_attention"};
+       }),
+       "config.json", "not a repeating pattern"},
       {"config.json hidden_act gelu", with_config([](json& c) { c["hidden_act"] = "gelu"; }), "config.json",
        "hidden_act"},
       {"config.json vocab_size 1000 (shapes disagree)", with_config([](json& c) { c["vocab_size"] = 1000; }),

@@ -356,7 +356,7 @@ void roofline_report(nlohmann::json& j, const Model& model, KvType kv_type, cons
 // with N > 1 also TP=1 at the same total thread count, interleaved.
 int run_cpu(const BenchOptions& o) {
   // The TP=1 baseline wants the whole model's packed panels; without it, only what the ranks use.
-  auto model = load_model(o.model_path, !o.no_verify, Placement{Device::Cpu, -1, o.tp, /*whole_panels=*/!o.no_baseline});
+  auto model = load_model(o.model_path, !o.no_verify, Placement{Device::Cpu, -1, o.tp, /*whole_panels=*/!o.no_baseline, o.n_prompt + o.n_gen});
   TpOptions opt;
   opt.vocab_parallel = o.tp_output == "vocab";
   // --tp-init: the ranks are processes (engine/parallel/tp_process.h); this one holds rank tp_rank

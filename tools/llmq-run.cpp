@@ -303,7 +303,7 @@ int run(RunOptions& o) {
   L.gpu_layers = cli::resolve_gpu_layers("llmq-run", o.gpu_layers_s, device == Device::Cuda, o.model_path, lo, o.mem_budget);
   // The CPU kernels' packed copies only for what the CPU runs (with -ngl 0 the output is packed
   // too, unused).
-  auto model = load_model(o.model_path, !o.no_verify, Placement{device, L.gpu_layers, o.tp});
+  auto model = load_model(o.model_path, !o.no_verify, Placement{device, L.gpu_layers, o.tp, false, o.ctx});
   L.partial = device == Device::Cuda && L.gpu_layers >= 0 && L.gpu_layers < model->config.n_layers;
   L.ppl_ctx = o.ctx > 0 ? o.ctx : 512;
   o.sp.seed = o.seed >= 0 ? uint64_t(o.seed) : uint64_t(time(nullptr));

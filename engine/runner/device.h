@@ -19,6 +19,7 @@ struct Placement {
   int64_t gpu_layers = -1;    ///< with Cuda: the last N layers and the output on the GPU, the others on the CPU; < 0: all on the GPU
   int tp = 1;                 ///< tensor-parallel ranks (CPU: rank threads or processes; CUDA: GPU ranks)
   bool whole_panels = false;  ///< CPU, tp > 1: pack the whole model's panels too (llmq-bench's TP = 1 baseline)
+  int64_t ctx = 0;            ///< KV positions per sequence (0: the model's, capped): LongRoPE's factors depend on it
 };
 
 /// The tools' one loading path: Model::load(path, verify, ...) with the packing `p` needs. CPU:

@@ -58,6 +58,15 @@ Metadata arch_metadata(const GgufFile& g, const std::string& arch) {
   return m;
 }
 
+// A 1-D F32/F16 tensor of at most 4096 values (RoPE factor lists) as floats. Throws FileError.
+std::vector<float> factor_list(const GgufTensor& t, const std::string& path) {
+  if (t.shape.size() != 1 || t.shape[0] < 1 || t.shape[0] > 4096 || (t.type != uint32_t(DType::F32) && t.type != uint32_t(DType::F16)))
+    throw FileError(path, "tensor '" + t.name + "' must be a list of at most 4096 F32 or F16 values");
+  std::vector<float> v(size_t(t.shape[0]));
+  ggml_dequantize_row(t.type, t.data, v.data(), t.shape[0]);
+  return v;
+}
+
 // The hyper-parameters and recipe of a GGUF's architecture (llama.cpp's LLM_KV names, which
 // are llmq's), but the vocabulary size and the tensor-dependent flags, which read_gguf_model
 // fills. Throws FileError.
@@ -73,6 +82,14 @@ ModelConfig gguf_config(const GgufFile& g, const std::string& path) {
   m.set(p + "rope.layout", std::string(rope_layout_name(a->gguf_rope)));
   if (m.get_string(p + "rope.scaling.type", "none") == "none") m.values.erase(p + "rope.scaling.type");
   if (m.has(p + "rope.scaling.type") && m.get_float(p + "rope.scaling.factor", 1.0) == 1.0) m.values.erase(p + "rope.scaling.type");
+  // LongRoPE (Phi-3 128k): llama.cpp stores the factor lists as tensors; llmq as metadata.
+  const GgufTensor* longf = g.find_tensor("rope_factors_long.weight");
+  const GgufTensor* shortf = g.find_tensor("rope_factors_short.weight");
+  if (longf && shortf) {
+    m.set(p + "rope.scaling.type", std::string("longrope"));
+    m.set(p + "rope.scaling.long_factor", factor_list(*longf, path));
+    m.set(p + "rope.scaling.short_factor", factor_list(*shortf, path));
+  }
   // As llama.cpp: head_dim = key_length (default dim / heads); the value length and
   // rope.dimension_count (n_rot) must equal it (no partial rotary embedding).
   ModelConfig c;
@@ -90,13 +107,37 @@ ModelConfig gguf_config(const GgufFile& g, const std::string& path) {
   return c;
 }
 
+// Where the table's tensor `spec` lives in the file: a tensor of its own name, or rows
+// [row0, row0 + spec rows) of a fused one (Architecture::fused_projections: attn_qkv, and ffn_up
+// holding gate then up) of src_rows rows in all.
+struct GgufPiece {
+  std::string src;
+  int64_t row0 = 0, src_rows = -1;  // src_rows < 0: the whole tensor
+};
+
+GgufPiece gguf_piece(const ModelConfig& c, const TensorSpec& spec) {
+  const Architecture* a = find_architecture(c.arch);
+  if (!a || !a->fused_projections || spec.name.rfind("blk.", 0) != 0) return {spec.name};
+  const size_t dot = spec.name.find('.', 4);
+  const std::string blk = spec.name.substr(0, dot + 1), what = spec.name.substr(dot + 1);
+  const int64_t qkv = c.q_dim() + 2 * c.kv_dim();
+  if (what == "attn_q.weight") return {blk + "attn_qkv.weight", 0, qkv};
+  if (what == "attn_k.weight") return {blk + "attn_qkv.weight", c.q_dim(), qkv};
+  if (what == "attn_v.weight") return {blk + "attn_qkv.weight", c.q_dim() + c.kv_dim(), qkv};
+  if (what == "ffn_gate.weight") return {blk + "ffn_up.weight", 0, 2 * c.hidden_dim};
+  if (what == "ffn_up.weight") return {blk + "ffn_up.weight", c.hidden_dim, 2 * c.hidden_dim};
+  return {spec.name};
+}
+
 // Tensors beyond the llama table: known-harmless ones pass (RoPE frequency factors of all ones),
 // anything else is refused.
 void check_extra_tensors(const GgufFile& g, const ModelConfig& c, const std::vector<TensorSpec>& table, const std::string& path) {
   std::set<std::string> expected;
-  for (const TensorSpec& s : table) expected.insert(s.name);
+  for (const TensorSpec& s : table) expected.insert(gguf_piece(c, s).src);
   for (const GgufTensor& t : g.tensors()) {
     if (expected.count(t.name)) continue;
+    if (c.rope_scaling == RopeScaling::LongRope && (t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight"))
+      continue;  // read into the config (gguf_config)
     if (t.name == "rope_freqs.weight") {
       // RoPE frequency factors (Llama 3.1 style scaling). All ones changes nothing; anything
       // else changes the model, which llmq's RoPE does not model.
@@ -115,34 +156,35 @@ void check_extra_tensors(const GgufFile& g, const ModelConfig& c, const std::vec
 
 // The table's tensor `spec` from the file: its raw bytes when llmq has its type, and readers
 // that dequantize rows to fp32 and release the pages afterwards.
-SourceTensor gguf_source_tensor(const std::shared_ptr<GgufFile>& g, const TensorSpec& spec, const std::string& path) {
-  const GgufTensor* t = g->find_tensor(spec.name);
-  if (!t) throw FileError(path, "missing tensor '" + spec.name + "'");
-  if (t->shape != spec.shape)
-    throw FileError(path, "tensor '" + spec.name + "' has shape " + shape_str(t->shape) + ", expected " + shape_str(spec.shape));
+SourceTensor gguf_source_tensor(const std::shared_ptr<GgufFile>& g, const ModelConfig& c, const TensorSpec& spec, const std::string& path) {
+  const GgufPiece piece = gguf_piece(c, spec);
+  const GgufTensor* t = g->find_tensor(piece.src);
+  if (!t) throw FileError(path, "missing tensor '" + piece.src + "'");
+  std::vector<int64_t> want = spec.shape;
+  if (piece.src_rows >= 0) want[0] = piece.src_rows;
+  if (t->shape != want)
+    throw FileError(path, "tensor '" + piece.src + "' has shape " + shape_str(t->shape) + ", expected " + shape_str(want));
   if (!dtype_known(t->type))
-    throw FileError(path, "tensor '" + spec.name + "' has type " + type_name(t->type) + ", which llmq cannot convert (supported: " +
+    throw FileError(path, "tensor '" + piece.src + "' has type " + type_name(t->type) + ", which llmq cannot convert (supported: " +
                               kSupportedTypes + ")");
   SourceTensor st;
   st.name = spec.name;
   st.shape = spec.shape;
   st.file_order = t - g->tensors().data();
-  if (dtype_known(t->type)) {
-    st.raw_type = DType(t->type);
-    st.raw = t->data;
-  }
   const uint32_t type = t->type;
-  const uint8_t* data = t->data;
   const int64_t cols = spec.shape.back();
   const int64_t rows = st.numel() / cols;
-  const uint64_t rb = t->nbytes / uint64_t(rows);
+  const uint64_t rb = row_bytes(DType(type), cols);
+  const uint8_t* data = t->data + uint64_t(piece.row0) * rb;  // whole rows: exact for every block type
+  st.raw_type = DType(t->type);
+  st.raw = data;
   std::shared_ptr<GgufFile> keep = g;
   st.read = [keep, type, data, rows, cols, rb](float* out) {
     for (int64_t r = 0; r < rows; ++r) ggml_dequantize_row(type, data + uint64_t(r) * rb, out + r * cols, cols);
   };
   // Done with the tensor: drop its whole pages from the resident set (the mapping is read-only
   // and private, so they are simply read again if ever touched).
-  const uint64_t nbytes = t->nbytes;
+  const uint64_t nbytes = uint64_t(rows) * rb;
   st.release = [keep, data, nbytes] { keep->mapping()->release(data, nbytes); };
   return st;
 }
@@ -194,8 +236,8 @@ SourceModel read_gguf_model(const std::string& path) {
     check_extra_tensors(*g, c, table, path);
     std::map<uint32_t, int64_t> weights_by_type;  // 2-D tensors only, for the format line
     for (const TensorSpec& spec : table) {
-      sm.tensors.push_back(gguf_source_tensor(g, spec, path));
-      if (spec.shape.size() >= 2) weights_by_type[g->find_tensor(spec.name)->type] += sm.tensors.back().numel();
+      sm.tensors.push_back(gguf_source_tensor(g, c, spec, path));
+      if (spec.shape.size() >= 2) weights_by_type[uint32_t(sm.tensors.back().raw_type)] += sm.tensors.back().numel();
     }
     sm.format = gguf_format(*g, weights_by_type);
   } catch (const MetadataError& e) {

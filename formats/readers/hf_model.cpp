@@ -64,27 +64,152 @@ bool config_bool(const std::string& path, const json& c, const char* key, bool f
   return it->get<bool>();
 }
 
-// The model family: config.json's model_type, else its first architecture.
+// The model family: config.json's model_type, else its first architecture. The families read
+// and the llmq architecture each becomes (models/architecture.h).
+struct Family {
+  const char* model_type;    // config.json's model_type
+  const char* hf_class;      // its architectures[0]
+  const char* arch;          // llmq's
+};
+constexpr Family kFamilies[] = {
+    {"llama", "LlamaForCausalLM", "llama"},   {"mistral", "MistralForCausalLM", "mistral"},
+    {"qwen2", "Qwen2ForCausalLM", "qwen2"},   {"qwen3", "Qwen3ForCausalLM", "qwen3"},
+    {"gemma3_text", "Gemma3ForCausalLM", "gemma3"}, {"phi3", "Phi3ForCausalLM", "phi3"},
+};
+
 std::string model_family(const std::string& path, const json& c) {
   auto mt = c.find("model_type");
-  std::string family;
+  std::string names;
+  for (const Family& f : kFamilies) names += (names.empty() ? "" : ", ") + std::string(f.model_type);
   if (mt != c.end() && !mt->is_null()) {
     if (!mt->is_string()) throw FileError(path, "\"model_type\" is not a string");
-    family = mt->get<std::string>();
-  } else {
-    auto ar = c.find("architectures");
-    if (ar == c.end() || !ar->is_array() || ar->empty() || !(*ar)[0].is_string())
-      throw FileError(path, "neither \"model_type\" nor \"architectures\" says what model this is");
-    const std::string a = (*ar)[0].get<std::string>();
-    family = a == "LlamaForCausalLM" ? "llama" : a == "MistralForCausalLM" ? "mistral" : a == "Qwen2ForCausalLM" ? "qwen2" : a;
+    for (const Family& f : kFamilies)
+      if (*mt == f.model_type) return f.model_type;
+    throw FileError(path, "model_type '" + mt->get<std::string>() + "' is not supported (" + names + " are read)");
   }
-  if (family != "llama" && family != "mistral" && family != "qwen2")
-    throw FileError(path, "model_type '" + family + "' is not supported (llama, mistral and qwen2 are read)");
-  return family;
+  auto ar = c.find("architectures");
+  if (ar == c.end() || !ar->is_array() || ar->empty() || !(*ar)[0].is_string())
+    throw FileError(path, "neither \"model_type\" nor \"architectures\" says what model this is");
+  for (const Family& f : kFamilies)
+    if ((*ar)[0] == f.hf_class) return f.model_type;
+  throw FileError(path, "architecture '" + (*ar)[0].get<std::string>() + "' is not supported (" + names + " are read)");
+}
+
+const char* family_arch(const std::string& family) {
+  for (const Family& f : kFamilies)
+    if (family == f.model_type) return f.arch;
+  return "llama";
+}
+
+// A list of positive numbers (LongRoPE's factors) of length n.
+std::vector<float> config_factors(const std::string& path, const json& j, const char* key, int64_t n) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_array() || int64_t(it->size()) != n)
+    throw FileError(path, std::string("rope scaling \"") + key + "\" must be a list of head_dim/2 = " + std::to_string(n) + " numbers");
+  std::vector<float> v;
+  for (const json& x : *it) {
+    if (!x.is_number() || !std::isfinite(x.get<double>()) || x.get<double>() <= 0)
+      throw FileError(path, std::string("rope scaling \"") + key + "\" holds " + x.dump() + ", not a positive number");
+    v.push_back(x.get<float>());
+  }
+  return v;
+}
+
+// One RoPE parameter set (transformers 5's rope_parameters entry, or the older rope_scaling
+// object with rope_theta beside it) applied to cfg: the base and the scaling of the global layers.
+void read_rope_params(const std::string& path, const json& p, const json& top, ModelConfig& cfg) {
+  if (p.contains("rope_theta")) cfg.rope_theta = config_float(path, p, "rope_theta", std::nullopt);
+  std::string type = "default";
+  for (const char* k : {"rope_type", "type"})
+    if (p.contains(k) && p[k].is_string()) type = p[k].get<std::string>();
+  if (p.contains("partial_rotary_factor") && p["partial_rotary_factor"] != 1.0)
+    throw FileError(path, "partial_rotary_factor " + p["partial_rotary_factor"].dump() + " is not supported (only 1)");
+  if (type == "default") return;
+  if (type == "linear") {
+    cfg.rope_scaling = RopeScaling::Linear;
+    cfg.rope_factor = config_float(path, p, "factor", std::nullopt);
+  } else if (type == "llama3") {
+    cfg.rope_scaling = RopeScaling::Llama3;
+    cfg.rope_factor = config_float(path, p, "factor", std::nullopt);
+    cfg.rope_low_freq = config_float(path, p, "low_freq_factor", std::nullopt);
+    cfg.rope_high_freq = config_float(path, p, "high_freq_factor", std::nullopt);
+    cfg.rope_orig_ctx = config_int(path, p, "original_max_position_embeddings", std::nullopt);
+  } else if (type == "longrope" || type == "su") {
+    cfg.rope_scaling = RopeScaling::LongRope;
+    cfg.rope_orig_ctx = config_int(path, top, "original_max_position_embeddings",
+                                   config_int(path, p, "original_max_position_embeddings", cfg.context_length));
+    cfg.rope_short_factors = config_factors(path, p, "short_factor", cfg.head_dim / 2);
+    cfg.rope_long_factors = config_factors(path, p, "long_factor", cfg.head_dim / 2);
+    cfg.rope_attn_factor = p.contains("attention_factor") && !p["attention_factor"].is_null()
+                               ? config_float(path, p, "attention_factor", std::nullopt)
+                               : 0.0;
+  } else {
+    throw FileError(path, "RoPE scaling type '" + type + "' is not supported (linear, llama3, longrope)");
+  }
+}
+
+// RoPE: transformers 5's rope_parameters (Gemma 3: one set per layer type), else rope_theta,
+// rope_scaling and Gemma's rope_local_base_freq.
+void read_rope(const std::string& path, const json& c, const std::string& family, ModelConfig& cfg) {
+  const bool gemma = family == "gemma3_text";
+  auto rp = c.find("rope_parameters");
+  if (rp != c.end() && rp->is_object()) {
+    if (gemma) {
+      if (rp->contains("full_attention")) read_rope_params(path, (*rp)["full_attention"], c, cfg);
+      if (rp->contains("sliding_attention")) {
+        ModelConfig local;
+        read_rope_params(path, (*rp)["sliding_attention"], c, local);
+        if (local.rope_scaling != RopeScaling::None) throw FileError(path, "RoPE scaling on sliding-window layers is not supported");
+        cfg.rope_theta_local = local.rope_theta;
+      }
+    } else {
+      read_rope_params(path, *rp, c, cfg);
+    }
+    return;
+  }
+  cfg.rope_theta = config_float(path, c, "rope_theta", gemma ? 1e6 : 10000.0);
+  if (gemma) cfg.rope_theta_local = config_float(path, c, "rope_local_base_freq", 10000.0);
+  auto rs = c.find("rope_scaling");
+  if (rs != c.end() && !rs->is_null()) {
+    if (!rs->is_object()) throw FileError(path, "\"rope_scaling\" is not an object");
+    json p = *rs;
+    p.erase("rope_theta");  // the top-level rope_theta is the base
+    read_rope_params(path, p, c, cfg);
+  }
+}
+
+// Which layers of a Gemma 3 slide: layer_types, else sliding_window_pattern (default 6: five
+// local layers, then a global one). llmq's recipe takes a period, so layer_types must be one.
+int64_t gemma_swa_period(const std::string& path, const json& c, int64_t n_layers) {
+  auto lt = c.find("layer_types");
+  if (lt == c.end() || lt->is_null()) return config_int(path, c, "sliding_window_pattern", 6);
+  if (!lt->is_array() || int64_t(lt->size()) != n_layers)
+    throw FileError(path, "\"layer_types\" must list num_hidden_layers layer types");
+  int64_t period = 0;
+  for (int64_t l = 0; l < n_layers; ++l)
+    if ((*lt)[size_t(l)] == "full_attention") {
+      period = l + 1;
+      break;
+    }
+  if (period == 0) period = n_layers + 1;  // no global layer at all: a period longer than the model
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const bool global = (l + 1) % period == 0;
+    if ((*lt)[size_t(l)] != (global ? "full_attention" : "sliding_attention"))
+      throw FileError(path, "\"layer_types\" is not a repeating pattern of sliding layers then one full layer");
+  }
+  return std::min(period, n_layers);
+}
+
+// A key that must be absent or null (features llmq does not implement).
+void refuse_key(const std::string& path, const json& c, const char* key) {
+  if (c.contains(key) && !c[key].is_null() && c[key] != false)
+    throw FileError(path, std::string("\"") + key + "\" " + c[key].dump() + " is not supported");
 }
 
 ModelConfig read_config(const std::string& path, const json& c, const std::string& family) {
   ModelConfig cfg;
+  const bool gemma = family == "gemma3_text";
+  cfg.arch = family_arch(family);
   cfg.dim = config_int(path, c, "hidden_size", std::nullopt);
   cfg.hidden_dim = config_int(path, c, "intermediate_size", std::nullopt);
   cfg.n_layers = config_int(path, c, "num_hidden_layers", std::nullopt);
@@ -94,24 +219,37 @@ ModelConfig read_config(const std::string& path, const json& c, const std::strin
   cfg.vocab_size = config_int(path, c, "vocab_size", std::nullopt);
   cfg.context_length = config_int(path, c, "max_position_embeddings", std::nullopt);
   cfg.norm_eps = config_float(path, c, "rms_norm_eps", std::nullopt);
-  cfg.rope_theta = config_float(path, c, "rope_theta", 10000.0);
-  cfg.tied_embeddings = config_bool(path, c, "tie_word_embeddings", false);
+  cfg.tied_embeddings = config_bool(path, c, "tie_word_embeddings", gemma);
   cfg.rope_layout = RopeLayout::RotateHalf;
+  read_rope(path, c, family, cfg);
 
-  if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
-    throw FileError(path, "rope_scaling " + c["rope_scaling"].dump() + " is not supported yet");
-  if (c.contains("hidden_act") && c["hidden_act"] != "silu")
-    throw FileError(path, "hidden_act " + c["hidden_act"].dump() + " is not supported (only silu)");
+  const char* act_key = gemma ? "hidden_activation" : "hidden_act";
+  const char* act = gemma ? "gelu_pytorch_tanh" : "silu";
+  if (c.contains(act_key) && c[act_key] != act)
+    throw FileError(path, std::string(act_key) + " " + c[act_key].dump() + " is not supported (only " + act + ")");
   if (config_bool(path, c, "mlp_bias", false)) throw FileError(path, "mlp_bias is not supported");
-  if (family == "qwen2" && config_bool(path, c, "use_sliding_window", false))
-    throw FileError(path, "use_sliding_window is not supported");
-  if (family == "mistral") {  // Mistral 7B v0.1: every layer attends over a window (v0.2 on: null)
-    auto sw = c.find("sliding_window");
-    if (sw != c.end() && !sw->is_null()) cfg.sliding_window = config_int(path, c, "sliding_window", std::nullopt);
+  if (family == "qwen2" || family == "qwen3")
+    if (config_bool(path, c, "use_sliding_window", false)) throw FileError(path, "use_sliding_window is not supported");
+  // Mistral 7B v0.1 and Phi-3: every layer attends over a window (Mistral v0.2 on: null).
+  if ((family == "mistral" || family == "phi3" || gemma) && c.contains("sliding_window") && !c["sliding_window"].is_null())
+    cfg.sliding_window = config_int(path, c, "sliding_window", std::nullopt);
+  if (gemma) {
+    cfg.swa_period = gemma_swa_period(path, c, cfg.n_layers);
+    cfg.attn_scale = 1.0 / std::sqrt(config_float(path, c, "query_pre_attn_scalar", double(cfg.head_dim)));
+    cfg.logit_softcap = c.contains("final_logit_softcapping") && !c["final_logit_softcapping"].is_null()
+                            ? config_float(path, c, "final_logit_softcapping", std::nullopt)
+                            : 0.0;
+    refuse_key(path, c, "attn_logit_softcapping");
+    refuse_key(path, c, "use_bidirectional_attention");
   }
+  // The architecture's recipe (norm placement, activation, QK-norm, ...), as a .llmq loads it.
   try {
-    cfg.validate();
-  } catch (const UsageError& e) {
+    Metadata m;
+    cfg.to_metadata(m);
+    const int64_t period = cfg.swa_period;
+    cfg = ModelConfig::from_metadata(m);
+    cfg.swa_period = period;
+  } catch (const std::exception& e) {
     throw FileError(path, e.what());
   }
   return cfg;
@@ -119,23 +257,10 @@ ModelConfig read_config(const std::string& path, const json& c, const std::strin
 
 // --- tensor names ----------------------------------------------------------------------------
 
-// Where an HF tensor goes: our name, or "" for a tensor that is ignored (rotary buffers).
-// nullopt for a tensor that has no place in a Llama model.
-std::optional<std::string> our_name(const std::string& hf, int64_t n_layers) {
-  if (hf == "model.embed_tokens.weight") return "token_embd.weight";
-  if (hf == "model.norm.weight") return "output_norm.weight";
-  if (hf == "lm_head.weight") return "output.weight";
-  const std::string prefix = "model.layers.";
-  if (hf.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
-  size_t p = prefix.size();
-  int64_t layer = 0;
-  const size_t digits_at = p;
-  while (p < hf.size() && hf[p] >= '0' && hf[p] <= '9' && p - digits_at < 6) layer = layer * 10 + (hf[p++] - '0');
-  if (p == digits_at || p >= hf.size() || hf[p] != '.' || layer >= n_layers ||
-      (hf[digits_at] == '0' && p - digits_at > 1))
-    return std::nullopt;
-  const std::string rest = hf.substr(p + 1);
-  static const std::map<std::string, std::string> per_layer = {
+// A checkpoint's per-layer tensor names (after "model.layers.<i>.") -> ours. Phi-3's fused
+// projections map to attn_qkv and ffn_gate_up, which read_hf_model splits by rows.
+const std::map<std::string, std::string>& layer_names(const std::string& family) {
+  static const std::map<std::string, std::string> llama = {
       {"input_layernorm.weight", "attn_norm.weight"},
       {"self_attn.q_proj.weight", "attn_q.weight"},
       {"self_attn.k_proj.weight", "attn_k.weight"},
@@ -151,30 +276,54 @@ std::optional<std::string> our_name(const std::string& hf, int64_t n_layers) {
       {"mlp.down_proj.weight", "ffn_down.weight"},
       {"self_attn.rotary_emb.inv_freq", ""},
   };
-  auto it = per_layer.find(rest);
+  auto with = [](std::map<std::string, std::string> m, const std::map<std::string, std::string>& changes) {
+    for (const auto& [k, v] : changes) m[k] = v;
+    return m;
+  };
+  static const auto qwen3 = with(llama, {{"self_attn.q_norm.weight", "attn_q_norm.weight"}, {"self_attn.k_norm.weight", "attn_k_norm.weight"}});
+  static const auto gemma = with(qwen3, {{"post_attention_layernorm.weight", "post_attention_norm.weight"},
+                                         {"pre_feedforward_layernorm.weight", "ffn_norm.weight"},
+                                         {"post_feedforward_layernorm.weight", "post_ffw_norm.weight"}});
+  static const auto phi3 = with(llama, {{"self_attn.qkv_proj.weight", "attn_qkv.weight"}, {"mlp.gate_up_proj.weight", "ffn_gate_up.weight"}});
+  return family == "qwen3" ? qwen3 : family == "gemma3_text" ? gemma : family == "phi3" ? phi3 : llama;
+}
+
+// Where an HF tensor goes: our name, or "" for a tensor that is ignored (rotary buffers).
+// nullopt for a tensor that has no place in the family's model.
+std::optional<std::string> our_name(const std::string& hf, int64_t n_layers, const std::string& family) {
+  if (hf == "model.embed_tokens.weight") return "token_embd.weight";
+  if (hf == "model.norm.weight") return "output_norm.weight";
+  if (hf == "lm_head.weight") return "output.weight";
+  const std::string prefix = "model.layers.";
+  if (hf.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
+  size_t p = prefix.size();
+  int64_t layer = 0;
+  const size_t digits_at = p;
+  while (p < hf.size() && hf[p] >= '0' && hf[p] <= '9' && p - digits_at < 6) layer = layer * 10 + (hf[p++] - '0');
+  if (p == digits_at || p >= hf.size() || hf[p] != '.' || layer >= n_layers ||
+      (hf[digits_at] == '0' && p - digits_at > 1))
+    return std::nullopt;
+  const auto& per_layer = layer_names(family);
+  auto it = per_layer.find(hf.substr(p + 1));
   if (it == per_layer.end()) return std::nullopt;
   if (it->second.empty()) return std::string();
   return "blk." + std::to_string(layer) + "." + it->second;
 }
 
 // The checkpoint's name for one of ours (the inverse of our_name), for messages.
-std::string hf_name_of(const std::string& ours) {
+std::string hf_name_of(const std::string& ours, const std::string& family) {
   static const std::map<std::string, std::string> global = {{"token_embd.weight", "model.embed_tokens.weight"},
                                                              {"output_norm.weight", "model.norm.weight"},
                                                              {"output.weight", "lm_head.weight"}};
   if (auto it = global.find(ours); it != global.end()) return it->second;
-  static const std::map<std::string, std::string> per_layer = {
-      {"attn_norm.weight", "input_layernorm.weight"},  {"attn_q.weight", "self_attn.q_proj.weight"},
-      {"attn_k.weight", "self_attn.k_proj.weight"},    {"attn_v.weight", "self_attn.v_proj.weight"},
-      {"attn_output.weight", "self_attn.o_proj.weight"}, {"ffn_norm.weight", "post_attention_layernorm.weight"},
-      {"ffn_gate.weight", "mlp.gate_proj.weight"},     {"ffn_up.weight", "mlp.up_proj.weight"},
-      {"ffn_down.weight", "mlp.down_proj.weight"},     {"attn_q.bias", "self_attn.q_proj.bias"},
-      {"attn_k.bias", "self_attn.k_proj.bias"},        {"attn_v.bias", "self_attn.v_proj.bias"},
-      {"attn_output.bias", "self_attn.o_proj.bias"}};
   const size_t dot = ours.find('.', 4);
-  if (ours.rfind("blk.", 0) == 0 && dot != std::string::npos)
-    if (auto it = per_layer.find(ours.substr(dot + 1)); it != per_layer.end())
-      return "model.layers." + ours.substr(4, dot - 4) + "." + it->second;
+  if (ours.rfind("blk.", 0) == 0 && dot != std::string::npos) {
+    std::string what = ours.substr(dot + 1);
+    if (family == "phi3" && (what == "attn_q.weight" || what == "attn_k.weight" || what == "attn_v.weight")) what = "attn_qkv.weight";
+    if (family == "phi3" && (what == "ffn_gate.weight" || what == "ffn_up.weight")) what = "ffn_gate_up.weight";
+    for (const auto& [hf, o] : layer_names(family))
+      if (o == what) return "model.layers." + ours.substr(4, dot - 4) + "." + hf;
+  }
   return ours;
 }
 
@@ -229,26 +378,38 @@ std::map<std::string, Found> open_weights(const std::string& dir, std::string* w
   return out;
 }
 
-SourceTensor make_tensor(const std::string& name, const Found& f) {
+// A tensor of ours inside a checkpoint tensor: all of it, or rows [row0, row0 + rows) of a fused
+// projection (Phi-3's qkv_proj and gate_up_proj).
+struct Piece {
+  const Found* f = nullptr;
+  int64_t row0 = 0, rows = -1;  // rows < 0: the whole tensor
+};
+
+// Our tensor `name` of `shape` from piece p. plus_one: the values + 1 (Gemma's RMSNorm weights,
+// which the checkpoint stores as w for a norm that multiplies by 1 + w; llmq's files hold 1 + w
+// as llama.cpp's do), which leaves no raw copy.
+SourceTensor make_tensor(const std::string& name, const std::vector<int64_t>& shape, const Piece& p, bool plus_one) {
+  const SafetensorsTensor* t = p.f->t;
+  auto keep = p.f->file;
+  const int64_t esize = t->dtype == "F32" ? 4 : 2;
+  const int64_t row_elems = t->shape.empty() ? 1 : t->numel() / t->shape[0];
+  const uint8_t* data = t->data + (p.rows < 0 ? 0 : p.row0 * row_elems * esize);
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
   SourceTensor st;
   st.name = name;
-  st.shape = f.t->shape;
-  const SafetensorsTensor* t = f.t;
-  auto keep = f.file;
-  const std::string& dt = t->dtype;
-  st.raw_type = dt == "F32" ? DType::F32 : dt == "F16" ? DType::F16 : DType::BF16;  // checked by the caller
-  st.raw = t->data;
-  st.release = [keep, t] { keep->release(t->data, t->nbytes()); };
-  // One tensor, converted from the mapping in chunks whose pages are dropped again as soon as
-  // they are converted, so the resident set holds the fp32 output and one chunk of the source.
-  st.read = [keep, t](float* out) {
-    const int64_t n = t->numel();
-    const int64_t esize = t->dtype == "F32" ? 4 : 2;
+  st.shape = shape;
+  st.raw_type = t->dtype == "F32" ? DType::F32 : t->dtype == "F16" ? DType::F16 : DType::BF16;  // checked by the caller
+  st.raw = plus_one ? nullptr : data;
+  st.release = [keep, data, n, esize] { keep->release(data, uint64_t(n * esize)); };
+  // Converted from the mapping in chunks whose pages are dropped again as soon as they are
+  // converted, so the resident set holds the fp32 output and one chunk of the source.
+  const bool half = t->dtype == "F16";
+  st.read = [keep, data, n, esize, half, plus_one](float* out) {
     const int64_t chunk = (int64_t(4) << 20) / esize;  // 4 MiB of source bytes
-    const bool half = t->dtype == "F16";
     for (int64_t i0 = 0; i0 < n; i0 += chunk) {
       const int64_t m = std::min(chunk, n - i0);
-      const uint8_t* p = t->data + i0 * esize;
+      const uint8_t* p = data + i0 * esize;
       if (esize == 4) {
         std::memcpy(out + i0, p, size_t(m) * 4);
       } else {
@@ -258,10 +419,40 @@ SourceTensor make_tensor(const std::string& name, const Found& f) {
           out[i0 + i] = half ? fp16_to_fp32(h) : bf16_to_fp32(h);
         }
       }
+      if (plus_one)
+        for (int64_t i = 0; i < m; ++i) out[i0 + i] += 1.0f;
       keep->release(p, uint64_t(m * esize));
     }
   };
   return st;
+}
+
+// Phi-3's fused projections as our separate ones: qkv_proj [q + 2 kv, dim] -> attn_q, attn_k,
+// attn_v; gate_up_proj [2 hidden, dim] -> ffn_gate (the first half, transformers' Phi3MLP
+// `chunk(2)`), ffn_up. Throws FileError when a fused tensor's rows do not add up.
+void split_fused(std::map<std::string, Piece>& ours, const ModelConfig& c) {
+  auto split = [&](const std::string& fused, const std::vector<std::pair<const char*, int64_t>>& parts) {
+    auto it = ours.find(fused);
+    if (it == ours.end()) return;
+    const Piece whole = it->second;
+    int64_t total = 0;
+    for (const auto& pr : parts) total += pr.second;
+    if (whole.f->t->shape.size() != 2 || whole.f->t->shape[0] != total)
+      throw FileError(whole.f->file->path(), "tensor '" + whole.f->hf_name + "' has shape " + dims_text(whole.f->t->shape) +
+                                                 ", expected " + std::to_string(total) + " rows");
+    const std::string layer = fused.substr(0, fused.find('.', 4) + 1);  // "blk.<i>."
+    int64_t row = 0;
+    for (const auto& [what, rows] : parts) {
+      ours[layer + what + ".weight"] = Piece{whole.f, row, rows};
+      row += rows;
+    }
+    ours.erase(fused);
+  };
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    split(b + "attn_qkv.weight", {{"attn_q", c.q_dim()}, {"attn_k", c.kv_dim()}, {"attn_v", c.kv_dim()}});
+    split(b + "ffn_gate_up.weight", {{"ffn_gate", c.hidden_dim}, {"ffn_up", c.hidden_dim}});
+  }
 }
 
 }  // namespace
@@ -287,29 +478,36 @@ SourceModel read_hf_model(const std::string& dir) {
   const std::map<std::string, Found> hf = open_weights(dir, &weights_path, &n_files);
 
   // Map every checkpoint tensor to our name; anything unknown is an error.
-  std::map<std::string, const Found*> ours;
+  std::map<std::string, Piece> ours;
   for (const auto& [name, f] : hf) {
-    const auto to = our_name(name, c.n_layers);
+    const auto to = our_name(name, c.n_layers, family);
     if (!to)
       throw FileError(f.file->path(), "tensor '" + name + "' has no place in a " + family + " model with " +
                                           std::to_string(c.n_layers) + " layers");
     if (to->empty()) continue;                                     // rotary buffer
     if (*to == "output.weight" && c.tied_embeddings) continue;     // a tied copy of the embedding
-    ours[*to] = &f;
+    ours[*to] = Piece{&f};
   }
+  split_fused(ours, c);
+  const bool gemma_norms = family == "gemma3_text";
 
   std::set<std::string> dtypes;
   auto take = [&](const std::string& name, const std::vector<int64_t>& shape) {
     auto it = ours.find(name);
     if (it == ours.end()) return false;
-    const Found& f = *it->second;
+    const Piece& p = it->second;
+    const Found& f = *p.f;
     if (f.t->dtype != "F32" && f.t->dtype != "F16" && f.t->dtype != "BF16")
       throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has dtype " + f.t->dtype +
                                           "; only F32, F16 and BF16 are read");
-    if (f.t->shape != shape)
+    if (p.rows < 0 && f.t->shape != shape)
       throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has shape " + dims_text(f.t->shape) + " but " +
                                           config_path + " implies " + dims_text(shape));
-    sm.tensors.push_back(make_tensor(name, f));
+    if (p.rows >= 0 && f.t->shape.back() != shape.back())
+      throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has rows of " + std::to_string(f.t->shape.back()) +
+                                          " but " + config_path + " implies " + std::to_string(shape.back()));
+    const bool norm = name.find("norm.weight") != std::string::npos;
+    sm.tensors.push_back(make_tensor(name, shape, p, gemma_norms && norm));
     dtypes.insert(f.t->dtype);
     ours.erase(it);
     return true;
@@ -326,11 +524,11 @@ SourceModel read_hf_model(const std::string& dir) {
   }
   for (const TensorSpec& spec : tensor_table(c)) {
     if (!take(spec.name, spec.shape))
-      throw FileError(weights_path, "tensor '" + hf_name_of(spec.name) + "' (" + spec.name + " " + dims_text(spec.shape) +
+      throw FileError(weights_path, "tensor '" + hf_name_of(spec.name, family) + "' (" + spec.name + " " + dims_text(spec.shape) +
                                         ") is missing");
   }
   // Every checkpoint name was mapped (unknown ones are errors above), so nothing is left over.
-  if (!ours.empty()) throw FileError(ours.begin()->second->file->path(), "internal: unplaced tensor " + ours.begin()->first);
+  if (!ours.empty()) throw FileError(ours.begin()->second.f->file->path(), "internal: unplaced tensor " + ours.begin()->first);
 
   std::string dt;
   for (const auto& d : dtypes) dt += (dt.empty() ? "" : "+") + d;
