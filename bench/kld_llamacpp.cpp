@@ -63,6 +63,10 @@ int main(int argc, char** argv) {
   llama_context_params cp = llama_context_default_params();
   cp.n_ctx = uint32_t(n_ctx), cp.n_batch = uint32_t(n_ctx), cp.n_ubatch = uint32_t(n_ctx);
   cp.n_threads = cp.n_threads_batch = threads;
+  if (const char* kv = std::getenv("LLMQ_PEER_KV"); kv && std::string(kv) == "f32") {  // llama.cpp at its most exact
+    cp.type_k = cp.type_v = GGML_TYPE_F32;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  }
   llama_context* ctx = llama_init_from_model(peer, cp);
   if (llama_vocab_n_tokens(llama_model_get_vocab(peer)) != V) return std::fprintf(stderr, "vocabulary sizes differ\n"), 2;
 

@@ -55,7 +55,8 @@ int ModelConfig::rope_tables() const {
   // Both kinds of layer exist iff there is a window and a pattern of period 2 .. n_layers
   // (layer period-1 is global, layer 0 sliding); called per layer per pass, so no loop.
   const bool mixed = sliding_window > 0 && swa_period > 1 && swa_period <= n_layers;
-  const bool differ = (rope_theta_local > 0 && rope_theta_local != rope_theta) || rope_scaling != RopeScaling::None;
+  const bool differ = (rope_theta_local > 0 && rope_theta_local != rope_theta) || rope_scaling != RopeScaling::None ||
+                      !rope_freq_factors.empty();
   return mixed && differ ? 2 : 1;
 }
 
@@ -104,6 +105,8 @@ std::vector<double> ModelConfig::rope_freqs(int64_t layer) const {
   const int64_t half = head_dim / 2;
   std::vector<double> f(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) f[size_t(i)] = std::pow(theta, -2.0 * double(i) / double(head_dim));
+  if (!local && !rope_freq_factors.empty())
+    for (int64_t i = 0; i < half; ++i) f[size_t(i)] /= double(rope_freq_factors[size_t(i)]);
   if (local || rope_scaling == RopeScaling::None) return f;
   if (rope_scaling == RopeScaling::Linear) {
     for (double& x : f) x /= rope_factor;
@@ -153,13 +156,14 @@ void ModelConfig::validate() const {
             (rope_orig_ctx > 0 && std::isfinite(rope_low_freq) && std::isfinite(rope_high_freq) && rope_low_freq > 0 &&
              rope_high_freq > rope_low_freq),
         "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and an original context");
+  auto factors_ok = [&](const std::vector<float>& v) {
+    if (int64_t(v.size()) != head_dim / 2) return false;
+    for (float x : v)
+      if (!(std::isfinite(x) && x >= 1e-3f && x <= 1e6f)) return false;
+    return true;
+  };
+  check(rope_freq_factors.empty() || factors_ok(rope_freq_factors), "rope.freq_factors must hold head_dim/2 finite positive values");
   if (rope_scaling == RopeScaling::LongRope) {
-    auto factors_ok = [&](const std::vector<float>& v) {
-      if (int64_t(v.size()) != head_dim / 2) return false;
-      for (float x : v)
-        if (!(std::isfinite(x) && x >= 1e-3f && x <= 1e6f)) return false;
-      return true;
-    };
     check(factors_ok(rope_short_factors) && factors_ok(rope_long_factors),
           "longrope needs short and long factor lists of head_dim/2 finite positive values");
     check(rope_orig_ctx > 0 && rope_orig_ctx <= kBig, "longrope needs an original context length");
@@ -194,6 +198,7 @@ void ModelConfig::to_metadata(Metadata& m) const {
     m.set(p + "rope.scaling.type", std::string(rope_scaling_name(rope_scaling)));
     m.set(p + "rope.scaling.factor", rope_factor);
   }
+  if (!rope_freq_factors.empty()) m.set(p + "rope.freq_factors", rope_freq_factors);
   if (rope_scaling == RopeScaling::LongRope) {
     m.set(p + "rope.scaling.original_context_length", rope_orig_ctx);
     m.set(p + "rope.scaling.short_factor", rope_short_factors);
@@ -239,6 +244,7 @@ ModelConfig ModelConfig::from_metadata(const Metadata& m) {
     c.rope_long_factors = m.get_f32_array(p + "rope.scaling.long_factor");
     c.rope_attn_factor = m.get_float(p + "rope.scaling.attn_factor", 0.0);
   }
+  if (m.has(p + "rope.freq_factors")) c.rope_freq_factors = m.get_f32_array(p + "rope.freq_factors");
   c.tied_embeddings = m.get_bool(p + "tied_embeddings", false);
   c.attn_qkv_bias = m.get_bool(p + "attention.qkv_bias", false);
   c.attn_out_bias = m.get_bool(p + "attention.output_bias", false);

@@ -82,6 +82,8 @@ struct ModelConfig {
   std::vector<float> rope_long_factors;   ///< LongRope: [head_dim/2], used when rope_use_long
   double rope_attn_factor = 0.0;    ///< LongRope: cos and sin × this; 0: √(1 + ln s / ln orig_ctx), s = context / orig_ctx
   bool rope_use_long = false;       ///< LongRope: the long factors (set by use_context, not stored)
+  std::vector<float> rope_freq_factors;  ///< [head_dim/2] or empty: the global layers' frequency i ÷ factor[i]
+                                         ///< (llama.cpp's `rope_freqs` tensor: how its converter stores Llama 3.1 scaling)
   // ---- the block's recipe
   NormPlacement norms = NormPlacement::Pre;
   Activation act = Activation::SwiGLU;

@@ -121,6 +121,24 @@ def spm_vocab(tok512):
     return [t for t, _ in toks], [sc for _, sc in toks], types
 
 
+def llama3_factors(rp, head_dim):
+    """Llama 3.1's frequency scaling as divisors of the plain frequencies (transformers'
+    _compute_llama3_parameters, written as llama.cpp's converter stores it)."""
+    factor, lo, hi = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    orig = rp["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rp["rope_theta"] ** (i / head_dim)
+        if wavelen < orig / hi:
+            out.append(1.0)
+        elif wavelen > orig / lo:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
 def write_gguf(d, name, model, cfg, tok512):
     """model as llama.cpp's converter writes a GGUF of it (F32), for the GGUF route's test."""
     w = gguf.GGUFWriter(os.path.join(d, name + ".gguf"), name)
@@ -145,6 +163,8 @@ def write_gguf(d, name, model, cfg, tok512):
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rp["original_max_position_embeddings"])))
         w.add_tensor("rope_factors_long.weight", torch.tensor(rp["long_factor"], dtype=torch.float32).numpy())
         w.add_tensor("rope_factors_short.weight", torch.tensor(rp["short_factor"], dtype=torch.float32).numpy())
+    if rp.get("rope_type") == "llama3":  # the converter's per-frequency divisors (conversion/llama.py)
+        w.add_tensor("rope_freqs.weight", torch.tensor(llama3_factors(rp, head_dim), dtype=torch.float32).numpy())
     tokens, scores, types = spm_vocab(tok512)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -161,6 +181,9 @@ def write_gguf(d, name, model, cfg, tok512):
         else:
             out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                    "lm_head.weight": "output.weight"}[hf]
+        if name == "llama" and out.endswith(("attn_q.weight", "attn_k.weight")):  # Meta's interleaved pairs
+            heads = cfg.num_attention_heads if out.endswith("attn_q.weight") else cfg.num_key_value_heads
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         w.add_tensor(out, t.float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -194,7 +217,7 @@ def main():
             rows = list(range(n)) if n <= 16 else [0, 1, 31, 63, 64, n - 1]
             out["cases"].append({"ids": ids[0].tolist(), "ctx": ctx, "rows": rows,
                                  "logits": [[float(f"{x:.9g}") for x in logits[r].tolist()] for r in rows]})
-        if name in ("phi3", "qwen3"):  # no real GGUF of these reaches this machine
+        if name in ("phi3", "qwen3", "llama"):  # no real GGUF of these (llama: with 3.1 scaling) reaches this machine
             write_gguf(d, name, model, cfg, tok512)
         with open(os.path.join(d, "expected.json"), "w") as f:
             json.dump(out, f)

@@ -1005,11 +1005,14 @@ std::vector<BadCase> hostile_cases() {
     std::mt19937 rng(6);
     g.tensor("blk.0.attn_q.bias", {32}, tF32, tensor_data(tF32, 1, 32, rng));
   }, {"blk.0.attn_k.bias"});
-  with("rope_freqs that are not ones", [](GgufBuilder& g) {
+  with("rope_freqs of the wrong length", [](GgufBuilder& g) {
+    g.tensor("rope_freqs.weight", {6}, tF32, encode_rows(DType::F32, std::vector<float>(6, 2.0f), 6));
+  }, {"rope.freq_factors"});
+  with("rope_freqs with a zero", [](GgufBuilder& g) {
     std::vector<float> f(8, 1.0f);
-    f[7] = 8.0f;
+    f[7] = 0.0f;
     g.tensor("rope_freqs.weight", {8}, tF32, encode_rows(DType::F32, f, 8));
-  }, {"rope_freqs.weight"});
+  }, {"rope.freq_factors"});
   with("unsupported type Q8_1", [](GgufBuilder& g) {
     auto& t = g.at("blk.0.attn_q.weight");
     t.type = tQ8_1;

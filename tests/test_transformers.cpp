@@ -91,8 +91,8 @@ TEST_CASE("transformers: every architecture's F32 logits equal transformers' to 
   }
 }
 
-TEST_CASE("transformers: GGUFs written as llama.cpp's converter writes them (qwen3, phi3 fused, LongRoPE tensors) give the same logits", "[gguf][arch]") {
-  for (const std::string name : {"qwen3", "phi3"}) {
+TEST_CASE("transformers: GGUFs written as llama.cpp's converter writes them (llama 3.1 rope_freqs and permuted q/k, qwen3, phi3 fused with LongRoPE tensors) give the same logits", "[gguf][arch]") {
+  for (const std::string name : {"llama", "qwen3", "phi3"}) {
     const std::string dir = llmq::test::scratch("gguf_arch_" + name), out = dir + "/m.llmq";
     fs::create_directories(dir);
     const int rc = llmq::test::run(llmq::test::bin("llmq-convert") + " " + (fixtures() / name / (name + ".gguf")).string() + " -o " + out +

@@ -85,6 +85,8 @@ ModelConfig gguf_config(const GgufFile& g, const std::string& path) {
   // LongRoPE (Phi-3 128k): llama.cpp stores the factor lists as tensors; llmq as metadata.
   const GgufTensor* longf = g.find_tensor("rope_factors_long.weight");
   const GgufTensor* shortf = g.find_tensor("rope_factors_short.weight");
+  // Llama 3.1 scaling as llama.cpp's converter stores it: per-frequency divisors.
+  if (const GgufTensor* ff = g.find_tensor("rope_freqs.weight")) m.set(p + "rope.freq_factors", factor_list(*ff, path));
   if (longf && shortf) {
     m.set(p + "rope.scaling.type", std::string("longrope"));
     m.set(p + "rope.scaling.long_factor", factor_list(*longf, path));
@@ -129,7 +131,7 @@ GgufPiece gguf_piece(const ModelConfig& c, const TensorSpec& spec) {
   return {spec.name};
 }
 
-// Tensors beyond the llama table: known-harmless ones pass (RoPE frequency factors of all ones),
+// Tensors beyond the table: RoPE factor tensors (read into the config by gguf_config) pass,
 // anything else is refused.
 void check_extra_tensors(const GgufFile& g, const ModelConfig& c, const std::vector<TensorSpec>& table, const std::string& path) {
   std::set<std::string> expected;
@@ -138,18 +140,7 @@ void check_extra_tensors(const GgufFile& g, const ModelConfig& c, const std::vec
     if (expected.count(t.name)) continue;
     if (c.rope_scaling == RopeScaling::LongRope && (t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight"))
       continue;  // read into the config (gguf_config)
-    if (t.name == "rope_freqs.weight") {
-      // RoPE frequency factors (Llama 3.1 style scaling). All ones changes nothing; anything
-      // else changes the model, which llmq's RoPE does not model.
-      bool ones = dtype_known(t.type) && t.shape.size() == 1 && t.shape[0] == c.head_dim / 2;
-      if (ones) {
-        std::vector<float> f(size_t(t.shape[0]));
-        ggml_dequantize_row(t.type, t.data, f.data(), t.shape[0]);
-        for (float x : f) ones = ones && x == 1.0f;
-      }
-      if (ones) continue;
-      throw FileError(path, "tensor 'rope_freqs.weight' (RoPE frequency factors) is not supported");
-    }
+    if (t.name == "rope_freqs.weight") continue;  // read into the config (gguf_config)
     throw FileError(path, "unexpected tensor '" + t.name + "' (not part of the " + c.arch + " architecture)");
   }
 }
