@@ -12,6 +12,7 @@ PEER_LIB=${PEER_LIB:-build-peer/cpu/bin}
 mkdir -p bench/tmp
 g++ -std=c++20 -O2 -I. -I"$PEER/include" -I"$PEER/ggml/include" bench/kld_llamacpp.cpp -o bench/tmp/kld_llamacpp \
   build/libllmq_core.a -L"$PEER_LIB" -lllama -lggml -lggml-base -Wl,-rpath,"$(realpath "$PEER_LIB")" -lxxhash -lfmt -lpthread
+[ "${KLD_BUILD_ONLY:-0}" = 1 ] && exit 0  # bench/kquant_quality.sh: just the tool
 gguf=$1
 llmq=bench/tmp/$(basename "$gguf" .gguf).llmq
 build/llmq-convert "$gguf" -o "$llmq" -f --no-progress 2>/dev/null

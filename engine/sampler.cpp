@@ -26,7 +26,7 @@ int32_t Sampler::argmax(const float* logits, int64_t n) {
   return int32_t(best);
 }
 
-int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_t>& history) {
+int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_t>& history, const uint32_t* allowed) {
   cand_.resize(size_t(n));
   for (int64_t i = 0; i < n; ++i) cand_[size_t(i)] = {int32_t(i), logits[i], 0.0f};
 
@@ -44,6 +44,9 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
   }
   for (const auto& [id, bias] : p_.logit_bias)
     if (id >= 0 && id < n) cand_[size_t(id)].logit += bias;
+  if (allowed)
+    for (int64_t i = 0; i < n; ++i)
+      if (!(allowed[i >> 5] >> (i & 31) & 1u)) cand_[size_t(i)].logit = -INFINITY;
   if (p_.temperature <= 0.0f) {
     int64_t best = 0;
     for (int64_t i = 1; i < n; ++i)

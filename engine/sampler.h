@@ -22,13 +22,28 @@ struct SamplerParams {
   std::vector<std::pair<int32_t, float>> logit_bias = {};
 };
 
+/// A rule on which tokens may come next (constrained decoding: a JSON schema, a grammar), kept
+/// per sequence by whoever samples it. Implemented outside the engine (server/structured.h).
+class TokenConstraint {
+ public:
+  virtual ~TokenConstraint() = default;
+  /// Writes the tokens allowed next as a bitmask, mask [(n_vocab + 31) / 32] (bit i % 32 of
+  /// word i / 32: token i); returns false when every token is allowed (mask left unspecified).
+  virtual bool fill_mask(uint32_t* mask) = 0;
+  /// Advances past the sampled token; false when the rule does not allow it.
+  virtual bool accept(int32_t id) = 0;
+};
+
 /// Draws one token per call. Deterministic: the random stream depends only on the seed.
 class Sampler {
  public:
   explicit Sampler(const SamplerParams& p);
   /// Picks a token from logits [n_vocab]; `history` is the sequence so far (for the penalty).
   /// Order of filters (as llama.cpp): penalty, logit bias, top-k, top-p, min-p, temperature, draw.
-  int32_t sample(const float* logits, int64_t n_vocab, const std::vector<int32_t>& history);
+  /// allowed: a TokenConstraint's bitmask [(n_vocab + 31) / 32], or nullptr; the tokens it
+  /// leaves out are never drawn (their logits count as -inf, applied after the logit bias).
+  int32_t sample(const float* logits, int64_t n_vocab, const std::vector<int32_t>& history,
+                 const uint32_t* allowed = nullptr);
   /// True when sample() is the plain argmax (temperature <= 0, no penalties).
   bool greedy() const;
   /// True when the draw depends only on the top_k largest logits: temperature > 0, top_k > 0,

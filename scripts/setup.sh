@@ -19,6 +19,8 @@ fi
 
 bash scripts/fetch_models.sh all  # SmolLM2, Qwen2.5-Coder-0.5B, Gemma-3-270M (about 800 MB)
 
+bash scripts/fetch_xgrammar.sh    # structured outputs: xgrammar's C++ core, into third_party/
+
 jobs=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release ${LLMQ_CMAKE_ARGS:-} >/dev/null
 cmake --build build -j"$jobs"

@@ -85,6 +85,42 @@ ChatMessage parse_message(const json& m, size_t i) {
   return msg;
 }
 
+// `response_format` (OpenAI) or `grammar` (llama.cpp's server): the output's required shape.
+void parse_output_format(const json& j, const std::string& body, CompletionRequest& r) {
+  if (has(j, "grammar") && !j["grammar"].is_null()) {
+    if (!j["grammar"].is_string() || j["grammar"].get<std::string>().empty())
+      bad("'grammar' must be a non-empty GBNF string", "grammar");
+    r.format = {OutputFormat::Kind::Grammar, j["grammar"].get<std::string>(), false};
+  }
+  if (!has(j, "response_format") || j["response_format"].is_null()) return;
+  const json& f = j["response_format"];
+  if (!f.is_object() || !f.contains("type") || !f["type"].is_string())
+    bad("'response_format' must be an object with a 'type'", "response_format");
+  const std::string type = f["type"].get<std::string>();
+  if (type != "text" && r.format.kind == OutputFormat::Kind::Grammar)
+    bad("give either 'grammar' or a 'response_format' of type json_object / json_schema, not both", "response_format");
+  if (type == "text") return;
+  if (type == "json_object") {
+    r.format = {OutputFormat::Kind::JsonObject, "", false};
+  } else if (type == "json_schema") {
+    const json& js = f.contains("json_schema") ? f["json_schema"] : json();
+    if (!js.is_object() || !js.contains("schema") || !js["schema"].is_object())
+      bad("'response_format.json_schema' must be an object with a 'schema' object", "response_format.json_schema");
+    if (js.contains("strict") && !js["strict"].is_boolean() && !js["strict"].is_null())
+      bad("'response_format.json_schema.strict' must be a boolean", "response_format.json_schema.strict");
+    r.format = {OutputFormat::Kind::JsonSchema, js["schema"].dump(),
+                js.contains("strict") && js["strict"].is_boolean() && js["strict"].get<bool>()};
+    // The schema's property order is the output's key order: take it from the body as written
+    // (json sorts keys; the body parsed once already, within the depth limit).
+    if (!body.empty()) {
+      const auto ordered = nlohmann::ordered_json::parse(body);
+      r.format.spec = ordered["response_format"]["json_schema"]["schema"].dump();
+    }
+  } else {
+    bad("'response_format.type' must be text, json_object or json_schema", "response_format.type");
+  }
+}
+
 // `tools` and `tool_choice` of a chat request.
 void parse_tools(const json& j, CompletionRequest& r) {
   if (has(j, "tools") && !j["tools"].is_null()) {
@@ -220,6 +256,7 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
         r.include_usage = so["include_usage"].get<bool>();
       }
     }
+    parse_output_format(j, body, r);
     if (chat) {
       if (has(j, "logprobs")) {
         if (!j["logprobs"].is_boolean()) bad("'logprobs' must be a boolean", "logprobs");

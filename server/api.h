@@ -6,8 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "text/chat.h"
 #include "engine/sampler.h"
+#include "server/structured.h"
+#include "text/chat.h"
 
 namespace llmq {
 
@@ -38,6 +39,9 @@ struct CompletionRequest {
   /// [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
   std::string tools;
   bool tool_choice_none = false;      ///< tool_choice "none": the reply is not parsed for calls
+  /// `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
+  /// "schema", "strict"}} (OpenAI), or `grammar` (GBNF text, as llama.cpp's server takes it)
+  OutputFormat format;
 };
 
 /// Most nesting levels of arrays and objects a request body may have. A valid request needs 4

@@ -51,6 +51,7 @@ struct Scheduler::Seq {
   std::string text;              // generated text so far
   size_t emitted = 0;            // bytes of text already sent
   std::vector<TokenInfo> pending;
+  std::vector<uint32_t> allowed;  // the constraint's mask, [(vocab + 31) / 32]
   bool done = false;
   explicit Seq(const SamplerParams& p) : sampler(p) {}
 };
@@ -245,7 +246,13 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
   for (size_t r = 0; r < sample_for.size(); ++r) {
     Seq& s = *sample_for[r];
     const float* row = logits + r * size_t(V);
-    const int32_t id = s.sampler.sample(row, V, s.tokens);
+    TokenConstraint* rule = s.req->params.constraint.get();
+    if (rule) s.allowed.resize(size_t((V + 31) / 32));
+    const int32_t id = s.sampler.sample(row, V, s.tokens, rule && rule->fill_mask(s.allowed.data()) ? s.allowed.data() : nullptr);
+    if (rule && !rule->accept(id)) {  // cannot happen with a mask applied: end rather than go off the grammar
+      finish(s, "stop");
+      continue;
+    }
     s.tokens.push_back(id);
     ++s.generated;
     if (s.generated == 1) s.req->t_first = now_seconds();

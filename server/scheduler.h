@@ -23,6 +23,9 @@ struct GenParams {
   SamplerParams sampling;
   std::vector<std::string> stop;   ///< stop strings (not included in the output)
   int top_logprobs = -1;           ///< -1: no logprobs; 0..20: logprobs with that many alternatives
+  /// Constrained decoding (server/structured.h): the tokens it rules out are never sampled;
+  /// used by the scheduler's thread only. nullptr: none.
+  std::shared_ptr<TokenConstraint> constraint;
 };
 
 /// One generated token, for logprobs.

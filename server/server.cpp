@@ -34,10 +34,12 @@
 #include "engine/parallel/tp_process.h"
 #include "base/error.h"
 #include "mem/infer.h"
+#include "engine/generate.h"
 #include "server/api.h"
 #include "server/tool_calls.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/structured.h"
 #include "cli/cli_common.h"
 
 using namespace llmq;
@@ -71,6 +73,7 @@ struct ServerState {
   std::unique_ptr<SocketComm> group;       // --tp-init: the other ranks are processes
   std::unique_ptr<Runner> runner;          // what runs the batches (engine/runner/runner.h)
   std::unique_ptr<Scheduler> scheduler;
+  std::unique_ptr<StructuredOutputs> structured;  // response_format / grammar (server/structured.h)
   std::optional<ChatTemplate> tmpl;
   std::string model_id;
   Metrics metrics;
@@ -475,10 +478,16 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   const int64_t ctx = st.scheduler->options().ctx;
   CompletionRequest r;
   std::vector<int32_t> prompt;
+  GenParams gp;
   try {
     r = parse_completion_request(req.body, chat, st.model_id, ctx, st.max_body);
     for (const auto& [tid, bias] : r.sampling.logit_bias)
       if (tid >= int32_t(st.model->vocab.size())) throw ApiError(400, "logit_bias token id " + std::to_string(tid) + " is out of range", "logit_bias");
+    try {
+      gp.constraint = st.structured->constraint(r.format);
+    } catch (const UsageError& e) {
+      throw ApiError(400, e.what(), r.format.kind == OutputFormat::Kind::Grammar ? "grammar" : "response_format");
+    }
     prompt = prompt_tokens(st, r, ctx);
     if (int64_t(prompt.size()) + 1 > ctx)
       throw ApiError(400, "the prompt has " + std::to_string(prompt.size()) + " tokens; the context is " + std::to_string(ctx),
@@ -488,7 +497,6 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
     st.metrics.count_request(endpoint, e.status);
     return;
   }
-  GenParams gp;
   gp.prompt = prompt;
   const int64_t room = ctx - int64_t(prompt.size());
   gp.max_tokens = std::min(r.max_tokens > 0 ? r.max_tokens : (chat ? room : 16), room);
@@ -814,6 +822,7 @@ int main(int argc, char** argv) {
         so.n_batch = n_batch;
         so.kv_type = ro.kv_type;  // the CPU's pools (partial offload: f32)
         st->scheduler = std::make_unique<Scheduler>(st->runner->batch(), so);
+        st->structured = std::make_unique<StructuredOutputs>(*st->model->tokenizer, default_stop_ids(st->model->vocab));
         st->ready = true;
         const uint64_t file_bytes = st->model->file->file_size() + st->model->packed.bytes(), kv_b = st->scheduler->kv_bytes(),
                        ws_b = st->scheduler->workspace_bytes();

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "engine/generate.h"
 #include "engine/model.h"
@@ -382,4 +383,34 @@ TEST_CASE("logit_bias bans and forces tokens", "[sampler]") {
   Sampler forced(p);
   CHECK_FALSE(forced.top_k_suffices());
   for (int i = 0; i < 50; ++i) CHECK(forced.sample(logits.data(), 4, {}) == 3);
+}
+
+TEST_CASE("a constraint's mask: tokens outside it are never drawn, whatever the sampling settings", "[sampler]") {
+  std::mt19937_64 rng(llmq::test::fresh_seed());
+  const int64_t V = 77;  // not a multiple of 32: the last mask word is partial
+  std::vector<float> logits = llmq::test::gaussian(size_t(V), rng);
+  std::vector<uint32_t> mask(size_t((V + 31) / 32), 0u);
+  std::vector<int32_t> allowed_ids;
+  for (int64_t i = 0; i < V; ++i)
+    if (rng() % 5 == 0) {
+      mask[size_t(i / 32)] |= 1u << (i % 32);
+      allowed_ids.push_back(int32_t(i));
+    }
+  mask[2] |= 1u << 12, allowed_ids.push_back(76);  // the last token too
+  auto in_mask = [&](int32_t id) { return std::find(allowed_ids.begin(), allowed_ids.end(), id) != allowed_ids.end(); };
+  // Greedy: the best allowed logit.
+  SamplerParams g;
+  g.temperature = 0.0f;
+  int32_t best = allowed_ids[0];
+  for (int32_t id : allowed_ids)
+    if (logits[size_t(id)] > logits[size_t(best)]) best = id;
+  CHECK(Sampler(g).sample(logits.data(), V, {}, mask.data()) == best);
+  // Every sampling path (no truncation, top-k, top-p, min-p) stays inside the mask, even when
+  // the best logits overall are outside it.
+  for (const auto& [k, p, mp] : {std::tuple{0, 1.0f, 0.0f}, {5, 1.0f, 0.0f}, {0, 0.9f, 0.0f}, {40, 0.95f, 0.05f}}) {
+    SamplerParams s;
+    s.temperature = 1.5f, s.top_k = k, s.top_p = p, s.min_p = mp, s.seed = rng();
+    Sampler sampler(s);
+    for (int i = 0; i < 200; ++i) CHECK(in_mask(sampler.sample(logits.data(), V, {}, mask.data())));
+  }
 }

@@ -1,0 +1,99 @@
+#include "server/structured.h"
+
+#include <mutex>
+
+#include "base/error.h"
+#include "text/tokenizer.h"
+
+#ifdef LLMQ_HAVE_XGRAMMAR
+#include <xgrammar/xgrammar.h>
+#endif
+
+namespace llmq {
+
+#ifdef LLMQ_HAVE_XGRAMMAR
+
+namespace {
+
+// One request's matcher: the mask of its state, advanced token by token.
+class GrammarConstraint : public TokenConstraint {
+ public:
+  explicit GrammarConstraint(const xgrammar::CompiledGrammar& g, int vocab) : matcher_(g), vocab_(vocab) {}
+  bool fill_mask(uint32_t* mask) override {
+    int64_t shape = xgrammar::GetBitmaskSize(vocab_);
+    DLTensor t{};
+    t.data = mask;
+    t.device = DLDevice{kDLCPU, 0};
+    t.ndim = 1;
+    t.dtype = xgrammar::GetBitmaskDLType();
+    t.shape = &shape;
+    return matcher_.FillNextTokenBitmask(&t);
+  }
+  bool accept(int32_t id) override { return matcher_.AcceptToken(id); }
+
+ private:
+  xgrammar::GrammarMatcher matcher_;
+  int vocab_;
+};
+
+xgrammar::TokenizerInfo tokenizer_info(const Tokenizer& tok, const std::vector<int32_t>& stop_ids) {
+  std::vector<std::string> pieces(tok.n_vocab());
+  // After a token that is not BOS, so SentencePiece's leading space is kept; control and unused
+  // tokens decode to "" and count as special (never allowed by a grammar, stop ids aside).
+  const int32_t after = tok.bos() == 0 ? 1 : 0;
+  for (size_t i = 0; i < pieces.size(); ++i) pieces[i] = tok.decode_piece(after, int32_t(i));
+  return xgrammar::TokenizerInfo(pieces, xgrammar::VocabType::RAW, int(pieces.size()), stop_ids, false);
+}
+
+}  // namespace
+
+struct StructuredOutputs::Impl {
+  Impl(const Tokenizer& tok, const std::vector<int32_t>& stop)
+      : vocab(int(tok.n_vocab())), compiler(tokenizer_info(tok, stop), /*max_threads=*/2, /*cache_enabled=*/true,
+                                            /*max_memory_bytes=*/int64_t(256) << 20) {}
+  int vocab;
+  std::mutex mu;  // one compilation at a time (each uses the compiler's threads)
+  xgrammar::GrammarCompiler compiler;
+};
+
+StructuredOutputs::StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids)
+    : impl_(std::make_unique<Impl>(tok, stop_ids)) {}
+
+bool StructuredOutputs::available() { return true; }
+
+std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputFormat& f) {
+  if (f.kind == OutputFormat::Kind::Text) return nullptr;
+  try {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    // json_object is OpenAI's "any JSON object" (xgrammar's built-in grammar takes any value).
+    const std::string schema = f.kind == OutputFormat::Kind::JsonObject ? std::string(R"({"type": "object"})") : f.spec;
+    xgrammar::CompiledGrammar g = f.kind == OutputFormat::Kind::Grammar
+                                      ? impl_->compiler.CompileGrammar(f.spec, "root")
+                                      : impl_->compiler.CompileJSONSchema(schema, /*any_whitespace=*/false, std::nullopt,
+                                                                          std::nullopt, f.strict);
+    return std::make_shared<GrammarConstraint>(g, impl_->vocab);
+  } catch (const std::exception& e) {
+    // xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: "; the reason follows.
+    std::string what = e.what();
+    if (const size_t at = what.find(".cc:"); at != std::string::npos)
+      if (const size_t colon = what.find(": ", at); colon != std::string::npos) what.erase(0, colon + 2);
+    if (const size_t nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
+    throw UsageError(std::string(f.kind == OutputFormat::Kind::Grammar ? "grammar" : "JSON schema") + ": " + what);
+  }
+}
+
+#else  // no grammar engine in this build
+
+struct StructuredOutputs::Impl {};
+StructuredOutputs::StructuredOutputs(const Tokenizer&, const std::vector<int32_t>&) {}
+bool StructuredOutputs::available() { return false; }
+std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputFormat& f) {
+  if (f.kind == OutputFormat::Kind::Text) return nullptr;
+  throw UsageError("structured outputs need xgrammar, which this build lacks (run scripts/fetch_xgrammar.sh and rebuild)");
+}
+
+#endif
+
+StructuredOutputs::~StructuredOutputs() = default;
+
+}  // namespace llmq

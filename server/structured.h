@@ -1,0 +1,46 @@
+// Structured outputs: OpenAI's `response_format` (json_object, json_schema) and llama.cpp
+// server's `grammar` (GBNF), enforced by constrained decoding. Each request gets a
+// TokenConstraint (engine/sampler.h) whose bitmask removes, at every step, the tokens that
+// cannot continue a valid output; the scheduler applies it before sampling.
+//
+// The grammar engine is xgrammar (Dong et al. 2024, "XGrammar: flexible and efficient structured
+// generation"; its C++ core from the PyPI sdist, built by scripts/fetch_xgrammar.sh): it compiles a
+// JSON schema or an EBNF grammar against the vocabulary once (cached by text) and answers each
+// step's mask from precomputed per-state token sets.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "engine/sampler.h"
+
+namespace llmq {
+
+class Tokenizer;
+
+/// What shape the output must have.
+struct OutputFormat {
+  enum class Kind { Text, JsonObject, JsonSchema, Grammar };
+  Kind kind = Kind::Text;
+  std::string spec;     ///< JsonSchema: the schema as JSON text; Grammar: the GBNF text (root rule `root`)
+  bool strict = false;  ///< JsonSchema: OpenAI's `strict` (no properties beyond the schema's)
+};
+
+/// Compiles OutputFormats into per-request constraints for one model's vocabulary. Thread-safe.
+class StructuredOutputs {
+ public:
+  /// The vocabulary as xgrammar sees it: each token's bytes (Tokenizer::decode_piece after a
+  /// non-initial token), control tokens as special; `stop_ids` end a complete output.
+  StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids);
+  ~StructuredOutputs();
+  /// True when this build has the grammar engine.
+  static bool available();
+  /// A fresh constraint for `f` (nullptr for Kind::Text). Throws UsageError naming what is wrong
+  /// with a schema or grammar (the server answers 400), or when !available().
+  std::shared_ptr<TokenConstraint> constraint(const OutputFormat& f);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace llmq
