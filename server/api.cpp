@@ -135,11 +135,21 @@ void parse_tools(const json& j, CompletionRequest& r) {
   }
   if (has(j, "tool_choice") && !j["tool_choice"].is_null()) {
     const json& c = j["tool_choice"];
-    if (c == "none") r.tool_choice_none = true;
-    else if (c != "auto")
-      bad("tool_choice 'required' and a named function need constrained decoding, which llmq-server does not have yet; "
-          "use \"auto\" or \"none\"",
-          "tool_choice");
+    if (c == "none") {
+      r.tool_choice_none = true;
+    } else if (c == "required") {
+      r.tool_choice_forced = true;
+    } else if (c.is_object()) {
+      if (c.value("type", "") != "function" || !c.contains("function") || !c["function"].is_object() ||
+          !c["function"].contains("name") || !c["function"]["name"].is_string())
+        bad("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            "tool_choice");
+      r.tool_choice_forced = true;
+      r.tool_choice_name = c["function"]["name"].get<std::string>();
+    } else if (c != "auto") {
+      bad("tool_choice must be \"none\", \"auto\", \"required\" or a named function", "tool_choice");
+    }
+    if (r.tool_choice_forced && r.tools.empty()) bad("tool_choice asks for a call but 'tools' is empty", "tool_choice");
   }
 }
 

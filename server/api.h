@@ -39,6 +39,8 @@ struct CompletionRequest {
   /// [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
   std::string tools;
   bool tool_choice_none = false;      ///< tool_choice "none": the reply is not parsed for calls
+  bool tool_choice_forced = false;    ///< tool_choice "required" or a named function: the reply is one call
+  std::string tool_choice_name;       ///< the named function (empty: any of the tools)
   /// `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
   /// "schema", "strict"}} (OpenAI), or `grammar` (GBNF text, as llama.cpp's server takes it)
   OutputFormat format;
@@ -58,8 +60,8 @@ nlohmann::json parse_json_body(const std::string& body);
 /// `model` is a 404); max_tokens is clamped to `ctx` (the room the prompt leaves is taken later);
 /// `max_body` the body size. Chat messages may be
 /// system/developer, user, assistant (with `tool_calls`, content then optional) or tool (with
-/// `tool_call_id`); `tools` and `tool_choice` "auto" or "none" are taken ("required" and a named
-/// function need constrained decoding: 400 for now). Throws ApiError (400 malformed JSON, wrong
+/// `tool_call_id`); `tools` and `tool_choice` "auto", "none", "required" or a named function (the
+/// last two make the reply one call, by constrained decoding). Throws ApiError (400 malformed JSON, wrong
 /// types or ranges, n != 1; 404 unknown model; 413 body too large).
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
                                            size_t max_body);

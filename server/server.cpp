@@ -484,9 +484,13 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
     for (const auto& [tid, bias] : r.sampling.logit_bias)
       if (tid >= int32_t(st.model->vocab.size())) throw ApiError(400, "logit_bias token id " + std::to_string(tid) + " is out of range", "logit_bias");
     try {
+      if (r.tool_choice_forced) {
+        if (r.format.kind != OutputFormat::Kind::Text) throw ApiError(400, "tool_choice that forces a call cannot be combined with response_format or grammar", "tool_choice");
+        r.format = forced_tool_call(r.tools, r.tool_choice_name, tool_syntax(st.model->chat_template));
+      }
       gp.constraint = st.structured->constraint(r.format);
     } catch (const UsageError& e) {
-      throw ApiError(400, e.what(), r.format.kind == OutputFormat::Kind::Grammar ? "grammar" : "response_format");
+      throw ApiError(400, e.what(), r.tool_choice_forced ? "tool_choice" : r.format.kind == OutputFormat::Kind::Grammar ? "grammar" : "response_format");
     }
     prompt = prompt_tokens(st, r, ctx);
     if (int64_t(prompt.size()) + 1 > ctx)

@@ -36,6 +36,28 @@ class GrammarConstraint : public TokenConstraint {
   int vocab_;
 };
 
+// `text` as an EBNF string literal.
+std::string ebnf_literal(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\', out += c;
+    else if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else out += c;
+  }
+  return out + "\"";
+}
+
+// The schema's JSON, with the format's literal prefix and suffix around it.
+xgrammar::Grammar wrapped_schema(const OutputFormat& f) {
+  std::vector<xgrammar::Grammar> parts;
+  if (!f.prefix.empty()) parts.push_back(xgrammar::Grammar::FromEBNF("root ::= " + ebnf_literal(f.prefix)));
+  parts.push_back(xgrammar::Grammar::FromJSONSchema(f.spec, /*any_whitespace=*/false, std::nullopt, std::nullopt, f.strict));
+  if (!f.suffix.empty()) parts.push_back(xgrammar::Grammar::FromEBNF("root ::= " + ebnf_literal(f.suffix)));
+  return xgrammar::Grammar::Concat(parts);
+}
+
 xgrammar::TokenizerInfo tokenizer_info(const Tokenizer& tok, const std::vector<int32_t>& stop_ids) {
   std::vector<std::string> pieces(tok.n_vocab());
   // After a token that is not BOS, so SentencePiece's leading space is kept; control and unused
@@ -67,10 +89,11 @@ std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputForma
     std::lock_guard<std::mutex> lk(impl_->mu);
     // json_object is OpenAI's "any JSON object" (xgrammar's built-in grammar takes any value).
     const std::string schema = f.kind == OutputFormat::Kind::JsonObject ? std::string(R"({"type": "object"})") : f.spec;
-    xgrammar::CompiledGrammar g = f.kind == OutputFormat::Kind::Grammar
-                                      ? impl_->compiler.CompileGrammar(f.spec, "root")
-                                      : impl_->compiler.CompileJSONSchema(schema, /*any_whitespace=*/false, std::nullopt,
-                                                                          std::nullopt, f.strict);
+    const bool wrapped = !f.prefix.empty() || !f.suffix.empty();
+    xgrammar::CompiledGrammar g = f.kind == OutputFormat::Kind::Grammar ? impl_->compiler.CompileGrammar(f.spec, "root")
+                                  : wrapped ? impl_->compiler.CompileGrammar(wrapped_schema(f))
+                                            : impl_->compiler.CompileJSONSchema(schema, /*any_whitespace=*/false, std::nullopt,
+                                                                                std::nullopt, f.strict);
     return std::make_shared<GrammarConstraint>(g, impl_->vocab);
   } catch (const std::exception& e) {
     // xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: "; the reason follows.

@@ -23,6 +23,8 @@ struct OutputFormat {
   Kind kind = Kind::Text;
   std::string spec;     ///< JsonSchema: the schema as JSON text; Grammar: the GBNF text (root rule `root`)
   bool strict = false;  ///< JsonSchema: OpenAI's `strict` (no properties beyond the schema's)
+  /// JsonSchema: literal text before and after the JSON (a forced tool call's tags); may be empty
+  std::string prefix, suffix;
 };
 
 /// Compiles OutputFormats into per-request constraints for one model's vocabulary. Thread-safe.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "base/error.h"
+
 namespace llmq {
 
 namespace {
@@ -107,6 +109,35 @@ size_t tool_call_safe_prefix(const std::string& text) {
   for (size_t k = std::min(open.size() - 1, text.size()); k > 0; --k)  // a trailing "<", "<t", ... "<tool_call"
     if (text.compare(text.size() - k, k, open, 0, k) == 0) return text.size() - k;
   return text.size();
+}
+
+ToolSyntax tool_syntax(const std::string& chat_template) {
+  if (chat_template.find("[TOOL_CALLS]") != std::string::npos) return ToolSyntax::Mistral;
+  if (chat_template.find("<tool_call>") != std::string::npos) return ToolSyntax::Hermes;
+  if (chat_template.find("<|python_tag|>") != std::string::npos || chat_template.find("\"parameters\"") != std::string::npos)
+    return ToolSyntax::Llama3;
+  return ToolSyntax::Hermes;
+}
+
+OutputFormat forced_tool_call(const std::string& tools_json, const std::string& name, ToolSyntax syntax) {
+  const char* args = syntax == ToolSyntax::Llama3 ? "parameters" : "arguments";
+  nlohmann::ordered_json any_of = nlohmann::ordered_json::array();
+  for (const auto& t : nlohmann::ordered_json::parse(tools_json)) {
+    const auto& f = t["function"];
+    if (!name.empty() && f["name"] != name) continue;
+    nlohmann::ordered_json params = f.contains("parameters") ? f["parameters"] : nlohmann::ordered_json{{"type", "object"}};
+    any_of.push_back({{"type", "object"},
+                      {"properties", {{"name", {{"const", f["name"]}}}, {args, params}}},
+                      {"required", {"name", args}},
+                      {"additionalProperties", false}});
+  }
+  if (any_of.empty()) throw UsageError("tool_choice names the function '" + name + "', which is not among the tools");
+  OutputFormat out;
+  out.kind = OutputFormat::Kind::JsonSchema;
+  out.spec = any_of.size() == 1 ? any_of[0].dump() : nlohmann::ordered_json{{"anyOf", any_of}}.dump();
+  if (syntax == ToolSyntax::Hermes) out.prefix = "<tool_call>\n", out.suffix = "\n</tool_call>";
+  if (syntax == ToolSyntax::Mistral) out.prefix = "[TOOL_CALLS][", out.suffix = "]";
+  return out;
 }
 
 }  // namespace llmq

@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "server/structured.h"
+
 namespace llmq {
 
 /// A reply split into its text and its calls.
@@ -42,5 +44,17 @@ size_t tool_call_safe_prefix(const std::string& text);
 
 /// The function names of a request's `tools` (JSON array text, as CompletionRequest::tools).
 std::vector<std::string> tool_names(const std::string& tools_json);
+
+/// How a model writes a call, read off its chat template's text: Hermes tags (the default),
+/// Llama 3's bare {"name", "parameters"} object (a template that mentions <|python_tag|> or
+/// asks for "parameters" without <tool_call>), or Mistral's [TOOL_CALLS] array.
+enum class ToolSyntax { Hermes, Llama3, Mistral };
+ToolSyntax tool_syntax(const std::string& chat_template);
+
+/// tool_choice "required" (name empty: any of the tools) or a named function: the output format
+/// that makes the reply exactly one call, written as `syntax` writes it, its arguments following
+/// the tool's `parameters` schema (any object when it has none). Throws UsageError when `name`
+/// is not one of the tools.
+OutputFormat forced_tool_call(const std::string& tools_json, const std::string& name, ToolSyntax syntax);
 
 }  // namespace llmq

@@ -2,8 +2,8 @@
 `tools` rendered by the model's own chat template (Qwen2.5-Coder's, a Jinja template with a tools
 section), the reply parsed for Hermes <tool_call> blocks (or the bare call object), returned as
 `tool_calls` with finish_reason "tool_calls", streamed as OpenAI's deltas; tool results sent back
-with role "tool"; tool_choice "none" leaves the reply as text; "required" is refused (it needs
-constrained decoding)."""
+with role "tool"; tool_choice "none" leaves the reply as text; "required" and a named function force
+one call by constrained decoding (server/structured.h), even where the model would answer in text."""
 from __future__ import annotations
 
 import json
@@ -82,10 +82,57 @@ def test_tool_choice_none_keeps_text(client, srv):
     assert r.choices[0].message.content
 
 
-def test_tool_choice_required_is_refused(client, srv):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=srv.model_id, messages=ASK, tools=[WEATHER], tool_choice="required")
-    assert "constrained decoding" in str(e.value)
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the current time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+                       "required": ["zone"], "additionalProperties": False},
+    },
+}
+CHAT = [{"role": "user", "content": "Tell me a short joke about cats."}]  # no reason to call anything
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_forces_a_call(client, srv, stream):
+    kw = dict(model=srv.model_id, messages=CHAT, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80)
+    for seed in range(3):
+        calls, finish = [], None
+        if stream:
+            for chunk in client.chat.completions.create(**kw, stream=True, temperature=1.0, seed=seed):
+                if chunk.choices:
+                    calls += chunk.choices[0].delta.tool_calls or []
+                    finish = chunk.choices[0].finish_reason or finish
+        else:
+            r = client.chat.completions.create(**kw, temperature=1.0, seed=seed)
+            calls, finish = r.choices[0].message.tool_calls or [], r.choices[0].finish_reason
+        assert finish == "tool_calls"
+        (call,) = calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_time":
+            assert args["zone"] in ("UTC", "CET", "PST") and set(args) == {"zone"}
+        else:
+            assert isinstance(args["city"], str)
+
+
+def test_named_tool_choice_calls_that_function(client, srv):
+    r = client.chat.completions.create(model=srv.model_id, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET", "PST")
+
+
+def test_bad_tool_choice_is_400(srv):
+    for choice, words in [({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+                          ("sometimes", "tool_choice must be"), ({"type": "function"}, "tool_choice must be")]:
+        r = srv.post("/v1/chat/completions", {"model": srv.model_id, "messages": ASK, "tools": [WEATHER], "tool_choice": choice})
+        assert r.status_code == 400, choice
+        assert r.json()["error"]["param"] == "tool_choice" and words in r.json()["error"]["message"]
+    r = srv.post("/v1/chat/completions", {"model": srv.model_id, "messages": ASK, "tool_choice": "required"})
+    assert r.status_code == 400 and "'tools' is empty" in r.json()["error"]["message"]
 
 
 def test_malformed_tools_are_400(srv):
