@@ -37,7 +37,8 @@ struct Metrics {
   /// "other" and statuses outside 100-599 as "other", so the label values are a fixed set.
   void count_request(const std::string& endpoint, int status);
   /// The whole exposition, with the scheduler's gauges passed in.
-  std::string render(int64_t queued, int64_t running, int64_t kv_used, int64_t kv_total);
+  std::string render(int64_t queued, int64_t running, int64_t kv_used, int64_t kv_total, int64_t constrained_tokens = 0,
+                     double constraint_seconds = 0);
 };
 
 /// The label value of an endpoint: one of the server's routes, or "other".

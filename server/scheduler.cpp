@@ -127,6 +127,8 @@ SchedulerStats Scheduler::stats() const {
   s.running = running_;
   s.kv_blocks_used = kv_used_;
   s.kv_blocks_total = cache_.n_blocks();
+  s.constrained_tokens = constrained_tokens_;
+  s.constraint_seconds = double(constraint_ns_) * 1e-9;
   return s;
 }
 
@@ -247,9 +249,16 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
     Seq& s = *sample_for[r];
     const float* row = logits + r * size_t(V);
     TokenConstraint* rule = s.req->params.constraint.get();
+    const auto t0 = std::chrono::steady_clock::now();
     if (rule) s.allowed.resize(size_t((V + 31) / 32));
-    const int32_t id = s.sampler.sample(row, V, s.tokens, rule && rule->fill_mask(s.allowed.data()) ? s.allowed.data() : nullptr);
-    if (rule && !rule->accept(id)) {  // cannot happen with a mask applied: end rather than go off the grammar
+    const uint32_t* mask = rule && rule->fill_mask(s.allowed.data()) ? s.allowed.data() : nullptr;
+    const int32_t id = s.sampler.sample(row, V, s.tokens, mask);
+    const bool off_grammar = rule && !rule->accept(id);  // cannot happen with the mask applied
+    if (rule) {  // the mask's cost: filling, accepting, and the sampler's pass over the mask (timed with the draw)
+      ++constrained_tokens_;
+      constraint_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    }
+    if (off_grammar) {
       finish(s, "stop");
       continue;
     }

@@ -83,6 +83,8 @@ struct SchedulerOptions {
 /// Counters for /metrics, read without stopping the loop.
 struct SchedulerStats {
   int64_t queued = 0, running = 0, kv_blocks_used = 0, kv_blocks_total = 0;
+  int64_t constrained_tokens = 0;  ///< tokens sampled under a constraint (structured outputs)
+  double constraint_seconds = 0;   ///< time spent on their masks (fill, apply in the sampler, accept)
 };
 
 class Scheduler {
@@ -123,7 +125,7 @@ class Scheduler {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<GenRequest>> queue_;
-  std::atomic<int64_t> running_{0}, kv_used_{0};
+  std::atomic<int64_t> running_{0}, kv_used_{0}, constrained_tokens_{0}, constraint_ns_{0};
   bool stop_ = false;
   std::thread thread_;
 };

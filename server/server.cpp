@@ -798,7 +798,7 @@ int main(int argc, char** argv) {
     svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
       SchedulerStats s;
       if (st->ready) s = st->scheduler->stats();
-      res.set_content(st->metrics.render(s.queued, s.running, s.kv_blocks_used, s.kv_blocks_total), "text/plain; version=0.0.4");
+      res.set_content(st->metrics.render(s.queued, s.running, s.kv_blocks_used, s.kv_blocks_total, s.constrained_tokens, s.constraint_seconds), "text/plain; version=0.0.4");
     });
 
     if (!svr.bind_to_port(host, port))
