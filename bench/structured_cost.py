@@ -4,8 +4,7 @@ batch 1 and 8). Starts llmq-server on MODEL with --parallel 8 and, for batch 1 a
 concurrent completions of N tokens twice, interleaved: under a JSON schema (one long string, so
 the grammar never ends it early) and free (end-of-sequence tokens banned by logit_bias, so both
 run to N). Prints decode tok/s of both, the throughput cost, and the share of wall time the
-server's scheduler spent on masks (llmq_constraint_seconds_total: fill, apply, accept, and the
-draw itself, an upper bound).
+server's scheduler spent filling masks and accepting tokens (llmq_constraint_seconds_total).
 
     bench/structured_cost.py MODEL.llmq [N=96] [THREADS=2]
 """

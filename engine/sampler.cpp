@@ -44,9 +44,12 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
   }
   for (const auto& [id, bias] : p_.logit_bias)
     if (id >= 0 && id < n) cand_[size_t(id)].logit += bias;
-  if (allowed)
-    for (int64_t i = 0; i < n; ++i)
-      if (!(allowed[i >> 5] >> (i & 31) & 1u)) cand_[size_t(i)].logit = -INFINITY;
+  if (allowed)  // only the ruled-out tokens are touched: the zero bits of each 32-token word
+    for (int64_t w = 0; w * 32 < n; ++w)
+      for (uint32_t out = ~allowed[w]; out; out &= out - 1) {
+        const int64_t i = w * 32 + __builtin_ctz(out);
+        if (i < n) cand_[size_t(i)].logit = -INFINITY;
+      }
   if (p_.temperature <= 0.0f) {
     int64_t best = 0;
     for (int64_t i = 1; i < n; ++i)

@@ -75,7 +75,7 @@ std::string Metrics::render(int64_t queued, int64_t running, int64_t kv_used, in
         num(kv_total ? double(kv_used) / double(kv_total) : 0.0));
   gauge("llmq_constrained_tokens_total", "counter", "Tokens sampled under a structured-output constraint.",
         std::to_string(constrained_tokens));
-  gauge("llmq_constraint_seconds_total", "counter", "Time spent on constraint masks (fill, apply, accept) and their draws.",
+  gauge("llmq_constraint_seconds_total", "counter", "Time spent filling constraint masks and accepting tokens.",
         num(constraint_seconds));
   out += ttft.render("llmq_time_to_first_token_seconds", "Time from request to first token.");
   out += tpot.render("llmq_time_per_output_token_seconds", "Mean time per generated token after the first, per request.");
