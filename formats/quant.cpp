@@ -217,8 +217,56 @@ int round_clamp(float v, float scale, int lo, int hi) {
   return std::clamp(int(std::lround(v / scale)), lo, hi);
 }
 
-// Q4_K (five_bit false) and Q5_K: per sub-block of 32 the range [min(0, x), max(x)]; the
-// scales (range / 15 or 31) and mins (-min) as 6-bit multiples of the super-block's d and dmin.
+// The affine fit x ≈ a·q − b of n values (q in [0, qmax], a >= 0, b >= 0) with the least squared
+// error among grids that clip the range [min(0, x), max(x)] by up to 30% at either end, each
+// refined once by least squares on its integer codes (ordinary linear regression of x on q;
+// the offset held at <= 0, K-quants store -b with b >= 0). Our own search: the plain range
+// (t = 0) is one candidate, so it never does worse than min/max rounding.
+void fit_affine(const float* x, int n, int qmax, float* a_out, float* b_out) {
+  float lo = 0.0f, hi = x[0];
+  for (int l = 0; l < n; ++l) lo = std::min(lo, x[l]), hi = std::max(hi, x[l]);
+  float best_a = (hi - lo) / float(qmax), best_b = -lo;
+  if (hi <= lo) {
+    *a_out = 0.0f, *b_out = -lo;
+    return;
+  }
+  auto error = [&](float a, float b) {
+    double e = 0;
+    for (int l = 0; l < n; ++l) {
+      const int q = a > 0 ? std::clamp(int(std::lround((x[l] + b) / a)), 0, qmax) : 0;
+      const double d = double(a) * q - b - x[l];
+      e += d * d;
+    }
+    return e;
+  };
+  double best = error(best_a, best_b);
+  for (int t_lo = 0; t_lo <= 6; ++t_lo)
+    for (int t_hi = 0; t_hi <= 6; ++t_hi) {
+      const float range = hi - lo, l0 = std::min(0.0f, lo + 0.05f * float(t_lo) * range), h0 = hi - 0.05f * float(t_hi) * range;
+      if (h0 <= l0) continue;
+      float a = (h0 - l0) / float(qmax), b = -l0;
+      for (int pass = 0; pass < 2; ++pass) {
+        const double e = error(a, b);
+        if (e < best) best = e, best_a = a, best_b = b;
+        // Least squares of x on the codes q: a = cov(q, x) / var(q), offset = mean(x) - a·mean(q).
+        double sq = 0, sx = 0, sqq = 0, sqx = 0;
+        for (int l = 0; l < n; ++l) {
+          const double q = std::clamp(int(std::lround((x[l] + b) / a)), 0, qmax);
+          sq += q, sx += x[l], sqq += q * q, sqx += q * x[l];
+        }
+        const double var = sqq - sq * sq / n;
+        if (var <= 0) break;
+        double na = (sqx - sq * sx / n) / var, off = (sx - na * sq) / n;
+        if (off > 0) off = 0, na = sqx / sqq;  // the offset must be <= 0
+        if (!(na > 0)) break;
+        a = float(na), b = float(-off);
+      }
+    }
+  *a_out = best_a, *b_out = best_b;
+}
+
+// Q4_K (five_bit false) and Q5_K: per sub-block of 32 the affine fit of fit_affine; the scales
+// and mins (-offset) as 6-bit multiples of the super-block's d and dmin.
 void quantize_k45(const float* x, uint8_t* out, int64_t nsb, bool five_bit) {
   const int qmax = five_bit ? 31 : 15;
   const size_t bytes = five_bit ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
@@ -226,9 +274,7 @@ void quantize_k45(const float* x, uint8_t* out, int64_t nsb, bool five_bit) {
     std::memset(out, 0, bytes);
     float scale[8], mn[8], smax = 0.0f, mmax = 0.0f;
     for (int j = 0; j < 8; ++j) {
-      float lo = 0.0f, hi = x[32 * j];
-      for (int l = 0; l < 32; ++l) lo = std::min(lo, x[32 * j + l]), hi = std::max(hi, x[32 * j + l]);
-      scale[j] = (hi - lo) / float(qmax), mn[j] = -lo;
+      fit_affine(x + 32 * j, 32, qmax, &scale[j], &mn[j]);
       smax = std::max(smax, scale[j]), mmax = std::max(mmax, mn[j]);
     }
     const uint16_t dh = fp32_to_fp16(smax / 63.0f), mh = fp32_to_fp16(mmax / 63.0f);
@@ -255,17 +301,49 @@ void quantize_k45(const float* x, uint8_t* out, int64_t nsb, bool five_bit) {
   }
 }
 
-// Q6_K: per sub-block of 16 the value of largest magnitude maps to -32 (as Q4_0's -8); the 16
-// scales as 8-bit multiples of d = max|scale| / 127.
+// The scale s of x ≈ s·q, q in [-32, 31], for n values with the least squared error among
+// candidates that map the value of largest magnitude m to -32 (Q4_0's rule), or to a code up to
+// 8 steps nearer zero (so the others get finer steps), each refined once by least squares on its
+// codes (s = Σqx / Σq²). Our own search; the first candidate is the plain rule.
+float fit_symmetric(const float* x, int n) {
+  float amax = 0.0f, m = 0.0f;
+  for (int l = 0; l < n; ++l)
+    if (std::fabs(x[l]) > amax) amax = std::fabs(x[l]), m = x[l];
+  if (amax == 0.0f) return 0.0f;
+  auto codes_error = [&](float s, double* sqx, double* sqq) {
+    double e = 0;
+    *sqx = *sqq = 0;
+    for (int l = 0; l < n; ++l) {
+      const int q = std::clamp(int(std::lround(x[l] / s)), -32, 31);
+      const double d = double(s) * q - x[l];
+      e += d * d, *sqx += double(q) * x[l], *sqq += double(q) * q;
+    }
+    return e;
+  };
+  float best_s = m / -32.0f;
+  double best = HUGE_VAL;
+  for (int k = 0; k <= 8; ++k) {
+    float s = m / -(32.0f - float(k) * 0.5f);
+    for (int pass = 0; pass < 2; ++pass) {
+      double sqx, sqq;
+      const double e = codes_error(s, &sqx, &sqq);
+      if (e < best) best = e, best_s = s;
+      if (sqq <= 0) break;
+      s = float(sqx / sqq);
+      if (s == 0.0f) break;
+    }
+  }
+  return best_s;
+}
+
+// Q6_K: per sub-block of 16 the scale of fit_symmetric; the 16 scales as 8-bit multiples of
+// d = max|scale| / 127.
 void quantize_q6_k(const float* x, uint8_t* out, int64_t nsb) {
   for (int64_t i = 0; i < nsb; ++i, x += QK_K, out += sizeof(BlockQ6_K)) {
     std::memset(out, 0, sizeof(BlockQ6_K));
     float scale[16], smax = 0.0f;
     for (int j = 0; j < 16; ++j) {
-      float amax = 0.0f, m = 0.0f;
-      for (int l = 0; l < 16; ++l)
-        if (std::fabs(x[16 * j + l]) > amax) amax = std::fabs(x[16 * j + l]), m = x[16 * j + l];
-      scale[j] = m / -32.0f;
+      scale[j] = fit_symmetric(x + 16 * j, 16);
       smax = std::max(smax, std::fabs(scale[j]));
     }
     const uint16_t dh = fp32_to_fp16(smax / 127.0f);

@@ -175,11 +175,12 @@ inline float bf16_to_fp32(uint16_t h) {
 /// Reference quantizers (as in ggml's reference functions): Q8_0 d = max|x|/127, q = round(x/d);
 /// Q4_0 d = m/-8 where m is the x of largest magnitude, q = clamp(trunc(x/d + 8.5), 0, 15);
 /// Q4_1 d = (max-min)/15, m = min, q = clamp(trunc((x-min)/d + 0.5), 0, 15); Q5_0 and Q5_1 as
-/// Q4_0 and Q4_1 with 16 and 31 for 8 and 15. The K-quants use llmq's own simple search (not
-/// llama.cpp's iterative one): per sub-block the range [min(0, x), max x] (Q4_K/Q5_K) or the
-/// value of largest magnitude (Q6_K, as Q4_0), the sub-block scales and mins rounded to 6 (8)
-/// bits against the super-block's largest, then every weight rounded to nearest with the
-/// rounded scales.
+/// Q4_0 and Q4_1 with 16 and 31 for 8 and 15. The K-quants use llmq's own search (not
+/// llama.cpp's): per sub-block the grid of least squared error among clipped ranges of
+/// [min(0, x), max x] (Q4_K/Q5_K, an affine fit) or scales that map the value of largest
+/// magnitude to -32 or nearer zero (Q6_K), each refined by least squares on its codes; the
+/// sub-block scales and mins rounded to 6 (8) bits against the super-block's largest, then
+/// every weight rounded to nearest with the rounded scales.
 /// Throws UsageError if x holds NaN or Inf, or n is not a multiple of the block size.
 void quantize_row(DType t, const float* x, void* dst, int64_t n);
 /// Index of the first weight among n of type t at `src` whose value is not finite (a NaN or
