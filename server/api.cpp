@@ -154,16 +154,20 @@ void parse_tools(const json& j, CompletionRequest& r) {
 }
 
 // /v1/completions' `echo` (the prompt in front of the text; with logprobs it would need the
-// prompt's logprobs, which the scheduler does not compute yet) and `suffix` (fill-in-the-middle,
-// not supported): refused with a 400 where they would otherwise be ignored.
+// prompt's logprobs, which the scheduler does not compute yet: a 400) and `suffix`
+// (fill-in-the-middle, server/infill.h).
 void parse_echo_suffix(const json& j, CompletionRequest& r) {
   if (has(j, "echo")) {
     if (!j["echo"].is_boolean()) bad("'echo' must be a boolean", "echo");
     r.echo = j["echo"].get<bool>();
     if (r.echo && r.top_logprobs >= 0) bad("'echo' with 'logprobs' (prompt logprobs) is not supported yet", "echo");
   }
-  if (has(j, "suffix") && !(j["suffix"].is_string() && j["suffix"].get<std::string>().empty()))
-    bad("'suffix' (fill-in-the-middle) is not supported", "suffix");
+  if (has(j, "suffix") && !j["suffix"].is_null()) {
+    if (!j["suffix"].is_string()) bad("'suffix' must be a string", "suffix");
+    r.suffix = j["suffix"].get<std::string>();
+    if (!r.suffix.empty() && !r.prompt_ids.empty()) bad("'suffix' needs a text prompt, not token ids", "suffix");
+    if (!r.suffix.empty() && r.echo) bad("'echo' with 'suffix' is not supported", "suffix");
+  }
 }
 
 }  // namespace

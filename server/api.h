@@ -34,6 +34,7 @@ struct CompletionRequest {
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
   bool echo = false;                  ///< completions: the prompt text goes in front of the reply
+  std::string suffix;                 ///< completions: text after the gap (fill-in-the-middle); empty: none
   int top_logprobs = -1;              ///< -1: no logprobs
   /// chat: the request's `tools` as a JSON array text (empty: none), checked to be OpenAI's
   /// [{"type": "function", "function": {"name", "description"?, "parameters"?}}]

@@ -269,7 +269,8 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
     s.tokens.push_back(id);
     ++s.generated;
     if (s.generated == 1) s.req->t_first = now_seconds();
-    if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) {
+    const auto& extra = s.req->params.stop_ids;
+    if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end() || std::find(extra.begin(), extra.end(), id) != extra.end()) {
       s.generated -= 1;  // the end-of-turn token is not part of the completion
       finish(s, "stop");
       continue;

@@ -22,6 +22,7 @@ struct GenParams {
   int64_t max_tokens = 16;         ///< most tokens to generate
   SamplerParams sampling;
   std::vector<std::string> stop;   ///< stop strings (not included in the output)
+  std::vector<int32_t> stop_ids;   ///< tokens that end the output besides the model's end of sequence/turn
   int top_logprobs = -1;           ///< -1: no logprobs; 0..20: logprobs with that many alternatives
   /// Constrained decoding (server/structured.h): the tokens it rules out are never sampled;
   /// used by the scheduler's thread only. nullptr: none.

@@ -36,6 +36,7 @@
 #include "mem/infer.h"
 #include "engine/generate.h"
 #include "server/api.h"
+#include "server/infill.h"
 #include "server/tool_calls.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -195,6 +196,11 @@ std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionReques
     for (int32_t id : r.prompt_ids)
       if (id < 0 || id >= int32_t(v.size())) throw ApiError(400, "prompt token id " + std::to_string(id) + " out of range", "prompt");
     ids = r.prompt_ids;
+  } else if (!r.suffix.empty()) {  // fill in the middle
+    check_prompt_bytes(st, r, r.prompt.size() + r.suffix.size(), ctx);
+    const auto fim = find_infill_tokens(v);
+    if (!fim) throw ApiError(400, "'suffix' needs a model trained to fill in the middle; this vocabulary has no FIM tokens", "suffix");
+    ids = infill_prompt(tok, *fim, r.prompt, r.suffix);
   } else {
     check_prompt_bytes(st, r, r.prompt.size(), ctx);
     ids = tok.encode(r.prompt, v.add_bos);
@@ -506,6 +512,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   gp.max_tokens = std::min(r.max_tokens > 0 ? r.max_tokens : (chat ? room : 16), room);
   gp.sampling = r.sampling;
   gp.stop = r.stop;
+  if (!r.suffix.empty()) gp.stop_ids = find_infill_tokens(st.model->vocab)->stops;
   gp.top_logprobs = r.top_logprobs;
   auto g = std::make_shared<GenRequest>(gp);
   const Scheduler::Submit sub = st.scheduler->submit(g);

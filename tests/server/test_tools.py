@@ -150,3 +150,14 @@ def test_builtin_template_refuses_tools(servers, stories_model):
     r = s.post("/v1/chat/completions", {"model": s.model_id, "messages": ASK, "tools": [WEATHER]})
     assert r.status_code == 400
     assert "cannot render tools" in r.json()["error"]["message"]
+
+
+def test_suffix_fills_in_the_middle(client, srv):
+    """/v1/completions with `suffix` on a code model: the prompt is prefix-suffix-middle with the
+    model's own FIM tokens (server/infill.h), so it counts the two texts' tokens plus three."""
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(2, 3))\n"
+    r = client.completions.create(model=srv.model_id, prompt=prefix, suffix=suffix, max_tokens=16, temperature=0)
+    assert r.usage.prompt_tokens == len(srv.tokenize(prefix)) + len(srv.tokenize(suffix)) + 3
+    assert r.choices[0].finish_reason in ("stop", "length")
+    plain = client.completions.create(model=srv.model_id, prompt=prefix, max_tokens=16, temperature=0)
+    assert plain.usage.prompt_tokens == len(srv.tokenize(prefix))
