@@ -11,18 +11,23 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 export BUILD_DIR=${BUILD_DIR:-$repo/build}
 export LLMQ_BIN_DIR=${LLMQ_BIN_DIR:-$BUILD_DIR}
+# LLMQ_SERVER_REQUIREMENTS picks another requirements file of this folder (requirements-clients.txt:
+# the client libraries of test_clients.py, whose pins clash with requirements.txt's openai), each
+# in a venv of its own.
+reqs=${LLMQ_SERVER_REQUIREMENTS:-requirements.txt}
 venv=$BUILD_DIR/tests/server-venv
+[ "$reqs" != requirements.txt ] && venv=$BUILD_DIR/tests/server-venv-${reqs%.txt}
 mkdir -p "$BUILD_DIR/tests"
 
 # One venv build at a time (CTest may start several server tests together).
 exec 9>"$BUILD_DIR/tests/server-venv.lock"
 flock 9
-if ! cmp -s "$here/requirements.txt" "$venv/.requirements.done" 2>/dev/null; then
+if ! cmp -s "$here/$reqs" "$venv/.requirements.done" 2>/dev/null; then
   echo "run.sh: creating $venv" >&2
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/requirements.txt"
-  cp "$here/requirements.txt" "$venv/.requirements.done"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/$reqs"
+  cp "$here/$reqs" "$venv/.requirements.done"
 fi
 flock -u 9
 
