@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <xxhash.h>
+
 #include "engine/cpu/cpu_ops.h"
 #include "base/error.h"
 
@@ -42,6 +44,7 @@ KVCache::KVCache(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens, c
     v_.emplace_back(elems * size_t(kv_elem_bytes(type)));
   }
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
+  ref_.assign(size_t(n_blocks), 0);
 }
 
 void KVCache::store(int64_t layer, int32_t seq, int64_t pos, const float* k, const float* v, int shard) {
@@ -85,20 +88,85 @@ int32_t KVCache::add_sequence() {
 void KVCache::remove_sequence(int32_t seq) {
   if (seq < 0 || size_t(seq) >= seqs_.size() || !seqs_[size_t(seq)].live) return;
   Seq& s = seqs_[size_t(seq)];
-  for (int32_t b : s.blocks) free_.push_back(b);
+  for (int32_t b : s.blocks) release_block(b);
   s = Seq{};
+}
+
+int32_t KVCache::take_block() {
+  int32_t b;
+  if (!free_.empty()) {
+    b = free_.back();
+    free_.pop_back();
+  } else {  // evict the least recently used cached block
+    b = lru_.front();
+    lru_.pop_front();
+    Cached& c = cached_[size_t(b)];
+    by_hash_.erase(c.hash);
+    c = Cached{};
+  }
+  ref_[size_t(b)] = 1;
+  return b;
+}
+
+void KVCache::release_block(int32_t b) {
+  if (--ref_[size_t(b)] > 0) return;
+  ref_[size_t(b)] = 0;  // (a follower's mirrored tables hold no counts)
+  if (prefix_cache_ && cached_[size_t(b)].registered) {
+    cached_[size_t(b)].lru = lru_.insert(lru_.end(), b);  // stays cached until needed
+  } else {
+    free_.push_back(b);
+  }
 }
 
 bool KVCache::reserve(int32_t seq, int64_t n) {
   Seq& s = seqs_.at(size_t(seq));
   const int64_t need = blocks_for(n) - int64_t(s.blocks.size());
   if (need <= 0) return true;
-  if (need > int64_t(free_.size())) return false;
-  for (int64_t i = 0; i < need; ++i) {
-    s.blocks.push_back(free_.back());
-    free_.pop_back();
-  }
+  if (need > free_blocks()) return false;
+  for (int64_t i = 0; i < need; ++i) s.blocks.push_back(take_block());
   return true;
+}
+
+uint64_t KVCache::chain_hash(uint64_t parent, const int32_t* tokens) const {
+  return XXH64(tokens, size_t(bt_) * sizeof(int32_t), parent ^ 0x9e3779b97f4a7c15ull);
+}
+
+int64_t KVCache::attach_prefix(int32_t seq, const int32_t* tokens, int64_t n) {
+  Seq& s = seqs_.at(size_t(seq));
+  if (!prefix_cache_ || !s.blocks.empty() || s.length != 0) return 0;
+  uint64_t parent = 0;
+  for (int64_t i = 0; (i + 1) * bt_ <= n - 1; ++i) {  // whole blocks, and at least one token left
+    const int32_t* t = tokens + i * bt_;
+    const uint64_t h = chain_hash(parent, t);
+    auto it = by_hash_.find(h);
+    if (it == by_hash_.end()) break;
+    Cached& c = cached_[size_t(it->second)];
+    if (c.parent != parent || !std::equal(c.tokens.begin(), c.tokens.end(), t)) break;  // a hash collision
+    if (ref_[size_t(it->second)]++ == 0) lru_.erase(c.lru);
+    s.blocks.push_back(it->second);
+    parent = h;
+  }
+  s.length = int64_t(s.blocks.size()) * bt_;
+  s.hashed = int64_t(s.blocks.size()), s.chain = parent;
+  return s.length;
+}
+
+void KVCache::register_prefix(int32_t seq, const int32_t* tokens, int64_t n) {
+  Seq& s = seqs_.at(size_t(seq));
+  if (!prefix_cache_) return;
+  if (cached_.size() != size_t(n_blocks_)) cached_.resize(size_t(n_blocks_));
+  for (; (s.hashed + 1) * bt_ <= std::min(n, s.length) && s.hashed < int64_t(s.blocks.size()); ++s.hashed) {
+    const int32_t* t = tokens + s.hashed * bt_;
+    const uint64_t h = chain_hash(s.chain, t);
+    const int32_t b = s.blocks[size_t(s.hashed)];
+    Cached& c = cached_[size_t(b)];
+    if (!c.registered && !by_hash_.count(h)) {  // the first block with these contents is the one kept
+      c.registered = true, c.hash = h, c.parent = s.chain;
+      c.tokens.assign(t, t + bt_);
+      by_hash_[h] = b;
+    }
+    s.chain = h;
+  }
 }
 
 void KVCache::set_length(int32_t seq, int64_t n) {
@@ -113,8 +181,19 @@ void KVCache::truncate(int32_t seq, int64_t n) {
   if (n < s.length) s.length = n;
   const int64_t keep = blocks_for(s.length);
   while (int64_t(s.blocks.size()) > keep) {
-    free_.push_back(s.blocks.back());
+    release_block(s.blocks.back());
     s.blocks.pop_back();
+  }
+  if (prefix_cache_ && s.hashed * bt_ > s.length) {  // the kept part of a block may be rewritten: forget it
+    if (s.length % bt_ != 0 && !s.blocks.empty()) {
+      const int32_t b = s.blocks.back();
+      if (ref_[size_t(b)] > 1) throw UsageError("KV cache: truncating inside a block other sequences share");
+      if (size_t(b) < cached_.size() && cached_[size_t(b)].registered) {
+        by_hash_.erase(cached_[size_t(b)].hash);
+        cached_[size_t(b)] = Cached{};
+      }
+    }
+    s.hashed = 0, s.chain = 0;  // the chain is hashed again from the start at the next registration
   }
 }
 

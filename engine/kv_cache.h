@@ -5,7 +5,9 @@
 // it has, and a finished sequence returns its blocks at once.
 #pragma once
 #include <cstdint>
+#include <list>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "base/buffer.h"
@@ -54,7 +56,7 @@ class KVCache {
 
   int64_t block_tokens() const { return bt_; }
   int64_t n_blocks() const { return n_blocks_; }
-  int64_t free_blocks() const { return int64_t(free_.size()); }
+  int64_t free_blocks() const { return int64_t(free_.size() + lru_.size()); }
   /// Bytes of the K and V pools (all ranks).
   uint64_t bytes() const;
   /// Bytes of rank r's K and V pools.
@@ -83,6 +85,28 @@ class KVCache {
   /// pass). A follower never allocates, so its free list is not kept. Throws UsageError for a
   /// block id outside the pool or a length beyond the blocks.
   void mirror(int32_t seq, const int32_t* blocks, int64_t n_blocks, int64_t length);
+  // ---- automatic prefix caching (vLLM's, Kwon et al. 2023, section 4.4 and the vLLM v1
+  // design): a full block whose K and V came from a known run of tokens is registered under
+  // the chain hash of all the tokens up to its end; a new sequence whose prompt starts with
+  // the same tokens takes those blocks (shared, read-only: a sequence writes only past its
+  // length) instead of computing them again. A registered block nobody holds stays cached and
+  // is evicted least recently used when a sequence needs a free block; free_blocks() counts it.
+
+  /// Turns prefix caching on (off by default: sessions truncate and rewrite their blocks).
+  void enable_prefix_cache() { prefix_cache_ = true; }
+  bool prefix_cache() const { return prefix_cache_; }
+  /// Gives the new, empty sequence seq the cached blocks that hold the longest prefix of
+  /// tokens [n] made of whole blocks, leaving at least one token to compute (its logits are
+  /// needed); sets its length and returns the positions it holds (0 without a match or with
+  /// prefix caching off). Tokens and the chain of hashes are both compared: never a wrong block.
+  int64_t attach_prefix(int32_t seq, const int32_t* tokens, int64_t n);
+  /// Registers seq's full blocks among its first n positions, whose K and V came from
+  /// tokens [n], so later sequences can attach them. Blocks already registered are skipped.
+  void register_prefix(int32_t seq, const int32_t* tokens, int64_t n);
+  /// Blocks registered (held or cached) and cached ones nobody holds.
+  int64_t prefix_blocks() const { return int64_t(by_hash_.size()); }
+  int64_t evictable_blocks() const { return int64_t(lru_.size()); }
+
   /// The block table of seq: block i holds positions [i · block_tokens, (i + 1) · block_tokens).
   const std::vector<int32_t>& blocks(int32_t seq) const { return seqs_.at(size_t(seq)).blocks; }
   /// Positions seq can hold without reserving more.
@@ -118,7 +142,19 @@ class KVCache {
     bool live = false;
     int64_t length = 0;
     std::vector<int32_t> blocks;  // block table: block i holds positions [i*bt, (i+1)*bt)
+    int64_t hashed = 0;           // prefix caching: leading blocks whose chain hash is known
+    uint64_t chain = 0;           // the chain hash through block hashed - 1
   };
+  // A registered block: the chain hash of the tokens through it, its parent's, and its tokens.
+  struct Cached {
+    bool registered = false;
+    uint64_t hash = 0, parent = 0;
+    std::vector<int32_t> tokens;
+    std::list<int32_t>::iterator lru;  // its place in lru_ while nobody holds it
+  };
+  int32_t take_block();          // a free block, else the least recently used cached one
+  void release_block(int32_t b);  // a sequence lets go of b
+  uint64_t chain_hash(uint64_t parent, const int32_t* tokens) const;
   KVCache(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens, const std::vector<int64_t>& shard_kv_dims, KvType type,
           bool allocate);
   size_t offset(int64_t layer, int64_t kv_head, int32_t block, int shard) const {
@@ -131,6 +167,11 @@ class KVCache {
   std::vector<HugeBuffer> k_, v_;  // [shards] [n_layers, kv_heads(shard), n_blocks, block] f32 or bf16
   std::vector<int32_t> free_;    // free block ids
   std::vector<Seq> seqs_;
+  bool prefix_cache_ = false;
+  std::vector<int32_t> ref_;                     // [n_blocks] sequences holding each block
+  std::vector<Cached> cached_;                   // [n_blocks] (prefix caching only)
+  std::unordered_map<uint64_t, int32_t> by_hash_;  // chain hash -> registered block
+  std::list<int32_t> lru_;                       // registered blocks nobody holds, oldest first
 };
 
 }  // namespace llmq

@@ -51,8 +51,8 @@ void Metrics::count_request(const std::string& endpoint, int status) {
   ++requests[std::string(endpoint_label(endpoint)) + "|" + code];
 }
 
-std::string Metrics::render(int64_t queued, int64_t running, int64_t kv_used, int64_t kv_total, int64_t constrained_tokens,
-                            double constraint_seconds) {
+std::string Metrics::render(const SchedulerStats& s) {
+  const int64_t queued = s.queued, running = s.running, kv_used = s.kv_blocks_used, kv_total = s.kv_blocks_total;
   std::string out = "# HELP llmq_requests_total HTTP requests by endpoint and status.\n# TYPE llmq_requests_total counter\n";
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -74,9 +74,13 @@ std::string Metrics::render(int64_t queued, int64_t running, int64_t kv_used, in
   gauge("llmq_kv_cache_usage_ratio", "gauge", "Fraction of the KV cache in use.",
         num(kv_total ? double(kv_used) / double(kv_total) : 0.0));
   gauge("llmq_constrained_tokens_total", "counter", "Tokens sampled under a structured-output constraint.",
-        std::to_string(constrained_tokens));
+        std::to_string(s.constrained_tokens));
   gauge("llmq_constraint_seconds_total", "counter", "Time spent filling constraint masks and accepting tokens.",
-        num(constraint_seconds));
+        num(s.constraint_seconds));
+  gauge("llmq_prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose KV blocks came from the prefix cache.",
+        std::to_string(s.cached_prompt_tokens));
+  gauge("llmq_prefix_cache_blocks", "gauge", "KV blocks registered in the prefix cache (in use or kept for reuse).",
+        std::to_string(s.prefix_blocks));
   out += ttft.render("llmq_time_to_first_token_seconds", "Time from request to first token.");
   out += tpot.render("llmq_time_per_output_token_seconds", "Mean time per generated token after the first, per request.");
   return out;

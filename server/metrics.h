@@ -1,5 +1,6 @@
 // Prometheus text-format metrics for llmq-server (exposition format 0.0.4).
 #pragma once
+#include "server/scheduler.h"
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -37,8 +38,9 @@ struct Metrics {
   /// "other" and statuses outside 100-599 as "other", so the label values are a fixed set.
   void count_request(const std::string& endpoint, int status);
   /// The whole exposition, with the scheduler's gauges passed in.
-  std::string render(int64_t queued, int64_t running, int64_t kv_used, int64_t kv_total, int64_t constrained_tokens = 0,
-                     double constraint_seconds = 0);
+  /// The Prometheus text: these counters and the scheduler's (queue, sequences, KV cache,
+  /// prefix cache, constrained decoding).
+  std::string render(const SchedulerStats& s);
 };
 
 /// The label value of an endpoint: one of the server's routes, or "other".

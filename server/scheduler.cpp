@@ -83,6 +83,7 @@ Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOption
       opt_(opt),
       cache_(run_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
                             opt.kv_type)) {
+  if (opt.prefix_cache) cache_.enable_prefix_cache();
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -92,6 +93,7 @@ Scheduler::Scheduler(BatchRunner& runner, const SchedulerOptions& opt)
       opt_(opt),
       cache_(run_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
                             opt.kv_type)) {
+  if (opt.prefix_cache) cache_.enable_prefix_cache();
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -127,6 +129,8 @@ SchedulerStats Scheduler::stats() const {
   s.running = running_;
   s.kv_blocks_used = kv_used_;
   s.kv_blocks_total = cache_.n_blocks();
+  s.cached_prompt_tokens = cached_tokens_;
+  s.prefix_blocks = prefix_blocks_;
   s.constrained_tokens = constrained_tokens_;
   s.constraint_seconds = double(constraint_ns_) * 1e-9;
   return s;
@@ -181,6 +185,11 @@ void Scheduler::loop() {
         auto s = std::make_unique<Seq>(r->params.sampling);
         s->req = r;
         s->kv = cache_.add_sequence();
+        // A cached prefix (whole blocks) is taken as it is; then the rest is reserved (the check
+        // above counted every block, so this cannot fail).
+        s->fed = size_t(cache_.attach_prefix(s->kv, r->params.prompt.data(), int64_t(r->params.prompt.size())));
+        r->cached_tokens = int64_t(s->fed);
+        cached_tokens_ += r->cached_tokens;
         cache_.reserve(s->kv, want);
         s->tokens = r->params.prompt;
         s->prev = s->tokens.back();  // the first piece continues the prompt: keep its leading space
@@ -240,7 +249,11 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
     }
   if (batch.empty()) return;
   const float* logits = run_.forward(cache_, batch.data(), int64_t(batch.size()));
-  for (auto& [s, n] : fed) s->fed += size_t(n);
+  for (auto& [s, n] : fed) {
+    s->fed += size_t(n);
+    cache_.register_prefix(s->kv, s->tokens.data(), int64_t(s->fed));  // its full blocks, for later prompts
+  }
+  prefix_blocks_ = cache_.prefix_blocks();
 
   const Tokenizer& tok = *m_.tokenizer;
   const int64_t V = m_.config.vocab_size;

@@ -60,6 +60,7 @@ class GenRequest {
   // Filled in by the scheduler; read after wait() returned false.
   std::string finish_reason;  ///< "stop" or "length" (or "cancelled")
   int64_t prompt_tokens = 0, completion_tokens = 0;
+  int64_t cached_tokens = 0;  ///< prompt tokens whose KV came from the prefix cache
   double t_submit = 0, t_first = 0, t_done = 0;  ///< seconds (steady clock)
 
  private:
@@ -79,11 +80,14 @@ struct SchedulerOptions {
   int64_t n_batch = 512;    ///< most tokens in one forward pass
   int64_t kv_tokens = 0;    ///< KV-cache size in tokens over all sequences (0: server_kv_tokens() in engine/mem_plan.h)
   KvType kv_type = KvType::F32;  ///< KV-cache element type (engine/kv_cache.h)
+  bool prefix_cache = true;      ///< reuse the KV blocks of prompt prefixes seen before (KVCache::attach_prefix)
 };
 
 /// Counters for /metrics, read without stopping the loop.
 struct SchedulerStats {
   int64_t queued = 0, running = 0, kv_blocks_used = 0, kv_blocks_total = 0;
+  int64_t cached_prompt_tokens = 0;  ///< prompt tokens served from the prefix cache
+  int64_t prefix_blocks = 0;         ///< KV blocks registered in the prefix cache (held or kept)
   int64_t constrained_tokens = 0;  ///< tokens sampled under a constraint (structured outputs)
   double constraint_seconds = 0;   ///< time spent on their masks (fill, apply in the sampler, accept)
 };
@@ -126,7 +130,7 @@ class Scheduler {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<GenRequest>> queue_;
-  std::atomic<int64_t> running_{0}, kv_used_{0}, constrained_tokens_{0}, constraint_ns_{0};
+  std::atomic<int64_t> running_{0}, kv_used_{0}, constrained_tokens_{0}, constraint_ns_{0}, cached_tokens_{0}, prefix_blocks_{0};
   bool stop_ = false;
   std::thread thread_;
 };

@@ -223,7 +223,8 @@ struct Reply {
   json usage() const {
     return json{{"prompt_tokens", g->prompt_tokens},
                 {"completion_tokens", g->completion_tokens},
-                {"total_tokens", g->prompt_tokens + g->completion_tokens}};
+                {"total_tokens", g->prompt_tokens + g->completion_tokens},
+                {"prompt_tokens_details", {{"cached_tokens", g->cached_tokens}}}};
   }
   void record(int status) const {
     st.metrics.count_request(endpoint, status);
@@ -620,6 +621,9 @@ int main(int argc, char** argv) {
                  "with an error; a second signal stops at once")
       ->check(CLI::Range(0.0, 3600.0));
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
+  bool no_prefix_cache = false;
+  app.add_flag("--no-prefix-cache", no_prefix_cache,
+               "compute every prompt afresh (by default the KV blocks of prompt prefixes seen before are reused)");
   bool fit = false;
   std::string mem_budget;
   app.add_flag("--fit", fit,
@@ -805,7 +809,7 @@ int main(int argc, char** argv) {
     svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
       SchedulerStats s;
       if (st->ready) s = st->scheduler->stats();
-      res.set_content(st->metrics.render(s.queued, s.running, s.kv_blocks_used, s.kv_blocks_total, s.constrained_tokens, s.constraint_seconds), "text/plain; version=0.0.4");
+      res.set_content(st->metrics.render(s), "text/plain; version=0.0.4");
     });
 
     if (!svr.bind_to_port(host, port))
@@ -832,6 +836,7 @@ int main(int argc, char** argv) {
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
         so.kv_type = ro.kv_type;  // the CPU's pools (partial offload: f32)
+        so.prefix_cache = !no_prefix_cache;
         st->scheduler = std::make_unique<Scheduler>(st->runner->batch(), so);
         st->structured = std::make_unique<StructuredOutputs>(*st->model->tokenizer, default_stop_ids(st->model->vocab));
         st->ready = true;

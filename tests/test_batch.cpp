@@ -139,9 +139,104 @@ TEST_CASE("metrics: request labels are the server's routes or \"other\", never a
   m.count_request("/v1/completions", 200);
   m.count_request("/v1/completions", 1234);
   CHECK(m.requests.size() == 3);
-  const std::string out = m.render(0, 0, 0, 1);
+  SchedulerStats st;
+  st.kv_blocks_total = 1;
+  const std::string out = m.render(st);
   CHECK(out.find("evil") == std::string::npos);
   CHECK(out.find("llmq_requests_total{endpoint=\"other\",status=\"401\"} 1000") != std::string::npos);
   CHECK(out.find("llmq_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1") != std::string::npos);
   CHECK(out.find("llmq_requests_total{endpoint=\"/v1/completions\",status=\"other\"} 1") != std::string::npos);
+}
+
+TEST_CASE("prefix cache: whole blocks of a seen prefix are shared, counted, kept and evicted LRU", "[batch]") {
+  ModelConfig c;
+  c.dim = 8, c.hidden_dim = 8, c.n_layers = 1, c.n_heads = 2, c.n_kv_heads = 1, c.head_dim = 4;
+  c.vocab_size = 100, c.context_length = 64;
+  KVCache kv(c, 6, 4);
+  kv.enable_prefix_cache();
+  const std::vector<int32_t> p = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // 2 whole blocks + 2 tokens
+  const int32_t a = kv.add_sequence();
+  CHECK(kv.attach_prefix(a, p.data(), 10) == 0);  // nothing cached yet
+  REQUIRE(kv.reserve(a, 10));
+  kv.set_length(a, 10);
+  kv.register_prefix(a, p.data(), 10);
+  CHECK(kv.prefix_blocks() == 2);  // the partial third block is not registered
+  // A second sequence with the same prompt shares both blocks; one with a different second
+  // block shares only the first; one token short of two blocks leaves the last block to compute.
+  const int32_t b = kv.add_sequence();
+  CHECK(kv.attach_prefix(b, p.data(), 10) == 8);
+  CHECK(kv.blocks(b) == std::vector<int32_t>(kv.blocks(a).begin(), kv.blocks(a).begin() + 2));
+  std::vector<int32_t> q = p;
+  q[5] = 99;
+  const int32_t d = kv.add_sequence();
+  CHECK(kv.attach_prefix(d, q.data(), 10) == 4);
+  const int32_t e = kv.add_sequence();
+  CHECK(kv.attach_prefix(e, p.data(), 8) == 4);  // 8 tokens: the last one must be computed
+  kv.remove_sequence(b), kv.remove_sequence(d), kv.remove_sequence(e);
+  CHECK(kv.free_blocks() == 3);  // a holds 3 of 6
+  // When a goes, its registered blocks stay cached (evictable, counted free) and are found again.
+  kv.remove_sequence(a);
+  CHECK(kv.free_blocks() == 6);
+  CHECK(kv.evictable_blocks() == 2);
+  const int32_t f = kv.add_sequence();
+  CHECK(kv.attach_prefix(f, p.data(), 10) == 8);
+  CHECK(kv.evictable_blocks() == 0);
+  kv.remove_sequence(f);
+  // Needing every block evicts the cached ones; the prefix is gone afterwards, never wrong.
+  const int32_t g = kv.add_sequence();
+  REQUIRE(kv.reserve(g, 24));
+  CHECK(kv.prefix_blocks() == 0);
+  kv.remove_sequence(g);
+  const int32_t h = kv.add_sequence();
+  CHECK(kv.attach_prefix(h, p.data(), 10) == 0);
+  // Off (the default): nothing is attached.
+  KVCache plain(c, 6, 4);
+  const int32_t x = plain.add_sequence();
+  REQUIRE(plain.reserve(x, 10));
+  plain.set_length(x, 10);
+  plain.register_prefix(x, p.data(), 10);
+  CHECK(plain.attach_prefix(plain.add_sequence(), p.data(), 10) == 0);
+}
+
+// Requests that share a long prompt prefix: with the prefix cache the later ones start from the
+// cached blocks and give the same greedy tokens as without it (and as each run alone).
+TEST_CASE("scheduler prefix cache: same greedy output with the cache on and off, cached tokens counted", "[batch][model]") {
+  auto m = Model::load(test::stories("q8_0"));
+  ThreadPool pool(2);
+  std::vector<int32_t> system = {1};
+  for (int i = 0; i < 70; ++i) system.push_back(int32_t(20 + (i * 37) % 400));
+  std::vector<std::vector<int32_t>> prompts;
+  for (int32_t tail : {11, 222, 333, 11}) {
+    prompts.push_back(system);
+    prompts.back().push_back(tail);
+  }
+  auto run = [&](bool cache, std::vector<int64_t>* cached) {
+    SchedulerOptions so;
+    so.parallel = 2, so.ctx = 128, so.n_batch = 32, so.prefix_cache = cache;
+    Scheduler sched(*m, pool, so);
+    std::vector<std::vector<int32_t>> outs;
+    for (const auto& p : prompts) {  // one after the other: each finds the previous ones' blocks
+      GenParams g;
+      g.prompt = p;
+      g.max_tokens = 10;
+      g.sampling.temperature = 0;
+      auto r = std::make_shared<GenRequest>(g);
+      REQUIRE(sched.submit(r) == Scheduler::Submit::Ok);
+      std::vector<int32_t> got;
+      std::vector<GenEvent> ev;
+      while (r->wait(&ev, 10000)) {}
+      for (const GenEvent& e : ev)
+        for (const TokenInfo& t : e.tokens) got.push_back(t.id);
+      outs.push_back(got);
+      cached->push_back(r->cached_tokens);
+    }
+    return outs;
+  };
+  std::vector<int64_t> with_cache, without;
+  const auto on = run(true, &with_cache), off = run(false, &without);
+  CHECK(on == off);
+  CHECK(on[0] == on[3]);
+  CHECK(with_cache[0] == 0);
+  for (size_t i = 1; i < prompts.size(); ++i) CHECK(with_cache[i] == 64);  // 4 whole blocks of 16 of the 71 shared tokens
+  for (int64_t n : without) CHECK(n == 0);
 }
