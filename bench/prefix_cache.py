@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Time to first token with and without the prefix cache (issue 21, item 5): llmq-server on
+MODEL, a long shared system prompt (about 1,500 tokens), then a second request with the same
+system prompt and another question. Prints one JSON line: prompt tokens, cached tokens and
+TTFT cold and warm (max_tokens 1, so the time is the prefill), and their ratio; the same again
+with --no-prefix-cache as the control.
+
+    bench/prefix_cache.py MODEL.llmq [THREADS=2]
+"""
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = " ".join(f"Rule {i}: answer politely, briefly and truthfully about topic number {i}." for i in range(78))
+
+
+def post(base, body):
+    req = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.time()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return time.time() - t0, json.load(r)
+
+
+def measure(model, threads, extra):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = subprocess.Popen([str(ROOT / "build/llmq-server"), "-m", model, "--port", str(port), "-t", threads] + extra,
+                           stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(base + "/health").status == 200:
+                    break
+            except Exception:
+                time.sleep(0.5)
+        ask = lambda q: post(base, {"max_tokens": 1, "temperature": 0,
+                                    "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]})
+        cold, a = ask("Hello!")
+        warm, b = ask("Good morning!")
+        return {"prompt_tokens": b["usage"]["prompt_tokens"],
+                "cached_tokens": b["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                "ttft_cold_s": round(cold, 4), "ttft_warm_s": round(warm, 4), "speedup": round(cold / warm, 1)}
+    finally:
+        srv.terminate()
+        srv.wait()
+
+
+def main():
+    model, threads = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "2"
+    print(json.dumps({"model": Path(model).name, "threads": int(threads), "prefix_cache": measure(model, threads, []),
+                      "no_prefix_cache": measure(model, threads, ["--no-prefix-cache"])}))
+
+
+if __name__ == "__main__":
+    main()
