@@ -836,7 +836,8 @@ int main(int argc, char** argv) {
         so.kv_tokens = kv_tokens;
         so.n_batch = n_batch;
         so.kv_type = ro.kv_type;  // the CPU's pools (partial offload: f32)
-        so.prefix_cache = !no_prefix_cache;
+        // The GPU's paged attention has not yet run with shared blocks on a real device: the CPU only.
+        so.prefix_cache = !no_prefix_cache && !gpu;
         st->scheduler = std::make_unique<Scheduler>(st->runner->batch(), so);
         st->structured = std::make_unique<StructuredOutputs>(*st->model->tokenizer, default_stop_ids(st->model->vocab));
         st->ready = true;
