@@ -623,7 +623,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
   bool no_prefix_cache = false;
   app.add_flag("--no-prefix-cache", no_prefix_cache,
-               "compute every prompt afresh (by default the KV blocks of prompt prefixes seen before are reused)");
+               "compute every prompt afresh (by default, on the CPU, the KV blocks of prompt prefixes seen before are reused)");
   bool fit = false;
   std::string mem_budget;
   app.add_flag("--fit", fit,
