@@ -154,7 +154,6 @@ int64_t KVCache::attach_prefix(int32_t seq, const int32_t* tokens, int64_t n) {
 void KVCache::register_prefix(int32_t seq, const int32_t* tokens, int64_t n) {
   Seq& s = seqs_.at(size_t(seq));
   if (!prefix_cache_) return;
-  if (cached_.size() != size_t(n_blocks_)) cached_.resize(size_t(n_blocks_));
   for (; (s.hashed + 1) * bt_ <= std::min(n, s.length) && s.hashed < int64_t(s.blocks.size()); ++s.hashed) {
     const int32_t* t = tokens + s.hashed * bt_;
     const uint64_t h = chain_hash(s.chain, t);
@@ -188,7 +187,7 @@ void KVCache::truncate(int32_t seq, int64_t n) {
     if (s.length % bt_ != 0 && !s.blocks.empty()) {
       const int32_t b = s.blocks.back();
       if (ref_[size_t(b)] > 1) throw UsageError("KV cache: truncating inside a block other sequences share");
-      if (size_t(b) < cached_.size() && cached_[size_t(b)].registered) {
+      if (cached_[size_t(b)].registered) {
         by_hash_.erase(cached_[size_t(b)].hash);
         cached_[size_t(b)] = Cached{};
       }

@@ -93,7 +93,10 @@ class KVCache {
   // is evicted least recently used when a sequence needs a free block; free_blocks() counts it.
 
   /// Turns prefix caching on (off by default: sessions truncate and rewrite their blocks).
-  void enable_prefix_cache() { prefix_cache_ = true; }
+  void enable_prefix_cache() {
+    prefix_cache_ = true;
+    cached_.resize(size_t(n_blocks_));
+  }
   bool prefix_cache() const { return prefix_cache_; }
   /// Gives the new, empty sequence seq the cached blocks that hold the longest prefix of
   /// tokens [n] made of whole blocks, leaving at least one token to compute (its logits are

@@ -189,6 +189,15 @@ TEST_CASE("prefix cache: whole blocks of a seen prefix are shared, counted, kept
   kv.remove_sequence(g);
   const int32_t h = kv.add_sequence();
   CHECK(kv.attach_prefix(h, p.data(), 10) == 0);
+  // A sequence removed before anything was registered (a request cancelled while queued for
+  // its first pass) just frees its blocks.
+  KVCache fresh(c, 6, 4);
+  fresh.enable_prefix_cache();
+  const int32_t y = fresh.add_sequence();
+  REQUIRE(fresh.reserve(y, 10));
+  fresh.remove_sequence(y);
+  CHECK(fresh.free_blocks() == 6);
+  CHECK(fresh.evictable_blocks() == 0);
   // Off (the default): nothing is attached.
   KVCache plain(c, 6, 4);
   const int32_t x = plain.add_sequence();
