@@ -119,7 +119,7 @@ def gguf(kv, tensors, align=32):
         t, enc = gval(v)
         out += gstr(k) + struct.pack("<I", t) + enc
     data = b""
-    for name, shape, ty in tensors:  # shape outermost first
+    for name, shape, ty, *given in tensors:  # shape outermost first; optionally the tensor's bytes
         blk, nb = GGUF_BLOCK[ty]
         ne = list(reversed(shape))
         n = ne[0] // blk * nb
@@ -129,7 +129,9 @@ def gguf(kv, tensors, align=32):
             data += b"\0"
         out += gstr(name) + struct.pack("<I", len(ne)) + struct.pack("<%dQ" % len(ne), *ne)
         out += struct.pack("<IQ", ty, len(data))
-        if ty == 0:
+        if given:
+            data += given[0]
+        elif ty == 0:
             data += floats(n // 4, 0.5)
         else:  # bytes below 0x30: every f16/bf16 scale or weight stays small and finite
             data += bytes(rng.randrange(0x30) for _ in range(n))
@@ -165,6 +167,32 @@ def gguf_llama(types, layers=1, dim=32, hidden=32, vocab=8, tied=True, extra_kv=
     if not tied:
         t.append(("output.weight", [vocab, dim], types["emb"]))
     return gguf(kv, t)
+
+
+def gguf_arch(arch, fused=False, qk_norm=False, extra_kv=None, extra_tensors=()):
+    """A tiny F32 model of `arch` (dim 32, 2 heads of 16, 1 KV head, hidden 32, vocabulary 8) as
+    llama.cpp lays it out: with `fused`, attn_qkv and a gate+up ffn_up (Phi-3)."""
+    kv = {"general.architecture": arch, "general.alignment": 32,
+          arch + ".embedding_length": 32, arch + ".feed_forward_length": 32, arch + ".block_count": 1,
+          arch + ".attention.head_count": 2, arch + ".attention.head_count_kv": 1, arch + ".context_length": 16,
+          arch + ".attention.layer_norm_rms_epsilon": 1e-5, arch + ".rope.freq_base": 10000.0,
+          "tokenizer.ggml.model": "llama",
+          "tokenizer.ggml.tokens": ("str", ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "ab", "\u2581a"]),
+          "tokenizer.ggml.scores": ("f32", [-float(i) for i in range(8)]),
+          "tokenizer.ggml.token_type": ("i32", [2, 3, 3, 1, 1, 1, 1, 1]),
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    kv.update(extra_kv or {})
+    p = "blk.0."
+    t = [("token_embd.weight", [8, 32], 0), (p + "attn_norm.weight", [32], 0)]
+    t += [(p + "attn_qkv.weight", [64, 32], 0)] if fused else [
+        (p + "attn_q.weight", [32, 32], 0), (p + "attn_k.weight", [16, 32], 0), (p + "attn_v.weight", [16, 32], 0)]
+    if qk_norm:
+        t += [(p + "attn_q_norm.weight", [16], 0), (p + "attn_k_norm.weight", [16], 0)]
+    t += [(p + "attn_output.weight", [32, 32], 0), (p + "ffn_norm.weight", [32], 0)]
+    t += [(p + "ffn_up.weight", [64, 32], 0)] if fused else [
+        (p + "ffn_gate.weight", [32, 32], 0), (p + "ffn_up.weight", [32, 32], 0)]
+    t += [(p + "ffn_down.weight", [32, 32], 0), ("output_norm.weight", [32], 0)]
+    return gguf(kv, t + list(extra_tensors))
 
 
 def gguf_bpe_vocab():
@@ -286,6 +314,54 @@ def main():
     for i, (chat, b) in enumerate(bodies):
         put("server_request", "body-%d" % i, bytes([chat]) + json.dumps(b).encode())
     put("server_request", "malformed", b"\x01{\"messages\": [")
+
+    # Added later, at the end so the seeds above keep their bytes (one random stream):
+    # architectures beyond llama in GGUF (phi3's fused qkv and gate+up with LongRoPE factor
+    # tensors, llama 3.1's rope_freqs, qwen3's QK-norm) and requests with structured outputs,
+    # forced tool calls and fill-in-the-middle.
+    put("gguf", "phi3-fused-longrope", gguf_arch("phi3", fused=True, extra_kv={
+        "phi3.rope.scaling.original_context_length": 8, "phi3.rope.scaling.attn_factor": 1.1,
+        "phi3.attention.sliding_window": 4},
+        extra_tensors=[("rope_factors_long.weight", [8], 0, struct.pack("<8f", *[1.0 + 2 * i for i in range(8)])),
+                       ("rope_factors_short.weight", [8], 0, struct.pack("<8f", *[1.0 + 0.1 * i for i in range(8)]))]))
+    put("gguf", "llama-rope-freqs", gguf_arch("llama", extra_tensors=[
+        ("rope_freqs.weight", [8], 0, struct.pack("<8f", 1, 1, 1, 1.5, 3, 6, 8, 8))]))
+    put("gguf", "qwen3-qk-norm", gguf_arch("qwen3", qk_norm=True))
+    more = [
+        (1, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+            "name": "p", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+        (1, {"messages": [{"role": "user", "content": "x"}], "grammar": "root ::= \"yes\" | \"no\""}),
+        (1, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+             "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+        (0, {"prompt": "def f(x):", "suffix": "\n    return y\n", "max_tokens": 8}),
+    ]
+    for i, (chat, b) in enumerate(more):
+        put("server_request", "body-format-%d" % i, bytes([chat]) + json.dumps(b).encode())
+
+    # structured_output: kind byte (0 schema, 1 grammar, 2 schema in tool-call tags, 3 json_object;
+    # +4 strict) + the schema or grammar text.
+    seeds = {
+        "schema_person": (0 | 4, json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                                          "age": {"type": "integer", "minimum": 0}},
+                                             "required": ["name", "age"], "additionalProperties": False})),
+        "schema_nested": (0, json.dumps({"type": "object", "properties": {
+            "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"enum": ["a", "b", 1, None]}},
+            "n": {"type": "number"}, "ok": {"type": "boolean"}}})),
+        "schema_anyof_ref": (0, json.dumps({"$defs": {"p": {"type": "string", "pattern": "^[a-z]{1,4}$"}},
+                                            "anyOf": [{"$ref": "#/$defs/p"}, {"type": "integer", "maximum": 9}]})),
+        "schema_bad_type": (0, json.dumps({"type": "wat"})),
+        "schema_not_json": (0, '{"type": "object",'),
+        "grammar_yes_no": (1, 'root ::= ("yes" | "no") ", " [a-z ]+ "."'),
+        "grammar_recursive": (1, 'root ::= item ("," item)*\nitem ::= [0-9]+ | "(" root ")"'),
+        "grammar_undefined": (1, "root ::= missing"),
+        "tool_call": (2, json.dumps({"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+                                     "required": ["name", "arguments"]})),
+        "json_object": (3, ""),
+    }
+    for name, (kind, text) in seeds.items():
+        put("structured_output", name, bytes([kind]) + text.encode())
 
 
 if __name__ == "__main__":
