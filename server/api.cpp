@@ -85,12 +85,46 @@ ChatMessage parse_message(const json& m, size_t i) {
   return msg;
 }
 
+// /v1/completions' `prompt`: a string, token ids, or a list of either (a batch: one choice per
+// prompt and n).
+void parse_prompts(const json& p, CompletionRequest& r) {
+  auto ids_of = [](const json& a) {
+    std::vector<int32_t> ids;
+    for (const json& t : a) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+        bad("'prompt' token arrays must hold token ids (integers from 0)", "prompt");
+      ids.push_back(t.get<int32_t>());
+    }
+    return ids;
+  };
+  if (p.is_string()) {
+    r.prompt = p.get<std::string>();
+  } else if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
+    r.prompt_ids = ids_of(p);
+  } else if (p.is_array() && !p.empty() && p.size() <= size_t(kMaxChoices) && p[0].is_string()) {
+    for (const json& x : p)
+      if (!x.is_string()) bad("a list of prompts must hold only strings (or only token arrays)", "prompt");
+    r.prompt = p[0].get<std::string>();
+    for (size_t i = 1; i < p.size(); ++i) r.more_prompts.push_back(p[i].get<std::string>());
+  } else if (p.is_array() && !p.empty() && p.size() <= size_t(kMaxChoices) && p[0].is_array()) {
+    for (const json& x : p)
+      if (!x.is_array() || x.empty()) bad("a list of token arrays must hold only non-empty arrays of token ids", "prompt");
+    r.prompt_ids = ids_of(p[0]);
+    for (size_t i = 1; i < p.size(); ++i) r.more_prompt_ids.push_back(ids_of(p[i]));
+  } else {
+    bad("'prompt' must be a string, an array of token ids, or a list of at most " + std::to_string(kMaxChoices) +
+            " of either",
+        "prompt");
+  }
+}
+
 // `response_format` (OpenAI) or `grammar` (llama.cpp's server): the output's required shape.
 void parse_output_format(const json& j, const std::string& body, CompletionRequest& r) {
   if (has(j, "grammar") && !j["grammar"].is_null()) {
     if (!j["grammar"].is_string() || j["grammar"].get<std::string>().empty())
       bad("'grammar' must be a non-empty GBNF string", "grammar");
-    r.format = {OutputFormat::Kind::Grammar, j["grammar"].get<std::string>(), false};
+    r.format.kind = OutputFormat::Kind::Grammar;
+    r.format.spec = j["grammar"].get<std::string>();
   }
   if (!has(j, "response_format") || j["response_format"].is_null()) return;
   const json& f = j["response_format"];
@@ -101,15 +135,18 @@ void parse_output_format(const json& j, const std::string& body, CompletionReque
     bad("give either 'grammar' or a 'response_format' of type json_object / json_schema, not both", "response_format");
   if (type == "text") return;
   if (type == "json_object") {
-    r.format = {OutputFormat::Kind::JsonObject, "", false};
+    r.format = OutputFormat{};
+    r.format.kind = OutputFormat::Kind::JsonObject;
   } else if (type == "json_schema") {
     const json& js = f.contains("json_schema") ? f["json_schema"] : json();
     if (!js.is_object() || !js.contains("schema") || !js["schema"].is_object())
       bad("'response_format.json_schema' must be an object with a 'schema' object", "response_format.json_schema");
     if (js.contains("strict") && !js["strict"].is_boolean() && !js["strict"].is_null())
       bad("'response_format.json_schema.strict' must be a boolean", "response_format.json_schema.strict");
-    r.format = {OutputFormat::Kind::JsonSchema, js["schema"].dump(),
-                js.contains("strict") && js["strict"].is_boolean() && js["strict"].get<bool>()};
+    r.format = OutputFormat{};
+    r.format.kind = OutputFormat::Kind::JsonSchema;
+    r.format.spec = js["schema"].dump();
+    r.format.strict = js.contains("strict") && js["strict"].is_boolean() && js["strict"].get<bool>();
     // The schema's property order is the output's key order: take it from the body as written
     // (json sorts keys; the body parsed once already, within the depth limit).
     if (!body.empty()) {
@@ -172,6 +209,19 @@ void parse_echo_suffix(const json& j, CompletionRequest& r) {
 
 }  // namespace
 
+CompletionRequest CompletionRequest::with_prompt(size_t i) const {
+  CompletionRequest r = *this;
+  r.more_prompts.clear(), r.more_prompt_ids.clear();
+  if (i == 0) return r;
+  if (i - 1 < more_prompts.size()) {
+    r.prompt = more_prompts[i - 1];
+  } else {
+    r.prompt.clear();
+    r.prompt_ids = more_prompt_ids.at(i - 1 - more_prompts.size());
+  }
+  return r;
+}
+
 nlohmann::json parse_json_body(const std::string& body) {
   // The parser callback sees each value's depth as it starts; throwing stops the parse there.
   const json::parser_callback_t depth_guard = [](int depth, json::parse_event_t ev, json&) {
@@ -209,22 +259,13 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
       parse_tools(j, r);
     } else {
       if (!has(j, "prompt")) bad("'prompt' is required", "prompt");
-      const json& p = j["prompt"];
-      if (p.is_string()) {
-        r.prompt = p.get<std::string>();
-      } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
-        r.prompt = p[0].get<std::string>();
-      } else if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
-        for (const json& t : p) {
-          if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
-            bad("'prompt' token arrays must hold token ids (integers from 0)", "prompt");
-          r.prompt_ids.push_back(t.get<int32_t>());
-        }
-      } else {
-        bad("'prompt' must be a string, one string in an array, or an array of token ids", "prompt");
-      }
+      parse_prompts(j["prompt"], r);
     }
-    if (has(j, "n") && integer(j, "n", 1, 1) != 1) bad("only n = 1 is supported", "n");
+    if (has(j, "n")) r.n = int(integer(j, "n", 1, kMaxChoices));
+    if (int64_t(r.n) * int64_t(r.prompts()) > kMaxChoices)
+      bad("n times the number of prompts is " + std::to_string(int64_t(r.n) * int64_t(r.prompts())) + "; at most " +
+              std::to_string(kMaxChoices) + " choices per request",
+          "n");
     const char* mt = has(j, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     if (has(j, mt)) r.max_tokens = std::min<int64_t>(integer(j, mt, 1, INT64_MAX), ctx);  // clamped, as OpenAI-compatible servers do
     SamplerParams& s = r.sampling;
@@ -262,6 +303,8 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
       if (!j["stream"].is_boolean()) bad("'stream' must be a boolean", "stream");
       r.stream = j["stream"].get<bool>();
     }
+    if (r.stream && r.n * r.prompts() > 1)
+      bad("streaming several choices (n > 1 or a list of prompts) is not supported yet", r.n > 1 ? "n" : "prompt");
     if (has(j, "stream_options")) {
       const json& so = j["stream_options"];
       if (!so.is_object()) bad("'stream_options' must be an object", "stream_options");

@@ -23,11 +23,19 @@ struct ApiError : std::runtime_error {
   nlohmann::json body() const;
 };
 
+/// Most choices (prompts × n) one request may ask for.
+inline constexpr int kMaxChoices = 16;
+
 struct CompletionRequest {
   bool chat = false;
   std::string model;
   std::string prompt;                 ///< completions: prompt text
   std::vector<int32_t> prompt_ids;    ///< completions: prompt given as token ids
+  /// completions: a batch of prompts beyond the first (`prompt` as a list); the reply has one
+  /// choice per prompt and sample, prompt i's sample k at index i · n + k
+  std::vector<std::string> more_prompts;
+  std::vector<std::vector<int32_t>> more_prompt_ids;
+  int n = 1;                          ///< samples per prompt (OpenAI `n`)
   std::vector<ChatMessage> messages;  ///< chat
   int64_t max_tokens = -1;            ///< -1: not given
   SamplerParams sampling;
@@ -45,6 +53,11 @@ struct CompletionRequest {
   /// `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
   /// "schema", "strict"}} (OpenAI), or `grammar` (GBNF text, as llama.cpp's server takes it)
   OutputFormat format;
+
+  /// Prompts in the request (1 for chat).
+  size_t prompts() const { return 1 + more_prompts.size() + more_prompt_ids.size(); }
+  /// The request for prompt i alone (i < prompts()): a completions request with that prompt.
+  CompletionRequest with_prompt(size_t i) const;
 };
 
 /// Most nesting levels of arrays and objects a request body may have. A valid request needs 4
@@ -63,7 +76,7 @@ nlohmann::json parse_json_body(const std::string& body);
 /// system/developer, user, assistant (with `tool_calls`, content then optional) or tool (with
 /// `tool_call_id`); `tools` and `tool_choice` "auto", "none", "required" or a named function (the
 /// last two make the reply one call, by constrained decoding). Throws ApiError (400 malformed JSON, wrong
-/// types or ranges, n != 1; 404 unknown model; 413 body too large).
+/// types or ranges, more than kMaxChoices choices; 404 unknown model; 413 body too large).
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
                                            size_t max_body);
 

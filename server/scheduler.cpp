@@ -25,6 +25,7 @@ void GenRequest::push(GenEvent e, bool done) {
     if (!e.text.empty() || !e.tokens.empty()) events_.push_back(std::move(e));
     done_ = done_ || done;
   }
+  if (done) prefilled_ = true;  // ended: whoever waits for its prompt goes on
   cv_.notify_all();
 }
 
@@ -179,6 +180,7 @@ void Scheduler::loop() {
           r->push({}, true);
           continue;
         }
+        if (r->params.after && !r->params.after->prefilled()) break;  // its leader's prompt first (first come, first served)
         const int64_t want = std::min<int64_t>(int64_t(r->params.prompt.size()) + r->params.max_tokens, opt_.ctx);
         if (cache_.blocks_for(want) > cache_.free_blocks()) break;
         queue_.pop_front();
@@ -251,6 +253,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
   const float* logits = run_.forward(cache_, batch.data(), int64_t(batch.size()));
   for (auto& [s, n] : fed) {
     s->fed += size_t(n);
+    if (s->fed >= s->req->params.prompt.size()) s->req->prefilled_ = true;
     cache_.register_prefix(s->kv, s->tokens.data(), int64_t(s->fed));  // its full blocks, for later prompts
   }
   prefix_blocks_ = cache_.prefix_blocks();

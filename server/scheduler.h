@@ -16,6 +16,8 @@
 
 namespace llmq {
 
+class GenRequest;
+
 /// What a request asks the scheduler for.
 struct GenParams {
   std::vector<int32_t> prompt;     ///< token ids (BOS included when wanted)
@@ -27,6 +29,10 @@ struct GenParams {
   /// Constrained decoding (server/structured.h): the tokens it rules out are never sampled;
   /// used by the scheduler's thread only. nullptr: none.
   std::shared_ptr<TokenConstraint> constraint;
+  /// Another request this one waits for: it is admitted only once that one's prompt is in the
+  /// KV cache, so it starts from the blocks the prefix cache then holds (n > 1: the samples of a
+  /// prompt share one prefill). nullptr: none.
+  std::shared_ptr<GenRequest> after;
 };
 
 /// One generated token, for logprobs.
@@ -56,6 +62,8 @@ class GenRequest {
   /// Asks the scheduler to stop this request and free its KV blocks at the next step.
   void cancel() { cancelled_ = true; }
   bool cancelled() const { return cancelled_; }
+  /// Its prompt is in the KV cache (or it ended): requests `after` it may start.
+  bool prefilled() const { return prefilled_; }
 
   // Filled in by the scheduler; read after wait() returned false.
   std::string finish_reason;  ///< "stop" or "length" (or "cancelled")
@@ -71,6 +79,7 @@ class GenRequest {
   std::deque<GenEvent> events_;
   bool done_ = false;
   std::atomic<bool> cancelled_{false};
+  std::atomic<bool> prefilled_{false};
 };
 
 struct SchedulerOptions {

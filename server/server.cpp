@@ -212,7 +212,7 @@ std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionReques
 // One accepted completion request on its way out: what the response needs.
 struct Reply {
   ServerState& st;
-  std::shared_ptr<GenRequest> g;
+  std::vector<std::shared_ptr<GenRequest>> gs;  ///< one per choice: prompt i's sample k is gs[i · r.n + k]
   CompletionRequest r;
   bool chat;
   std::string id;
@@ -220,33 +220,43 @@ struct Reply {
   const char* endpoint;
   std::shared_ptr<void> in_flight;  ///< keeps st.active counted until the last copy goes
 
+  /// The one choice of a streamed response.
+  const std::shared_ptr<GenRequest>& g() const { return gs.front(); }
+  void cancel() const {
+    for (const auto& g : gs) g->cancel();
+  }
+  /// OpenAI's usage: each prompt's tokens once (as for n > 1), every choice's completion.
   json usage() const {
-    return json{{"prompt_tokens", g->prompt_tokens},
-                {"completion_tokens", g->completion_tokens},
-                {"total_tokens", g->prompt_tokens + g->completion_tokens},
-                {"prompt_tokens_details", {{"cached_tokens", g->cached_tokens}}}};
+    int64_t prompt = 0, completion = 0, cached = 0;
+    for (size_t i = 0; i < gs.size(); ++i) {
+      completion += gs[i]->completion_tokens;
+      if (i % size_t(r.n) == 0) prompt += gs[i]->prompt_tokens, cached += gs[i]->cached_tokens;
+    }
+    return json{{"prompt_tokens", prompt},
+                {"completion_tokens", completion},
+                {"total_tokens", prompt + completion},
+                {"prompt_tokens_details", {{"cached_tokens", cached}}}};
   }
   void record(int status) const {
     st.metrics.count_request(endpoint, status);
-    st.metrics.prompt_tokens += uint64_t(g->prompt_tokens);
-    st.metrics.generated_tokens += uint64_t(g->completion_tokens);
-    if (g->completion_tokens > 0) st.metrics.ttft.observe(g->t_first - g->t_submit);
-    if (g->completion_tokens > 1) st.metrics.tpot.observe((g->t_done - g->t_first) / double(g->completion_tokens - 1));
+    for (const auto& g : gs) {
+      st.metrics.prompt_tokens += uint64_t(g->prompt_tokens);
+      st.metrics.generated_tokens += uint64_t(g->completion_tokens);
+      if (g->completion_tokens > 0) st.metrics.ttft.observe(g->t_first - g->t_submit);
+      if (g->completion_tokens > 1) st.metrics.tpot.observe((g->t_done - g->t_first) / double(g->completion_tokens - 1));
+    }
   }
-  json finish_reason() const {
-    if (g->finish_reason == "stop" || g->finish_reason == "length") return g->finish_reason;
+  static json finish_reason(const GenRequest& g) {
+    if (g.finish_reason == "stop" || g.finish_reason == "length") return g.finish_reason;
     return "stop";
   }
 };
 
-// The whole response of a finished request: its status and JSON body.
-std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& events) {
-  ServerState& st = rp.st;
-  const auto& g = rp.g;
+// One choice of a finished request: its JSON (index, text or message, finish_reason, logprobs).
+json whole_choice(const Reply& rp, size_t index, const std::vector<GenEvent>& events) {
+  const ServerState& st = rp.st;
+  const GenRequest& g = *rp.gs[index];
   const CompletionRequest& r = rp.r;
-  const bool chat = rp.chat;
-  const std::string& id = rp.id;
-  const int64_t created = rp.created;
   const Tokenizer& tok = *st.model->tokenizer;
   std::string text;
   json lp_content = json::array(), tokens = json::array(), token_lps = json::array(), tops = json::array(),
@@ -254,7 +264,7 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
   for (const GenEvent& e : events) {
     for (const TokenInfo& t : e.tokens) {
       if (r.top_logprobs < 0) continue;
-      if (chat) {
+      if (rp.chat) {
         lp_content.push_back(token_logprob_json(tok, t));
       } else {
         offsets.push_back(text.size());
@@ -265,12 +275,12 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
     }
     text += e.text;
   }
-  if (g->finish_reason.rfind("error", 0) == 0) return {500, ApiError(500, g->finish_reason, "", "", "server_error").body()};
-  json choice = {{"index", 0}, {"finish_reason", rp.finish_reason()}, {"logprobs", nullptr}};
-  if (chat) {
+  json choice = {{"index", index}, {"finish_reason", Reply::finish_reason(g)}, {"logprobs", nullptr}};
+  if (rp.chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text}};
     if (uses_tools(r)) {
-      const ParsedReply p = parse_tool_calls(text, id, tool_names(r.tools));
+      const std::string call_ids = rp.gs.size() > 1 ? rp.id + "_" + std::to_string(index) : rp.id;
+      const ParsedReply p = parse_tool_calls(text, call_ids, tool_names(r.tools));
       if (!p.calls.empty()) {
         choice["message"] = {{"role", "assistant"}, {"content", p.content.empty() ? json(nullptr) : json(p.content)}, {"tool_calls", p.calls}};
         choice["finish_reason"] = "tool_calls";
@@ -278,31 +288,50 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<GenEvent>& ev
     }
     if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
   } else {
-    choice["text"] = r.echo ? echo_text(st, r) + text : text;
+    choice["text"] = r.echo ? echo_text(st, r.with_prompt(index / size_t(r.n))) + text : text;
     if (r.top_logprobs >= 0)
       choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
   }
-  return {200, json{{"id", id},
-                    {"object", chat ? "chat.completion" : "text_completion"},
+  return choice;
+}
+
+// The whole response of a finished request: its status and JSON body (events [choices]).
+std::pair<int, json> whole_body(const Reply& rp, const std::vector<std::vector<GenEvent>>& events) {
+  json choices = json::array();
+  for (size_t i = 0; i < rp.gs.size(); ++i) {
+    if (rp.gs[i]->finish_reason.rfind("error", 0) == 0)
+      return {500, ApiError(500, rp.gs[i]->finish_reason, "", "", "server_error").body()};
+    choices.push_back(whole_choice(rp, i, events[i]));
+  }
+  return {200, json{{"id", rp.id},
+                    {"object", rp.chat ? "chat.completion" : "text_completion"},
                     {"system_fingerprint", kSystemFingerprint},
-                    {"created", created},
-                    {"model", st.model_id},
-                    {"choices", json::array({choice})},
+                    {"created", rp.created},
+                    {"model", rp.st.model_id},
+                    {"choices", choices},
                     {"usage", rp.usage()}}};
+}
+
+// Waits up to timeout_ms for any choice's events; false when every choice has finished and its
+// events are drained.
+bool wait_choices(const Reply& rp, std::vector<std::vector<GenEvent>>& events, int timeout_ms) {
+  bool alive = false;
+  for (size_t i = 0; i < rp.gs.size(); ++i)
+    alive = rp.gs[i]->wait(&events[i], alive ? 0 : timeout_ms) || alive;  // block on the first running one only
+  return alive;
 }
 
 // A non-streamed response: a request that ends within 2 s gets a plain one, a longer one is
 // sent chunked with a space each second (a probe that cancels the request when the client left).
 void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
   ServerState& st = rp->st;
-  const auto g = rp->g;
   // A request that ends within 2 s gets a plain response.
-  auto events = std::make_shared<std::vector<GenEvent>>();
+  auto events = std::make_shared<std::vector<std::vector<GenEvent>>>(rp->gs.size());
   const double deadline = now_seconds() + 2.0;
   bool alive = true;
-  while (alive && now_seconds() < deadline && !st.aborting) alive = g->wait(events.get(), 200);
+  while (alive && now_seconds() < deadline && !st.aborting) alive = wait_choices(*rp, *events, 200);
   if (alive && st.aborting) {  // shutting down past the drain timeout, nothing sent yet: a real 503
-    g->cancel();
+    rp->cancel();
     send_json(res, 503, ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body());
     rp->record(503);
     return;
@@ -314,14 +343,14 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
     return;
   }
   // A longer one is sent chunked, and each second a space (white space before JSON is valid
-  // JSON) probes the connection, so a client that went away cancels its sequence and frees
-  // its KV blocks within a second or two instead of at max_tokens.
+  // JSON) probes the connection, so a client that went away cancels its sequences and frees
+  // their KV blocks within a second or two instead of at max_tokens.
   auto finished = std::make_shared<bool>(false);
   res.set_chunked_content_provider(
       "application/json",
-      [&st, rp, g, events, finished](size_t, httplib::DataSink& sink) {
+      [&st, rp, events, finished](size_t, httplib::DataSink& sink) {
         if (st.aborting) {  // shutting down past the drain timeout: say so (the status, 200, is on the wire)
-          g->cancel();
+          rp->cancel();
           const std::string text = dump(ApiError(503, "the server is shutting down: the completion was cancelled", "", "",
                                                  "server_error").body());
           sink.write(text.data(), text.size());
@@ -330,9 +359,9 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
           rp->record(503);
           return true;
         }
-        if (g->wait(events.get(), 1000)) {
+        if (wait_choices(*rp, *events, 1000)) {
           if (!sink.write(" ", 1)) {
-            g->cancel();
+            rp->cancel();
             return false;
           }
           return true;
@@ -345,15 +374,15 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
         rp->record(status);
         return true;
       },
-      [g, finished](bool) {
-        if (!*finished) g->cancel();
+      [rp, finished](bool) {
+        if (!*finished) rp->cancel();
       });
 }
 
 // A streamed response: Server-Sent Events, one chunk per step's output, then [DONE].
 void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
   ServerState& st = rp->st;
-  const auto g = rp->g;
+  const auto g = rp->g();  // one choice (api.cpp refuses streams of several)
   res.set_header("Cache-Control", "no-cache");
   auto started = std::make_shared<bool>(false);
   auto finished = std::make_shared<bool>(false);
@@ -446,7 +475,7 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
           }
           return true;
         }
-        json last = {{"index", 0}, {"finish_reason", rp->finish_reason()}, {"logprobs", nullptr}};
+        json last = {{"index", 0}, {"finish_reason", Reply::finish_reason(*g)}, {"logprobs", nullptr}};
         if (chat) last["delta"] = json::object();
         else last["text"] = "";
         bool ok = true;
@@ -476,6 +505,49 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
       });
 }
 
+// The generation parameters of every choice of r, in index order (prompt i's sample k at
+// i · n + k): each its own prompt tokens, seed (seed + k) and constraint; a sample after the
+// first of a prompt waits for the first's prefill, so it starts from the blocks the prefix cache
+// then holds (`after`). Throws ApiError.
+std::vector<GenParams> choice_params(const ServerState& st, CompletionRequest& r, int64_t ctx) {
+  for (const auto& [tid, bias] : r.sampling.logit_bias)
+    if (tid >= int32_t(st.model->vocab.size())) throw ApiError(400, "logit_bias token id " + std::to_string(tid) + " is out of range", "logit_bias");
+  if (r.tool_choice_forced) {
+    if (r.format.kind != OutputFormat::Kind::Text)
+      throw ApiError(400, "tool_choice that forces a call cannot be combined with response_format or grammar", "tool_choice");
+    try {
+      r.format = forced_tool_call(r.tools, r.tool_choice_name, tool_syntax(st.model->chat_template));
+    } catch (const UsageError& e) {
+      throw ApiError(400, e.what(), "tool_choice");
+    }
+  }
+  std::vector<GenParams> out;
+  for (size_t i = 0; i < r.prompts(); ++i) {
+    const CompletionRequest ri = r.with_prompt(i);
+    GenParams gp;
+    gp.prompt = prompt_tokens(st, ri, ctx);
+    if (int64_t(gp.prompt.size()) + 1 > ctx)
+      throw ApiError(400, "the prompt has " + std::to_string(gp.prompt.size()) + " tokens; the context is " + std::to_string(ctx),
+                     r.chat ? "messages" : "prompt", "context_length_exceeded");
+    const int64_t room = ctx - int64_t(gp.prompt.size());
+    gp.max_tokens = std::min(r.max_tokens > 0 ? r.max_tokens : (r.chat ? room : 16), room);
+    gp.stop = r.stop;
+    if (!r.suffix.empty()) gp.stop_ids = find_infill_tokens(st.model->vocab)->stops;
+    gp.top_logprobs = r.top_logprobs;
+    for (int k = 0; k < r.n; ++k) {
+      gp.sampling = r.sampling;
+      gp.sampling.seed = r.sampling.seed + uint64_t(k);
+      try {
+        gp.constraint = st.structured->constraint(r.format);  // a matcher of its own (the compiled grammar is cached)
+      } catch (const UsageError& e) {
+        throw ApiError(400, e.what(), r.tool_choice_forced ? "tool_choice" : r.format.kind == OutputFormat::Kind::Grammar ? "grammar" : "response_format");
+      }
+      out.push_back(gp);
+    }
+  }
+  return out;
+}
+
 void handle_completion(ServerState& st, const httplib::Request& req, httplib::Response& res, bool chat) {
   const char* endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
   if (!st.ready) {
@@ -484,47 +556,29 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   }
   const int64_t ctx = st.scheduler->options().ctx;
   CompletionRequest r;
-  std::vector<int32_t> prompt;
-  GenParams gp;
+  std::vector<GenParams> params;
   try {
     r = parse_completion_request(req.body, chat, st.model_id, ctx, st.max_body);
-    for (const auto& [tid, bias] : r.sampling.logit_bias)
-      if (tid >= int32_t(st.model->vocab.size())) throw ApiError(400, "logit_bias token id " + std::to_string(tid) + " is out of range", "logit_bias");
-    try {
-      if (r.tool_choice_forced) {
-        if (r.format.kind != OutputFormat::Kind::Text) throw ApiError(400, "tool_choice that forces a call cannot be combined with response_format or grammar", "tool_choice");
-        r.format = forced_tool_call(r.tools, r.tool_choice_name, tool_syntax(st.model->chat_template));
-      }
-      gp.constraint = st.structured->constraint(r.format);
-    } catch (const UsageError& e) {
-      throw ApiError(400, e.what(), r.tool_choice_forced ? "tool_choice" : r.format.kind == OutputFormat::Kind::Grammar ? "grammar" : "response_format");
-    }
-    prompt = prompt_tokens(st, r, ctx);
-    if (int64_t(prompt.size()) + 1 > ctx)
-      throw ApiError(400, "the prompt has " + std::to_string(prompt.size()) + " tokens; the context is " + std::to_string(ctx),
-                     chat ? "messages" : "prompt", "context_length_exceeded");
+    params = choice_params(st, r, ctx);
   } catch (const ApiError& e) {
     send_error(res, e);
     st.metrics.count_request(endpoint, e.status);
     return;
   }
-  gp.prompt = prompt;
-  const int64_t room = ctx - int64_t(prompt.size());
-  gp.max_tokens = std::min(r.max_tokens > 0 ? r.max_tokens : (chat ? room : 16), room);
-  gp.sampling = r.sampling;
-  gp.stop = r.stop;
-  if (!r.suffix.empty()) gp.stop_ids = find_infill_tokens(st.model->vocab)->stops;
-  gp.top_logprobs = r.top_logprobs;
-  auto g = std::make_shared<GenRequest>(gp);
-  const Scheduler::Submit sub = st.scheduler->submit(g);
-  if (sub == Scheduler::Submit::QueueFull) {
-    send_error(res, ApiError(429, "the server is busy: too many requests queued; retry later", "", "rate_limit_exceeded",
-                             "rate_limit_error"));
-    st.metrics.count_request(endpoint, 429);
-    return;
-  }
-  if (sub == Scheduler::Submit::TooLong) {
-    send_error(res, ApiError(400, "the prompt does not fit the context", chat ? "messages" : "prompt", "context_length_exceeded"));
+  std::vector<std::shared_ptr<GenRequest>> gs;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (i % size_t(r.n) != 0) params[i].after = gs[i - i % size_t(r.n)];  // the prompt's first sample
+    gs.push_back(std::make_shared<GenRequest>(params[i]));
+    const Scheduler::Submit sub = st.scheduler->submit(gs.back());
+    if (sub == Scheduler::Submit::Ok) continue;
+    for (const auto& g : gs) g->cancel();  // the choices already queued
+    if (sub == Scheduler::Submit::QueueFull) {
+      send_error(res, ApiError(429, "the server is busy: too many requests queued; retry later", "", "rate_limit_exceeded",
+                               "rate_limit_error"));
+      st.metrics.count_request(endpoint, 429);
+    } else {
+      send_error(res, ApiError(400, "the prompt does not fit the context", chat ? "messages" : "prompt", "context_length_exceeded"));
+    }
     return;
   }
 
@@ -532,7 +586,7 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
   auto in_flight = std::shared_ptr<void>(nullptr, [&st](void*) { --st.active; });
   auto reply = std::make_shared<Reply>(
-      Reply{st, g, std::move(r), chat, std::move(id), int64_t(std::time(nullptr)), endpoint, std::move(in_flight)});
+      Reply{st, std::move(gs), std::move(r), chat, std::move(id), int64_t(std::time(nullptr)), endpoint, std::move(in_flight)});
   if (reply->r.stream) respond_stream(reply, res);
   else respond_whole(reply, res);
 }

@@ -414,12 +414,30 @@ def test_negative_and_huge_max_tokens(client, srv, max_tokens):
         chat(client, srv, max_tokens=max_tokens)
 
 
-def test_n_2(client, srv):
-    with pytest.raises(openai.BadRequestError) as e:
-        complete(client, srv, max_tokens=4, n=2)
-    assert e.value.param == "n"
-    with pytest.raises(openai.BadRequestError):
-        chat(client, srv, max_tokens=4, n=2)
+def test_n_and_batch_prompts(client, srv):
+    """n samples per prompt and a list of prompts: one choice each, prompt i's sample k at index
+    i·n + k; greedy samples of one prompt are equal, a batch prompt's choice equals that prompt
+    asked alone; usage counts each prompt once."""
+    r = complete(client, srv, max_tokens=6, n=3, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.text for c in r.choices}) == 1
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == len(srv.tokenize(PROMPT, add_special=True))
+    sampled = complete(client, srv, max_tokens=12, n=4, temperature=1.0, seed=7)
+    assert len({c.text for c in sampled.choices}) > 1  # seeds seed, seed + 1, ...
+    prompts = [PROMPT, "Lily went to the park", "One day, a little bird"]
+    batch = complete(client, srv, prompt=prompts, max_tokens=6, n=2, temperature=0)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for i, p in enumerate(prompts):
+        alone = complete(client, srv, prompt=p, max_tokens=6, temperature=0).choices[0].text
+        assert batch.choices[2 * i].text == alone and batch.choices[2 * i + 1].text == alone
+    c = chat(client, srv, max_tokens=4, n=2, temperature=0)
+    assert [x.index for x in c.choices] == [0, 1]
+    # Refused: more than 16 choices, and streams of several choices (not yet).
+    for kw, param in [(dict(n=17), "n"), (dict(prompt=[PROMPT] * 9, n=2), "n"), (dict(n=2, stream=True), "n"),
+                      (dict(prompt=[PROMPT, PROMPT], stream=True), "prompt")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(client, srv, max_tokens=4, **{"prompt": PROMPT, **kw})
+        assert e.value.param == param, kw
 
 
 @pytest.mark.parametrize("bad", [

@@ -49,3 +49,17 @@ def test_answers_are_the_same_with_the_cache_off(servers, smol_model):
     assert [a for a, _ in on] == [a for a, _ in off]
     assert on[1][1]["prompt_tokens_details"]["cached_tokens"] > 0 and on[2][1]["prompt_tokens_details"]["cached_tokens"] > 0
     assert all(u["prompt_tokens_details"]["cached_tokens"] == 0 for _, u in off)
+
+
+def test_n_samples_share_one_prefill(servers, smol_model):
+    """n > 1: the samples after the first wait for its prefill and start from its cached blocks."""
+    srv = servers.start(smol_model, "--parallel", "4")
+    r = srv.post("/v1/chat/completions", {"model": srv.model_id, "n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 1,
+                                          "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 3
+    prompt = body["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] > 3
+    # Both later samples took all whole blocks but the one holding the prompt's last token.
+    assert srv.metrics().value("llmq_prefix_cache_hit_tokens_total") >= 2 * (prompt - 16)
