@@ -34,7 +34,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!(r.sampling.top_p >= 0 && r.sampling.top_p <= 1)) fuzz::fail("top_p out of range");
   if (r.stop.size() > 4) fuzz::fail("more than 4 stop strings");
   if (r.n < 1 || int64_t(r.n) * int64_t(r.prompts()) > kMaxChoices) fuzz::fail("more choices than kMaxChoices");
-  if (r.stream && r.n * r.prompts() > 1) fuzz::fail("a stream of several choices");
   for (size_t i = 0; i < r.prompts(); ++i) (void)r.with_prompt(i);  // every prompt of a batch is there
   if (chat) {
     if (r.messages.empty()) fuzz::fail("a chat request without messages");

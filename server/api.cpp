@@ -303,8 +303,6 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
       if (!j["stream"].is_boolean()) bad("'stream' must be a boolean", "stream");
       r.stream = j["stream"].get<bool>();
     }
-    if (r.stream && r.n * r.prompts() > 1)
-      bad("streaming several choices (n > 1 or a list of prompts) is not supported yet", r.n > 1 ? "n" : "prompt");
     if (has(j, "stream_options")) {
       const json& so = j["stream_options"];
       if (!so.is_object()) bad("'stream_options' must be an object", "stream_options");

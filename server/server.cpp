@@ -379,129 +379,155 @@ void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
       });
 }
 
-// A streamed response: Server-Sent Events, one chunk per step's output, then [DONE].
+// One choice of a streamed response: its request, and with tools the reply so far and how much
+// of it went out as content.
+struct StreamChoice {
+  std::shared_ptr<GenRequest> g;
+  size_t index = 0;
+  ToolStream held;
+  bool ended = false;
+};
+
+// The chunk of one step's output of choice c, or null when it is all held back (a possible
+// tool call).
+json stream_delta(const Reply& rp, StreamChoice& c, const GenEvent& e) {
+  const CompletionRequest& r = rp.r;
+  const Tokenizer& tok = *rp.st.model->tokenizer;
+  json choice = {{"index", c.index}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
+  if (rp.chat && uses_tools(r)) {  // content up to a (possible) <tool_call>; the rest waits for the end
+    c.held.text += e.text;
+    const size_t safe = tool_call_safe_prefix(c.held.text);
+    if (safe <= c.held.sent) return nullptr;
+    choice["delta"] = {{"content", c.held.text.substr(c.held.sent, safe - c.held.sent)}};
+    c.held.sent = safe;
+  } else if (rp.chat) {
+    choice["delta"] = {{"content", e.text}};
+    if (r.top_logprobs >= 0) {
+      json content = json::array();
+      for (const TokenInfo& t : e.tokens) content.push_back(token_logprob_json(tok, t));
+      choice["logprobs"] = {{"content", content}};
+    }
+  } else {
+    choice["text"] = e.text;
+    if (r.top_logprobs >= 0) {
+      json tokens = json::array(), lps = json::array(), tops = json::array();
+      for (const TokenInfo& t : e.tokens) {
+        tokens.push_back(t.piece);
+        lps.push_back(t.logprob);
+        tops.push_back(completion_top_logprobs(tok, t));
+      }
+      choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}};
+    }
+  }
+  return choice;
+}
+
+// The chunks that end choice c: the held rest (text and calls), then its finish_reason.
+std::vector<json> stream_end(const Reply& rp, StreamChoice& c) {
+  std::vector<json> out;
+  json last = {{"index", c.index}, {"finish_reason", Reply::finish_reason(*c.g)}, {"logprobs", nullptr}};
+  if (rp.chat) last["delta"] = json::object();
+  else last["text"] = "";
+  if (rp.chat && uses_tools(rp.r) && c.held.sent < c.held.text.size()) {
+    const std::string call_ids = rp.gs.size() > 1 ? rp.id + "_" + std::to_string(c.index) : rp.id;
+    for (const json& delta : held_deltas(c.held.text.substr(c.held.sent), call_ids, tool_names(rp.r.tools))) {
+      out.push_back({{"index", c.index}, {"delta", delta}, {"finish_reason", nullptr}, {"logprobs", nullptr}});
+      if (delta.contains("tool_calls")) last["finish_reason"] = "tool_calls";
+    }
+  }
+  out.push_back(last);
+  return out;
+}
+
+// A streamed response: Server-Sent Events, one chunk per step's output of each choice (its
+// index says which), each choice's last chunk when it ends, then [DONE].
 void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
   ServerState& st = rp->st;
-  const auto g = rp->g();  // one choice (api.cpp refuses streams of several)
   res.set_header("Cache-Control", "no-cache");
   auto started = std::make_shared<bool>(false);
   auto finished = std::make_shared<bool>(false);
-  auto held = std::make_shared<ToolStream>();  // with tools: the reply, and how much of it went out as content
+  auto choices = std::make_shared<std::vector<StreamChoice>>();
+  for (size_t i = 0; i < rp->gs.size(); ++i) choices->push_back(StreamChoice{rp->gs[i], i, {}, false});
   res.set_chunked_content_provider(
       "text/event-stream",
-      [&st, rp, g, started, finished, held](size_t, httplib::DataSink& sink) {
-        const CompletionRequest& r = rp->r;
+      [&st, rp, started, finished, choices](size_t, httplib::DataSink& sink) {
         const bool chat = rp->chat;
-        const std::string& id = rp->id;
-        const int64_t created = rp->created;
-        const Tokenizer& tok = *st.model->tokenizer;
         auto chunk = [&](const json& choice) {
-          json c = {{"id", id},
-                    {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                    {"system_fingerprint", kSystemFingerprint},
-                    {"created", created},
-                    {"model", st.model_id},
-                    {"choices", choice.is_null() ? json::array() : json::array({choice})}};
-          return c;
+          return json{{"id", rp->id},
+                      {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                      {"system_fingerprint", kSystemFingerprint},
+                      {"created", rp->created},
+                      {"model", st.model_id},
+                      {"choices", choice.is_null() ? json::array() : json::array({choice})}};
         };
         auto send = [&](const json& c) {
           const std::string s = "data: " + dump(c) + "\n\n";
           return sink.write(s.data(), s.size());
         };
+        auto gone = [&] {  // the client went away: free the sequences now
+          rp->cancel();
+          return false;
+        };
+        auto done = [&] {
+          const std::string d = "data: [DONE]\n\n";
+          sink.write(d.data(), d.size());
+        };
         if (!*started) {
           *started = true;
-          if (chat && !send(chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"finish_reason", nullptr}}))) {
-            g->cancel();
-            return false;
-          }
-          if (r.echo && !send(chunk({{"index", 0}, {"text", echo_text(st, r)}, {"finish_reason", nullptr}, {"logprobs", nullptr}}))) {
-            g->cancel();
-            return false;
+          for (const StreamChoice& c : *choices) {
+            if (chat && !send(chunk({{"index", c.index}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"finish_reason", nullptr}})))
+              return gone();
+            if (rp->r.echo && !send(chunk({{"index", c.index}, {"text", echo_text(st, rp->r.with_prompt(c.index / size_t(rp->r.n)))},
+                                           {"finish_reason", nullptr}, {"logprobs", nullptr}})))
+              return gone();
           }
         }
         if (st.aborting) {  // shutting down past the drain timeout: an error event, the true finish_reason, [DONE]
-          g->cancel();
-          json err = ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body();
-          json last = {{"index", 0}, {"finish_reason", "cancelled"}, {"logprobs", nullptr}};
-          if (chat) last["delta"] = json::object();
-          else last["text"] = "";
-          if (send(err) && send(chunk(last))) {
-            const std::string done = "data: [DONE]\n\n";
-            sink.write(done.data(), done.size());
+          rp->cancel();
+          bool ok = send(ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body());
+          for (const StreamChoice& c : *choices) {
+            json last = {{"index", c.index}, {"finish_reason", "cancelled"}, {"logprobs", nullptr}};
+            if (chat) last["delta"] = json::object();
+            else last["text"] = "";
+            ok = ok && (c.ended || send(chunk(last)));
           }
+          if (ok) done();
           sink.done();
           *finished = true;
           rp->record(503);
           return true;
         }
-        std::vector<GenEvent> events;
-        const bool alive = g->wait(&events, 200);
-        for (const GenEvent& e : events) {
-          json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
-          if (chat && uses_tools(r)) {  // content up to a (possible) <tool_call>; the rest waits for the end
-            held->text += e.text;
-            const size_t safe = tool_call_safe_prefix(held->text);
-            if (safe <= held->sent) continue;
-            choice["delta"] = {{"content", held->text.substr(held->sent, safe - held->sent)}};
-            held->sent = safe;
-          } else if (chat) {
-            choice["delta"] = {{"content", e.text}};
-            if (r.top_logprobs >= 0) {
-              json content = json::array();
-              for (const TokenInfo& t : e.tokens) content.push_back(token_logprob_json(tok, t));
-              choice["logprobs"] = {{"content", content}};
-            }
-          } else {
-            choice["text"] = e.text;
-            if (r.top_logprobs >= 0) {
-              json tokens = json::array(), lps = json::array(), tops = json::array();
-              for (const TokenInfo& t : e.tokens) {
-                tokens.push_back(t.piece);
-                lps.push_back(t.logprob);
-                tops.push_back(completion_top_logprobs(tok, t));
-              }
-              choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}};
-            }
+        bool waited = false, alive = false;
+        for (StreamChoice& c : *choices) {
+          if (c.ended) continue;
+          std::vector<GenEvent> events;
+          const bool running = c.g->wait(&events, waited ? 0 : 200);  // block on the first running choice only
+          waited = true;
+          for (const GenEvent& e : events)
+            if (const json d = stream_delta(*rp, c, e); !d.is_null() && !send(chunk(d))) return gone();
+          if (running) {
+            alive = true;
+            continue;
           }
-          if (!send(chunk(choice))) {
-            g->cancel();  // the client went away: free its sequence now
-            return false;
-          }
+          c.ended = true;
+          for (const json& d : stream_end(*rp, c))
+            if (!send(chunk(d))) return gone();
         }
-        if (alive) {
-          if (!sink.is_writable()) {
-            g->cancel();
-            return false;
-          }
-          return true;
-        }
-        json last = {{"index", 0}, {"finish_reason", Reply::finish_reason(*g)}, {"logprobs", nullptr}};
-        if (chat) last["delta"] = json::object();
-        else last["text"] = "";
+        if (alive) return sink.is_writable() ? true : gone();
         bool ok = true;
-        if (chat && uses_tools(r) && held->sent < held->text.size()) {  // the held rest: calls and text
-          for (const json& delta : held_deltas(held->text.substr(held->sent), id, tool_names(r.tools))) {
-            ok = ok && send(chunk({{"index", 0}, {"delta", delta}, {"finish_reason", nullptr}, {"logprobs", nullptr}}));
-            if (delta.contains("tool_calls")) last["finish_reason"] = "tool_calls";
-          }
-        }
-        ok = ok && send(chunk(last));
-        if (ok && r.include_usage) {
+        if (rp->r.include_usage) {
           json u = chunk(nullptr);
           u["usage"] = rp->usage();
           ok = send(u);
         }
-        if (ok) {
-          const std::string done = "data: [DONE]\n\n";
-          sink.write(done.data(), done.size());
-        }
+        if (ok) done();
         sink.done();
         *finished = true;
         rp->record(200);
         return true;
       },
-      [g, finished](bool) {
-        if (!*finished) g->cancel();  // connection closed before the end
+      [rp, finished](bool) {
+        if (!*finished) rp->cancel();  // connection closed before the end
       });
 }
 

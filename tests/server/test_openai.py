@@ -430,14 +430,25 @@ def test_n_and_batch_prompts(client, srv):
     for i, p in enumerate(prompts):
         alone = complete(client, srv, prompt=p, max_tokens=6, temperature=0).choices[0].text
         assert batch.choices[2 * i].text == alone and batch.choices[2 * i + 1].text == alone
-    c = chat(client, srv, max_tokens=4, n=2, temperature=0)
-    assert [x.index for x in c.choices] == [0, 1]
-    # Refused: more than 16 choices, and streams of several choices (not yet).
-    for kw, param in [(dict(n=17), "n"), (dict(prompt=[PROMPT] * 9, n=2), "n"), (dict(n=2, stream=True), "n"),
-                      (dict(prompt=[PROMPT, PROMPT], stream=True), "prompt")]:
+    two = chat(client, srv, max_tokens=4, n=2, temperature=0)
+    assert [x.index for x in two.choices] == [0, 1]
+    # Streamed: each chunk names its choice; the pieces assemble to the whole responses' texts.
+    texts = {}
+    for ch in complete(client, srv, prompt=prompts, max_tokens=6, n=2, temperature=0, stream=True):
+        for x in ch.choices:
+            texts[x.index] = texts.get(x.index, "") + x.text
+    assert [texts[i] for i in range(6)] == [c.text for c in batch.choices]
+    deltas, finish = {}, {}
+    for ch in chat(client, srv, max_tokens=4, n=2, temperature=0, stream=True):
+        for x in ch.choices:
+            deltas[x.index] = deltas.get(x.index, "") + (x.delta.content or "")
+            finish[x.index] = x.finish_reason or finish.get(x.index)
+    assert [deltas[0], deltas[1]] == [x.message.content for x in two.choices] and set(finish.values()) <= {"stop", "length"}
+    # Refused: more than 16 choices.
+    for kw in (dict(n=17), dict(prompt=[PROMPT] * 9, n=2)):
         with pytest.raises(openai.BadRequestError) as e:
             complete(client, srv, max_tokens=4, **{"prompt": PROMPT, **kw})
-        assert e.value.param == param, kw
+        assert e.value.param == "n", kw
 
 
 @pytest.mark.parametrize("bad", [
