@@ -658,6 +658,121 @@ static BodyRefusal body_refusal(const httplib::Request& req, size_t max_body) {
   return {};
 }
 
+// The checks before any route: shutting down (503), bodies refused by their headers (411, 413),
+// the API key (401); and the error and exception handlers' OpenAI error bodies.
+static void add_guards(httplib::Server& svr, ServerState& st, const std::string& api_key) {
+  svr.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
+    // Bodies are judged by their headers before a byte of them is read (issue 22 items 2, 13):
+    // a Content-Length over the limit gets 413 at once (not after the timeout the library
+    // spends draining it), a chunked body 411 (send Content-Length), and the connection closes.
+    if (st.draining) {  // shutting down: finishing what runs, taking nothing new
+      send_json(res, 503, ApiError(503, "the server is shutting down", "", "", "server_error").body());
+      res.set_header("Connection", "close");
+      st.metrics.count_request(req.path, 503);
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (const BodyRefusal refused = body_refusal(req, st.max_body); refused.code) {
+      send_json(res, refused.code, ApiError(refused.code, refused.message).body());
+      res.set_header("Connection", "close");
+      st.metrics.count_request(req.path, refused.code);
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (api_key.empty() || req.path == "/health" || req.path == "/" || req.method == "OPTIONS")  // CORS preflights carry no key
+      return httplib::Server::HandlerResponse::Unhandled;
+    if (req.get_header_value("Authorization") == "Bearer " + api_key) return httplib::Server::HandlerResponse::Unhandled;
+    send_json(res, 401, ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "", "invalid_api_key",
+                                 "authentication_error").body());
+    res.set_header("Connection", "close");  // the body was not read: this connection cannot carry another request
+    st.metrics.count_request(req.path, 401);
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string what = "internal error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    send_json(res, 500, ApiError(500, what, "", "", "server_error").body());
+  });
+  svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    if (res.status == 404) send_json(res, 404, ApiError(404, "no route " + req.method + " " + req.path, "", "not_found").body());
+    else if (res.status == 413) send_json(res, 413, ApiError(413, "request body too large").body());
+  });
+}
+
+// The routes: CORS preflights, /health, the chat page, /v1/models, the completions endpoints,
+// /tokenize, /detokenize and /metrics.
+static void add_routes(httplib::Server& svr, ServerState& st, const std::string& cors_origin) {
+  if (!cors_origin.empty()) {  // CORS: every response names the allowed origin; preflights are answered here
+    svr.set_default_headers({{"Access-Control-Allow-Origin", cors_origin}});
+    svr.Options(R"(.*)", [](const httplib::Request&, httplib::Response& res) {
+      res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+      res.set_header("Access-Control-Max-Age", "86400");
+      res.status = 204;
+    });
+  }
+  svr.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
+    if (st.ready) send_json(res, 200, {{"status", "ok"}});
+    else if (!st.load_error.empty()) send_json(res, 503, {{"status", "error"}, {"error", st.load_error}});
+    else send_json(res, 503, {{"status", "loading"}});
+  });
+  svr.Get("/", [&](const httplib::Request&, httplib::Response& res) { res.set_content(kIndexHtml, "text/html; charset=utf-8"); });
+  const auto model_json = [&st] { return json{{"id", st.model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "llmq"}}; };
+  svr.Get("/v1/models", [&st, model_json](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200, {{"object", "list"}, {"data", json::array({model_json()})}});
+    st.metrics.count_request("/v1/models", 200);
+  });
+  svr.Get(R"(/v1/models/(.+))", [&st, model_json](const httplib::Request& req, httplib::Response& res) {
+    if (req.matches[1] != st.model_id) {
+      send_error(res, ApiError(404, "The model '" + std::string(req.matches[1]) + "' does not exist", "model", "model_not_found"));
+      return;
+    }
+    send_json(res, 200, model_json());
+  });
+  svr.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(st, req, res, false); });
+  svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(st, req, res, true); });
+  svr.Post("/tokenize", [&](const httplib::Request& req, httplib::Response& res) {
+    if (!st.ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
+    try {
+      const json j = parse_json_body(req.body);
+      if (!j.is_object() || !j.contains("content") || !j["content"].is_string()) throw ApiError(400, "'content' must be a string", "content");
+      const bool add_special = j.value("add_special", false), parse_special = j.value("parse_special", false);
+      send_json(res, 200, {{"tokens", st.model->tokenizer->encode(j["content"].get<std::string>(), add_special, parse_special)}});
+    } catch (const ApiError& e) {
+      send_error(res, e);
+    } catch (const json::exception& e) {
+      send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
+    }
+  });
+  svr.Post("/detokenize", [&](const httplib::Request& req, httplib::Response& res) {
+    if (!st.ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
+    try {
+      const json j = parse_json_body(req.body);
+      if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array()) throw ApiError(400, "'tokens' must be an array", "tokens");
+      std::vector<int32_t> ids;
+      for (const json& t : j["tokens"]) {
+        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= int64_t(st.model->vocab.size()))
+          throw ApiError(400, "token ids must be integers in [0, vocab)", "tokens");
+        ids.push_back(t.get<int32_t>());
+      }
+      send_json(res, 200, {{"content", st.model->tokenizer->decode(ids)}});
+    } catch (const ApiError& e) {
+      send_error(res, e);
+    } catch (const json::exception& e) {
+      send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
+    }
+  });
+  svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
+    SchedulerStats s;
+    if (st.ready) s = st.scheduler->stats();
+    res.set_content(st.metrics.render(s), "text/plain; version=0.0.4");
+  });
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
   std::string model_path, host = "127.0.0.1", api_key, device = "cpu", template_name;
@@ -785,112 +900,8 @@ int main(int argc, char** argv) {
       listen_fd = sock;
     });
 
-    svr.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
-      // Bodies are judged by their headers before a byte of them is read (issue 22 items 2, 13):
-      // a Content-Length over the limit gets 413 at once (not after the timeout the library
-      // spends draining it), a chunked body 411 (send Content-Length), and the connection closes.
-      if (st->draining) {  // shutting down: finishing what runs, taking nothing new
-        send_json(res, 503, ApiError(503, "the server is shutting down", "", "", "server_error").body());
-        res.set_header("Connection", "close");
-        st->metrics.count_request(req.path, 503);
-        return httplib::Server::HandlerResponse::Handled;
-      }
-      if (const BodyRefusal refused = body_refusal(req, st->max_body); refused.code) {
-        send_json(res, refused.code, ApiError(refused.code, refused.message).body());
-        res.set_header("Connection", "close");
-        st->metrics.count_request(req.path, refused.code);
-        return httplib::Server::HandlerResponse::Handled;
-      }
-      if (api_key.empty() || req.path == "/health" || req.path == "/" || req.method == "OPTIONS")  // CORS preflights carry no key
-        return httplib::Server::HandlerResponse::Unhandled;
-      if (req.get_header_value("Authorization") == "Bearer " + api_key) return httplib::Server::HandlerResponse::Unhandled;
-      send_json(res, 401, ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "", "invalid_api_key",
-                                   "authentication_error").body());
-      res.set_header("Connection", "close");  // the body was not read: this connection cannot carry another request
-      st->metrics.count_request(req.path, 401);
-      return httplib::Server::HandlerResponse::Handled;
-    });
-    svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-      std::string what = "internal error";
-      try {
-        std::rethrow_exception(ep);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
-      }
-      send_json(res, 500, ApiError(500, what, "", "", "server_error").body());
-    });
-    svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-      if (!res.body.empty()) return;
-      if (res.status == 404) send_json(res, 404, ApiError(404, "no route " + req.method + " " + req.path, "", "not_found").body());
-      else if (res.status == 413) send_json(res, 413, ApiError(413, "request body too large").body());
-    });
-
-    if (!cors_origin.empty()) {  // CORS: every response names the allowed origin; preflights are answered here
-      svr.set_default_headers({{"Access-Control-Allow-Origin", cors_origin}});
-      svr.Options(R"(.*)", [](const httplib::Request&, httplib::Response& res) {
-        res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
-        res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
-        res.set_header("Access-Control-Max-Age", "86400");
-        res.status = 204;
-      });
-    }
-    svr.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
-      if (st->ready) send_json(res, 200, {{"status", "ok"}});
-      else if (!st->load_error.empty()) send_json(res, 503, {{"status", "error"}, {"error", st->load_error}});
-      else send_json(res, 503, {{"status", "loading"}});
-    });
-    svr.Get("/", [&](const httplib::Request&, httplib::Response& res) { res.set_content(kIndexHtml, "text/html; charset=utf-8"); });
-    const auto model_json = [&] { return json{{"id", st->model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "llmq"}}; };
-    svr.Get("/v1/models", [&](const httplib::Request&, httplib::Response& res) {
-      send_json(res, 200, {{"object", "list"}, {"data", json::array({model_json()})}});
-      st->metrics.count_request("/v1/models", 200);
-    });
-    svr.Get(R"(/v1/models/(.+))", [&](const httplib::Request& req, httplib::Response& res) {
-      if (req.matches[1] != st->model_id) {
-        send_error(res, ApiError(404, "The model '" + std::string(req.matches[1]) + "' does not exist", "model", "model_not_found"));
-        return;
-      }
-      send_json(res, 200, model_json());
-    });
-    svr.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(*st, req, res, false); });
-    svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(*st, req, res, true); });
-    svr.Post("/tokenize", [&](const httplib::Request& req, httplib::Response& res) {
-      if (!st->ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
-      try {
-        const json j = parse_json_body(req.body);
-        if (!j.is_object() || !j.contains("content") || !j["content"].is_string()) throw ApiError(400, "'content' must be a string", "content");
-        const bool add_special = j.value("add_special", false), parse_special = j.value("parse_special", false);
-        send_json(res, 200, {{"tokens", st->model->tokenizer->encode(j["content"].get<std::string>(), add_special, parse_special)}});
-      } catch (const ApiError& e) {
-        send_error(res, e);
-      } catch (const json::exception& e) {
-        send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
-      }
-    });
-    svr.Post("/detokenize", [&](const httplib::Request& req, httplib::Response& res) {
-      if (!st->ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
-      try {
-        const json j = parse_json_body(req.body);
-        if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array()) throw ApiError(400, "'tokens' must be an array", "tokens");
-        std::vector<int32_t> ids;
-        for (const json& t : j["tokens"]) {
-          if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= int64_t(st->model->vocab.size()))
-            throw ApiError(400, "token ids must be integers in [0, vocab)", "tokens");
-          ids.push_back(t.get<int32_t>());
-        }
-        send_json(res, 200, {{"content", st->model->tokenizer->decode(ids)}});
-      } catch (const ApiError& e) {
-        send_error(res, e);
-      } catch (const json::exception& e) {
-        send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
-      }
-    });
-    svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
-      SchedulerStats s;
-      if (st->ready) s = st->scheduler->stats();
-      res.set_content(st->metrics.render(s), "text/plain; version=0.0.4");
-    });
+    add_guards(svr, *st, api_key);
+    add_routes(svr, *st, cors_origin);
 
     if (!svr.bind_to_port(host, port))
       throw UsageError("cannot listen on " + host + ":" + std::to_string(port) + " (in use, or not allowed)");
