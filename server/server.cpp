@@ -37,6 +37,7 @@
 #include "engine/generate.h"
 #include "server/api.h"
 #include "server/infill.h"
+#include "server/responses.h"
 #include "server/tool_calls.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -219,6 +220,7 @@ struct Reply {
   int64_t created;
   const char* endpoint;
   std::shared_ptr<void> in_flight;  ///< keeps st.active counted until the last copy goes
+  json responses_request = nullptr;  ///< /v1/responses: the request as sent (the reply is a Response); else null
 
   /// The one choice of a streamed response.
   const std::shared_ptr<GenRequest>& g() const { return gs.front(); }
@@ -302,6 +304,11 @@ std::pair<int, json> whole_body(const Reply& rp, const std::vector<std::vector<G
     if (rp.gs[i]->finish_reason.rfind("error", 0) == 0)
       return {500, ApiError(500, rp.gs[i]->finish_reason, "", "", "server_error").body()};
     choices.push_back(whole_choice(rp, i, events[i]));
+  }
+  if (!rp.responses_request.is_null()) {  // /v1/responses: one choice as a Response object
+    const json& m = choices[0]["message"];
+    return {200, response_object(rp.id, rp.created, rp.st.model_id, m["content"].is_string() ? m["content"].get<std::string>() : "",
+                                 m.value("tool_calls", json::array()), choices[0]["finish_reason"], rp.usage(), rp.responses_request)};
   }
   return {200, json{{"id", rp.id},
                     {"object", rp.chat ? "chat.completion" : "text_completion"},
@@ -531,6 +538,111 @@ void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
       });
 }
 
+// A /v1/responses stream in progress: its choice, the events' sequence number, the message
+// item (opened at the first text) and the text sent so far.
+struct ResponsesStream {
+  StreamChoice c;
+  int64_t seq = 0;
+  bool item_open = false;
+  std::string text;
+};
+
+// Responses streaming (OpenAI API reference, "Streaming events"): response.created, then per
+// text piece response.output_text.delta inside a message item, the items' done events,
+// function_call items, and response.completed with the whole Response.
+void respond_stream_responses(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
+  ServerState& st = rp->st;
+  res.set_header("Cache-Control", "no-cache");
+  auto state = std::make_shared<ResponsesStream>();
+  state->c = StreamChoice{rp->g(), 0, {}, false};
+  auto finished = std::make_shared<bool>(false);
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [&st, rp, state, finished](size_t, httplib::DataSink& sink) {
+        ResponsesStream& s = *state;
+        const std::string msg_id = "msg_" + rp->id.substr(5);
+        auto send = [&](const char* type, json e) {
+          e["type"] = type, e["sequence_number"] = s.seq++;
+          const std::string line = std::string("event: ") + type + "\ndata: " + dump(e) + "\n\n";
+          return sink.write(line.data(), line.size());
+        };
+        auto gone = [&] {
+          rp->cancel();
+          return false;
+        };
+        auto message_item = [&](const char* status) {
+          return json{{"type", "message"}, {"id", msg_id}, {"status", status}, {"role", "assistant"},
+                      {"content", s.item_open && std::string(status) == "completed"
+                                      ? json::array({{{"type", "output_text"}, {"text", s.text}, {"annotations", json::array()}}})
+                                      : json::array()}};
+        };
+        auto piece = [&](const std::string& text) {  // one text delta, opening the message item first
+          if (text.empty()) return true;
+          if (!s.item_open) {
+            s.item_open = true;
+            if (!send("response.output_item.added", {{"output_index", 0}, {"item", message_item("in_progress")}}) ||
+                !send("response.content_part.added", {{"item_id", msg_id}, {"output_index", 0}, {"content_index", 0},
+                                                      {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", json::array()}}}}))
+              return false;
+          }
+          s.text += text;
+          return send("response.output_text.delta",
+                      {{"item_id", msg_id}, {"output_index", 0}, {"content_index", 0}, {"delta", text}, {"logprobs", json::array()}});
+        };
+        if (s.seq == 0) {
+          json created = response_object(rp->id, rp->created, st.model_id, "", json::array(), "stop", nullptr, rp->responses_request);
+          created["status"] = "in_progress", created["output"] = json::array();
+          if (!send("response.created", {{"response", created}}) || !send("response.in_progress", {{"response", created}}))
+            return gone();
+        }
+        if (st.aborting) {  // shutting down past the drain timeout
+          rp->cancel();
+          send("error", {{"code", "server_error"}, {"message", "the server is shutting down: the response was cancelled"}, {"param", nullptr}});
+          sink.done();
+          *finished = true;
+          rp->record(503);
+          return true;
+        }
+        std::vector<GenEvent> events;
+        const bool alive = s.c.g->wait(&events, 200);
+        for (const GenEvent& e : events)
+          if (const json d = stream_delta(*rp, s.c, e); !d.is_null() && !piece(d["delta"].value("content", ""))) return gone();
+        if (alive) return sink.is_writable() ? true : gone();
+        json calls = json::array(), finish = Reply::finish_reason(*s.c.g);
+        for (const json& d : stream_end(*rp, s.c)) {
+          if (d.contains("finish_reason") && !d["finish_reason"].is_null()) finish = d["finish_reason"];
+          if (!d.contains("delta")) continue;
+          if (d["delta"].contains("content") && d["delta"]["content"].is_string() && !piece(d["delta"]["content"].get<std::string>()))
+            return gone();
+          for (const json& tc : d["delta"].value("tool_calls", json::array()))
+            calls.push_back({{"id", tc["id"]}, {"type", "function"}, {"function", tc["function"]}});
+        }
+        bool ok = true;
+        if (s.item_open) {
+          const json part = {{"type", "output_text"}, {"text", s.text}, {"annotations", json::array()}};
+          ok = send("response.output_text.done", {{"item_id", msg_id}, {"output_index", 0}, {"content_index", 0}, {"text", s.text}, {"logprobs", json::array()}}) &&
+               send("response.content_part.done", {{"item_id", msg_id}, {"output_index", 0}, {"content_index", 0}, {"part", part}}) &&
+               send("response.output_item.done", {{"output_index", 0}, {"item", message_item("completed")}});
+        }
+        for (size_t i = 0; ok && i < calls.size(); ++i) {
+          const json item = function_call_item(calls[i]);
+          const int64_t index = int64_t(i) + (s.item_open ? 1 : 0);
+          ok = send("response.output_item.added", {{"output_index", index}, {"item", item}}) &&
+               send("response.function_call_arguments.done", {{"item_id", item["id"]}, {"output_index", index}, {"arguments", item["arguments"]}}) &&
+               send("response.output_item.done", {{"output_index", index}, {"item", item}});
+        }
+        const json done = response_object(rp->id, rp->created, st.model_id, s.text, calls, finish, rp->usage(), rp->responses_request);
+        if (ok) send(done["status"] == "completed" ? "response.completed" : "response.incomplete", {{"response", done}});
+        sink.done();
+        *finished = true;
+        rp->record(200);
+        return true;
+      },
+      [rp, finished](bool) {
+        if (!*finished) rp->cancel();
+      });
+}
+
 // The generation parameters of every choice of r, in index order (prompt i's sample k at
 // i · n + k): each its own prompt tokens, seed (seed + k) and constraint; a sample after the
 // first of a prompt waits for the first's prefill, so it starts from the blocks the prefix cache
@@ -574,8 +686,11 @@ std::vector<GenParams> choice_params(const ServerState& st, CompletionRequest& r
   return out;
 }
 
-void handle_completion(ServerState& st, const httplib::Request& req, httplib::Response& res, bool chat) {
-  const char* endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
+// A completion request (`body`: a /v1/completions or /v1/chat/completions body; with
+// `responses_request` set, the chat translation of that /v1/responses request) parsed, queued and
+// answered, whole or streamed.
+void handle_generation(ServerState& st, const std::string& body, httplib::Response& res, bool chat, const char* endpoint,
+                       const json& responses_request = nullptr) {
   if (!st.ready) {
     send_json(res, 503, ApiError(503, "the model is loading", "", "", "server_error").body());
     return;
@@ -584,7 +699,8 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   CompletionRequest r;
   std::vector<GenParams> params;
   try {
-    r = parse_completion_request(req.body, chat, st.model_id, ctx, st.max_body);
+    r = parse_completion_request(body, chat, st.model_id, ctx, st.max_body);
+    if (!responses_request.is_null() && r.n != 1) throw ApiError(400, "/v1/responses takes no 'n'", "n");
     params = choice_params(st, r, ctx);
   } catch (const ApiError& e) {
     send_error(res, e);
@@ -609,12 +725,34 @@ void handle_completion(ServerState& st, const httplib::Request& req, httplib::Re
   }
 
   ++st.active;  // until the response is done: the last copy of `in_flight` goes with it
-  std::string id = std::string(chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
+  const bool responses = !responses_request.is_null();
+  std::string id = std::string(responses ? "resp_" : chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
   auto in_flight = std::shared_ptr<void>(nullptr, [&st](void*) { --st.active; });
-  auto reply = std::make_shared<Reply>(
-      Reply{st, std::move(gs), std::move(r), chat, std::move(id), int64_t(std::time(nullptr)), endpoint, std::move(in_flight)});
-  if (reply->r.stream) respond_stream(reply, res);
+  auto reply = std::make_shared<Reply>(Reply{st, std::move(gs), std::move(r), chat, std::move(id), int64_t(std::time(nullptr)),
+                                             endpoint, std::move(in_flight), responses_request});
+  if (reply->r.stream && responses) respond_stream_responses(reply, res);
+  else if (reply->r.stream) respond_stream(reply, res);
   else respond_whole(reply, res);
+}
+
+void handle_completion(ServerState& st, const httplib::Request& req, httplib::Response& res, bool chat) {
+  handle_generation(st, req.body, res, chat, chat ? "/v1/chat/completions" : "/v1/completions");
+}
+
+// POST /v1/responses: translated to a chat request (server/responses.h), answered as a Response.
+void handle_responses(ServerState& st, const httplib::Request& req, httplib::Response& res) {
+  json chat;
+  json request;
+  try {
+    if (req.body.size() > st.max_body) throw ApiError(413, "request body too large");
+    request = parse_json_body(req.body);
+    chat = responses_to_chat(request);
+  } catch (const ApiError& e) {
+    send_error(res, e);
+    st.metrics.count_request("/v1/responses", e.status);
+    return;
+  }
+  handle_generation(st, chat.dump(), res, true, "/v1/responses", request);
 }
 
 }  // namespace
@@ -735,6 +873,7 @@ static void add_routes(httplib::Server& svr, ServerState& st, const std::string&
   });
   svr.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(st, req, res, false); });
   svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(st, req, res, true); });
+  svr.Post("/v1/responses", [&](const httplib::Request& req, httplib::Response& res) { handle_responses(st, req, res); });
   svr.Post("/tokenize", [&](const httplib::Request& req, httplib::Response& res) {
     if (!st.ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
     try {
