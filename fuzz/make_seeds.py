@@ -339,6 +339,17 @@ def main():
     for i, (chat, b) in enumerate(more):
         put("server_request", "body-format-%d" % i, bytes([chat]) + json.dumps(b).encode())
 
+    responses = [
+        {"model": "smollm2", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 8, "temperature": 0},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+                   {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+                   {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+         "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}], "tool_choice": {"type": "function", "name": "w"},
+         "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "stream": True},
+    ]
+    for i, b in enumerate(responses):
+        put("server_request", "responses-%d" % i, bytes([2]) + json.dumps(b).encode())
+
     # structured_output: kind byte (0 schema, 1 grammar, 2 schema in tool-call tags, 3 json_object;
     # +4 strict) + the schema or grammar text.
     seeds = {

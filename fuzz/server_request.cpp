@@ -1,26 +1,31 @@
 // Fuzz target server_request: llmq-server's request parsing (server/api.*:
 // parse_completion_request) on arbitrary bodies, as /v1/completions or /v1/chat/completions.
 //
-// Input layout: byte 0 bit 0 picks the endpoint (1: chat); the rest is the body.
+// Input layout: byte 0 bit 0 picks the endpoint (1: chat), bit 1 /v1/responses (its body is
+// translated to a chat body first, server/responses.h); the rest is the body.
 // Checked: only ApiError is thrown (status 400, 404 or 413), and its JSON body serializes
 // (the server sends it); an accepted request has values in their documented ranges, and a
 // chat request's messages apply to the ChatML template (as the server then does).
 #include <cstdint>
 #include <string>
 
+#include "base/error.h"
 #include "text/chat.h"
 #include "fuzz/fuzz_common.h"
 #include "server/api.h"
+#include "server/responses.h"
 
 using namespace llmq;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  const bool chat = data[0] & 1u;
-  const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
+  const bool responses = data[0] & 2u;  // a /v1/responses body, translated to chat first
+  const bool chat = (data[0] & 1u) || responses;
+  std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
   constexpr int64_t kCtx = 2048;
   CompletionRequest r;
   try {
+    if (responses) body = responses_to_chat(parse_json_body(body)).dump();
     r = parse_completion_request(body, chat, "smollm2", kCtx, 1u << 16);
   } catch (const ApiError& e) {
     if (e.status != 400 && e.status != 404 && e.status != 413) fuzz::fail("unexpected status " + std::to_string(e.status));
@@ -37,7 +42,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (size_t i = 0; i < r.prompts(); ++i) (void)r.with_prompt(i);  // every prompt of a batch is there
   if (chat) {
     if (r.messages.empty()) fuzz::fail("a chat request without messages");
-    (void)ChatTemplate::by_name("chatml").apply_segments(r.messages, true);  // roles are valid: must not throw
+    // Roles are valid: ChatML renders them, but for tool turns (role tool, assistant tool_calls),
+    // which only templates with a tools section render (the server answers 400 there).
+    bool tool_turns = !r.tools.empty();
+    for (const ChatMessage& m : r.messages) tool_turns = tool_turns || m.role == "tool" || !m.tool_calls.empty();
+    try {
+      (void)ChatTemplate::by_name("chatml").apply_segments(r.messages, true);
+    } catch (const UsageError&) {
+      if (!tool_turns) throw;
+    }
   } else {
     for (int32_t id : r.prompt_ids)
       if (id < 0) fuzz::fail("negative prompt token id");
