@@ -128,7 +128,9 @@ def test_web_chat_stories(browser, servers, stories_model):
 
 def test_web_chat_smollm2(browser, servers, smol_model):
     """The real chat model: a second turn in the same conversation; screenshot web-chat.png."""
-    s = servers.start(smol_model, "--ctx", "512")
+    # The page asks for at most 512 tokens a reply: two turns always fit 2048 (at 512 a long first
+    # reply, sampled at temperature 1, once left no room for the second turn).
+    s = servers.start(smol_model, "--ctx", "2048")
     r = _chat_in_page(browser, s.url, "What is the capital of France? Answer in one sentence.", timeout=180)
     print(r)
     assert r["reply_class"] == "msg assistant", f"the page shows an error: {r['reply']}"
