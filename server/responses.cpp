@@ -94,7 +94,17 @@ void add_format(const json& body, json& chat) {
 
 }  // namespace
 
+static json chat_of(const json& body);  // responses_to_chat without the type-error guard
+
 json responses_to_chat(const json& body) {
+  try {
+    return chat_of(body);
+  } catch (const json::exception& e) {  // a value of the wrong type somewhere
+    bad(std::string("invalid request: ") + e.what(), "");
+  }
+}
+
+static json chat_of(const json& body) {
   if (!body.is_object()) bad("the request body must be a JSON object", "");
   if (body.contains("previous_response_id") && !body["previous_response_id"].is_null())
     bad("previous_response_id is not supported: responses are not stored; send the whole conversation as input",
