@@ -2965,7 +2965,8 @@ Value MacroFn::call(Ctx& c, Args& a) const {
   Object extra_kw;
   bool has_caller = false;
   for (const auto& [k, v] : a.kw) {
-    auto it = std::find_if(ps.begin(), ps.end(), [&](const Param& p) { return p.name == k; });
+    const std::string& key = k;  // (clang 14 cannot capture a structured binding)
+    auto it = std::find_if(ps.begin(), ps.end(), [&](const Param& p) { return p.name == key; });
     if (it != ps.end()) {
       const size_t i = size_t(it - ps.begin());
       if (have[i]) fail("macro '" + name + "' got multiple values for argument '" + k + "'");

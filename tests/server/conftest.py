@@ -35,6 +35,19 @@ STORIES_TOK = SHARED_DIR / "models" / "stories260K" / "tok512.bin"
 SMOL_GGUF = MODELS_DIR / "smollm2-135m-instruct-q4_1.gguf"
 QWEN_GGUF = MODELS_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
+# Texts that each name one contact (name, email, role), for the extraction tests
+# (test_structured.py, test_clients.py).
+CONTACT_TEXTS = ["Ana Lima is an engineer, reach her at ana@example.com.",
+                 "Contact: Bob Stone (manager) - bob.stone@corp.test",
+                 "Our designer Chen Wei can be emailed at chen@studio.example.",
+                 "Write to dara@example.org; Dara Okafor leads the team as manager.",
+                 "Eve (eve@lab.test) works as an engineer in the lab.",
+                 "Farid Haddad, designer, farid.h@example.net",
+                 "Gita Rao <gita@example.com> is the office manager.",
+                 "Hugo Martin handles support; email hugo@example.fr.",
+                 "Ines Costa sells our plans: ines.costa@example.pt",
+                 "For hiring questions ask Jon Park at jon.park@example.kr, he is a manager."]
+
 # What a crashed or sanitized run leaves in its log.
 CRASH_MARKERS = ("AddressSanitizer", "LeakSanitizer", "UndefinedBehaviorSanitizer", "runtime error:",
                  "terminate called", "Segmentation fault", "Aborted", "core dumped")

@@ -12,6 +12,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from conftest import CONTACT_TEXTS
+
 
 class Contact(BaseModel):
     name: str
@@ -19,16 +21,7 @@ class Contact(BaseModel):
     role: Literal["engineer", "manager", "designer", "sales", "other"]
 
 
-TEXTS = ["Ana Lima is an engineer, reach her at ana@example.com.",
-         "Contact: Bob Stone (manager) - bob.stone@corp.test",
-         "Our designer Chen Wei can be emailed at chen@studio.example.",
-         "Write to dara@example.org; Dara Okafor leads the team as manager.",
-         "Eve (eve@lab.test) works as an engineer in the lab.",
-         "Farid Haddad, designer, farid.h@example.net",
-         "Gita Rao <gita@example.com> is the office manager.",
-         "Hugo Martin handles support; email hugo@example.fr.",
-         "Ines Costa sells our plans: ines.costa@example.pt",
-         "For hiring questions ask Jon Park at jon.park@example.kr, he is a manager."]
+TEXTS = CONTACT_TEXTS  # conftest.py
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",

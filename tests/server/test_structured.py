@@ -13,6 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from conftest import CONTACT_TEXTS
+
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
                          "city": {"type": "string"}}}
@@ -121,14 +123,7 @@ def test_openai_parse_extracts_every_object(client, srv):
     """client.chat.completions.parse sends a strict json_schema from the pydantic model and parses
     the reply: what extraction libraries (instructor's JSON-schema mode, LangChain's
     with_structured_output) rely on. 8 of 8 must come back as objects."""
-    texts = ["Ana Lima is an engineer, reach her at ana@example.com.",
-             "Contact: Bob Stone (manager) - bob.stone@corp.test",
-             "Our designer Chen Wei can be emailed at chen@studio.example.",
-             "Write to dara@example.org; Dara Okafor leads the team as manager.",
-             "Eve (eve@lab.test) works as an engineer in the lab.",
-             "Farid Haddad, designer, farid.h@example.net",
-             "Gita Rao <gita@example.com> is the office manager.",
-             "Hugo Martin handles support; email hugo@example.fr."]
+    texts = CONTACT_TEXTS[:8]
     got = 0
     for t in texts:
         r = client.chat.completions.parse(model=srv.model_id, temperature=0, max_tokens=120, response_format=Contact,
