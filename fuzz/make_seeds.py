@@ -210,12 +210,12 @@ def gguf_bpe_vocab():
 
 def safetensors(entries, meta=None, pad=0):
     header, data = {}, b""
-    for name, dtype, shape, size in entries:
+    for name, dtype, shape, size, *given in entries:  # optionally the tensor's bytes
         n = size
         for d in shape:
             n *= d
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + n]}
-        data += bytes(rng.randrange(256) for _ in range(n))
+        data += given[0] if given else bytes(rng.randrange(256) for _ in range(n))
     if meta is not None:
         header["__metadata__"] = meta
     h = json.dumps(header).encode() + b" " * pad

@@ -5,10 +5,11 @@ reference logits. tests/test_transformers.cpp converts each with llmq-convert an
 F32 logits against these to 1e-4 relative.
 
 Run it through scripts/make_arch_fixtures.sh (it makes a venv with torch and transformers; CI
-does not need them: the fixtures are committed, each well under 2 MB).
+does not need them: configs, manifests and expected logits are committed, the weights regenerated).
 
-Each fixture directory holds what save_pretrained writes (config.json in transformers 5's form,
-with `rope_parameters`), config_legacy.json (the same model in the older form most Hub
+Each fixture directory holds config.json (in transformers 5's form, with `rope_parameters`),
+manifest.json (the tensors' names and shapes; the weights themselves are not committed: they
+come from a fixed generator, scripts/arch_fixture_files.py, which the test runs), config_legacy.json (the same model in the older form most Hub
 checkpoints still use: rope_theta, rope_scaling, rope_local_base_freq), and expected.json:
 {"cases": [{"ids": [...], "ctx": n, "rows": [positions], "logits": [[vocab floats] per row]}],
  "transformers": version, "torch": version}.
@@ -24,6 +25,7 @@ import gguf
 
 import torch
 import transformers
+from safetensors import safe_open
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
@@ -65,19 +67,6 @@ def models():
                              long_factor=[1.0 + 1.5 * i for i in range(half)])), [(12, 64), (80, 256)]
 
 
-def randomize(model, gemma):
-    """Every parameter random (norms near 1, or near 0 for Gemma's 1 + w), so nothing is a no-op."""
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-
-
 def legacy(cfg: dict, name: str) -> dict:
     """The config in the older keys (rope_theta, rope_scaling, rope_local_base_freq)."""
     out = {k: v for k, v in cfg.items() if k != "rope_parameters"}
@@ -99,96 +88,8 @@ def legacy(cfg: dict, name: str) -> dict:
     return out
 
 
-# Hugging Face tensor names -> llama.cpp's GGUF names, as its converter (convert_hf_to_gguf.py)
-# writes them; Phi-3's fused projections stay fused (attn_qkv, ffn_up holding gate and up).
-GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
-              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def spm_vocab(tok512):
-    """The stories260K tokenizer (llama2.c's format) as a GGUF SentencePiece vocabulary."""
-    b = open(tok512, "rb").read()
-    o, toks = 4, []
-    while o < len(b):
-        score, n = struct.unpack("<fi", b[o:o + 8])
-        piece = b[o + 8:o + 8 + n].decode("utf-8", "replace").strip("\n")
-        toks.append((piece.replace(" ", "\u2581"), score))
-        o += 8 + n
-    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else 1 for t, _ in toks]
-    return [t for t, _ in toks], [sc for _, sc in toks], types
-
-
-def llama3_factors(rp, head_dim):
-    """Llama 3.1's frequency scaling as divisors of the plain frequencies (transformers'
-    _compute_llama3_parameters, written as llama.cpp's converter stores it)."""
-    factor, lo, hi = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
-    orig = rp["original_max_position_embeddings"]
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * rp["rope_theta"] ** (i / head_dim)
-        if wavelen < orig / hi:
-            out.append(1.0)
-        elif wavelen > orig / lo:
-            out.append(factor)
-        else:
-            smooth = (orig / wavelen - lo) / (hi - lo)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return out
-
-
-def write_gguf(d, name, model, cfg, tok512):
-    """model as llama.cpp's converter writes a GGUF of it (F32), for the GGUF route's test."""
-    w = gguf.GGUFWriter(os.path.join(d, name + ".gguf"), name)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(head_dim)
-    rp = cfg.rope_parameters
-    w.add_rope_freq_base(rp["rope_theta"])
-    w.add_file_type(0)
-    if name == "phi3":
-        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
-        w.add_sliding_window(cfg.sliding_window or 0)
-        scale = cfg.max_position_embeddings / rp["original_max_position_embeddings"]
-        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rp["original_max_position_embeddings"])))
-        w.add_tensor("rope_factors_long.weight", torch.tensor(rp["long_factor"], dtype=torch.float32).numpy())
-        w.add_tensor("rope_factors_short.weight", torch.tensor(rp["short_factor"], dtype=torch.float32).numpy())
-    if rp.get("rope_type") == "llama3":  # the converter's per-frequency divisors (conversion/llama.py)
-        w.add_tensor("rope_freqs.weight", torch.tensor(llama3_factors(rp, head_dim), dtype=torch.float32).numpy())
-    tokens, scores, types = spm_vocab(tok512)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    for hf, t in model.state_dict().items():
-        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if hf.startswith("model.layers."):
-            layer, rest = hf[len("model.layers."):].split(".", 1)
-            out = f"blk.{layer}.{GGUF_LAYER[rest.rsplit('.', 1)[0]]}.{rest.rsplit('.', 1)[1]}"
-        else:
-            out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                   "lm_head.weight": "output.weight"}[hf]
-        if name == "llama" and out.endswith(("attn_q.weight", "attn_k.weight")):  # Meta's interleaved pairs
-            heads = cfg.num_attention_heads if out.endswith("attn_q.weight") else cfg.num_key_value_heads
-            t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
-        w.add_tensor(out, t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import arch_fixture_files  # noqa: E402  (the weights, written the same way here and in CI)
 
 
 def main():
@@ -198,12 +99,17 @@ def main():
     for name, cls, cfg, cases in models():
         d = os.path.join(root, name)
         shutil.rmtree(d, ignore_errors=True)
-        model = cls(cfg).float().eval()
-        randomize(model, name == "gemma3")
-        model.save_pretrained(d, safe_serialization=True)
+        cls(cfg).float().save_pretrained(d, safe_serialization=True)  # config.json, and the names and shapes
         for extra in ("generation_config.json",):
             if os.path.exists(os.path.join(d, extra)):
                 os.remove(os.path.join(d, extra))
+        with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+            names = [(k, list(f.get_slice(k).get_shape())) for k in f.keys()]
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            json.dump({"tensors": names, "gguf": name in ("phi3", "qwen3", "llama")}, f, indent=1)
+        # The weights CI regenerates (scripts/arch_fixture_files.py), loaded back: the logits are theirs.
+        arch_fixture_files.write(d, d, tok512)
+        model = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
         with open(os.path.join(d, "config.json")) as f:
             saved = json.load(f)
         with open(os.path.join(d, "config_legacy.json"), "w") as f:
@@ -217,10 +123,11 @@ def main():
             rows = list(range(n)) if n <= 16 else [0, 1, 31, 63, 64, n - 1]
             out["cases"].append({"ids": ids[0].tolist(), "ctx": ctx, "rows": rows,
                                  "logits": [[float(f"{x:.9g}") for x in logits[r].tolist()] for r in rows]})
-        if name in ("phi3", "qwen3", "llama"):  # no real GGUF of these (llama: with 3.1 scaling) reaches this machine
-            write_gguf(d, name, model, cfg, tok512)
         with open(os.path.join(d, "expected.json"), "w") as f:
             json.dump(out, f)
+        for weights in ("model.safetensors", name + ".gguf"):  # not committed: CI writes them again
+            if os.path.exists(os.path.join(d, weights)):
+                os.remove(os.path.join(d, weights))
         size = sum(os.path.getsize(os.path.join(d, x)) for x in os.listdir(d))
         print(f"{name}: {size / 1024:.0f} KiB, cases {[(n, c) for n, c in cases]}")
 

@@ -2,7 +2,8 @@
 // random-weight checkpoints written by transformers' own model classes (llama with Llama 3.1
 // RoPE scaling, mistral with a sliding window, qwen2, qwen3, gemma3 with sliding and global
 // layers, phi3 with fused projections, a window and LongRoPE's short and long factors) and their
-// float32 logits (tests/fixtures/transformers, made by scripts/make_arch_fixtures.py). Each is
+// float32 logits (tests/fixtures/transformers, made by scripts/make_arch_fixtures.py; the weights
+// come from a fixed generator, scripts/arch_fixture_files.py, run here). Each is
 // converted by llmq-convert to F32, once with config.json as transformers 5 writes it
 // (rope_parameters) and once in the older form most Hub checkpoints use (rope_theta,
 // rope_scaling); llmq's logits must equal transformers' to 1e-4 relative (max |diff| / max |ref|).
@@ -30,11 +31,20 @@ json read_json(const fs::path& p) {
   return json::parse(in);
 }
 
+// Writes the fixture's weights (not committed: scripts/arch_fixture_files.py makes them from a
+// fixed generator) into dir: model.safetensors, and <name>.gguf where the fixture has one.
+void write_weights(const std::string& name, const std::string& dir) {
+  const fs::path script = fs::path(__FILE__).parent_path().parent_path() / "scripts" / "arch_fixture_files.py";
+  const int rc = llmq::test::run("python3 " + script.string() + " " + (fixtures() / name).string() + " " + dir + " " +
+                                 llmq::test::shared("models/stories260K/tok512.bin"));
+  REQUIRE(rc == 0);
+}
+
 // The fixture `name` converted to F32 with the given config file as config.json; the .llmq path.
 std::string convert(const std::string& name, const std::string& config_file) {
   const std::string dir = llmq::test::scratch("hf_arch_" + name + "_" + config_file);
   fs::create_directories(dir);
-  fs::copy_file(fixtures() / name / "model.safetensors", dir + "/model.safetensors", fs::copy_options::overwrite_existing);
+  write_weights(name, dir);
   fs::copy_file(fixtures() / name / config_file, dir + "/config.json", fs::copy_options::overwrite_existing);
   const std::string out = dir + "/m.llmq", log = dir + "/convert.log";
   const int rc = llmq::test::run(llmq::test::bin("llmq-convert") + " " + dir + " -o " + out + " --type f32 --no-progress -f --tokenizer " +
@@ -95,7 +105,8 @@ TEST_CASE("transformers: GGUFs written as llama.cpp's converter writes them (lla
   for (const std::string name : {"llama", "qwen3", "phi3"}) {
     const std::string dir = llmq::test::scratch("gguf_arch_" + name), out = dir + "/m.llmq";
     fs::create_directories(dir);
-    const int rc = llmq::test::run(llmq::test::bin("llmq-convert") + " " + (fixtures() / name / (name + ".gguf")).string() + " -o " + out +
+    write_weights(name, dir);
+    const int rc = llmq::test::run(llmq::test::bin("llmq-convert") + " " + dir + "/" + name + ".gguf -o " + out +
                                    " --no-progress -f >" + dir + "/convert.log 2>&1");
     REQUIRE(rc == 0);
     const Diff d = compare(out, read_json(fixtures() / name / "expected.json"), name);
