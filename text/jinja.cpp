@@ -3,6 +3,7 @@
 #include "text/jinja.h"
 
 #include <algorithm>
+#include <initializer_list>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -1294,6 +1295,11 @@ class Parser {
   ExprP parse_math2();
   ExprP parse_pow();
   ExprP parse_unary(bool with_filter = true);
+  ExprP parse_unary_filtered() { return parse_unary(); }
+  // One left-associative level: operands from `operand`, joined by the keyword `word` (Or, And:
+  // node kind `kind`) or by the operators of `ops` (Bin nodes).
+  ExprP parse_logic(const char* word, EK kind, ExprP (Parser::*operand)());
+  ExprP parse_binary(std::initializer_list<std::pair<const char*, BinOp>> ops, ExprP (Parser::*operand)());
   ExprP parse_primary(bool with_namespace = false);
   ExprP parse_list();
   ExprP parse_dict();
@@ -1595,23 +1601,18 @@ ExprP Parser::parse_condexpr() {
   return e1;
 }
 
-ExprP Parser::parse_or() {
-  ExprP left = parse_and();
-  while (cur_name("or")) {
+ExprP Parser::parse_logic(const char* word, EK kind, ExprP (Parser::*operand)()) {
+  ExprP left = (this->*operand)();
+  while (cur_name(word)) {
     const int line = next().line;
-    left = fix_height(mk(EK::Or, line, std::move(left), parse_and()));
+    left = fix_height(mk(kind, line, std::move(left), (this->*operand)()));
   }
   return left;
 }
 
-ExprP Parser::parse_and() {
-  ExprP left = parse_not();
-  while (cur_name("and")) {
-    const int line = next().line;
-    left = fix_height(mk(EK::And, line, std::move(left), parse_not()));
-  }
-  return left;
-}
+ExprP Parser::parse_or() { return parse_logic("or", EK::Or, &Parser::parse_and); }
+
+ExprP Parser::parse_and() { return parse_logic("and", EK::And, &Parser::parse_not); }
 
 ExprP Parser::parse_not() {
   if (!cur_name("not")) return parse_compare();
@@ -1650,16 +1651,21 @@ ExprP Parser::parse_compare() {
   return cmp->list.empty() ? std::move(e) : fix_height(std::move(cmp));
 }
 
-ExprP Parser::parse_math1() {
-  ExprP left = parse_concat();
-  while (cur_op("+") || cur_op("-")) {
-    const Token& t = next();
-    ExprP e = mk(EK::Bin, t.line, std::move(left), parse_concat());
-    e->op = t.text == "+" ? BinOp::Add : BinOp::Sub;
+ExprP Parser::parse_binary(std::initializer_list<std::pair<const char*, BinOp>> ops, ExprP (Parser::*operand)()) {
+  ExprP left = (this->*operand)();
+  for (;;) {
+    const std::pair<const char*, BinOp>* hit = nullptr;
+    for (const auto& o : ops)
+      if (cur_op(o.first)) hit = &o;
+    if (!hit) return left;
+    const int line = next().line;
+    ExprP e = mk(EK::Bin, line, std::move(left), (this->*operand)());
+    e->op = hit->second;
     left = fix_height(std::move(e));
   }
-  return left;
 }
+
+ExprP Parser::parse_math1() { return parse_binary({{"+", BinOp::Add}, {"-", BinOp::Sub}}, &Parser::parse_concat); }
 
 ExprP Parser::parse_concat() {
   const int line = cur().line;
@@ -1672,26 +1678,10 @@ ExprP Parser::parse_concat() {
 }
 
 ExprP Parser::parse_math2() {
-  ExprP left = parse_pow();
-  while (cur_op("*") || cur_op("/") || cur_op("//") || cur_op("%")) {
-    const Token& t = next();
-    ExprP e = mk(EK::Bin, t.line, std::move(left), parse_pow());
-    e->op = t.text == "*" ? BinOp::Mul : t.text == "/" ? BinOp::Div : t.text == "//" ? BinOp::FloorDiv : BinOp::Mod;
-    left = fix_height(std::move(e));
-  }
-  return left;
+  return parse_binary({{"*", BinOp::Mul}, {"/", BinOp::Div}, {"//", BinOp::FloorDiv}, {"%", BinOp::Mod}}, &Parser::parse_pow);
 }
 
-ExprP Parser::parse_pow() {
-  ExprP left = parse_unary();
-  while (cur_op("**")) {
-    const int line = next().line;
-    ExprP e = mk(EK::Bin, line, std::move(left), parse_unary());
-    e->op = BinOp::Pow;
-    left = fix_height(std::move(e));
-  }
-  return left;
-}
+ExprP Parser::parse_pow() { return parse_binary({{"**", BinOp::Pow}}, &Parser::parse_unary_filtered); }
 
 ExprP Parser::parse_unary(bool with_filter) {
   Guard g(*this);
