@@ -1,6 +1,5 @@
 #include "server/structured.h"
 
-#include <mutex>
 
 #include "base/error.h"
 #include "text/tokenizer.h"
@@ -74,19 +73,18 @@ struct StructuredOutputs::Impl {
       : vocab(int(tok.n_vocab())), compiler(tokenizer_info(tok, stop), /*max_threads=*/2, /*cache_enabled=*/true,
                                             /*max_memory_bytes=*/int64_t(256) << 20) {}
   int vocab;
-  std::mutex mu;  // one compilation at a time (each uses the compiler's threads)
   xgrammar::GrammarCompiler compiler;
 };
 
-StructuredOutputs::StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids)
-    : impl_(std::make_unique<Impl>(tok, stop_ids)) {}
+StructuredOutputs::StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids) : tok_(tok), stop_ids_(stop_ids) {}
 
 bool StructuredOutputs::available() { return true; }
 
 std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputFormat& f) {
   if (f.kind == OutputFormat::Kind::Text) return nullptr;
   try {
-    std::lock_guard<std::mutex> lk(impl_->mu);
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!impl_) impl_ = std::make_unique<Impl>(tok_, stop_ids_);
     // json_object is OpenAI's "any JSON object" (xgrammar's built-in grammar takes any value).
     const std::string schema = f.kind == OutputFormat::Kind::JsonObject ? std::string(R"({"type": "object"})") : f.spec;
     const bool wrapped = !f.prefix.empty() || !f.suffix.empty();
@@ -108,7 +106,7 @@ std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputForma
 #else  // no grammar engine in this build
 
 struct StructuredOutputs::Impl {};
-StructuredOutputs::StructuredOutputs(const Tokenizer&, const std::vector<int32_t>&) {}
+StructuredOutputs::StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids) : tok_(tok), stop_ids_(stop_ids) {}
 bool StructuredOutputs::available() { return false; }
 std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputFormat& f) {
   if (f.kind == OutputFormat::Kind::Text) return nullptr;

@@ -9,6 +9,8 @@
 // step's mask from precomputed per-state token sets.
 #pragma once
 #include <memory>
+#include <mutex>
+#include <vector>
 #include <string>
 
 #include "engine/sampler.h"
@@ -31,7 +33,9 @@ struct OutputFormat {
 class StructuredOutputs {
  public:
   /// The vocabulary as xgrammar sees it: each token's bytes (Tokenizer::decode_piece after a
-  /// non-initial token), control tokens as special; `stop_ids` end a complete output.
+  /// non-initial token), control tokens as special; `stop_ids` end a complete output. Cheap: the
+  /// grammar engine's view of the vocabulary is built at the first constraint (not at start-up).
+  /// `tok` must outlive this object.
   StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids);
   ~StructuredOutputs();
   /// True when this build has the grammar engine.
@@ -42,7 +46,10 @@ class StructuredOutputs {
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  const Tokenizer& tok_;
+  std::vector<int32_t> stop_ids_;
+  std::mutex mu_;               // one compilation at a time (each uses the compiler's threads)
+  std::unique_ptr<Impl> impl_;  // made by the first constraint()
 };
 
 }  // namespace llmq
