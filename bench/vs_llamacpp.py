@@ -2,8 +2,9 @@
 """llmq against llama.cpp on the same GGUF bytes, side by side on this machine, interleaved.
 
 For each GGUF: llmq-convert (a lossless repack), then ROUNDS rounds of
-`llama-bench -m X.gguf -p P -n N -t T -r R -o json` and `llmq-bench -m X.llmq -p P -n N -t T -r R`,
-alternating; the best of the rounds of each. Prints one table (prefill pp and decode tg tok/s,
+`llama-bench -m X.gguf -p P -n N -t T -r R -o json` and `llmq-bench -m X.llmq -t T -r R` (`-p P -n 1`
+for prefill, `-p 1 -n N` for decode: from an empty context, as llama-bench's tg), alternating; the
+best of the rounds of each. Prints one table (prefill pp and decode tg tok/s,
 ratios llmq / llama.cpp, llmq's decode fraction of the measured read bandwidth and prefill fraction
 of the measured int8 dot-product peak) with the CPU model and ISA level, and the raw numbers as
 JSON lines on stderr.
@@ -45,8 +46,14 @@ def peer_round(peer, gguf, a):
 
 
 def llmq_round(model, a, env):
-    j = run_json([str(ROOT / "build/llmq-bench"), "-m", str(model), "-p", str(a.p), "-n", str(a.n), "-t", str(a.t),
-                  "-r", str(a.r)], env)
+    # Two runs, so that both tools measure the same work: llama-bench's tg decodes from an empty
+    # context, llmq-bench's decode follows its prompt (here 1 token instead of P, whose KV cache
+    # would add P positions of attention to every step).
+    bench = [str(ROOT / "build/llmq-bench"), "-m", str(model), "-t", str(a.t), "-r", str(a.r)]
+    pp = run_json(bench + ["-p", str(a.p), "-n", "1"], env)
+    j = run_json(bench + ["-p", "1", "-n", str(a.n)], env)
+    j["prefill_tok_s"] = pp["prefill_tok_s"]
+    j["prefill_fraction_of_int8_peak"] = pp.get("prefill_fraction_of_int8_peak", 0)
     return j
 
 
@@ -84,8 +91,8 @@ def main():
                 best_q = dict(q, prefill_tok_s=max(q["prefill_tok_s"], best_q["prefill_tok_s"] if best_q else 0))
         rows.append((g.stem, best_p, best_q))
     level = rows[0][2].get("cpu_kernels", "?") if rows else "?"
-    print(f"CPU: {cpu_model()}, llmq kernels: {level}, {a.t} threads, pp{a.p} / tg{a.n}, best of {a.rounds} "
-          f"interleaved rounds; peer: {peer}")
+    print(f"CPU: {cpu_model()}, llmq kernels: {level}, {a.t} threads, pp{a.p} / tg{a.n} (decode from an empty "
+          f"context, as llama-bench's tg), best of {a.rounds} interleaved rounds; peer: {peer}")
     print("| model | llmq pp | llama.cpp pp | ratio | llmq tg | llama.cpp tg | ratio | tg of read BW | pp of int8 peak |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, p, q in rows:

@@ -50,8 +50,8 @@ struct Model {
   const float* output_norm;  // [dim]
   Weight output;             // [vocab, dim] (the embedding when tied)
   std::vector<double> rope_freqs;  // [config.rope_tables(), head_dim/2] RoPE frequencies (ModelConfig::rope_freq_tables)
-  /// The matrices repacked for the CPU kernels at load (pack_weights; empty at the scalar and
-  /// AVX2 levels or with LLMQ_PACK=0). Their pages in the mapping are released after packing,
+  /// The matrices repacked for the CPU kernels at load (pack_weights; empty at the scalar
+  /// level or with LLMQ_PACK=0). Their pages in the mapping are released after packing,
   /// so the resident weight bytes stay about the file's.
   PackedWeights packed;
 

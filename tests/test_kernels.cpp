@@ -143,17 +143,9 @@ TEST_CASE("matmul at every CPU level matches the scalar path on awkward shapes",
   }
 }
 
-// Weights packed at load (pack_weights: AVX-512 panels of 16 rows, nibbles kept packed) are
-// the file's bytes rearranged; matmul on them must equal matmul on the file layout bit for bit
-// (same exact integer block sums, same fp32 sequence), for decode and batched prefill, any
-// thread count, partial panels and odd block counts, and for row slices (tensor parallelism).
-TEST_CASE("packed weights give bit-identical matmul results", "[kernels]") {
-  LevelGuard guard;
-  if (!cpu_level_supported(CpuLevel::Avx512)) {
-    WARN("SKIPPED: this CPU has no AVX-512 VNNI (the only level with a packed layout)");
-    return;
-  }
-  set_cpu_level(CpuLevel::Avx512);
+namespace {
+
+void check_packed_matmul(CpuLevel level) {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
@@ -173,7 +165,7 @@ TEST_CASE("packed weights give bit-identical matmul results", "[kernels]") {
       REQUIRE(packed.bytes() == packed_weights_bytes({&w.w}));
       REQUIRE(packed.bytes() % 64 == 0);
       for (int64_t T : Ts) {
-        INFO(dtype_name(t) << " rows " << sh.rows << " cols " << sh.cols << " T " << T);
+        INFO(cpu_level_name(level) << " " << dtype_name(t) << " rows " << sh.rows << " cols " << sh.cols << " T " << T);
         const auto x = gaussian(size_t(T * sh.cols), rng);
         std::vector<float> plain(size_t(T * sh.rows), NAN), p1(plain.size(), NAN), p3(plain.size(), NAN);
         MatmulScratch sc0, sc1, sc3;
@@ -199,6 +191,25 @@ TEST_CASE("packed weights give bit-identical matmul results", "[kernels]") {
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+// Weights packed at load (pack_weights: AVX-512 panels of 16 rows, AVX2 panels of 8, nibbles
+// kept packed) are the file's bytes rearranged; matmul on them must equal matmul on the file
+// layout bit for bit (same exact integer block sums, same fp32 sequence), for decode and
+// batched prefill, any thread count, partial panels and odd block counts, and for row slices
+// (tensor parallelism).
+TEST_CASE("packed weights give bit-identical matmul results", "[kernels]") {
+  LevelGuard guard;
+  for (CpuLevel level : {CpuLevel::Avx2, CpuLevel::Avx512}) {
+    if (!cpu_level_supported(level)) {
+      WARN("SKIPPED: this CPU has no " << cpu_level_name(level));
+      continue;
+    }
+    set_cpu_level(level);
+    check_packed_matmul(level);
   }
 }
 

@@ -98,13 +98,14 @@ using PackedWeights = HugeBuffer;
 /// packed layout, or LLMQ_PACK=0).
 uint64_t packed_weights_bytes(const std::vector<const Weight*>& ws);
 
-/// Repacks every weight of `ws` whose type has a packed layout at the active CPU level (AVX-512:
-/// every quantized type into 16-row panels, the file's bytes rearranged so that one panel is one
-/// sequential stream, the K-quants' scales widened to fp32; engine/cpu/cpu_x86.cpp) and points its `packed` at the copy. Other weights and
-/// other levels are left alone. The environment variable LLMQ_PACK=0 turns packing off (the
-/// AVX-512 kernels then pack each panel per call: for measurements only).
-/// Results of matmul are bit-identical with and without packing. The weights' `data` stays
-/// valid (the AVX2 and scalar levels read it). Throws std::bad_alloc if the copy does not fit.
+/// Repacks every weight of `ws` whose type has a packed layout at the active CPU level and points
+/// its `packed` at the copy (engine/cpu/cpu_x86.cpp): AVX-512 packs every quantized type into
+/// 16-row panels, AVX2 into 8-row panels (two per 16 rows), the file's bytes rearranged so that
+/// one panel is one sequential stream (AVX-512 widens the K-quants' scales to fp32; AVX2 keeps
+/// them as bytes). Other weights and the scalar level are left alone. The environment variable
+/// LLMQ_PACK=0 turns packing off (the kernels then pack each panel per call: for measurements
+/// only). Results of matmul are bit-identical with and without packing. The weights' `data`
+/// stays valid (the scalar level reads it). Throws std::bad_alloc if the copy does not fit.
 PackedWeights pack_weights(const std::vector<Weight*>& ws);
 
 /// Rows [r0, r0 + n) of w as a weight of their own (a view: data and, when w is packed and r0
@@ -134,7 +135,8 @@ void matmul_many(ThreadPool& pool, MatmulScratch& s, const float* x, int64_t T, 
 void ref_matmul(float* y, const float* x, int64_t T, const Weight& w);
 
 /// Runs `rounds` rounds of the active level's int8 peak loop (12 independent `vpdpbusd` per
-/// round at the AVX-512 level: engine/cpu/cpu_x86.h, Kernels::int8_dot_loop) on the calling thread
+/// round at the AVX-512 level, 24 `vpmaddubsw` + `vpaddw` at AVX2: engine/cpu/cpu_x86.h,
+/// Kernels::int8_dot_loop) on the calling thread
 /// and returns the multiply-adds done (12 · 64 · rounds); 0 when the level has no such loop.
 uint64_t int8_dot_peak_loop(int64_t rounds);
 

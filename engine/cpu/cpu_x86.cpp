@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LLMQ_X86 1
@@ -126,17 +127,6 @@ template <DType D>
 constexpr size_t quant_offset() {
   return D == DType::Q4_1 ? 4 : 2;
 }
-// True for the types whose AVX2 kernels decode blocks in registers (decode_block) and whose
-// GEMM panel is build_row_panel's.
-constexpr bool is_row_type(DType t) {
-  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
-}
-
-// AVX2, the types of is_row_type: tokens from which the panel GEMM (rows_gemm) replaces the
-// row-by-row kernel, and the bytes of one block of its 8-row panel (quants, then two fp32 rows).
-constexpr int64_t kRowGemmMinT = 16;
-constexpr size_t kRowPanelBlock = 256 + 64;
-
 // Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
 constexpr int32_t corr_factor(DType t) {
@@ -275,26 +265,6 @@ struct Vec {
 
 #include "engine/cpu/x86_float.inc"
 
-// ---- Q8_0 / Q4_0 / Q4_1: one block per step, lanes along K.
-//
-// `_mm256_maddubs_epi16` (u8 × s8, pairs summed to saturating int16) cannot take the unsigned
-// w+128 of Q8_0 (2·255·127 overflows int16), so signed weights use the sign trick:
-// |w| · (x·sign(w)), at most 2·128·127 = 32512 per pair. Q4_1's nibbles are unsigned already.
-
-// 32 weights of one block as bytes in natural order: signed (Q8_0, Q4_0: q-8) or unsigned (Q4_1).
-template <DType D>
-inline __m256i block_quants(const uint8_t* blk) {
-  if constexpr (D == DType::Q8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  } else {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quant_offset<D>()));
-    const __m256i z = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-    const __m256i q = _mm256_and_si256(z, _mm256_set1_epi8(0x0f));
-    if constexpr (D == DType::Q4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-    else return q;
-  }
-}
-
 // Stores C tokens' accumulators of 8 rows (lanes) at y + c·M, the first nrows lanes only.
 template <int C>
 inline void store_rows8(float* y, int64_t M, const __m256* acc, int nrows) {
@@ -307,229 +277,366 @@ inline void store_rows8(float* y, int64_t M, const __m256* acc, int nrows) {
   for (int c = 0; c < C; ++c) _mm256_maskstore_ps(y + c * M, mask, acc[c]);
 }
 
-// Tokens per pass of the GEMV over a group of rows.
-constexpr int kGemvTokens = 4;
-
-// Scratch of the GEMV: for 8 rows, the int32 block dot products of kGemvTokens tokens
-// [kGemvTokens][nb][8] (Q6_K: of each half block, twice that), then per block the two fp32
-// values of each row (the scale; the minimum or Q6_K's second scale) [nb][8] each (transposed:
-// rows are lanes, as in the GEMM).
-size_t gemv_scratch_bytes(DType t, int64_t nb) { return size_t(nb) * (kGemvTokens * 32 * (t == DType::Q6_K ? 2 : 1) + 64); }
-
-// The block decoders of the types of is_row_type (below).
-struct BlockScales {
-  float a0, a1, m;
+// ---- Quantized matmul: 8-row panels, packed once at load (pack_weights) or per call.
+//
+// A panel holds 8 consecutive rows, block after block along K, as one sequential stream (the
+// file's bytes rearranged, the same size but for K-quant scales), rows in the 8 int32 lanes:
+// quant vector j (0..3) of a block holds in lane i the bytes 4j..4j+3 of row i's 16 nibble
+// bytes, whose low nibbles are quants 4j..4j+3 and high nibbles quants 16+4j..16+4j+3 (Q8_0: 8
+// vectors, lane i = signed quants 4j..4j+3 of row i). A block decodes in registers to 8
+// vectors u_J (J = 0..7: lane i = quants 4J..4J+3 of row i), each the partner of one 4-byte
+// broadcast of a token's activations: one decode serves C tokens, and as rows are lanes no
+// horizontal sum is needed. The same tile serves decode (C = 1..3) and prefill (C = 4), so
+// batched prefill equals token-by-token decode bit for bit. Per block:
+//   [quants QB][high bits HB][scales SB]   (K-quants: a header of HDR bytes per super-block)
+// - high bits (Q5_0/Q5_1/Q5_K: one vector, Q6_K: two): byte 4i+k holds the bits that u_J's
+//   quant k of row i misses: Q5 bit J = bit 4; Q6_K vector J/4, bits 2(J%4)+{0,1} = bits 4-5.
+// - scales: Q4_0/Q5_0/Q8_0 d[8] f16; Q4_1/Q5_1 d[8], m[8] f16; Q4_K/Q5_K the 6-bit sc[8] and
+//   min[8] as bytes (header: d[8] and −dmin[8] as f16); Q6_K sc_lo[8], sc_hi[8] int8 (header d[8]).
+// Bytes per block of 8 rows: Q4_0 144 (the file's 144), Q4_1 160, Q5_0 176, Q5_1 192, Q8_0 272
+// (all as the file), Q4_K 148 (file 144), Q5_K 180 (176), Q6_K 210 (210).
+//
+// Integer part: `_mm256_maddubs_epi16` (unsigned u × signed x, pairs summed to saturating
+// int16), summed in int16 over G vectors where that cannot overflow (Q4: 8 · 2·15·127 = 30480;
+// 5-bit: 4 · 2·31·127 = 31496; Q6_K: 2 · 2·63·127 = 32004), then widened. The offsets come
+// back as integer corrections (Q4_0 −8·Σx, Q5_0 −16·Σx, Q6_K −32 per half block: prepare_quant).
+// Q8_0's signed quants take the sign trick |w| · (x·sign(w)) (at most 2·128·127 per pair),
+// widened per vector. fp32 part per block: acc = fma(float(dot), a0·d_x, acc), then
+// fma(m, s_x, acc) for the types with a minimum (Q6_K: the two halves with their own scales).
+template <DType D>
+struct Pk8 {
+  static constexpr DType kType = D;
+  static constexpr bool kQ8 = D == DType::Q8_0;
+  static constexpr bool kSuper = D == DType::Q4_K || D == DType::Q5_K || D == DType::Q6_K;
+  static constexpr bool kMin = D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
+  static constexpr bool kCorr = D == DType::Q4_0 || D == DType::Q5_0;  // a whole-block integer correction
+  static constexpr int kHighBits = D == DType::Q6_K ? 2 : (D == DType::Q5_0 || D == DType::Q5_1 || D == DType::Q5_K) ? 1 : 0;
+  static constexpr int G = D == DType::Q6_K ? 2 : kHighBits ? 4 : 8;  // vectors summed in int16
+  static constexpr size_t QB = kQ8 ? 256 : 128, HB = 32 * size_t(kHighBits);
+  static constexpr size_t SB = D == DType::Q4_1 || D == DType::Q5_1 ? 32 : 16;
+  static constexpr size_t BLOCK = QB + HB + SB;
+  static constexpr size_t HDR = !kSuper ? 0 : D == DType::Q6_K ? 16 : 32;
+  static size_t panel_bytes(int64_t K) { return size_t(K / QK) * BLOCK + size_t(K / QK / 8) * HDR; }
+  // Two panels (16 rows, the matmul's unit of work) rounded up to 64 bytes.
+  static size_t pair_bytes(int64_t K) { return (2 * panel_bytes(K) + 63) / 64 * 64; }
 };
-template <DType D>
-inline __m256i decode_block(const uint8_t* row, int64_t b, BlockScales& s);
-template <DType D>
-constexpr int quant_zero() {
-  return D == DType::Q5_0 ? 16 : D == DType::Q6_K ? 32 : 0;
-}
-// Whether the GEMV takes the block's quants as signed (sign trick) or unsigned.
-template <DType D>
-constexpr bool gemv_signed() {
-  return D == DType::Q8_0 || D == DType::Q4_0 || quant_zero<D>() != 0;
-}
-// Whether a block adds a minimum term m·s_x (the types of the form d·q + m).
-template <DType D>
-constexpr bool has_min() {
-  return D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
+
+template <class F>
+auto with_pk8(DType t, F&& f) {
+  switch (t) {
+    case DType::Q8_0: return f(Pk8<DType::Q8_0>{});
+    case DType::Q4_0: return f(Pk8<DType::Q4_0>{});
+    case DType::Q4_1: return f(Pk8<DType::Q4_1>{});
+    case DType::Q5_0: return f(Pk8<DType::Q5_0>{});
+    case DType::Q5_1: return f(Pk8<DType::Q5_1>{});
+    case DType::Q4_K: return f(Pk8<DType::Q4_K>{});
+    case DType::Q5_K: return f(Pk8<DType::Q5_K>{});
+    default: return f(Pk8<DType::Q6_K>{});
+  }
 }
 
-// Block b of a row for the GEMV: its quants (signed with the offset removed, or unsigned), and
-// the two fp32 values of its row: the scale, and the minimum (Q4_1: m; Q5_1/Q4_K/Q5_K: −m) or
-// Q6_K's second scale.
+size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
+  if (!is_quantized(type)) return 0;
+  return with_pk8(type, [&](auto pk) { return size_t((rows + 15) / 16) * pk.pair_bytes(cols); });
+}
+
+// Row i (of 8) of block b of a row at its places in a packed block (q, hb, sc), from the file's
+// bytes (Q8_0) or the decoded block (formats/quant.h decode_quant_block).
 template <DType D>
-inline __m256i gemv_block(const uint8_t* row, int64_t b, float& s0, float& s1) {
-  if constexpr (is_row_type(D)) {
-    BlockScales s;
-    __m256i q = decode_block<D>(row, b, s);
-    s0 = s.a0, s1 = D == DType::Q6_K ? s.a1 : -s.m;
-    if constexpr (quant_zero<D>() != 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(quant_zero<D>()));
-    return q;
+void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, uint8_t* sc) {
+  using P = Pk8<D>;
+  if constexpr (P::kQ8) {
+    const uint8_t* blk = row + size_t(b) * sizeof(BlockQ8_0);
+    for (int j = 0; j < 8; ++j) std::memcpy(q + 32 * j + 4 * i, blk + 2 + 4 * j, 4);
+    std::memcpy(sc + 2 * i, blk, 2);
+    return;
+  }
+  QuantBlock qb;
+  decode_quant_block(D, row, b, qb);
+  for (int j = 0; j < 4; ++j)
+    for (int k = 0; k < 4; ++k) {
+      const int lo = qb.q[4 * j + k], hi = qb.q[16 + 4 * j + k], at = 4 * i + k;
+      q[32 * j + at] = uint8_t((lo & 15) | (hi & 15) << 4);
+      if constexpr (P::kHighBits == 1) hb[at] = uint8_t(hb[at] | ((lo >> 4) & 1) << j | ((hi >> 4) & 1) << (4 + j));
+      if constexpr (P::kHighBits == 2) {
+        hb[at] = uint8_t(hb[at] | ((lo >> 4) & 3) << (2 * j));
+        hb[32 + at] = uint8_t(hb[32 + at] | ((hi >> 4) & 3) << (2 * j));
+      }
+    }
+  if constexpr (D == DType::Q4_0 || D == DType::Q4_1 || D == DType::Q5_0 || D == DType::Q5_1) {
+    const uint8_t* blk = row + size_t(b) * dtype_info(D).block_bytes;
+    std::memcpy(sc + 2 * i, blk, 2);                                    // d
+    if constexpr (P::kMin) std::memcpy(sc + 16 + 2 * i, blk + 2, 2);  // m
+  } else if constexpr (D == DType::Q6_K) {
+    const auto* scales = reinterpret_cast<const int8_t*>(row + size_t(b / 8) * sizeof(BlockQ6_K) + 192);
+    sc[i] = uint8_t(scales[2 * (b % 8)]), sc[8 + i] = uint8_t(scales[2 * (b % 8) + 1]);
   } else {
-    const uint8_t* blk = row + size_t(b) * block_size<D>();
-    s0 = f16(load_u16(blk)), s1 = D == DType::Q4_1 ? f16(load_u16(blk + 2)) : 0.0f;
-    return block_quants<D>(blk);
+    int s, m;
+    k_quant_scale_min(int(b % 8), row + size_t(b / 8) * dtype_info(D).block_bytes + 4, &s, &m);
+    sc[i] = uint8_t(s), sc[8 + i] = uint8_t(m);
   }
 }
 
-inline int32_t hsum_i32x4(__m128i s) {
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+// The super-block header of row i: d (Q6_K), or d and −dmin (the sign flipped: exact).
+template <DType D>
+void pack_header8(const uint8_t* row, int64_t s, int i, uint8_t* hdr) {
+  if constexpr (D == DType::Q6_K) {
+    std::memcpy(hdr + 2 * i, row + size_t(s) * sizeof(BlockQ6_K) + 208, 2);
+  } else {
+    const uint8_t* sb = row + size_t(s) * dtype_info(D).block_bytes;
+    std::memcpy(hdr + 2 * i, sb, 2);
+    const uint16_t neg_min = uint16_t(load_u16(sb + 2) ^ 0x8000u);
+    std::memcpy(hdr + 16 + 2 * i, &neg_min, 2);
+  }
 }
 
-// Few tokens (below the GEMM's threshold): the weights are read in place, row after row, each
-// block decoded once for up to 4 tokens; the exact integer dot product of every block is stored
-// transposed, and per 8 rows the fp32 part runs with rows in lanes, the instruction sequence of
-// gemm_tile / row_gemm_tile, so that GEMV and GEMM results are bit-identical.
+// Rows 8p .. 8p+7 of w as one packed panel at out (Pk8::panel_bytes; rows past the matrix zero).
 template <DType D>
-void gemv(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  constexpr int C = kGemvTokens;
-  constexpr bool kHalves = D == DType::Q6_K;
-  const int64_t M = w.rows, nb = a.nb, T = a.T;
-  const size_t rs = w.row_stride();
-  auto* DT = reinterpret_cast<int32_t*>(scratch);  // [C][nb][8], Q6_K: first halves
-  int32_t* DT2 = DT + size_t(C) * size_t(nb) * 8;  // Q6_K: second halves
-  auto* WT = reinterpret_cast<float*>(scratch + size_t(nb) * C * 32 * (kHalves ? 2 : 1));
-  auto* MT = WT + nb * 8;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = r0; g < r1; g += 8) {
-    const int n = int(std::min<int64_t>(8, r1 - g));
-    for (int64_t t0 = 0; t0 < T; t0 += C) {
-      const int nc = int(std::min<int64_t>(C, T - t0));
-      if (n < 8) std::memset(scratch, 0, gemv_scratch_bytes(D, nb));
-      for (int i = 0; i < n; ++i) {
-        const uint8_t* row = w.data + size_t(g + i) * rs;
-        for (int64_t b = 0; b < nb; ++b) {
-          const __m256i q = gemv_block<D>(row, b, WT[b * 8 + i], MT[b * 8 + i]);
-          const __m256i aq = gemv_signed<D>() ? _mm256_sign_epi8(q, q) : q;  // unsigned operand
-          for (int c = 0; c < nc; ++c) {
-            __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq[(t0 + c) * nb + b].qs));
-            if constexpr (gemv_signed<D>()) xv = _mm256_sign_epi8(xv, q);
-            const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xv), ones);
-            if constexpr (kHalves) {
-              DT[(c * nb + b) * 8 + i] = hsum_i32x4(_mm256_castsi256_si128(d));
-              DT2[(c * nb + b) * 8 + i] = hsum_i32x4(_mm256_extracti128_si256(d, 1));
-            } else {
-              DT[(c * nb + b) * 8 + i] = hsum_i32(d);
-            }
-          }
-        }
-      }
-      for (int c = 0; c < nc; ++c) {
-        const BlockQ8Act* xq = a.xq + (t0 + c) * nb;
-        __m256 acc = _mm256_setzero_ps();  // as gemm_tile, lanes = rows g .. g+7
-        for (int64_t b = 0; b < nb; ++b) {
-          const __m256i s32 = _mm256_load_si256(reinterpret_cast<const __m256i*>(DT + (c * nb + b) * 8));
-          const __m256 dx = _mm256_set1_ps(xq[b].d);
-          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_load_ps(WT + b * 8), dx), acc);
-          if constexpr (kHalves) {
-            const __m256i h32 = _mm256_load_si256(reinterpret_cast<const __m256i*>(DT2 + (c * nb + b) * 8));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h32), _mm256_mul_ps(_mm256_load_ps(MT + b * 8), dx), acc);
-          }
-          if constexpr (has_min<D>()) acc = _mm256_fmadd_ps(_mm256_load_ps(MT + b * 8), _mm256_set1_ps(xq[b].s), acc);
-        }
-        store_rows8<1>(y + (t0 + c) * M + g, M, &acc, n);
-      }
+void pack_panel8(const Weight& w, int64_t p, uint8_t* out) {
+  using P = Pk8<D>;
+  const int64_t nb = w.cols / QK, nrows = std::min<int64_t>(8, w.rows - p * 8);
+  std::memset(out, 0, P::panel_bytes(w.cols));  // padding rows; high bits are OR-ed
+  for (int i = 0; i < nrows; ++i) {
+    const uint8_t* row = w.row(p * 8 + i);
+    uint8_t* o = out;
+    for (int64_t b = 0; b < nb; ++b) {
+      if constexpr (P::kSuper)
+        if (b % 8 == 0) pack_header8<D>(row, b / 8, i, o), o += P::HDR;
+      pack_block8<D>(row, b, i, o, o + P::QB, o + P::QB + P::HB);
+      o += P::BLOCK;
     }
   }
 }
 
-// ---- GEMM (many tokens): 8 rows per panel, one 32-byte vector = 4 quants of each of 8 rows.
-// Q8_0 keeps the signed quants and their absolute values (sign trick, int32 per group of 4);
-// Q4_0/Q4_1 keep the unsigned nibbles, whose pair products (at most 2·15·127) can be summed in
-// int16 over a whole block before one widening `_mm256_madd_epi16`.
-
-// Tokens from which the repacked GEMM beats the in-place GEMV (dev/cpu/bench_matmul on Zen 4:
-// the Q8_0 sign trick costs the GEMM more).
-constexpr int64_t gemm_min_t(DType t) { return t == DType::Q8_0 ? 32 : is_row_type(t) ? kRowGemmMinT : 16; }
-
-template <DType D>
-constexpr size_t panel_block_bytes() {
-  return D == DType::Q8_0 ? 8 * 32 * 2 + 32 : 8 * 32 + 64;  // quants (+|quants|), d_w, (m)
+void pack_quant(const Weight& w, uint8_t* out) {
+  if (!is_quantized(w.type)) return;
+  with_pk8(w.type, [&](auto pk) {
+    constexpr DType D = decltype(pk)::kType;
+    const size_t pb = pk.panel_bytes(w.cols), pair = pk.pair_bytes(w.cols);
+    for (int64_t p = 0; p < (w.rows + 15) / 16 * 2; ++p) pack_panel8<D>(w, p, out + size_t(p / 2) * pair + size_t(p % 2) * pb);
+    if (pair > 2 * pb)
+      for (int64_t u = 0; u < (w.rows + 15) / 16; ++u) std::memset(out + size_t(u) * pair + 2 * pb, 0, pair - 2 * pb);
+    return 0;
+  });
 }
 
+template <int N, class F>
+inline void static_for(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(std::make_integer_sequence<int, N>{});
+}
+
+inline __m256i loadu256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <bool Signed>
+inline __m256 bytes8_ps(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+
+// Quant vector u_J of a packed block (q: its quants, hb: its high bits).
+template <DType D, int J>
+inline __m256i quant_vec(const uint8_t* q, const uint8_t* hb) {
+  using P = Pk8<D>;
+  if constexpr (P::kQ8) {
+    return loadu256(q + 32 * J);
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i v = loadu256(q + 32 * (J % 4));
+    __m256i u = J < 4 ? _mm256_and_si256(v, low4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if constexpr (P::kHighBits == 1) {  // bit J of the byte to bit 4
+      const __m256i h = _mm256_and_si256(loadu256(hb), _mm256_set1_epi8(char(1 << J)));
+      u = _mm256_or_si256(u, J <= 4 ? _mm256_slli_epi16(h, 4 - J) : _mm256_srli_epi16(h, J - 4));
+    } else if constexpr (P::kHighBits == 2) {  // bits 2(J%4), 2(J%4)+1 to bits 4, 5
+      constexpr int s = 2 * (J % 4);
+      const __m256i h = _mm256_and_si256(loadu256(hb + 32 * (J / 4)), _mm256_set1_epi8(char(3 << s)));
+      u = _mm256_or_si256(u, s <= 4 ? _mm256_slli_epi16(h, 4 - s) : _mm256_srli_epi16(h, s - 4));
+    }
+    return u;
+  }
+}
+
+// The block's fp32 scales of the 8 rows: a0 (Q6_K: first half) and a1 (the minimum term's
+// factor m or −m, or Q6_K's second half scale); dsup/msup: the super-block's d and −dmin.
 template <DType D>
-void build_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb) {
-  constexpr size_t BS = block_size<D>(), PB = panel_block_bytes<D>();
-  alignas(16) uint16_t dh[8], mh[8];
-  const size_t rs = w.row_stride();
+inline void block_scales(const uint8_t* sc, __m256 dsup, __m256 msup, __m256& a0, __m256& a1) {
+  if constexpr (D == DType::Q4_K || D == DType::Q5_K) {
+    a0 = _mm256_mul_ps(dsup, bytes8_ps<false>(sc)), a1 = _mm256_mul_ps(msup, bytes8_ps<false>(sc + 8));
+  } else if constexpr (D == DType::Q6_K) {
+    a0 = _mm256_mul_ps(dsup, bytes8_ps<true>(sc)), a1 = _mm256_mul_ps(dsup, bytes8_ps<true>(sc + 8));
+  } else {
+    a0 = f16x8(sc);
+    a1 = Pk8<D>::kMin ? f16x8(sc + 16) : _mm256_setzero_ps();
+  }
+}
+
+// One token's fp32 step for a block of 8 rows: lo (Q6_K: first half, hi the second) are the
+// exact integer dots without the offset correction `corr` (prepare_quant's, of this token and
+// block); acc += float(dot) · a0·d_x (+ a1·s_x for the types with a minimum).
+template <DType D>
+inline __m256 block_fp(__m256 acc, __m256i lo, __m256i hi, __m256 a0, __m256 a1, const BlockQ8Act& xa, int32_t corr) {
+  const __m256 dx = _mm256_set1_ps(xa.d);
+  if constexpr (D == DType::Q6_K) {
+    const auto k = uint32_t(corr);
+    lo = _mm256_add_epi32(lo, _mm256_set1_epi32(-32 * int32_t(int16_t(k & 0xffffu))));
+    hi = _mm256_add_epi32(hi, _mm256_set1_epi32(-32 * int32_t(int16_t(k >> 16))));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(a0, dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(a1, dx), acc);
+  }
+  if constexpr (Pk8<D>::kCorr) lo = _mm256_add_epi32(lo, _mm256_set1_epi32(corr));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(a0, dx), acc);
+  if constexpr (Pk8<D>::kMin) acc = _mm256_fmadd_ps(a1, _mm256_set1_ps(xa.s), acc);
+  return acc;
+}
+
+inline __m256i bcast4(const int8_t* x) { return _mm256_set1_epi32(int(load_u32(x))); }
+
+// The integer dots of C tokens (x[c]: a token's 32 quantized activations of the block) with the
+// block's quant vectors vec(J), J = 0..7: int16 sums over groups of G vectors, widened and added
+// (Q8_0: the sign trick, widened per vector). lo/hi as block_fp's.
+template <DType D, int C, class V>
+inline void block_dots(const V& vec, const int8_t* const* x, __m256i* lo, __m256i* hi) {
+  using P = Pk8<D>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (P::kQ8) {  // sign trick, widened per vector
+    for (int c = 0; c < C; ++c) lo[c] = _mm256_setzero_si256();
+    static_for<8>([&](auto J) {
+      const __m256i w = vec(J), aw = _mm256_sign_epi8(w, w);
+      for (int c = 0; c < C; ++c)
+        lo[c] = _mm256_add_epi32(lo[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(x[c] + 4 * J), w)), ones));
+    });
+    return;
+  }
+  static_for<8 / P::G>([&](auto g) {
+    constexpr int J0 = decltype(g)::value * P::G;
+    __m256i s16[C];
+    for (int c = 0; c < C; ++c) s16[c] = _mm256_setzero_si256();
+    static_for<P::G>([&](auto jj) {
+      const __m256i u = vec(std::integral_constant<int, J0 + decltype(jj)::value>{});
+      for (int c = 0; c < C; ++c) s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(u, bcast4(x[c] + 4 * (J0 + decltype(jj)::value))));
+    });
+    __m256i* dst = D == DType::Q6_K && J0 >= 4 ? hi : lo;  // Q6_K: vectors 0-3 are the first half
+    for (int c = 0; c < C; ++c) {
+      const __m256i w32 = _mm256_madd_epi16(s16[c], ones);
+      dst[c] = J0 == 0 || (D == DType::Q6_K && J0 == 4) ? w32 : _mm256_add_epi32(dst[c], w32);
+    }
+  });
+}
+
+// Prefill: from this many tokens, the quant vectors of a panel (not Q8_0's: those are loads
+// already) are decoded once per call into the thread's scratch, [nb][8] vectors (expand_panel8),
+// and the tiles take one token at a time from there (decoding in registers for every tile of
+// 4 tokens cost 16% of SmolLM2's Q4_1 prefill, Zen 4 at the AVX2 level). Same integers, so the
+// same bits.
+constexpr int64_t kExpandMinT = 8;
+
+template <DType D>
+void expand_panel8(const uint8_t* panel, int64_t nb, uint8_t* out) {
+  using P = Pk8<D>;
+  const uint8_t* p = panel;
   for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* pb = panel + size_t(b) * PB;
-    auto* W = reinterpret_cast<uint32_t*>(pb);
-    for (int i = 0; i < 8; ++i) {
-      if (i >= nrows) {
-        for (int j = 0; j < 8; ++j) W[j * 8 + i] = 0;
-        dh[i] = mh[i] = 0;
-        continue;
-      }
-      const uint8_t* blk = w.data + size_t(r + i) * rs + size_t(b) * BS;
-      dh[i] = load_u16(blk);
-      if constexpr (D == DType::Q8_0) {
-        for (int j = 0; j < 8; ++j) W[j * 8 + i] = load_u32(blk + 2 + 4 * j);
-      } else {
-        if constexpr (D == DType::Q4_1) mh[i] = load_u16(blk + 2);
-        const uint8_t* qs = blk + quant_offset<D>();
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t u = load_u32(qs + 4 * j);
-          W[j * 8 + i] = u & 0x0f0f0f0fu;
-          W[(j + 4) * 8 + i] = (u >> 4) & 0x0f0f0f0fu;
-        }
-      }
-    }
-    if constexpr (D == DType::Q8_0) {
-      for (int j = 0; j < 8; ++j) {
-        const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + 32 * j));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + 256 + 32 * j), _mm256_sign_epi8(q, q));
-      }
-      _mm256_store_ps(reinterpret_cast<float*>(pb + 512), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
-    } else {
-      _mm256_store_ps(reinterpret_cast<float*>(pb + 256), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh))));
-      _mm256_store_ps(reinterpret_cast<float*>(pb + 288), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh))));
-    }
+    if constexpr (P::kSuper)
+      if (b % 8 == 0) p += P::HDR;
+    static_for<8>([&](auto J) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + size_t(b) * 256 + 32 * J), quant_vec<D, J>(p, p + P::QB));
+    });
+    p += P::BLOCK;
   }
 }
 
+// 8 packed rows × C tokens (xq, corr: [C][nb]); outputs y[c·M + i] for the first nrows rows.
+// A block's 8 quant vectors (decoded here, or expand_panel8's from ex) stay in registers while a
+// rolled loop takes the tokens one after another: unrolled, GCC interleaved the 4 tokens' 32
+// products and spilled them (prefill −25%). Q8_0 takes the C tokens together per vector.
 template <DType D, int C>
-void gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, int nrows) {
-  constexpr size_t PB = panel_block_bytes<D>();
-  const __m256i ones = _mm256_set1_epi16(1);
+void tile8(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, int nrows,
+           const uint8_t* ex = nullptr) {
+  using P = Pk8<D>;
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  __m256 dsup = _mm256_setzero_ps(), msup = _mm256_setzero_ps();
+  const uint8_t* p = panel;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* pb = panel + size_t(b) * PB;
-    const auto* W = reinterpret_cast<const __m256i*>(pb);
-    for (int c = 0; c < C; ++c) {
-      const BlockQ8Act& xa = xq[c * nb + b];
-      __m256i s32;
-      if constexpr (D == DType::Q8_0) {
-        s32 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(int(load_u32(xa.qs + 4 * j))), _mm256_load_si256(W + j));
-          s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256(W + 8 + j), xs), ones));
-        }
-      } else {
-        __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(W), _mm256_set1_epi32(int(load_u32(xa.qs))));
-        for (int j = 1; j < 8; ++j)
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256(W + j), _mm256_set1_epi32(int(load_u32(xa.qs + 4 * j)))));
-        s32 = _mm256_madd_epi16(s16, ones);
-        if constexpr (D == DType::Q4_0) s32 = _mm256_add_epi32(s32, _mm256_set1_epi32(corr[c * nb + b]));
+    if constexpr (P::kSuper)
+      if (b % 8 == 0) {
+        dsup = f16x8(p);
+        if constexpr (P::kMin) msup = f16x8(p + 16);
+        p += P::HDR;
       }
-      const __m256 dw = _mm256_load_ps(reinterpret_cast<const float*>(pb + (D == DType::Q8_0 ? 512 : 256)));
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(xa.d)), acc[c]);
-      if constexpr (D == DType::Q4_1)
-        acc[c] = _mm256_fmadd_ps(_mm256_load_ps(reinterpret_cast<const float*>(pb + 288)), _mm256_set1_ps(xa.s), acc[c]);
+    const uint8_t *q = p, *hb = p + P::QB;
+    __m256 a0, a1;
+    block_scales<D>(hb + P::HB, dsup, msup, a0, a1);
+    p += P::BLOCK;
+    if constexpr (P::kQ8) {  // C tokens at once
+      __m256i lo[C], hi[C] = {};
+      const int8_t* x[C];
+      for (int c = 0; c < C; ++c) x[c] = xq[c * nb + b].qs;
+      block_dots<D, C>([&](auto J) { return quant_vec<D, decltype(J)::value>(q, hb); }, x, lo, hi);
+      for (int c = 0; c < C; ++c) acc[c] = block_fp<D>(acc[c], lo[c], hi[c], a0, a1, xq[c * nb + b], corr[c * nb + b]);
+      continue;
+    }
+    __m256i u[8];  // the block's 8 quant vectors in registers, then token after token
+    if (ex) static_for<8>([&](auto J) { u[J] = _mm256_load_si256(reinterpret_cast<const __m256i*>(ex + size_t(b) * 256) + J); });
+    else static_for<8>([&](auto J) { u[J] = quant_vec<D, J>(q, hb); });
+#pragma GCC unroll 1
+    for (int c = 0; c < C; ++c) {
+      const int8_t* x = xq[c * nb + b].qs;
+      __m256i l, h = _mm256_setzero_si256();
+      block_dots<D, 1>([&](auto J) { return u[J]; }, &x, &l, &h);
+      acc[c] = block_fp<D>(acc[c], l, h, a0, a1, xq[c * nb + b], corr[c * nb + b]);
     }
   }
   store_rows8<C>(y, M, acc, nrows);
 }
 
-// The panel GEMM of 8 rows for type D: Q8_0/Q4_0/Q4_1 (build_panel, gemm_tile) or the types of
-// is_row_type (build_row_panel, row_gemm_tile, defined below).
-template <DType D, int C>
-void row_gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, int nrows);
-template <DType D>
-void build_row_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb);
+// Where the expanded quant vectors start in the thread scratch (after a panel, 64-aligned).
+inline size_t expand_offset(size_t panel_bytes) { return (panel_bytes + 63) / 64 * 64; }
 
+// Rows [r0, r1) (r0 a multiple of 16), all T tokens, 4 per tile. A weight that was not packed
+// at load (tests, LLMQ_PACK=0, a row slice not starting on a panel) has each panel packed into
+// the thread's scratch first: the same tiles, so the same bits.
 template <DType D>
-void gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* panel) {
-  constexpr int C = 4;
+void packed_matmul8(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
+  using P = Pk8<D>;
   const int64_t M = w.rows, T = a.T, nb = a.nb;
+  const size_t pb = P::panel_bytes(w.cols), pair = P::pair_bytes(w.cols);
   for (int64_t r = r0; r < r1; r += 8) {
+    const int64_t p = r / 8;
+    const uint8_t* panel = w.packed + size_t(p / 2) * pair + size_t(p % 2) * pb;
+    if (!w.packed) pack_panel8<D>(w, p, scratch), panel = scratch;
     const int nrows = int(std::min<int64_t>(8, r1 - r));
-    if constexpr (is_row_type(D)) build_row_panel<D>(panel, w, r, nrows, nb);
-    else build_panel<D>(panel, w, r, nrows, nb);
     const auto tile = [&](auto cc, int64_t t) {
-      constexpr int CC = decltype(cc)::value;
-      if constexpr (is_row_type(D)) row_gemm_tile<D, CC>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
-      else gemm_tile<D, CC>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+      tile8<D, decltype(cc)::value>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
     };
     int64_t t = 0;
-    for (; t + C <= T; t += C) tile(std::integral_constant<int, C>{}, t);
-    for (; t < T; ++t) tile(std::integral_constant<int, 1>{}, t);
+    if (!P::kQ8 && T >= kExpandMinT) {
+      uint8_t* ex = scratch + expand_offset(pb);
+      expand_panel8<D>(panel, nb, ex);
+      for (; t + 4 <= T; t += 4) tile8<D, 4>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows, ex);
+    }
+    for (; t + 4 <= T; t += 4) tile(std::integral_constant<int, 4>{}, t);
+    switch (T - t) {
+      case 3: tile(std::integral_constant<int, 3>{}, t); break;
+      case 2: tile(std::integral_constant<int, 2>{}, t); break;
+      case 1: tile(std::integral_constant<int, 1>{}, t); break;
+      default: break;
+    }
   }
+}
+
+// The AVX2 int8 peak: 12 chains of vpmaddubsw + vpaddw (the pair the tiles are built on), two
+// per chain and round: 24 · 32 = 12 · 64 byte products per round, as the AVX-512 loop's.
+int64_t int8_dot_loop(int64_t rounds) {
+  __m256i a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_epi16(short(i));
+  __m256i u = _mm256_set1_epi32(0x01020304), v = _mm256_set1_epi32(0x05060708);
+  for (int64_t r = 0; r < rounds; ++r) {
+    asm volatile("" : "+x"(u), "+x"(v));
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_add_epi16(a[i], _mm256_maddubs_epi16(u, v));
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_add_epi16(a[i], _mm256_maddubs_epi16(v, u));
+  }
+  __m256i s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm256_add_epi16(s, a[i]);
+  return _mm_cvtsi128_si32(_mm256_castsi256_si128(s));
 }
 
 size_t prep_bytes(DType, int64_t, int64_t) { return 0; }
@@ -537,150 +644,19 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
   if (type == DType::Q6_K) fill_corr_halves(a.xq + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
   else fill_corr(type, sums + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
 }
+// Scratch: one panel, for weights that were not packed at load, then (prefill) its expanded
+// quant vectors.
 size_t thread_bytes(DType type, int64_t T, int64_t K) {
-  if (T < gemm_min_t(type)) return gemv_scratch_bytes(type, K / QK);
-  if (is_row_type(type)) return size_t(K / QK) * kRowPanelBlock;
-  return size_t(K / QK) * (type == DType::Q8_0 ? panel_block_bytes<DType::Q8_0>() : panel_block_bytes<DType::Q4_1>());
-}
-
-// ---- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: each 32-weight block decoded in registers, row by row.
-//
-// A block decodes to 32 unsigned quants and the scales of formats/quant.h's QuantBlock
-// (w = a_h·(q − o) − m, h the half). The offset is removed first (q − o fits int8), so the
-// dot product takes the sign trick as Q8_0's and needs no correction; the int32 lanes of
-// `_mm256_madd_epi16` hold elements 4l..4l+3, so lanes 0-3 are the first half (scale a0) and
-// lanes 4-7 the second (a1): one fp32 vector of scales serves Q6_K's 16-weight sub-blocks.
-// Every output is computed by the same instruction sequence whatever T, r0 and r1 are.
-
-// Byte i of the result is 0x10 when bit i of x is set, else 0.
-inline __m256i bits_to_0x10(uint32_t x) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(int(x)), _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-}
-// 16 bytes of nibbles as 32 values: low nibbles (weights 0..15), then high nibbles (16..31).
-inline __m256i nibbles_32(const uint8_t* qs) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
-                          _mm256_set1_epi8(0x0f));
-}
-// 32 bytes at p shifted right by `shift` bits, masked: one field of packed K-quant bytes.
-inline __m256i field_32(const uint8_t* p, int shift, int mask) {
-  return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), shift),
-                          _mm256_set1_epi8(char(mask)));
-}
-
-// Block b (of 32 weights) of a row: its quants q (0 ≤ q < 64) and scales.
-template <DType D>
-inline __m256i decode_block(const uint8_t* row, int64_t b, BlockScales& s) {
-  if constexpr (D == DType::Q5_0 || D == DType::Q5_1) {
-    constexpr size_t BS = D == DType::Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ5_1), H = D == DType::Q5_0 ? 2 : 4;
-    const uint8_t* blk = row + size_t(b) * BS;
-    s.a0 = s.a1 = f16(load_u16(blk));
-    s.m = D == DType::Q5_1 ? -f16(load_u16(blk + 2)) : 0.0f;
-    return _mm256_or_si256(nibbles_32(blk + H + 4), bits_to_0x10(load_u32(blk + H)));
-  } else if constexpr (D == DType::Q4_K || D == DType::Q5_K) {
-    constexpr bool five = D == DType::Q5_K;
-    const uint8_t* blk = row + size_t(b / 8) * (five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K));
-    const int j = int(b % 8);
-    int scale, min;
-    k_quant_scale_min(j, blk + 4, &scale, &min);
-    s.a0 = s.a1 = f16(load_u16(blk)) * float(scale);
-    s.m = f16(load_u16(blk + 2)) * float(min);
-    const __m256i q = field_32(blk + (five ? 48 : 16) + 32 * (j / 2), 4 * (j % 2), 0x0f);
-    if constexpr (!five) return q;
-    else return _mm256_or_si256(q, _mm256_slli_epi16(field_32(blk + 16, j, 1), 4));
-  } else {  // Q6_K: weights 32j .. 32j+31 of the super-block (formats/quant.h's bit layout)
-    const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ6_K);
-    const int j = int(b % 8), h = j / 4, jj = j % 4;
-    const float d = f16(load_u16(blk + 208));
-    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    s.a0 = d * float(scales[2 * j]), s.a1 = d * float(scales[2 * j + 1]), s.m = 0.0f;
-    const __m256i lo = field_32(blk + 64 * h + 32 * (jj % 2), 4 * (jj / 2), 0x0f);
-    return _mm256_or_si256(lo, _mm256_slli_epi16(field_32(blk + 128 + 32 * h, 2 * jj, 3), 4));
-  }
-}
-
-// Many tokens: 8 rows per panel built per call from the decoded blocks, as the Q4 GEMM's panels:
-// per block 8 vectors (vector j, lane i = quants 4j..4j+3 of row i, unsigned), then a0 of the 8
-// rows and their second value (Q6_K: a1; the types with a minimum: −m) as fp32. The unsigned
-// pair products fit int16 over 8 vectors (Q4_K: 8·2·15·127), 4 (5-bit: 31496) or 2 (Q6_K:
-// 32004); Q5_0's offset comes back as the −16·Σx correction, Q6_K's as −32 per half.
-template <DType D>
-void build_row_panel(uint8_t* panel, const Weight& w, int64_t r, int nrows, int64_t nb) {
-  alignas(32) uint8_t tmp[32];
-  const size_t rs = w.row_stride();
-  for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* pb = panel + size_t(b) * kRowPanelBlock;
-    auto* W = reinterpret_cast<uint32_t*>(pb);
-    auto* sc = reinterpret_cast<float*>(pb + 256);
-    for (int i = 0; i < 8; ++i) {
-      BlockScales s{0, 0, 0};
-      if (i < nrows) _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), decode_block<D>(w.data + size_t(r + i) * rs, b, s));
-      else std::memset(tmp, 0, sizeof tmp);
-      for (int j = 0; j < 8; ++j) W[j * 8 + i] = load_u32(tmp + 4 * j);
-      sc[i] = s.a0, sc[8 + i] = D == DType::Q6_K ? s.a1 : -s.m;
-    }
-  }
-}
-
-template <DType D, int C>
-void row_gemm_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8Act* xq, const int32_t* corr, int nrows) {
-  constexpr int G = D == DType::Q4_K ? 8 : D == DType::Q6_K ? 2 : 4;  // vectors summed in int16
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* pb = panel + size_t(b) * kRowPanelBlock;
-    const auto* W = reinterpret_cast<const __m256i*>(pb);
-    const __m256 a0 = _mm256_load_ps(reinterpret_cast<const float*>(pb + 256));
-    const __m256 a1 = _mm256_load_ps(reinterpret_cast<const float*>(pb + 288));
-    for (int c = 0; c < C; ++c) {
-      const BlockQ8Act& xa = xq[c * nb + b];
-      __m256i part[8 / G];
-      for (int g = 0; g < 8 / G; ++g) {
-        __m256i s16 = _mm256_setzero_si256();
-        for (int j = g * G; j < g * G + G; ++j)
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256(W + j), _mm256_set1_epi32(int(load_u32(xa.qs + 4 * j)))));
-        part[g] = _mm256_madd_epi16(s16, ones);
-      }
-      const __m256 dx = _mm256_set1_ps(xa.d);
-      if constexpr (D == DType::Q6_K) {
-        const auto k = uint32_t(corr[c * nb + b]);
-        const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_set1_epi32(-32 * int32_t(int16_t(k & 0xffffu))));
-        const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(part[2], part[3]), _mm256_set1_epi32(-32 * int32_t(int16_t(k >> 16))));
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(a0, dx), acc[c]);
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(a1, dx), acc[c]);
-      } else {
-        __m256i s32 = part[0];
-        for (int g = 1; g < 8 / G; ++g) s32 = _mm256_add_epi32(s32, part[g]);
-        if constexpr (D == DType::Q5_0) s32 = _mm256_add_epi32(s32, _mm256_set1_epi32(corr[c * nb + b]));
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(a0, dx), acc[c]);
-        if constexpr (D != DType::Q5_0) acc[c] = _mm256_fmadd_ps(a1, _mm256_set1_ps(xa.s), acc[c]);
-      }
-    }
-  }
-  store_rows8<C>(y, M, acc, nrows);
-}
-
-template <DType D>
-void gemv_or_gemm(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  if (a.T < gemm_min_t(D)) gemv<D>(y, a, w, r0, r1, scratch);
-  else gemm<D>(y, a, w, r0, r1, scratch);
+  return with_pk8(type, [&](auto pk) {
+    return expand_offset(pk.panel_bytes(K)) + (!pk.kQ8 && T >= kExpandMinT ? size_t(K / QK) * 256 : 0);
+  });
 }
 
 void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  switch (w.type) {
-    case DType::Q8_0: gemv_or_gemm<DType::Q8_0>(y, a, w, r0, r1, scratch); break;
-    case DType::Q4_0: gemv_or_gemm<DType::Q4_0>(y, a, w, r0, r1, scratch); break;
-    case DType::Q4_1: gemv_or_gemm<DType::Q4_1>(y, a, w, r0, r1, scratch); break;
-    case DType::Q5_0: gemv_or_gemm<DType::Q5_0>(y, a, w, r0, r1, scratch); break;
-    case DType::Q5_1: gemv_or_gemm<DType::Q5_1>(y, a, w, r0, r1, scratch); break;
-    case DType::Q4_K: gemv_or_gemm<DType::Q4_K>(y, a, w, r0, r1, scratch); break;
-    case DType::Q5_K: gemv_or_gemm<DType::Q5_K>(y, a, w, r0, r1, scratch); break;
-    default: gemv_or_gemm<DType::Q6_K>(y, a, w, r0, r1, scratch); break;
-  }
+  with_pk8(w.type, [&](auto pk) {
+    packed_matmul8<decltype(pk)::kType>(y, a, w, r0, r1, scratch);
+    return 0;
+  });
 }
 
 // Keys transposed ([hd, bt]): 8 positions per vector, four partial sums over j mod 4 per head.
@@ -1399,8 +1375,8 @@ const Kernels* kernels_avx2() {
                          avx2::matmul_quant, avx2::dot,         avx2::axpy,
                          avx2::attn_scores, avx2::attn_accumulate, avx2::attn_scores_bf16,
                          avx2::attn_accumulate_bf16, nullptr, avx2::softmax,
-                         avx2::swiglu,      nullptr,             nullptr,
-                         nullptr};
+                         avx2::swiglu,      avx2::packed_bytes,  avx2::pack_quant,
+                         avx2::int8_dot_loop};
   return &k;
 }
 

@@ -77,7 +77,8 @@ struct Kernels {
   void (*pack_quant)(const Weight& w, uint8_t* out);
   /// `rounds` rounds of 12 independent vpdpbusd (zmm: 64 unsigned × signed byte products
   /// added into int32 lanes), the instruction the packed GEMM is built on, with nothing else:
-  /// the int8 multiply-add peak of one core is 12 · 64 · rounds / seconds. Returns a value
+  /// the int8 multiply-add peak of one core is 12 · 64 · rounds / seconds (AVX2: 24 vpmaddubsw ymm
+  /// + vpaddw per round, the same product count). Returns a value
   /// that depends on every result. Null when the level has no such loop.
   int64_t (*int8_dot_loop)(int64_t rounds);
 };
