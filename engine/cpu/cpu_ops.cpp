@@ -550,6 +550,7 @@ void swiglu(float* gate, const float* up, int64_t n) {
 }
 
 void geglu(float* gate, const float* up, int64_t n) {
+  if (const x86::Kernels* k = active_kernels()) return k->geglu(gate, up, n);
   constexpr float kSqrt2OverPi = 0.7978845608028654f;
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];

@@ -211,7 +211,8 @@ float softmax(float* x, int64_t n, float* max_out = nullptr);
 void swiglu(float* gate, const float* up, int64_t n);
 /// GeGLU (Shazeer 2020; Gemma): gate[i] = gelu(gate[i]) * up[i], gelu by its tanh approximation
 /// 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³))) (Hendrycks & Gimpel 2016; PyTorch's
-/// gelu(approximate="tanh"), which Gemma's `gelu_pytorch_tanh` is). Scalar at every level.
+/// gelu(approximate="tanh"), which Gemma's `gelu_pytorch_tanh` is). The SIMD levels compute the same
+/// function as g·sigmoid(2·√(2/π)·(g + 0.044715·g³)) with their vector e^x.
 void geglu(float* gate, const float* up, int64_t n);
 /// The gated activation of `act` (models/config.h): swiglu or geglu.
 void gated_act(Activation act, float* gate, const float* up, int64_t n);

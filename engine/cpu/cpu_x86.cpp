@@ -18,11 +18,10 @@
 // Q8_0 as w+128 (corr = -128·Σx), Q4_0 as the raw nibble q = w+8 (corr = -8·Σx); Q4_1's
 // nibble is unsigned already (its minimum m enters as m·s_x per block, s_x = d_x·Σq_x).
 // AVX2 keeps Q8_0 signed and uses |w|·(x·sign w), because (w+128)·x overflows int16 pairs;
-// its GEMV does the same for Q4_0's q-8, its GEMM uses the nibble with the -8·Σx correction.
-// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: AVX-512 as above (the 5th and 6th bits kept as bit masks beside
-// the nibbles, Q5_0's offset 16 corrected as Q4_0's 8, Q6_K's 32 per half block); AVX2 decodes
-// each block in registers (decode_block): its GEMV reads rows in place as Q4_0's does (offsets
-// removed before the sign trick), its GEMM builds 8-row panels of the decoded quants.
+// its other types use the unsigned nibbles with the same corrections as AVX-512.
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the 5th and 6th bits kept as bit planes beside the nibbles,
+// Q5_0's offset 16 corrected as Q4_0's 8, Q6_K's 32 per half block. Both levels read weights
+// packed at load into panels of rows (AVX-512 16, AVX2 8; see their sections).
 //
 // Float weights (F32/F16/BF16): fp32 activations, tiles of R rows × C tokens with one vector
 // accumulator per output along K (F16 by F16C, BF16 by a 16-bit shift), a fixed-order
@@ -867,10 +866,10 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
 //   others: 4 vectors; vector j, lane r holds in its low nibbles the low 4 bits of elements
 //           4j..4j+3 of row r, in its high nibbles those of elements 16+4j..16+4j+3 (for Q4_0
 //           and Q4_1 these are the file's quant bytes 4j..4j+3).
-// high bits (formats/quant.h's QuantBlock q ≥ 16): one 64-bit mask per quant vector and bit,
-//   bit 4r+k = that bit of the element in byte k of lane r: Q5_0/Q5_1/Q5_K 8 masks of bit 4
-//   (4 for the low nibbles, then 4 for the high ones; 64 bytes); Q6_K those of bit 4, then of
-//   bit 5 (128 bytes).
+// high bits (formats/quant.h's QuantBlock q ≥ 16): one 64-byte bit plane per bit, byte 4r+k
+//   holding in bit J that bit of the element in byte k of lane r of quant vector J (J = 0..3
+//   the low nibbles of vectors 0..3, 4..7 their high nibbles): Q5_0/Q5_1/Q5_K the plane of
+//   bit 4 (64 bytes); Q6_K that of bit 4, then of bit 5 (128 bytes).
 // scales of the 16 rows: Q8_0/Q4_0/Q5_0 d as fp16 (32 bytes); Q4_1/Q5_1 d, then m, as fp16
 //   (64); Q4_K/Q5_K a = d·sc, then the added minimum −dmin·m, as fp32 (128; both exact
 //   products of the file's fields); Q6_K the two half-block scales d·sc as fp32 (128).
@@ -930,16 +929,13 @@ void pack_block_bytes(const uint8_t* blk, int i, uint8_t* q, uint8_t* sc) {
 // The other types from their decoded block (formats/quant.h decode_quant_block).
 template <DType D>
 void pack_block_decoded(const QuantBlock& qb, int i, uint8_t* q, uint8_t* hb, uint8_t* sc) {
-  auto* masks = reinterpret_cast<uint64_t*>(hb);  // 64-aligned
   for (int j = 0; j < 4; ++j)
     for (int k = 0; k < 4; ++k) {
       const uint8_t lo = qb.q[4 * j + k], hi = qb.q[16 + 4 * j + k];
-      q[64 * j + 4 * i + k] = uint8_t((lo & 15) | (hi & 15) << 4);
-      const int bit = 4 * i + k;
-      for (int h = 0; h < Pk<D>::kHighBits; ++h) {
-        masks[8 * h + j] |= uint64_t((lo >> (4 + h)) & 1) << bit;
-        masks[8 * h + 4 + j] |= uint64_t((hi >> (4 + h)) & 1) << bit;
-      }
+      const int at = 4 * i + k;
+      q[64 * j + at] = uint8_t((lo & 15) | (hi & 15) << 4);
+      for (int h = 0; h < Pk<D>::kHighBits; ++h)  // bit plane h: bit J of byte `at` for vector J
+        hb[64 * h + at] = uint8_t(hb[64 * h + at] | ((lo >> (4 + h)) & 1) << j | ((hi >> (4 + h)) & 1) << (4 + j));
     }
   if constexpr (Pk<D>::kF32Scales) {
     auto* f = reinterpret_cast<float*>(sc);
@@ -957,7 +953,7 @@ template <DType D>
 void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
   using P = Pk<D>;
   const int64_t nb = w.cols / QK, nrows = std::min<int64_t>(16, w.rows - p * 16);
-  if (nrows < 16 || nb % 2 || P::kHighBits) std::memset(out, 0, P::panel_bytes(w.cols));  // padding; masks are OR-ed
+  if (nrows < 16 || nb % 2 || P::kHighBits) std::memset(out, 0, P::panel_bytes(w.cols));  // padding; bit planes are OR-ed
   QuantBlock qb;
   for (int i = 0; i < nrows; ++i) {
     const uint8_t* row = w.row(p * 16 + i);
@@ -1006,17 +1002,19 @@ inline int32_t tile_corr(const BlockQ8Act* xq, const int32_t* corr, int64_t nb, 
 }
 
 // The low (h = 0) or high (h = 1) nibbles of quant vector v, with the high bits of that vector
-// (j: its index 0..3) added back from the masks.
+// (j: its index 0..3) added back from the bit planes (a byte mask by one vptestmb each: the
+// planes were stored as 64-bit masks first, and their kmovq loads made Q5_0 decode read 50% of
+// the bandwidth where AVX2 read 73%).
 template <DType D>
 inline __m512i nibbles_with_high_bits(__m512i v, const uint8_t* hb, int j, int h) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i low4 = _mm512_set1_epi8(0x0f), bit = _mm512_set1_epi8(char(1 << (4 * h + j)));
   __m512i n = h ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4) : _mm512_and_si512(v, low4);
   if constexpr (Pk<D>::kHighBits > 0) {
-    const __mmask64 m4 = _cvtu64_mask64(load_u64(hb + 8 * (4 * h + j)));
+    const __mmask64 m4 = _mm512_test_epi8_mask(_mm512_load_si512(hb), bit);
     n = _mm512_mask_add_epi8(n, m4, n, _mm512_set1_epi8(0x10));
   }
   if constexpr (Pk<D>::kHighBits > 1) {
-    const __mmask64 m5 = _cvtu64_mask64(load_u64(hb + 64 + 8 * (4 * h + j)));
+    const __mmask64 m5 = _mm512_test_epi8_mask(_mm512_load_si512(hb + 64), bit);
     n = _mm512_mask_add_epi8(n, m5, n, _mm512_set1_epi8(0x20));
   }
   return n;
@@ -1375,7 +1373,7 @@ const Kernels* kernels_avx2() {
                          avx2::matmul_quant, avx2::dot,         avx2::axpy,
                          avx2::attn_scores, avx2::attn_accumulate, avx2::attn_scores_bf16,
                          avx2::attn_accumulate_bf16, nullptr, avx2::softmax,
-                         avx2::swiglu,      avx2::packed_bytes,  avx2::pack_quant,
+                         avx2::swiglu,      avx2::geglu,         avx2::packed_bytes,  avx2::pack_quant,
                          avx2::int8_dot_loop};
   return &k;
 }
@@ -1388,7 +1386,7 @@ const Kernels* kernels_avx512() {
                          cpu_has_avx512bf16() ? avx512::attn_scores_bf16 : avx2::attn_scores_bf16,
                          cpu_has_avx512bf16() ? avx512::attn_accumulate_bf16 : avx2::attn_accumulate_bf16,
                          cpu_has_avx512bf16() ? avx512::to_bf16 : nullptr, avx512::softmax,
-                         avx512::swiglu,    avx512::packed_bytes, avx512::pack_quant,
+                         avx512::swiglu,    avx512::geglu,       avx512::packed_bytes, avx512::pack_quant,
                          avx512::int8_dot_loop};
   return &k;
 }

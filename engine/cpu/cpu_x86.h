@@ -69,6 +69,8 @@ struct Kernels {
   float (*softmax)(float* x, int64_t n, float* max_out);
   /// llmq::swiglu with the same vector e^x.
   void (*swiglu)(float* gate, const float* up, int64_t n);
+  /// llmq::geglu as g·sigmoid(2·√(2/π)·(g + 0.044715·g³)) (the same function) with that e^x.
+  void (*geglu)(float* gate, const float* up, int64_t n);
   /// Bytes of a [rows, cols] weight of `type` in this level's packed layout (0: not packed for
   /// this type). Null when the level has no packed layout.
   size_t (*packed_bytes)(DType type, int64_t rows, int64_t cols);
