@@ -37,9 +37,9 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const ModelConfig& c, s
                      "mapped file size - weights (the mapping is read-only, page cache backed)", "", Place::Device, Basis::Exact});
   if (p.packed_bytes > 0)
     r.lines.push_back({"weights repacked for the CPU kernels", double(p.packed_bytes),
-                       fmt::format("{} kernels' 16-row panels of the matmul weights (anonymous memory); their {} in the mapping "
+                       fmt::format("{} kernels' {}-row panels of the matmul weights (anonymous memory); their {} in the mapping "
                                    "are released after packing",
-                                   cpu_kernels_name(), format_bytes(double(p.packed_from_file))),
+                                   cpu_kernels_name(), cpu_level() == CpuLevel::Avx2 ? 8 : 16, format_bytes(double(p.packed_from_file))),
                        kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"KV cache", double(p.kv.bytes()),
                      fmt::format("2 (K,V) x {} layers x {} kv_dim ({} heads x {}) x {} B x {} tokens ({} blocks of {})", c.n_layers,
