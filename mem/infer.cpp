@@ -39,7 +39,7 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const ModelConfig& c, s
     r.lines.push_back({"weights repacked for the CPU kernels", double(p.packed_bytes),
                        fmt::format("{} kernels' {}-row panels of the matmul weights (anonymous memory); their {} in the mapping "
                                    "are released after packing",
-                                   cpu_kernels_name(), cpu_level() == CpuLevel::Avx2 ? 8 : 16, format_bytes(double(p.packed_from_file))),
+                                   cpu_kernels_name(), packed_panel_rows(), format_bytes(double(p.packed_from_file))),
                        kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"KV cache", double(p.kv.bytes()),
                      fmt::format("2 (K,V) x {} layers x {} kv_dim ({} heads x {}) x {} B x {} tokens ({} blocks of {})", c.n_layers,

@@ -1,6 +1,5 @@
 #include "server/structured.h"
 
-
 #include "base/error.h"
 #include "text/tokenizer.h"
 

@@ -311,6 +311,11 @@ bool packing_enabled() {
 }
 }  // namespace
 
+int packed_panel_rows() {
+  const x86::Kernels* k = active_kernels();
+  return k && k->packed_bytes ? k->packed_rows : 0;
+}
+
 uint64_t packed_weights_bytes(const std::vector<const Weight*>& ws) {
   const x86::Kernels* k = active_kernels();
   if (!k || !k->packed_bytes || !packing_enabled()) return 0;

@@ -97,6 +97,8 @@ using PackedWeights = HugeBuffer;
 /// Bytes pack_weights would allocate for `ws` at the active level (0 when the level has no
 /// packed layout, or LLMQ_PACK=0).
 uint64_t packed_weights_bytes(const std::vector<const Weight*>& ws);
+/// Rows per panel of the active level's packed layout (AVX2 8, AVX-512 16); 0 without one.
+int packed_panel_rows();
 
 /// Repacks every weight of `ws` whose type has a packed layout at the active CPU level and points
 /// its `packed` at the copy (engine/cpu/cpu_x86.cpp): AVX-512 packs every quantized type into

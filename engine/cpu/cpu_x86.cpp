@@ -106,11 +106,6 @@ inline uint32_t load_u32(const void* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
-inline uint64_t load_u64(const void* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
 inline uint16_t load_u16(const void* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
@@ -126,6 +121,22 @@ template <DType D>
 constexpr size_t quant_offset() {
   return D == DType::Q4_1 ? 4 : 2;
 }
+// Calls f(Layout<D>{}) for the block type t (a quantized type): the per-type packed layouts of
+// both levels (avx2::Pk8, avx512::Pk) are dispatched on a run-time DType once per call here.
+template <template <DType> class Layout, class F>
+auto with_layout(DType t, F&& f) {
+  switch (t) {
+    case DType::Q8_0: return f(Layout<DType::Q8_0>{});
+    case DType::Q4_0: return f(Layout<DType::Q4_0>{});
+    case DType::Q4_1: return f(Layout<DType::Q4_1>{});
+    case DType::Q5_0: return f(Layout<DType::Q5_0>{});
+    case DType::Q5_1: return f(Layout<DType::Q5_1>{});
+    case DType::Q4_K: return f(Layout<DType::Q4_K>{});
+    case DType::Q5_K: return f(Layout<DType::Q5_K>{});
+    default: return f(Layout<DType::Q6_K>{});
+  }
+}
+
 // Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
 constexpr int32_t corr_factor(DType t) {
@@ -181,7 +192,6 @@ inline float hmax(__m256 v) {
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline float f16(uint16_t h) { return _cvtsh_ss(h); }
 
 void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -320,23 +330,9 @@ struct Pk8 {
   static size_t pair_bytes(int64_t K) { return (2 * panel_bytes(K) + 63) / 64 * 64; }
 };
 
-template <class F>
-auto with_pk8(DType t, F&& f) {
-  switch (t) {
-    case DType::Q8_0: return f(Pk8<DType::Q8_0>{});
-    case DType::Q4_0: return f(Pk8<DType::Q4_0>{});
-    case DType::Q4_1: return f(Pk8<DType::Q4_1>{});
-    case DType::Q5_0: return f(Pk8<DType::Q5_0>{});
-    case DType::Q5_1: return f(Pk8<DType::Q5_1>{});
-    case DType::Q4_K: return f(Pk8<DType::Q4_K>{});
-    case DType::Q5_K: return f(Pk8<DType::Q5_K>{});
-    default: return f(Pk8<DType::Q6_K>{});
-  }
-}
-
 size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
   if (!is_quantized(type)) return 0;
-  return with_pk8(type, [&](auto pk) { return size_t((rows + 15) / 16) * pk.pair_bytes(cols); });
+  return with_layout<Pk8>(type, [&](auto pk) { return size_t((rows + 15) / 16) * pk.pair_bytes(cols); });
 }
 
 // Row i (of 8) of block b of a row at its places in a packed block (q, hb, sc), from the file's
@@ -409,7 +405,7 @@ void pack_panel8(const Weight& w, int64_t p, uint8_t* out) {
 
 void pack_quant(const Weight& w, uint8_t* out) {
   if (!is_quantized(w.type)) return;
-  with_pk8(w.type, [&](auto pk) {
+  with_layout<Pk8>(w.type, [&](auto pk) {
     constexpr DType D = decltype(pk)::kType;
     const size_t pb = pk.panel_bytes(w.cols), pair = pk.pair_bytes(w.cols);
     for (int64_t p = 0; p < (w.rows + 15) / 16 * 2; ++p) pack_panel8<D>(w, p, out + size_t(p / 2) * pair + size_t(p % 2) * pb);
@@ -603,15 +599,12 @@ void packed_matmul8(float* y, const QuantActs& a, const Weight& w, int64_t r0, i
     const uint8_t* panel = w.packed + size_t(p / 2) * pair + size_t(p % 2) * pb;
     if (!w.packed) pack_panel8<D>(w, p, scratch), panel = scratch;
     const int nrows = int(std::min<int64_t>(8, r1 - r));
+    uint8_t* ex = nullptr;
+    if (!P::kQ8 && T >= kExpandMinT) expand_panel8<D>(panel, nb, ex = scratch + expand_offset(pb));
     const auto tile = [&](auto cc, int64_t t) {
-      tile8<D, decltype(cc)::value>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows);
+      tile8<D, decltype(cc)::value>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows, ex);
     };
     int64_t t = 0;
-    if (!P::kQ8 && T >= kExpandMinT) {
-      uint8_t* ex = scratch + expand_offset(pb);
-      expand_panel8<D>(panel, nb, ex);
-      for (; t + 4 <= T; t += 4) tile8<D, 4>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows, ex);
-    }
     for (; t + 4 <= T; t += 4) tile(std::integral_constant<int, 4>{}, t);
     switch (T - t) {
       case 3: tile(std::integral_constant<int, 3>{}, t); break;
@@ -646,13 +639,13 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
 // Scratch: one panel, for weights that were not packed at load, then (prefill) its expanded
 // quant vectors.
 size_t thread_bytes(DType type, int64_t T, int64_t K) {
-  return with_pk8(type, [&](auto pk) {
+  return with_layout<Pk8>(type, [&](auto pk) {
     return expand_offset(pk.panel_bytes(K)) + (!pk.kQ8 && T >= kExpandMinT ? size_t(K / QK) * 256 : 0);
   });
 }
 
 void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  with_pk8(w.type, [&](auto pk) {
+  with_layout<Pk8>(w.type, [&](auto pk) {
     packed_matmul8<decltype(pk)::kType>(y, a, w, r0, r1, scratch);
     return 0;
   });
@@ -893,24 +886,9 @@ struct Pk {
   static size_t panel_bytes(int64_t K) { return size_t((K / QK + 1) / 2) * PAIR; }
 };
 
-// The packed layout of a type, by value: dispatch on a run-time DType once.
-template <class F>
-auto with_packed_type(DType t, F&& f) {
-  switch (t) {
-    case DType::Q8_0: return f(Pk<DType::Q8_0>{});
-    case DType::Q4_0: return f(Pk<DType::Q4_0>{});
-    case DType::Q4_1: return f(Pk<DType::Q4_1>{});
-    case DType::Q5_0: return f(Pk<DType::Q5_0>{});
-    case DType::Q5_1: return f(Pk<DType::Q5_1>{});
-    case DType::Q4_K: return f(Pk<DType::Q4_K>{});
-    case DType::Q5_K: return f(Pk<DType::Q5_K>{});
-    default: return f(Pk<DType::Q6_K>{});
-  }
-}
-
 size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
   if (!is_quantized(type)) return 0;
-  return with_packed_type(type, [&](auto pk) { return size_t((rows + 15) / 16) * pk.panel_bytes(cols); });
+  return with_layout<Pk>(type, [&](auto pk) { return size_t((rows + 15) / 16) * pk.panel_bytes(cols); });
 }
 
 // Block b of row i (of 16) at its place in a panel: Q8_0/Q4_0/Q4_1 byte copies of the file.
@@ -974,7 +952,7 @@ void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
 
 void pack_quant(const Weight& w, uint8_t* out) {
   if (!is_quantized(w.type)) return;
-  with_packed_type(w.type, [&](auto pk) {
+  with_layout<Pk>(w.type, [&](auto pk) {
     constexpr DType D = decltype(pk)::kType;
     const size_t panel_bytes = pk.panel_bytes(w.cols);
     for (int64_t p = 0; p < (w.rows + 15) / 16; ++p) pack_panel<D>(w, p, out + size_t(p) * panel_bytes);
@@ -1124,11 +1102,11 @@ void packed_matmul(float* y, const QuantActs& a, const Weight& w, int64_t r0, in
 
 // Scratch: one panel, for weights that were not packed at load.
 size_t thread_bytes(DType type, int64_t, int64_t K) {
-  return with_packed_type(type, [&](auto pk) { return pk.panel_bytes(K); });
+  return with_layout<Pk>(type, [&](auto pk) { return pk.panel_bytes(K); });
 }
 
 void matmul_quant(float* y, const QuantActs& a, const Weight& w, int64_t r0, int64_t r1, uint8_t* scratch) {
-  with_packed_type(w.type, [&](auto pk) {
+  with_layout<Pk>(w.type, [&](auto pk) {
     packed_matmul<decltype(pk)::kType>(y, a, w, r0, r1, scratch);
     return 0;
   });
@@ -1374,7 +1352,7 @@ const Kernels* kernels_avx2() {
                          avx2::attn_scores, avx2::attn_accumulate, avx2::attn_scores_bf16,
                          avx2::attn_accumulate_bf16, nullptr, avx2::softmax,
                          avx2::swiglu,      avx2::geglu,         avx2::packed_bytes,  avx2::pack_quant,
-                         avx2::int8_dot_loop};
+                         avx2::int8_dot_loop, 8};
   return &k;
 }
 
@@ -1387,7 +1365,7 @@ const Kernels* kernels_avx512() {
                          cpu_has_avx512bf16() ? avx512::attn_accumulate_bf16 : avx2::attn_accumulate_bf16,
                          cpu_has_avx512bf16() ? avx512::to_bf16 : nullptr, avx512::softmax,
                          avx512::swiglu,    avx512::geglu,       avx512::packed_bytes, avx512::pack_quant,
-                         avx512::int8_dot_loop};
+                         avx512::int8_dot_loop, 16};
   return &k;
 }
 

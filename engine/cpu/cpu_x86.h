@@ -83,6 +83,8 @@ struct Kernels {
   /// + vpaddw per round, the same product count). Returns a value
   /// that depends on every result. Null when the level has no such loop.
   int64_t (*int8_dot_loop)(int64_t rounds);
+  /// Rows per panel of the packed layout (two AVX2 panels make the matmul's 16-row unit).
+  int packed_rows;
 };
 
 /// True when the CPU (and OS) supports AVX2, FMA and F16C.

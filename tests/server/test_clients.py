@@ -21,7 +21,6 @@ class Contact(BaseModel):
     role: Literal["engineer", "manager", "designer", "sales", "other"]
 
 
-TEXTS = CONTACT_TEXTS  # conftest.py
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -38,7 +37,7 @@ def test_instructor_extracts_typed_objects(srv):
     come back, and each is schema-valid (the schema is enforced)."""
     client = instructor.from_openai(openai.OpenAI(base_url=srv.base_url, api_key="none"), mode=instructor.Mode.JSON_SCHEMA)
     got = 0
-    for text in TEXTS:
+    for text in CONTACT_TEXTS:
         c = client.chat.completions.create(model=srv.model_id, response_model=Contact, max_retries=0, temperature=0,
                                            max_tokens=120, messages=[{"role": "user", "content": "Extract the contact: " + text}])
         assert isinstance(c, Contact)
