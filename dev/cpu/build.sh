@@ -9,3 +9,5 @@ g++ -std=c++20 -O2 -I. dev/cpu/bench_matmul.cpp -o build-simd/dev/bench_matmul \
 g++ -std=c++20 -O2 -I. dev/cpu/bench_attn.cpp -o build-simd/dev/bench_attn \
   build-simd/libllmq_core.a -lfmt $(pkg-config --libs sentencepiece libxxhash) -lpthread
 g++ -std=c++20 -O2 dev/cpu/bench_peak.cpp -o build-simd/dev/bench_peak
+g++ -std=c++20 -O2 -I. dev/cpu/geglu_error.cpp -o build-simd/dev/geglu_error \
+  build-simd/libllmq_core.a -lfmt $(pkg-config --libs sentencepiece libxxhash) -lpthread

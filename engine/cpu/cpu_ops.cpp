@@ -556,10 +556,10 @@ void swiglu(float* gate, const float* up, int64_t n) {
 
 void geglu(float* gate, const float* up, int64_t n) {
   if (const x86::Kernels* k = active_kernels()) return k->geglu(gate, up, n);
-  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  constexpr float k2Sqrt2OverPi = 2.0f * 0.7978845608028654f;  // 0.5·(1 + tanh y) = 1 / (1 + e^(−2y))
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
-    gate[i] = 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g))) * up[i];
+    gate[i] = g / (1.0f + std::exp(-k2Sqrt2OverPi * (g + 0.044715f * g * g * g))) * up[i];
   }
 }
 

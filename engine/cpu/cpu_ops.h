@@ -213,8 +213,10 @@ float softmax(float* x, int64_t n, float* max_out = nullptr);
 void swiglu(float* gate, const float* up, int64_t n);
 /// GeGLU (Shazeer 2020; Gemma): gate[i] = gelu(gate[i]) * up[i], gelu by its tanh approximation
 /// 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³))) (Hendrycks & Gimpel 2016; PyTorch's
-/// gelu(approximate="tanh"), which Gemma's `gelu_pytorch_tanh` is). The SIMD levels compute the same
-/// function as g·sigmoid(2·√(2/π)·(g + 0.044715·g³)) with their vector e^x.
+/// gelu(approximate="tanh"), which Gemma's `gelu_pytorch_tanh` is), computed at every level as the
+/// same function g / (1 + e^(−2·√(2/π)·(g + 0.044715·g³))) (SIMD levels: their vector e^x): the
+/// tanh form cancels in 1 + tanh for negative g (up to 7% relative error in fp32, p99 9e-4,
+/// against 2e-6 max for the sigmoid form; measured over 4M N(0, 2) inputs against fp64).
 void geglu(float* gate, const float* up, int64_t n);
 /// The gated activation of `act` (models/config.h): swiglu or geglu.
 void gated_act(Activation act, float* gate, const float* up, int64_t n);

@@ -187,7 +187,7 @@ __global__ void gated_act_kernel(float* __restrict__ out, const float* __restric
     if (i < n) {
       const int64_t t = i / H, j = i % H;
       const float g = h[t * 2 * H + j], u = h[t * 2 * H + H + j];
-      if constexpr (kGelu) out[i] = v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;  // as the CPU's geglu
+      if constexpr (kGelu) out[i] = v = g / (1.0f + expf(-1.5957691216057308f * (g + 0.044715f * g * g * g))) * u;  // as the CPU's geglu
       else out[i] = v = g / (1.0f + expf(-g)) * u;
     }
     const float vv[1] = {v};
