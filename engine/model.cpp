@@ -196,9 +196,9 @@ void plan_batch(const ModelConfig& c, const KVCache& cache, const BatchToken* ba
 }
 
 const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, ThreadPool& pool, const BatchToken* batch,
-                           int64_t T) {
+                           int64_t T, Output out) {
   plan_batch(m, cache, batch, T, ws.cap_, ws.plan_);
-  const float* logits = forward_shard(m, nullptr, cache, ws, pool, nullptr, batch, T, ws.plan_);
+  const float* logits = forward_shard(m, nullptr, cache, ws, pool, nullptr, batch, T, ws.plan_, -1, out);
   for (const auto& [seq, end] : ws.plan_.ends) cache.set_length(seq, end);
   return logits;
 }
@@ -230,6 +230,7 @@ class ShardPass {
   // tokens in the last layer, else T), 0 when nothing does.
   int64_t attention_block(int64_t l, bool last);
   void ffn_block(int64_t l, int64_t To);  // x += W_down · (act(xb·W_gateᵀ) ⊙ (xb·W_upᵀ)), xb = RMSNorm(x)
+  const float* final_norm();              // xb [n_logits, D] = the final norm of the flagged tokens' rows
   const float* logits();                  // the final norm and output rows of the flagged tokens (soft-capped)
 
  private:
@@ -510,12 +511,18 @@ void ShardPass::ffn_block(int64_t l, int64_t To) {
 
 // Final norm and the output projection for the flagged tokens only (the last layer left their
 // rows at the front of x).
-const float* ShardPass::logits() {
+const float* ShardPass::final_norm() {
   const int64_t n_logits = plan_.n_logits;
   if (n_logits == 0) return nullptr;
   per_token(n_logits, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) rmsnorm(ws_.xb_.data() + r * D, x_ + r * D, m_.output_norm, D, eps_);
   });
+  return ws_.xb_.data();
+}
+
+const float* ShardPass::logits() {
+  const int64_t n_logits = plan_.n_logits;
+  if (!final_norm()) return nullptr;
   const Weight& out_w = shard_ ? shard_->output : m_.output;
   const int64_t NV = R.n_vocab;  // this rank's logit rows
   if (ws_.logits_.size() < size_t(n_logits * NV)) ws_.logits_.resize(size_t(n_logits * NV));
@@ -552,7 +559,8 @@ const float* ShardPass::gather_logits(int64_t n_logits) {
 // The forward pass (the CPU's; engine/cuda/session.cpp CudaSession::enqueue is the GPU's):
 // embedding, then per layer the attention block and the FFN block, then the logits.
 const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
-                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end) {
+                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end,
+                           Output out) {
   detail::ShardPass pass(m, shard, cache, ws, pool, comm, batch, T, plan);
   pass.embed();
   pass.rope_angles_all();
@@ -565,10 +573,14 @@ const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cac
     pass.ffn_block(l, To);
   }
   if (hidden_only) return pass.residual();  // partial offload: the residual stream [T, D] for the GPU's layers
-  return pass.logits();
+  return out == Output::Hidden ? pass.final_norm() : pass.logits();
 }
 
 // ---------------------------------------------------------------- Session
+
+const float* BatchRunner::forward_hidden(KVCache&, const BatchToken*, int64_t) {
+  throw UsageError("hidden states (embeddings) need the CPU forward pass in this process; this runner returns logits only");
+}
 
 int32_t SessionBase::forward_sample(const int32_t* tokens, int64_t n, Sampler& sampler, const std::vector<int32_t>& history) {
   return sampler.sample(forward(tokens, n), model().config.vocab_size, history);

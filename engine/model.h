@@ -122,7 +122,14 @@ constexpr int64_t kDefaultMaxCtx = 4096;
 struct BatchToken {
   int32_t seq;    ///< KV-cache sequence id
   int32_t token;  ///< token id
-  bool logits;    ///< return logits for this token
+  bool logits;    ///< return logits for this token (or its hidden state: Output::Hidden)
+};
+
+/// What a forward pass returns for its flagged tokens.
+enum class Output {
+  Logits,  ///< [n_flagged, vocab]: the output projection of the final norm (soft-capped)
+  Hidden,  ///< [n_flagged, dim]: the final norm's output, RMSNorm(x) ⊙ output_norm, the state
+           ///< the output projection reads (what /v1/embeddings pools)
 };
 
 /// Positions of a batch's tokens, worked out once per forward pass (by every rank's driver,
@@ -161,9 +168,9 @@ class Workspace {
   uint64_t bytes() const;
 
  private:
-  friend const float* forward_batch(const Model&, KVCache&, Workspace&, ThreadPool&, const BatchToken*, int64_t);
+  friend const float* forward_batch(const Model&, KVCache&, Workspace&, ThreadPool&, const BatchToken*, int64_t, Output);
   friend const float* forward_shard(const Model&, const ModelShard*, KVCache&, Workspace&, ThreadPool&, Communicator*,
-                                    const BatchToken*, int64_t, const BatchPlan&, int64_t);
+                                    const BatchToken*, int64_t, const BatchPlan&, int64_t, Output);
   friend class detail::ShardPass;  // forward_shard's steps (engine/model.cpp)
   int64_t cap_;
   std::vector<float> x_, xb_, q_, k_, v_, att_out_, h1_, h2_;  // [capacity, ...] (local widths)
@@ -181,10 +188,11 @@ class Workspace {
 /// sequence's cached positions. The tokens of a sequence take positions cache.length(seq),
 /// +1, ... in batch order, and the cache lengths advance by each sequence's token count.
 /// Blocks must be reserved first (KVCache::reserve). Returns logits [n_flagged, vocab] for
-/// the tokens with logits = true, in batch order, valid until the next call.
+/// the tokens with logits = true, in batch order, valid until the next call (out = Hidden:
+/// their final-norm states [n_flagged, dim] instead).
 /// Throws UsageError for n > ws.capacity(), a token id out of range, or unreserved positions.
 const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, ThreadPool& pool, const BatchToken* batch,
-                           int64_t n);
+                           int64_t n, Output out = Output::Logits);
 
 /// One rank's part of the forward pass (tensor parallelism, Megatron-LM section 3), run by every
 /// rank of a group at once with the same batch and plan (see plan_batch):
@@ -200,8 +208,11 @@ const float* forward_batch(const Model& m, KVCache& cache, Workspace& ws, Thread
 /// the other ranks. layer_end >= 0 (partial offload, one rank): runs layers 0 .. layer_end-1
 /// only and returns the residual stream x [T, dim] after them (all T tokens), which a GPU's
 /// layers take on from (cuda::CudaOffloadSession); the cache needs only those layers.
+/// out = Hidden: returns the final-norm states [plan.n_logits, dim] of the flagged tokens on
+/// every rank (the residual stream is replicated), with no output projection.
 const float* forward_shard(const Model& m, const ModelShard* shard, KVCache& cache, Workspace& ws, ThreadPool& pool,
-                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end = -1);
+                           Communicator* comm, const BatchToken* batch, int64_t T, const BatchPlan& plan, int64_t layer_end = -1,
+                           Output out = Output::Logits);
 
 /// The one chunked-prefill loop of every session: fn(i, len, last) for the consecutive chunks
 /// [i, i + len) of n tokens, each at most n_batch long (last: the chunk that ends at n).
@@ -232,6 +243,11 @@ class BatchRunner {
   /// errors: returns logits [n_flagged, vocab] for the flagged tokens in batch order (host
   /// memory, valid until the next call) or nullptr, and advances the cache lengths.
   virtual const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) = 0;
+  /// Whether forward_hidden works here (the CPU in this process; not a GPU or a process group).
+  virtual bool has_hidden() const { return false; }
+  /// forward() returning the flagged tokens' final-norm states [n_flagged, dim] (Output::Hidden)
+  /// instead of logits. Throws UsageError where !has_hidden().
+  virtual const float* forward_hidden(KVCache& cache, const BatchToken* batch, int64_t n);
   /// Bytes of the KV cache's storage (device bytes on a GPU).
   virtual uint64_t kv_bytes(const KVCache& cache) const { return cache.bytes(); }
   /// Bytes of the scratch buffers (all ranks; device bytes on a GPU).

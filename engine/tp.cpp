@@ -267,8 +267,15 @@ uint64_t TensorParallel::workspace_bytes() const {
   return n;
 }
 
-const float* TensorParallel::forward(KVCache& cache, const BatchToken* batch, int64_t n) {
-  if (single_pool_) return forward_batch(m_, cache, *ws_[0], *single_pool_, batch, n);
+const float* TensorParallel::forward(KVCache& cache, const BatchToken* batch, int64_t n) { return run(cache, batch, n, Output::Logits); }
+
+const float* TensorParallel::forward_hidden(KVCache& cache, const BatchToken* batch, int64_t n) {
+  if (!has_hidden()) return BatchRunner::forward_hidden(cache, batch, n);  // throws
+  return run(cache, batch, n, Output::Hidden);
+}
+
+const float* TensorParallel::run(KVCache& cache, const BatchToken* batch, int64_t n, Output out) {
+  if (single_pool_) return forward_batch(m_, cache, *ws_[0], *single_pool_, batch, n, out);
   if (failed_) throw UsageError("tensor parallel: a rank failed earlier; the ranks cannot continue");
   if (ext_comm_) {  // one rank of a group over processes: the others run the same batch elsewhere
     plan_batch(m_, cache, batch, n, cap_, plan_);
@@ -293,9 +300,9 @@ const float* TensorParallel::forward(KVCache& cache, const BatchToken* batch, in
     ranks_->parallel_for(size(), [&](int64_t r0, int64_t, int) {
       const int r = int(r0);
       try {
-        const float* out = forward_shard(m_, shards_[size_t(r)].get(), cache, *ws_[size_t(r)], *pools_[size_t(r)],
-                                         &comm_->rank(r), batch, n, plan_);
-        if (r == 0) logits = out;
+        const float* res = forward_shard(m_, shards_[size_t(r)].get(), cache, *ws_[size_t(r)], *pools_[size_t(r)],
+                                         &comm_->rank(r), batch, n, plan_, -1, out);
+        if (r == 0) logits = res;
       } catch (const CommAborted&) {
         throw;
       } catch (...) {

@@ -116,6 +116,11 @@ class TensorParallel : public BatchRunner {
   /// its shard, the cache lengths advanced once at the end. Returns logits [n_flagged, vocab]
   /// (rank 0's buffer) or nullptr. After a rank failed, every call throws.
   const float* forward(KVCache& cache, const BatchToken* batch, int64_t n) override;
+  /// In this process only (not a rank of a group over processes, whose other ranks would run
+  /// the logits' collectives).
+  bool has_hidden() const override { return ext_comm_ == nullptr; }
+  /// forward() returning the final-norm states [n_flagged, dim] (rank 0's buffer).
+  const float* forward_hidden(KVCache& cache, const BatchToken* batch, int64_t n) override;
   /// Bytes of all ranks' scratch buffers.
   uint64_t workspace_bytes() const override;
   /// Bytes of rank r's scratch buffers.
@@ -133,6 +138,7 @@ class TensorParallel : public BatchRunner {
   std::unique_ptr<ThreadPool> ranks_;                  // N > 1: runs rank r on its thread r
   BatchPlan plan_;
   bool failed_ = false;
+  const float* run(KVCache& cache, const BatchToken* batch, int64_t n, Output out);  // forward / forward_hidden
 };
 
 /// The text every rank of a process group must agree on for model m at tp ranks: the file's

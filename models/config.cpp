@@ -31,6 +31,7 @@ const std::pair<RopeScaling, const char*> kRopeScalings[] = {
     {RopeScaling::None, "none"}, {RopeScaling::Linear, "linear"}, {RopeScaling::Llama3, "llama3"}, {RopeScaling::LongRope, "longrope"}};
 const std::pair<NormPlacement, const char*> kNorms[] = {{NormPlacement::Pre, "pre"}, {NormPlacement::PrePost, "pre_post"}};
 const std::pair<Activation, const char*> kActs[] = {{Activation::SwiGLU, "swiglu"}, {Activation::GeGLU, "geglu"}};
+const std::pair<Pooling, const char*> kPoolings[] = {{Pooling::Last, "last"}, {Pooling::Mean, "mean"}, {Pooling::First, "cls"}};
 
 }  // namespace
 
@@ -42,6 +43,8 @@ const char* norm_placement_name(NormPlacement p) { return enum_name(kNorms, p); 
 NormPlacement norm_placement_from_name(const std::string& s) { return enum_from(kNorms, s, "norm placement"); }
 const char* activation_name(Activation a) { return enum_name(kActs, a); }
 Activation activation_from_name(const std::string& s) { return enum_from(kActs, s, "activation"); }
+const char* pooling_name(Pooling p) { return enum_name(kPoolings, p); }
+Pooling pooling_from_name(const std::string& s) { return enum_from(kPoolings, s, "pooling"); }
 
 bool ModelConfig::is_sliding(int64_t layer) const {
   return sliding_window > 0 && (swa_period <= 0 || (layer + 1) % swa_period != 0);
@@ -214,6 +217,7 @@ void ModelConfig::to_metadata(Metadata& m) const {
   if (sliding_window > 0) m.set(p + "attention.sliding_window", sliding_window);
   if (swa_period > 0) m.set(p + "attention.sliding_window_pattern", swa_period);
   if (logit_softcap > 0) m.set(p + "final_logit_softcapping", logit_softcap);
+  if (pooling != Pooling::Last) m.set(p + "pooling_type", int64_t(pooling == Pooling::Mean ? 1 : 2));
 }
 
 ModelConfig ModelConfig::from_metadata(const Metadata& m) {
@@ -252,6 +256,10 @@ ModelConfig ModelConfig::from_metadata(const Metadata& m) {
   c.sliding_window = m.get_int(p + "attention.sliding_window", 0);
   c.swa_period = m.get_int(p + "attention.sliding_window_pattern", 0);
   c.logit_softcap = m.get_float(p + "final_logit_softcapping", 0.0);
+  // GGUF pooling_type: 0 none (per-token), 1 mean, 2 cls, 3 last, 4 rank; per-token and rank
+  // outputs are not what /v1/embeddings gives, so they read as the default.
+  const int64_t pool = m.get_int(p + "pooling_type", 3);
+  c.pooling = pool == 1 ? Pooling::Mean : pool == 2 ? Pooling::First : Pooling::Last;
   a->recipe(m, c);
   c.validate();
   return c;

@@ -56,6 +56,17 @@ enum class Activation {
 const char* activation_name(Activation a);             ///< "swiglu" | "geglu"
 Activation activation_from_name(const std::string& s);  ///< throws MetadataError
 
+/// How /v1/embeddings pools a sequence's final-norm hidden states into one vector. Stored as
+/// GGUF's `<arch>.pooling_type` (llama.cpp's llama_pooling_type: 1 mean, 2 cls, 3 last).
+enum class Pooling {
+  Last,   ///< the last token's state: what a causal model's last position has seen of the whole
+          ///< input (vLLM's default for decoder-only models; the default here when a file says nothing)
+  Mean,   ///< the mean over the tokens (sentence-transformers' mean pooling)
+  First,  ///< the first token's state (BERT's [CLS]; GGUF pooling_type 2)
+};
+const char* pooling_name(Pooling p);             ///< "last" | "mean" | "cls"
+Pooling pooling_from_name(const std::string& s);  ///< throws MetadataError
+
 /// Hyper-parameters and block recipe of a decoder-only transformer.
 struct ModelConfig {
   std::string arch = "llama";  ///< the architecture (general.architecture; models/architecture.h)
@@ -96,6 +107,7 @@ struct ModelConfig {
   bool embed_scale = false;      ///< the embedding rows are multiplied by √dim (Gemma)
   double logit_softcap = 0.0;    ///< logits = c·tanh(logits / c) (Gemma 2); 0: none
   bool tied_embeddings = false;  ///< the output matrix is the token embedding
+  Pooling pooling = Pooling::Last;  ///< embeddings: how a sequence's hidden states are pooled
 
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }
