@@ -93,6 +93,10 @@ bool penalizes(const SamplerParams& p) {
 
 bool Sampler::greedy() const { return p_.temperature <= 0.0f && !penalizes(p_); }
 
+bool Sampler::mask_by_rejection() const {
+  return p_.temperature <= 0.0f || (p_.top_k <= 0 && p_.top_p >= 1.0f && p_.min_p <= 0.0f);
+}
+
 bool Sampler::top_k_suffices() const { return p_.temperature > 0.0f && p_.top_k > 0 && !penalizes(p_); }
 
 int32_t Sampler::sample_top(const int32_t* ids, const float* logits, int64_t k) {

@@ -49,6 +49,12 @@ class Sampler {
   /// True when the draw depends only on the top_k largest logits: temperature > 0, top_k > 0,
   /// no penalties. A GPU then copies back those k candidates (sample_top), not all logits.
   bool top_k_suffices() const;
+  /// True when the masked draw may be done by rejection: draw from all logits, and only if a
+  /// constraint rules that token out, draw again under its mask. The result has the masked
+  /// distribution exactly when nothing truncates it (greedy, or no top-k/top-p/min-p):
+  /// p(x)·[x∈A] + (1 − p(A))·p(x)/p(A) = p(x)/p(A) for the allowed set A (and greedy's argmax, when
+  /// allowed, is the masked argmax). llama.cpp's sampler tries the unconstrained token first too.
+  bool mask_by_rejection() const;
   /// The top_k setting (the candidates sample_top expects).
   int32_t top_k() const { return p_.top_k; }
   /// sample() from the k = min(top_k, n_vocab) largest logits only: ids [k] and logits [k]

@@ -350,6 +350,13 @@ def main():
     for i, b in enumerate(responses):
         put("server_request", "responses-%d" % i, bytes([2]) + json.dumps(b).encode())
 
+    # /v1/embeddings bodies (flag byte 4) and a completions body that scores its prompt (echo + logprobs).
+    embeds = [{"input": ["hello", "world"], "encoding_format": "base64", "model": "smollm2"},
+              {"input": [[1, 2, 3], [4]], "dimensions": 576}, {"input": [5, 6, 7], "user": "u"}]
+    for i, b in enumerate(embeds):
+        put("server_request", "embed-%d" % i, bytes([4]) + json.dumps(b).encode())
+    put("server_request", "echo-logprobs", bytes([0]) + json.dumps({"prompt": "Once", "echo": True, "logprobs": 2, "max_tokens": 0}).encode())
+
     # structured_output: kind byte (0 schema, 1 grammar, 2 schema in tool-call tags, 3 json_object;
     # +4 strict) + the schema or grammar text.
     seeds = {

@@ -87,16 +87,19 @@ ChatMessage parse_message(const json& m, size_t i) {
 
 // /v1/completions' `prompt`: a string, token ids, or a list of either (a batch: one choice per
 // prompt and n).
+// A JSON array of token ids (`param`: the field, for the message).
+std::vector<int32_t> token_ids(const json& a, const std::string& param) {
+  std::vector<int32_t> ids;
+  for (const json& t : a) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+      bad("'" + param + "' token arrays must hold token ids (integers from 0)", param);
+    ids.push_back(t.get<int32_t>());
+  }
+  return ids;
+}
+
 void parse_prompts(const json& p, CompletionRequest& r) {
-  auto ids_of = [](const json& a) {
-    std::vector<int32_t> ids;
-    for (const json& t : a) {
-      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
-        bad("'prompt' token arrays must hold token ids (integers from 0)", "prompt");
-      ids.push_back(t.get<int32_t>());
-    }
-    return ids;
-  };
+  auto ids_of = [](const json& a) { return token_ids(a, "prompt"); };
   if (p.is_string()) {
     r.prompt = p.get<std::string>();
   } else if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
@@ -190,15 +193,15 @@ void parse_tools(const json& j, CompletionRequest& r) {
   }
 }
 
-// /v1/completions' `echo` (the prompt in front of the text; with logprobs it would need the
-// prompt's logprobs, which the scheduler does not compute yet: a 400) and `suffix`
-// (fill-in-the-middle, server/infill.h).
+// /v1/completions' `echo` (the prompt in front of the text; with logprobs, the prompt's tokens
+// and logprobs in front of the completion's, and max_tokens may be 0: scoring, as lm-eval does)
+// and `suffix` (fill-in-the-middle, server/infill.h).
 void parse_echo_suffix(const json& j, CompletionRequest& r) {
   if (has(j, "echo")) {
     if (!j["echo"].is_boolean()) bad("'echo' must be a boolean", "echo");
     r.echo = j["echo"].get<bool>();
-    if (r.echo && r.top_logprobs >= 0) bad("'echo' with 'logprobs' (prompt logprobs) is not supported yet", "echo");
   }
+  if (r.max_tokens == 0 && !r.echo) bad("'max_tokens' must be at least 1 (0 only with 'echo': the prompt scored)", "max_tokens");
   if (has(j, "suffix") && !j["suffix"].is_null()) {
     if (!j["suffix"].is_string()) bad("'suffix' must be a string", "suffix");
     r.suffix = j["suffix"].get<std::string>();
@@ -236,22 +239,71 @@ nlohmann::json parse_json_body(const std::string& body) {
   }
 }
 
-CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
-                                           size_t max_body) {
+namespace {
+
+// The body as a JSON object, within max_body bytes (413), with `model`, if given, the served one
+// (404); returns that model name.
+json request_object(const std::string& body, const std::string& model_id, size_t max_body, std::string* model) {
   if (body.size() > max_body)
     throw ApiError(413, "request body of " + std::to_string(body.size()) + " bytes exceeds the limit of " + std::to_string(max_body));
-  const json j = parse_json_body(body);
+  json j = parse_json_body(body);
   if (!j.is_object()) bad("the request body must be a JSON object", "");
+  if (has(j, "model")) {
+    if (!j["model"].is_string()) bad("'model' must be a string", "model");
+    *model = j["model"].get<std::string>();
+    if (*model != model_id)
+      throw ApiError(404, "The model '" + *model + "' does not exist (this server serves '" + model_id + "')", "model",
+                     "model_not_found");
+  }
+  return j;
+}
+
+}  // namespace
+
+EmbeddingRequest parse_embedding_request(const std::string& body, const std::string& model_id, int64_t dim, size_t max_body) {
+  std::string model;
+  const json j = request_object(body, model_id, max_body, &model);
+  EmbeddingRequest r;
+  if (!has(j, "input")) bad("'input' is required", "input");
+  const json& in = j["input"];
+  auto ids_of = [](const json& a) {
+    std::vector<int32_t> ids = token_ids(a, "input");
+    if (ids.empty()) bad("'input' token arrays must not be empty", "input");
+    return ids;
+  };
+  if (in.is_string()) {
+    r.texts.push_back(in.get<std::string>());
+  } else if (in.is_array() && !in.empty() && in[0].is_number_integer()) {
+    r.ids.push_back(ids_of(in));
+  } else if (in.is_array() && !in.empty() && in.size() <= kMaxEmbeddingInputs) {
+    const bool text = in[0].is_string();
+    for (const json& x : in) {
+      if (text && x.is_string()) r.texts.push_back(x.get<std::string>());
+      else if (!text && x.is_array()) r.ids.push_back(ids_of(x));
+      else bad("a list of inputs must hold only strings or only arrays of token ids", "input");
+    }
+  } else {
+    bad("'input' must be a string, an array of token ids, or a list of 1 to " + std::to_string(kMaxEmbeddingInputs) + " of either", "input");
+  }
+  for (const std::string& t : r.texts)
+    if (t.empty()) bad("'input' must not contain empty strings", "input");
+  if (has(j, "encoding_format")) {
+    const json& f = j["encoding_format"];
+    if (!f.is_string() || (f != "float" && f != "base64")) bad("'encoding_format' must be \"float\" or \"base64\"", "encoding_format");
+    r.base64 = f == "base64";
+  }
+  if (has(j, "dimensions") && integer(j, "dimensions", 1, INT64_MAX) != dim)
+    bad("'dimensions' must be the model's embedding width, " + std::to_string(dim) + " (its vectors are not shortened)", "dimensions");
+  if (has(j, "user") && !j["user"].is_string()) bad("'user' must be a string", "user");
+  return r;
+}
+
+CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
+                                           size_t max_body) {
   CompletionRequest r;
+  const json j = request_object(body, model_id, max_body, &r.model);
   r.chat = chat;
   try {
-    if (has(j, "model")) {
-      if (!j["model"].is_string()) bad("'model' must be a string", "model");
-      r.model = j["model"].get<std::string>();
-      if (r.model != model_id)
-        throw ApiError(404, "The model '" + r.model + "' does not exist (this server serves '" + model_id + "')", "model",
-                       "model_not_found");
-    }
     if (chat) {
       if (!has(j, "messages") || !j["messages"].is_array() || j["messages"].empty())
         bad("'messages' must be a non-empty array", "messages");
@@ -267,7 +319,7 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
               std::to_string(kMaxChoices) + " choices per request",
           "n");
     const char* mt = has(j, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-    if (has(j, mt)) r.max_tokens = std::min<int64_t>(integer(j, mt, 1, INT64_MAX), ctx);  // clamped, as OpenAI-compatible servers do
+    if (has(j, mt)) r.max_tokens = std::min<int64_t>(integer(j, mt, chat ? 1 : 0, INT64_MAX), ctx);  // clamped, as OpenAI-compatible servers do
     SamplerParams& s = r.sampling;
     s.temperature = 1.0f, s.top_k = 0, s.top_p = 1.0f, s.min_p = 0.0f;  // OpenAI defaults
     if (has(j, "temperature")) s.temperature = float(number(j, "temperature", 0, 2));

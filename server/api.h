@@ -37,7 +37,7 @@ struct CompletionRequest {
   std::vector<std::vector<int32_t>> more_prompt_ids;
   int n = 1;                          ///< samples per prompt (OpenAI `n`)
   std::vector<ChatMessage> messages;  ///< chat
-  int64_t max_tokens = -1;            ///< -1: not given
+  int64_t max_tokens = -1;            ///< -1: not given; 0 (completions with echo): the prompt only
   SamplerParams sampling;
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
@@ -79,5 +79,24 @@ nlohmann::json parse_json_body(const std::string& body);
 /// types or ranges, more than kMaxChoices choices; 404 unknown model; 413 body too large).
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
                                            size_t max_body);
+
+/// Most inputs one /v1/embeddings request may hold (OpenAI's limit).
+inline constexpr size_t kMaxEmbeddingInputs = 2048;
+
+/// A POST /v1/embeddings body (OpenAI API reference, "Embeddings").
+struct EmbeddingRequest {
+  /// The inputs, each text or token ids (`input`: a string, an array of token ids, or an array
+  /// of either kind, at most kMaxEmbeddingInputs)
+  std::vector<std::string> texts;
+  std::vector<std::vector<int32_t>> ids;  ///< when the inputs are token ids (then texts is empty)
+  bool base64 = false;  ///< `encoding_format` "base64": each vector as the base64 of its little-endian float32 bytes
+  size_t size() const { return texts.empty() ? ids.size() : texts.size(); }
+};
+
+/// Parses and validates an embeddings body: `model` as parse_completion_request (404 when it is
+/// not the served one); `encoding_format` "float" or "base64"; `dimensions`, if given, must be
+/// the model's `dim` (a decoder's hidden state is not a Matryoshka embedding: it is not cut);
+/// `user` is accepted. Throws ApiError (400 malformed or empty inputs, 404, 413 body too large).
+EmbeddingRequest parse_embedding_request(const std::string& body, const std::string& model_id, int64_t dim, size_t max_body);
 
 }  // namespace llmq

@@ -39,7 +39,7 @@ std::string Histogram::render(const std::string& name, const std::string& help) 
 // request to any URL) would otherwise become a label value, unescaped (label injection) and
 // without bound (a series per distinct path).
 const char* endpoint_label(const std::string& endpoint) {
-  static const char* const kRoutes[] = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics", "/"};
+  static const char* const kRoutes[] = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/health", "/metrics", "/"};
   for (const char* r : kRoutes)
     if (endpoint == r) return r;
   return "other";

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
@@ -53,8 +54,25 @@ struct Scheduler::Seq {
   size_t emitted = 0;            // bytes of text already sent
   std::vector<TokenInfo> pending;
   std::vector<uint32_t> allowed;  // the constraint's mask, [(vocab + 31) / 32]
+  std::vector<TokenInfo> prompt_info;  // prompt_logprobs: the prompt's tokens scored so far
+  std::vector<double> pooled;          // embed: [dim] the pooled hidden state so far
   bool done = false;
   explicit Seq(const SamplerParams& p) : sampler(p) {}
+
+  // Whether the forward pass returns a row (logits, or an embedding's hidden state) for the
+  // token at index `at` of `tokens`.
+  bool wants_row(size_t at) const {
+    const GenParams& p = req->params;
+    if (p.embed) return *p.embed == Pooling::Mean || (*p.embed == Pooling::First ? at == 0 : at + 1 == p.prompt.size());
+    return (p.prompt_logprobs && at < p.prompt.size()) || at + 1 == tokens.size();
+  }
+  // Which pass of a step feeds it (Scheduler::step): 0 decoding, 1 a prompt chunk, 2 a prompt
+  // scored at every position, 3 an embedding's input.
+  int pass() const {
+    if (req->params.embed) return 3;
+    if (req->params.prompt_logprobs && fed < req->params.prompt.size()) return 2;
+    return tokens.size() - fed == 1 ? 0 : 1;
+  }
 };
 
 namespace {
@@ -110,7 +128,8 @@ Scheduler::~Scheduler() {
 }
 
 Scheduler::Submit Scheduler::submit(const std::shared_ptr<GenRequest>& r) {
-  if (int64_t(r->params.prompt.size()) + 1 > opt_.ctx || r->params.prompt.empty()) return Submit::TooLong;
+  if (r->params.embed && !run_.has_hidden()) return Submit::NoHidden;
+  if (int64_t(r->params.prompt.size()) + (r->params.embed ? 0 : 1) > opt_.ctx || r->params.prompt.empty()) return Submit::TooLong;
   r->t_submit = now_seconds();
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -181,20 +200,24 @@ void Scheduler::loop() {
           continue;
         }
         if (r->params.after && !r->params.after->prefilled()) break;  // its leader's prompt first (first come, first served)
-        const int64_t want = std::min<int64_t>(int64_t(r->params.prompt.size()) + r->params.max_tokens, opt_.ctx);
+        const int64_t want =
+            std::min<int64_t>(int64_t(r->params.prompt.size()) + (r->params.embed ? 0 : r->params.max_tokens), opt_.ctx);
         if (cache_.blocks_for(want) > cache_.free_blocks()) break;
         queue_.pop_front();
         auto s = std::make_unique<Seq>(r->params.sampling);
         s->req = r;
         s->kv = cache_.add_sequence();
-        // A cached prefix (whole blocks) is taken as it is; then the rest is reserved (the check
-        // above counted every block, so this cannot fail).
-        s->fed = size_t(cache_.attach_prefix(s->kv, r->params.prompt.data(), int64_t(r->params.prompt.size())));
+        // A cached prefix (whole blocks) is taken as it is, unless every position is wanted; then
+        // the rest is reserved (the check above counted every block, so this cannot fail).
+        const bool whole = r->params.embed || r->params.prompt_logprobs;
+        s->fed = whole ? 0 : size_t(cache_.attach_prefix(s->kv, r->params.prompt.data(), int64_t(r->params.prompt.size())));
         r->cached_tokens = int64_t(s->fed);
         cached_tokens_ += r->cached_tokens;
         cache_.reserve(s->kv, want);
         s->tokens = r->params.prompt;
         s->prev = s->tokens.back();  // the first piece continues the prompt: keep its leading space
+        if (r->params.prompt_logprobs)  // the first token has no logprob (nothing before it)
+          s->prompt_info.push_back({s->tokens[0], m_.tokenizer->decode_piece(-1, s->tokens[0]), NAN, {}, -1});
         r->prompt_tokens = int64_t(s->tokens.size());
         active.push_back(std::move(s));
       }
@@ -230,90 +253,147 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {
       s->req->finish_reason = "cancelled";
       finish(*s, nullptr);
     }
-  // Decoding sequences (one pending token) first, then prompt chunks, within the token budget.
-  std::vector<BatchToken> batch;
-  std::vector<std::pair<Seq*, int64_t>> fed;  // sequence, tokens it feeds this step
-  std::vector<Seq*> sample_for;               // owners of the logits rows, in batch order
-  int64_t budget = run_.capacity();
-  for (int pass = 0; pass < 2; ++pass)
+  // Within the token budget: decoding sequences (one pending token) first, then prompt chunks,
+  // then prompts scored at every position (one logits row each; the rows are opt.parallel), then
+  // embedding inputs, which run in a forward pass of their own (hidden states, not logits).
+  std::vector<BatchToken> batch, hidden;
+  std::vector<std::pair<Seq*, int64_t>> fed, hfed;  // sequence, tokens it feeds this step
+  std::vector<std::pair<Seq*, size_t>> rows;        // owner of each logits row, and the index of its token
+  int64_t budget = run_.capacity(), rows_left = opt_.parallel;
+  for (int pass = 0; pass < 4; ++pass)
     for (auto& sp : active) {
       Seq& s = *sp;
       const int64_t pending = int64_t(s.tokens.size() - s.fed);
-      if (s.done || pending <= 0 || (pass == 0) != (pending == 1) || budget <= 0) continue;
-      const int64_t n = std::min(pending, budget);
+      if (s.done || pending <= 0 || s.pass() != pass) continue;
+      const int64_t n = std::min({pending, budget, pass == 2 ? rows_left : pending});
+      if (n <= 0) continue;
       for (int64_t i = 0; i < n; ++i) {
-        const bool last = s.fed + size_t(i) + 1 == s.tokens.size();
-        batch.push_back({s.kv, s.tokens[s.fed + size_t(i)], last});
-        if (last) sample_for.push_back(&s);
+        const size_t at = s.fed + size_t(i);
+        const bool row = s.wants_row(at);
+        (pass == 3 ? hidden : batch).push_back({s.kv, s.tokens[at], row});
+        if (row && pass != 3) rows.emplace_back(&s, at), --rows_left;
       }
-      fed.emplace_back(&s, n);
+      (pass == 3 ? hfed : fed).emplace_back(&s, n);
       budget -= n;
     }
-  if (batch.empty()) return;
-  const float* logits = run_.forward(cache_, batch.data(), int64_t(batch.size()));
-  for (auto& [s, n] : fed) {
-    s->fed += size_t(n);
-    if (s->fed >= s->req->params.prompt.size()) s->req->prefilled_ = true;
-    cache_.register_prefix(s->kv, s->tokens.data(), int64_t(s->fed));  // its full blocks, for later prompts
-  }
+  if (!hidden.empty()) pool_hidden(hfed, run_.forward_hidden(cache_, hidden.data(), int64_t(hidden.size())));  // first: the logits pass reuses its buffers
+  const float* logits = batch.empty() ? nullptr : run_.forward(cache_, batch.data(), int64_t(batch.size()));
+  for (auto* list : {&fed, &hfed})
+    for (auto& [s, n] : *list) {
+      s->fed += size_t(n);
+      if (s->fed >= s->req->params.prompt.size()) s->req->prefilled_ = true;
+      cache_.register_prefix(s->kv, s->tokens.data(), int64_t(s->fed));  // its full blocks, for later prompts
+      if (s->req->params.embed && s->fed == s->tokens.size()) end_embedding(*s);
+    }
   prefix_blocks_ = cache_.prefix_blocks();
+  for (size_t r = 0; r < rows.size(); ++r) take_row(*rows[r].first, rows[r].second, logits + r * size_t(m_.config.vocab_size));
+}
 
+// Adds the hidden-state rows [n_rows, dim] of an embedding pass to their sequences' pools (before
+// their `fed` advances: row order is batch order).
+void Scheduler::pool_hidden(const std::vector<std::pair<Seq*, int64_t>>& fed, const float* rows) {
+  const int64_t D = m_.config.dim;
+  for (auto& [s, n] : fed) {
+    if (s->pooled.empty()) s->pooled.assign(size_t(D), 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (!s->wants_row(s->fed + size_t(i))) continue;
+      const bool sum = *s->req->params.embed == Pooling::Mean;
+      for (int64_t d = 0; d < D; ++d) s->pooled[size_t(d)] = (sum ? s->pooled[size_t(d)] : 0.0) + rows[d];
+      rows += D;
+    }
+  }
+}
+
+// An embedding whose input is all in: its pool, averaged (mean) and L2-normalised, as the result.
+void Scheduler::end_embedding(Seq& s) {
+  const double k = *s.req->params.embed == Pooling::Mean ? 1.0 / double(s.tokens.size()) : 1.0;
+  double norm = 0.0;
+  for (double& v : s.pooled) {
+    v *= k;
+    norm += v * v;
+  }
+  norm = norm > 0 ? 1.0 / std::sqrt(norm) : 0.0;
+  for (double v : s.pooled) s.req->embedding.push_back(float(v * norm));
+  finish(s, "stop");
+}
+
+// One logits row of s, for the token at index `at` of its tokens: a prompt position scored (echo
+// with logprobs), or the last token's, from which the next token is drawn.
+void Scheduler::take_row(Seq& s, size_t at, const float* row) {
   const Tokenizer& tok = *m_.tokenizer;
   const int64_t V = m_.config.vocab_size;
-  const std::vector<int32_t> stop_ids = default_stop_ids(m_.vocab);
-  for (size_t r = 0; r < sample_for.size(); ++r) {
-    Seq& s = *sample_for[r];
-    const float* row = logits + r * size_t(V);
-    TokenConstraint* rule = s.req->params.constraint.get();
-    // The constraint's own cost (filling the mask, accepting the token) is timed for /metrics;
-    // the sampler's pass over the mask touches only the ruled-out tokens.
-    auto t0 = std::chrono::steady_clock::now();
-    if (rule) s.allowed.resize(size_t((V + 31) / 32));
-    const uint32_t* mask = rule && rule->fill_mask(s.allowed.data()) ? s.allowed.data() : nullptr;
-    const int64_t fill_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    const int32_t id = s.sampler.sample(row, V, s.tokens, mask);
-    t0 = std::chrono::steady_clock::now();
-    const bool off_grammar = rule && !rule->accept(id);  // cannot happen with the mask applied
-    if (rule) {
-      ++constrained_tokens_;
-      constraint_ns_ += fill_ns + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    }
-    if (off_grammar) {
-      finish(s, "stop");
-      continue;
-    }
-    s.tokens.push_back(id);
-    ++s.generated;
-    if (s.generated == 1) s.req->t_first = now_seconds();
-    const auto& extra = s.req->params.stop_ids;
-    if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end() || std::find(extra.begin(), extra.end(), id) != extra.end()) {
-      s.generated -= 1;  // the end-of-turn token is not part of the completion
-      finish(s, "stop");
-      continue;
-    }
-    TokenInfo info{id, tok.decode_piece(s.prev, id), 0.0f, {}, s.prev};
-    s.prev = id;
-    if (s.req->params.top_logprobs >= 0)
-      info.logprob = Sampler::logprob(row, V, id, s.req->params.top_logprobs, &info.top);
-    const size_t before = s.text.size();
-    s.text += info.piece;
-    s.pending.push_back(std::move(info));
-    // A stop string ends the completion (and is not part of it).
-    size_t longest = 0;
-    for (const auto& st : s.req->params.stop) longest = std::max(longest, st.size());
-    const size_t from = before >= longest ? before - longest + 1 : 0;
-    size_t cut = std::string::npos;
-    for (const auto& st : s.req->params.stop)
-      if (!st.empty()) cut = std::min(cut, s.text.find(st, from));
-    if (cut != std::string::npos) {
-      s.text.resize(cut);
-      finish(s, "stop");
-    } else if (s.generated >= s.req->params.max_tokens || int64_t(s.tokens.size()) >= opt_.ctx) {
-      finish(s, "length");
-    } else {
-      emit(s, false);
-    }
+  const GenParams& p = s.req->params;
+  if (s.done) return;
+  if (at + 1 < s.tokens.size()) {  // scores the prompt's next token
+    TokenInfo info{s.tokens[at + 1], tok.decode_piece(s.tokens[at], s.tokens[at + 1]), 0.0f, {}, s.tokens[at]};
+    info.logprob = Sampler::logprob(row, V, info.id, std::max(p.top_logprobs, 0), &info.top);
+    s.prompt_info.push_back(std::move(info));
+    return;
   }
+  if (p.prompt_logprobs && s.generated == 0) s.req->push({"", std::move(s.prompt_info), true}, false);
+  if (p.max_tokens == 0) return finish(s, "length");
+  const int32_t id = draw(s, row);
+  if (id < 0) return finish(s, "stop");  // the constraint allows nothing (cannot happen with its mask applied)
+  s.tokens.push_back(id);
+  ++s.generated;
+  if (s.generated == 1) s.req->t_first = now_seconds();
+  const std::vector<int32_t> stop_ids = default_stop_ids(m_.vocab);
+  if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end() || std::find(p.stop_ids.begin(), p.stop_ids.end(), id) != p.stop_ids.end()) {
+    s.generated -= 1;  // the end-of-turn token is not part of the completion
+    return finish(s, "stop");
+  }
+  TokenInfo info{id, tok.decode_piece(s.prev, id), 0.0f, {}, s.prev};
+  s.prev = id;
+  if (p.top_logprobs >= 0) info.logprob = Sampler::logprob(row, V, id, p.top_logprobs, &info.top);
+  const size_t before = s.text.size();
+  s.text += info.piece;
+  s.pending.push_back(std::move(info));
+  // A stop string ends the completion (and is not part of it).
+  size_t longest = 0;
+  for (const auto& st : p.stop) longest = std::max(longest, st.size());
+  const size_t from = before >= longest ? before - longest + 1 : 0;
+  size_t cut = std::string::npos;
+  for (const auto& st : p.stop)
+    if (!st.empty()) cut = std::min(cut, s.text.find(st, from));
+  if (cut != std::string::npos) {
+    s.text.resize(cut);
+    finish(s, "stop");
+  } else if (s.generated >= p.max_tokens || int64_t(s.tokens.size()) >= opt_.ctx) {
+    finish(s, "length");
+  } else {
+    emit(s, false);
+  }
+}
+
+// The next token of s from its logits row, under its constraint if it has one: by rejection
+// where that is exact (Sampler::mask_by_rejection: the unconstrained draw, and the mask only when
+// the constraint refuses it), else under the mask. The constraint's own time (mask, accept) is
+// counted for /metrics. Returns -1 when the constraint accepts nothing.
+int32_t Scheduler::draw(Seq& s, const float* row) {
+  const int64_t V = m_.config.vocab_size;
+  TokenConstraint* rule = s.req->params.constraint.get();
+  if (!rule) return s.sampler.sample(row, V, s.tokens);
+  int64_t ns = 0;
+  auto timed = [&](auto&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool r = f();
+    ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  };
+  int32_t id = -1;
+  if (s.sampler.mask_by_rejection()) {
+    id = s.sampler.sample(row, V, s.tokens);
+    if (!timed([&] { return rule->accept(id); })) id = -1;
+  }
+  if (id < 0) {
+    s.allowed.resize(size_t((V + 31) / 32));
+    const bool masked = timed([&] { return rule->fill_mask(s.allowed.data()); });
+    id = s.sampler.sample(row, V, s.tokens, masked ? s.allowed.data() : nullptr);
+    if (!timed([&] { return rule->accept(id); })) id = -1;
+  }
+  ++constrained_tokens_;
+  constraint_ns_ += ns;
+  return id;
 }
 
 void Scheduler::emit(Seq& s, bool final) {

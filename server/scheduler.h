@@ -7,6 +7,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,11 +22,20 @@ class GenRequest;
 /// What a request asks the scheduler for.
 struct GenParams {
   std::vector<int32_t> prompt;     ///< token ids (BOS included when wanted)
-  int64_t max_tokens = 16;         ///< most tokens to generate
+  int64_t max_tokens = 16;         ///< most tokens to generate (0: the prompt only, for its logprobs)
   SamplerParams sampling;
   std::vector<std::string> stop;   ///< stop strings (not included in the output)
   std::vector<int32_t> stop_ids;   ///< tokens that end the output besides the model's end of sequence/turn
   int top_logprobs = -1;           ///< -1: no logprobs; 0..20: logprobs with that many alternatives
+  /// Completions' echo with logprobs: before any generated token, one GenEvent with prompt set
+  /// brings the prompt's tokens, each but the first with its log probability given those before
+  /// it (and top_logprobs alternatives). The whole prompt is then computed (no prefix-cache
+  /// blocks), at most SchedulerOptions::parallel positions a step (the logits rows there are).
+  bool prompt_logprobs = false;
+  /// An embedding instead of a completion: the prompt's final-norm hidden states (engine/model.h
+  /// Output::Hidden) pooled this way, L2-normalised, into GenRequest::embedding; nothing is
+  /// generated. nullopt: a completion.
+  std::optional<Pooling> embed;
   /// Constrained decoding (server/structured.h): the tokens it rules out are never sampled;
   /// used by the scheduler's thread only. nullptr: none.
   std::shared_ptr<TokenConstraint> constraint;
@@ -49,6 +59,7 @@ struct TokenInfo {
 struct GenEvent {
   std::string text;
   std::vector<TokenInfo> tokens;
+  bool prompt = false;  ///< the prompt's tokens (GenParams::prompt_logprobs; text empty); the first has logprob NaN
 };
 
 /// A request shared between the HTTP thread that made it and the scheduler loop.
@@ -69,6 +80,7 @@ class GenRequest {
   std::string finish_reason;  ///< "stop" or "length" (or "cancelled")
   int64_t prompt_tokens = 0, completion_tokens = 0;
   int64_t cached_tokens = 0;  ///< prompt tokens whose KV came from the prefix cache
+  std::vector<float> embedding;  ///< GenParams::embed: [dim], unit length (empty if it failed)
   double t_submit = 0, t_first = 0, t_done = 0;  ///< seconds (steady clock)
 
  private:
@@ -113,11 +125,14 @@ class Scheduler {
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  enum class Submit { Ok, QueueFull, TooLong };
-  /// Queues a request. TooLong: prompt + 1 exceeds the context; QueueFull: the queue is at
-  /// its bound (the caller answers 429).
+  enum class Submit { Ok, QueueFull, TooLong, NoHidden };
+  /// Queues a request. TooLong: prompt + 1 exceeds the context (prompt alone for an
+  /// embedding); NoHidden: an embedding on a runner without hidden states (BatchRunner::
+  /// has_hidden); QueueFull: the queue is at its bound (the caller answers 429).
   Submit submit(const std::shared_ptr<GenRequest>& r);
   SchedulerStats stats() const;
+  /// Whether embeddings can be computed here (BatchRunner::has_hidden).
+  bool has_hidden() const { return run_.has_hidden(); }
   const SchedulerOptions& options() const { return opt_; }
   /// Bytes of the KV cache (all tensor-parallel ranks, or the GPU's) and of the workspaces
   /// (measured: the buffers' capacities).
@@ -128,6 +143,10 @@ class Scheduler {
   struct Seq;
   void loop();
   void step(std::vector<std::unique_ptr<Seq>>& active);
+  void pool_hidden(const std::vector<std::pair<Seq*, int64_t>>& fed, const float* rows);
+  void end_embedding(Seq& s);
+  void take_row(Seq& s, size_t at, const float* row);
+  int32_t draw(Seq& s, const float* row);
   void finish(Seq& s, const char* reason);
   void emit(Seq& s, bool final);
 

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <sys/socket.h>
 #include <cstdio>
 #include <filesystem>
@@ -36,6 +37,7 @@
 #include "mem/infer.h"
 #include "engine/generate.h"
 #include "server/api.h"
+#include "server/embeddings.h"
 #include "server/infill.h"
 #include "server/responses.h"
 #include "server/tool_calls.h"
@@ -78,6 +80,7 @@ struct ServerState {
   std::unique_ptr<StructuredOutputs> structured;  // response_format / grammar (server/structured.h)
   std::optional<ChatTemplate> tmpl;
   std::string model_id;
+  std::optional<Pooling> pooling;  ///< --pooling; else the model's (ModelConfig::pooling)
   Metrics metrics;
   size_t max_body = 1 << 20;
   size_t max_token_bytes = 4;  ///< most text bytes one token can stand for (set at load)
@@ -106,12 +109,24 @@ json token_logprob_json(const Tokenizer& tok, const TokenInfo& t) {
   return j;
 }
 
-// Completions-style alternatives of one token: {"piece": logprob, ...}.
-json completion_top_logprobs(const Tokenizer& tok, const TokenInfo& t) {
-  json top = json::object();
-  for (const auto& [id, lp] : t.top) top[tok.decode_piece(t.prev, id)] = lp;
-  return top;
-}
+// /v1/completions' logprobs object, built token by token: tokens, token_logprobs, top_logprobs
+// ({"piece": logprob, ...}) and text_offset (into the choice's text). A token with a NaN logprob
+// (the prompt's first, under echo) has null for both.
+struct CompletionLogprobs {
+  json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  void add(const Tokenizer& tok, const TokenInfo& t, size_t offset) {
+    tokens.push_back(t.piece);
+    offsets.push_back(offset);
+    if (std::isnan(t.logprob)) {
+      lps.push_back(nullptr), tops.push_back(nullptr);
+      return;
+    }
+    json top = json::object();
+    for (const auto& [id, lp] : t.top) top[tok.decode_piece(t.prev, id)] = lp;
+    lps.push_back(t.logprob), tops.push_back(top);
+  }
+  json to_json() const { return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}}; }
+};
 
 // A prompt text of more than ctx x max_token_bytes bytes cannot fit the context, whatever its
 // tokens: refuse it before tokenizing. Tokenizing a near-1-MiB prompt only to refuse it took
@@ -260,20 +275,17 @@ json whole_choice(const Reply& rp, size_t index, const std::vector<GenEvent>& ev
   const GenRequest& g = *rp.gs[index];
   const CompletionRequest& r = rp.r;
   const Tokenizer& tok = *st.model->tokenizer;
+  const std::string echo = !rp.chat && r.echo ? echo_text(st, r.with_prompt(index / size_t(r.n))) : "";
   std::string text;
-  json lp_content = json::array(), tokens = json::array(), token_lps = json::array(), tops = json::array(),
-       offsets = json::array();
+  json lp_content = json::array();
+  CompletionLogprobs lps;
+  size_t prompt_offset = 0;  // echo: the prompt's tokens' offsets
   for (const GenEvent& e : events) {
     for (const TokenInfo& t : e.tokens) {
       if (r.top_logprobs < 0) continue;
-      if (rp.chat) {
-        lp_content.push_back(token_logprob_json(tok, t));
-      } else {
-        offsets.push_back(text.size());
-        tokens.push_back(t.piece);
-        token_lps.push_back(t.logprob);
-        tops.push_back(completion_top_logprobs(tok, t));
-      }
+      if (rp.chat) lp_content.push_back(token_logprob_json(tok, t));
+      else lps.add(tok, t, e.prompt ? prompt_offset : echo.size() + text.size());
+      if (e.prompt) prompt_offset += t.piece.size();
     }
     text += e.text;
   }
@@ -290,9 +302,8 @@ json whole_choice(const Reply& rp, size_t index, const std::vector<GenEvent>& ev
     }
     if (r.top_logprobs >= 0) choice["logprobs"] = {{"content", lp_content}};
   } else {
-    choice["text"] = r.echo ? echo_text(st, r.with_prompt(index / size_t(r.n))) + text : text;
-    if (r.top_logprobs >= 0)
-      choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+    choice["text"] = echo + text;
+    if (r.top_logprobs >= 0) choice["logprobs"] = lps.to_json();
   }
   return choice;
 }
@@ -415,15 +426,13 @@ json stream_delta(const Reply& rp, StreamChoice& c, const GenEvent& e) {
       choice["logprobs"] = {{"content", content}};
     }
   } else {
-    choice["text"] = e.text;
+    choice["text"] = e.text;  // a prompt event (echo with logprobs) has none: the echo went first
     if (r.top_logprobs >= 0) {
-      json tokens = json::array(), lps = json::array(), tops = json::array();
-      for (const TokenInfo& t : e.tokens) {
-        tokens.push_back(t.piece);
-        lps.push_back(t.logprob);
-        tops.push_back(completion_top_logprobs(tok, t));
-      }
-      choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}};
+      CompletionLogprobs lps;
+      for (const TokenInfo& t : e.tokens) lps.add(tok, t, 0);
+      json j = lps.to_json();
+      j.erase("text_offset");  // offsets into a stream's whole text are the client's to count
+      choice["logprobs"] = j;
     }
   }
   return choice;
@@ -668,10 +677,11 @@ std::vector<GenParams> choice_params(const ServerState& st, CompletionRequest& r
       throw ApiError(400, "the prompt has " + std::to_string(gp.prompt.size()) + " tokens; the context is " + std::to_string(ctx),
                      r.chat ? "messages" : "prompt", "context_length_exceeded");
     const int64_t room = ctx - int64_t(gp.prompt.size());
-    gp.max_tokens = std::min(r.max_tokens > 0 ? r.max_tokens : (r.chat ? room : 16), room);
+    gp.max_tokens = std::min(r.max_tokens >= 0 ? r.max_tokens : (r.chat ? room : 16), room);
     gp.stop = r.stop;
     if (!r.suffix.empty()) gp.stop_ids = find_infill_tokens(st.model->vocab)->stops;
     gp.top_logprobs = r.top_logprobs;
+    gp.prompt_logprobs = r.echo && r.top_logprobs >= 0;
     for (int k = 0; k < r.n; ++k) {
       gp.sampling = r.sampling;
       gp.sampling.seed = r.sampling.seed + uint64_t(k);
@@ -737,6 +747,39 @@ void handle_generation(ServerState& st, const std::string& body, httplib::Respon
 
 void handle_completion(ServerState& st, const httplib::Request& req, httplib::Response& res, bool chat) {
   handle_generation(st, req.body, res, chat, chat ? "/v1/chat/completions" : "/v1/completions");
+}
+
+// POST /v1/embeddings: each input (text, tokenized as a completions prompt, or token ids) pooled
+// and normalised by the scheduler (server/embeddings.h).
+void handle_embeddings(ServerState& st, const httplib::Request& req, httplib::Response& res) {
+  const char* endpoint = "/v1/embeddings";
+  if (!st.ready) return send_json(res, 503, ApiError(503, "the model is loading", "", "", "server_error").body());
+  try {
+    const Model& m = *st.model;
+    const EmbeddingRequest r = parse_embedding_request(req.body, st.model_id, m.config.dim, st.max_body);
+    std::vector<std::vector<int32_t>> inputs = r.ids;
+    for (const std::string& text : r.texts) {
+      if (text.size() / st.max_token_bytes >= size_t(st.scheduler->options().ctx))
+        throw ApiError(400, "an input of " + std::to_string(text.size()) + " bytes is longer than the context can hold", "input",
+                       "context_length_exceeded");
+      inputs.push_back(m.tokenizer->encode(text, m.vocab.add_bos));
+    }
+    int64_t tokens = 0;
+    for (const auto& ids : inputs) {
+      for (int32_t id : ids)
+        if (id >= int32_t(m.vocab.size())) throw ApiError(400, "input token id " + std::to_string(id) + " out of range", "input");
+      if (ids.empty()) throw ApiError(400, "an input has no tokens", "input");
+      tokens += int64_t(ids.size());
+    }
+    const auto vectors =
+        run_embeddings(*st.scheduler, inputs, st.pooling.value_or(m.config.pooling), int(st.scheduler->options().parallel), st.aborting);
+    send_json(res, 200, embeddings_json(vectors, r.base64, st.model_id, tokens));
+    st.metrics.prompt_tokens += uint64_t(tokens);
+    st.metrics.count_request(endpoint, 200);
+  } catch (const ApiError& e) {
+    send_error(res, e);
+    st.metrics.count_request(endpoint, e.status);
+  }
 }
 
 // POST /v1/responses: translated to a chat request (server/responses.h), answered as a Response.
@@ -874,6 +917,7 @@ static void add_routes(httplib::Server& svr, ServerState& st, const std::string&
   svr.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(st, req, res, false); });
   svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(st, req, res, true); });
   svr.Post("/v1/responses", [&](const httplib::Request& req, httplib::Response& res) { handle_responses(st, req, res); });
+  svr.Post("/v1/embeddings", [&](const httplib::Request& req, httplib::Response& res) { handle_embeddings(st, req, res); });
   svr.Post("/tokenize", [&](const httplib::Request& req, httplib::Response& res) {
     if (!st.ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
     try {
@@ -955,6 +999,10 @@ int main(int argc, char** argv) {
                  "with an error; a second signal stops at once")
       ->check(CLI::Range(0.0, 3600.0));
   app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
+  std::string pooling;
+  app.add_option("--pooling", pooling, "/v1/embeddings: how an input's hidden states are pooled: last, mean or cls (default: the model's "
+                                       "pooling_type, else last)")
+      ->check(CLI::IsMember({"last", "mean", "cls"}));
   bool no_prefix_cache = false;
   app.add_flag("--no-prefix-cache", no_prefix_cache,
                "compute every prompt afresh (by default, on the CPU, the KV blocks of prompt prefixes seen before are reused)");
@@ -1026,6 +1074,7 @@ int main(int argc, char** argv) {
     pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
     auto st = std::make_shared<ServerState>();
     st->model_id = alias.empty() ? std::filesystem::path(model_path).stem().string() : alias;
+    if (!pooling.empty()) st->pooling = pooling_from_name(pooling);
     httplib::Server svr;
     const int http_threads = std::max(8, 2 * (parallel + int(max_queue)) + 8);
     svr.new_task_queue = [http_threads] { return new httplib::ThreadPool(size_t(http_threads)); };

@@ -6,8 +6,11 @@
 #include <memory>
 #include <random>
 
+#include "engine/cpu/cpu_ops.h"
 #include "engine/model.h"
+#include "engine/tp.h"
 #include "base/error.h"
+#include "server/embeddings.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "test_util.h"
@@ -248,4 +251,173 @@ TEST_CASE("scheduler prefix cache: same greedy output with the cache on and off,
   CHECK(with_cache[0] == 0);
   for (size_t i = 1; i < prompts.size(); ++i) CHECK(with_cache[i] == 64);  // 4 whole blocks of 16 of the 71 shared tokens
   for (int64_t n : without) CHECK(n == 0);
+}
+
+namespace {
+
+// Waits for r and returns its events (GenRequest::wait until the end).
+std::vector<GenEvent> all_events(GenRequest& r) {
+  std::vector<GenEvent> ev;
+  while (r.wait(&ev, 10000)) {}
+  return ev;
+}
+
+// The final-norm states [n, dim] of `tokens` run alone from position 0 (every token flagged).
+std::vector<float> hidden_states(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens) {
+  KVCache kv(m.config, 8, 16);
+  Workspace ws(m, 64);
+  const int32_t seq = kv.add_sequence();
+  REQUIRE(kv.reserve(seq, int64_t(tokens.size())));
+  std::vector<BatchToken> b;
+  for (int32_t t : tokens) b.push_back({seq, t, true});
+  const float* h = forward_batch(m, kv, ws, pool, b.data(), int64_t(b.size()), Output::Hidden);
+  return std::vector<float>(h, h + tokens.size() * size_t(m.config.dim));
+}
+
+}  // namespace
+
+// Output::Hidden is the state the logits come from: the output projection of the hidden rows
+// gives forward's logits; in-process tensor parallelism gives the same rows.
+TEST_CASE("forward pass: Output::Hidden is the final norm the output projection reads, alone and under TP", "[batch][model]") {
+  auto m = Model::load(test::stories("q8_0"));
+  ThreadPool pool(2);
+  std::mt19937 rng(std::random_device{}());
+  std::vector<int32_t> tokens = {1};
+  for (int i = 0; i < 20; ++i) tokens.push_back(int32_t(3 + rng() % 500));
+  const int64_t n = int64_t(tokens.size()), D = m->config.dim, V = m->config.vocab_size;
+  const std::vector<float> h = hidden_states(*m, pool, tokens);
+  Session s(*m, pool, 64, 64, 64);
+  const float* logits = s.forward(tokens.data(), n, true);  // [n, V]
+  MatmulScratch scratch;
+  std::vector<float> proj(size_t(n * V));
+  matmul(pool, scratch, proj.data(), h.data(), n, m->output);
+  for (int64_t i = 0; i < n * V; ++i) REQUIRE(proj[size_t(i)] == Approx(logits[i]).margin(1e-4));
+  // TP on the F32 model (Q8_0's activation codes may flip under TP: test_tp.cpp, kQuantBound).
+  auto f32 = Model::load(test::stories("f32"));
+  const std::vector<float> h1 = hidden_states(*f32, pool, tokens);
+  TensorParallel two(*f32, 2, 2, 64);
+  KVCache kv = two.make_cache(8, 16, KvType::F32);
+  const int32_t seq = kv.add_sequence();
+  REQUIRE(kv.reserve(seq, n));
+  std::vector<BatchToken> b;
+  for (int32_t t : tokens) b.push_back({seq, t, true});
+  const float* ht = two.forward_hidden(kv, b.data(), n);
+  for (int64_t i = 0; i < n * D; ++i) REQUIRE(ht[i] == Approx(h1[size_t(i)]).margin(1e-4));  // the ranks sum in another order
+}
+
+// Echo with logprobs: each prompt token's logprob is the log-softmax of the position before it,
+// computed opt.parallel rows a step beside other sequences; max_tokens 0 scores only.
+TEST_CASE("scheduler: prompt logprobs equal each position's log-softmax; max_tokens 0 scores only", "[batch][model]") {
+  auto m = Model::load(test::stories("q8_0"));
+  ThreadPool pool(2);
+  std::vector<int32_t> prompt = {1};
+  for (int i = 0; i < 29; ++i) prompt.push_back(int32_t(20 + (i * 53) % 450));
+  const int64_t V = m->config.vocab_size, n = int64_t(prompt.size());
+  Session one(*m, pool, 64, 64, 64);
+  const float* all = one.forward(prompt.data(), n, true);
+  std::vector<float> want(size_t(n), NAN);
+  for (int64_t i = 1; i < n; ++i) want[size_t(i)] = Sampler::logprob(all + (i - 1) * V, V, prompt[size_t(i)], 0, nullptr);
+  const int32_t next = Sampler::argmax(all + (n - 1) * V, V);
+
+  SchedulerOptions so;
+  so.parallel = 3, so.ctx = 128, so.n_batch = 32;  // 3 logits rows a step: the prompt takes many steps
+  Scheduler sched(*m, pool, so);
+  std::vector<std::shared_ptr<GenRequest>> reqs;
+  for (int64_t max_tokens : {int64_t(0), int64_t(3), int64_t(8)}) {
+    GenParams g;
+    g.prompt = max_tokens == 8 ? std::vector<int32_t>{1, 400, 20} : prompt;  // the third: a plain completion beside them
+    g.max_tokens = max_tokens;
+    g.sampling.temperature = 0;
+    g.top_logprobs = 2;
+    g.prompt_logprobs = max_tokens != 8;
+    reqs.push_back(std::make_shared<GenRequest>(g));
+    REQUIRE(sched.submit(reqs.back()) == Scheduler::Submit::Ok);
+  }
+  for (int k = 0; k < 2; ++k) {
+    const std::vector<GenEvent> ev = all_events(*reqs[size_t(k)]);
+    REQUIRE(!ev.empty());
+    REQUIRE(ev[0].prompt);
+    REQUIRE(int64_t(ev[0].tokens.size()) == n);
+    CHECK(std::isnan(ev[0].tokens[0].logprob));
+    for (int64_t i = 1; i < n; ++i) {
+      const TokenInfo& t = ev[0].tokens[size_t(i)];
+      CHECK(t.id == prompt[size_t(i)]);
+      CHECK(t.logprob == Approx(want[size_t(i)]).margin(1e-4));
+      CHECK(t.top.size() == 2);
+    }
+    size_t generated = 0;
+    for (size_t e = 1; e < ev.size(); ++e) {
+      CHECK_FALSE(ev[e].prompt);
+      for (const TokenInfo& t : ev[e].tokens) {
+        generated += 1;
+        if (generated == 1) CHECK(t.id == next);
+      }
+    }
+    CHECK(generated == (k == 0 ? 0u : 3u));
+    CHECK(reqs[size_t(k)]->finish_reason == "length");
+    CHECK(reqs[size_t(k)]->completion_tokens == int64_t(generated));
+  }
+  CHECK(all_events(*reqs[2]).size() > 0);
+  CHECK(reqs[2]->completion_tokens == 8);
+}
+
+// Embeddings: the scheduler's pooled vectors (mean, last, cls) equal the states of the input run
+// alone, pooled and normalised; several inputs at once beside a completion.
+TEST_CASE("scheduler: embeddings pool the final-norm states (mean, last, cls) to unit vectors", "[batch][model]") {
+  auto m = Model::load(test::stories("q8_0"));
+  ThreadPool pool(2);
+  const int64_t D = m->config.dim;
+  std::vector<std::vector<int32_t>> inputs = {{1, 300, 44, 12}, {1, 7}, {1}};
+  for (int i = 0; i < 40; ++i) inputs[0].push_back(int32_t(30 + (i * 29) % 450));  // longer than n_batch: two steps
+  std::vector<std::vector<float>> states;  // before the scheduler starts: its loop owns the pool then
+  for (const auto& in : inputs) states.push_back(hidden_states(*m, pool, in));
+  SchedulerOptions so;
+  so.parallel = 4, so.ctx = 128, so.n_batch = 32;
+  Scheduler sched(*m, pool, so);
+  REQUIRE(sched.has_hidden());
+  for (Pooling pooling : {Pooling::Mean, Pooling::Last, Pooling::First}) {
+    std::vector<std::shared_ptr<GenRequest>> reqs;
+    GenParams busy;  // a completion in the same steps
+    busy.prompt = {1, 99, 98};
+    busy.max_tokens = 6;
+    auto other = std::make_shared<GenRequest>(busy);
+    REQUIRE(sched.submit(other) == Scheduler::Submit::Ok);
+    for (const auto& in : inputs) {
+      GenParams g;
+      g.prompt = in;
+      g.max_tokens = 0;
+      g.embed = pooling;
+      reqs.push_back(std::make_shared<GenRequest>(g));
+      REQUIRE(sched.submit(reqs.back()) == Scheduler::Submit::Ok);
+    }
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      all_events(*reqs[k]);
+      const std::vector<float>& h = states[k];
+      const int64_t n = int64_t(inputs[k].size());
+      std::vector<double> want(size_t(D), 0.0);
+      for (int64_t i = 0; i < n; ++i)
+        if (pooling == Pooling::Mean || (pooling == Pooling::Last ? i == n - 1 : i == 0))
+          for (int64_t d = 0; d < D; ++d) want[size_t(d)] += h[size_t(i * D + d)];
+      double norm = 0;
+      for (double v : want) norm += v * v;
+      INFO("pooling " << pooling_name(pooling) << ", input " << k);
+      REQUIRE(int64_t(reqs[k]->embedding.size()) == D);
+      double got_norm = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        CHECK(reqs[k]->embedding[size_t(d)] == Approx(want[size_t(d)] / std::sqrt(norm)).margin(1e-5));
+        got_norm += double(reqs[k]->embedding[size_t(d)]) * reqs[k]->embedding[size_t(d)];
+      }
+      CHECK(got_norm == Approx(1.0).epsilon(1e-5));
+      CHECK(reqs[k]->completion_tokens == 0);
+    }
+    all_events(*other);
+    CHECK(other->completion_tokens > 0);
+  }
+}
+
+TEST_CASE("embeddings: base64 is the little-endian float32 bytes (OpenAI's encoding_format)", "[server]") {
+  CHECK(base64_floats({}).empty());
+  CHECK(base64_floats({1.0f}) == "AACAPw==");
+  CHECK(base64_floats({1.0f, -2.0f}) == "AACAPwAAAMA=");
+  CHECK(base64_floats({1.0f, -2.0f, 0.5f}) == "AACAPwAAAMAAAAA/");
 }

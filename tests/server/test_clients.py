@@ -74,3 +74,39 @@ def test_langchain_chat_tools_and_structured_output(srv):
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather" and "city" in msg.tool_calls[0]["args"]
     city = llm.with_structured_output(City, method="json_schema").invoke("Tell me about Tokyo.")
     assert isinstance(city, City) and city.name
+
+
+def test_llama_index_chat_tools_embeddings_and_rag(srv):
+    """LlamaIndex's OpenAI-compatible classes: chat, a tool call, embeddings, and a small
+    retrieval-augmented query (VectorStoreIndex over llmq's /v1/embeddings, answered by llmq)."""
+    from llama_index.core import Document, Settings, VectorStoreIndex
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.tools import FunctionTool
+    from llama_index.embeddings.openai_like import OpenAILikeEmbedding
+    from llama_index.llms.openai_like import OpenAILike
+
+    llm = OpenAILike(model=srv.model_id, api_base=srv.base_url, api_key="none", is_chat_model=True,
+                     is_function_calling_model=True, temperature=0, max_tokens=80, context_window=4096)
+    assert llm.chat([ChatMessage(role="user", content="Say hello in one word.")]).message.content
+
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return "sunny"
+
+    resp = llm.chat_with_tools([FunctionTool.from_defaults(fn=get_weather)], user_msg="What is the weather like in Paris today?",
+                               tool_required=True)
+    calls = llm.get_tool_calls_from_response(resp, error_on_no_tool_call=False)
+    assert calls and calls[0].tool_name == "get_weather" and "city" in calls[0].tool_kwargs
+
+    emb = OpenAILikeEmbedding(model_name=srv.model_id, api_base=srv.base_url, api_key="none", embed_batch_size=4)
+    v = emb.get_text_embedding("hello")
+    assert len(v) == 896 and abs(sum(x * x for x in v) - 1) < 1e-3
+    assert emb.get_text_embedding_batch(["hello", "world"])[0] == pytest.approx(v, abs=1e-4)
+
+    Settings.llm, Settings.embed_model = llm, emb
+    docs = [Document(text=t) for t in ("The lighthouse on Skerry Island was built in 1871.",
+                                       "Our cafeteria serves soup on Tuesdays.",
+                                       "Python's list.sort is stable.")]
+    engine = VectorStoreIndex.from_documents(docs).as_query_engine(similarity_top_k=2)
+    answer = engine.query("When was the lighthouse on Skerry Island built?")
+    assert len(answer.source_nodes) == 2 and str(answer).strip()

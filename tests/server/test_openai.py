@@ -96,15 +96,47 @@ def test_echo_and_suffix(client, srv):
     assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
     ids = srv.tokenize(PROMPT, add_special=True)
     assert complete(client, srv, prompt=ids, max_tokens=5, temperature=0, echo=True).choices[0].text.endswith(plain.choices[0].text)
-    # Not silently ignored: echo with logprobs (prompt logprobs) is refused, and so is suffix
-    # (fill-in-the-middle) on a model without FIM tokens (test_tools.py fills in on Qwen2.5-Coder).
-    with pytest.raises(openai.BadRequestError) as e:
-        complete(client, srv, max_tokens=5, echo=True, logprobs=1)
-    assert e.value.param == "echo"
+    # Not silently ignored: suffix (fill-in-the-middle) on a model without FIM tokens is refused
+    # (test_tools.py fills in on Qwen2.5-Coder).
     with pytest.raises(openai.BadRequestError) as e:
         complete(client, srv, max_tokens=5, suffix=" The end.")
     assert e.value.param == "suffix" and "FIM tokens" in str(e.value)
     assert complete(client, srv, max_tokens=2, suffix="").choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, srv):
+    """echo + logprobs (what lm-eval's loglikelihood sends): the prompt's tokens and logprobs come
+    first (the first token's logprob null), then the completion's; max_tokens 0 scores only. A
+    generated continuation, echoed back as prompt, gets the logprobs it was generated with."""
+    gen = complete(client, srv, max_tokens=6, temperature=0, logprobs=1)
+    text = PROMPT + gen.choices[0].text
+    scored = complete(client, srv, prompt=text, max_tokens=0, echo=True, logprobs=1)
+    c = scored.choices[0]
+    lp = c.logprobs
+    assert c.text == text and c.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == text
+    assert all(text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    n = len(gen.choices[0].logprobs.tokens)
+    assert lp.tokens[-n:] == gen.choices[0].logprobs.tokens
+    for a, b in zip(lp.token_logprobs[-n:], gen.choices[0].logprobs.token_logprobs):
+        assert abs(a - b) < 1e-3, (a, b)
+    # With a completion after the prompt: its tokens follow, offsets into the whole text.
+    both = complete(client, srv, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    c = both.choices[0]
+    assert c.text.startswith(PROMPT)
+    assert len(c.logprobs.tokens) == both.usage.prompt_tokens + both.usage.completion_tokens
+    assert "".join(c.logprobs.tokens) == c.text
+    assert all(c.text[o:].startswith(t) for o, t in zip(c.logprobs.text_offset, c.logprobs.tokens))
+    assert all(1 <= len(top) <= 2 for top in c.logprobs.top_logprobs[1:])
+    stream = complete(client, srv, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True)
+    tokens = [t for ch in stream if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert tokens == c.logprobs.tokens
+    with pytest.raises(openai.BadRequestError) as e:  # nothing to return without echo
+        complete(client, srv, max_tokens=0)
+    assert e.value.param == "max_tokens"
 
 
 def test_ids_are_random_and_fingerprinted(client, srv):
