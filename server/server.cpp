@@ -4,7 +4,8 @@
 //               [--alias NAME] [--cors-origin ORIGIN]
 //
 // Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true -> Server-Sent
-// Events; tools -> tool_calls), GET /v1/models and /v1/models/{id}, GET /health (503 while
+// Events; tools -> tool_calls), POST /v1/responses, POST /v1/embeddings, GET /v1/models and
+// /v1/models/{id}, GET /health (503 while
 // loading), GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET / (a web chat
 // page); OPTIONS (CORS preflight) on every path.
 #include <httplib.h>
@@ -38,6 +39,7 @@
 #include "engine/generate.h"
 #include "server/api.h"
 #include "server/embeddings.h"
+#include "server/http_guard.h"
 #include "server/infill.h"
 #include "server/responses.h"
 #include "server/tool_calls.h"
@@ -236,6 +238,7 @@ struct Reply {
   const char* endpoint;
   std::shared_ptr<void> in_flight;  ///< keeps st.active counted until the last copy goes
   json responses_request = nullptr;  ///< /v1/responses: the request as sent (the reply is a Response); else null
+  bool http10 = false;  ///< an HTTP/1.0 request: no chunked transfer coding, so a whole reply is sent whole
 
   /// The one choice of a streamed response.
   const std::shared_ptr<GenRequest>& g() const { return gs.front(); }
@@ -343,9 +346,10 @@ bool wait_choices(const Reply& rp, std::vector<std::vector<GenEvent>>& events, i
 // sent chunked with a space each second (a probe that cancels the request when the client left).
 void respond_whole(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
   ServerState& st = rp->st;
-  // A request that ends within 2 s gets a plain response.
+  // A request that ends within 2 s gets a plain response (an HTTP/1.0 one always: its client
+  // knows no chunked coding, and it waits without being probed).
   auto events = std::make_shared<std::vector<std::vector<GenEvent>>>(rp->gs.size());
-  const double deadline = now_seconds() + 2.0;
+  const double deadline = now_seconds() + (rp->http10 ? 1e9 : 2.0);
   bool alive = true;
   while (alive && now_seconds() < deadline && !st.aborting) alive = wait_choices(*rp, *events, 200);
   if (alive && st.aborting) {  // shutting down past the drain timeout, nothing sent yet: a real 503
@@ -700,7 +704,7 @@ std::vector<GenParams> choice_params(const ServerState& st, CompletionRequest& r
 // `responses_request` set, the chat translation of that /v1/responses request) parsed, queued and
 // answered, whole or streamed.
 void handle_generation(ServerState& st, const std::string& body, httplib::Response& res, bool chat, const char* endpoint,
-                       const json& responses_request = nullptr) {
+                       const json& responses_request = nullptr, bool http10 = false) {
   if (!st.ready) {
     send_json(res, 503, ApiError(503, "the model is loading", "", "", "server_error").body());
     return;
@@ -739,14 +743,14 @@ void handle_generation(ServerState& st, const std::string& body, httplib::Respon
   std::string id = std::string(responses ? "resp_" : chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
   auto in_flight = std::shared_ptr<void>(nullptr, [&st](void*) { --st.active; });
   auto reply = std::make_shared<Reply>(Reply{st, std::move(gs), std::move(r), chat, std::move(id), int64_t(std::time(nullptr)),
-                                             endpoint, std::move(in_flight), responses_request});
+                                             endpoint, std::move(in_flight), responses_request, http10});
   if (reply->r.stream && responses) respond_stream_responses(reply, res);
   else if (reply->r.stream) respond_stream(reply, res);
   else respond_whole(reply, res);
 }
 
 void handle_completion(ServerState& st, const httplib::Request& req, httplib::Response& res, bool chat) {
-  handle_generation(st, req.body, res, chat, chat ? "/v1/chat/completions" : "/v1/completions");
+  handle_generation(st, req.body, res, chat, chat ? "/v1/chat/completions" : "/v1/completions", nullptr, req.version == "HTTP/1.0");
 }
 
 // POST /v1/embeddings: each input (text, tokenized as a completions prompt, or token ids) pooled
@@ -795,7 +799,7 @@ void handle_responses(ServerState& st, const httplib::Request& req, httplib::Res
     st.metrics.count_request("/v1/responses", e.status);
     return;
   }
-  handle_generation(st, chat.dump(), res, true, "/v1/responses", request);
+  handle_generation(st, chat.dump(), res, true, "/v1/responses", request, req.version == "HTTP/1.0");
 }
 
 }  // namespace
@@ -881,12 +885,14 @@ static void add_guards(httplib::Server& svr, ServerState& st, const std::string&
     if (!res.body.empty()) return;
     if (res.status == 404) send_json(res, 404, ApiError(404, "no route " + req.method + " " + req.path, "", "not_found").body());
     else if (res.status == 413) send_json(res, 413, ApiError(413, "request body too large").body());
+    else if (res.status == 400)  // httplib's own: a malformed request line or header, or one over --max-header-bytes / --max-headers
+      send_json(res, 400, ApiError(400, "malformed request, or a header over the server's limits").body());
   });
 }
 
 // The routes: CORS preflights, /health, the chat page, /v1/models, the completions endpoints,
 // /tokenize, /detokenize and /metrics.
-static void add_routes(httplib::Server& svr, ServerState& st, const std::string& cors_origin) {
+static void add_routes(GuardedServer& svr, ServerState& st, const std::string& cors_origin) {
   if (!cors_origin.empty()) {  // CORS: every response names the allowed origin; preflights are answered here
     svr.set_default_headers({{"Access-Control-Allow-Origin", cors_origin}});
     svr.Options(R"(.*)", [](const httplib::Request&, httplib::Response& res) {
@@ -952,7 +958,17 @@ static void add_routes(httplib::Server& svr, ServerState& st, const std::string&
   svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
     SchedulerStats s;
     if (st.ready) s = st.scheduler->stats();
-    res.set_content(st.metrics.render(s), "text/plain; version=0.0.4");
+    std::string text = st.metrics.render(s);
+    {
+      const HttpGuardStats& h = svr.guard_stats();
+      text += "# HELP llmq_http_refused_connections_total Connections answered 503 over --max-connections or --max-connections-per-ip.\n"
+              "# TYPE llmq_http_refused_connections_total counter\nllmq_http_refused_connections_total " +
+              std::to_string(h.refused_connections.load()) +
+              "\n# HELP llmq_http_dropped_requests_total Requests dropped at --request-timeout, a stalled read or a header limit.\n"
+              "# TYPE llmq_http_dropped_requests_total counter\nllmq_http_dropped_requests_total " +
+              std::to_string(h.deadline_drops.load()) + "\n";
+    }
+    res.set_content(text, "text/plain; version=0.0.4");
   });
 }
 
@@ -994,6 +1010,18 @@ int main(int argc, char** argv) {
   cli::add_tp_process_flags(app, tp_init, tp_rank, "serves HTTP");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
+  HttpLimits http;
+  http.max_connections = 0, http.max_per_ip = 0;  // from --parallel and --max-queue unless given
+  app.add_option("--request-timeout", http.request_deadline_s,
+                 "seconds from a request's first byte until its header and body are in, in all (a slowloris client that "
+                 "sends a byte at a time is dropped then)")
+      ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--max-connections", http.max_connections,
+                 "open connections at most (default 2 x (parallel + max-queue) + 8, at least 64); more are answered 503 at once");
+  app.add_option("--max-connections-per-ip", http.max_per_ip, "open connections from one client address at most (default: half of --max-connections)");
+  app.add_option("--max-header-bytes", http.max_header_bytes, "bytes of a request's line and header fields at most (400 beyond)")
+      ->check(CLI::Range(1024, 1 << 20));
+  app.add_option("--max-headers", http.max_header_lines, "header fields of a request at most (400 beyond)")->check(CLI::Range(8, 10000));
   app.add_option("--drain-timeout", drain_s,
                  "on SIGTERM/SIGINT: seconds the running requests may take to finish (new ones get 503) before they are ended "
                  "with an error; a second signal stops at once")
@@ -1075,11 +1103,13 @@ int main(int argc, char** argv) {
     auto st = std::make_shared<ServerState>();
     st->model_id = alias.empty() ? std::filesystem::path(model_path).stem().string() : alias;
     if (!pooling.empty()) st->pooling = pooling_from_name(pooling);
-    httplib::Server svr;
-    const int http_threads = std::max(8, 2 * (parallel + int(max_queue)) + 8);
+    http.stall_s = timeout_s;
+    if (http.max_connections <= 0) http.max_connections = std::max(64, 2 * (parallel + int(max_queue)) + 8);
+    if (http.max_per_ip <= 0) http.max_per_ip = std::max(1, http.max_connections / 2);
+    GuardedServer svr(http);
+    // Workers beyond max_connections answer the connections over the limits (503) at once.
+    const int http_threads = http.max_connections + 16;
     svr.new_task_queue = [http_threads] { return new httplib::ThreadPool(size_t(http_threads)); };
-    svr.set_read_timeout(timeout_s, 0);
-    svr.set_write_timeout(timeout_s, 0);
     svr.set_payload_max_length(st->max_body + 1);
     int listen_fd = -1;
     svr.set_socket_options([&listen_fd](socket_t sock) {
