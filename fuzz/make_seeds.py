@@ -357,6 +357,21 @@ def main():
         put("server_request", "embed-%d" % i, bytes([4]) + json.dumps(b).encode())
     put("server_request", "echo-logprobs", bytes([0]) + json.dumps({"prompt": "Once", "echo": True, "logprobs": 2, "max_tokens": 0}).encode())
 
+    # http_request: raw client bytes (fuzz/http_request.cpp): keep-alive and pipelined requests,
+    # a chunked body, HTTP/1.0, a header at the limits, a request cut short.
+    body = json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+    http = {
+        "get": b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        "pipelined": b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + post % (len(body), body) + b"GET /stream HTTP/1.1\r\n\r\n",
+        "chunked": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        "http10": b"POST /v1/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}",
+        "many-headers": b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(120)) + b"\r\n",
+        "cut": post % (100, body),
+    }
+    for name, data in http.items():
+        put("http_request", name, data)
+
     # structured_output: kind byte (0 schema, 1 grammar, 2 schema in tool-call tags, 3 json_object;
     # +4 strict) + the schema or grammar text.
     seeds = {

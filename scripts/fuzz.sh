@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_EACH=${1:-60}
 shift || true
-ALL=(llmq_file gguf safetensors llama2c tokenizer_spm tokenizer_bpe chat_template server_request structured_output)
+ALL=(llmq_file gguf safetensors llama2c tokenizer_spm tokenizer_bpe chat_template server_request structured_output http_request)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL[@]}")
 for t in "${TARGETS[@]}"; do

@@ -175,6 +175,11 @@ void GuardedServer::leave(const std::string& ip) {
 }
 
 bool GuardedServer::process_and_close_socket(socket_t sock) {
+  serve(sock);
+  return true;
+}
+
+void GuardedServer::serve(socket_t sock, bool while_running) {
   std::string ip;
   int port = 0;
   address_of(sock, false, ip, port);
@@ -183,7 +188,7 @@ bool GuardedServer::process_and_close_socket(socket_t sock) {
     refuse(sock);
   } else {
     GuardedStream strm(sock, limits_);
-    for (size_t k = limits_.max_requests_per_connection; k > 0 && is_running(); --k) {
+    for (size_t k = limits_.max_requests_per_connection; k > 0 && (is_running() || !while_running); --k) {
       if (!strm.next_request(limits_.keep_alive_s)) break;
       bool closed = false;
       const bool ok = process_request(strm, k == 1, closed, nullptr);
@@ -197,7 +202,6 @@ bool GuardedServer::process_and_close_socket(socket_t sock) {
   }
   ::shutdown(sock, SHUT_RDWR);
   ::close(sock);
-  return true;
 }
 
 }  // namespace llmq

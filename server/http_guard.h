@@ -47,6 +47,10 @@ class GuardedServer : public httplib::Server {
  public:
   explicit GuardedServer(const HttpLimits& limits) : limits_(limits) {}
   const HttpGuardStats& guard_stats() const { return stats_; }
+  /// Serves one accepted connection to its end and closes it (what the listener's workers do;
+  /// public for the fuzz target fuzz/http_request.cpp, which serves one end of a socketpair
+  /// without listening: then `while_running` false keeps the keep-alive loop going).
+  void serve(socket_t sock, bool while_running = true);
   /// Open connections now.
   int connections() const { return open_; }
 

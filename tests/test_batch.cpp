@@ -307,7 +307,7 @@ TEST_CASE("forward pass: Output::Hidden is the final norm the output projection 
 
 // Echo with logprobs: each prompt token's logprob is the log-softmax of the position before it,
 // computed opt.parallel rows a step beside other sequences; max_tokens 0 scores only.
-TEST_CASE("scheduler: prompt logprobs equal each position's log-softmax; max_tokens 0 scores only", "[batch][model]") {
+TEST_CASE("scheduler: prompt logprobs equal each position's log-softmax, and max_tokens 0 scores only", "[batch][model]") {
   auto m = Model::load(test::stories("q8_0"));
   ThreadPool pool(2);
   std::vector<int32_t> prompt = {1};
