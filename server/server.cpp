@@ -972,12 +972,30 @@ static void add_routes(GuardedServer& svr, ServerState& st, const std::string& c
   });
 }
 
+// The connection limits' flags (server/http_guard.h); --timeout is the stall of one read or write.
+// max_connections and max_per_ip stay 0 unless given: main derives them from --parallel.
+static void add_http_flags(CLI::App& app, HttpLimits& http) {
+  http.max_connections = 0, http.max_per_ip = 0;
+  app.add_option("--timeout", http.stall_s, "seconds a client may stall reading or writing before it is dropped")
+      ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--request-timeout", http.request_deadline_s,
+                 "seconds from a request's first byte until its header and body are in, in all (a slowloris client that "
+                 "sends a byte at a time is dropped then)")
+      ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--max-connections", http.max_connections,
+                 "open connections at most (default 4 x (parallel + max-queue) + 16, at least 128); more are answered 503 at once");
+  app.add_option("--max-connections-per-ip", http.max_per_ip,
+                 "open connections from one client address at most (default: 3/4 of --max-connections)");
+  app.add_option("--max-header-bytes", http.max_header_bytes, "bytes of a request's line and header fields at most (400 beyond)")
+      ->check(CLI::Range(1024, 1 << 20));
+  app.add_option("--max-headers", http.max_header_lines, "header fields of a request at most (400 beyond)")->check(CLI::Range(8, 10000));
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
   std::string model_path, host = "127.0.0.1", api_key, device = "cpu", template_name;
   int port = 8080, threads = 0, parallel = 4, tp = 1;
   int64_t ctx = 0, max_queue = 64, kv_tokens = 0, n_batch = 512;
-  int timeout_s = 30;
   double drain_s = 30;
   bool no_verify = false;
   app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
@@ -1009,19 +1027,8 @@ int main(int argc, char** argv) {
   int tp_rank = 0;
   cli::add_tp_process_flags(app, tp_init, tp_rank, "serves HTTP");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
-  app.add_option("--timeout", timeout_s, "seconds a client may stall reading or writing before it is dropped");
   HttpLimits http;
-  http.max_connections = 0, http.max_per_ip = 0;  // from --parallel and --max-queue unless given
-  app.add_option("--request-timeout", http.request_deadline_s,
-                 "seconds from a request's first byte until its header and body are in, in all (a slowloris client that "
-                 "sends a byte at a time is dropped then)")
-      ->check(CLI::Range(0.1, 3600.0));
-  app.add_option("--max-connections", http.max_connections,
-                 "open connections at most (default 2 x (parallel + max-queue) + 8, at least 64); more are answered 503 at once");
-  app.add_option("--max-connections-per-ip", http.max_per_ip, "open connections from one client address at most (default: half of --max-connections)");
-  app.add_option("--max-header-bytes", http.max_header_bytes, "bytes of a request's line and header fields at most (400 beyond)")
-      ->check(CLI::Range(1024, 1 << 20));
-  app.add_option("--max-headers", http.max_header_lines, "header fields of a request at most (400 beyond)")->check(CLI::Range(8, 10000));
+  add_http_flags(app, http);
   app.add_option("--drain-timeout", drain_s,
                  "on SIGTERM/SIGINT: seconds the running requests may take to finish (new ones get 503) before they are ended "
                  "with an error; a second signal stops at once")
@@ -1103,9 +1110,10 @@ int main(int argc, char** argv) {
     auto st = std::make_shared<ServerState>();
     st->model_id = alias.empty() ? std::filesystem::path(model_path).stem().string() : alias;
     if (!pooling.empty()) st->pooling = pooling_from_name(pooling);
-    http.stall_s = timeout_s;
-    if (http.max_connections <= 0) http.max_connections = std::max(64, 2 * (parallel + int(max_queue)) + 8);
-    if (http.max_per_ip <= 0) http.max_per_ip = std::max(1, http.max_connections / 2);
+    // Defaults roomy enough for a burst through one reverse proxy (every running and queued
+    // request, and as many again waiting for their 429), with a quarter kept for other addresses.
+    if (http.max_connections <= 0) http.max_connections = std::max(128, 4 * (parallel + int(max_queue)) + 16);
+    if (http.max_per_ip <= 0) http.max_per_ip = std::max(1, http.max_connections * 3 / 4);
     GuardedServer svr(http);
     // Workers beyond max_connections answer the connections over the limits (503) at once.
     const int http_threads = http.max_connections + 16;
