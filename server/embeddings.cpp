@@ -53,7 +53,7 @@ std::vector<std::vector<float>> run_embeddings(Scheduler& sched, const std::vect
 std::string base64_floats(const std::vector<float>& v) {
   static const char* abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   std::string bytes(v.size() * sizeof(float), '\0');
-  std::memcpy(bytes.data(), v.data(), bytes.size());  // x86-64 and AArch64 Linux are little-endian
+  if (!v.empty()) std::memcpy(bytes.data(), v.data(), bytes.size());  // x86-64 and AArch64 Linux are little-endian
   std::string out;
   out.reserve((bytes.size() + 2) / 3 * 4);
   for (size_t i = 0; i < bytes.size(); i += 3) {
