@@ -58,16 +58,21 @@ class GuardedStream final : public httplib::Stream {
   bool next_request(double seconds) {
     if (pos_ == end_ && !wait_for(sock_, POLLIN, to_ms(seconds))) return false;
     deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(lim_.request_deadline_s));
-    in_header_ = true, header_bytes_ = 0, lines_ = 0, tail_ = 0;
+    in_header_ = true, header_bytes_ = 0, lines_ = 0, tail_ = 0, http10_ = false;
     return true;
   }
   // The last request was cut: its deadline passed, a read stalled, or its header was too large.
   bool dropped() const { return dropped_; }
 
   bool is_readable() const override { return pos_ < end_ || wait_for(sock_, POLLIN, to_ms(std::min(left(), lim_.stall_s))); }
-  // Writable while the socket takes bytes: a peer that shut down its sending side (HTTP/1.0
-  // tools) still reads the response; one that is gone makes send() fail.
-  bool is_writable() const override { return wait_for(sock_, POLLOUT, to_ms(lim_.stall_s)); }
+  // Writable while the socket takes bytes and the peer is there. A peer that ended its side of
+  // the stream has gone (a client that hung up: its streams and queued requests are cancelled at
+  // once), except after an HTTP/1.0 request, whose tools may shut down their sending side and
+  // still read the response.
+  bool is_writable() const override {
+    if (!http10_ && peer_ended()) return false;
+    return wait_for(sock_, POLLOUT, to_ms(lim_.stall_s));
+  }
 
   ssize_t read(char* ptr, size_t size) override {
     if (pos_ == end_ && !fill()) return -1;
@@ -91,6 +96,14 @@ class GuardedStream final : public httplib::Stream {
   socket_t socket() const override { return sock_; }
 
  private:
+  // The peer sent its end of stream and nothing is left unread on the socket.
+  bool peer_ended() const {
+    char c;
+    ssize_t r;
+    do r = ::recv(sock_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    while (r < 0 && errno == EINTR);
+    return r == 0;
+  }
   double left() const { return std::chrono::duration<double>(deadline_ - Clock::now()).count(); }
 
   // Refills the empty buffer; false at the deadline, after a stalled read or on an error
@@ -120,6 +133,10 @@ class GuardedStream final : public httplib::Stream {
         dropped_ = true;
         return i;  // what is before the limit, then -1 on the next read
       }
+      if (c == '\n' && lines_ == 1) {  // the request line ends "... HTTP/1.0\r\n"? (the tail holds its last 4 bytes)
+        http10_ = version_tail_ == 0x312E300Du || version_tail_ == 0x2F312E30u;  // "1.0\r", or "/1.0" before a bare LF
+      }
+      if (lines_ == 0) version_tail_ = tail_;
       if ((tail_ & 0xFFFFFFFFu) == 0x0D0A0D0Au || (tail_ & 0xFFFFu) == 0x0A0Au) {  // CRLF CRLF (or LF LF): the body follows
         in_header_ = false;
         return i + 1;
@@ -133,9 +150,9 @@ class GuardedStream final : public httplib::Stream {
   char buf_[4096];
   size_t pos_ = 0, end_ = 0;
   Clock::time_point deadline_ = Clock::now();
-  bool in_header_ = false, dropped_ = false;
+  bool in_header_ = false, dropped_ = false, http10_ = false;
   size_t header_bytes_ = 0, lines_ = 0;
-  uint32_t tail_ = 0;
+  uint32_t tail_ = 0, version_tail_ = 0;
 };
 
 // Answers 503 before reading anything and lets the peer read it: our side is shut down first
