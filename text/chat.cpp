@@ -170,7 +170,9 @@ bool split_markup(const std::string& marked, size_t n, std::vector<std::string>&
     const size_t b = marked.find("\xee\x80\x81", a);
     if (b == std::string::npos) return false;
     markup.push_back(marked.substr(pos, a - pos));
-    const size_t idx = std::stoul(marked.substr(a + 3, b - a - 3));
+    const std::string digits = marked.substr(a + 3, b - a - 3);  // a template may print the markers itself
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) return false;
+    const size_t idx = std::stoul(digits);
     if (idx >= n) return false;
     order.push_back(idx);
     pos = b + 3;
