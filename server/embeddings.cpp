@@ -30,8 +30,11 @@ std::vector<std::vector<float>> run_embeddings(Scheduler& sched, const std::vect
       p.max_tokens = 0;
       p.embed = pooling;
       gs.push_back(std::make_shared<GenRequest>(std::move(p)));
-      if (sched.submit(gs.back()) == Scheduler::Submit::Ok) continue;
+      const Scheduler::Submit sub = sched.submit(gs.back());
+      if (sub == Scheduler::Submit::Ok) continue;
       cancel_all();
+      if (sub != Scheduler::Submit::QueueFull)  // checked above; the scheduler refuses them too
+        throw ApiError(400, "input " + std::to_string(gs.size() - 1) + " cannot be embedded here", "input");
       throw ApiError(429, "the server is busy: too many requests queued; retry later", "", "rate_limit_exceeded", "rate_limit_error");
     }
     std::vector<GenEvent> ignored;

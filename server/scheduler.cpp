@@ -100,6 +100,7 @@ Scheduler::Scheduler(const Model& model, ThreadPool& pool, const SchedulerOption
           model, pool, plan_inference(*model.file, model.config, opt.ctx, opt.n_batch, pool.size(), opt.parallel, true, opt.kv_tokens).ws)),
       run_(*own_),
       opt_(opt),
+      stop_ids_(default_stop_ids(m_.vocab)),
       cache_(run_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
                             opt.kv_type)) {
   if (opt.prefix_cache) cache_.enable_prefix_cache();
@@ -110,6 +111,7 @@ Scheduler::Scheduler(BatchRunner& runner, const SchedulerOptions& opt)
     : m_(runner.model()),
       run_(runner),
       opt_(opt),
+      stop_ids_(default_stop_ids(m_.vocab)),
       cache_(run_.make_cache(plan_kv(m_.config, server_kv_tokens(opt.ctx, opt.parallel, opt.kv_tokens)).n_blocks, kKvBlockTokens,
                             opt.kv_type)) {
   if (opt.prefix_cache) cache_.enable_prefix_cache();
@@ -295,9 +297,9 @@ void Scheduler::pool_hidden(const std::vector<std::pair<Seq*, int64_t>>& fed, co
   const int64_t D = m_.config.dim;
   for (auto& [s, n] : fed) {
     if (s->pooled.empty()) s->pooled.assign(size_t(D), 0.0);
+    const bool sum = *s->req->params.embed == Pooling::Mean;  // else the one wanted row is the pool
     for (int64_t i = 0; i < n; ++i) {
       if (!s->wants_row(s->fed + size_t(i))) continue;
-      const bool sum = *s->req->params.embed == Pooling::Mean;
       for (int64_t d = 0; d < D; ++d) s->pooled[size_t(d)] = (sum ? s->pooled[size_t(d)] : 0.0) + rows[d];
       rows += D;
     }
@@ -337,8 +339,7 @@ void Scheduler::take_row(Seq& s, size_t at, const float* row) {
   s.tokens.push_back(id);
   ++s.generated;
   if (s.generated == 1) s.req->t_first = now_seconds();
-  const std::vector<int32_t> stop_ids = default_stop_ids(m_.vocab);
-  if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end() || std::find(p.stop_ids.begin(), p.stop_ids.end(), id) != p.stop_ids.end()) {
+  if (std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end() || std::find(p.stop_ids.begin(), p.stop_ids.end(), id) != p.stop_ids.end()) {
     s.generated -= 1;  // the end-of-turn token is not part of the completion
     return finish(s, "stop");
   }

@@ -154,6 +154,7 @@ class Scheduler {
   std::unique_ptr<TensorParallel> own_;  // the one-rank runner of the (model, pool) constructor
   BatchRunner& run_;
   SchedulerOptions opt_;
+  std::vector<int32_t> stop_ids_;  // the model's end-of-sequence/turn tokens (engine/generate.h default_stop_ids)
   KVCache cache_;
   mutable std::mutex mu_;
   std::condition_variable cv_;

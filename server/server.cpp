@@ -133,11 +133,19 @@ struct CompletionLogprobs {
 // A prompt text of more than ctx x max_token_bytes bytes cannot fit the context, whatever its
 // tokens: refuse it before tokenizing. Tokenizing a near-1-MiB prompt only to refuse it took
 // tens of MB of short-lived memory per request (the soak saw RSS grow by ~200 MB from it).
-void check_prompt_bytes(const ServerState& st, const CompletionRequest& r, size_t bytes, int64_t ctx) {
+// `param` names the request field (messages, prompt, input).
+void check_prompt_bytes(const ServerState& st, const std::string& param, size_t bytes, int64_t ctx) {
   if (bytes / st.max_token_bytes >= size_t(ctx))
-    throw ApiError(400, "the prompt of " + std::to_string(bytes) + " bytes is longer than the context of " + std::to_string(ctx) +
+    throw ApiError(400, "the " + param + " of " + std::to_string(bytes) + " bytes is longer than the context of " + std::to_string(ctx) +
                             " tokens can hold",
-                   r.chat ? "messages" : "prompt", "context_length_exceeded");
+                   param, "context_length_exceeded");
+}
+
+// Token ids given by the client must be in the vocabulary (ApiError 400 on `param`).
+void check_token_ids(const ServerState& st, const std::vector<int32_t>& ids, const std::string& param) {
+  for (int32_t id : ids)
+    if (id < 0 || id >= int32_t(st.model->vocab.size()))
+      throw ApiError(400, param + " token id " + std::to_string(id) + " out of range", param);
 }
 
 // The build that answered, as OpenAI's system_fingerprint.
@@ -202,7 +210,7 @@ std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionReques
     }
     size_t bytes = 0;
     for (const auto& seg : segs) bytes += seg.text.size();
-    check_prompt_bytes(st, r, bytes, ctx);
+    check_prompt_bytes(st, "messages", bytes, ctx);
     const std::string bos_text = v.bos_id >= 0 ? v.tokens[size_t(v.bos_id)] : "";
     const bool starts_with_bos = !segs.empty() && segs[0].special && !bos_text.empty() && segs[0].text.rfind(bos_text, 0) == 0;
     if (v.add_bos && v.bos_id >= 0 && !starts_with_bos) ids.push_back(v.bos_id);
@@ -211,16 +219,15 @@ std::vector<int32_t> prompt_tokens(const ServerState& st, const CompletionReques
       ids.insert(ids.end(), part.begin(), part.end());
     }
   } else if (!r.prompt_ids.empty()) {
-    for (int32_t id : r.prompt_ids)
-      if (id < 0 || id >= int32_t(v.size())) throw ApiError(400, "prompt token id " + std::to_string(id) + " out of range", "prompt");
+    check_token_ids(st, r.prompt_ids, "prompt");
     ids = r.prompt_ids;
   } else if (!r.suffix.empty()) {  // fill in the middle
-    check_prompt_bytes(st, r, r.prompt.size() + r.suffix.size(), ctx);
+    check_prompt_bytes(st, "prompt", r.prompt.size() + r.suffix.size(), ctx);
     const auto fim = find_infill_tokens(v);
     if (!fim) throw ApiError(400, "'suffix' needs a model trained to fill in the middle; this vocabulary has no FIM tokens", "suffix");
     ids = infill_prompt(tok, *fim, r.prompt, r.suffix);
   } else {
-    check_prompt_bytes(st, r, r.prompt.size(), ctx);
+    check_prompt_bytes(st, "prompt", r.prompt.size(), ctx);
     ids = tok.encode(r.prompt, v.add_bos);
   }
   if (ids.empty()) throw ApiError(400, "the prompt is empty", r.chat ? "messages" : "prompt");
@@ -763,15 +770,12 @@ void handle_embeddings(ServerState& st, const httplib::Request& req, httplib::Re
     const EmbeddingRequest r = parse_embedding_request(req.body, st.model_id, m.config.dim, st.max_body);
     std::vector<std::vector<int32_t>> inputs = r.ids;
     for (const std::string& text : r.texts) {
-      if (text.size() / st.max_token_bytes >= size_t(st.scheduler->options().ctx))
-        throw ApiError(400, "an input of " + std::to_string(text.size()) + " bytes is longer than the context can hold", "input",
-                       "context_length_exceeded");
+      check_prompt_bytes(st, "input", text.size(), st.scheduler->options().ctx);
       inputs.push_back(m.tokenizer->encode(text, m.vocab.add_bos));
     }
     int64_t tokens = 0;
     for (const auto& ids : inputs) {
-      for (int32_t id : ids)
-        if (id >= int32_t(m.vocab.size())) throw ApiError(400, "input token id " + std::to_string(id) + " out of range", "input");
+      check_token_ids(st, ids, "input");
       if (ids.empty()) throw ApiError(400, "an input has no tokens", "input");
       tokens += int64_t(ids.size());
     }

@@ -107,6 +107,13 @@ def qwen_model(models_dir) -> Path:
 
 # ---------------------------------------------------------------- the server
 
+@pytest.fixture(scope="module")
+def client(srv):
+    """An openai.OpenAI client of the module's `srv` fixture (each test module starts its own server)."""
+    with srv.client() as c:
+        yield c
+
+
 class LlmqServer:
     """One llmq-server process on 127.0.0.1:<free port>."""
 

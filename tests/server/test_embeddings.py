@@ -20,12 +20,6 @@ def srv(servers, stories_model):
     return servers.start(stories_model, "--parallel", "3", "--ctx", "256")
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with srv.client() as c:
-        yield c
-
-
 def embed(client, srv, inp, **kw):
     return client.embeddings.create(model=srv.model_id, input=inp, **kw)
 

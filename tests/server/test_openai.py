@@ -22,12 +22,6 @@ def srv(servers, stories_model):
     return servers.start(stories_model, "--chat-template", "chatml", "--parallel", "4")
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with srv.client() as c:
-        yield c
-
-
 def complete(client, srv, **kw):
     kw.setdefault("model", srv.model_id)
     kw.setdefault("prompt", PROMPT)

@@ -18,12 +18,6 @@ def srv(servers, qwen_model):
     return servers.start(qwen_model, "--parallel", "2")
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with srv.client() as c:
-        yield c
-
-
 def test_text_response(client, srv):
     r = client.responses.create(model=srv.model_id, input="Say hello in one word.", instructions="Be brief.",
                                 temperature=0, max_output_tokens=20)

@@ -56,12 +56,6 @@ def srv(servers, smol_model):
     return servers.start(smol_model, "--parallel", "4")
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with srv.client() as c:
-        yield c
-
-
 def schema_format(name, schema):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 

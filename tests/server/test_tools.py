@@ -28,12 +28,6 @@ def srv(servers, qwen_model):
     return servers.start(qwen_model, "--parallel", "2")
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with srv.client() as c:
-        yield c
-
-
 def test_tool_call_is_returned_as_tool_calls(client, srv):
     r = client.chat.completions.create(model=srv.model_id, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80)
     choice = r.choices[0]
