@@ -23,7 +23,9 @@ using namespace llmq;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const Vocab vocab = read_llama2c_tokenizer(fuzz::shared("models/stories260K/tok512.bin"));
   static const Tokenizer tok(vocab);
-  static StructuredOutputs so(tok, default_stop_ids(vocab));
+  // A small cache, so that a long run measures the compile path and not the cache filling up (the
+  // server bounds its own, --grammar-cache-mib).
+  static StructuredOutputs so(tok, default_stop_ids(vocab), size_t(8) << 20);
   if (size == 0 || size > 4096) return 0;  // the server takes 1 MiB bodies; compile time grows with size
   OutputFormat f;
   const int kind = data[0] & 3;

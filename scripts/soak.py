@@ -417,7 +417,7 @@ class Client:
                 {"prompt": 5}, {"prompt": "x", "max_tokens": "10"}, {"prompt": "x", "temperature": "hot"},
                 {"prompt": "x", "stop": [1]}, {"prompt": "x", "stream": "yes"}, {"prompt": "x", "logprobs": True},
                 {"prompt": {"a": 1}}, {"prompt": [1, "a"]}, {"prompt": "x", "model": 7}, {"prompt": []},
-                {"prompt": "x", "stream_options": 3}, {"prompt": "x", "seed": 1.5}, {"prompt": [[1, 2]]},
+                {"prompt": "x", "stream_options": 3}, {"prompt": "x", "seed": 1.5}, {"prompt": [[1, "a"]]},
                 {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, {"prompt": "x", "stop": [""]}])).encode()),
             "wrong_type_chat": lambda: post_raw("/v1/chat/completions", json.dumps(r.choice([
                 {"messages": "hi"}, {"messages": []}, {"messages": [{"role": "user"}]},
@@ -429,10 +429,10 @@ class Client:
             "absurd_value": lambda: post_raw("/v1/completions", r.choice([
                 b'{"prompt": "x", "max_tokens": -1}', b'{"prompt": "x", "max_tokens": 0}',
                 b'{"prompt": "x", "max_tokens": 100000000000000000000000000000}',
-                b'{"prompt": "x", "max_tokens": 18446744073709551615}',
+                b'{"prompt": "x", "max_tokens": -18446744073709551615}',
                 b'{"prompt": "x", "max_tokens": 1e30}', b'{"prompt": "x", "temperature": 1e308}',
                 b'{"prompt": "x", "temperature": -0.5}', b'{"prompt": "x", "top_p": 7}',
-                b'{"prompt": "x", "top_k": 99999999999}', b'{"prompt": "x", "n": 2}',
+                b'{"prompt": "x", "top_k": 99999999999}', b'{"prompt": "x", "n": 0}',
                 b'{"prompt": "x", "logprobs": 100}', b'{"prompt": "x", "temperature": NaN}',
                 b'{"prompt": "x", "temperature": 1e999}', b'{"prompt": [999999]}', b'{"prompt": [-1]}',
                 b'{"prompt": [1, 4294967296]}', b'{"prompt": "x", "repetition_penalty": 0}',
@@ -450,7 +450,7 @@ class Client:
             "deep_nesting": lambda: post_raw("/v1/completions", b"[" * r.choice([1000, 100000, 500000]) + b"]"),
             "unknown_route": lambda: r.choice([
                 b"GET /v2/nothing HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n",
-                post_raw("/v1/embeddings", b'{"input": "x"}'),
+                post_raw("/v1/images/generations", b'{"prompt": "x"}'),
                 b"GET /v1/completions HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n",
                 b"DELETE /v1/models HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n",
                 b"GET /" + b"a" * 6000 + b" HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n"]),
@@ -469,7 +469,7 @@ class Client:
             "malformed_json": {400}, "malformed_json_chat": {400}, "wrong_type": {400}, "wrong_type_chat": {400},
             "absurd_value": {400, 404}, "prompt_too_long": {400}, "bad_utf8": {400, 404},
             "deep_nesting": {400}, "unknown_route": {404, 405, 414},
-            "oversized_body": {413, None}, "oversized_chunked": {413, None},
+            "oversized_body": {413, None}, "oversized_chunked": {411, 413, None},  # 411: chunked bodies are refused
             "garbage_request_line": {400, 505, None}, "bad_content_length": {400, 413, None},
         }
         return cases, allowed

@@ -1042,6 +1042,11 @@ int main(int argc, char** argv) {
   app.add_option("--pooling", pooling, "/v1/embeddings: how an input's hidden states are pooled: last, mean or cls (default: the model's "
                                        "pooling_type, else last)")
       ->check(CLI::IsMember({"last", "mean", "cls"}));
+  int64_t grammar_cache_mib = 64;
+  app.add_option("--grammar-cache-mib", grammar_cache_mib,
+                 "MiB of compiled grammars (response_format, grammar, forced tool calls) kept for reuse, least recently used "
+                 "dropped first; 0: no cache")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
   bool no_prefix_cache = false;
   app.add_flag("--no-prefix-cache", no_prefix_cache,
                "compute every prompt afresh (by default, on the CPU, the KV blocks of prompt prefixes seen before are reused)");
@@ -1160,7 +1165,8 @@ int main(int argc, char** argv) {
         // The GPU's paged attention has not yet run with shared blocks on a real device: the CPU only.
         so.prefix_cache = !no_prefix_cache && !gpu;
         st->scheduler = std::make_unique<Scheduler>(st->runner->batch(), so);
-        st->structured = std::make_unique<StructuredOutputs>(*st->model->tokenizer, default_stop_ids(st->model->vocab));
+        st->structured = std::make_unique<StructuredOutputs>(*st->model->tokenizer, default_stop_ids(st->model->vocab),
+                                                             size_t(grammar_cache_mib) << 20);
         st->ready = true;
         const uint64_t file_bytes = st->model->file->file_size() + st->model->packed.bytes(), kv_b = st->scheduler->kv_bytes(),
                        ws_b = st->scheduler->workspace_bytes();

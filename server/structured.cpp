@@ -1,5 +1,7 @@
 #include "server/structured.h"
 
+#include <algorithm>
+
 #include "base/error.h"
 #include "text/tokenizer.h"
 
@@ -28,6 +30,15 @@ class GrammarConstraint : public TokenConstraint {
     return matcher_.FillNextTokenBitmask(&t);
   }
   bool accept(int32_t id) override { return matcher_.AcceptToken(id); }
+  // True when the current state allows some token (a grammar whose language is empty, such as
+  // `root ::= item  item ::= root ")"`, compiles but allows nothing).
+  bool allows_some_token() {
+    std::vector<uint32_t> mask(size_t(xgrammar::GetBitmaskSize(vocab_)));
+    if (!fill_mask(mask.data())) return true;
+    for (int i = 0; i < vocab_; ++i)
+      if (mask[size_t(i) / 32] >> (i % 32) & 1u) return true;
+    return false;
+  }
 
  private:
   xgrammar::GrammarMatcher matcher_;
@@ -68,14 +79,16 @@ xgrammar::TokenizerInfo tokenizer_info(const Tokenizer& tok, const std::vector<i
 }  // namespace
 
 struct StructuredOutputs::Impl {
-  Impl(const Tokenizer& tok, const std::vector<int32_t>& stop)
-      : vocab(int(tok.n_vocab())), compiler(tokenizer_info(tok, stop), /*max_threads=*/2, /*cache_enabled=*/true,
-                                            /*max_memory_bytes=*/int64_t(256) << 20) {}
+  Impl(const Tokenizer& tok, const std::vector<int32_t>& stop, size_t cache_bytes)
+      : vocab(int(tok.n_vocab())),
+        compiler(tokenizer_info(tok, stop), /*max_threads=*/2, /*cache_enabled=*/cache_bytes > 0,
+                 /*max_memory_bytes=*/cache_bytes > 0 ? int64_t(std::min<size_t>(cache_bytes, size_t(1) << 40)) : -1) {}
   int vocab;
   xgrammar::GrammarCompiler compiler;
 };
 
-StructuredOutputs::StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids) : tok_(tok), stop_ids_(stop_ids) {}
+StructuredOutputs::StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids, size_t cache_bytes)
+    : tok_(tok), stop_ids_(stop_ids), cache_bytes_(cache_bytes) {}
 
 bool StructuredOutputs::available() { return true; }
 
@@ -83,7 +96,7 @@ std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputForma
   if (f.kind == OutputFormat::Kind::Text) return nullptr;
   try {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!impl_) impl_ = std::make_unique<Impl>(tok_, stop_ids_);
+    if (!impl_) impl_ = std::make_unique<Impl>(tok_, stop_ids_, cache_bytes_);
     // json_object is OpenAI's "any JSON object" (xgrammar's built-in grammar takes any value).
     const std::string schema = f.kind == OutputFormat::Kind::JsonObject ? std::string(R"({"type": "object"})") : f.spec;
     const bool wrapped = !f.prefix.empty() || !f.suffix.empty();
@@ -91,7 +104,9 @@ std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputForma
                                   : wrapped ? impl_->compiler.CompileGrammar(wrapped_schema(f))
                                             : impl_->compiler.CompileJSONSchema(schema, /*any_whitespace=*/false, std::nullopt,
                                                                                 std::nullopt, f.strict);
-    return std::make_shared<GrammarConstraint>(g, impl_->vocab);
+    auto c = std::make_shared<GrammarConstraint>(g, impl_->vocab);
+    if (!c->allows_some_token()) throw UsageError("it matches no output (no token of the vocabulary can start one)");
+    return c;
   } catch (const std::exception& e) {
     // xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: "; the reason follows.
     std::string what = e.what();
@@ -105,7 +120,8 @@ std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputForma
 #else  // no grammar engine in this build
 
 struct StructuredOutputs::Impl {};
-StructuredOutputs::StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids) : tok_(tok), stop_ids_(stop_ids) {}
+StructuredOutputs::StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids, size_t cache_bytes)
+    : tok_(tok), stop_ids_(stop_ids), cache_bytes_(cache_bytes) {}
 bool StructuredOutputs::available() { return false; }
 std::shared_ptr<TokenConstraint> StructuredOutputs::constraint(const OutputFormat& f) {
   if (f.kind == OutputFormat::Kind::Text) return nullptr;

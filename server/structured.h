@@ -8,6 +8,7 @@
 // JSON schema or an EBNF grammar against the vocabulary once (cached by text) and answers each
 // step's mask from precomputed per-state token sets.
 #pragma once
+#include <cstddef>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -35,8 +36,11 @@ class StructuredOutputs {
   /// The vocabulary as xgrammar sees it: each token's bytes (Tokenizer::decode_piece after a
   /// non-initial token), control tokens as special; `stop_ids` end a complete output. Cheap: the
   /// grammar engine's view of the vocabulary is built at the first constraint (not at start-up).
-  /// `tok` must outlive this object.
-  StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids);
+  /// `tok` must outlive this object. `cache_bytes` bounds the cache of compiled grammars (least
+  /// recently used ones are dropped), as xgrammar counts it: its payload (grammar tables and
+  /// token masks), which is most but not all of what the cache keeps resident
+  /// (bench/grammar_cache_memory.py measures the server's RSS against it).
+  StructuredOutputs(const Tokenizer& tok, const std::vector<int32_t>& stop_ids, size_t cache_bytes = size_t(64) << 20);
   ~StructuredOutputs();
   /// True when this build has the grammar engine.
   static bool available();
@@ -48,6 +52,7 @@ class StructuredOutputs {
   struct Impl;
   const Tokenizer& tok_;
   std::vector<int32_t> stop_ids_;
+  size_t cache_bytes_;
   std::mutex mu_;               // one compilation at a time (each uses the compiler's threads)
   std::unique_ptr<Impl> impl_;  // made by the first constraint()
 };

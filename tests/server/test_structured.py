@@ -132,6 +132,8 @@ def test_openai_parse_extracts_every_object(client, srv):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
      "response_format", "Unsupported type"),
     ({"grammar": "root ::= undefined_rule"}, "grammar", "not defined"),
+    # an empty language (found by fuzz/structured_output): it compiles, and no token can start it
+    ({"grammar": "root ::= item\nitem ::= root \")\""}, "grammar", "matches no output"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "json_object"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
     ({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""}, "response_format", "either"),
@@ -141,3 +143,17 @@ def test_bad_formats_are_400(srv, body, param, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+def test_without_a_grammar_cache(fresh_servers, smol_model):
+    """--grammar-cache-mib 0 (issue 22: the compiled-grammar cache is bounded by a flag): every
+    request compiles its own grammar, and constrained replies are the same as with the cache."""
+    s = fresh_servers.start(smol_model, "--parallel", "2", "--grammar-cache-mib", "0")
+    body = {"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 12, "temperature": 0,
+            "grammar": r'root ::= ("yes" | "no") ", because " [a-z ]+ "."'}
+    texts = []
+    for _ in range(2):
+        r = s.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1] and re.match(r"(yes|no), because ", texts[0]), texts
