@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""The error table of `llmq-mem train` against the published measurements in cases.jsonl
+(issue 23): for every case, whether llmq-mem can express its recipe (and if not, why), the
+measured peak, llmq-mem's prediction for what was measured, and the error; then the median and
+largest absolute error over the expressible cases and their share of all cases.
+
+What is compared: torch.cuda.max_memory_allocated / active peaks / max_memory_reserved count the
+PyTorch allocator's memory, so they are compared with llmq-mem's per-GPU total without the CUDA
+context ("device"); nvidia-smi readings with the total including it ("device_total"); an
+unstated measure with "device".
+
+    python3 mem/validation/error_table.py [--llmq-mem build/llmq-mem] [--json out.json] [--markdown]
+
+Sources of the cases: SOURCES.md beside this file. Needs only python3 and a built llmq-mem.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+GATED = {"llama", "mistral", "gemma", "gemma2", "phi3", "qwen2", "qwen3"}  # gate/up/down MLP blocks
+OPTIMIZERS = {"adamw": "adamw", "paged-adamw-32bit": "adamw", "adamw-8bit": "adam8bit", "paged-adamw-8bit": "adam8bit",
+              "sgd": "sgd"}
+PRECISIONS = {"fp32": "fp32", "fp16-mixed": "mixed", "bf16-mixed": "mixed", "pure-bf16": "pure-bf16", "nf4": "pure-bf16"}
+TARGETS = {"q": "q", "q_proj": "q", "query": "q", "k": "k", "k_proj": "k", "key": "k", "v": "v", "v_proj": "v", "value": "v",
+           "proj": "o", "o_proj": "o", "output_proj": "o", "mlp": "gate,up,down"}
+
+
+def measured_bytes(case: dict) -> float:
+    """The published value in bytes, from the unit the source used (unit_note)."""
+    v, note = float(case["measured_gb"]), case.get("unit_note", "")
+    if "1024**2" in note or "MiB" in note:
+        return v * 2**20
+    if "1024**3" in note or "2**30" in note or note.startswith("GiB"):
+        return v * 2**30
+    return v * 1e9
+
+
+def why_not(case: dict) -> str | None:
+    """None when llmq-mem train can express the case, else the reason."""
+    r, m = case["recipe"], case["model"]
+    if case["kind"] == "infer":
+        return "inference with transformers (not modelled yet)"
+    if m["arch"] not in GATED:
+        return f"{m['arch']} blocks (non-Llama MLP/attention)"
+    if r["optimizer"] not in OPTIMIZERS:
+        return f"optimizer {r['optimizer']}"
+    if r["precision"] not in PRECISIONS:
+        return f"precision {r['precision']}"
+    if r["micro_batch"] is None or r["seq"] is None:
+        return "batch or sequence length not published"
+    if r["checkpointing"] not in ("none", "full", "selective"):
+        return f"checkpointing {r['checkpointing']}"
+    if r["offload"] not in ("none", "cpu-optimizer"):
+        return f"offload {r['offload']}"
+    lora = r.get("lora")
+    if lora and any(t not in TARGETS for t in lora.get("targets") or []):
+        return f"LoRA targets {lora['targets']}"
+    if None in (m.get("hidden"), m.get("layers"), m.get("heads"), m.get("ffn"), m.get("vocab")):
+        return "model dimensions missing"
+    return None
+
+
+def config_json(case: dict, folder: Path) -> Path:
+    m = case["model"]
+    path = folder / f"{case['id']}.json"
+    path.write_text(json.dumps({"_name_or_path": m["name"], "hidden_size": m["hidden"], "intermediate_size": m["ffn"],
+                                "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
+                                "num_key_value_heads": m.get("kv_heads") or m["heads"], "vocab_size": m["vocab"],
+                                "max_position_embeddings": max(4096, case["recipe"]["seq"]),
+                                "tie_word_embeddings": False}))
+    return path
+
+
+def flags(case: dict) -> list[str]:
+    r = case["recipe"]
+    out = ["--precision", PRECISIONS[r["precision"]], "--optimizer", OPTIMIZERS[r["optimizer"]], "-b", str(r["micro_batch"]),
+           "-s", str(r["seq"]), "--checkpointing", r["checkpointing"]]
+    if r.get("grad_accum"):
+        out += ["--grad-accum", str(r["grad_accum"])]
+    if r.get("flash_attention") is False:
+        out.append("--no-flash")
+    lora = r.get("lora")
+    if lora:
+        targets = sorted({t for name in lora.get("targets") or ["q", "v"] for t in TARGETS[name].split(",")})
+        out += ["--lora-rank", str(lora["rank"]), "--lora-targets", ",".join(targets)]
+    if r["precision"] == "nf4" or r.get("qlora"):
+        out.append("--qlora")
+        if r.get("qlora") and r["qlora"].get("double_quant") is False:
+            out.append("--no-double-quant")
+    gpus = r.get("gpus") or 1
+    if gpus > 1:
+        out += ["--dp", str(gpus)]
+        if r["sharding"] in ("zero3", "fsdp-full"):
+            out += ["--zero", "3"]
+        elif r["sharding"] == "zero2":
+            out += ["--zero", "2"]
+        elif r["sharding"] == "zero1":
+            out += ["--zero", "1"]
+    if r["offload"] == "cpu-optimizer":
+        out += ["--offload-optimizer", "cpu"]
+    return out
+
+
+def predict(llmq_mem: str, case: dict, folder: Path) -> tuple[float | None, str]:
+    cmd = [llmq_mem, "train", str(config_json(case, folder)), *flags(case), "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        return None, "llmq-mem refused: " + (p.stderr.strip().splitlines() or ["?"])[-1]
+    totals = json.loads(p.stdout)["totals"]
+    key = "device_total" if case["measured_what"] == "nvidia-smi" else "device"
+    return float(totals[key]), " ".join(cmd[2:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llmq-mem", default=str(ROOT / "build" / "llmq-mem"))
+    ap.add_argument("--cases", default=str(HERE / "cases.jsonl"))
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args()
+    cases = [json.loads(line) for line in open(a.cases) if line.strip()]
+    rows, errors = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for c in cases:
+            row = {"id": c["id"], "kind": c["kind"], "model": c["model"]["name"], "measured": measured_bytes(c),
+                   "what": c["measured_what"]}
+            reason = why_not(c)
+            if reason is None:
+                pred, how = predict(a.llmq_mem, c, Path(tmp))
+                if pred is None:
+                    reason = how
+                else:
+                    row.update(predicted=pred, error=pred / row["measured"] - 1, flags=how)
+                    errors.append(abs(row["error"]))
+            row["not_expressible"] = reason
+            rows.append(row)
+    print("| case | kind | measured (GB) | llmq-mem (GB) | error | compared with |")
+    print("|---|---|---:|---:|---:|---|")
+    for r in rows:
+        if r["not_expressible"]:
+            print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | – | – | not expressible: {r['not_expressible']} |")
+        else:
+            print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | {r['predicted'] / 1e9:.2f} | {100 * r['error']:+.1f}% | "
+                  f"{r['what']} |")
+    n = len(rows)
+    print(f"\nexpressible: {len(errors)} of {n} cases ({100 * len(errors) / n:.0f}%)")
+    if errors:
+        print(f"absolute error over them: median {100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%; "
+              f"within 3%: {sum(e <= 0.03 for e in errors)}, within 10%: {sum(e <= 0.10 for e in errors)}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
