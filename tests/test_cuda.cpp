@@ -106,6 +106,37 @@ TEST_CASE("llmq-run and llmq-server --device cuda without a GPU fail clearly, au
   CHECK(pick_device("auto") == Device::Cpu);
 }
 
+// Issue 23 item 4: the tools open the CUDA backend (libllmq-cuda.so) only when a GPU is asked
+// for, so a CPU run loads no CUDA library (ld.so's LD_DEBUG=libs lists every library it loads),
+// and a missing plugin is one clear error for --device cuda while auto runs on the CPU.
+TEST_CASE("a CPU run loads no CUDA library, and the CUDA plugin is opened on demand", "[cuda][tools][mem]") {
+  const std::string dir = test::scratch("cuda-plugin");
+  const std::string model = test::stories("f32");
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  const auto loads = [](const std::string& log, const char* lib) { return log.find(lib) != std::string::npos; };
+  REQUIRE(test::run("LD_DEBUG=libs " + test::bin("llmq-run") + " -m " + model + " -p 'Once' -n 2 --temp 0 > /dev/null 2> " + dir +
+                    "/cpu.txt") == 0);
+  const std::string cpu = read(dir + "/cpu.txt");
+  CHECK_FALSE(loads(cpu, "libcudart"));
+  CHECK_FALSE(loads(cpu, "libcublas"));
+  CHECK_FALSE(loads(cpu, "libllmq-cuda"));
+  if (!cuda_built() || cuda_device_count() > 0) return;  // the rest: a CUDA build on a machine without a GPU
+  // --device auto opens the plugin (which loads the CUDA runtime), finds no GPU and runs on the CPU.
+  REQUIRE(test::run("LD_DEBUG=libs " + test::bin("llmq-run") + " -m " + model + " -p 'Once' -n 2 --temp 0 --device auto > /dev/null 2> " +
+                    dir + "/auto.txt") == 0);
+  CHECK(loads(read(dir + "/auto.txt"), "libcudart"));
+  CHECK(test::run("LLMQ_CUDA_PLUGIN=" + dir + "/none.so " + test::bin("llmq-run") + " -m " + model +
+                  " -p 'Once' -n 2 --device cuda > /dev/null 2> " + dir + "/missing.txt") != 0);
+  const std::string missing = read(dir + "/missing.txt");
+  INFO(missing);
+  CHECK(missing.find("--device cuda: the CUDA backend plugin could not be loaded: " + dir + "/none.so") != std::string::npos);
+  CHECK(test::run("LLMQ_CUDA_PLUGIN=" + dir + "/none.so " + test::bin("llmq-run") + " -m " + model +
+                  " -p 'Once' -n 2 --device auto > /dev/null 2>&1") == 0);
+}
+
 #ifndef LLMQ_HAVE_CUDA
 
 TEST_CASE("CUDA kernels match the CPU reference", "[cuda]") { (void)have_gpu(); }
