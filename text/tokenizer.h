@@ -97,7 +97,9 @@ class Tokenizer {
   std::string decode_piece(int32_t prev_id, int32_t id, bool show_special = false) const;
 
   /// Concatenation of decode_piece over `ids` (the first token's prev_id is -1), so that
-  /// decode(encode(text, add_bos)) == text for valid UTF-8 text ("gpt2": for any bytes, given
+  /// decode(encode(text, add_bos)) == text for valid UTF-8 text ("llama": when the text holds no
+  /// user-defined piece, after which the rest gets SentencePiece's dummy space prefix again, as
+  /// in llama.cpp; "gpt2": for any bytes, given
   /// all 256 byte pieces as Normal pieces; where the piece of a byte's character is UserDefined,
   /// as a few single-character added tokens of DeepSeek's vocabularies are, that byte decodes as
   /// the piece's text, as llama.cpp and Hugging Face decode added tokens). Throws UsageError on
