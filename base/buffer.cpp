@@ -10,7 +10,7 @@ namespace llmq {
 
 void HugeBuffer::Free::operator()(uint8_t* p) const { std::free(p); }
 
-HugeBuffer::HugeBuffer(uint64_t bytes) : bytes_(bytes) {
+HugeBuffer::HugeBuffer(uint64_t bytes, bool zero) : bytes_(bytes) {
   if (bytes == 0) return;
   constexpr size_t kHuge = size_t(2) << 20;
   void* p = nullptr;
@@ -18,7 +18,7 @@ HugeBuffer::HugeBuffer(uint64_t bytes) : bytes_(bytes) {
 #ifdef MADV_HUGEPAGE
   if (bytes >= kHuge) madvise(p, size_t(bytes), MADV_HUGEPAGE);  // advice only: errors are ignored
 #endif
-  std::memset(p, 0, size_t(bytes));
+  if (zero) std::memset(p, 0, size_t(bytes));
   p_.reset(static_cast<uint8_t*>(p));
 }
 

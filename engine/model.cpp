@@ -88,9 +88,9 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
     if (tp <= 1) mats.push_back(&l.wo), mats.push_back(&l.w_down);
   }
   if (gpu_layers <= 0) mats.push_back(&model->output);
-  model->packed = pack_weights(mats);
-  for (const Weight* w : mats)
-    if (w->packed) f.release(w->data, uint64_t(w->rows) * w->row_stride());
+  // Each matrix's pages of the file are dropped as soon as its copy is written: the load then
+  // holds about max(file, copies) at its peak (the checksums read the whole file first), not both.
+  model->packed = pack_weights(mats, [&f](const Weight& w) { f.release(w.data, uint64_t(w.rows) * w.row_stride()); });
   return model;
 }
 

@@ -324,19 +324,21 @@ uint64_t packed_weights_bytes(const std::vector<const Weight*>& ws) {
   return n;
 }
 
-PackedWeights pack_weights(const std::vector<Weight*>& ws) {
+PackedWeights pack_weights(const std::vector<Weight*>& ws, const std::function<void(const Weight&)>& on_packed) {
   PackedWeights out;
   const uint64_t total = packed_weights_bytes(std::vector<const Weight*>(ws.begin(), ws.end()));
   if (total == 0) return out;
   const x86::Kernels* k = active_kernels();
-  out = HugeBuffer(total);
-  uint8_t* dst = out.data();
+  out = HugeBuffer(total, /*zero=*/false);  // each matrix's part is zeroed just before it is packed: the
+  uint8_t* dst = out.data();               // copies become resident one by one as the file's pages go
   for (Weight* w : ws) {
     const size_t n = k->packed_bytes(w->type, w->rows, w->cols);
     if (n == 0) continue;
+    std::memset(dst, 0, n);
     k->pack_quant(*w, dst);
     w->packed = dst;
     dst += n;  // a multiple of 64: every matrix starts aligned
+    if (on_packed) on_packed(*w);
   }
   return out;
 }

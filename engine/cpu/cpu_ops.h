@@ -2,6 +2,7 @@
 // ground truth) where the fast version differs from the obvious loop.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <vector>
@@ -107,8 +108,11 @@ int packed_panel_rows();
 /// them as bytes). Other weights and the scalar level are left alone. The environment variable
 /// LLMQ_PACK=0 turns packing off (the kernels then pack each panel per call: for measurements
 /// only). Results of matmul are bit-identical with and without packing. The weights' `data`
-/// stays valid (the scalar level reads it). Throws std::bad_alloc if the copy does not fit.
-PackedWeights pack_weights(const std::vector<Weight*>& ws);
+/// stays valid (the scalar level reads it). `on_packed`, when given, is called with each weight
+/// right after its copy is written (Model::load releases the file's pages of it there, so that
+/// the load's peak is about max(file, copies), not their sum). Throws std::bad_alloc if the copy
+/// does not fit.
+PackedWeights pack_weights(const std::vector<Weight*>& ws, const std::function<void(const Weight&)>& on_packed = {});
 
 /// Rows [r0, r0 + n) of w as a weight of their own (a view: data and, when w is packed and r0
 /// is a multiple of 16, packed point into w's buffers; otherwise packed is null).
