@@ -8,14 +8,12 @@ and the compile time per schema; the RSS must level off once the cache is full.
     bench/grammar_cache_memory.py MODEL.llmq [N=2000] [server args...]
 """
 import json
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from llmq_server import llmq_server
 
 
 def rss_mib(pid):
@@ -38,19 +36,7 @@ def main():
     model = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     extra = sys.argv[3:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = subprocess.Popen([str(ROOT / "build/llmq-server"), "-m", model, "--port", str(port), "-t", "1", "--parallel", "1",
-                            *extra], stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                if urllib.request.urlopen(base + "/health").status == 200:
-                    break
-            except Exception:
-                time.sleep(0.5)
+    with llmq_server(model, "-t", "1", "--parallel", "1", *extra, timeout_s=300) as (srv, base):
         print(f"model {Path(model).name}, {n} distinct schemas, server args {extra or 'default'}")
         print("| requests | VmRSS MiB | ms per request (last interval) |\n|---:|---:|---:|")
         print(f"| 0 | {rss_mib(srv.pid):.1f} | |")
@@ -65,9 +51,6 @@ def main():
                 now = time.time()
                 print(f"| {i} | {rss_mib(srv.pid):.1f} | {1000 * (now - t0) / step:.1f} |", flush=True)
                 t0 = now
-    finally:
-        srv.terminate()
-        srv.wait()
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ with --no-prefix-cache as the control.
     bench/prefix_cache.py MODEL.llmq [THREADS=2]
 """
 import json
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from llmq_server import llmq_server
+
 SYSTEM = " ".join(f"Rule {i}: answer politely, briefly and truthfully about topic number {i}." for i in range(78))
 
 
@@ -27,19 +26,7 @@ def post(base, body):
 
 
 def measure(model, threads, extra):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = subprocess.Popen([str(ROOT / "build/llmq-server"), "-m", model, "--port", str(port), "-t", threads] + extra,
-                           stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                if urllib.request.urlopen(base + "/health").status == 200:
-                    break
-            except Exception:
-                time.sleep(0.5)
+    with llmq_server(model, "-t", threads, *extra) as (_, base):
         ask = lambda q: post(base, {"max_tokens": 1, "temperature": 0,
                                     "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]})
         cold, a = ask("Hello!")
@@ -47,9 +34,6 @@ def measure(model, threads, extra):
         return {"prompt_tokens": b["usage"]["prompt_tokens"],
                 "cached_tokens": b["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0),
                 "ttft_cold_s": round(cold, 4), "ttft_warm_s": round(warm, 4), "speedup": round(cold / warm, 1)}
-    finally:
-        srv.terminate()
-        srv.wait()
 
 
 def main():

@@ -18,12 +18,13 @@ spent on the constraint (masks and accepting tokens: llmq_constraint_seconds_tot
 import concurrent.futures as cf
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from llmq_server import llmq_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"]}
@@ -65,19 +66,7 @@ def run(base, batch, n, constraint, ban):
 def main():
     model, n = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 96
     threads = sys.argv[3] if len(sys.argv) > 3 else "2"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = subprocess.Popen([str(ROOT / "build/llmq-server"), "-m", model, "--port", str(port), "-t", threads,
-                            "--parallel", "8"], stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                if urllib.request.urlopen(base + "/health").status == 200:
-                    break
-            except Exception:
-                time.sleep(0.5)
+    with llmq_server(model, "-t", threads, "--parallel", "8") as (_, base):
         ban = info_ids(model)
         print(f"model {Path(model).name}, {n} tokens per request, {threads} threads, banned ids {ban}")
         print("| constraint | batch | free tok/s | constrained tok/s | throughput cost | constraint share of wall time |")
@@ -92,9 +81,6 @@ def main():
                     share.append(sh)
                 f, c = max(free), max(cons)
                 print(f"| {kind} | {batch} | {f:.1f} | {c:.1f} | {100 * (1 - c / f):.1f}% | {100 * min(share):.2f}% |")
-    finally:
-        srv.terminate()
-        srv.wait()
 
 
 if __name__ == "__main__":
