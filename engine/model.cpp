@@ -48,7 +48,18 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
     const TensorInfo* t = expected.at(name);
     return Weight{t->type, f.data(*t), t->shape[0], t->shape[1]};
   };
-  auto vec = [&](const std::string& name) { return reinterpret_cast<const float*>(f.data(*expected.at(name))); };
+  // The 1-D tensors are copied out of the mapping (Model::vectors) and their pages dropped.
+  std::map<std::string, size_t> at;
+  size_t n_floats = 0;
+  for (const auto& [name, t] : expected)
+    if (t->shape.size() == 1) at[name] = n_floats, n_floats += size_t(t->shape[0]);
+  model->vectors.resize(n_floats);
+  for (const auto& [name, off] : at) {
+    const TensorInfo& t = *expected.at(name);
+    std::memcpy(model->vectors.data() + off, f.data(t), size_t(t.shape[0]) * sizeof(float));
+    if (pack) f.release(f.data(t), uint64_t(t.shape[0]) * sizeof(float));
+  }
+  auto vec = [&](const std::string& name) { return static_cast<const float*>(model->vectors.data() + at.at(name)); };
 
   model->token_embd = mat("token_embd.weight");
   auto opt = [&](const std::string& name) { return expected.count(name) ? vec(name) : nullptr; };  // in the table or not
@@ -87,7 +98,9 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
     for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.w_gate, &l.w_up}) mats.push_back(w);
     if (tp <= 1) mats.push_back(&l.wo), mats.push_back(&l.w_down);
   }
-  if (gpu_layers <= 0) mats.push_back(&model->output);
+  // The output (the largest matrix) first, while the rest of the file is still resident: its
+  // file pages and its copy then overlap with the least else.
+  if (gpu_layers <= 0) mats.insert(mats.begin(), &model->output);
   // Each matrix's pages of the file are dropped as soon as its copy is written: the load then
   // holds about max(file, copies) at its peak (the checksums read the whole file first), not both.
   model->packed = pack_weights(mats, [&f](const Weight& w) { f.release(w.data, uint64_t(w.rows) * w.row_stride()); });

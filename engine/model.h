@@ -54,6 +54,10 @@ struct Model {
   /// level or with LLMQ_PACK=0). Their pages in the mapping are released after packing,
   /// so the resident weight bytes stay about the file's.
   PackedWeights packed;
+  /// Copies of the file's 1-D tensors (norm weights, biases; tens to hundreds of KiB), which
+  /// every token reads: read from the mapping, each would keep its whole page-cache folio (up
+  /// to 2 MiB) resident after packing released the matrices around it.
+  std::vector<float> vectors;
 
   /// Opens and validates `path` (see LlmqFile::open), builds the tokenizer, and binds every
   /// tensor of the Llama table (models/config.h), checking names, shapes and that 1-D tensors
