@@ -105,6 +105,10 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
   // Each matrix's pages of the file are dropped as soon as its copy is written: the load then
   // holds about max(file, copies) at its peak (the checksums read the whole file first), not both.
   model->packed = pack_weights(mats, [&f](const Weight& w) { f.release(w.data, uint64_t(w.rows) * w.row_stride()); });
+  // The rest of what the checksums read (header, tokenizer, an untied embedding table, the
+  // matrices left unpacked) goes too: the runs fault back in only what they read, and what they
+  // read every token (the unpacked matrices) stays.
+  f.release_all();
   return model;
 }
 

@@ -368,9 +368,11 @@ std::unique_ptr<LlmqFile> LlmqFile::open(const std::string& path, bool verify) {
       throw FileError(path, "tensor directory: tensors '" + order[i - 1]->name + "' and '" + order[i]->name + "' overlap");
 
   if (verify)
-    for (const auto& t : f->tensors_)
+    for (const auto& t : f->tensors_) {
       if (XXH64(f->data(t), t.nbytes, 0) != t.xxh64)
         throw FileError(path, "tensor '" + t.name + "': checksum mismatch (corrupt data; --no-verify skips this check)");
+      f->release(f->data(t), t.nbytes);  // read once here: the whole file need not be resident at once
+    }
   return f;
 }
 

@@ -89,6 +89,8 @@ class LlmqFile {
   /// Drops the pages of bytes [p, p + n) of the mapping from the resident set
   /// (MappedFile::release); they stay readable and come back from the file when touched.
   void release(const uint8_t* p, uint64_t n) const { map_->release(p, n); }
+  /// release() of the whole mapping: what is read later comes back page by page.
+  void release_all() const { map_->release(base_, size_); }
 
  private:
   LlmqFile() = default;
