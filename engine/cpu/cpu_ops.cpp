@@ -331,14 +331,19 @@ PackedWeights pack_weights(const std::vector<Weight*>& ws, const std::function<v
   const x86::Kernels* k = active_kernels();
   out = HugeBuffer(total, /*zero=*/false);  // each matrix's part is zeroed just before it is packed: the
   uint8_t* dst = out.data();               // copies become resident one by one as the file's pages go
+  constexpr int64_t kChunkRows = 1024;  // whole 16-row panels: a chunk packs to the bytes it has in the whole
   for (Weight* w : ws) {
     const size_t n = k->packed_bytes(w->type, w->rows, w->cols);
     if (n == 0) continue;
-    std::memset(dst, 0, n);
-    k->pack_quant(*w, dst);
+    for (int64_t r0 = 0; r0 < w->rows; r0 += kChunkRows) {  // chunks, so a large matrix's file pages go as it is packed
+      const Weight part{w->type, w->row(r0), std::min(kChunkRows, w->rows - r0), w->cols};
+      uint8_t* at = dst + k->packed_bytes(w->type, r0, w->cols);
+      std::memset(at, 0, k->packed_bytes(w->type, part.rows, w->cols));
+      k->pack_quant(part, at);
+      if (on_packed) on_packed(part);
+    }
     w->packed = dst;
     dst += n;  // a multiple of 64: every matrix starts aligned
-    if (on_packed) on_packed(*w);
   }
   return out;
 }

@@ -108,9 +108,10 @@ int packed_panel_rows();
 /// them as bytes). Other weights and the scalar level are left alone. The environment variable
 /// LLMQ_PACK=0 turns packing off (the kernels then pack each panel per call: for measurements
 /// only). Results of matmul are bit-identical with and without packing. The weights' `data`
-/// stays valid (the scalar level reads it). `on_packed`, when given, is called with each weight
-/// right after its copy is written (Model::load releases the file's pages of it there, so that
-/// the load's peak is about max(file, copies), not their sum). Throws std::bad_alloc if the copy
+/// stays valid (the scalar level reads it). Each matrix is packed in chunks of 1024 rows;
+/// `on_packed`, when given, is called with each chunk (a view of those rows) right after its
+/// copy is written (Model::load releases the file's pages of it there, so that a matrix's file
+/// pages and its copy are not resident together). Throws std::bad_alloc if the copy
 /// does not fit.
 PackedWeights pack_weights(const std::vector<Weight*>& ws, const std::function<void(const Weight&)>& on_packed = {});
 
