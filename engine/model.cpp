@@ -49,7 +49,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
     const TensorInfo* t = expected.at(name);
     return Weight{t->type, f.data(*t), t->shape[0], t->shape[1]};
   };
-  // The 1-D tensors are copied out of the mapping (Model::vectors) and their pages dropped.
+  // The 1-D tensors are copied out of the mapping (Model::vectors; its pages go with the rest below).
   std::map<std::string, size_t> at;
   size_t n_floats = 0;
   for (const auto& [name, t] : expected)
@@ -58,7 +58,6 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
   for (const auto& [name, off] : at) {
     const TensorInfo& t = *expected.at(name);
     std::memcpy(model->vectors.data() + off, f.data(t), size_t(t.shape[0]) * sizeof(float));
-    if (pack) f.release(f.data(t), uint64_t(t.shape[0]) * sizeof(float));
   }
   auto vec = [&](const std::string& name) { return static_cast<const float*>(model->vectors.data() + at.at(name)); };
 
@@ -99,11 +98,9 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
     for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.w_gate, &l.w_up}) mats.push_back(w);
     if (tp <= 1) mats.push_back(&l.wo), mats.push_back(&l.w_down);
   }
-  // The output (the largest matrix) first, while the rest of the file is still resident: its
-  // file pages and its copy then overlap with the least else.
-  if (gpu_layers <= 0) mats.insert(mats.begin(), &model->output);
-  // Each matrix's pages of the file are dropped as soon as its copy is written: the load then
-  // holds about max(file, copies) at its peak (the checksums read the whole file first), not both.
+  if (gpu_layers <= 0) mats.push_back(&model->output);
+  // Each chunk's pages of the file are dropped as soon as its copy is written, so a matrix's
+  // file pages and its copy are never resident together (the checksum pass dropped its own).
   model->packed = pack_weights(mats, [&f](const Weight& w) { f.release(w.data, uint64_t(w.rows) * w.row_stride()); });
   // The rest of what the checksums read (header, tokenizer, an untied embedding table, the
   // matrices left unpacked) goes too: the runs fault back in only what they read, and what they
