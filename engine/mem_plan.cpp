@@ -149,6 +149,14 @@ InferencePlan plan_inference(const LlmqFile& file, const ModelConfig& c, int64_t
   for (const auto& t : file.tensors()) p.weight_bytes += t.nbytes;
   p.file_bytes = file.file_size();
   p.packed_bytes = model_packed_bytes(file.tensors(), c.n_layers, 0, 1, &p.packed_from_file);
+  for (const auto& t : file.tensors()) p.largest_tensor = std::max(p.largest_tensor, t.nbytes);
+  for (const TensorSpec& spec : tensor_table(c)) {  // what Model::load binds
+    const TensorInfo* t = file.find(spec.name);
+    if (!t) continue;  // Model::load refuses the file
+    if (t->shape.size() == 1) p.vector_bytes += t->nbytes;  // f32, copied
+    else if (t->name != "token_embd.weight" || c.tied_embeddings) p.mapped_matrix_bytes += t->nbytes;  // the matmuls' weights
+  }
+  p.mapped_matrix_bytes -= std::min(p.mapped_matrix_bytes, p.packed_from_file);
   p.parallel = parallel;
   if (parallel == 1 && !server) {  // llmq-run: one Session
     const SessionSizes s = session_sizes(c, ctx, n_batch);

@@ -102,6 +102,12 @@ struct InferencePlan {
   /// after packing, so resident memory is about total() - packed_from_file.
   uint64_t packed_bytes = 0;
   uint64_t packed_from_file = 0;  ///< the file bytes of the matrices that were packed
+  /// File bytes of the matrices the runs read from the mapping every token (those not packed:
+  /// all of them when the CPU level does not repack), resident once read. The embedding is not
+  /// among them unless it is a tied output left unpacked: its rows are dropped after reading.
+  uint64_t mapped_matrix_bytes = 0;
+  uint64_t vector_bytes = 0;    ///< the 1-D tensors (norms, biases) Model::load copies out of the mapping, f32
+  uint64_t largest_tensor = 0;  ///< the checksum pass (LlmqFile::open) holds one tensor's pages at a time
   KVPlan kv;
   WorkspacePlan ws;
   int64_t ctx = 0, parallel = 1, n_batch = 0, kv_tokens = 0;
@@ -109,6 +115,11 @@ struct InferencePlan {
   /// and workspace, the engine's own buffers (the tokenizer's tables and the C++ runtime are not
   /// counted).
   uint64_t total() const { return file_bytes + packed_bytes + kv.bytes() + ws.bytes(); }
+  /// What of total() becomes resident while the engine runs: packed_bytes + mapped_matrix_bytes
+  /// + vector_bytes + kv.bytes() + ws.bytes() (the rest of the mapping is released after the
+  /// load and not read again). The host tables and the runtime are llmq-mem's to add
+  /// (mem/infer.h, resident_peak).
+  uint64_t resident() const { return packed_bytes + mapped_matrix_bytes + vector_bytes + kv.bytes() + ws.bytes(); }
 };
 
 /// Sizes a Session (engine/model.h) would use: ctx (<= 0: the model's context, at most

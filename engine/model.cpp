@@ -13,7 +13,7 @@ namespace llmq {
 
 // ---------------------------------------------------------------- loading
 
-std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack, int64_t gpu_layers, int tp, int64_t ctx) {
+std::unique_ptr<Model> Model::open(const std::string& path, bool verify, int64_t ctx) {
   auto model = std::make_unique<Model>();
   model->file = LlmqFile::open(path, verify);
   const LlmqFile& f = *model->file;
@@ -26,10 +26,16 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
     throw FileError(path, e.what());
   }
   model->config.use_context(ctx > 0 ? ctx : std::min(model->config.context_length, kDefaultMaxCtx));
+  if (int64_t(model->vocab.size()) != model->config.vocab_size)
+    throw FileError(path, "tokenizer has " + std::to_string(model->vocab.size()) + " tokens but " + model->config.arch +
+                              ".vocab_size is " + std::to_string(model->config.vocab_size));
+  return model;
+}
+
+std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack, int64_t gpu_layers, int tp, int64_t ctx) {
+  std::unique_ptr<Model> model = open(path, verify, ctx);
+  const LlmqFile& f = *model->file;
   const ModelConfig& c = model->config;
-  if (int64_t(model->vocab.size()) != c.vocab_size)
-    throw FileError(path, "tokenizer has " + std::to_string(model->vocab.size()) + " tokens but " + c.arch + ".vocab_size is " +
-                              std::to_string(c.vocab_size));
 
   std::map<std::string, const TensorInfo*> expected;
   for (const TensorSpec& spec : tensor_table(c)) {

@@ -47,7 +47,7 @@ struct Model {
   std::string chat_template;
   Weight token_embd;        // [vocab, dim]
   std::vector<LayerWeights> layers;
-  const float* output_norm;  // [dim]
+  const float* output_norm = nullptr;  // [dim]
   Weight output;             // [vocab, dim] (the embedding when tied)
   std::vector<double> rope_freqs;  // [config.rope_tables(), head_dim/2] RoPE frequencies (ModelConfig::rope_freq_tables)
   /// The matrices repacked for the CPU kernels at load (pack_weights; empty at the scalar
@@ -59,7 +59,12 @@ struct Model {
   /// to 2 MiB) resident after packing released the matrices around it.
   std::vector<float> vectors;
 
-  /// Opens and validates `path` (see LlmqFile::open), builds the tokenizer, and binds every
+  /// Opens and validates `path` (see LlmqFile::open) and builds what the host holds besides the
+  /// weights: config (for `ctx` as load's), vocabulary, tokenizer and chat template; binds no
+  /// tensor (every Weight empty). load's first step; llmq-mem builds it to measure those tables.
+  /// Throws FileError for any fault (the message names the file).
+  static std::unique_ptr<Model> open(const std::string& path, bool verify = true, int64_t ctx = 0);
+  /// Model::open, then binds every
   /// tensor of the Llama table (models/config.h), checking names, shapes and that 1-D tensors
   /// are F32.
   /// Throws FileError for any fault (the message names the file).

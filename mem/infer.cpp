@@ -1,7 +1,5 @@
 #include "mem/infer.h"
 
-#include "engine/tp.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -10,6 +8,10 @@
 #include <functional>
 #include <map>
 #include <thread>
+
+#include <malloc.h>
+
+#include "engine/model.h"
 
 #include "engine/tp.h"
 #include "base/error.h"
@@ -30,23 +32,9 @@ std::string type_mix(const std::vector<TensorInfo>& tensors) {
   return s;
 }
 
-void add_cpu_lines(MemReport& r, const InferencePlan& p, const ModelConfig& c, size_t n_tensors, const std::string& mix) {
-  r.lines.push_back({"weights (tensor directory)", double(p.weight_bytes),
-                     fmt::format("Σ bytes of {} tensors, block scales included: {}", n_tensors, mix), "", Place::Device, Basis::Exact});
-  r.lines.push_back({"file header, metadata, tokenizer, padding", double(p.file_bytes - p.weight_bytes),
-                     "mapped file size - weights (the mapping is read-only, page cache backed)", "", Place::Device, Basis::Exact});
-  if (p.packed_bytes > 0)
-    r.lines.push_back({"weights repacked for the CPU kernels", double(p.packed_bytes),
-                       fmt::format("{} kernels' {}-row panels of the matmul weights (anonymous memory); their {} in the mapping "
-                                   "are released after packing",
-                                   cpu_kernels_name(), packed_panel_rows(), format_bytes(double(p.packed_from_file))),
-                       kPlan, Place::Device, Basis::Exact});
-  r.lines.push_back({"KV cache", double(p.kv.bytes()),
-                     fmt::format("2 (K,V) x {} layers x {} kv_dim ({} heads x {}) x {} B x {} tokens ({} blocks of {})", c.n_layers,
-                                 c.kv_dim(), c.n_kv_heads, c.head_dim, p.kv.elem_bytes, p.kv.tokens(), p.kv.n_blocks,
-                                 p.kv.block_tokens),
-                     kPaged, Place::Device, Basis::Exact});
-  // The [capacity, ...] activation buffers as one line, then scores, logits and matmul scratch.
+// The workspace (engine/mem_plan.h WorkspacePlan): the activation buffers as one line, then
+// scores, logits and matmul scratch.
+void add_workspace_lines(MemReport& r, const InferencePlan& p) {
   uint64_t act = 0;
   std::string act_f;
   std::vector<MemLine> rest;
@@ -61,6 +49,44 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const ModelConfig& c, s
   }
   r.lines.push_back({"workspace: activations", double(act), act_f, kPlan, Place::Device, Basis::Exact});
   r.lines.insert(r.lines.end(), rest.begin(), rest.end());
+}
+
+void add_cpu_lines(MemReport& r, const InferencePlan& p, const ResidentPeak& peak, const ModelConfig& c, size_t n_tensors,
+                   const std::string& mix) {
+  r.lines.push_back({"mapped file (virtual)", double(p.file_bytes),
+                     fmt::format("the whole file, {} tensors ({}), mapped read-only; what stays resident is counted below: the "
+                                 "load reads it once and releases it",
+                                 n_tensors, mix),
+                     "", Place::Info, Basis::Exact});
+  if (p.packed_bytes > 0)
+    r.lines.push_back({"weights repacked for the CPU kernels", double(p.packed_bytes),
+                       fmt::format("{} kernels' {}-row panels of the matmul weights (anonymous memory); their {} in the mapping "
+                                   "are released after packing",
+                                   cpu_kernels_name(), packed_panel_rows(), format_bytes(double(p.packed_from_file))),
+                       kPlan, Place::Device, Basis::Exact});
+  r.lines.push_back({"weights read from the mapping", double(p.mapped_matrix_bytes),
+                     "file bytes of the matrices not packed, which every token reads (the embedding's rows are dropped after "
+                     "each lookup)",
+                     kPlan, Place::Device, Basis::Exact});
+  r.lines.push_back({"norms and biases", double(p.vector_bytes), "the 1-D tensors, copied out of the mapping at load (f32)", kPlan,
+                     Place::Device, Basis::Exact});
+  r.lines.push_back({"KV cache", double(p.kv.bytes()),
+                     fmt::format("2 (K,V) x {} layers x {} kv_dim ({} heads x {}) x {} B x {} tokens ({} blocks of {})", c.n_layers,
+                                 c.kv_dim(), c.n_kv_heads, c.head_dim, p.kv.elem_bytes, p.kv.tokens(), p.kv.n_blocks,
+                                 p.kv.block_tokens),
+                     kPaged, Place::Device, Basis::Exact});
+  add_workspace_lines(r, p);
+  r.lines.push_back({"metadata, vocabulary, tokenizer, chat template", double(peak.tables),
+                     "measured: heap bytes in use after building them here as the load does (Model::open; glibc mallinfo2)", "",
+                     Place::Device, Basis::Measured});
+  r.lines.push_back({"runtime: binary, libraries, stacks, allocator", double(kRuntimeBytes),
+                     "measured constant: llmq-run's peak RSS minus the other lines, median over three models and two contexts", "",
+                     Place::Device, Basis::Measured});
+  if (peak.load > peak.run)
+    r.lines.push_back({"load peak above the run", double(peak.load - peak.run),
+                       fmt::format("the checksum pass holds the largest tensor ({}) with the tables: the peak is the load's",
+                                   format_bytes(double(p.largest_tensor))),
+                       "", Place::Device, Basis::Exact});
 }
 
 // llmq-run --device cuda (one sequence) or llmq-server --device cuda (server: a paged cache):
@@ -187,7 +213,27 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, con
                     "one process sharing one mapping of the file, so the process maps the file once and adds the row-parallel copies");
 }
 
+uint64_t heap_in_use() {
+  const struct mallinfo2 m = ::mallinfo2();
+  return uint64_t(m.uordblks + m.hblkhd);
+}
+
 }  // namespace
+
+uint64_t measure_tables(const std::string& path) {
+  const uint64_t before = heap_in_use();
+  auto m = Model::open(path, /*verify=*/false);
+  const uint64_t after = heap_in_use();
+  return after > before ? after - before : 0;
+}
+
+ResidentPeak resident_peak(const InferencePlan& p, uint64_t tables) {
+  ResidentPeak r;
+  r.tables = tables;
+  r.run = p.resident() + tables + kRuntimeBytes;
+  r.load = p.largest_tensor + tables + kRuntimeBytes;
+  return r;
+}
 
 int resolve_threads(int threads) { return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency())); }
 
@@ -218,9 +264,13 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
                      {"kv_cache", p.kv.bytes()},   {"workspace", p.ws.bytes()},  {"packed_weights", p.packed_bytes}, {"total", p.total()}};
   if (o.device == "cpu" && o.tp == 1) {
     r.device = "cpu";
-    add_cpu_lines(r, p, c, f->tensors().size(), type_mix(f->tensors()));
-    r.notes.push_back(fmt::format("exact: llmq-run/llmq-server allocate from this plan (CPU kernels: {}; LLMQ_CPU and --threads change "
-                                  "the matmul scratch); the tokenizer's tables are not counted",
+    const ResidentPeak peak = resident_peak(p, measure_tables(path));
+    r.extra["plan"]["resident"] = p.resident();
+    r.extra["peak"] = {{"run", peak.run}, {"load", peak.load}, {"peak", peak.peak()}, {"tables", peak.tables}};
+    add_cpu_lines(r, p, peak, c, f->tensors().size(), type_mix(f->tensors()));
+    r.notes.push_back(fmt::format("the total is the predicted peak RSS of llmq-run (tests/test_mem.cpp checks it against measured "
+                                  "peaks); the exact lines are what llmq-run/llmq-server allocate from this plan (CPU kernels: {}; "
+                                  "LLMQ_CPU and --threads change the matmul scratch)",
                                   cpu_kernels_name()));
     return r;
   }
@@ -286,12 +336,13 @@ FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o,
     return std::pair{t, infer_plan(f, c, t)};
   };
   const bool gpu = o.device == "cuda";
+  const uint64_t tables = gpu ? 0 : measure_tables(f.path());
   auto cuda_plan = [&](const InferOptions& t) {
     return session ? plan_cuda(c, f.tensors(), t.ctx, t.n_batch, 1) : plan_cuda_server(c, f.tensors(), t.ctx, t.n_batch, t.parallel, t.kv_tokens);
   };
   auto total = [&](int64_t ctx, int64_t par) {
     const auto [t, pl] = plan(ctx, par);
-    return gpu ? double(cuda_plan(t).total()) : double(pl.total());
+    return gpu ? double(cuda_plan(t).total()) : double(resident_peak(pl, tables).peak());
   };
   auto fits = [&](int64_t ctx, int64_t par) { return total(ctx, par) <= budget; };
   const int64_t bt = kKvBlockTokens;
@@ -313,7 +364,7 @@ FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o,
   }
   if (!fix_parallel) par = largest(1, 256, [&](int64_t p) { return fits(ctx, p); });
   auto [opt, pl] = plan(ctx, par);
-  FitResult r{opt, pl, std::nullopt, total(ctx, par) <= budget};
+  FitResult r{opt, pl, std::nullopt, total(ctx, par) <= budget, resident_peak(pl, tables)};
   if (gpu) r.cuda = cuda_plan(opt);
   return r;
 }
@@ -355,7 +406,8 @@ nlohmann::json fit_json(const FitResult& r, double budget) {
           {"file", p.file_bytes},
           {"kv_cache", p.kv.bytes()},
           {"workspace", p.ws.bytes()},
-          {"total", p.total()},
+          {"total", r.peak.peak()},
+          {"mapped", p.total()},
           {"gpu_layers", "n/a (CPU plan: every layer on the CPU; with --device cuda --fit plans GPU layers)"}};
 }
 

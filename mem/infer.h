@@ -25,11 +25,35 @@ struct InferOptions {
   std::optional<double> budget; ///< bytes available
 };
 
+/// Heap bytes a model's host tables take (Model::open: metadata, tensor directory, vocabulary,
+/// tokenizer, chat template), measured by building them in this process: glibc's mallinfo2
+/// bytes in use (arena and mmapped chunks) after minus before. Throws FileError as Model::open.
+uint64_t measure_tables(const std::string& path);
+
+/// llmq-run's resident bytes that come neither from the plan nor from the tables: the touched
+/// pages of the binary and its shared libraries (about 6 MiB), thread stacks, the C++ runtime,
+/// the sampler's and the prompt's buffers, malloc's slack. Measured, not derived: the median over
+/// SmolLM2-135M, Qwen2.5-Coder-0.5B and Gemma-3-270M at ctx 512 and 4096 (2 threads, Debian 12
+/// x86-64) of llmq-run's peak RSS minus every other line of the report (bench/RESULTS.md,
+/// "llmq-mem infer against measured peaks"; the spread there is the error this constant adds).
+constexpr uint64_t kRuntimeBytes = uint64_t(10.5 * 1024 * 1024);
+
+/// The predicted peak resident memory of llmq-run / llmq-server (CPU, one rank): the larger of
+/// the load's and the run's.
+struct ResidentPeak {
+  uint64_t tables = 0;  ///< measure_tables(path)
+  uint64_t run = 0;     ///< plan.resident() + tables + kRuntimeBytes
+  uint64_t load = 0;    ///< the checksum pass: plan.largest_tensor + tables + kRuntimeBytes
+  uint64_t peak() const { return run > load ? run : load; }
+};
+ResidentPeak resident_peak(const InferencePlan& p, uint64_t tables);
+
 /// Threads a ThreadPool(threads) would have.
 int resolve_threads(int threads);
 
-/// The report for `path` (a `.llmq` file, opened without reading weights). CPU: every line is
-/// exact (plan = allocation). CUDA, one GPU: every buffer from plan_cuda (exact), the CUDA
+/// The report for `path` (a `.llmq` file, opened without reading weights). CPU: the predicted
+/// peak resident memory (ResidentPeak): the plan's resident lines (exact), the host tables
+/// (measured by building them here) and the runtime (a measured constant). CUDA, one GPU: every buffer from plan_cuda (exact), the CUDA
 /// context "not measured" (llmq-run measures it at load); CUDA with --tp > 1: weights and KV
 /// cache per rank exact, the rest "not measured". Throws FileError / UsageError.
 MemReport infer_report(const std::string& path, const InferOptions& o);
@@ -42,7 +66,7 @@ ModelConfig file_config(const LlmqFile& f);
 InferencePlan infer_plan(const LlmqFile& f, const ModelConfig& c, const InferOptions& o);
 
 /// --fit: the largest ctx (a multiple of kKvBlockTokens, at most the model's context) and then
-/// the most parallel sequences (at most 256) whose plan fits `budget` bytes, with a KV cache of
+/// the most parallel sequences (at most 256) whose predicted peak (ResidentPeak) fits `budget` bytes, with a KV cache of
 /// parallel x ctx tokens (every sequence can reach its full context). fix_ctx / fix_parallel
 /// keep o.ctx / o.parallel as given. fits = false when even the smallest plan does not fit
 /// (o then holds the smallest). Monotone in both, so each is a binary search.
@@ -53,6 +77,7 @@ struct FitResult {
   InferencePlan plan;
   std::optional<CudaPlan> cuda;
   bool fits = false;
+  ResidentPeak peak;  ///< CPU: the plan's predicted peak
 };
 FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o, double budget, bool fix_ctx, bool fix_parallel);
 
@@ -63,7 +88,8 @@ FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o,
 int64_t fit_gpu_layers(const LlmqFile& f, const ModelConfig& c, const InferOptions& o, double gpu_budget);
 
 /// The fit as JSON: {"fits", "budget", "ctx", "parallel", "kv_tokens", "n_batch", "threads",
-/// "total", "weights", "kv_cache", "workspace", "gpu_layers": "n/a (CPU plan ...)"}.
+/// "total" (the predicted peak RSS), "mapped" (InferencePlan::total: the mapped file and every
+/// allocation), "weights", "kv_cache", "workspace", "gpu_layers": "n/a (CPU plan ...)"}.
 nlohmann::json fit_json(const FitResult& r, double budget);
 
 /// "8GiB", "512 MiB", "80GB", "1.5G" (G = GiB), or plain bytes. Throws UsageError.

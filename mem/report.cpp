@@ -22,6 +22,7 @@ const char* basis_name(Basis b) {
     case Basis::Exact: return "exact";
     case Basis::Formula: return "formula";
     case Basis::Assumed: return "assumed";
+    case Basis::Measured: return "measured";
     default: return "not measured";
   }
 }

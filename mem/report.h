@@ -25,9 +25,10 @@ enum class Basis {
   Exact,        ///< counted from the file or the engine's allocation plan
   Formula,      ///< a closed form (its source is cited)
   Assumed,      ///< a constant we did not measure (stated as such)
+  Measured,     ///< measured: in this process (built as the engine builds it) or a stated reference run
   NotMeasured,  ///< cannot be known yet (e.g. no CUDA backend): bytes = 0, excluded from totals
 };
-const char* basis_name(Basis b);  ///< "exact", "formula", "assumed", "not measured"
+const char* basis_name(Basis b);  ///< "exact", "formula", "assumed", "measured", "not measured"
 
 /// One line of a report.
 struct MemLine {

@@ -14,10 +14,15 @@
 // Both quantize activations to 8 bits (llmq per block of 32, llama.cpp per 32 or per 256 for
 // the K-quants), so the last digits differ. bench/kld_llamacpp.sh measures the KL divergence.
 #include <catch2/catch.hpp>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "test_util.h"
@@ -103,4 +108,40 @@ TEST_CASE("Gemma-3-270M GGUF (gemma3): sliding windows, llama.cpp's perplexity p
   CHECK(text.rfind("Once upon a time, in a small village in the heart of the country, there lived a family of four. They were very "
                    "happy and had a lot of fun. One day, a",
                    0) == 0);
+}
+
+// llmq-run's peak resident memory (wait4's ru_maxrss: the process's VmHWM) for `args`.
+static double peak_rss_bytes(const std::string& args) {
+  const std::string cmd = "exec " + llmq::test::bin("llmq-run") + " " + args + " >/dev/null 2>&1";
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int status = 0;
+  struct rusage ru {};
+  REQUIRE(::wait4(pid, &status, 0, &ru) == pid);
+  REQUIRE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  return double(ru.ru_maxrss) * 1024;  // KiB on Linux
+}
+
+TEST_CASE("llmq-mem infer predicts llmq-run's peak RSS within 5% (SmolLM2, Qwen2.5-Coder, Gemma 3 at ctx 512 and 4096)",
+          "[real][mem][tools]") {
+  const std::vector<std::string> models = {
+      converted("smollm2-135m-instruct-q4_1.gguf", "smollm2-135m", "(61 f32, 210 q4_1, 1 q8_0)"),
+      converted("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-0.5b", "(121 f32, 12 q4_k, 133 q5_0, 12 q6_k, 13 q8_0)"),
+      converted("gemma-3-270m-q4_k_m.gguf", "gemma-3-270m", "(109 f32, 27 q4_k, 81 q5_0, 9 q6_k, 10 q8_0)")};
+  const std::string dir = llmq::test::scratch("mem_peak");
+  for (const std::string& m : models)
+    for (const int ctx : {512, 4096}) {
+      const std::string c = " -c " + std::to_string(ctx) + " -t 2";
+      REQUIRE(llmq::test::run(llmq::test::bin("llmq-mem") + " infer -m " + m + c + " --json >" + dir + "/plan.json") == 0);
+      const double predicted = nlohmann::json::parse(slurp(dir + "/plan.json"))["totals"]["device_total"].get<double>();
+      const double measured = peak_rss_bytes("-m " + m + c + " -p 'Once upon a time' -n 16 --temp 0");
+      const double err = (predicted - measured) / measured;
+      INFO(m << " ctx " << ctx << ": predicted " << predicted / 1048576 << " MiB, measured " << measured / 1048576 << " MiB");
+      CHECK(std::fabs(err) <= 0.05);
+      if (std::fabs(err) > 0.02) WARN("beyond the 2% target: " << 100 * err << "%");
+    }
 }
