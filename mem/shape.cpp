@@ -93,6 +93,8 @@ ModelShape from_hf_config(const std::string& path) {
     s.head_dim = j.contains("head_dim") && j["head_dim"].is_number_integer() ? get("head_dim") : s.dim / s.heads;
     s.vocab = get("vocab_size"), s.context = get("max_position_embeddings");
     s.tied = j.value("tie_word_embeddings", false);
+    const std::string type = j.value("model_type", "");
+    if (type == "gpt_neox" || type == "phi" || type == "falcon" || type == "gpt_bigcode" || type == "gpt2") s.mlp = Mlp::Gelu;
     if (s.name.empty()) s.name = "config.json";
     return s;
   } catch (const nlohmann::json::exception& e) {

@@ -64,8 +64,11 @@ GpuParams gpu_params(const ModelShape& m, const TrainOptions& o) {
   return g;
 }
 
-// LoRA adapter parameters of one block: Σ over targets r·(in + out) (LORA).
-double lora_layer_params(const ModelShape& m, const TrainOptions& o) {
+}  // namespace
+
+std::string num_str(double x) { return num(x); }
+
+double lora_layer_params_of(const ModelShape& m, const TrainOptions& o) {
   const double r = double(o.lora_rank), h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()),
                H = double(m.hidden);
   std::vector<std::string> t = o.lora_targets;
@@ -76,10 +79,12 @@ double lora_layer_params(const ModelShape& m, const TrainOptions& o) {
     else if (name == "k" || name == "v") n += r * (h + kv);
     else if (name == "o") n += r * (q + h);
     else if (name == "gate" || name == "up" || name == "down") n += r * (h + H);
-    else throw UsageError("unknown LoRA target '" + name + "' (q, k, v, o, gate, up, down, all)");
+    else if (name != "head") throw UsageError("unknown LoRA target '" + name + "' (q, k, v, o, gate, up, down, head, all)");
   }
   return n;
 }
+
+namespace {
 
 // ------------------------------------------------------------------ analytic / DeepSpeed
 
@@ -88,7 +93,7 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
   const StateBytes sb = state_bytes(o.precision, o.optimizer, o.framework);
   const double N = o.dp;
   const bool lora = o.lora_rank > 0;
-  const double trainable = lora ? double(gp.layers) * lora_layer_params(m, o) / o.tp : gp.all;
+  const double trainable = lora ? double(gp.layers) * lora_layer_params_of(m, o) / o.tp : gp.all;
   const std::string psi = fmt::format("Ψ = {} params on this GPU (stage of {} layers / tp {})", num(gp.all), gp.layers, o.tp);
   const Place opt_place = offload_place(o.offload_optimizer);
   const Place par_place = o.zero >= 3 ? offload_place(o.offload_params) : Place::Device;
@@ -186,7 +191,7 @@ void add_temporaries(MemReport& r, const ModelShape& m, const TrainOptions& o) {
 void add_comm_and_overhead(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   const GpuParams gp = gpu_params(m, o);
   const StateBytes sb = state_bytes(o.precision, o.optimizer, o.framework);
-  const double trainable = o.lora_rank > 0 ? double(gp.layers) * lora_layer_params(m, o) / o.tp : gp.all;
+  const double trainable = o.lora_rank > 0 ? double(gp.layers) * lora_layer_params_of(m, o) / o.tp : gp.all;
   if (o.dp > 1 && o.zero == 0)
     r.lines.push_back({"communication: DDP gradient buckets", sb.grads * trainable,
                        "one copy of the gradients (DistributedDataParallel, gradient_as_bucket_view=False, 25 MB buckets covering all)",
@@ -400,7 +405,8 @@ Framework framework_from_name(const std::string& s) {
   if (n == "analytic" || n == "paper") return Framework::Analytic;
   if (n == "pytorch" || n == "torch") return Framework::PyTorch;
   if (n == "deepspeed") return Framework::DeepSpeed;
-  throw UsageError("unknown framework '" + s + "' (analytic, pytorch, deepspeed)");
+  if (n == "litgpt") return Framework::LitGPT;
+  throw UsageError("unknown framework '" + s + "' (analytic, pytorch, deepspeed, litgpt)");
 }
 
 StateBytes state_bytes(Precision p, Optimizer o, Framework f) {
@@ -482,8 +488,10 @@ MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
     throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, m.heads, m.kv_heads, m.hidden));
   if (o.pp > m.layers) throw UsageError("--pp cannot exceed the layer count");
 
-  MemReport r = o.framework == Framework::PyTorch ? pytorch_estimate(m, o) : MemReport{};
-  if (o.framework != Framework::PyTorch) {
+  MemReport r = o.framework == Framework::PyTorch ? pytorch_estimate(m, o)
+                : o.framework == Framework::LitGPT ? litgpt_estimate(m, o)
+                                                   : MemReport{};
+  if (o.framework != Framework::PyTorch && o.framework != Framework::LitGPT) {
     r.device = "gpu 0";
     add_model_states(r, m, o);
     add_activations(r, m, o);

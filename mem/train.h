@@ -46,6 +46,7 @@ enum class Offload { None, Cpu, Nvme };
 enum class Framework {
   Analytic,   ///< the papers' closed forms (ZeRO, KORTH)
   PyTorch,    ///< single-process PyTorch as bench/train_mem.py runs it (allocator included)
+  LitGPT,     ///< LitGPT's finetune scripts (bf16-true), saved tensors of its Block (mem/train_litgpt.cpp)
   DeepSpeed,  ///< DeepSpeed's own estimator formulas for model states (DS), KORTH activations
 };
 
@@ -65,7 +66,7 @@ struct TrainOptions {
   Checkpointing checkpointing = Checkpointing::None;
   bool flash_attention = true;  ///< no s² attention matrices (KORTH: removes 5as²b)
   int64_t lora_rank = 0;        ///< 0: full fine-tuning
-  std::vector<std::string> lora_targets = {"q", "k", "v", "o"};  ///< of q k v o gate up down, or "all"
+  std::vector<std::string> lora_targets = {"q", "k", "v", "o"};  ///< of q k v o gate up down head, or "all" (not head)
   bool qlora = false;           ///< base weights in NF4 (needs lora_rank > 0)
   bool double_quant = true;     ///< QLoRA double quantization of the absmax constants
   int dp = 1;                   ///< N_d data-parallel ranks (DDP or ZeRO)
@@ -75,6 +76,9 @@ struct TrainOptions {
   int tp = 1, pp = 1;           ///< tensor- and pipeline-parallel degrees (Megatron)
   bool sequence_parallel = false;
   Framework framework = Framework::Analytic;
+  std::string block = "llama";  ///< LitGPT block recipe: llama, gemma, phi3, mistral, qwen2, gpt-neox, phi, falcon
+  int litgpt_version = 2024;    ///< 2023: lit-gpt 8641822 (RMSNorm in the input dtype); 2024: litgpt 00af8b0d (RMSNorm in fp32)
+  double lora_dropout = 0.05;   ///< LoRA dropout p (> 0 keeps a mask and the dropped input per adapted Linear)
   double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported)
   double nccl_bytes = 512.0 * (1 << 20);          ///< assumed per process group when world > 1
 };
@@ -127,6 +131,17 @@ CpuGpu ds_zero3_model_states(double params, double largest_layer, int gpus_per_n
 /// recomputation keeps 2sbh (the layer input; /t with sequence parallelism).
 double korthikanti_layer_activations(double s, double b, double h, double a, int t, bool sequence_parallel,
                                      Checkpointing ckpt, bool flash);
+
+/// LoRA adapter parameters of one block: Σ over the block's targets r·(in + out) (Hu et al. 2021).
+/// Throws UsageError for an unknown target.
+double lora_layer_params_of(const ModelShape& m, const TrainOptions& o);
+
+/// LitGPT's fine-tuning (Framework::LitGPT): what torch.cuda.max_memory_allocated() reports.
+/// Throws UsageError for what the scripts do not do (TP/PP, offload, mixed precision).
+MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o);
+
+/// "1.23457e+09": the number format of the report's formulas.
+std::string num_str(double x);
 
 /// The full per-GPU estimate (the largest pipeline stage when pp > 1). Throws UsageError for
 /// impossible combinations (ZeRO with dp = 1 and stage > 0 is allowed: it changes nothing).

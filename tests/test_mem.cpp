@@ -258,6 +258,43 @@ TEST_CASE("PyTorch framework: phases, allocator rounding and the AdamW step", "[
   CHECK_THROWS_AS(estimate_training(m, o), UsageError);
 }
 
+TEST_CASE("LitGPT framework: LoRA on Llama-2 as lit-gpt's resource table measured it", "[mem]") {
+  // mem/validation/cases.jsonl lg-rt-llama2-7b-lora-mb1 / -mb2 / lg-rt-llama2-13b-lora-mb1: finetune/lora.py at
+  // lit-gpt 8641822, bf16-true, LoRA r=8 on query and value, dropout 0.05, the longest Alpaca sample (1304
+  // tokens); torch.cuda.max_memory_allocated() 21.30, 29.07 and 38.12 GB.
+  TrainOptions o;
+  o.framework = Framework::LitGPT;
+  o.precision = Precision::BF16;
+  o.litgpt_version = 2023;
+  o.lora_rank = 8, o.lora_targets = {"q", "v"};
+  o.seq_len = 1304, o.grad_accum = 128;
+  const auto allocated = [&](const std::string& model, int64_t b) {
+    o.micro_batch = b;
+    return estimate_training(preset(model), o).total(Place::Device);
+  };
+  CHECK(allocated("llama-2-7b", 1) == Approx(21.30 * GB).epsilon(0.03));
+  CHECK(allocated("llama-2-7b", 2) == Approx(29.07 * GB).epsilon(0.03));
+  CHECK(allocated("llama-2-13b", 1) == Approx(38.12 * GB).epsilon(0.03));
+  // Per block at T tokens (bf16, e = 2, MHA, LoRA dropout on the qkv input): norm 2eTh, attention
+  // eTh + 3Th + 4eTq + eTq, norm_2 + MLP input 3eTh, MLP 4eTH.
+  const ModelShape m = preset("llama-2-7b");
+  o.micro_batch = 1;
+  const MemReport r = estimate_training(m, o);
+  const double T = 1304, h = double(m.dim), H = double(m.hidden);
+  CHECK(lines_sum(r, {"activations (blocks)"}) == Approx(double(m.layers) * T * (4 * h + 2 * h + 3 * h + 10 * h + 6 * h + 8 * H)));
+  // The 2024 code normalises in fp32: more saved bytes. QLoRA: NF4 Linear layers, paged optimizer states outside torch.
+  o.litgpt_version = 2024;
+  CHECK(estimate_training(m, o).total(Place::Device) > r.total(Place::Device));
+  o.qlora = true;
+  const MemReport q = estimate_training(m, o);
+  CHECK(lines_sum(q, {"optimizer states (paged: CUDA managed memory, outside torch's count)"}) == 0);
+  CHECK(q.total(Place::Device) < 0.7 * r.total(Place::Device));
+  o.precision = Precision::Mixed;
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+  o.precision = Precision::BF16, o.block = "transformer-xl";
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+}
+
 TEST_CASE("Model shapes: presets and files give the right parameter counts", "[mem]") {
   CHECK(preset("llama-2-7b").params() == 6738415616);
   CHECK(preset("llama-3-8b").params() == 8030261248);

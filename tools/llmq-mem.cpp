@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
   tr->add_option("--checkpointing", ta.ckpt, "activation checkpointing: none | selective | full");
   tr->add_flag("--no-flash", ta.no_flash, "attention materializes the s x s matrices (no FlashAttention)");
   tr->add_option("--lora-rank", to.lora_rank, "LoRA rank (0: full fine-tuning)");
-  tr->add_option("--lora-targets", ta.targets, "LoRA target matrices: q,k,v,o,gate,up,down or all");
+  tr->add_option("--lora-targets", ta.targets, "LoRA target matrices: q,k,v,o,gate,up,down,head or all");
   tr->add_flag("--qlora", to.qlora, "QLoRA: NF4 base weights (with --lora-rank)");
   tr->add_flag("--no-double-quant", ta.no_dq, "QLoRA without double quantization of the NF4 constants");
   tr->add_option("--dp", to.dp, "data-parallel ranks N_d (DDP or ZeRO)");
@@ -180,7 +180,11 @@ int main(int argc, char** argv) {
   tr->add_option("--tp", to.tp, "tensor-parallel degree");
   tr->add_option("--pp", to.pp, "pipeline-parallel degree (1F1B)");
   tr->add_flag("--sp", to.sequence_parallel, "sequence parallelism (with --tp)");
-  tr->add_option("--framework", ta.framework, "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed");
+  tr->add_option("--framework", ta.framework,
+                 "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed | litgpt (LitGPT's finetune scripts)");
+  tr->add_option("--block", to.block, "with --framework litgpt: the block recipe: llama, gemma, phi3, mistral, qwen2, gpt-neox, phi, falcon");
+  tr->add_option("--litgpt-version", to.litgpt_version, "with --framework litgpt: 2023 (lit-gpt 8641822) or 2024 (litgpt 00af8b0d)");
+  tr->add_option("--lora-dropout", to.lora_dropout, "LoRA dropout probability (LitGPT's default 0.05)");
   tr->add_option("--gpu-mem", ta.gpu_mem, "GPU memory to check against, e.g. 80GB");
   tr->add_flag("--rule-of-thumb", ta.rule, "add the '6x the weights' rule of thumb beside the estimate, with the difference explained");
   tr->add_flag("--json", ta.json, "JSON output");

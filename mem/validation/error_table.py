@@ -9,7 +9,9 @@ PyTorch allocator's memory, so they are compared with llmq-mem's per-GPU total w
 context ("device"); nvidia-smi readings with the total including it ("device_total"); an
 unstated measure with "device".
 
-    python3 mem/validation/error_table.py [--llmq-mem build/llmq-mem] [--json out.json] [--markdown]
+    python3 mem/validation/error_table.py [--llmq-mem build/llmq-mem] [--json out.json] [--peer llm_analysis.json]
+
+--peer adds llm-analysis's column: `python3 mem/validation/llm_analysis.py --json llm_analysis.json` first.
 
 Sources of the cases: SOURCES.md beside this file. Needs only python3 and a built llmq-mem.
 """
@@ -27,16 +29,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 GATED = {"llama", "mistral", "gemma", "gemma2", "phi3", "qwen2", "qwen3"}  # gate/up/down MLP blocks
+# LitGPT block recipes llmq-mem's --framework litgpt knows (--block), by the case's arch.
+LITGPT_BLOCKS = {"llama": "llama", "mistral": "mistral", "gemma": "gemma", "phi3": "phi3", "qwen2": "qwen2",
+                 "gpt_neox": "gpt-neox", "phi": "phi", "falcon": "falcon"}
 OPTIMIZERS = {"adamw": "adamw", "paged-adamw-32bit": "adamw", "adamw-8bit": "adam8bit", "paged-adamw-8bit": "adam8bit",
               "sgd": "sgd"}
 PRECISIONS = {"fp32": "fp32", "fp16-mixed": "mixed", "bf16-mixed": "mixed", "pure-bf16": "pure-bf16", "nf4": "pure-bf16"}
 TARGETS = {"q": "q", "q_proj": "q", "query": "q", "k": "k", "k_proj": "k", "key": "k", "v": "v", "v_proj": "v", "value": "v",
-           "proj": "o", "o_proj": "o", "output_proj": "o", "mlp": "gate,up,down"}
+           "proj": "o", "o_proj": "o", "output_proj": "o", "mlp": "gate,up,down", "head": "head"}
 
 
 def measured_bytes(case: dict) -> float:
     """The published value in bytes, from the unit the source used (unit_note)."""
     v, note = float(case["measured_gb"]), case.get("unit_note", "")
+    if "measured_gb = MiB/1024" in note:  # nvidia-smi's MiB, already divided into GiB
+        return v * 2**30
     if "1024**2" in note or "MiB" in note:
         return v * 2**20
     if "1024**3" in note or "2**30" in note or note.startswith("GiB"):
@@ -49,7 +56,8 @@ def why_not(case: dict) -> str | None:
     r, m = case["recipe"], case["model"]
     if case["kind"] == "infer":
         return "inference with transformers (not modelled yet)"
-    if m["arch"] not in GATED:
+    litgpt = r.get("framework") == "litgpt" and m["arch"] in LITGPT_BLOCKS
+    if m["arch"] not in GATED and not litgpt:
         return f"{m['arch']} blocks (non-Llama MLP/attention)"
     if r["optimizer"] not in OPTIMIZERS:
         return f"optimizer {r['optimizer']}"
@@ -76,14 +84,24 @@ def config_json(case: dict, folder: Path) -> Path:
                                 "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
                                 "num_key_value_heads": m.get("kv_heads") or m["heads"], "vocab_size": m["vocab"],
                                 "max_position_embeddings": max(4096, case["recipe"]["seq"]),
-                                "tie_word_embeddings": False}))
+                                "model_type": m["arch"], **({"head_dim": m["head_dim"]} if m.get("head_dim") else {}),
+                                "tie_word_embeddings": bool(m.get("tied_embeddings", False))}))
     return path
+
+
+def litgpt_version(case: dict) -> str:
+    """2023 for the lit-gpt 8641822 runs (resource tables), else 2024 (litgpt 00af8b0d, config hub)."""
+    return "2023" if "8641822" in case["notes"] + case["source"].get("where", "") else "2024"
 
 
 def flags(case: dict) -> list[str]:
     r = case["recipe"]
     out = ["--precision", PRECISIONS[r["precision"]], "--optimizer", OPTIMIZERS[r["optimizer"]], "-b", str(r["micro_batch"]),
            "-s", str(r["seq"]), "--checkpointing", r["checkpointing"]]
+    if r.get("framework") == "litgpt" and case["model"]["arch"] in LITGPT_BLOCKS and r["precision"] != "bf16-mixed":
+        out += ["--framework", "litgpt", "--block", LITGPT_BLOCKS[case["model"]["arch"]], "--litgpt-version", litgpt_version(case)]
+        if r.get("lora"):
+            out += ["--lora-dropout", str(r["lora"].get("dropout", 0.05))]
     if r.get("grad_accum"):
         out += ["--grad-accum", str(r["grad_accum"])]
     if r.get("flash_attention") is False:
@@ -125,7 +143,9 @@ def main() -> int:
     ap.add_argument("--llmq-mem", default=str(ROOT / "build" / "llmq-mem"))
     ap.add_argument("--cases", default=str(HERE / "cases.jsonl"))
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--peer", help="llm_analysis.py --json output: llm-analysis's column beside llmq-mem's")
     a = ap.parse_args()
+    peer = json.loads(Path(a.peer).read_text())["rows"] if a.peer else {}
     cases = [json.loads(line) for line in open(a.cases) if line.strip()]
     rows, errors = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,19 +162,29 @@ def main() -> int:
                     errors.append(abs(row["error"]))
             row["not_expressible"] = reason
             rows.append(row)
-    print("| case | kind | measured (GB) | llmq-mem (GB) | error | compared with |")
-    print("|---|---|---:|---:|---:|---|")
+    peer_errors = []
     for r in rows:
+        p = peer.get(r["id"], {}).get("predicted_bytes")
+        if p is not None:
+            r["peer"] = p
+            peer_errors.append(abs(p / r["measured"] - 1))
+    print("| case | kind | measured (GB) | llmq-mem (GB) | error | llm-analysis (GB) | error | compared with |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        pe = f"{r['peer'] / 1e9:.2f} | {100 * (r['peer'] / r['measured'] - 1):+.1f}%" if "peer" in r else "– | –"
         if r["not_expressible"]:
-            print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | – | – | not expressible: {r['not_expressible']} |")
+            print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | – | – | {pe} | not expressible: {r['not_expressible']} |")
         else:
             print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | {r['predicted'] / 1e9:.2f} | {100 * r['error']:+.1f}% | "
-                  f"{r['what']} |")
+                  f"{pe} | {r['what']} |")
     n = len(rows)
-    print(f"\nexpressible: {len(errors)} of {n} cases ({100 * len(errors) / n:.0f}%)")
-    if errors:
-        print(f"absolute error over them: median {100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%; "
-              f"within 3%: {sum(e <= 0.03 for e in errors)}, within 10%: {sum(e <= 0.10 for e in errors)}")
+    for name, errs in (("llmq-mem", errors), ("llm-analysis", peer_errors)):
+        if name == "llm-analysis" and not peer:
+            continue
+        print(f"\n{name}: expressible {len(errs)} of {n} cases ({100 * len(errs) / n:.0f}%)")
+        if errs:
+            print(f"absolute error over them: median {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%; "
+                  f"within 3%: {sum(e <= 0.03 for e in errs)}, within 10%: {sum(e <= 0.10 for e in errs)}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

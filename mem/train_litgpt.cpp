@@ -1,0 +1,167 @@
+// `llmq-mem train --framework litgpt`: LitGPT's fine-tuning scripts (finetune/full.py, lora.py;
+// `--precision bf16-true`), what torch.cuda.max_memory_allocated() reports, tensor by tensor.
+//
+// The model follows the code, not a closed form: every tensor autograd keeps for the backward of
+// a LitGPT Block (lit_gpt/model.py and lit_gpt/lora.py at Lightning-AI/litgpt 8641822, Oct 2023;
+// litgpt/model.py at 00af8b0d, Sep 2024). PyTorch saves an op's inputs for its backward whether
+// or not the frozen operand needs a gradient, so a frozen Linear keeps its input as a trained one
+// does. Per block, T = micro_batch x seq tokens, e bytes per activation (2 for bf16):
+//   norm (RMSNorm, 2023)   x and x·rsqrt(mean x²): 2·e·T·h
+//   norm (RMSNorm, 2024)   the same in fp32 (x.float() first): 8·T·h
+//   norm (LayerNorm)       its input: e·T·h (mean and rstd are per token)
+//   attention              the qkv Linear's input e·T·h; SDPA's q, k, v and output, k and v
+//                          expanded to the query heads for GQA (e·T·q each; MQA keeps one head in
+//                          2023 code); the output projection's input e·T·q
+//   MLP                    its input e·T·h (none when it shares the attention's norm);
+//                          gated (SwiGLU/GeGLU): fc_1 out, act(fc_1), fc_2 out, their product:
+//                          4·e·T·H; GELU: fc out and act(fc): 2·e·T·H
+//   LoRA on a Linear       dropout (p > 0) keeps a bool mask and its output: (1 + e)·T·in
+// The head: the final norm, lm_head's input e·T·h, the logits in chunks of 128 tokens and their
+// log-softmax for the chunked cross-entropy: 2·e·T·V.
+#include "mem/train.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "base/error.h"
+
+namespace llmq::mem {
+
+namespace {
+
+constexpr const char* kLit = "LitGPT lit_gpt/model.py, lora.py (8641822) and litgpt/model.py (00af8b0d); PyTorch autograd saved tensors";
+constexpr const char* kBnb = "bitsandbytes Linear4bit / MatMul4Bit (NF4 blocks of 64; paged optimizers in CUDA managed memory)";
+constexpr const char* kFsdp = "Lightning FSDPStrategy.load_checkpoint: a full (unsharded) state dict on every rank";
+
+// A LitGPT block recipe (litgpt/config.py: norm_class, mlp_class, parallel_residual,
+// shared_attention_norm).
+struct Block {
+  bool rms = true;            // RMSNorm, else LayerNorm
+  bool gated = true;          // LLaMAMLP / GemmaMLP, else GptNeoxMLP
+  bool parallel = false;      // x + attn(n_1) + mlp(n_2)
+  bool shared_norm = false;   // the MLP reads n_1
+};
+
+Block block_of(const std::string& name) {
+  if (name == "llama" || name == "gemma" || name == "phi3" || name == "mistral" || name == "qwen2") return {};
+  if (name == "gpt-neox") return {false, false, true, false};
+  if (name == "phi" || name == "falcon") return {false, false, true, true};
+  throw UsageError("unknown --block '" + name + "' (llama, gemma, phi3, mistral, qwen2, gpt-neox, phi, falcon)");
+}
+
+bool targets_has(const TrainOptions& o, const char* t) {
+  for (const auto& x : o.lora_targets)
+    if (x == t || x == "all") return true;
+  return false;
+}
+
+struct Saved {
+  double bytes = 0;
+  std::string formula;
+};
+
+// One block's saved activations (bytes) for T tokens.
+Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
+  const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
+  const bool expand = o.litgpt_version >= 2024 ? m.kv_heads != m.heads : m.kv_heads != 1;
+  const double kv = expand ? q : double(m.kv_dim());
+  const double norm = !B.rms ? e * T * h : o.litgpt_version >= 2024 ? 8 * T * h : 2 * e * T * h;
+  const bool lora = o.lora_rank > 0, drop = lora && o.lora_dropout > 0;
+  auto lora_in = [&](bool on, double in) { return drop && on ? (1 + e) * T * in : 0.0; };
+  const bool lq = targets_has(o, "q") || targets_has(o, "k") || targets_has(o, "v");
+  const bool lmlp = targets_has(o, "gate") || targets_has(o, "up") || targets_has(o, "down");
+  const double attn = e * T * h + lora_in(lq, h) + e * T * (2 * q + 2 * kv) + e * T * q + lora_in(targets_has(o, "o"), q);
+  const double n2 = B.shared_norm ? 0 : norm + e * T * h;
+  const double mlp = (B.gated ? 4 : 2) * e * T * H + (B.gated ? 2 : 1) * lora_in(lmlp, h) + lora_in(lmlp, H);
+  Saved s;
+  s.bytes = norm + attn + n2 + mlp;
+  s.formula = fmt::format("norm {} + attention {} (qkv input, SDPA q/k/v/out{}, proj input{}) + {}MLP {} ({}); T={} e={}",
+                          format_bytes(norm), format_bytes(attn), expand && m.kv_heads != m.heads ? " with k/v expanded to the query heads" : "",
+                          lq ? ", LoRA dropout" : "", B.shared_norm ? "" : fmt::format("norm_2 + MLP input {} + ", format_bytes(n2)),
+                          format_bytes(mlp), B.gated ? "4 tensors of [T, H]" : "2 tensors of [T, H]", T, e);
+  return s;
+}
+
+// Bytes per parameter of a frozen Linear under QLoRA (bitsandbytes NF4): 4 bits + the absmax
+// of each block of 64 (fp32; double quantization: 8 bits + an fp32 per 256 of them).
+double nf4_bytes(bool double_quant) { return double_quant ? 0.5 + 1.0 / 64 + 4.0 / (64 * 256) : 0.5 + 4.0 / 64; }
+
+}  // namespace
+
+MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
+  if (o.tp != 1 || o.pp != 1 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None ||
+      o.checkpointing == Checkpointing::Selective || o.precision == Precision::Mixed)
+    throw UsageError("--framework litgpt models LitGPT's finetune scripts with bf16-true or 32-true precision on one GPU or FSDP "
+                     "(--fsdp full): no TP/PP, offload, selective checkpointing or mixed precision");
+  const Block B = block_of(o.block);
+  const double e = o.precision == Precision::FP32 ? 4 : 2, T = double(o.micro_batch) * double(o.seq_len);
+  const double P = double(m.params()), N = o.dp, h = double(m.dim), V = double(m.vocab);
+  const bool lora = o.lora_rank > 0, fsdp = o.dp > 1;
+  MemReport r;
+  r.device = "gpu 0";
+
+  // Model states. LoRA adapters (trainable), or every parameter (full fine-tuning).
+  const double linear = double(m.layers) * double(m.layer_linear_params()) + (m.tied ? 0 : V * h);
+  const double head_lora = lora && std::count(o.lora_targets.begin(), o.lora_targets.end(), "head") ? double(o.lora_rank) * (h + V) : 0;
+  const double trainable = lora ? double(m.layers) * lora_layer_params_of(m, o) + head_lora : P;
+  const double frozen = lora ? (o.qlora ? nf4_bytes(o.double_quant) * linear + e * (P - linear) : e * P) : 0;
+  const double shard = fsdp ? N : 1;
+  if (lora)
+    r.lines.push_back({o.qlora ? "parameters (frozen base, NF4 Linear layers)" : "parameters (frozen base)", frozen / shard,
+                       o.qlora ? fmt::format("{:.4f} B x {} Linear params + {} B x {} others", nf4_bytes(o.double_quant), num_str(linear), e,
+                                             num_str(P - linear))
+                               : fmt::format("{} B x {}", e, num_str(P)),
+                       o.qlora ? kBnb : kLit, Place::Device, Basis::Formula});
+  r.lines.push_back({lora ? "parameters (LoRA adapters)" : "parameters", e * trainable / shard,
+                     fmt::format("{} B x {}{}", e, num_str(trainable), fsdp ? " / N (FSDP shard)" : ""), kLit, Place::Device, Basis::Formula});
+  // Gradients exist at the forward's end when gradient accumulation keeps them between micro-batches.
+  if (o.grad_accum > 1 || lora)
+    r.lines.push_back({"gradients", e * trainable / shard, fmt::format("{} B x trainable (kept across {} micro-batches)", e, o.grad_accum),
+                       kLit, Place::Device, Basis::Formula});
+  const bool paged = o.qlora;  // lit-gpt uses bnb.optim.PagedAdamW with --quantize: managed memory, not torch's
+  const double state = o.optimizer == Optimizer::Adam8bit ? 2 + 8.0 / 2048 : o.optimizer == Optimizer::SGD ? 0 : 2 * e;
+  r.lines.push_back({paged ? "optimizer states (paged: CUDA managed memory, outside torch's count)" : "optimizer states",
+                     paged ? 0 : state * trainable / shard,
+                     paged ? "bnb.optim.PagedAdamW allocates its states with cudaMallocManaged" : fmt::format("AdamW exp_avg + exp_avg_sq in the parameters' dtype: {} B x trainable", state),
+                     paged ? kBnb : kLit, Place::Device, Basis::Formula});
+
+  // Activations.
+  const Saved blk = block_saved(m, o, B, T);
+  const bool ckpt = o.checkpointing == Checkpointing::Full;
+  const double norm_f = !B.rms ? e * T * h : o.litgpt_version >= 2024 ? 8 * T * h : 2 * e * T * h;
+  if (ckpt) {
+    r.lines.push_back({"activations (checkpointed block inputs)", double(m.layers) * e * T * h,
+                       fmt::format("{} layers x e·T·h (each Block recomputed in its backward)", m.layers), kLit, Place::Device, Basis::Formula});
+    r.lines.push_back({"activations (one block recomputed)", blk.bytes, blk.formula, kLit, Place::Device, Basis::Formula});
+  } else {
+    r.lines.push_back({"activations (blocks)", double(m.layers) * blk.bytes, fmt::format("{} layers x ({})", m.layers, blk.formula), kLit,
+                       Place::Device, Basis::Formula});
+  }
+  r.lines.push_back({"activations (head: norm, lm_head input, chunked logits and log-softmax)", norm_f + e * T * h + 2 * e * T * V,
+                     fmt::format("norm + e·T·h + 2·e·T·V (lm_head in chunks of 128 tokens, cross-entropy per chunk), V = {}", m.vocab), kLit,
+                     Place::Device, Basis::Formula});
+  if (o.qlora) {
+    const double mat = double(std::max({m.dim * m.hidden, m.dim * (m.q_dim() + 2 * m.kv_dim()), m.tied ? 0 : m.vocab * m.dim}));
+    r.lines.push_back({"temporary: a dequantized NF4 matrix", e * mat, fmt::format("{} B x the largest Linear ({})", e, num_str(mat)), kBnb,
+                       Place::Device, Basis::Formula});
+  }
+  if (fsdp) {  // the load: the checkpoint as a full state dict on every rank beside the shards
+    const double states = r.total(Place::Device);
+    const double load = e * P + e * P / N;
+    if (load > states)
+      r.lines.push_back({"load peak above training (full state dict on every rank)", load - states,
+                         fmt::format("e·Ψ (unsharded checkpoint) + e·Ψ/N (the shards) = {}", format_bytes(load)), kFsdp, Place::Device,
+                         Basis::Formula});
+  }
+  r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes, "assumed constant per GPU (outside max_memory_allocated)", "",
+                     Place::GpuOther, Basis::Assumed});
+  r.notes.push_back(fmt::format("LitGPT block '{}' ({}, {} MLP, {} residual{}), code of {}", o.block, B.rms ? "RMSNorm" : "LayerNorm",
+                                B.gated ? "gated" : "GELU", B.parallel ? "parallel" : "sequential", B.shared_norm ? ", shared norm" : "",
+                                o.litgpt_version >= 2024 ? "litgpt 2024 (00af8b0d)" : "lit-gpt 2023 (8641822)"));
+  r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports (LitGPT prints it as 'Memory used')");
+  return r;
+}
+
+}  // namespace llmq::mem
