@@ -13,6 +13,7 @@
 #include "engine/model.h"
 #include "engine/tp.h"
 #include "base/error.h"
+#include "mem/generate.h"
 #include "mem/infer.h"
 #include "mem/train.h"
 #include "server/scheduler.h"
@@ -548,4 +549,27 @@ TEST_CASE("llmq-mem infer: CUDA and tensor-parallel reports state what is not me
   CHECK(parse_size("80GB") == 80e9);
   CHECK(parse_size("512 MiB") == 512.0 * 1024 * 1024);
   CHECK_THROWS_AS(parse_size("lots"), UsageError);
+}
+
+TEST_CASE("llmq-mem generate: transformers and LitGPT generation as published", "[mem]") {
+  // lg-rt-llama2-7b-infer-bf16 (LitGPT generate/base.py, bf16, 56 positions): 13.52 GB;
+  // lg-rt-llama2-70b-infer-nf4dq: 37.21 GB (torch.cuda.max_memory_allocated() / 1e9).
+  GenerateOptions o;
+  o.framework = "litgpt", o.prompt = 6, o.new_tokens = 50;
+  CHECK(estimate_generate(preset("llama-2-7b"), o).total(Place::Device) == Approx(13.52 * GB).epsilon(0.02));
+  o.weights = "nf4-dq";
+  CHECK(estimate_generate(preset("llama-2-70b"), o).total(Place::Device) == Approx(37.21 * GB).epsilon(0.03));
+  // int8 halves and 4-bit quarters the Linear layers; eager attention adds the prompt's scores.
+  o.framework = "transformers", o.prompt = 4000;
+  o.weights = "bf16";
+  const double bf16 = estimate_generate(preset("llama-2-7b"), o).total(Place::Device);
+  const double lin16 = lines_sum(estimate_generate(preset("llama-2-7b"), o), {"weights: Linear layers"});
+  o.weights = "int8";
+  CHECK(lines_sum(estimate_generate(preset("llama-2-7b"), o), {"weights: Linear layers"}) == Approx(lin16 / 2).epsilon(0.01));
+  o.weights = "nf4";
+  CHECK(lines_sum(estimate_generate(preset("llama-2-7b"), o), {"weights: Linear layers"}) == Approx(lin16 * 0.5625 / 2));
+  o.weights = "bf16", o.flash = false;
+  CHECK(estimate_generate(preset("llama-2-7b"), o).total(Place::Device) > bf16 + 32 * 4000.0 * 4000 * 6 - 1);
+  o.weights = "q4";
+  CHECK_THROWS_AS(estimate_generate(preset("llama-2-7b"), o), UsageError);
 }

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "base/error.h"
+#include "mem/generate.h"
 #include "mem/infer.h"
 #include "mem/train.h"
 #include "cli/cli_common.h"
@@ -122,6 +123,19 @@ int run_train(TrainCli& a) {
   return 0;
 }
 
+// llmq-mem generate's flags.
+struct GenerateCli {
+  std::string model_spec, svg;
+  GenerateOptions go;
+  bool no_flash = false, json = false;
+};
+
+int run_generate(GenerateCli& a) {
+  a.go.flash = !a.no_flash;
+  emit(estimate_generate(load_shape(a.model_spec), a.go), a.json, a.svg);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -190,9 +204,25 @@ int main(int argc, char** argv) {
   tr->add_flag("--json", ta.json, "JSON output");
   tr->add_option("--svg", ta.svg, "also write a stacked bar chart to this SVG file");
 
+  // ---- generate
+  GenerateCli ga;
+  auto* gen = app.add_subcommand("generate", "GPU memory of generation with transformers, LitGPT or torchtune (bf16, int8, 4-bit)");
+  gen->add_option("model", ga.model_spec, "a preset, a .llmq or .gguf file, a config.json or a directory holding one")->required();
+  gen->add_option("--framework", ga.go.framework, "transformers | litgpt | torchtune");
+  gen->add_option("--weights", ga.go.weights, "bf16 | fp16 | int8 (LLM.int8) | nf4 | nf4-dq | fp4 (bitsandbytes)");
+  gen->add_option("-b,--batch", ga.go.batch, "sequences");
+  gen->add_option("--prompt", ga.go.prompt, "prompt tokens");
+  gen->add_option("--new-tokens", ga.go.new_tokens, "generated tokens");
+  gen->add_option("--kv-len", ga.go.kv_len, "KV-cache positions (default: prompt + new tokens; torchtune: the model's max_seq_len)");
+  gen->add_option("--compute-bytes", ga.go.compute_bytes, "bitsandbytes 4-bit compute dtype bytes (2: bf16, 4: float32)");
+  gen->add_flag("--no-flash", ga.no_flash, "eager attention (the prefill keeps the score matrices)");
+  gen->add_flag("--json", ga.json, "JSON output");
+  gen->add_option("--svg", ga.svg, "also write a stacked bar chart to this SVG file");
+
   LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-mem", [&] {
+    if (gen->parsed()) return run_generate(ga);
     if (!inf->parsed()) return run_train(ta);
     ia.ctx_given = ctx_opt->count() > 0, ia.parallel_given = par_opt->count() > 0;
     return run_infer(ia);

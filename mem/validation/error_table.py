@@ -55,7 +55,11 @@ def why_not(case: dict) -> str | None:
     """None when llmq-mem train can express the case, else the reason."""
     r, m = case["recipe"], case["model"]
     if case["kind"] == "infer":
-        return "inference with transformers (not modelled yet)"
+        if r["seq"] is None:
+            return "prompt length not published"
+        if r["precision"] not in ("pure-bf16", "int8", "nf4"):
+            return f"precision {r['precision']}"
+        return None
     litgpt = r.get("framework") == "litgpt" and m["arch"] in LITGPT_BLOCKS
     if m["arch"] not in GATED and not litgpt:
         return f"{m['arch']} blocks (non-Llama MLP/attention)"
@@ -128,8 +132,33 @@ def flags(case: dict) -> list[str]:
     return out
 
 
+def generate_flags(case: dict) -> list[str]:
+    """llmq-mem generate's flags for an inference case: the framework, the weight format, the
+    prompt and KV-cache length (torchtune: its static cache; LitGPT: prompt + 50 new tokens)."""
+    r = case["recipe"]
+    fw = {"hf-transformers": "transformers", "litgpt": "litgpt", "torchtune": "torchtune"}[r["framework"]]
+    weights = {"pure-bf16": "bf16", "int8": "int8"}.get(r["precision"])
+    if weights is None:  # 4-bit: transformers' load_in_4bit of 2023 was FP4 with float32 compute
+        dq = (r.get("qlora") or {}).get("double_quant")
+        weights = "fp4" if fw == "transformers" else "nf4-dq" if dq else "nf4"
+    out = ["--framework", fw, "--weights", weights, "-b", str(r["micro_batch"] or 1)]
+    if fw == "torchtune":
+        out += ["--prompt", "6", "--kv-len", str(r["seq"])]
+    else:
+        new = 60 if fw == "transformers" else 50
+        out += ["--prompt", str(max(1, r["seq"] - new)), "--new-tokens", str(new)]
+    if fw == "transformers" and weights == "fp4":
+        out += ["--compute-bytes", "4"]
+    if not r.get("flash_attention"):
+        out.append("--no-flash")
+    return out
+
+
 def predict(llmq_mem: str, case: dict, folder: Path) -> tuple[float | None, str]:
-    cmd = [llmq_mem, "train", str(config_json(case, folder)), *flags(case), "--json"]
+    if case["kind"] == "infer":
+        cmd = [llmq_mem, "generate", str(config_json(case, folder)), *generate_flags(case), "--json"]
+    else:
+        cmd = [llmq_mem, "train", str(config_json(case, folder)), *flags(case), "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return None, "llmq-mem refused: " + (p.stderr.strip().splitlines() or ["?"])[-1]

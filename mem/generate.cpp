@@ -1,0 +1,85 @@
+#include "mem/generate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/error.h"
+#include "mem/train.h"
+
+namespace llmq::mem {
+
+namespace {
+
+constexpr const char* kBnb = "bitsandbytes: LLM.int8 (Dettmers et al. 2022, arXiv 2208.07339: int8 rows + an fp32 scale per row), "
+                             "Linear4bit (NF4/FP4 blocks of 64, fp32 absmax; double quantization 8-bit absmax + fp32 per 256)";
+constexpr const char* kHf = "transformers generate (logits of every prompt position in fp32), LitGPT generate/base.py, torchtune "
+                            "generate.py (a static KV cache of max_seq_len)";
+
+// Bytes per parameter of a Linear layer's weight in `format`, with `rows` output rows.
+double linear_bytes(const std::string& format, double params, double rows) {
+  if (format == "bf16" || format == "fp16") return 2 * params;
+  if (format == "int8") return params + 4 * rows;
+  if (format == "nf4" || format == "fp4") return params * (0.5 + 4.0 / 64);
+  if (format == "nf4-dq") return params * (0.5 + 1.0 / 64 + 4.0 / (64 * 256));
+  throw UsageError("unknown --weights '" + format + "' (bf16, fp16, int8, nf4, nf4-dq, fp4)");
+}
+
+}  // namespace
+
+MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
+  m.validate();
+  if (o.framework != "transformers" && o.framework != "litgpt" && o.framework != "torchtune")
+    throw UsageError("--framework must be transformers, litgpt or torchtune for generate");
+  if (o.batch < 1 || o.prompt < 1 || o.new_tokens < 0 || o.kv_len < 0) throw UsageError("batch and prompt must be >= 1");
+  const double h = double(m.dim), V = double(m.vocab), b = double(o.batch), P = double(o.prompt);
+  const bool quant = o.weights != "bf16" && o.weights != "fp16";
+  // Linear layers of the blocks, and the output layer: bitsandbytes in LitGPT converts every Linear
+  // (Lightning's BitsandbytesPrecision), transformers keeps the output embedding in 16 bits.
+  const double mats_per_layer = double(m.q_dim() + 2 * m.kv_dim()) * h + double(m.q_dim()) * h +
+                                double(m.mlp == Mlp::SwiGLU ? 3 : 2) * h * double(m.hidden);
+  const double rows_per_layer = double(m.q_dim() + 2 * m.kv_dim()) + h + double(m.mlp == Mlp::SwiGLU ? 2 : 1) * double(m.hidden) + h;
+  const bool head_quant = quant && o.framework == "litgpt" && !m.tied;
+  const double lin = double(m.layers) * mats_per_layer + (head_quant ? V * h : 0);
+  const double lin_rows = double(m.layers) * rows_per_layer + (head_quant ? V : 0);
+  const double rest = double(m.params()) - lin;
+  MemReport r;
+  r.device = "gpu 0";
+  r.title = fmt::format("{}: generate with {} ({} weights), batch {}, prompt {}, {} new tokens", m.name, o.framework, o.weights, o.batch,
+                        o.prompt, o.new_tokens);
+  r.lines.push_back({"weights: Linear layers", linear_bytes(o.weights, lin, lin_rows),
+                     fmt::format("{} params of the blocks' Linear layers{} in {}", num_str(lin), head_quant ? " and the output" : "", o.weights),
+                     quant ? kBnb : kHf, Place::Device, Basis::Formula});
+  r.lines.push_back({"weights: embeddings, norms, 16-bit rest", 2 * rest, fmt::format("2 B x {}", num_str(rest)), kHf, Place::Device,
+                     Basis::Formula});
+  // KV cache: LitGPT 2023 keeps n_head heads for GQA (one for MQA); the others n_kv_heads.
+  const double kv_len = double(o.kv_len > 0 ? o.kv_len : o.prompt + o.new_tokens);
+  const double kv_dim = o.framework == "litgpt" && m.kv_heads != 1 ? double(m.q_dim()) : double(m.kv_dim());
+  r.lines.push_back({"KV cache", 2 * double(m.layers) * b * kv_len * kv_dim * 2,
+                     fmt::format("2 (K,V) x {} layers x b {} x {} positions x {} x 2 B", m.layers, o.batch, kv_len, kv_dim), kHf, Place::Device,
+                     Basis::Formula});
+  // The prefill's transients: fp32 logits of every prompt position (transformers), eager
+  // attention scores of one layer, a dequantized matrix.
+  double t = o.framework == "transformers" ? b * P * V * (2 + 4) : b * V * 4;
+  std::string tf = o.framework == "transformers" ? "logits [b, prompt, V] in 16 bits and their fp32 copy" : "the last position's logits, fp32";
+  if (!o.flash) t += b * double(m.heads) * P * P * (2 + 4), tf += " + eager attention scores [b, heads, prompt, prompt] (16-bit and fp32 softmax)";
+  if (quant && o.weights != "int8") {
+    const double big = std::max({h * double(m.hidden), h * double(m.q_dim() + 2 * m.kv_dim()), head_quant ? V * h : 0.0});
+    // LitGPT quantizes on load: the checkpoint's 16-bit matrix on the GPU beside bitsandbytes' copy of it
+    // (the peak of 7 published LitGPT NF4 runs is this much above the weights); transformers
+    // dequantizes one matrix at a time in the forward.
+    const double copies = o.framework == "litgpt" ? 2 : 1;
+    t += copies * o.compute_bytes * big;
+    tf += fmt::format(" + the largest Linear in {} B x {}{}", o.compute_bytes, num_str(big),
+                      copies > 1 ? " twice (quantized on load: the checkpoint's tensor and its copy)" : " (dequantized)");
+  }
+  t += b * P * (2 * h + 2 * double(m.hidden)) * 2;
+  tf += " + the prefill's activations of one layer";
+  r.lines.push_back({"prefill transients", t, tf, kHf, Place::Device, Basis::Formula});
+  r.lines.push_back({"CUDA context + cuBLAS workspace", 512.0 * (1 << 20), "assumed constant per GPU (outside max_memory_allocated)", "",
+                     Place::GpuOther, Basis::Assumed});
+  r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
+  return r;
+}
+
+}  // namespace llmq::mem

@@ -1,0 +1,31 @@
+// `llmq-mem generate`: GPU memory of text generation with a PyTorch framework (Hugging Face
+// transformers, LitGPT, torchtune) in bf16 or with bitsandbytes int8/4-bit weights: what
+// torch.cuda.max_memory_allocated() reports, beside llmq's own plan (`llmq-mem infer`).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "mem/report.h"
+#include "mem/shape.h"
+
+namespace llmq::mem {
+
+/// A generation run.
+struct GenerateOptions {
+  std::string framework = "transformers";  ///< transformers | litgpt | torchtune
+  std::string weights = "bf16";            ///< bf16 | fp16 | int8 (LLM.int8) | nf4 | nf4-dq | fp4 (bitsandbytes 4-bit)
+  int64_t batch = 1;
+  int64_t prompt = 16;      ///< prompt tokens (one prefill pass)
+  int64_t kv_len = 0;       ///< KV-cache positions per sequence (0: prompt + new_tokens)
+  int64_t new_tokens = 64;
+  bool flash = true;        ///< false: eager attention keeps [b, heads, prompt, prompt] scores during the prefill
+  int compute_bytes = 2;    ///< bitsandbytes 4-bit compute dtype (4: float32, transformers' old default)
+};
+
+/// The report: weights (Linear layers in the weight format, the rest in 16 bits; the output
+/// layer quantized or not as the framework does), the KV cache, and the prefill's largest
+/// transient (logits, attention scores, a dequantized matrix). Throws UsageError for unknown
+/// names or sizes < 1.
+MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o);
+
+}  // namespace llmq::mem
