@@ -65,9 +65,9 @@ MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
   if (!o.flash) t += b * double(m.heads) * P * P * (2 + 4), tf += " + eager attention scores [b, heads, prompt, prompt] (16-bit and fp32 softmax)";
   if (quant && o.weights != "int8") {
     const double big = std::max({h * double(m.hidden), h * double(m.q_dim() + 2 * m.kv_dim()), head_quant ? V * h : 0.0});
-    // LitGPT quantizes on load: the checkpoint's 16-bit matrix on the GPU beside bitsandbytes' copy of it
-    // (the peak of 7 published LitGPT NF4 runs is this much above the weights); transformers
-    // dequantizes one matrix at a time in the forward.
+    // LitGPT (Lightning's BitsandbytesPrecision) creates each Linear on the GPU in the default dtype and
+    // quantizes it there from a .half() copy: two 16-bit copies of the largest matrix at once. In the
+    // forward, MatMul4Bit dequantizes one matrix at a time (transformers: in the compute dtype).
     const double copies = o.framework == "litgpt" ? 2 : 1;
     t += copies * o.compute_bytes * big;
     tf += fmt::format(" + the largest Linear in {} B x {}{}", o.compute_bytes, num_str(big),

@@ -144,7 +144,10 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                      Place::Device, Basis::Formula});
   if (o.qlora) {
     const double mat = double(std::max({m.dim * m.hidden, m.dim * (m.q_dim() + 2 * m.kv_dim()), m.tied ? 0 : m.vocab * m.dim}));
-    r.lines.push_back({"temporary: a dequantized NF4 matrix", e * mat, fmt::format("{} B x the largest Linear ({})", e, num_str(mat)), kBnb,
+    // MatMul4Bit: dequantize_4bit(B) in the weight's original dtype (fp16: Lightning quantizes a .half() copy),
+    // then .to(A.dtype): two 16-bit copies of the matrix while it is multiplied.
+    r.lines.push_back({"temporary: a dequantized NF4 matrix", 2 * 2 * mat,
+                       fmt::format("2 x 2 B x the largest Linear ({}): the fp16 dequantized weight and its bf16 cast", num_str(mat)), kBnb,
                        Place::Device, Basis::Formula});
   }
   if (fsdp) {  // the load: the checkpoint as a full state dict on every rank beside the shards
