@@ -36,7 +36,8 @@ OPTIMIZERS = {"adamw": "adamw", "paged-adamw-32bit": "adamw", "adamw-8bit": "ada
               "sgd": "sgd"}
 PRECISIONS = {"fp32": "fp32", "fp16-mixed": "mixed", "bf16-mixed": "mixed", "pure-bf16": "pure-bf16", "nf4": "pure-bf16"}
 TARGETS = {"q": "q", "q_proj": "q", "query": "q", "k": "k", "k_proj": "k", "key": "k", "v": "v", "v_proj": "v", "value": "v",
-           "proj": "o", "o_proj": "o", "output_proj": "o", "mlp": "gate,up,down", "head": "head"}
+           "proj": "o", "o_proj": "o", "output_proj": "o", "mlp": "gate,up,down", "head": "head",
+           "all-linear": "q,k,v,o,gate,up,down"}
 
 
 def measured_bytes(case: dict) -> float:
@@ -71,7 +72,9 @@ def why_not(case: dict) -> str | None:
         return "batch or sequence length not published"
     if r["checkpointing"] not in ("none", "full", "selective"):
         return f"checkpointing {r['checkpointing']}"
-    if r["offload"] not in ("none", "cpu-optimizer"):
+    if r["offload"] == "cpu-params" and r["sharding"] not in ("zero3", "fsdp-full"):
+        return "parameter offload without ZeRO-3 / FSDP full sharding"
+    if r["offload"] not in ("none", "cpu-optimizer", "cpu-params"):
         return f"offload {r['offload']}"
     lora = r.get("lora")
     if lora and any(t not in TARGETS for t in lora.get("targets") or []):
@@ -127,8 +130,10 @@ def flags(case: dict) -> list[str]:
             out += ["--zero", "2"]
         elif r["sharding"] == "zero1":
             out += ["--zero", "1"]
-    if r["offload"] == "cpu-optimizer":
+    if r["offload"] in ("cpu-optimizer", "cpu-params"):
         out += ["--offload-optimizer", "cpu"]
+    if r["offload"] == "cpu-params":
+        out += ["--offload-params", "cpu"]
     return out
 
 
