@@ -178,6 +178,8 @@ def main() -> int:
     ap.add_argument("--cases", default=str(HERE / "cases.jsonl"))
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--peer", help="llm_analysis.py --json output: llm-analysis's column beside llmq-mem's")
+    ap.add_argument("--check", metavar="N,MEDIAN", help="exit 1 unless at least N cases are expressible and their median "
+                    "absolute error is at most MEDIAN (a fraction): the regression test's floor, e.g. 105,0.101")
     a = ap.parse_args()
     peer = json.loads(Path(a.peer).read_text())["rows"] if a.peer else {}
     cases = [json.loads(line) for line in open(a.cases) if line.strip()]
@@ -221,6 +223,11 @@ def main() -> int:
                   f"within 3%: {sum(e <= 0.03 for e in errs)}, within 10%: {sum(e <= 0.10 for e in errs)}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
+    if a.check:
+        n_min, med_max = a.check.split(",")
+        if len(errors) < int(n_min) or not errors or statistics.median(errors) > float(med_max):
+            print(f"check failed: want >= {n_min} expressible with median <= {float(med_max):.3f}", file=sys.stderr)
+            return 1
     return 0
 
 
