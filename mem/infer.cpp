@@ -79,9 +79,12 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const ResidentPeak& pea
   r.lines.push_back({"metadata, vocabulary, tokenizer, chat template", double(peak.tables),
                      "measured: heap bytes in use after building them here as the load does (Model::open; glibc mallinfo2)", "",
                      Place::Device, Basis::Measured});
-  r.lines.push_back({"runtime: binary, libraries, stacks, allocator", double(kRuntimeBytes),
-                     "measured constant: llmq-run's peak RSS minus the other lines, median over three models and two contexts", "",
-                     Place::Device, Basis::Measured});
+  const bool server = peak.runtime == kServerRuntimeBytes;
+  r.lines.push_back({"runtime: binary, libraries, stacks, allocator", double(peak.runtime),
+                     server ? "measured constant: llmq-server's peak RSS minus the other lines (HTTP threads, grammar engine and "
+                              "requests included), median over three models and two settings"
+                            : "measured constant: llmq-run's peak RSS minus the other lines, median over three models and two contexts",
+                     "", Place::Device, Basis::Measured});
   if (peak.load > peak.run)
     r.lines.push_back({"load peak above the run", double(peak.load - peak.run),
                        fmt::format("the checksum pass holds the largest tensor ({}) with the tables: the peak is the load's",
@@ -227,11 +230,12 @@ uint64_t measure_tables(const std::string& path) {
   return after > before ? after - before : 0;
 }
 
-ResidentPeak resident_peak(const InferencePlan& p, uint64_t tables) {
+ResidentPeak resident_peak(const InferencePlan& p, uint64_t tables, bool server) {
   ResidentPeak r;
   r.tables = tables;
-  r.run = p.resident() + tables + kRuntimeBytes;
-  r.load = p.largest_tensor + tables + kRuntimeBytes;
+  r.runtime = server ? kServerRuntimeBytes : kRuntimeBytes;
+  r.run = p.resident() + tables + r.runtime;
+  r.load = p.largest_tensor + tables + r.runtime;
   return r;
 }
 
@@ -264,7 +268,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
                      {"kv_cache", p.kv.bytes()},   {"workspace", p.ws.bytes()},  {"packed_weights", p.packed_bytes}, {"total", p.total()}};
   if (o.device == "cpu" && o.tp == 1) {
     r.device = "cpu";
-    const ResidentPeak peak = resident_peak(p, measure_tables(path));
+    const ResidentPeak peak = resident_peak(p, measure_tables(path), server);
     r.extra["plan"]["resident"] = p.resident();
     r.extra["peak"] = {{"run", peak.run}, {"load", peak.load}, {"peak", peak.peak()}, {"tables", peak.tables}};
     add_cpu_lines(r, p, peak, c, f->tensors().size(), type_mix(f->tensors()));
@@ -342,7 +346,7 @@ FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o,
   };
   auto total = [&](int64_t ctx, int64_t par) {
     const auto [t, pl] = plan(ctx, par);
-    return gpu ? double(cuda_plan(t).total()) : double(resident_peak(pl, tables).peak());
+    return gpu ? double(cuda_plan(t).total()) : double(resident_peak(pl, tables, t.server).peak());
   };
   auto fits = [&](int64_t ctx, int64_t par) { return total(ctx, par) <= budget; };
   const int64_t bt = kKvBlockTokens;
@@ -364,7 +368,7 @@ FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o,
   }
   if (!fix_parallel) par = largest(1, 256, [&](int64_t p) { return fits(ctx, p); });
   auto [opt, pl] = plan(ctx, par);
-  FitResult r{opt, pl, std::nullopt, total(ctx, par) <= budget, resident_peak(pl, tables)};
+  FitResult r{opt, pl, std::nullopt, total(ctx, par) <= budget, resident_peak(pl, tables, opt.server)};
   if (gpu) r.cuda = cuda_plan(opt);
   return r;
 }

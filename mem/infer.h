@@ -37,16 +37,22 @@ uint64_t measure_tables(const std::string& path);
 /// x86-64) of llmq-run's peak RSS minus every other line of the report (bench/RESULTS.md,
 /// "llmq-mem infer against measured peaks"; the spread there is the error this constant adds).
 constexpr uint64_t kRuntimeBytes = uint64_t(10.5 * 1024 * 1024);
+/// The same for llmq-server, which adds its HTTP threads, the grammar engine and the requests'
+/// buffers: the median over the three models at ctx 1024 with 4 sequences and ctx 4096 with 2
+/// (4 and 2 concurrent completions, 2 threads; residuals 17.6-31.6 MiB, bench/RESULTS.md).
+constexpr uint64_t kServerRuntimeBytes = uint64_t(24.2 * 1024 * 1024);
 
 /// The predicted peak resident memory of llmq-run / llmq-server (CPU, one rank): the larger of
 /// the load's and the run's.
 struct ResidentPeak {
   uint64_t tables = 0;  ///< measure_tables(path)
-  uint64_t run = 0;     ///< plan.resident() + tables + kRuntimeBytes
-  uint64_t load = 0;    ///< the checksum pass: plan.largest_tensor + tables + kRuntimeBytes
+  uint64_t runtime = 0;  ///< kRuntimeBytes, or kServerRuntimeBytes for llmq-server
+  uint64_t run = 0;      ///< plan.resident() + tables + runtime
+  uint64_t load = 0;     ///< the checksum pass: plan.largest_tensor + tables + runtime
   uint64_t peak() const { return run > load ? run : load; }
 };
-ResidentPeak resident_peak(const InferencePlan& p, uint64_t tables);
+/// `server`: the plan is llmq-server's (parallel > 1 or --server).
+ResidentPeak resident_peak(const InferencePlan& p, uint64_t tables, bool server = false);
 
 /// Threads a ThreadPool(threads) would have.
 int resolve_threads(int threads);
