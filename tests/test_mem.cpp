@@ -428,7 +428,7 @@ TEST_CASE("llmq-mem infer --fit picks the largest context that fits - llmq-run -
   more.ctx += kKvBlockTokens;
   CHECK(double(resident_peak(infer_plan(*f, c, more), r.peak.tables).peak()) > budget);
   // Parallel sequences: the most that fit at the full context.
-  const FitResult p = fit_inference(*f, c, o, base + 8.0 * 1024 * 1024, false, false);
+  const FitResult p = fit_inference(*f, c, o, base - double(kRuntimeBytes) + double(kServerRuntimeBytes) + 8.0 * 1024 * 1024, false, false);
   CHECK(p.plan.ctx == c.context_length);
   CHECK(p.plan.parallel > 1);
   CHECK(p.plan.kv_tokens == p.plan.ctx * p.plan.parallel);
