@@ -1,6 +1,5 @@
 // What every command-line tool shares: exit codes, error reporting, peak memory.
 #pragma once
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>

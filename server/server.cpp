@@ -1181,7 +1181,7 @@ int main(int argc, char** argv) {
                      (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str(),
                      gpu ? " (KV cache and workspace on the GPU, the weights uploaded beside them: see the GPU memory line)" : "");
       } catch (const std::exception& e) {
-        if (*st->stopping) return;  // a signal stopped the server while it loaded (or waited for its ranks)
+        if (*st->stopping) return;  // a signal stopped the server while it loaded
         st->load_error = e.what();
         std::fprintf(stderr, "llmq-server: error: %s\n", e.what());
         stop_server(svr);

@@ -891,7 +891,8 @@ def test_tp_ranks_in_processes(fresh_servers, stories_model):
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # CI runs as root
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     procs = fresh_servers.start(stories_model, "--tp", "2", "-t", "1", "--parallel", "4",
-                                launcher=["mpirun", "--oversubscribe", "-np", "2"])
+                                launcher=["env", f"ASAN_OPTIONS={os.environ.get('ASAN_OPTIONS', '')}:fast_unwind_on_malloc=0",
+                                          "mpirun", "--oversubscribe", "-np", "2"])  # sanitizer build: tests/lsan_mpi.supp
     one = fresh_servers.start(stories_model, "--tp", "2", "-t", "2", "--parallel", "4")
     prompts = [PROMPT, "The cat", "Lily and Tom went", "One day"]
 
