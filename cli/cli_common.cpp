@@ -7,10 +7,12 @@
 #include "base/error.h"
 #include "formats/llmq_file.h"
 
+#include <sched.h>
 #include <sys/resource.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 
 #include "base/error.h"
 #include "formats/llmq_file.h"
@@ -141,6 +143,16 @@ std::string settings_json(const Model& m, const RunnerOptions& o, int tp) {
       .dump();
 }
 
+// -t's default for a rank of an MPI job: the CPUs mpirun bound it to or, unbound (it may run on
+// every CPU), this machine's CPUs shared among the job's ranks on it.
+int mpi_rank_threads(const MpiComm& c) {
+  const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : hw;
+  return mine < hw ? std::max(1, mine) : std::max(1, hw / std::max(1, c.local_size()));
+}
+
 // A following rank: rank 0's settings into o, checked against this rank's model and device; a
 // mismatch ends the job with a message that says which.
 void take_settings(MpiComm& c, const Model& m, RunnerOptions& o) {
@@ -173,6 +185,7 @@ void take_settings(MpiComm& c, const Model& m, RunnerOptions& o) {
 void join_tp_group(const char*, MpiComm* c, const Model& m, RunnerOptions& o) {
   if (!c) return;
   plan_shards(m, c->size());  // a split the model cannot take fails here, on every rank alike
+  if (o.threads <= 0) o.threads = mpi_rank_threads(*c);  // each rank its own (not sent)
   if (c->rank() == 0) {
     o = resolve(m, o);
     const std::string j = settings_json(m, o, c->size());

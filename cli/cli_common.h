@@ -78,7 +78,8 @@ std::unique_ptr<MpiComm> start_mpi_group(int tp, bool partial = false);
 /// the others receive them into `o` (so an llmq-run rank serves an llmq-server's rank 0 as well
 /// as an llmq-run's), must have loaded the same model and run on the same kind of device
 /// (otherwise the job ends, MpiComm::abort_job, with a message that says which). Sets o.group.
-/// Does nothing without a group. Throws
+/// Without -t (o.threads 0) a rank takes the CPUs mpirun bound it to or, unbound, this
+/// machine's CPUs divided among the job's ranks on it. Does nothing without a group. Throws
 /// UsageError when the model cannot be split over the ranks (engine/tp.h plan_shards).
 void join_tp_group(const char* tool, MpiComm* group, const Model& m, RunnerOptions& o);
 

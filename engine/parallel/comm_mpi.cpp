@@ -75,14 +75,15 @@ std::unique_ptr<MpiComm> MpiComm::init_world() {
   if (inited) throw UsageError("MPI: initialised twice in one process");
   int provided = 0;
   MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
-  int rank = 0, size = 1, local = 0;
+  int rank = 0, size = 1, local = 0, local_size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   MPI_Comm node;  // the ranks on this machine
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
   MPI_Comm_rank(node, &local);
+  MPI_Comm_size(node, &local_size);
   MPI_Comm_free(&node);
-  std::unique_ptr<MpiComm> c(new MpiComm(rank, size, local));
+  std::unique_ptr<MpiComm> c(new MpiComm(rank, size, local, local_size));
   if (provided < MPI_THREAD_SERIALIZED) c->abort_job("the MPI library gives no MPI_THREAD_SERIALIZED (calls from more than one thread)");
   return c;
 }

@@ -77,6 +77,8 @@ class MpiComm final : public Communicator {
   /// This process's rank among the ranks on its machine (MPI_Comm_split_type SHARED): GPU ranks
   /// take GPU local_rank() mod the GPUs present.
   int local_rank() const { return local_rank_; }
+  /// The ranks on this process's machine (MPI_Comm_split_type SHARED).
+  int local_size() const { return local_size_; }
 
   /// Σ over ranks in rank order, every rank the same bits (HostComm's): see the file comment.
   void all_reduce_sum(float* buf, int64_t n) override;
@@ -107,11 +109,12 @@ class MpiComm final : public Communicator {
   bool peers_alive() const { return true; }
 
  private:
-  MpiComm(int rank, int size, int local_rank) : rank_(rank), size_(size), local_rank_(local_rank) {}
+  MpiComm(int rank, int size, int local_rank, int local_size)
+      : rank_(rank), size_(size), local_rank_(local_rank), local_size_(local_size) {}
   // One all-reduce of at most INT_MAX / size floats, by the small or the large algorithm.
   void all_reduce_piece(float* buf, int n);
   void bcast(void* p, int bytes);  // MPI_Ibcast from rank 0, waited for (polling, then sleeping)
-  int rank_, size_, local_rank_;
+  int rank_, size_, local_rank_, local_size_;
   bool done_ = false;
   std::vector<float> scratch_;
   std::vector<int> counts_, displs_, rcounts_, rdispls_;
