@@ -263,6 +263,7 @@ std::unique_ptr<BatchRunner> backend_make_rank_runner(const Model& m, MpiComm& c
   auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress, tp, std::move(comms), kv_q8);
   const cuda::MemInfo after = cuda::mem_info();
   const CudaPlan& p = r->plan();
+  if (rank > 0) return r;  // only rank 0 prints (the ranks' shards differ by a head or so)
   std::fprintf(stderr,
                "llmq: rank %d of %d on GPU %d: %s; all-reduce over %s\n"
                "llmq: rank %d GPU memory: weights %.1f MiB, KV cache %.1f MiB (%s, %lld blocks of %lld positions), workspace %.1f MiB; "
