@@ -7,36 +7,53 @@
 #include "base/error.h"
 #include "formats/llmq_file.h"
 
+#include <sched.h>
 #include <sys/resource.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 
 #include "base/error.h"
 #include "formats/llmq_file.h"
 #include "formats/readers/tokenizer_files.h"
-#include "engine/parallel/comm_socket.h"
+#include "engine/parallel/comm_mpi.h"
 #include "engine/tp.h"
 #include "engine/parallel/tp_process.h"
 
 namespace llmq::cli {
 
+namespace {
+
+// The error's line: "tool: error: what", under mpirun on a rank other than 0 "tool: rank R: error: what".
+void print_error(const char* tool, const char* what, const char* extra = "") {
+  const int rank = mpi_launch_size() != 0 ? mpi_launch_rank() : 0;
+  if (rank > 0) std::fprintf(stderr, "%s: rank %d: error: %s%s\n", tool, rank, extra, what);
+  else std::fprintf(stderr, "%s: error: %s%s\n", tool, extra, what);
+  std::fflush(stderr);
+}
+
+}  // namespace
+
 int run_guarded(const char* tool, const std::function<int()>& body) {
+  int code = kOk;
   try {
     return body();
   } catch (const FileError& e) {
-    std::fprintf(stderr, "%s: error: %s\n", tool, e.what());
-    return kBadFile;
+    print_error(tool, e.what());
+    code = kBadFile;
   } catch (const MetadataError& e) {
-    std::fprintf(stderr, "%s: error: bad model metadata: %s\n", tool, e.what());
-    return kBadFile;
+    print_error(tool, e.what(), "bad model metadata: ");
+    code = kBadFile;
   } catch (const std::bad_alloc&) {  // an input that asks for more memory than there is: exit 2 (issue 22 item 9)
-    std::fprintf(stderr, "%s: error: out of memory (the model, file or sizes asked for more than this machine gives)\n", tool);
-    return kBadFile;
+    print_error(tool, "out of memory (the model, file or sizes asked for more than this machine gives)");
+    code = kBadFile;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", tool, e.what());
-    return kUsage;
+    print_error(tool, e.what());
+    code = kUsage;
   }
+  abort_mpi_job_if_running(code);  // a rank of an MPI job: the others must not wait for this one
+  return code;
 }
 
 uint64_t peak_rss_bytes() {
@@ -96,88 +113,98 @@ std::string describe_rank(const ModelShard& s, int threads) {
   return line;
 }
 
-void add_tp_process_flags(CLI::App& app, std::string& init, int& rank, const std::string& rank0) {
-  app.add_option("--tp-init", init,
-                 "run the --tp ranks as separate processes (on one machine or several; CPU, or a GPU each), joined here: "
-                 "tcp://HOST:PORT (rank 0 listens there) or file://PATH (rank 0 writes its address there; a file system the "
-                 "machines share). LLMQ_TP_TIMEOUT: seconds to wait for the others (300)");
-  app.add_option("--tp-rank", rank,
-                 "this process's rank with --tp-init: 0 " + rank0 + "; each other rank (0 < R < N; llmq-run or llmq-server "
-                 "started with the same model, --tp and --device; its sizes come from rank 0) runs its slice of every layer for "
-                 "rank 0 and exits when rank 0 is done");
+void check_tp_flags(int tp, bool partial) {
+  const int n = mpi_launch_size();
+  if (n == 0 || n == 1) return;  // not a rank of an MPI job (or its only process): ranks as threads
+  if (partial) throw UsageError("mpirun with --gpu-layers: a rank runs all its layers on one device (the CPU or a GPU)");
+  if (n > 1 && tp != n)
+    throw UsageError("mpirun started " + std::to_string(n) + " processes, one tensor-parallel rank each: give --tp " + std::to_string(n) +
+                     " (not --tp " + std::to_string(tp) + "), or mpirun -np " + std::to_string(tp));
 }
 
-void check_tp_flags(const std::string& init, int rank, int tp, bool partial) {
-  if (init.empty()) {
-    if (rank != 0) throw UsageError("--tp-rank needs --tp-init (the rendezvous of the processes)");
-    return;
-  }
-  if (partial) throw UsageError("--tp-init with --gpu-layers: a rank runs all its layers on one device (the CPU or a GPU)");
-  if (tp < 2) throw UsageError("--tp-init joins --tp N >= 2 processes");
-  if (init.rfind("tcp://", 0) != 0 && init.rfind("file://", 0) != 0)
-    throw UsageError("--tp-init '" + init + "': expected tcp://HOST:PORT or file://PATH");
-  if (rank < 0 || rank >= tp)
-    throw UsageError("--tp-rank " + std::to_string(rank) + " is not a rank of --tp " + std::to_string(tp) + " (0 .. " + std::to_string(tp - 1) + ")");
+std::unique_ptr<MpiComm> start_mpi_group(int tp, bool partial) {
+  check_tp_flags(tp, partial);
+  const int n = mpi_launch_size();
+  if (n == 0 || n == 1) return nullptr;
+  std::unique_ptr<MpiComm> c = MpiComm::init_world();
+  if (c->size() != tp)
+    throw UsageError("the MPI job has " + std::to_string(c->size()) + " processes, one tensor-parallel rank each: give --tp " +
+                     std::to_string(c->size()));
+  return c;
 }
 
-std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
-                                          RunnerOptions& o, const std::atomic<bool>* cancel) {
-  check_tp_flags(init, rank, tp);
-  if (init.empty()) return nullptr;
-  plan_shards(m, tp);  // a split the model cannot take fails here, before waiting for the others
-  double secs = 300;
-  if (const char* e = std::getenv("LLMQ_TP_TIMEOUT")) {
-    char* end = nullptr;
-    secs = std::strtod(e, &end);
-    if (end == e || *end || !(secs > 0) || secs > 1e6) throw UsageError(std::string("LLMQ_TP_TIMEOUT must be a number of seconds, not '") + e + "'");
+namespace {
+
+// Rank 0's runner settings and the model's signature, as JSON.
+std::string settings_json(const Model& m, const RunnerOptions& o, int tp) {
+  return nlohmann::json{{"cuda", o.place.device == Device::Cuda}, {"capacity", o.capacity}, {"ctx", o.ctx}, {"n_batch", o.n_batch},
+                        {"parallel", std::max<int64_t>(1, o.parallel)}, {"kv_tokens", o.kv_tokens}, {"kv_q8", o.gpu_kv_q8},
+                        {"signature", tp_signature(m, tp)}}
+      .dump();
+}
+
+// -t's default for a rank of an MPI job: the CPUs mpirun bound it to or, unbound (it may run on
+// every CPU), this machine's CPUs shared among the job's ranks on it.
+int mpi_rank_threads(const MpiComm& c) {
+  const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : hw;
+  return mine < hw ? std::max(1, mine) : std::max(1, hw / std::max(1, c.local_size()));
+}
+
+// A following rank: rank 0's settings into o, checked against this rank's model and device; a
+// mismatch ends the job with a message that says which.
+void take_settings(MpiComm& c, const Model& m, RunnerOptions& o) {
+  const std::vector<uint8_t> msg = c.recv_broadcast();
+  RunnerOptions got = o;
+  bool got_cuda = false;
+  std::string sig;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(msg.begin(), msg.end());
+    got_cuda = j.at("cuda").get<bool>(), got.capacity = j.at("capacity").get<int64_t>(), got.ctx = j.at("ctx").get<int64_t>();
+    got.n_batch = j.at("n_batch").get<int64_t>(), got.parallel = j.at("parallel").get<int64_t>();
+    got.kv_tokens = j.at("kv_tokens").get<int64_t>(), got.gpu_kv_q8 = j.at("kv_q8").get<bool>(), sig = j.at("signature").get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    c.abort_job(std::string("tensor parallel: rank 0's settings are malformed: ") + e.what());
   }
-  std::fprintf(stderr, "%s: rank %d of %d joining through %s\n", tool, rank, tp, init.c_str());
-  std::unique_ptr<SocketComm> c = SocketComm::join(init, rank, tp, tp_signature(m, tp), std::chrono::milliseconds(int64_t(secs * 1000)), cancel);
-  // Rank 0's runner settings, as JSON.
+  if (got.capacity < 1 || got.capacity > (1 << 24) || got.n_batch < 1 || got.parallel < 1 || got.ctx < 0 || got.kv_tokens < 0)
+    c.abort_job("tensor parallel: rank 0's settings are out of range");
+  if (const std::string mine = tp_signature(m, c.size()); sig != mine)
+    c.abort_job("tensor parallel: this rank's model differs from rank 0's (rank " + std::to_string(c.rank()) + ": " + mine + "; rank 0: " + sig +
+                "): every host needs the same model file");
   const bool cuda = o.place.device == Device::Cuda;
-  if (rank == 0) {
+  if (got_cuda != cuda)
+    c.abort_job(std::string("tensor parallel: rank 0 runs on ") + (got_cuda ? "a GPU" : "the CPU") + ", this rank on " +
+                (cuda ? "a GPU" : "the CPU") + ": give every rank the same --device");
+  o = got;
+}
+
+}  // namespace
+
+void join_tp_group(const char*, MpiComm* c, const Model& m, RunnerOptions& o) {
+  if (!c) return;
+  plan_shards(m, c->size());  // a split the model cannot take fails here, on every rank alike
+  if (o.threads <= 0) o.threads = mpi_rank_threads(*c);  // each rank its own (not sent)
+  if (c->rank() == 0) {
     o = resolve(m, o);
-    const std::string j = nlohmann::json{{"cuda", cuda}, {"capacity", o.capacity}, {"ctx", o.ctx}, {"n_batch", o.n_batch},
-                                         {"parallel", std::max<int64_t>(1, o.parallel)}, {"kv_tokens", o.kv_tokens}, {"kv_q8", o.gpu_kv_q8}}
-                              .dump();
+    const std::string j = settings_json(m, o, c->size());
     c->broadcast(j.data(), j.size());
   } else {
-    const std::vector<uint8_t> msg = c->recv_broadcast();
-    RunnerOptions got = o;
-    bool got_cuda = false;
-    try {
-      const nlohmann::json j = nlohmann::json::parse(msg.begin(), msg.end());
-      got_cuda = j.at("cuda").get<bool>(), got.capacity = j.at("capacity").get<int64_t>(), got.ctx = j.at("ctx").get<int64_t>();
-      got.n_batch = j.at("n_batch").get<int64_t>(), got.parallel = j.at("parallel").get<int64_t>();
-      got.kv_tokens = j.at("kv_tokens").get<int64_t>(), got.gpu_kv_q8 = j.at("kv_q8").get<bool>();
-    } catch (const nlohmann::json::exception& e) {
-      c->abort();
-      throw UsageError(std::string("tensor parallel: rank 0's settings are malformed: ") + e.what());
-    }
-    if (got.capacity < 1 || got.capacity > (1 << 24) || got.n_batch < 1 || got.parallel < 1 || got.ctx < 0 || got.kv_tokens < 0) {
-      c->abort();
-      throw UsageError("tensor parallel: rank 0's settings are out of range");
-    }
-    if (got_cuda != cuda) {
-      c->abort();
-      throw UsageError(std::string("tensor parallel: rank 0 runs on ") + (got_cuda ? "a GPU" : "the CPU") + ": start rank " +
-                       std::to_string(rank) + " with --device " + (got_cuda ? "cuda" : "cpu"));
-    }
-    o = got;
+    take_settings(*c, m, o);
   }
-  // Every rank took the settings (one that did not aborted the group: rank 0 hears it here,
-  // before it goes on to build its runner and wait in NCCL's initialisation).
+  // Every rank took the settings (one that did not ended the job) before rank 0 goes on to
+  // build its runner and, for GPU ranks, wait in NCCL's initialisation.
   c->barrier();
-  o.group = c.get();
-  std::fprintf(stderr, "%s: rank %d of %d joined\n", tool, rank, tp);
-  return c;
+  o.group = c;
 }
 
 std::unique_ptr<Runner> make_tool_runner(const char* tool, const Model& m, const RunnerOptions& o) {
   std::unique_ptr<Runner> r = make_runner(m, o);
+  if (o.group && o.group->rank() > 0) return r;  // only rank 0 prints
   if (const TensorParallel* t = r->cpu_ranks(); t && (o.group || t->size() > 1)) {
     if (o.group)
-      std::fprintf(stderr, "%s: tensor parallel over %d processes; %s\n", tool, o.group->size(), describe_rank(t->shard(0), t->threads()).c_str());
+      std::fprintf(stderr, "%s: tensor parallel over %d MPI processes; %s\n", tool, o.group->size(), describe_rank(t->shard(0), t->threads()).c_str());
     else
       std::fprintf(stderr, "%s: tensor parallel over %d ranks, %d threads in all\n", tool, t->size(), t->threads());
     for (int i = 0; !o.group && i < t->size(); ++i) std::fprintf(stderr, "  %s\n", describe_rank(t->shard(i), t->rank_threads(i)).c_str());
@@ -185,10 +212,8 @@ std::unique_ptr<Runner> make_tool_runner(const char* tool, const Model& m, const
   return r;
 }
 
-int serve_tp_rank(const char* tool, Runner& r) {
-  std::fprintf(stderr, "%s: rank %d serving rank 0\n", tool, r.group_rank());
-  r.serve();
-  std::fprintf(stderr, "%s: rank %d done (rank 0 stopped)\n", tool, r.group_rank());
+int serve_tp_rank(const char*, Runner& r) {
+  r.serve();  // only rank 0 prints (an error here ends the job with its message)
   return 0;
 }
 

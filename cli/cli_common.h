@@ -1,6 +1,5 @@
 // What every command-line tool shares: exit codes, error reporting, peak memory.
 #pragma once
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -16,7 +15,7 @@ class App;
 namespace llmq {
 class BatchRunner;
 class Model;
-class SocketComm;
+class MpiComm;
 struct ModelShard;
 }  // namespace llmq
 
@@ -35,7 +34,9 @@ namespace llmq::cli {
 enum ExitCode { kOk = 0, kUsage = 1, kBadFile = 2 };
 
 /// Runs body() and maps exceptions to one clear line on stderr and an exit code:
-/// FileError and MetadataError -> 2, anything else -> 1. `tool` prefixes the message.
+/// FileError and MetadataError -> 2, anything else -> 1. `tool` prefixes the message (under
+/// mpirun, on ranks other than 0, with "rank R: "). Where MPI is running (this process is a rank
+/// of an MPI job), an error then ends the whole job (MPI_Abort): no rank is left waiting.
 int run_guarded(const char* tool, const std::function<int()>& body);
 
 /// Peak resident memory of this process in bytes (getrusage ru_maxrss).
@@ -60,34 +61,34 @@ int64_t resolve_gpu_layers(const char* tool, const std::string& spec, bool cuda,
 /// and weight bytes (copied: the row-parallel slices it owns).
 std::string describe_rank(const ModelShard& s, int threads);
 
-/// Adds --tp-init and --tp-rank (tensor-parallel ranks as processes) to `app`; `rank0` says
-/// what rank 0 does in this tool ("generates", "serves HTTP").
-void add_tp_process_flags(CLI::App& app, std::string& init, int& rank, const std::string& rank0);
+/// Checks --tp against the MPI job that started this process, before anything is loaded: under
+/// mpirun with N > 1 processes (engine/parallel/comm_mpi.h: mpi_launch_size) --tp must be N and
+/// the layers all on one device (`partial`: some on the CPU, some on a GPU, is refused). Throws
+/// UsageError with the mpirun line to use. Without mpirun (or with -np 1) there is nothing to
+/// check: --tp N runs N rank threads in this process.
+void check_tp_flags(int tp, bool partial = false);
 
-/// Checks --tp-init / --tp-rank against --tp before anything is loaded: throws UsageError for
-/// --tp-rank without --tp-init, --tp-init with --tp < 2, with partial offload (`partial`: some
-/// layers on the CPU, some on a GPU) or without a tcp:// or file:// address, a rank outside
-/// 0 .. tp-1.
-void check_tp_flags(const std::string& init, int rank, int tp, bool partial = false);
+/// Under mpirun with N > 1 processes: check_tp_flags, then MPI initialised (MpiComm::init_world;
+/// call it from the main thread) and this process's rank of the job returned; nullptr without
+/// mpirun. Throws UsageError when the job's size differs from --tp.
+std::unique_ptr<MpiComm> start_mpi_group(int tp, bool partial = false);
 
-/// --tp-init / --tp-rank: joins this process as rank `rank` of `tp` processes through the
-/// rendezvous `init` (engine/parallel/comm_socket.h), after check_tp_flags; nullptr without --tp-init.
-/// Every rank must use the same model (a rank with another is refused). Rank 0 then sends its
-/// runner's sizes (`o` resolved: ctx, n_batch, capacity, parallel, kv_tokens, the GPU's KV
-/// type); the others receive them into `o` (so an llmq-run rank serves an llmq-server's rank 0
-/// as well as an llmq-run's) and must run on the same kind of device. Sets o.group. Waits
-/// LLMQ_TP_TIMEOUT seconds (default 300) for the other ranks, or until *cancel is set
-/// (llmq-server stopping). Prints who joined. Throws UsageError for bad flags, a refused hello,
-/// a device that differs from rank 0's, the timeout or cancel.
-std::unique_ptr<SocketComm> join_tp_group(const char* tool, const std::string& init, int rank, int tp, const Model& m,
-                                          RunnerOptions& o, const std::atomic<bool>* cancel = nullptr);
+/// With a group (start_mpi_group): rank 0 sends its runner's sizes (`o` resolved: ctx, n_batch,
+/// capacity, parallel, kv_tokens, the GPU's KV type) and the model's signature (tp_signature);
+/// the others receive them into `o` (so an llmq-run rank serves an llmq-server's rank 0 as well
+/// as an llmq-run's), must have loaded the same model and run on the same kind of device
+/// (otherwise the job ends, MpiComm::abort_job, with a message that says which). Sets o.group.
+/// Without -t (o.threads 0) a rank takes the CPUs mpirun bound it to or, unbound, this
+/// machine's CPUs divided among the job's ranks on it. Does nothing without a group. Throws
+/// UsageError when the model cannot be split over the ranks (engine/tp.h plan_shards).
+void join_tp_group(const char* tool, MpiComm* group, const Model& m, RunnerOptions& o);
 
-/// make_runner, then on stderr the CPU ranks' layout (one line per rank this process holds),
-/// and for a following rank of a process group that it serves rank 0.
+/// make_runner, then on stderr the CPU ranks' layout (one line per rank this process holds; of
+/// an MPI group, rank 0's line only: the other ranks print nothing).
 std::unique_ptr<Runner> make_tool_runner(const char* tool, const Model& m, const RunnerOptions& o);
 
-/// A following rank: runs rank 0's forward passes until rank 0 is done; prints the end on
-/// stderr. Returns the exit code (0).
+/// A following rank: runs rank 0's forward passes until rank 0 is done, quietly. Returns the
+/// exit code (0).
 int serve_tp_rank(const char* tool, Runner& r);
 
 }  // namespace llmq::cli

@@ -6,8 +6,8 @@
 // down projection: every rank holds a partial sum of the full output) and a gather of the
 // vocabulary-parallel logits. This interface is all the engine uses; implementations:
 //   - HostComm (engine/comm_host.h): N rank threads in one process, shared-memory buffers;
-//   - SocketComm (engine/parallel/comm_socket.h): N processes joined through a rendezvous, a TCP star
-//     around rank 0 (host buffers);
+//   - MpiComm (engine/parallel/comm_mpi.h): N processes of an MPI job (mpirun), host buffers, summed
+//     in rank order over MPI_Allgather / MPI_Alltoallv (never MPI_SUM, whose order MPI leaves open);
 //   - NcclComm (engine/cuda/comm_nccl.h, CUDA builds with NCCL): one rank per GPU, device buffers:
 //     ncclAllReduce / grouped ncclSend+ncclRecv / a one-float all-reduce as barrier.
 //

@@ -142,7 +142,7 @@ class TensorParallel : public BatchRunner {
 };
 
 /// The text every rank of a process group must agree on for model m at tp ranks: the file's
-/// size and shape (SocketComm::join's signature; the tools add their runner's sizes).
+/// size and shape (rank 0 sends it to the other processes, which must match it: cli::join_tp_group).
 std::string tp_signature(const Model& m, int tp);
 
 }  // namespace llmq

@@ -32,6 +32,9 @@ if [ "${LLMQ_SKIP_SANITIZE:-0}" != "1" ]; then
   fi
   t1=$(date +%s)
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  # Open MPI's own allocations outlive MPI_Finalize (the ranks under mpirun: tests/test_tp_process.cpp,
+  # the server's mpirun test): suppressed by library, tests/lsan_mpi.supp.
+  export LSAN_OPTIONS=suppressions=$PWD/tests/lsan_mpi.supp:print_suppressions=0
   if [ "$suite" = 1 ]; then
     (cd build-asan && ctest --output-on-failure -j"$(nproc 2>/dev/null || echo 2)" -LE server \
        -E "interactive_ctrl_c|gguf-py|written by the safetensors library|Qwen2.5-Coder-0.5B GGUF|Gemma-3-270M GGUF|peak RSS")

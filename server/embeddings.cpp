@@ -11,7 +11,7 @@ namespace llmq {
 std::vector<std::vector<float>> run_embeddings(Scheduler& sched, const std::vector<std::vector<int32_t>>& inputs, Pooling pooling,
                                                int window, const std::atomic<bool>& stop) {
   if (!sched.has_hidden())
-    throw ApiError(400, "embeddings need the CPU forward pass in the server's process (not --device cuda or --tp-init)", "input");
+    throw ApiError(400, "embeddings need the CPU forward pass in the server's process (not --device cuda, nor ranks as MPI processes)", "input");
   for (size_t i = 0; i < inputs.size(); ++i)
     if (int64_t(inputs[i].size()) > sched.options().ctx)
       throw ApiError(400, "input " + std::to_string(i) + " has " + std::to_string(inputs[i].size()) + " tokens; the context is " +

@@ -31,7 +31,7 @@
 #include "text/chat.h"
 #include "engine/runner/device.h"
 #include "engine/model.h"
-#include "engine/parallel/comm_socket.h"
+#include "engine/parallel/comm_mpi.h"
 #include "engine/tp.h"
 #include "engine/parallel/tp_process.h"
 #include "base/error.h"
@@ -76,7 +76,6 @@ struct ServerState {
   std::shared_ptr<std::atomic<bool>> stopping = std::make_shared<std::atomic<bool>>(false);
   std::string load_error;
   std::unique_ptr<Model> model;
-  std::unique_ptr<SocketComm> group;       // --tp-init: the other ranks are processes
   std::unique_ptr<Runner> runner;          // what runs the batches (engine/runner/runner.h)
   std::unique_ptr<Scheduler> scheduler;
   std::unique_ptr<StructuredOutputs> structured;  // response_format / grammar (server/structured.h)
@@ -1026,10 +1025,8 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-layers,--n-gpu-layers", gpu_layers_s,
                  "with --device cuda: the last N layers (and the output) on the GPU, the others on the CPU (partial offload); "
                  "'auto': as many as fit the GPU's free memory (or --mem); default: all");
-  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0)");
-  std::string tp_init;
-  int tp_rank = 0;
-  cli::add_tp_process_flags(app, tp_init, tp_rank, "serves HTTP");
+  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0). "
+                          "Under `mpirun -np N` (one machine or several): one rank per process, --tp N; rank 0 serves HTTP, the others serve it");
   app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
   HttpLimits http;
   add_http_flags(app, http);
@@ -1094,28 +1091,33 @@ int main(int argc, char** argv) {
     mem::InferOptions lo;
     lo.ctx = ctx, lo.n_batch = n_batch, lo.parallel = parallel, lo.server = true, lo.kv_tokens = kv_tokens;
     const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", gpu_layers_s, gpu, model_path, lo, mem_budget);
-    cli::check_tp_flags(tp_init, tp_rank, tp, gpu && gpu_layers >= 0);
-    const int64_t tp_cap = std::max<int64_t>(n_batch, parallel);  // tokens per forward pass
-    // --tp-init: this process's rank of a group over processes (engine/parallel/tp_process.h), the same
-    // runner on every rank, built from rank 0's sizes: the CPU's TensorParallel for one rank, or a
-    // GPU rank.
-    RunnerOptions ro;
-    ro.place = Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, tp, false, ctx};
-    ro.threads = threads, ro.ctx = ctx, ro.n_batch = n_batch, ro.parallel = parallel, ro.kv_tokens = kv_tokens;
-    ro.capacity = tp_cap, ro.gpu_kv_q8 = gpu_kv_q8, ro.kv_type = gpu ? KvType::F32 : kv_type_from_name(kv_type);
-    if (tp_rank > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
-      ro.place.gpu_layers = -1;
-      auto model = load_model(model_path, !no_verify, ro.place);
-      auto group = cli::join_tp_group("llmq-server", tp_init, tp_rank, tp, *model, ro);
-      auto runner = cli::make_tool_runner("llmq-server", *model, ro);
-      return cli::serve_tp_rank("llmq-server", *runner);
-    }
-    // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter.
+    const bool partial = gpu && gpu_layers >= 0;
+    // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter. Blocked
+    // before MPI starts its own threads, which would otherwise take them (and die of them).
     sigset_t sigs;
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+    // Under mpirun: MPI initialised here, on the main thread (which finalises it when this body
+    // ends, after the state below and its runner are gone), this process one rank of the job.
+    const std::unique_ptr<MpiComm> group = cli::start_mpi_group(tp, partial);
+    const int64_t tp_cap = std::max<int64_t>(n_batch, parallel);  // tokens per forward pass
+    // Under mpirun: this process's rank of a group over processes (engine/parallel/tp_process.h), the
+    // same runner on every rank, built from rank 0's sizes: the CPU's TensorParallel for one rank, or
+    // a GPU rank.
+    RunnerOptions ro;
+    ro.place = Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, tp, false, ctx};
+    ro.threads = threads, ro.ctx = ctx, ro.n_batch = n_batch, ro.parallel = parallel, ro.kv_tokens = kv_tokens;
+    ro.capacity = tp_cap, ro.gpu_kv_q8 = gpu_kv_q8, ro.kv_type = gpu ? KvType::F32 : kv_type_from_name(kv_type);
+    if (group && group->rank() > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
+      pthread_sigmask(SIG_UNBLOCK, &sigs, nullptr);  // a signal (mpirun ending the job) ends this rank at once
+      ro.place.gpu_layers = -1;
+      auto model = load_model(model_path, !no_verify, ro.place);
+      cli::join_tp_group("llmq-server", group.get(), *model, ro);
+      auto runner = cli::make_tool_runner("llmq-server", *model, ro);
+      return cli::serve_tp_rank("llmq-server", *runner);
+    }
     auto st = std::make_shared<ServerState>();
     st->model_id = alias.empty() ? std::filesystem::path(model_path).stem().string() : alias;
     if (!pooling.empty()) st->pooling = pooling_from_name(pooling);
@@ -1151,7 +1153,7 @@ int main(int argc, char** argv) {
         const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
         RunnerOptions rs = ro;
         rs.ctx = seq_ctx;
-        st->group = cli::join_tp_group("llmq-server", tp_init, 0, tp, *st->model, rs, st->stopping.get());
+        cli::join_tp_group("llmq-server", group.get(), *st->model, rs);
         st->runner = cli::make_tool_runner("llmq-server", *st->model, rs);
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::for_vocab(st->model->chat_template, st->model->vocab);
@@ -1179,7 +1181,7 @@ int main(int argc, char** argv) {
                      (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str(),
                      gpu ? " (KV cache and workspace on the GPU, the weights uploaded beside them: see the GPU memory line)" : "");
       } catch (const std::exception& e) {
-        if (*st->stopping) return;  // a signal stopped the server while it loaded (or waited for its ranks)
+        if (*st->stopping) return;  // a signal stopped the server while it loaded
         st->load_error = e.what();
         std::fprintf(stderr, "llmq-server: error: %s\n", e.what());
         stop_server(svr);

@@ -2,7 +2,9 @@
 // the machine's streaming-read bandwidth measured on the same threads: decode as a fraction of
 // it (bytes each token must read / time), and prefill in GFLOP/s (engine/roofline.h). With
 // --tp N > 1 the model runs split over N ranks and TP=1 is measured too at the same total
-// thread count (speed-up in the output).
+// thread count (speed-up in the output). Under `mpirun -np N ... --tp N` the ranks are N
+// processes; rank 0 measures them (and TP=1 in its own process at N x -t threads) and the
+// group's all-reduce latency and bandwidth per message size ("all_reduce").
 //
 //   llmq-bench -m model.llmq [-p 512] [-n 128] [-t N] [-r 3] [--bandwidth-mib 512] [--tp N]
 //   llmq-bench --device cuda (-m model.llmq | --synthetic llama-2-7b --type q4_0) [-p 512] [-n 128]
@@ -23,7 +25,7 @@
 #include "engine/sampler.h"
 #include "engine/model.h"
 #include "engine/roofline.h"
-#include "engine/parallel/comm_socket.h"
+#include "engine/parallel/comm_mpi.h"
 #include "engine/tp.h"
 #include "engine/parallel/tp_process.h"
 #include "base/error.h"
@@ -256,9 +258,9 @@ nlohmann::json bench_cuda_tp(const Model& model, int tp, int64_t n_prompt, int64
 
 // The command line, checked by main.
 struct BenchOptions {
-  std::string model_path, tp_output = "vocab", device_s = "cpu", synthetic, type_s = "q4_0", tp_init, kv_type_s = "f32";
+  std::string model_path, tp_output = "vocab", device_s = "cpu", synthetic, type_s = "q4_0", kv_type_s = "f32";
   int64_t n_prompt = 512, n_gen = 128, batch = 1, bandwidth_mib = 512;
-  int threads = 0, reps = 3, tp = 1, tp_rank = 0;
+  int threads = 0, reps = 3, tp = 1;
   bool no_verify = false, no_baseline = false, profile = false;
 };
 
@@ -352,21 +354,46 @@ void roofline_report(nlohmann::json& j, const Model& model, KvType kv_type, cons
   j["decode_bandwidth_fraction"] = decode.bytes() / best.decode_s / bw.bytes_per_s;
 }
 
-// --device cpu: TP=1, N rank threads, or (--tp-init) this process's rank of a process group;
-// with N > 1 also TP=1 at the same total thread count, interleaved.
-int run_cpu(const BenchOptions& o) {
+// The group's all-reduce (MpiComm::all_reduce_sum) per message size, 4 KiB to 64 MiB by 4x,
+// every rank at once: after 2 warm-up calls, `iters` calls (256 MiB of messages, 5 to 1000)
+// between two barriers, timed on rank 0. latency_us: the time per call; algbw: bytes / time;
+// busbw: algbw x 2 (N-1) / N (what each rank sends and receives, as nccl-tests reports it).
+nlohmann::json bench_all_reduce(MpiComm& c) {
+  nlohmann::json out = nlohmann::json::array();
+  const int N = c.size();
+  for (int64_t bytes = 4096; bytes <= (int64_t(64) << 20); bytes *= 4) {
+    const int64_t n = bytes / int64_t(sizeof(float));
+    const int iters = int(std::clamp<int64_t>((int64_t(256) << 20) / bytes, 5, 1000));
+    std::vector<float> buf(size_t(n), 1.0f);
+    for (int w = 0; w < 2; ++w) c.all_reduce_sum(buf.data(), n);
+    c.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) c.all_reduce_sum(buf.data(), n);
+    c.barrier();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+    const double algbw = double(bytes) / s / 1e9;
+    out.push_back({{"bytes", bytes}, {"iters", iters}, {"latency_us", s * 1e6}, {"algbw_gb_s", algbw},
+                   {"busbw_gb_s", algbw * 2.0 * (N - 1) / N}});
+  }
+  return out;
+}
+
+// --device cpu: TP=1, N rank threads, or (under mpirun, `group`) this process's rank of an MPI
+// job; with N > 1 also TP=1 at the same total thread count, interleaved.
+int run_cpu(const BenchOptions& o, MpiComm* group) {
   // The TP=1 baseline wants the whole model's packed panels; without it, only what the ranks use.
   auto model = load_model(o.model_path, !o.no_verify, Placement{Device::Cpu, -1, o.tp, /*whole_panels=*/!o.no_baseline, o.n_prompt + o.n_gen});
   TpOptions opt;
   opt.vocab_parallel = o.tp_output == "vocab";
-  // --tp-init: the ranks are processes (engine/parallel/tp_process.h); this one holds rank tp_rank
+  // Under mpirun the ranks are processes (engine/parallel/tp_process.h); this one holds its rank
   // and runs at -t threads, the others as many each (assumed: the baseline uses -t x N threads).
-  if (!o.tp_init.empty() && !opt.vocab_parallel) throw UsageError("--tp-init ranks are vocab-parallel (--tp-output vocab)");
+  if (group && !opt.vocab_parallel) throw UsageError("ranks under mpirun are vocab-parallel (--tp-output vocab)");
   RunnerOptions ro;
   ro.place = Placement{Device::Cpu, -1, o.tp};
   ro.threads = o.threads, ro.ctx = o.n_prompt + o.n_gen, ro.n_batch = o.n_prompt, ro.capacity = o.n_prompt;
   ro.kv_type = kv_type_from_name(o.kv_type_s), ro.vocab_parallel = opt.vocab_parallel;
-  std::unique_ptr<SocketComm> group = cli::join_tp_group("llmq-bench", o.tp_init, o.tp_rank, o.tp, *model, ro);
+  cli::join_tp_group("llmq-bench", group, *model, ro);
+  const nlohmann::json all_reduce = group ? bench_all_reduce(*group) : nlohmann::json();  // every rank, before rank 0 leads
   std::unique_ptr<Runner> runner = group ? cli::make_tool_runner("llmq-bench", *model, ro) : make_runner(*model, ro);
   if (runner->follower()) return cli::serve_tp_rank("llmq-bench", *runner);
   const TensorParallel* ranks = runner->cpu_ranks();  // what this process holds (nullptr: TP = 1 on one pool)
@@ -398,7 +425,12 @@ int run_cpu(const BenchOptions& o) {
   j["device"] = "cpu";
   j["cpu_kernels"] = cpu_kernels_name();  // scalar | avx2 | avx512 (LLMQ_CPU overrides)
   j["tp"] = o.tp;
-  if (group) j["tp_processes"] = true;  // the ranks below: this process's (rank 0) only
+  if (group) {
+    j["tp_processes"] = true;  // the ranks below: this process's (rank 0) only
+    j["all_reduce"] = all_reduce;
+    j["all_reduce_algorithm"] = "MPI, rank-order sum: MPI_Allgather up to " + std::to_string(kAllgatherBytes) +
+                                " bytes, else MPI_Alltoallv + MPI_Allgatherv (engine/parallel/comm_mpi.h)";
+  }
   j["kv_type"] = kv_type_name(kv_type);
   j["prompt_tokens"] = o.n_prompt;
   j["gen_tokens"] = o.n_gen;
@@ -427,10 +459,10 @@ int main(int argc, char** argv) {
   app.add_option("-r,--repetitions", o.reps, "repetitions; the best is reported");
   app.add_option("--tp", o.tp, "tensor-parallel ranks (CPU: rank threads in this process; --device cuda -m FILE: one rank per GPU "
                                "over NCCL, or all on GPU 0); with N > 1, TP=1 at the same total thread count (or on GPU 0) is measured "
-                               "too and the speed-up reported");
+                               "too and the speed-up reported. Under `mpirun -np N`: one CPU rank per process, --tp N, and "
+                               "the all-reduce's latency and bandwidth per message size");
   app.add_option("--tp-output", o.tp_output, "TP placement of embedding and output: vocab (vocab-parallel) or replicated");
   app.add_flag("--no-baseline", o.no_baseline, "with --tp N > 1: skip the TP=1 measurement");
-  cli::add_tp_process_flags(app, o.tp_init, o.tp_rank, "measures (TP=1 baseline: one process with -t x N threads)");
   app.add_option("--kv-type", o.kv_type_s, "KV cache element type: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   app.add_flag("--no-verify", o.no_verify, "skip checksum verification at load");
   app.add_option("--batch", o.batch, "with --device cuda: also N sequences decoding at once (llmq-server's batched steps), "
@@ -447,9 +479,11 @@ int main(int argc, char** argv) {
     if (o.bandwidth_mib < 0 || o.bandwidth_mib > (int64_t(1) << 20)) throw UsageError("--bandwidth-mib out of range");
     if (o.model_path.empty() == o.synthetic.empty()) throw UsageError("give a model (-m) or --synthetic NAME, one of them");
     const Device device = pick_device(o.device_s);
-    cli::check_tp_flags(o.tp_init, o.tp_rank, o.tp);
-    if (!o.tp_init.empty() && device != Device::Cpu) throw UsageError("llmq-bench --tp-init measures CPU ranks (GPU ranks as processes: llmq-run)");
+    cli::check_tp_flags(o.tp);
+    if (mpi_launch_size() > 1 && device != Device::Cpu) throw UsageError("llmq-bench under mpirun measures CPU ranks (GPU ranks as processes: llmq-run)");
     if (!o.synthetic.empty() && device != Device::Cuda) throw UsageError("--synthetic runs on --device cuda");
-    return device == Device::Cuda ? run_cuda(o) : run_cpu(o);
+    if (device == Device::Cuda) return run_cuda(o);
+    const std::unique_ptr<MpiComm> group = cli::start_mpi_group(o.tp);  // under mpirun; outlives the runners
+    return run_cpu(o, group.get());
   });
 }

@@ -21,7 +21,7 @@
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "text/tokenizer.h"
-#include "engine/parallel/comm_socket.h"
+#include "engine/parallel/comm_mpi.h"
 #include "engine/tp.h"
 #include "engine/parallel/tp_process.h"
 #include "base/error.h"
@@ -62,11 +62,11 @@ std::string read_text_file(const std::string& path) {
 
 // The command line, checked by main.
 struct RunOptions {
-  std::string model_path, prompt, ppl_file, template_name, system_prompt, tp_init, kv_type_s = "f32", device_s = "cpu", mem_budget,
+  std::string model_path, prompt, ppl_file, template_name, system_prompt, kv_type_s = "f32", device_s = "cpu", mem_budget,
       gpu_layers_s = "all";
   bool have_prompt = false, no_verify = false, use_chat = false, fit = false;
   int64_t n_predict = 256, ctx = 0, n_batch = 512, seed = -1, ppl_chunks = 0;
-  int threads = 0, tp = 1, tp_rank = 0;
+  int threads = 0, tp = 1;
   SamplerParams sp;
 };
 
@@ -95,18 +95,19 @@ struct Loaded {
 };
 
 // What runs the model (engine/runner/runner.h): one sequence, sized for generation or, with
-// --perplexity, for whole chunks of every position's logits.
-std::unique_ptr<Runner> make_run_runner(const RunOptions& o, const Model& model, const Loaded& L, std::unique_ptr<SocketComm>& group) {
+// --perplexity, for whole chunks of every position's logits. Under mpirun (`group`) this process's
+// rank of the job (engine/parallel/tp_process.h); the ranks other than 0 serve rank 0.
+std::unique_ptr<Runner> make_run_runner(const RunOptions& o, const Model& model, const Loaded& L, MpiComm* group) {
   RunnerOptions ro;
   ro.place = Placement{L.device, L.gpu_layers, o.tp};
   ro.threads = o.threads, ro.ctx = o.ctx, ro.n_batch = o.n_batch, ro.kv_type = L.kv_type, ro.gpu_kv_q8 = L.gpu_kv_q8;
   if (!o.ppl_file.empty()) ro.ctx = ro.n_batch = ro.logits_rows = L.ppl_ctx;
-  if (!o.tp_init.empty()) {  // ranks as processes (engine/parallel/tp_process.h); those other than 0 serve rank 0
-    cli::check_tp_flags(o.tp_init, o.tp_rank, o.tp, L.partial);
+  if (group) {
+    cli::check_tp_flags(o.tp, L.partial);
     if (L.device == Device::Cuda && !o.ppl_file.empty())
-      throw UsageError("--perplexity with --tp-init --device cuda: the GPU ranks keep one logits row (use the CPU ranks, or one process)");
+      throw UsageError("--perplexity under mpirun with --device cuda: the GPU ranks keep one logits row (use the CPU ranks, or one process)");
   }
-  group = cli::join_tp_group("llmq-run", o.tp_init, o.tp_rank, o.tp, model, ro);
+  cli::join_tp_group("llmq-run", group, model, ro);
   return cli::make_tool_runner("llmq-run", model, ro);
 }
 
@@ -286,7 +287,8 @@ class Conversation {
 // The flags, checked; the model loaded; then perplexity or a conversation.
 int run(RunOptions& o) {
   const Device device = pick_device(o.device_s);
-  cli::check_tp_flags(o.tp_init, o.tp_rank, o.tp);
+  // Under mpirun: MPI initialised here, on the main thread; the group outlives the runner.
+  const std::unique_ptr<MpiComm> group = cli::start_mpi_group(o.tp);
   if (o.fit && device == Device::Cuda) {  // on the GPU, --fit picks the layers that fit (--gpu-layers auto)
     if (o.gpu_layers_s != "all" && o.gpu_layers_s != "auto") throw UsageError("--fit with --device cuda chooses --gpu-layers itself");
     o.gpu_layers_s = "auto";
@@ -307,8 +309,7 @@ int run(RunOptions& o) {
   L.partial = device == Device::Cuda && L.gpu_layers >= 0 && L.gpu_layers < model->config.n_layers;
   L.ppl_ctx = o.ctx > 0 ? o.ctx : 512;
   o.sp.seed = o.seed >= 0 ? uint64_t(o.seed) : uint64_t(time(nullptr));
-  std::unique_ptr<SocketComm> group;
-  std::unique_ptr<Runner> runner = make_run_runner(o, *model, L, group);
+  std::unique_ptr<Runner> runner = make_run_runner(o, *model, L, group.get());
   if (runner->follower()) return cli::serve_tp_rank("llmq-run", *runner);
   SessionBase& session = runner->session();
   if (!o.ppl_file.empty()) return run_perplexity(o, *model, session, L);
@@ -327,8 +328,8 @@ int main(int argc, char** argv) {
   auto* popt = app.add_option("-p,--prompt", o.prompt, "prompt; without it llmq-run is an interactive chat");
   app.add_option("-n,--n-predict", o.n_predict, "tokens to generate (-1: until end of sequence)");
   app.add_option("-t,--threads", o.threads, "threads in all (default: all cores); with --tp they are shared by the ranks");
-  app.add_option("--tp", o.tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0 with a host all-reduce)");
-  cli::add_tp_process_flags(app, o.tp_init, o.tp_rank, "generates");
+  app.add_option("--tp", o.tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0 with a host all-reduce). "
+                              "Under `mpirun -np N` (one machine or several): one rank per process, --tp N; rank 0 generates, the others serve it");
   app.add_option("-c,--ctx", o.ctx, "context length, KV cache size in tokens (default: the model's, at most 4096)");
   app.add_option("-b,--batch", o.n_batch, "most tokens per forward pass during prefill");
   app.add_option("--kv-type", o.kv_type_s, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands); "

@@ -48,9 +48,9 @@ class NcclComm final : public Communicator {
   void barrier() override;
   /// ncclCommAbort: pending and later collectives of this rank fail (and throw CommAborted).
   void abort() override;
-  /// `alive()` is asked every 50 ms while a collective waits; false (a peer process is gone:
-  /// SocketComm::peers_alive) aborts the communicator and the collective throws CommAborted,
-  /// where NCCL alone would wait forever.
+  /// `alive()` is asked every 50 ms while a collective waits; false (a peer process is gone)
+  /// aborts the communicator and the collective throws CommAborted, where NCCL alone would wait
+  /// forever. Unused under mpirun, which ends the whole job when a rank's process dies.
   void set_watch(std::function<bool()> alive) { watch_ = std::move(alive); }
 
  private:

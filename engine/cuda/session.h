@@ -283,7 +283,7 @@ struct CudaComms {
   /// run elsewhere at the same time. -1: every rank is held here.
   int local_rank = -1;
   /// Whether the communicators take device buffers (NCCL) or host ones (staged through pinned
-  /// memory: HostComm, SocketComm).
+  /// memory: HostComm, MpiComm).
   bool device_memory = true;
 };
 

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <memory>
 
-#include "engine/parallel/comm_socket.h"
+#include "engine/parallel/comm_mpi.h"
 #include "base/error.h"
 
 namespace llmq {
@@ -38,7 +38,7 @@ struct Reader {
 
 }  // namespace
 
-ProcessGroupRunner::ProcessGroupRunner(BatchRunner& local, SocketComm& comm) : local_(local), comm_(comm) {
+ProcessGroupRunner::ProcessGroupRunner(BatchRunner& local, MpiComm& comm) : local_(local), comm_(comm) {
   if (comm.rank() != 0) throw UsageError("ProcessGroupRunner runs on rank 0 (the other ranks serve_process_group)");
 }
 
@@ -47,7 +47,8 @@ ProcessGroupRunner::~ProcessGroupRunner() {
   try {
     const uint32_t stop = kStop;
     comm_.broadcast(&stop, sizeof stop);
-  } catch (...) {  // a rank already gone: nothing to stop
+    comm_.mark_done();
+  } catch (...) {  // cannot happen over MPI (a failure there ends the job); the destructor must not throw
   }
 }
 
@@ -101,7 +102,7 @@ const float* ProcessGroupRunner::forward(KVCache& cache, const BatchToken* batch
   }
 }
 
-void serve_process_group(BatchRunner& local, SocketComm& comm) {
+void serve_process_group(BatchRunner& local, MpiComm& comm) {
   if (comm.rank() == 0) throw UsageError("serve_process_group runs on the ranks other than 0");
   std::unique_ptr<KVCache> cache;
   std::vector<BatchToken> batch;
@@ -111,7 +112,11 @@ void serve_process_group(BatchRunner& local, SocketComm& comm) {
       const std::vector<uint8_t> msg = comm.recv_broadcast();
       Reader in{msg};
       const uint32_t kind = in.get<uint32_t>();
-      if (kind == kStop) return in.done();
+      if (kind == kStop) {
+        in.done();
+        comm.mark_done();
+        return;
+      }
       if (kind == kCache) {
         const int64_t n_blocks = in.get<int64_t>(), bt = in.get<int64_t>();
         const int32_t type = in.get<int32_t>();
@@ -148,10 +153,8 @@ void serve_process_group(BatchRunner& local, SocketComm& comm) {
         throw UsageError("tensor parallel: unknown command " + std::to_string(kind) + " from rank 0");
       }
     }
-  } catch (const CommAborted&) {
-    throw;
   } catch (...) {
-    comm.abort();  // rank 0 and the others stop waiting for this rank
+    comm.abort();  // prints the error and ends the job: rank 0 and the others stop waiting for this rank
     throw;
   }
 }

@@ -12,7 +12,7 @@
 #include "base/error.h"
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/session.h"
-#include "engine/parallel/comm_socket.h"
+#include "engine/parallel/comm_mpi.h"
 #include "engine/runner/device.h"
 #ifdef LLMQ_HAVE_NCCL
 #include <exception>
@@ -76,7 +76,7 @@ cuda::CudaComms nccl_comms(int tp) {
   return c;
 }
 
-// A communicator owned elsewhere (the tool's SocketComm), handed to CudaComms, which owns its
+// A communicator owned elsewhere (the tool's MpiComm), handed to CudaComms, which owns its
 // communicators.
 class BorrowedComm final : public Communicator {
  public:
@@ -215,12 +215,12 @@ std::unique_ptr<BatchRunner> backend_make_batch_runner(const Model& m, int64_t c
   return r;
 }
 
-std::unique_ptr<BatchRunner> backend_make_rank_runner(const Model& m, SocketComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
+std::unique_ptr<BatchRunner> backend_make_rank_runner(const Model& m, MpiComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
                                                    int64_t kv_tokens, bool progress, bool kv_q8) {
   const int rank = comm.rank(), tp = comm.size();
   const int gpus = cuda::device_count();
   if (gpus == 0) throw UsageError("--device cuda: no CUDA device is present");
-  const int device = rank % gpus;
+  const int device = comm.local_rank() % gpus;  // one GPU per rank on each machine
   const cuda::MemInfo before = open_gpu(device);
   // Rank 0 decides how the ranks all-reduce and tells the others: [u8 nccl][the NCCL unique id].
   std::vector<uint8_t> msg;
@@ -233,7 +233,7 @@ std::unique_ptr<BatchRunner> backend_make_rank_runner(const Model& m, SocketComm
       msg.insert(msg.end(), reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof id);
     }
 #else
-    (void)mode;  // host or auto: the sockets (nccl was refused above)
+    (void)mode;  // host or auto: MPI through host memory (nccl was refused above)
     msg.push_back(0);
 #endif
     comm.broadcast(msg.data(), msg.size());
@@ -249,9 +249,8 @@ std::unique_ptr<BatchRunner> backend_make_rank_runner(const Model& m, SocketComm
     ncclUniqueId id;
     if (msg.size() != 1 + sizeof id) throw UsageError("tensor parallel: a malformed NCCL unique id from rank 0");
     std::memcpy(&id, msg.data() + 1, sizeof id);
-    auto nccl = std::make_unique<NcclComm>(rank, tp, id, device);
-    nccl->set_watch([&comm] { return comm.peers_alive(); });  // a rank's process that dies ends the others' collectives
-    comms.comms.push_back(std::move(nccl));
+    // No watch: a rank's process that dies ends the whole MPI job (mpirun), waiting ranks included.
+    comms.comms.push_back(std::make_unique<NcclComm>(rank, tp, id, device));
     comms.device_memory = true;
 #else
     throw UsageError("tensor parallel: rank 0 all-reduces over NCCL and this build has none (set LLMQ_TP_COMM=host on rank 0)");
@@ -264,11 +263,12 @@ std::unique_ptr<BatchRunner> backend_make_rank_runner(const Model& m, SocketComm
   auto r = std::make_unique<cuda::CudaBatchRunner>(m, ctx, n_batch, parallel, kv_tokens, progress, tp, std::move(comms), kv_q8);
   const cuda::MemInfo after = cuda::mem_info();
   const CudaPlan& p = r->plan();
+  if (rank > 0) return r;  // only rank 0 prints (the ranks' shards differ by a head or so)
   std::fprintf(stderr,
                "llmq: rank %d of %d on GPU %d: %s; all-reduce over %s\n"
                "llmq: rank %d GPU memory: weights %.1f MiB, KV cache %.1f MiB (%s, %lld blocks of %lld positions), workspace %.1f MiB; "
                "measured %.1f MiB (cudaMemGetInfo)\n",
-               rank, tp, device, cuda::device_description(device).c_str(), nccl ? "NCCL" : "the rendezvous sockets (host memory)", rank,
+               rank, tp, device, cuda::device_description(device).c_str(), nccl ? "NCCL" : "MPI (host memory)", rank,
                mib(r->device_model(0).weight_bytes()), mib(r->kv_bytes(KVCache::tables_only(m.config, 1, 1))), kv_q8 ? "q8_0" : "f16",
                (long long)p.kv_blocks, (long long)p.block_tokens, mib(r->workspace_bytes()), mib(before.free - after.free));
   return r;

@@ -19,12 +19,12 @@ namespace llmq {
 class BatchRunner;
 class Model;
 class SessionBase;
-class SocketComm;
+class MpiComm;
 class ThreadPool;
 
 /// Bumped whenever this table or the types it passes change: a plugin from another build is
 /// refused (with the sizes below as a second check).
-inline constexpr int kCudaBackendAbi = 1;
+inline constexpr int kCudaBackendAbi = 2;  // 2: make_rank_runner takes an MpiComm
 
 /// The entry points; each has the contract of the device.h function of the same name.
 struct CudaBackendApi {
@@ -37,7 +37,7 @@ struct CudaBackendApi {
                                                int64_t gpu_layers, ThreadPool* pool, int tp, bool kv_q8);
   std::unique_ptr<BatchRunner> (*make_batch_runner)(const Model& m, int64_t ctx, int64_t n_batch, int64_t parallel, int64_t kv_tokens,
                                                     bool progress, int tp, int64_t gpu_layers, ThreadPool* pool, bool kv_q8);
-  std::unique_ptr<BatchRunner> (*make_rank_runner)(const Model& m, SocketComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
+  std::unique_ptr<BatchRunner> (*make_rank_runner)(const Model& m, MpiComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
                                                    int64_t kv_tokens, bool progress, bool kv_q8);
 };
 

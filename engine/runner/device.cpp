@@ -125,7 +125,7 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
   return api().make_batch_runner(m, ctx, n_batch, parallel, kv_tokens, progress, tp, gpu_layers, pool, kv_q8);
 }
 
-std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
+std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, MpiComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
                                                    int64_t kv_tokens, bool progress, bool kv_q8) {
   return api().make_rank_runner(m, comm, ctx, n_batch, parallel, kv_tokens, progress, kv_q8);
 }

@@ -8,7 +8,7 @@
 
 namespace llmq {
 
-class SocketComm;  // engine/parallel/comm_socket.h
+class MpiComm;  // engine/parallel/comm_mpi.h
 
 enum class Device { Cpu, Cuda };
 
@@ -67,16 +67,17 @@ std::unique_ptr<BatchRunner> make_cuda_batch_runner(const Model& m, int64_t ctx,
                                                     int64_t kv_tokens = 0, bool progress = true, int tp = 1, int64_t gpu_layers = -1,
                                                     ThreadPool* pool = nullptr, bool kv_q8 = false);
 
-/// Rank comm.rank() of comm.size() tensor-parallel ranks in as many processes (engine/
-/// tp_process.h), on the GPU: this rank's shard uploaded to GPU (rank mod the GPUs present) with
-/// a paged KV cache for `parallel` sequences of up to ctx tokens (as make_cuda_batch_runner: its
-/// make_cache and forward are those of one rank; rank 0 returns the logits). The all-reduce runs
-/// over NCCL, rank 0 making the unique id and sending it over comm (every rank calls this at
-/// once: ncclCommInitRank waits for all), or, where rank 0's build has no NCCL or LLMQ_TP_COMM=host
-/// is set there, over comm itself through host memory. comm must outlive the runner. Prints the
-/// rank's GPU and memory. Throws as make_cuda_batch_runner, and UsageError when rank 0 chose NCCL
-/// and this build has none.
-std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, SocketComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
+/// Rank comm.rank() of comm.size() tensor-parallel ranks in as many processes of an MPI job
+/// (engine/parallel/tp_process.h), on the GPU: this rank's shard uploaded to GPU comm.local_rank()
+/// mod the GPUs present (one GPU per rank on each machine), with a paged KV cache for `parallel`
+/// sequences of up to ctx tokens (as make_cuda_batch_runner: its make_cache and forward are those
+/// of one rank; rank 0 returns the logits). The all-reduce runs over NCCL, rank 0 making the
+/// unique id and broadcasting it over comm (MPI; every rank calls this at once:
+/// ncclCommInitRank waits for all), or, where rank 0's build has no NCCL or LLMQ_TP_COMM=host is
+/// set there, over comm itself (MPI) through host memory. comm must outlive the runner. Rank 0
+/// prints its GPU and memory. Throws as make_cuda_batch_runner, and UsageError when rank 0 chose
+/// NCCL and this build has none.
+std::unique_ptr<BatchRunner> make_cuda_rank_runner(const Model& m, MpiComm& comm, int64_t ctx, int64_t n_batch, int64_t parallel,
                                                    int64_t kv_tokens = 0, bool progress = false, bool kv_q8 = false);
 
 }  // namespace llmq

@@ -2,7 +2,7 @@
 
 #include "base/error.h"
 #include "engine/mem_plan.h"
-#include "engine/parallel/comm_socket.h"
+#include "engine/parallel/comm_mpi.h"
 #include "engine/parallel/tp_process.h"
 
 namespace llmq {
@@ -15,7 +15,7 @@ bool partial_offload(const Model& m, const RunnerOptions& o) {
 }
 
 // This process's rank of a process group: the CPU's TensorParallel rank or a GPU rank.
-std::unique_ptr<BatchRunner> process_rank(const Model& m, const RunnerOptions& o, SocketComm& g, const TensorParallel** ranks) {
+std::unique_ptr<BatchRunner> process_rank(const Model& m, const RunnerOptions& o, MpiComm& g, const TensorParallel** ranks) {
   const int64_t parallel = std::max<int64_t>(1, o.parallel);
   if (o.place.device == Device::Cuda)
     return make_cuda_rank_runner(m, g, o.ctx, o.n_batch, parallel, o.kv_tokens, o.progress, o.gpu_kv_q8);

@@ -11,7 +11,7 @@
 
 namespace llmq {
 
-class SocketComm;  // engine/parallel/comm_socket.h
+class MpiComm;  // engine/parallel/comm_mpi.h
 
 /// What runs a model, as the tools' flags say.
 struct RunnerOptions {
@@ -27,7 +27,7 @@ struct RunnerOptions {
   bool gpu_kv_q8 = false;        ///< the GPU's KV cache as Q8_0 (else fp16)
   bool vocab_parallel = true;    ///< CPU ranks: embedding and output split by vocabulary (else replicated)
   bool progress = true;          ///< upload progress and the GPU's memory on stderr
-  SocketComm* group = nullptr;   ///< ranks as processes (--tp-init): this process's rank of the joined group
+  MpiComm* group = nullptr;      ///< ranks as processes (mpirun): this process's rank of the MPI job
 };
 
 /// A model's forward passes, however they run. One sequence (parallel == 0): session(), what
@@ -60,7 +60,7 @@ class Runner {
   std::unique_ptr<BatchRunner> batch_;    // what batch() returns
   std::unique_ptr<SessionBase> session_;  // what session() returns
   const TensorParallel* ranks_ = nullptr;
-  SocketComm* group_ = nullptr;
+  MpiComm* group_ = nullptr;
   bool follower_ = false;
 };
 

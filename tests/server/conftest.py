@@ -117,8 +117,9 @@ def client(srv):
 class LlmqServer:
     """One llmq-server process on 127.0.0.1:<free port>."""
 
-    def __init__(self, model: Path, args: list, log_dir: Path, api_key: str | None = None):
+    def __init__(self, model: Path, args: list, log_dir: Path, api_key: str | None = None, launcher: list | None = None):
         self.model = Path(model)
+        self.launcher = [str(a) for a in (launcher or [])]  # e.g. ["mpirun", "-np", "2"]: what runs llmq-server
         self.args = [str(a) for a in args]
         self.api_key = api_key
         self.model_id = self.model.stem
@@ -139,7 +140,7 @@ class LlmqServer:
     def start(self, wait: bool = True) -> "LlmqServer":
         for _ in range(3):  # a free port can be taken between asking and binding: try another
             self.port = server_load.free_port()
-            cmd = [str(binary("llmq-server")), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+            cmd = [*self.launcher, str(binary("llmq-server")), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                    *self.args]
             if self.api_key:
                 cmd += ["--api-key", self.api_key]
@@ -252,8 +253,8 @@ class Servers:
         self.log_dir = log_dir
         self.started: list[LlmqServer] = []
 
-    def start(self, model: Path, *args, api_key: str | None = None, wait: bool = True) -> LlmqServer:
-        s = LlmqServer(model, list(args), self.log_dir, api_key)
+    def start(self, model: Path, *args, api_key: str | None = None, wait: bool = True, launcher: list | None = None) -> LlmqServer:
+        s = LlmqServer(model, list(args), self.log_dir, api_key, launcher)
         self.started.append(s)
         return s.start(wait)
 

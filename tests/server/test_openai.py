@@ -8,7 +8,9 @@ runs with --chat-template chatml. It rarely ends a story, so greedy requests run
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -858,55 +860,53 @@ def test_port_in_use(srv, stories_model):
     assert p.returncode == 1 and "cannot listen" in out, out
 
 
-def test_tp_ranks_in_processes(fresh_servers, stories_model, tmp_path):
-    """--tp 2 with rank 1 in another process (an llmq-run joined through --tp-init file://...):
-    greedy completions, one at a time, equal those of the same two ranks in one process (the
-    same sums in the same order: bit-identical logits); concurrent requests (batches mixing
-    sequences, whose block tables rank 1 mirrors) all complete; at SIGTERM rank 0 stops rank 1,
-    which exits 0."""
-    import concurrent.futures
-    import subprocess
-    from conftest import binary
-    init = f"file://{tmp_path / 'rendezvous'}"
-    worker_log = open(tmp_path / "rank1.log", "w")
-    worker = subprocess.Popen([str(binary("llmq-run")), "-m", str(stories_model), "--tp", "2", "--tp-rank", "1",
-                               "--tp-init", init, "-t", "1"], stdout=subprocess.DEVNULL, stderr=worker_log)
-    try:
-        procs = fresh_servers.start(stories_model, "--tp", "2", "--tp-init", init, "-t", "1", "--parallel", "4")
-        one = fresh_servers.start(stories_model, "--tp", "2", "-t", "2", "--parallel", "4")
-        prompts = [PROMPT, "The cat", "Lily and Tom went", "One day"]
-
-        def greedy(s, prompt):
-            r = s.post("/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        for p in prompts:
-            assert greedy(procs, p) == greedy(one, p)
-        with concurrent.futures.ThreadPoolExecutor(4) as ex:
-            texts = list(ex.map(lambda p: greedy(procs, p), prompts * 2))
-        assert all(len(t) > 0 for t in texts)
-        assert "rank 0 of 2 joined" in procs.log_text()
-        fresh_servers.stop_all()  # SIGTERM, exit 0 checked
-        assert worker.wait(timeout=30) == 0, (tmp_path / "rank1.log").read_text()
-        assert "rank 1 done" in (tmp_path / "rank1.log").read_text()
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
-        worker_log.close()
-
-
-def test_tp_init_sigterm_while_waiting_for_ranks(fresh_servers, stories_model, tmp_path):
-    """SIGTERM while rank 0 waits for ranks that never come: the server stops at once (exit 0),
-    not after LLMQ_TP_TIMEOUT."""
-    s = fresh_servers.start(stories_model, "--tp", "2", "--tp-init", f"file://{tmp_path / 'rendezvous'}", wait=False)
-    deadline = time.monotonic() + 30
-    while "joining through" not in s.log_text():
-        assert time.monotonic() < deadline, s.log_text()
+def _mpi_rank_pid(launcher_pid: int, rank: int, timeout: float = 30.0) -> int:
+    """The pid of mpirun's child that is MPI rank `rank` (its OMPI_COMM_WORLD_RANK)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            try:
+                if not proc.name.isdigit() or int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                    continue  # not a child of mpirun
+                env = (proc / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+                return int(proc.name)
         time.sleep(0.05)
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    rc = s.stop(timeout=20)
-    assert time.monotonic() - t0 < 5, f"the server took {time.monotonic() - t0:.1f} s to stop"
-    s.check_clean_exit(rc)
+    raise AssertionError(f"no MPI rank {rank} under mpirun {launcher_pid}")
+
+
+def test_tp_ranks_in_processes(fresh_servers, stories_model):
+    """mpirun -np 2 llmq-server --tp 2: rank 0 serves HTTP, rank 1 (another process) its half of
+    every layer. Greedy completions, one at a time, equal those of the same two ranks in one
+    process (the same sums in the same order: bit-identical logits); concurrent requests (batches
+    mixing sequences, whose block tables rank 1 mirrors) all complete; SIGTERM to rank 0 drains
+    it, it tells rank 1 to stop, and the whole job (mpirun) exits 0."""
+    import concurrent.futures
+    import shutil
+    import signal
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun (apt-get install openmpi-bin)")
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # CI runs as root
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    procs = fresh_servers.start(stories_model, "--tp", "2", "-t", "1", "--parallel", "4",
+                                launcher=["env", f"ASAN_OPTIONS={os.environ.get('ASAN_OPTIONS', '')}:fast_unwind_on_malloc=0",
+                                          "mpirun", "--oversubscribe", "-np", "2"])  # sanitizer build: tests/lsan_mpi.supp
+    one = fresh_servers.start(stories_model, "--tp", "2", "-t", "2", "--parallel", "4")
+    prompts = [PROMPT, "The cat", "Lily and Tom went", "One day"]
+
+    def greedy(s, prompt):
+        r = s.post("/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    for p in prompts:
+        assert greedy(procs, p) == greedy(one, p)
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        texts = list(ex.map(lambda p: greedy(procs, p), prompts * 2))
+    assert all(len(t) > 0 for t in texts)
+    assert "tensor parallel over 2 MPI processes" in procs.log_text()
+    os.kill(_mpi_rank_pid(procs.proc.pid, 0), signal.SIGTERM)  # rank 0 drains and stops rank 1
+    assert procs.proc.wait(timeout=30) == 0, procs.log_text()[-3000:]
+    fresh_servers.stop_all()  # exit 0 checked for both
