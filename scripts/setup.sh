@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 pkgs=(build-essential cmake pkg-config git catch2 libsentencepiece-dev nlohmann-json3-dev
-      libcli11-dev libfmt-dev libxxhash-dev libcpp-httplib-dev libopenmpi-dev openmpi-bin python3 python3-pip python3-venv chromium chromium-driver)
+      libcli11-dev libfmt-dev libxxhash-dev libcpp-httplib-dev libopenmpi-dev openmpi-bin iproute2 python3 python3-pip python3-venv chromium chromium-driver)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
