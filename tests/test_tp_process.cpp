@@ -132,7 +132,9 @@ TEST_CASE("TP over MPI processes: SmolLM2 under mpirun -np 2 and -np 4 generates
   const std::string dir = test::scratch("mpi_smol");
   const std::string prompt = "The capital of France is";
   // 12 tokens: TP=1 and TP>1 add in different orders, and for this prompt the texts part at the
-  // 18th token (a digit); the ranks in processes must give the rank threads' text exactly.
+  // 15th token, a near-tie ("approximately 321 million" / "311": TP=1's two most likely digits
+  // there are "2" at log-probability -1.050 and "1" at -1.098, 0.048 apart, from llmq-server's
+  // top_logprobs); the ranks in processes must give the rank threads' text exactly.
   const std::string one = greedy(model, prompt, 12, 1, 0, dir);
   for (int n : {2, 4}) {
     INFO("-np " << n);
