@@ -28,6 +28,11 @@ G=$PWD/.gpu
 [ -d "$G" ] || [ ! -f .gpu-pack/gpu.tar.xz ] || [ "${DRY:-0}" = 1 ] || tar -xJf .gpu-pack/gpu.tar.xz
 export LD_LIBRARY_PATH=$G/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} LLMQ_SHARED_DIR=$G/shared LLMQ_BIN_DIR=$G/bin
 export LLMQ_TEST_TMP=${LLMQ_TEST_TMP:-/tmp/llmq-tests}
+# Open MPI for the GPU ranks as processes: the machine's own mpirun, else the runtime gpu_pack.sh
+# packed (scripts/pack_openmpi.sh: relocated by OPAL_PREFIX).
+if ! command -v mpirun >/dev/null && [ -x "$G/ompi/bin/mpirun" ]; then
+  export OPAL_PREFIX=$G/ompi PMIX_INSTALL_PREFIX=$G/ompi/pmix2 PATH=$G/ompi/bin:$PATH LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$G/ompi/lib
+fi
 S=/tmp/llmq-gpu-stories.llmq
 B7="--device cuda --synthetic llama-2-7b -p 512 -n 128 -r 3"
 export G S
@@ -137,7 +142,7 @@ run_phase() {
       step run-tp3-uneven-gqa 60 "$G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 3"
       # GPU ranks as MPI processes (one GPU per local rank; on one GPU, LLMQ_TP_COMM=host: the
       # all-reduce over MPI), their text against the same ranks in one process. Needs mpirun there.
-      step run-tp2-processes 90 "if ! command -v mpirun >/dev/null; then echo 'no mpirun on this machine (openmpi-bin): skipped'; exit 0; fi;
+      step run-tp2-processes 90 "if ! command -v mpirun >/dev/null; then echo 'no mpirun here or in .gpu/ompi (scripts/pack_openmpi.sh): skipped'; exit 0; fi;
         OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np 2 -x LLMQ_TP_COMM=host $G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 2 >/tmp/llmq-mpi.txt &&
         $G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 2 >/tmp/llmq-one.txt && cmp /tmp/llmq-mpi.txt /tmp/llmq-one.txt"
       step mem-plan 30 "$G/bin/llmq-mem infer -m $S --device cuda --ctx 512 --parallel 4 && $G/bin/llmq-mem infer -m $S --device cuda --tp 2"

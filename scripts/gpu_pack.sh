@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packs what a GPU machine without network needs to run the CUDA tests and benchmarks: a build
 # made here (the same CUDA toolkit), the shared libraries it needs beyond the CUDA driver and
-# toolkit, stories260K, the kernel labs and the peer (scripts/peer_cuda.sh). Writes .gpu/ and its
+# toolkit, Open MPI's runtime (scripts/pack_openmpi.sh), stories260K, the kernel labs and the peer
+# (scripts/peer_cuda.sh). Writes .gpu/ and its
 # archive .gpu-pack/gpu.tar.xz (both git-ignored); carry .gpu-pack (the device tool's carry), and
 # scripts/gpu_check.sh unpacks it there. By hand, on the GPU machine, from the repository root:
 #   export LD_LIBRARY_PATH=$PWD/.gpu/lib LLMQ_SHARED_DIR=$PWD/.gpu/shared LLMQ_BIN_DIR=$PWD/.gpu/bin LLMQ_TEST_TMP=/tmp/llmq-tests
@@ -24,6 +25,8 @@ for b in .gpu/bin/*; do
   ldd "$b" | awk '/=> \// {print $3}' | grep -Ev 'libc\.so|libm\.so|libgcc_s|libstdc\+\+|ld-linux|libpthread|libdl|librt|cuda|cublas|nvidia' || true
 done | sort -u | while read -r lib; do cp -L "$lib" .gpu/lib/; done
 cp -r ../shared/models/stories260K .gpu/shared/models/
+# Open MPI's runtime (mpirun, orted, plugins) for GPU ranks as processes where the machine has none.
+bash scripts/pack_openmpi.sh .gpu/ompi >/dev/null
 # The kernel labs (dev/cuda), the vocabulary for scripts/peer_gguf.py, and the peer (llama.cpp's
 # CUDA tools and gguf-py) when scripts/peer_cuda.sh has built it.
 bash dev/cuda/build.sh >/dev/null
