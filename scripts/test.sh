@@ -12,7 +12,8 @@ ctest --output-on-failure -j"$(nproc 2>/dev/null || echo 2)" "$@"
 # (ctest without the server suites, the interactive test, the two cases that pip-install
 # Python libraries and the two real-model checks, which run the same code as the small models
 # but take minutes at -O1 under the sanitizers, the peak-RSS check (a sanitized binary's memory
-# is not the product's) and the two-host MPI rehearsal (the MPI process tests run the same code)), then the end-to-end server tests against the sanitized server and converter
+# is not the product's), the two-host MPI rehearsal and SmolLM2 under mpirun (the stories260K MPI
+# process tests run the same code)), then the end-to-end server tests against the sanitized server and converter
 # (a sanitizer report in the server's log fails them). LLMQ_SKIP_SANITIZE=1 skips this stage;
 # LLMQ_SANITIZE_SUITE=0 builds and tests only the server and the converter. Timings are printed
 # at the end (issue 8: the whole stage must fit CI's 2 cores; bench/RESULTS.md has the numbers).
@@ -37,7 +38,7 @@ if [ "${LLMQ_SKIP_SANITIZE:-0}" != "1" ]; then
   export LSAN_OPTIONS=suppressions=$PWD/tests/lsan_mpi.supp:print_suppressions=0
   if [ "$suite" = 1 ]; then
     (cd build-asan && ctest --output-on-failure -j"$(nproc 2>/dev/null || echo 2)" -LE server \
-       -E "interactive_ctrl_c|gguf-py|written by the safetensors library|Qwen2.5-Coder-0.5B GGUF|Gemma-3-270M GGUF|peak RSS|mpi_two_hosts")
+       -E "interactive_ctrl_c|gguf-py|written by the safetensors library|Qwen2.5-Coder-0.5B GGUF|Gemma-3-270M GGUF|peak RSS|mpi_two_hosts|SmolLM2 under mpirun")
   fi
   t2=$(date +%s)
   BUILD_DIR="$PWD/build" LLMQ_BIN_DIR="$PWD/build-asan" LLMQ_SHARED_DIR="${LLMQ_SHARED:-$PWD/../shared}" \
