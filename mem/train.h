@@ -76,7 +76,7 @@ struct TrainOptions {
   int tp = 1, pp = 1;           ///< tensor- and pipeline-parallel degrees (Megatron)
   bool sequence_parallel = false;
   Framework framework = Framework::Analytic;
-  std::string block = "llama";  ///< LitGPT block recipe: llama, gemma, phi3, mistral, qwen2, gpt-neox, phi, falcon
+  std::string block = "llama";  ///< LitGPT block recipe: llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon
   int litgpt_version = 2024;    ///< 2023: lit-gpt 8641822 (RMSNorm in the input dtype); 2024: litgpt 00af8b0d (RMSNorm in fp32)
   double lora_dropout = 0.05;   ///< LoRA dropout p (> 0 keeps a mask and the dropped input per adapted Linear)
   double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported)

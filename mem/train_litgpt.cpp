@@ -11,7 +11,10 @@
 //   norm (LayerNorm)       its input: e·T·h (mean and rstd are per token)
 //   attention              the qkv Linear's input e·T·h; SDPA's q, k, v and output, k and v
 //                          expanded to the query heads for GQA (e·T·q each; MQA keeps one head in
-//                          2023 code); the output projection's input e·T·q
+//                          2023 code); the output projection's input e·T·q. Gemma 2 (softcapped
+//                          scores, no SDPA): q, k, v and per score (2e + 4) bytes, b·heads·s² of them
+//   Gemma 2                two more norms per block (post-attention, post-MLP) and tanh's
+//                          softcapped logits in the head
 //   MLP                    its input e·T·h (none when it shares the attention's norm);
 //                          gated (SwiGLU/GeGLU): fc_1 out, act(fc_1), fc_2 out, their product:
 //                          4·e·T·H; GELU: fc out and act(fc): 2·e·T·H
@@ -42,13 +45,16 @@ struct Block {
   bool gated = true;          // LLaMAMLP / GemmaMLP, else GptNeoxMLP
   bool parallel = false;      // x + attn(n_1) + mlp(n_2)
   bool shared_norm = false;   // the MLP reads n_1
+  bool softcap = false;       // Gemma 2: post-attention and post-MLP norms, softcapped attention scores
+                              // (no SDPA: the score matrices are kept) and softcapped logits
 };
 
 Block block_of(const std::string& name) {
   if (name == "llama" || name == "gemma" || name == "phi3" || name == "mistral" || name == "qwen2") return {};
+  if (name == "gemma2") return {true, true, false, false, true};
   if (name == "gpt-neox") return {false, false, true, false};
   if (name == "phi" || name == "falcon") return {false, false, true, true};
-  throw UsageError("unknown --block '" + name + "' (llama, gemma, phi3, mistral, qwen2, gpt-neox, phi, falcon)");
+  throw UsageError("unknown --block '" + name + "' (llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon)");
 }
 
 bool targets_has(const TrainOptions& o, const char* t) {
@@ -72,8 +78,12 @@ Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
   auto lora_in = [&](bool on, double in) { return drop && on ? (1 + e) * T * in : 0.0; };
   const bool lq = targets_has(o, "q") || targets_has(o, "k") || targets_has(o, "v");
   const bool lmlp = targets_has(o, "gate") || targets_has(o, "up") || targets_has(o, "down");
-  const double attn = e * T * h + lora_in(lq, h) + e * T * (2 * q + 2 * kv) + e * T * q + lora_in(targets_has(o, "o"), q);
-  const double n2 = B.shared_norm ? 0 : norm + e * T * h;
+  // SDPA keeps q, k, v and its output; Gemma 2's softcapped attention keeps q, k, v (the two
+  // matmuls' inputs) and per score tanh's output (e), the fp32 softmax (4) and its cast (e).
+  const double b = double(o.micro_batch), sq = double(o.seq_len);
+  const double core = B.softcap ? e * T * (q + 2 * kv) + b * double(m.heads) * sq * sq * (2 * e + 4) : e * T * (2 * q + 2 * kv);
+  const double attn = e * T * h + lora_in(lq, h) + core + e * T * q + lora_in(targets_has(o, "o"), q);
+  const double n2 = (B.shared_norm ? 0 : norm + e * T * h) + (B.softcap ? 2 * norm : 0);  // + post-attention, post-MLP norms
   const double mlp = (B.gated ? 4 : 2) * e * T * H + (B.gated ? 2 : 1) * lora_in(lmlp, h) + lora_in(lmlp, H);
   Saved s;
   s.bytes = norm + attn + n2 + mlp;
@@ -139,9 +149,11 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
     r.lines.push_back({"activations (blocks)", double(m.layers) * blk.bytes, fmt::format("{} layers x ({})", m.layers, blk.formula), kLit,
                        Place::Device, Basis::Formula});
   }
-  r.lines.push_back({"activations (head: norm, lm_head input, chunked logits and log-softmax)", norm_f + e * T * h + 2 * e * T * V,
-                     fmt::format("norm + e·T·h + 2·e·T·V (lm_head in chunks of 128 tokens, cross-entropy per chunk), V = {}", m.vocab), kLit,
-                     Place::Device, Basis::Formula});
+  const double logit_copies = B.softcap ? 3 : 2;  // Gemma 2: tanh keeps the softcapped logits too
+  r.lines.push_back({"activations (head: norm, lm_head input, chunked logits and log-softmax)", norm_f + e * T * h + logit_copies * e * T * V,
+                     fmt::format("norm + e·T·h + {}·e·T·V (lm_head in chunks of 128 tokens, cross-entropy per chunk{}), V = {}", logit_copies,
+                                 B.softcap ? ", tanh's softcapped logits" : "", m.vocab),
+                     kLit, Place::Device, Basis::Formula});
   if (o.qlora) {
     const double mat = double(std::max({m.dim * m.hidden, m.dim * (m.q_dim() + 2 * m.kv_dim()), m.tied ? 0 : m.vocab * m.dim}));
     // MatMul4Bit: dequantize_4bit(B) in the weight's original dtype (fp16: Lightning quantizes a .half() copy),

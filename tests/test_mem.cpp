@@ -294,6 +294,23 @@ TEST_CASE("LitGPT framework: LoRA on Llama-2 as lit-gpt's resource table measure
   CHECK_THROWS_AS(estimate_training(m, o), UsageError);
   o.precision = Precision::BF16, o.block = "transformer-xl";
   CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+
+  // Gemma 2 (lg-ch-gemma2-2b-lora: 14.31 GB): softcapped attention keeps its score matrices,
+  // two more norms per block and tanh's logits; the rest as Gemma.
+  ModelShape g2;
+  g2.name = "gemma-2-2b", g2.dim = 2304, g2.hidden = 9216, g2.layers = 26, g2.heads = 8, g2.kv_heads = 4, g2.head_dim = 256;
+  g2.vocab = 256000, g2.context = 8192, g2.tied = true;
+  TrainOptions og;
+  og.framework = Framework::LitGPT, og.precision = Precision::BF16, og.micro_batch = 2, og.seq_len = 512, og.grad_accum = 3;
+  og.lora_rank = 8, og.lora_dropout = 0.1, og.lora_targets = {"q", "k", "v", "o", "gate", "up", "down", "head"};
+  og.block = "gemma";
+  const MemReport g1r = estimate_training(g2, og);
+  og.block = "gemma2";
+  const MemReport g2r = estimate_training(g2, og);
+  const double Tg = 1024, qd = 2048, scores = 2 * 8 * 512.0 * 512 * 8;
+  CHECK(g2r.total(Place::Device) - g1r.total(Place::Device) ==
+        Approx(26 * (scores - 2 * Tg * qd + 2 * 8 * Tg * 2304) + 2 * Tg * 256000).epsilon(1e-9));
+  CHECK(g2r.total(Place::Device) == Approx(14.31 * GB).epsilon(0.05));
 }
 
 TEST_CASE("Model shapes: presets and files give the right parameter counts", "[mem]") {

@@ -196,7 +196,7 @@ int main(int argc, char** argv) {
   tr->add_flag("--sp", to.sequence_parallel, "sequence parallelism (with --tp)");
   tr->add_option("--framework", ta.framework,
                  "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed | litgpt (LitGPT's finetune scripts)");
-  tr->add_option("--block", to.block, "with --framework litgpt: the block recipe: llama, gemma, phi3, mistral, qwen2, gpt-neox, phi, falcon");
+  tr->add_option("--block", to.block, "with --framework litgpt: the block recipe: llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon");
   tr->add_option("--litgpt-version", to.litgpt_version, "with --framework litgpt: 2023 (lit-gpt 8641822) or 2024 (litgpt 00af8b0d)");
   tr->add_option("--lora-dropout", to.lora_dropout, "LoRA dropout probability (LitGPT's default 0.05)");
   tr->add_option("--gpu-mem", ta.gpu_mem, "GPU memory to check against, e.g. 80GB");

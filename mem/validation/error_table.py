@@ -30,7 +30,7 @@ ROOT = HERE.parent.parent
 
 GATED = {"llama", "mistral", "gemma", "gemma2", "phi3", "qwen2", "qwen3"}  # gate/up/down MLP blocks
 # LitGPT block recipes llmq-mem's --framework litgpt knows (--block), by the case's arch.
-LITGPT_BLOCKS = {"llama": "llama", "mistral": "mistral", "gemma": "gemma", "phi3": "phi3", "qwen2": "qwen2",
+LITGPT_BLOCKS = {"llama": "llama", "mistral": "mistral", "gemma": "gemma", "gemma2": "gemma2", "phi3": "phi3", "qwen2": "qwen2",
                  "gpt_neox": "gpt-neox", "phi": "phi", "falcon": "falcon"}
 OPTIMIZERS = {"adamw": "adamw", "paged-adamw-32bit": "adamw", "adamw-8bit": "adam8bit", "paged-adamw-8bit": "adam8bit",
               "sgd": "sgd"}
