@@ -82,65 +82,8 @@ bool contains(const std::string& hay, const std::string& needle) { return hay.fi
 
 // ------------------------------------------------------------------ running the real tool
 
-struct ToolRun {
-  bool exited = false;
-  int code = -1;
-  int sig = 0;
-  bool timed_out = false;
-  uint64_t max_rss_kib = 0;  // the child's peak resident set (getrusage via wait4)
-  std::string err;
-  std::string describe() const {
-    return (timed_out ? std::string("timed out") : exited ? "exit " + std::to_string(code) : "signal " + std::to_string(sig)) +
-           "; stderr: " + err;
-  }
-};
-
-// Runs argv (no shell) with stdout to /dev/null and stderr captured, under a 4 GiB address
-// space limit and a time limit; reports the exit and the child's peak RSS.
-ToolRun run_tool(const std::vector<std::string>& argv, double timeout_s = 30.0) {
-  static int counter = 0;
-  const std::string err_path = (llmq::test::scratch_root() / ("hf_stderr_" + std::to_string(++counter))).string();
-  fs::create_directories(llmq::test::scratch_root());
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
-    const int null = open("/dev/null", O_RDWR);
-    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(null, 0);
-    dup2(null, 1);
-    dup2(err, 2);
-    llmq::test::cap_child_memory();
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  ToolRun r;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  int status = 0;
-  rusage ru{};
-  for (;;) {
-    const pid_t got = wait4(pid, &status, WNOHANG, &ru);
-    if (got == pid) break;
-    if (std::chrono::steady_clock::now() > deadline && !r.timed_out) {
-      kill(pid, SIGKILL);
-      r.timed_out = true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  r.max_rss_kib = uint64_t(ru.ru_maxrss);
-  if (WIFEXITED(status) && !r.timed_out) {
-    r.exited = true;
-    r.code = WEXITSTATUS(status);
-  } else if (WIFSIGNALED(status)) {
-    r.sig = WTERMSIG(status);
-  }
-  const Bytes e = read_bytes(err_path);
-  r.err.assign(e.begin(), e.end());
-  fs::remove(err_path);
-  return r;
-}
+using llmq::test::ToolRun;
+using llmq::test::run_tool;
 
 ToolRun convert(const std::string& dir, const std::string& out, const std::vector<std::string>& extra = {}) {
   std::vector<std::string> argv{llmq::test::bin("llmq-convert"), dir, "-o", out, "--no-progress"};

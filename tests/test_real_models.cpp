@@ -14,9 +14,6 @@
 // Both quantize activations to 8 bits (llmq per block of 32, llama.cpp per 32 or per 256 for
 // the K-quants), so the last digits differ. bench/kld_llamacpp.sh measures the KL divergence.
 #include <catch2/catch.hpp>
-#include <sys/resource.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -110,22 +107,6 @@ TEST_CASE("Gemma-3-270M GGUF (gemma3): sliding windows, llama.cpp's perplexity p
                    0) == 0);
 }
 
-// llmq-run's peak resident memory (wait4's ru_maxrss: the process's VmHWM) for `args`.
-static double peak_rss_bytes(const std::string& args) {
-  const std::string cmd = "exec " + llmq::test::bin("llmq-run") + " " + args + " >/dev/null 2>&1";
-  const pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  int status = 0;
-  struct rusage ru {};
-  REQUIRE(::wait4(pid, &status, 0, &ru) == pid);
-  REQUIRE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
-  return double(ru.ru_maxrss) * 1024;  // KiB on Linux
-}
-
 TEST_CASE("llmq-mem infer predicts llmq-run's peak RSS within 5% (SmolLM2, Qwen2.5-Coder, Gemma 3 at ctx 512 and 4096)",
           "[real][mem][tools]") {
   const std::vector<std::string> models = {
@@ -138,7 +119,11 @@ TEST_CASE("llmq-mem infer predicts llmq-run's peak RSS within 5% (SmolLM2, Qwen2
       const std::string c = " -c " + std::to_string(ctx) + " -t 2";
       REQUIRE(llmq::test::run(llmq::test::bin("llmq-mem") + " infer -m " + m + c + " --json >" + dir + "/plan.json") == 0);
       const double predicted = nlohmann::json::parse(slurp(dir + "/plan.json"))["totals"]["device_total"].get<double>();
-      const double measured = peak_rss_bytes("-m " + m + c + " -p 'Once upon a time' -n 16 --temp 0");
+      const llmq::test::ToolRun run = llmq::test::run_tool({llmq::test::bin("llmq-run"), "-m", m, "-c", std::to_string(ctx), "-t", "2",
+                                                            "-p", "Once upon a time", "-n", "16", "--temp", "0"}, 120);
+      INFO(run.describe());
+      REQUIRE((run.exited && run.code == 0));
+      const double measured = double(run.max_rss_kib) * 1024;  // wait4's ru_maxrss: the process's VmHWM
       const double err = (predicted - measured) / measured;
       INFO(m << " ctx " << ctx << ": predicted " << predicted / 1048576 << " MiB, measured " << measured / 1048576 << " MiB");
       CHECK(std::fabs(err) <= 0.05);

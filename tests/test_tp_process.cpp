@@ -72,6 +72,14 @@ std::string greedy(const std::string& model, const std::string& prompt, int n, i
   return slurp(out);
 }
 
+// llmq-mpi-check `args` under mpirun -np n: exit 0 and its "ok" line for `what` on n ranks.
+void mpi_check(int n, const std::string& what, const std::string& args, const std::string& dir) {
+  const int rc = test::run(mpirun(n) + test::bin("llmq-mpi-check") + " " + args + " >" + dir + "/out 2>" + dir + "/err");
+  INFO(slurp(dir + "/err"));
+  CHECK(rc == 0);
+  CHECK_THAT(slurp(dir + "/out"), Catch::Contains("mpi check: ok (" + what + ", " + std::to_string(n) + " ranks)"));
+}
+
 }  // namespace
 
 TEST_CASE("MPI communicator: all-reduce, gather and broadcast give HostComm's bits under mpirun -np 2, 3 and 4", "[tp][tp_process][mpi]") {
@@ -79,10 +87,7 @@ TEST_CASE("MPI communicator: all-reduce, gather and broadcast give HostComm's bi
   const std::string dir = test::scratch("mpi_comm");
   for (int n : {2, 3, 4}) {
     INFO("-np " << n);
-    const int rc = test::run(mpirun(n) + test::bin("llmq-mpi-check") + " comm >" + dir + "/out 2>" + dir + "/err");
-    INFO(slurp(dir + "/err"));
-    CHECK(rc == 0);
-    CHECK_THAT(slurp(dir + "/out"), Catch::Contains("mpi check: ok (comm, " + std::to_string(n) + " ranks)"));
+    mpi_check(n, "comm", "comm", dir);
   }
 }
 
@@ -102,10 +107,7 @@ TEST_CASE("TP over MPI processes: the ranks give the in-process ranks' logits bi
   const std::string dir = test::scratch("mpi_model");
   for (const auto& [type, n] : {std::pair<std::string, int>{"f32", 2}, {"f32", 4}, {"q8_0", 2}}) {  // Q8_0 blocks: --tp 4 cuts one
     INFO(type << ", -np " << n);
-    const int rc = test::run(mpirun(n) + test::bin("llmq-mpi-check") + " model " + test::stories(type) + " >" + dir + "/out 2>" + dir + "/err");
-    INFO(slurp(dir + "/err"));
-    CHECK(rc == 0);
-    CHECK_THAT(slurp(dir + "/out"), Catch::Contains("mpi check: ok (model, " + std::to_string(n) + " ranks)"));
+    mpi_check(n, "model", "model " + test::stories(type), dir);
   }
 }
 

@@ -5,14 +5,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "formats/llmq_file.h"
@@ -94,6 +99,57 @@ inline void cap_child_memory() {
   const rlimit as{rlim_t(4) << 30, rlim_t(4) << 30};
   setrlimit(RLIMIT_AS, &as);
 #endif
+}
+
+/// How a tool run by run_tool ended.
+struct ToolRun {
+  bool exited = false;
+  int code = -1;
+  int sig = 0;
+  bool timed_out = false;
+  uint64_t max_rss_kib = 0;  ///< the child's peak resident set (getrusage via wait4)
+  std::string err;           ///< its stderr
+  std::string describe() const {
+    return (timed_out ? std::string("timed out") : exited ? "exit " + std::to_string(code) : "signal " + std::to_string(sig)) +
+           "; stderr: " + err;
+  }
+};
+
+/// Runs argv (no shell) with stdin and stdout on /dev/null and stderr captured, under
+/// cap_child_memory() and a time limit (then SIGKILL); reports the exit and the child's peak RSS.
+inline ToolRun run_tool(const std::vector<std::string>& argv, double timeout_s = 30.0) {
+  static int counter = 0;
+  const std::string err_path = (scratch_root() / ("tool_stderr_" + std::to_string(getpid()) + "_" + std::to_string(++counter))).string();
+  std::filesystem::create_directories(scratch_root());
+  std::vector<char*> args = exec_args(argv);
+  const int err_fd = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    child_stdio(err_fd);
+    cap_child_memory();
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  close(err_fd);
+  ToolRun r;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  int status = 0;
+  rusage ru{};
+  while (wait4(pid, &status, WNOHANG, &ru) != pid) {
+    if (std::chrono::steady_clock::now() > deadline && !r.timed_out) {
+      kill(pid, SIGKILL);
+      r.timed_out = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  r.max_rss_kib = uint64_t(ru.ru_maxrss);
+  if (WIFEXITED(status) && !r.timed_out) r.exited = true, r.code = WEXITSTATUS(status);
+  else if (WIFSIGNALED(status)) r.sig = WTERMSIG(status);
+  std::ifstream in(err_path, std::ios::binary);
+  r.err.assign(std::istreambuf_iterator<char>(in), {});
+  std::filesystem::remove(err_path);
+  return r;
 }
 
 /// A seed from std::random_device: fresh random inputs every run (print it with INFO so a
