@@ -182,7 +182,7 @@ void take_settings(MpiComm& c, const Model& m, RunnerOptions& o) {
 
 }  // namespace
 
-void join_tp_group(const char*, MpiComm* c, const Model& m, RunnerOptions& o) {
+void join_tp_group(MpiComm* c, const Model& m, RunnerOptions& o) {
   if (!c) return;
   plan_shards(m, c->size());  // a split the model cannot take fails here, on every rank alike
   if (o.threads <= 0) o.threads = mpi_rank_threads(*c);  // each rank its own (not sent)
@@ -212,9 +212,5 @@ std::unique_ptr<Runner> make_tool_runner(const char* tool, const Model& m, const
   return r;
 }
 
-int serve_tp_rank(const char*, Runner& r) {
-  r.serve();  // only rank 0 prints (an error here ends the job with its message)
-  return 0;
-}
 
 }  // namespace llmq::cli

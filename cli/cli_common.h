@@ -81,14 +81,10 @@ std::unique_ptr<MpiComm> start_mpi_group(int tp, bool partial = false);
 /// Without -t (o.threads 0) a rank takes the CPUs mpirun bound it to or, unbound, this
 /// machine's CPUs divided among the job's ranks on it. Does nothing without a group. Throws
 /// UsageError when the model cannot be split over the ranks (engine/tp.h plan_shards).
-void join_tp_group(const char* tool, MpiComm* group, const Model& m, RunnerOptions& o);
+void join_tp_group(MpiComm* group, const Model& m, RunnerOptions& o);
 
 /// make_runner, then on stderr the CPU ranks' layout (one line per rank this process holds; of
 /// an MPI group, rank 0's line only: the other ranks print nothing).
 std::unique_ptr<Runner> make_tool_runner(const char* tool, const Model& m, const RunnerOptions& o);
-
-/// A following rank: runs rank 0's forward passes until rank 0 is done, quietly. Returns the
-/// exit code (0).
-int serve_tp_rank(const char* tool, Runner& r);
 
 }  // namespace llmq::cli

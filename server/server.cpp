@@ -1114,9 +1114,9 @@ int main(int argc, char** argv) {
       pthread_sigmask(SIG_UNBLOCK, &sigs, nullptr);  // a signal (mpirun ending the job) ends this rank at once
       ro.place.gpu_layers = -1;
       auto model = load_model(model_path, !no_verify, ro.place);
-      cli::join_tp_group("llmq-server", group.get(), *model, ro);
+      cli::join_tp_group(group.get(), *model, ro);
       auto runner = cli::make_tool_runner("llmq-server", *model, ro);
-      return cli::serve_tp_rank("llmq-server", *runner);
+      return runner->serve();  // rank 0's forward passes until it stops; only rank 0 prints
     }
     auto st = std::make_shared<ServerState>();
     st->model_id = alias.empty() ? std::filesystem::path(model_path).stem().string() : alias;
@@ -1153,7 +1153,7 @@ int main(int argc, char** argv) {
         const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
         RunnerOptions rs = ro;
         rs.ctx = seq_ctx;
-        cli::join_tp_group("llmq-server", group.get(), *st->model, rs);
+        cli::join_tp_group(group.get(), *st->model, rs);
         st->runner = cli::make_tool_runner("llmq-server", *st->model, rs);
         if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
         else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::for_vocab(st->model->chat_template, st->model->vocab);

@@ -392,10 +392,10 @@ int run_cpu(const BenchOptions& o, MpiComm* group) {
   ro.place = Placement{Device::Cpu, -1, o.tp};
   ro.threads = o.threads, ro.ctx = o.n_prompt + o.n_gen, ro.n_batch = o.n_prompt, ro.capacity = o.n_prompt;
   ro.kv_type = kv_type_from_name(o.kv_type_s), ro.vocab_parallel = opt.vocab_parallel;
-  cli::join_tp_group("llmq-bench", group, *model, ro);
+  cli::join_tp_group(group, *model, ro);
   const nlohmann::json all_reduce = group ? bench_all_reduce(*group) : nlohmann::json();  // every rank, before rank 0 leads
   std::unique_ptr<Runner> runner = group ? cli::make_tool_runner("llmq-bench", *model, ro) : make_runner(*model, ro);
-  if (runner->follower()) return cli::serve_tp_rank("llmq-bench", *runner);
+  if (runner->follower()) return runner->serve();  // a following rank: rank 0's forward passes, quietly
   const TensorParallel* ranks = runner->cpu_ranks();  // what this process holds (nullptr: TP = 1 on one pool)
   const int total_threads = ranks ? (group ? ranks->threads() * o.tp : ranks->threads()) : mem::resolve_threads(o.threads);
   std::unique_ptr<Runner> base;  // TP=1 at the same total thread count

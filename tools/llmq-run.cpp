@@ -107,7 +107,7 @@ std::unique_ptr<Runner> make_run_runner(const RunOptions& o, const Model& model,
     if (L.device == Device::Cuda && !o.ppl_file.empty())
       throw UsageError("--perplexity under mpirun with --device cuda: the GPU ranks keep one logits row (use the CPU ranks, or one process)");
   }
-  cli::join_tp_group("llmq-run", group, model, ro);
+  cli::join_tp_group(group, model, ro);
   return cli::make_tool_runner("llmq-run", model, ro);
 }
 
@@ -310,7 +310,7 @@ int run(RunOptions& o) {
   L.ppl_ctx = o.ctx > 0 ? o.ctx : 512;
   o.sp.seed = o.seed >= 0 ? uint64_t(o.seed) : uint64_t(time(nullptr));
   std::unique_ptr<Runner> runner = make_run_runner(o, *model, L, group.get());
-  if (runner->follower()) return cli::serve_tp_rank("llmq-run", *runner);
+  if (runner->follower()) return runner->serve();  // a following rank: rank 0's forward passes, quietly
   SessionBase& session = runner->session();
   if (!o.ppl_file.empty()) return run_perplexity(o, *model, session, L);
   if (device == Device::Cpu) print_memory(*model, session, L.kv_type);
