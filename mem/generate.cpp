@@ -36,11 +36,9 @@ MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
   const bool quant = o.weights != "bf16" && o.weights != "fp16";
   // Linear layers of the blocks, and the output layer: bitsandbytes in LitGPT converts every Linear
   // (Lightning's BitsandbytesPrecision), transformers keeps the output embedding in 16 bits.
-  const double mats_per_layer = double(m.q_dim() + 2 * m.kv_dim()) * h + double(m.q_dim()) * h +
-                                double(m.mlp == Mlp::SwiGLU ? 3 : 2) * h * double(m.hidden);
   const double rows_per_layer = double(m.q_dim() + 2 * m.kv_dim()) + h + double(m.mlp == Mlp::SwiGLU ? 2 : 1) * double(m.hidden) + h;
   const bool head_quant = quant && o.framework == "litgpt" && !m.tied;
-  const double lin = double(m.layers) * mats_per_layer + (head_quant ? V * h : 0);
+  const double lin = double(m.layers) * double(m.layer_linear_params()) + (head_quant ? V * h : 0);
   const double lin_rows = double(m.layers) * rows_per_layer + (head_quant ? V : 0);
   const double rest = double(m.params()) - lin;
   MemReport r;

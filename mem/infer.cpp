@@ -51,7 +51,7 @@ void add_workspace_lines(MemReport& r, const InferencePlan& p) {
   r.lines.insert(r.lines.end(), rest.begin(), rest.end());
 }
 
-void add_cpu_lines(MemReport& r, const InferencePlan& p, const ResidentPeak& peak, const ModelConfig& c, size_t n_tensors,
+void add_cpu_lines(MemReport& r, const InferencePlan& p, const ResidentPeak& peak, bool server, const ModelConfig& c, size_t n_tensors,
                    const std::string& mix) {
   r.lines.push_back({"mapped file (virtual)", double(p.file_bytes),
                      fmt::format("the whole file, {} tensors ({}), mapped read-only; what stays resident is counted below: the "
@@ -79,7 +79,6 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const ResidentPeak& pea
   r.lines.push_back({"metadata, vocabulary, tokenizer, chat template", double(peak.tables),
                      "measured: heap bytes in use after building them here as the load does (Model::open; glibc mallinfo2)", "",
                      Place::Device, Basis::Measured});
-  const bool server = peak.runtime == kServerRuntimeBytes;
   r.lines.push_back({"runtime: binary, libraries, stacks, allocator", double(peak.runtime),
                      server ? "measured constant: llmq-server's peak RSS minus the other lines (HTTP threads, grammar engine and "
                               "requests included), median over three models and two settings"
@@ -271,7 +270,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
     const ResidentPeak peak = resident_peak(p, measure_tables(path), server);
     r.extra["plan"]["resident"] = p.resident();
     r.extra["peak"] = {{"run", peak.run}, {"load", peak.load}, {"peak", peak.peak()}, {"tables", peak.tables}};
-    add_cpu_lines(r, p, peak, c, f->tensors().size(), type_mix(f->tensors()));
+    add_cpu_lines(r, p, peak, server, c, f->tensors().size(), type_mix(f->tensors()));
     r.notes.push_back(fmt::format("the total is the predicted peak RSS of llmq-run (tests/test_mem.cpp checks it against measured "
                                   "peaks); the exact lines are what llmq-run/llmq-server allocate from this plan (CPU kernels: {}; "
                                   "LLMQ_CPU and --threads change the matmul scratch)",

@@ -68,12 +68,19 @@ struct Saved {
   std::string formula;
 };
 
+// What one norm keeps for T tokens (bytes): RMSNorm x and x·rsqrt(mean x²), in the input dtype
+// (2023) or fp32 (2024); LayerNorm its input (mean and rstd are per token).
+double norm_saved(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
+  const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim);
+  return !B.rms ? e * T * h : o.litgpt_version >= 2024 ? 8 * T * h : 2 * e * T * h;
+}
+
 // One block's saved activations (bytes) for T tokens.
 Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
   const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
   const bool expand = o.litgpt_version >= 2024 ? m.kv_heads != m.heads : m.kv_heads != 1;
   const double kv = expand ? q : double(m.kv_dim());
-  const double norm = !B.rms ? e * T * h : o.litgpt_version >= 2024 ? 8 * T * h : 2 * e * T * h;
+  const double norm = norm_saved(m, o, B, T);
   const bool lora = o.lora_rank > 0, drop = lora && o.lora_dropout > 0;
   auto lora_in = [&](bool on, double in) { return drop && on ? (1 + e) * T * in : 0.0; };
   const bool lq = targets_has(o, "q") || targets_has(o, "k") || targets_has(o, "v");
@@ -140,7 +147,7 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
   // Activations.
   const Saved blk = block_saved(m, o, B, T);
   const bool ckpt = o.checkpointing == Checkpointing::Full;
-  const double norm_f = !B.rms ? e * T * h : o.litgpt_version >= 2024 ? 8 * T * h : 2 * e * T * h;
+  const double norm_f = norm_saved(m, o, B, T);
   if (ckpt) {
     r.lines.push_back({"activations (checkpointed block inputs)", double(m.layers) * e * T * h,
                        fmt::format("{} layers x e·T·h (each Block recomputed in its backward)", m.layers), kLit, Place::Device, Basis::Formula});
