@@ -290,26 +290,21 @@ class ShardPass {
   const float* angles_ = nullptr;  // [rope tables, T, hd] RoPE cos, then sin, of each pair (ModelConfig::rope_table)
 };
 
-// After reading row `token` of the embedding from the mapping, drops the page-cache folio it
-// faulted in (2 MiB around the row, within the embedding's bytes) when the mapping's copy is
-// not otherwise used: packed (a tied output reads its copy) or not the output. Each row read
-// would otherwise keep its whole folio resident, up to the whole table over a long run.
-static void drop_embedding_row(const Model& m, const Weight& emb, int64_t token) {
+// After the embedding rows of a pass are read from the mapping, drops the table's pages again
+// when the mapping's copy is not otherwise used (a packed tied output reads its copy; an untied
+// output is another matrix): each row read faults in its whole page-cache folio (up to 2 MiB),
+// which would otherwise stay resident, up to the whole table over a long run. One madvise over
+// the table per forward pass (MappedFile::release).
+static void drop_embedding_pages(const Model& m, const Weight& emb) {
   if (m.output.data == emb.data && !m.output.packed) return;  // the output matmul reads these pages every token
-  constexpr uintptr_t kFolio = uintptr_t(2) << 20;
-  const uintptr_t start = uintptr_t(emb.data), end = start + uint64_t(emb.rows) * emb.row_stride();
-  const uintptr_t row = uintptr_t(emb.row(token));
-  const uintptr_t lo = std::max(start, row / kFolio * kFolio), hi = std::min(end, (row + emb.row_stride() + kFolio - 1) / kFolio * kFolio);
-  if (hi > lo) m.file->release(reinterpret_cast<const uint8_t*>(lo), hi - lo);
+  m.file->release(emb.data, uint64_t(emb.rows) * emb.row_stride());
 }
 
 void ShardPass::embed() {
   if (!shard_ || R.n_embd == V) {
     const Weight& emb = shard_ ? shard_->token_embd : m_.token_embd;
-    for (int64_t t = 0; t < T_; ++t) {
-      embedding_row(x_ + t * D, emb, batch_[t].token);
-      if (!shard_) drop_embedding_row(m_, emb, batch_[t].token);
-    }
+    for (int64_t t = 0; t < T_; ++t) embedding_row(x_ + t * D, emb, batch_[t].token);
+    if (!shard_) drop_embedding_pages(m_, emb);
   } else {
     for (int64_t t = 0; t < T_; ++t) {  // vocab-parallel embedding: the rank holding the token's row adds it, the others 0
       const int64_t row = batch_[t].token - R.embd0;

@@ -36,7 +36,7 @@ uint64_t measure_tables(const std::string& path);
 /// SmolLM2-135M, Qwen2.5-Coder-0.5B and Gemma-3-270M at ctx 512 and 4096 (2 threads, Debian 12
 /// x86-64) of llmq-run's peak RSS minus every other line of the report (bench/RESULTS.md,
 /// "llmq-mem infer against measured peaks"; the spread there is the error this constant adds).
-constexpr uint64_t kRuntimeBytes = uint64_t(11.3 * 1024 * 1024);
+constexpr uint64_t kRuntimeBytes = uint64_t(10.6 * 1024 * 1024);
 /// The same for llmq-server, which adds its HTTP threads, the grammar engine and the requests'
 /// buffers: the median over the three models at ctx 1024 with 4 sequences and ctx 4096 with 2
 /// (4 and 2 concurrent completions, 2 threads; residuals 21.6-32.4 MiB, bench/RESULTS.md).
