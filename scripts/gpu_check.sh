@@ -5,21 +5,25 @@
 # recorded and the next one runs; $OUT/<phase>/summary.txt lists every step with its exit code
 # and seconds, and the last lines printed are every phase's summary.
 #
-#   bash scripts/gpu_check.sh            # the default: one device call of at most 8 minutes
-#                                        # (info tests sanitizer bench peer)
+#   bash scripts/gpu_check.sh            # the default: one device call of at most 9 minutes
+#                                        # (info tests tools peer train bench sanitizer)
 #   bash scripts/gpu_check.sh lab bench  # named phases, in order:
 #     info       nvidia-smi
 #     kernels    the kernel parity cases alone (MMQ, matmul, norms, attention)
 #     tests      parity: every [cuda] case (kernel x type, whole models, TP, server paths)
 #     sanitizer  compute-sanitizer memcheck over the kernel tests; racecheck over MMQ and attention
 #     lab        the kernel labs (dev/cuda): GEMV, MMQ and attention against the engine's (LABS=...)
-#     bench      llmq-bench --synthetic llama-2-7b, Q4_0 and Q8_0, with --profile; MMQ off once
-#     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py), read by both
-#                llama.cpp's llama-bench and llmq-bench (after llmq-convert), interleaved; and
-#                test-backend-ops perf on the MUL_MAT shapes of the issue
+#     bench      llmq-bench --synthetic llama-2-7b, Q4_0 and Q8_0, with --profile and --batch 32
+#                (NO_MMQ=1: MMQ off once more)
+#     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q8_0 and
+#                the Q4_K_M mix), read by both llama.cpp's llama-bench and llmq-bench (after
+#                llmq-convert), interleaved; llmq-run's GPU peak (nvidia-smi) against llmq-mem infer
+#                on each; and test-backend-ops perf on the MUL_MAT shapes of the issue
 #     tools      llmq-run (offload, --tp 2, ranks as processes), llmq-server
 #     train      bench/train_mem.py: PyTorch's peak vs llmq-mem train
 #   DRY=1 bash scripts/gpu_check.sh ...  # print the commands only
+# The default order puts what a session has not measured yet before what it re-measures, so a
+# call cut short by its time limit still brings back the new numbers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -68,6 +72,32 @@ server_check() {
   wait "$pid"
 }
 
+# gpu_peak CMD...: runs CMD, sampling the GPU's used memory (nvidia-smi, every 50 ms; the process
+# is alone on the GPU) and prints the largest sample in MiB: the CUDA context, the libraries'
+# workspaces and every allocation, which llmq-mem infer --device cuda is compared against.
+gpu_peak() {
+  local base peak=0 u
+  base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+  "$@" &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    u=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [ "$u" -gt "$peak" ] && peak=$u
+    sleep 0.05
+  done
+  wait "$pid"
+  echo "gpu_peak: $((peak - base)) MiB above the idle GPU's $base MiB (nvidia-smi memory.used): $*"
+}
+
+# The memory check on one converted file: llmq-mem's plan, then llmq-run's measured peak.
+mem_check() {
+  local m=$1 ctx
+  for ctx in 512 4096; do
+    "$G/bin/llmq-mem" infer -m "$m" --device cuda --ctx "$ctx"
+    gpu_peak "$G/bin/llmq-run" -m "$m" -p Once -n 16 --temp 0 --device cuda --ctx "$ctx"
+  done
+}
+
 # The same GGUF through llama.cpp's llama-bench and llmq-bench, two rounds, interleaved.
 peer_bench() {
   local t=$1 gguf=/tmp/peer-$1.gguf llmq=/tmp/peer-$1.llmq r
@@ -79,9 +109,11 @@ peer_bench() {
     echo "== round $r: llmq-bench"
     "$G/bin/llmq-bench" --device cuda -m "$llmq" -p 512 -n 128 -r 3 --no-verify
   done
+  echo "== memory"
+  mem_check "$llmq"
   rm -f "$gguf" "$llmq"
 }
-export -f server_check peer_bench
+export -f server_check peer_bench gpu_peak mem_check
 
 need_model() {
   [ "${DRY:-0}" = 1 ] || [ -f "$S" ] || "$G/bin/llmq-convert" "$G/shared/models/stories260K/stories260K.bin" \
@@ -97,7 +129,7 @@ run_phase() {
   fi
   case "$phase" in
     info)
-      step nvidia-smi 30 "nvidia-smi; nvidia-smi -q -d CLOCK,MEMORY | head -60; uname -a; nvcc --version | tail -2"
+      step nvidia-smi 30 "nvidia-smi; nvidia-smi -q -d CLOCK,MEMORY | head -60; uname -a; nvcc --version | tail -2; python3 -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|bitsandbytes|accelerate|peft|numpy|triton) '"
       ;;
     kernels)  # the kernel parity cases alone (seconds)
       step kernel-tests 60 "$G/bin/llmq-tests 'CUDA MMQ*,CUDA matmul*,CUDA RMSNorm*,CUDA attention*,CUDA paged*' -r compact"
@@ -123,13 +155,13 @@ run_phase() {
       for t in q4_0 q8_0; do
         step "bench-7b-$t" 90 "$G/bin/llmq-bench $B7 --type $t --profile --batch 32"
       done
-      step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
+      [ "${NO_MMQ:-0}" = 1 ] && step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
       ;;
     peer)
       if [ -x "$G/peer/bin/llama-bench" ]; then
-        for t in ${PEER_TYPES:-q4_0 q8_0}; do step "peer-$t" 150 "peer_bench $t"; done
+        for t in ${PEER_TYPES:-q4_k_m q4_0 q8_0}; do step "peer-$t" 180 "peer_bench $t"; done
         step peer-backend-ops 120 "LD_LIBRARY_PATH=$G/peer/bin:\$LD_LIBRARY_PATH $G/peer/bin/test-backend-ops perf -b CUDA0 -o MUL_MAT \
-          -p 'type_a=(q4_0|q8_0|f16),type_b=f32,m=4096,n=(1|8|512),k=14336'"
+          -p 'type_a=(q4_0|q8_0|q4_K|q6_K|f16),type_b=f32,m=4096,n=(1|8|512),k=14336'"
       else
         echo "[peer] no .gpu/peer (scripts/peer_cuda.sh builds it): skipped" | tee -a "$dir/summary.txt"
       fi
@@ -145,11 +177,13 @@ run_phase() {
       step run-tp2-processes 90 "if ! command -v mpirun >/dev/null; then echo 'no mpirun here or in .gpu/ompi (scripts/pack_openmpi.sh): skipped'; exit 0; fi;
         OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np 2 -x LLMQ_TP_COMM=host $G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 2 >/tmp/llmq-mpi.txt &&
         $G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda --tp 2 >/tmp/llmq-one.txt && cmp /tmp/llmq-mpi.txt /tmp/llmq-one.txt"
+      # The CUDA context with cuBLAS loaded, measured: stories260K's allocations are a few MiB.
+      step cuda-context 30 "gpu_peak $G/bin/llmq-run -m $S -p Once -n 4 --temp 0 --device cuda"
       step mem-plan 30 "$G/bin/llmq-mem infer -m $S --device cuda --ctx 512 --parallel 4 && $G/bin/llmq-mem infer -m $S --device cuda --tp 2"
       step server 120 server_check
       ;;
     train)
-      step train-mem 590 "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
+      step train-mem ${TRAIN_SECS:-240} "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
       ;;
     *)
       echo "gpu_check.sh: unknown phase '$phase' (info tests sanitizer lab bench peer tools train)" >&2
@@ -159,7 +193,7 @@ run_phase() {
 }
 
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(info tests sanitizer bench peer)
+[ ${#phases[@]} -eq 0 ] && phases=(info tests tools peer train bench sanitizer)
 for p in "${phases[@]}"; do run_phase "$p"; done
 if [ "${DRY:-0}" != 1 ]; then
   for p in "${phases[@]}"; do echo "== $p"; cat "$OUT/$p/summary.txt"; done

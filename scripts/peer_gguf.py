@@ -2,9 +2,11 @@
 """Writes a GGUF with random weights in the shapes of a Llama preset (llama-2-7b by default) for
 side-by-side runs of llama.cpp and llmq on one file (scripts/gpu_check.sh): every matrix in one
 block type (Q4_0 or Q8_0), norms 1.0 in F32, the tokenizer copied from a vocabulary GGUF
-(llama.cpp's ggml-vocab-llama-spm.gguf for a 32000-token Llama). Quants are random bytes, block
-scales drawn so the weights have a trained Llama's spread (std ~0.01-0.02), as llmq-bench
---synthetic does. Needs numpy and the gguf-py package (the llama-cpp-python sdist's, put on
+(llama.cpp's ggml-vocab-llama-spm.gguf for a 32000-token Llama). `--type q4_k_m` writes the mix
+llama.cpp's Q4_K_M gives a Llama: Q6_K for output.weight and for attn_v / ffn_down in the layers
+its use_more_bits rule picks (the first and last eighth, and every third between), Q4_K for the
+rest. Quants are random bytes, the f16 block scales drawn so the weights have a trained Llama's
+spread (std ~0.01-0.02), as llmq-bench --synthetic does. Needs numpy and the gguf-py package (the llama-cpp-python sdist's, put on
 sys.path with --gguf-py).
 
   python3 scripts/peer_gguf.py --gguf-py .gpu/peer/gguf-py --vocab VOCAB.gguf --type q4_0 -o out.gguf
@@ -25,7 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf-py", required=True)
     ap.add_argument("--vocab", required=True)
-    ap.add_argument("--type", choices=["q4_0", "q8_0"], default="q4_0")
+    ap.add_argument("--type", choices=["q4_0", "q8_0", "q4_k_m"], default="q4_0")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-2-7b")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
@@ -33,10 +35,14 @@ def main():
     import gguf  # noqa: E402
 
     dim, hidden, layers, heads, kv_heads, vocab = PRESETS[a.preset]
-    qt = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0}[a.type]
-    ftype = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[a.type]
-    block_bytes = 18 if a.type == "q4_0" else 34
-    scale = 4e-3 if a.type == "q4_0" else 2.5e-4  # |q| ~ 4 (Q4_0 around 8) or ~64 (Q8_0)
+    Q = gguf.GGMLQuantizationType
+    ftype = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+             "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}[a.type]
+    # type: (weights per block, bytes per block, [(byte offset of an f16 scale, its size)])
+    # Q4_0: |q - 8| ~ 4; Q8_0: |q| ~ 64; Q4_K: d * 6-bit scale (~32) * q (0..15) - dmin * min;
+    # Q6_K (d last, after ql, qh and 16 int8 scales ~64): d * scale * (q - 32).
+    layout = {Q.Q4_0: (32, 18, [(0, 4e-3)]), Q.Q8_0: (32, 34, [(0, 2.5e-4)]),
+              Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]), Q.Q6_K: (256, 210, [(208, 8e-6)])}
 
     r = gguf.GGUFReader(a.vocab)
     f = r.fields
@@ -73,7 +79,7 @@ def main():
     # no two matrices alike). Block scales are written over the first two bytes of every block.
     rng = np.random.default_rng(1234)
     pool = rng.integers(0, 256, size=64 << 20, dtype=np.uint8)
-    d_pool = (scale * (0.5 + rng.random(1 << 20))).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    d_pool = (4e-3 * (0.5 + rng.random(1 << 20))).astype(np.float16).view(np.uint8).reshape(-1, 2)  # rescaled per type
     mats = [("token_embd.weight", vocab, dim)]
     for i in range(layers):
         hd = dim // heads
@@ -84,23 +90,39 @@ def main():
     mats.append(("output.weight", vocab, dim))
     norms = ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(layers) for n in ("attn", "ffn")]
 
-    def matrix(k, rows, cols):
-        n_blocks = rows * cols // 32
+    def use_more_bits(i):  # llama.cpp's rule for Q4_K_M's Q6_K layers (llama-quant.cpp)
+        return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+
+    def qtype(name):
+        if a.type != "q4_k_m":
+            return Q.Q4_0 if a.type == "q4_0" else Q.Q8_0
+        if name == "output.weight":
+            return Q.Q6_K
+        if name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(int(name.split(".")[1])):
+            return Q.Q6_K
+        return Q.Q4_K
+
+    def matrix(k, name, rows, cols):
+        per, block_bytes, scales = layout[qtype(name)]
+        n_blocks = rows * cols // per
         nbytes = n_blocks * block_bytes
         start = (k * 7919 * 64) % (pool.size - 1)
         raw = np.resize(np.roll(pool, -start)[: min(pool.size, nbytes)], nbytes).reshape(n_blocks, block_bytes)
-        raw[:, 0:2] = np.resize(np.roll(d_pool, -k * 31, axis=0), (n_blocks, 2))
-        return raw.reshape(rows, cols // 32 * block_bytes)
+        for j, (off, sc) in enumerate(scales):
+            raw[:, off:off + 2] = (np.resize(np.roll(d_pool, -k * 31 - j * 7, axis=0), (n_blocks, 2)).view(np.float16) * np.float16(sc / 4e-3)).view(np.uint8)
+        return raw.reshape(rows, cols // per * block_bytes)
 
     for name, rows, cols in mats:
-        w.add_tensor_info(name, (rows, cols // 32 * block_bytes), np.dtype(np.uint8), rows * cols // 32 * block_bytes, raw_dtype=qt)
+        per, block_bytes, _ = layout[qtype(name)]
+        nbytes = rows * cols // per * block_bytes
+        w.add_tensor_info(name, (rows, cols // per * block_bytes), np.dtype(np.uint8), nbytes, raw_dtype=qtype(name))
     for name in norms:
         w.add_tensor_info(name, (dim,), np.dtype(np.float32), dim * 4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for k, (name, rows, cols) in enumerate(mats):
-        w.write_tensor_data(matrix(k, rows, cols))
+        w.write_tensor_data(matrix(k, name, rows, cols))
     for name in norms:
         w.write_tensor_data(np.ones(dim, dtype=np.float32))
     w.close()
