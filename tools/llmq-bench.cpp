@@ -103,8 +103,9 @@ nlohmann::json profile_cuda(cuda::CudaSession& s, const std::vector<int32_t>& pr
 // --batch N: N sequences decoding at once through forward_batch on a paged cache (llmq-server's
 // GPU path): each gets a prompt of n_prompt tokens (one pass each), then n_gen steps of N tokens.
 // Aggregate decode tok/s = N n_gen / time (best of reps); the steps of more than
-// kGemvMaxTokens tokens run on MMQ.
-nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_t n_prompt, int64_t n_gen, int reps) {
+// kGemvMaxTokens tokens run on MMQ. With `profile`, one more round (not timed) splits a step's
+// time per op class with CUDA events, ungraphed: "profile_us_per_step".
+nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_t n_prompt, int64_t n_gen, int reps, bool profile) {
   using clock = std::chrono::steady_clock;
   const ModelConfig& c = dm.config();
   const int64_t ctx = n_prompt + n_gen;
@@ -113,7 +114,10 @@ nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_
   std::mt19937 rng(99);
   std::uniform_int_distribution<int32_t> pick(0, int32_t(c.vocab_size - 1));
   double best = 1e30;
-  for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up (graphs, MMQ's shared-memory opt-in)
+  cuda::OpProfile prof;
+  const int rounds = reps + 1 + (profile ? 1 : 0);
+  for (int r = 0; r < rounds; ++r) {  // the first is a warm-up (graphs, MMQ's shared-memory opt-in)
+    const bool profiled = profile && r == rounds - 1;
     KVCache kv = KVCache::tables_only(c, plan.kv_blocks, plan.block_tokens);
     std::vector<int32_t> seqs;
     std::vector<BatchToken> b;
@@ -124,6 +128,7 @@ nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_
       for (int64_t j = 0; j < n_prompt; ++j) b.push_back({seqs.back(), pick(rng), j + 1 == n_prompt});
       s.forward_batch(kv, b.data(), int64_t(b.size()));
     }
+    if (profiled) s.set_profile(&prof);
     const auto t0 = clock::now();
     for (int64_t step = 0; step < n_gen; ++step) {
       b.clear();
@@ -131,10 +136,17 @@ nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_
       s.forward_batch(kv, b.data(), int64_t(b.size()));
     }
     const double t = std::chrono::duration<double>(clock::now() - t0).count();
-    if (r > 0) best = std::min(best, t);
+    if (profiled) s.set_profile(nullptr);
+    else if (r > 0) best = std::min(best, t);
   }
-  return {{"batch", batch}, {"prompt_tokens_each", n_prompt}, {"gen_tokens_each", n_gen},
-          {"aggregate_decode_tok_s", double(batch * n_gen) / best}, {"step_ms", best / double(n_gen) * 1e3}};
+  nlohmann::json j = {{"batch", batch}, {"prompt_tokens_each", n_prompt}, {"gen_tokens_each", n_gen},
+                      {"aggregate_decode_tok_s", double(batch * n_gen) / best}, {"step_ms", best / double(n_gen) * 1e3}};
+  if (profile) {
+    double sum = 0;
+    for (const auto& [op, ms] : prof.totals_ms()) j["profile_us_per_step"][op] = ms * 1e3 / double(n_gen), sum += ms * 1e3 / double(n_gen);
+    j["profile_us_per_step"]["total"] = sum;
+  }
+  return j;
 }
 
 nlohmann::json bench_cuda(const Model* model, const ModelConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps,
@@ -198,7 +210,7 @@ nlohmann::json bench_cuda(const Model* model, const ModelConfig& c, DType type, 
   j["prefill_fraction_of_cublas"] = prefill_flops / prefill_s / gemm;
   if (profile) j["profile"] = profile_cuda(s, prompt, n_gen);
   if (batch > 1) {
-    j["batched"] = bench_cuda_batch(*dm, batch, std::min<int64_t>(n_prompt, 128), n_gen, reps);
+    j["batched"] = bench_cuda_batch(*dm, batch, std::min<int64_t>(n_prompt, 128), n_gen, reps, profile);
     j["batched"]["speedup_over_batch1"] = j["batched"]["aggregate_decode_tok_s"].get<double>() / j["decode_tok_s"].get<double>();
   }
   return j;
