@@ -348,11 +348,13 @@ std::vector<double> ref_rmsnorm(const float* x, const float* w, int64_t n) {
 
 Op matmul_op() {
   // (rows, cols, T): awkward sizes for the float types; the block types' cols are whole blocks.
-  // T = 1 is decode (GEMV), 5 and 8 the GPU's GEMV batches, 17 and 64 MMQ or cuBLAS.
+  // T = 1 is decode (GEMV), 5 and 8 the GPU's GEMV batches, 17 and 64 MMQ or cuBLAS; 21 x 1280:
+  // five 256-weight super-blocks (the K-quant GEMVs' groups of eight lanes take four at a time)
+  // and an odd row count (their warps take two rows).
   return {"matmul",
           kAllTypes,
           {{37, 64, 1}, {130, 96, 5}, {33, 160, 8}, {129, 256, 17}, {64, 512, 64}, {7, 33, 3}, {65, 172, 17}, {19, 256, 1},
-           {40, 768, 6}},
+           {40, 768, 6}, {21, 1280, 3}},
           [](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
             const int64_t rows = s[0], cols = s[1], T = s[2];
             auto w = std::make_shared<HostWeight>(t, rows, cols, rng);

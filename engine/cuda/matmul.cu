@@ -373,8 +373,9 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_float_kernel(const E* __
 }
 
 // Raw-layout weights (raw_blocks.cuh) against fp32 activations: one warp per row, each lane
-// decodes whole blocks b = lane, lane + 32, ... A correct first version, not tuned (no GPU
-// measurement yet; the issue of GPU speed tracks it).
+// decodes whole blocks b = lane, lane + 32, ... Not tuned: Q5_0, Q5_1 and Q5_K decode here (and
+// Q4_K / Q6_K without 16-byte alignment); Q4_K and Q6_K have the kernels below, 6.3x faster on an
+// H100 (bench/RESULTS.md, second GPU session).
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, const uint8_t* __restrict__ wq, size_t rb,
                                                                   const float* __restrict__ x, float* __restrict__ y, int64_t ldy,
                                                                   int64_t rows, int64_t cols, int T) {
@@ -393,6 +394,126 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, c
   }
   store_rows(acc, y, ldy, row, T);
 }
+
+// Q4_K and Q6_K (the Q4_K_M mix) against fp32 activations. gemv_raw_kernel gave each lane a
+// 32-weight block and read it a byte at a time (Q4_K_M llama-2-7b: 33 tok/s on an H100, 5% of
+// the copy rate); here eight lanes share a 256-weight super-block, each with one wide load of
+// its quants, and a warp computes R rows so every activation load serves R of them. The sums
+// per 32-weight sub-block are regrouped: Σ (a q - m) x = a Σ q x - m Σ x (Q4_K),
+// Σ d s (q - 32) x = d s Σ (q - 32) x per 16 weights (Q6_K); formats/quant.h has the layouts.
+// Q4_K: lane k of a group reads qs[16k, 16k + 16): weights l0 .. l0 + 15 (l0 = 16 (k % 2)) of
+// sub-block 2p (low nibbles) and 2p + 1 (high), p = k / 2.
+template <int R>
+__global__ void __launch_bounds__(32 * kGemvWarps, 6) gemv_q4k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
+                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
+  if (row0 >= rows) return;
+  const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2);
+  float acc[R][kGemvMaxTokens] = {};
+  for (int64_t sb = threadIdx.x / 8; sb < cols / 256; sb += 4) {
+    uint32_t qw[R][4];  // the 16 quant bytes: low nibbles sub-block 2p, high 2p + 1
+    float a[R][2], m[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * 144;
+      const uint4 qs = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * k));
+      qw[r][0] = qs.x, qw[r][1] = qs.y, qw[r][2] = qs.z, qw[r][3] = qs.w;
+      const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(blk));
+      const uint32_t sw[3] = {__ldg(reinterpret_cast<const uint32_t*>(blk + 4)), __ldg(reinterpret_cast<const uint32_t*>(blk + 8)),
+                              __ldg(reinterpret_cast<const uint32_t*>(blk + 12))};
+      auto sbyte = [&](int i) { return int((sw[i / 4] >> (8 * (i % 4))) & 255); };
+      const float d = fp16_bits_to_float(uint16_t(dm & 0xffff)), dmin = fp16_bits_to_float(uint16_t(dm >> 16));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        const int sc = j < 4 ? sbyte(j) & 63 : (sbyte(j + 4) & 15) | (sbyte(j - 4) >> 6) << 4;
+        const int mn = j < 4 ? sbyte(j + 4) & 63 : (sbyte(j + 4) >> 4) | (sbyte(j) >> 6) << 4;
+        a[r][h] = d * float(sc), m[r][h] = dmin * float(mn);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const float4* xr = reinterpret_cast<const float4*>(x + t * cols + sb * 256 + 64 * p + l0);
+        float s0[R] = {}, s1[R] = {}, sx0 = 0, sx1 = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float4 lo = __ldg(xr + c), hi = __ldg(xr + 8 + c);  // weights l0 + 4c .. of sub-blocks 2p, 2p + 1
+          sx0 += (lo.x + lo.y) + (lo.z + lo.w), sx1 += (hi.x + hi.y) + (hi.z + hi.w);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint32_t u = qw[r][c];
+            s0[r] += float(u & 15) * lo.x + float((u >> 8) & 15) * lo.y + float((u >> 16) & 15) * lo.z + float((u >> 24) & 15) * lo.w;
+            s1[r] += float((u >> 4) & 15) * hi.x + float((u >> 12) & 15) * hi.y + float((u >> 20) & 15) * hi.z + float(u >> 28) * hi.w;
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][t] += (a[r][0] * s0[r] - m[r][0] * sx0) + (a[r][1] * s1[r] - m[r][1] * sx1);
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
+}
+
+// Q6_K: lane k of a group takes half h = k / 4 of the super-block and positions l0 .. l0 + 7
+// (l0 = 8 (k % 4)) of its four 32-weight quarters: 8 bytes of ql at 64h + l0 and at 64h + 32 + l0,
+// 8 of qh at 128 + 32h + l0 (two-byte loads: a Q6_K super-block is 210 bytes, so rows are only
+// 2-byte aligned), and the four 16-weight scales 8h + l0/16 + {0, 2, 4, 6}.
+template <int R>
+__global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
+                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
+  if (row0 >= rows) return;
+  const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4);
+  float acc[R][kGemvMaxTokens] = {};
+  auto ld8 = [](const uint8_t* p, uint32_t* out) {  // 8 bytes at a 2-byte-aligned address, as two words
+    const auto* v = reinterpret_cast<const uint16_t*>(p);
+    out[0] = uint32_t(__ldg(v)) | uint32_t(__ldg(v + 1)) << 16, out[1] = uint32_t(__ldg(v + 2)) | uint32_t(__ldg(v + 3)) << 16;
+  };
+  for (int64_t sb = threadIdx.x / 8; sb < cols / 256; sb += 4) {
+    uint32_t la[R][2], lb[R][2], hb[R][2];
+    float sc[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * 210;
+      ld8(blk + 64 * h + l0, la[r]), ld8(blk + 64 * h + 32 + l0, lb[r]), ld8(blk + 128 + 32 * h + l0, hb[r]);
+      const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
+      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) sc[r][g] = d * float(__ldg(scales + 2 * g));
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const float* xr = x + t * cols + sb * 256 + 128 * h + l0;
+        float sg[R][4] = {};
+#pragma unroll
+        for (int g = 0; g < 4; ++g)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(xr + 32 * g) + c);
+            const float xv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                // quarter g = 0..3: the low (g = 0, 1) or high (g = 2, 3) nibble of ql at 64h (g even) or 64h + 32, and 2 bits of qh
+                const uint32_t lw = (g % 2 == 0 ? la[r][c] : lb[r][c]) >> (8 * i + 4 * (g / 2));
+                const uint32_t hw = hb[r][c] >> (8 * i + 2 * g);
+                sg[r][g] += float(int((lw & 15) | (hw & 3) << 4) - 32) * xv[i];
+              }
+          }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][t] += (sc[r][0] * sg[r][0] + sc[r][1] * sg[r][1]) + (sc[r][2] * sg[r][2] + sc[r][3] * sg[r][3]);
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
+}
+
+constexpr int kGemvKRows = 2;  // rows per warp of the Q4_K / Q6_K kernels
 
 }  // namespace
 
@@ -416,6 +537,17 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
     case DType::BF16:
       LLMQ_LAUNCH(gemv_float_kernel<__nv_bfloat16>, grid, block, 0, s)(reinterpret_cast<const __nv_bfloat16*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
+    case DType::Q4_K:
+    case DType::Q6_K:
+      if (reinterpret_cast<uintptr_t>(w.q) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+        const unsigned kgrid = unsigned((w.rows + kGemvWarps * kGemvKRows - 1) / (kGemvWarps * kGemvKRows));
+        if (w.type == DType::Q4_K)
+          LLMQ_LAUNCH(gemv_q4k_kernel<kGemvKRows>, kgrid, block, 0, s)(w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
+        else
+          LLMQ_LAUNCH(gemv_q6k_kernel<kGemvKRows>, kgrid, block, 0, s)(w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
+        break;
+      }
+      [[fallthrough]];
     default:
       LLMQ_LAUNCH(gemv_raw_kernel, grid, block, 0, s)(w.type, w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
       break;
