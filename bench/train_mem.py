@@ -168,7 +168,9 @@ def run_one(cfg, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
     return {
+        "device_used": total - free,  # the CUDA context, cuBLAS and everything the caching allocator holds
         "params": params,
         "max_memory_allocated": torch.cuda.max_memory_allocated(),
         "max_memory_reserved": torch.cuda.max_memory_reserved(),
@@ -181,12 +183,12 @@ def run_one(cfg, steps):
 # ----------------------------------------------------------------------------- prediction and table (parent)
 
 
-def predict(llmq_mem, cfg, workdir):
+def predict(llmq_mem, cfg, workdir, gpu):
     path = os.path.join(workdir, cfg["size"] + ".json")
     with open(path, "w") as f:
         json.dump(hf_config(cfg["size"]), f)
     cmd = [llmq_mem, "train", path, "--framework", "pytorch", "--precision", cfg["precision"], "--optimizer", cfg["optimizer"],
-           "-b", str(cfg["b"]), "-s", str(cfg["s"]), "--checkpointing", cfg["ckpt"], "--json"]
+           "-b", str(cfg["b"]), "-s", str(cfg["s"]), "--checkpointing", cfg["ckpt"], "--gpu", gpu, "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     j = json.loads(out)
     return j["predicted_max_memory_allocated"], j.get("peak_phase", ""), j["params"]
@@ -210,7 +212,6 @@ def main():
     with tempfile.TemporaryDirectory() as work:
         for i in picks:
             cfg = CONFIGS[i]
-            pred, phase, pred_params = predict(args.llmq_mem, cfg, work)
             child = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--one", json.dumps(cfg)],
                                    capture_output=True, text=True)
             if child.returncode != 0:
@@ -218,6 +219,7 @@ def main():
                 rows.append({"index": i, **cfg, "error": child.stderr.strip().splitlines()[-1:]})
                 continue
             m = json.loads(child.stdout.strip().splitlines()[-1])
+            pred, phase, pred_params = predict(args.llmq_mem, cfg, work, m["gpu"])  # the GPU sizes cuBLAS's workspace
             if m["params"] != pred_params:
                 print(f"config {i}: parameter count differs: torch {m['params']}, llmq-mem {pred_params}", file=sys.stderr)
             err = 100.0 * (pred - m["max_memory_allocated"]) / m["max_memory_allocated"]

@@ -139,8 +139,10 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, const
                        kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"cuBLAS workspace", double(p.matmul.cublas_workspace), "cublasSetWorkspace, 32 MiB (prefill only)", kPlan,
                      Place::Device, Basis::Exact});
-  r.lines.push_back({"CUDA context", 0, "not predicted: llmq-run/llmq-server --device cuda print it at load (cudaMemGetInfo before the load)", "",
-                     Place::GpuOther, Basis::NotMeasured});
+  r.lines.push_back({"CUDA context", double(kCudaContextBytes), "measured on an H100 80GB (driver 580, CUDA 13.0): in use before the first "
+                     "allocation; other GPUs not measured", "bench/RESULTS.md (GPU memory)", Place::GpuOther, Basis::Measured});
+  r.lines.push_back({"CUDA runtime beyond the plan", double(kCudaRuntimeBytes), "measured (H100): cuBLAS handle, kernel modules, cudaMalloc "
+                     "rounding (67.6-73.3 MiB)", "bench/RESULTS.md (GPU memory)", Place::GpuOther, Basis::Measured});
   r.notes.push_back("exact: CudaModel and CudaSession allocate these sizes (tests/test_cuda.cpp checks); cudaMalloc rounds each "
                     "allocation up (2 MiB pages for large ones), which the measured line printed at load includes");
   if (p.first_layer > 0) {  // partial offload: the CPU's part (CudaOffloadSession, CudaOffloadBatchRunner), in host memory
@@ -345,7 +347,7 @@ FitResult fit_inference(const LlmqFile& f, const ModelConfig& c, InferOptions o,
   };
   auto total = [&](int64_t ctx, int64_t par) {
     const auto [t, pl] = plan(ctx, par);
-    return gpu ? double(cuda_plan(t).total()) : double(resident_peak(pl, tables, t.server).peak());
+    return gpu ? double(cuda_plan(t).total() + kCudaContextBytes + kCudaRuntimeBytes) : double(resident_peak(pl, tables, t.server).peak());
   };
   auto fits = [&](int64_t ctx, int64_t par) { return total(ctx, par) <= budget; };
   const int64_t bt = kKvBlockTokens;
@@ -396,7 +398,8 @@ nlohmann::json fit_json(const FitResult& r, double budget) {
     return {{"fits", r.fits},         {"device", "cuda"},         {"budget", std::llround(budget)}, {"ctx", g.ctx},
             {"parallel", r.options.parallel}, {"kv_tokens", g.kv_rows}, {"n_batch", g.n_batch},       {"weights", g.weights},
             {"kv_cache", g.kv},       {"workspace", g.workspace()}, {"total", g.total()},
-            {"note", "GPU memory; the CUDA context (measured at load) is not included: leave room for it"}};
+            {"cuda_context", kCudaContextBytes + kCudaRuntimeBytes},
+            {"note", "GPU memory: the plan's allocations plus the CUDA context and runtime measured on an H100 (cuda_context)"}};
   }
   return {{"fits", r.fits},
           {"budget", std::llround(budget)},

@@ -42,6 +42,16 @@ constexpr uint64_t kRuntimeBytes = uint64_t(10.6 * 1024 * 1024);
 /// (4 and 2 concurrent completions, 2 threads; residuals 21.6-32.4 MiB, bench/RESULTS.md).
 constexpr uint64_t kServerRuntimeBytes = uint64_t(25.2 * 1024 * 1024);
 
+/// The GPU memory a CUDA process of llmq holds beside its allocation plan, measured on an NVIDIA
+/// H100 80GB HBM3 (driver 580.159, CUDA 13.0, lazy module loading; bench/RESULTS.md, "GPU
+/// memory"): the CUDA context, which cudaMemGetInfo shows used before llmq's first allocation
+/// (526.8 MiB), and what appears during the load and the first steps beyond the plan's bytes
+/// (the cuBLAS handle, the kernel modules loaded on first launch, cudaMalloc's rounding:
+/// 67.6-73.3 MiB over stories260K and llama-2-7b-shaped Q4_0 / Q4_K_M at ctx 512 and 4096).
+/// Other GPUs and drivers are not measured; the H100's values stand in for them.
+constexpr uint64_t kCudaContextBytes = uint64_t(526.8 * 1024 * 1024);
+constexpr uint64_t kCudaRuntimeBytes = uint64_t(72.0 * 1024 * 1024);
+
 /// The predicted peak resident memory of llmq-run / llmq-server (CPU, one rank): the larger of
 /// the load's and the run's.
 struct ResidentPeak {

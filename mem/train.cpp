@@ -23,6 +23,7 @@ constexpr const char* kQlora = "Dettmers et al. 2023, arXiv 2305.14314 (NF4, blo
 constexpr const char* kLora = "Hu et al. 2021, arXiv 2106.09685 (B [out, r] · A [r, in])";
 constexpr const char* kTorch = "PyTorch: torch.optim.AdamW foreach, torch.amp autocast cache, CUDACachingAllocator";
 constexpr const char* kKo2 = "okoge-kaz memory-estimator notes (CUDA context ~300-500 MB, NCCL ~0.5 GB per communicator)";
+constexpr const char* kTorchBlas = "PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp (parseChosenWorkspaceSize: :4096:8 on sm_90)";
 
 std::string num(double x) { return fmt::format("{:.6g}", x); }
 
@@ -266,15 +267,14 @@ MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, c
   r.lines.push_back({"allocator rounding", blocks_total - P.total(),
                      "Σ per tensor (round_up(n, 512) - n), large segments to 2 MiB when < 1 MiB would remain", kTorch, Place::Device,
                      Basis::Formula});
-  r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes,
-                     "assumed constant; not in torch.cuda.max_memory_allocated (not measured here)", kKo2, Place::GpuOther, Basis::Assumed});
+  add_torch_cuda_lines(r, o);
   if (o.dp > 1)
     r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
                        Basis::Assumed});
   r.notes.push_back(fmt::format("peak phase: {} (of {} phases modelled); precision {}", P.name, n_phases, prec));
   r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
   r.extra["peak_phase"] = P.name;
-  r.extra["predicted_max_memory_allocated"] = std::llround(blocks_total);
+  r.extra["predicted_max_memory_allocated"] = std::llround(blocks_total + 2 * torch_cublas_workspace_bytes(o.gpu));
   return r;
 }
 
@@ -366,6 +366,34 @@ MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
 }
 
 }  // namespace
+
+bool is_sm90_gpu(const std::string& gpu) {
+  const std::string g = lower(gpu);
+  for (const char* n : {"h100", "h200", "h800", "h20", "gh200"})
+    if (g.find(n) != std::string::npos) return true;
+  return false;
+}
+
+double torch_cublas_workspace_bytes(const std::string& gpu) {
+  return is_sm90_gpu(gpu) ? 4096.0 * 8 * 1024 : 4096.0 * 1024 * 2 + 16.0 * 1024 * 8;
+}
+
+void add_torch_cuda_lines(MemReport& r, const TrainOptions& o) {
+  const double ws = torch_cublas_workspace_bytes(o.gpu);
+  r.lines.push_back({"cuBLAS workspaces", 2 * ws,
+                     fmt::format("2 handles (forward thread, autograd's backward thread) x {} ({})", format_bytes(ws),
+                                 is_sm90_gpu(o.gpu) ? "sm_90" : o.gpu.empty() ? "not sm_90: no --gpu given" : "not sm_90"),
+                     kTorchBlas, Place::Device, Basis::Formula});
+  // The context (outside max_memory_allocated): torch.cuda.mem_get_info's used bytes minus
+  // max_memory_reserved in bench/train_mem.py, 751-767 MiB on an H100 80GB HBM3 (PyTorch
+  // 2.11.0+cu130, driver 580; bench/RESULTS.md); elsewhere not measured.
+  if (lower(o.gpu).find("h100") != std::string::npos)
+    r.lines.push_back({"CUDA context (PyTorch)", 767.0 * (1 << 20), "measured: H100 80GB, PyTorch 2.11 + CUDA 13.0, driver 580 (751-767 MiB)",
+                       "bench/train_mem.py on an H100 (bench/RESULTS.md)", Place::GpuOther, Basis::Measured});
+  else
+    r.lines.push_back({"CUDA context", o.cuda_context_bytes, "assumed constant per GPU (measured only on an H100: 767 MiB with PyTorch)", kKo2,
+                       Place::GpuOther, Basis::Assumed});
+}
 
 Precision precision_from_name(const std::string& s) {
   const std::string n = lower(s);

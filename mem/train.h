@@ -79,9 +79,25 @@ struct TrainOptions {
   std::string block = "llama";  ///< LitGPT block recipe: llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon
   int litgpt_version = 2024;    ///< 2023: lit-gpt 8641822 (RMSNorm in the input dtype); 2024: litgpt 00af8b0d (RMSNorm in fp32)
   double lora_dropout = 0.05;   ///< LoRA dropout p (> 0 keeps a mask and the dropped input per adapted Linear)
+  std::string gpu;              ///< GPU model, e.g. "H100" (--gpu): sizes PyTorch's cuBLAS workspaces and the measured context
   double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported)
   double nccl_bytes = 512.0 * (1 << 20);          ///< assumed per process group when world > 1
 };
+
+/// True for the Hopper data-centre parts (sm_90: H100, H200, H800, H20, GH200), by model name.
+bool is_sm90_gpu(const std::string& gpu);
+
+/// One cuBLAS workspace of PyTorch, in bytes: 32 MiB on sm_90 (CUBLAS_WORKSPACE_CONFIG :4096:8),
+/// 8 MiB + 128 KiB elsewhere (:4096:2:16:8); PyTorch allocates one per cuBLAS handle and stream
+/// from its caching allocator, so they are inside torch.cuda.max_memory_allocated(), and cuBLASLt
+/// shares it (unified workspace). Source: PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp
+/// (parseChosenWorkspaceSize, getCUDABlasLtWorkspaceSize). A training step holds two: the
+/// forward thread's handle and the autograd engine's backward thread's.
+double torch_cublas_workspace_bytes(const std::string& gpu);
+
+/// A PyTorch training process's CUDA lines: its two cuBLAS workspaces (device, inside
+/// max_memory_allocated) and the CUDA context (gpu-other: measured on an H100, else assumed).
+void add_torch_cuda_lines(MemReport& r, const TrainOptions& o);
 
 /// Bytes per trainable parameter of each model state (before any partitioning).
 struct StateBytes {

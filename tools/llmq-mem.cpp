@@ -200,6 +200,8 @@ int main(int argc, char** argv) {
   tr->add_option("--litgpt-version", to.litgpt_version, "with --framework litgpt: 2023 (lit-gpt 8641822) or 2024 (litgpt 00af8b0d)");
   tr->add_option("--lora-dropout", to.lora_dropout, "LoRA dropout probability (LitGPT's default 0.05)");
   tr->add_option("--gpu-mem", ta.gpu_mem, "GPU memory to check against, e.g. 80GB");
+  tr->add_option("--gpu", to.gpu, "GPU model, e.g. H100 or A100 (PyTorch's cuBLAS workspace is 32 MiB on sm_90, 8 MiB elsewhere; "
+                                  "the CUDA context is measured for the H100)");
   tr->add_flag("--rule-of-thumb", ta.rule, "add the '6x the weights' rule of thumb beside the estimate, with the difference explained");
   tr->add_flag("--json", ta.json, "JSON output");
   tr->add_option("--svg", ta.svg, "also write a stacked bar chart to this SVG file");

@@ -105,6 +105,8 @@ def flags(case: dict) -> list[str]:
     r = case["recipe"]
     out = ["--precision", PRECISIONS[r["precision"]], "--optimizer", OPTIMIZERS[r["optimizer"]], "-b", str(r["micro_batch"]),
            "-s", str(r["seq"]), "--checkpointing", r["checkpointing"]]
+    if case.get("gpu"):
+        out += ["--gpu", case["gpu"]]  # PyTorch's cuBLAS workspace size depends on it (sm_90 or not)
     if r.get("framework") == "litgpt" and case["model"]["arch"] in LITGPT_BLOCKS and r["precision"] != "bf16-mixed":
         out += ["--framework", "litgpt", "--block", LITGPT_BLOCKS[case["model"]["arch"]], "--litgpt-version", litgpt_version(case)]
         if r.get("lora"):
