@@ -12,7 +12,8 @@
 #     kernels    the kernel parity cases alone (MMQ, matmul, norms, attention)
 #     tests      parity: every [cuda] case (kernel x type, whole models, TP, server paths)
 #     sanitizer  compute-sanitizer memcheck over the kernel tests; racecheck over MMQ and attention
-#     lab        the kernel labs (dev/cuda): GEMV, MMQ and attention against the engine's (LABS=...)
+#     lab        the kernel labs (dev/cuda): GEMV (Q4_0/Q8_0, and K-quants: gemv_k), MMQ and attention
+#                against the engine's (LABS=...)
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0 and Q8_0, with --profile and --batch 32
 #                (NO_MMQ=1: MMQ off once more)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q8_0 and
@@ -143,9 +144,10 @@ run_phase() {
       step racecheck-mmq-attn 90 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*' -r compact"
       ;;
     lab)
-      for l in ${LABS:-gemv mmq attn}; do
+      for l in ${LABS:-gemv gemv_k mmq attn}; do
         case $l in
           gemv) step lab-gemv 90 "$G/dev/gemv --reps 10" ;;
+          gemv_k) step lab-gemv-k 90 "$G/dev/gemv_k --reps 10" ;;
           mmq) step lab-mmq 120 "$G/dev/mmq --reps 5" ;;
           attn) step lab-attn 60 "$G/dev/attn && LLMQ_CUDA_ATTN=0 $G/dev/attn" ;;
         esac

@@ -32,7 +32,7 @@ bash scripts/pack_openmpi.sh .gpu/ompi >/dev/null
 # CUDA tools and gguf-py) when scripts/peer_cuda.sh has built it.
 bash dev/cuda/build.sh >/dev/null
 mkdir -p .gpu/dev
-for l in gemv mmq attn; do
+for l in gemv gemv_k mmq attn; do
   if [ -f build-gpu/dev/$l ]; then cp build-gpu/dev/$l .gpu/dev/ && strip .gpu/dev/$l; fi
 done
 mkdir -p .gpu/shared/tokenizers && cp ../shared/tokenizers/llamacpp-vocab/ggml-vocab-llama-spm.gguf .gpu/shared/tokenizers/

@@ -7,7 +7,7 @@
 set -e
 cd "$(dirname "$0")/../.."
 mkdir -p build-gpu/dev
-for lab in ${LABS:-gemv mmq attn}; do
+for lab in ${LABS:-gemv gemv_k mmq attn}; do
   [ -f dev/cuda/$lab.cu ] || continue
   nvcc -std=c++17 -O3 -I. -gencode arch=compute_90a,code=sm_90a -lineinfo -Xptxas -v dev/cuda/$lab.cu -o build-gpu/dev/$lab \
     build-gpu/libllmq_cuda.a build-gpu/libllmq_core.a -lcublas -lfmt $(pkg-config --libs sentencepiece libxxhash ompi) \

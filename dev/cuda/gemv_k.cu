@@ -1,0 +1,282 @@
+// K-quant GEMV lab (decode matmuls of the Q4_K_M mix): Q4_K and Q6_K rows in the file's layout
+// (engine/cuda/raw_blocks.cuh), llama-2-7b's matrices, T = 1 and 2. Each version is checked
+// against version 1 (the engine's gemv) and timed with CUDA events over copies of the matrix
+// larger than the L2, as dev/cuda/gemv.cu does for Q4_0 / Q8_0.
+//
+//   dev/cuda/build.sh && build-gpu/dev/gemv_k [--reps N]
+//
+// Versions:
+//   v1  engine (gemv_q4k_kernel / gemv_q6k_kernel): fp32 activations, eight lanes per 256-weight
+//       super-block, two rows per warp; H100: 30% of the copy rate over a 7B Q4_K_M decode
+//   v2  the same lanes on int8 activations (quantize_act's per-32 blocks, which the engine's
+//       Q4_0 / Q8_0 GEMV already uses): dp4a on the quant nibbles (Q4_K) or the rebuilt 6-bit
+//       values (Q6_K), a quarter of v1's activation bytes; R rows per warp
+//   Q4_K: Σ over a 32-weight sub-block = a d_x Σ q q_x - m s_x (s_x = d_x Σ q_x, counted by the
+//   lane holding the sub-block's first half); Q6_K: per 16-weight scale s,
+//   d s d_x (Σ q q_x - 32 Σ q_x).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/cuda/cuda.h"
+#include "engine/cuda/matmul.h"
+#include "formats/quant.h"
+
+using namespace llmq;
+using namespace llmq::cuda;
+
+#define CK(x) check((x), #x)
+
+namespace {
+
+__device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float wsum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ int dp4a4(uint4 a, int4 b, int acc) {
+  acc = __dp4a(int(a.x), b.x, acc);
+  acc = __dp4a(int(a.y), b.y, acc);
+  acc = __dp4a(int(a.z), b.z, acc);
+  return __dp4a(int(a.w), b.w, acc);
+}
+
+template <int R>
+__device__ __forceinline__ void store(float (&acc)[R][8], float* y, int rows, int row0, int T) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+      if (t < T) {
+        const float v = wsum(acc[r][t]);
+        if (threadIdx.x == 0 && row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
+      }
+}
+
+// v2, Q4_K: lane k of a group of eight: quant bytes qs[16k, 16k + 16) = positions l0 .. l0 + 15
+// (l0 = 16 (k % 2)) of sub-blocks 2p (low nibbles) and 2p + 1 (high), p = k / 2.
+template <int R>
+__global__ void __launch_bounds__(128) q4k_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
+                                              const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int rows,
+                                              int cols, int T) {
+  const int row0 = (int(blockIdx.x) * 4 + int(threadIdx.y)) * R;
+  if (row0 >= rows) return;
+  const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2), nb = cols / 32;
+  float acc[R][8] = {};
+  for (int sb = int(threadIdx.x / 8); sb < cols / 256; sb += 4) {
+    uint4 lo[R], hi[R];
+    float a[R][2], m[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(sb) * 144;
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * k));
+      lo[r] = make_uint4(q.x & 0x0f0f0f0fu, q.y & 0x0f0f0f0fu, q.z & 0x0f0f0f0fu, q.w & 0x0f0f0f0fu);
+      hi[r] = make_uint4((q.x >> 4) & 0x0f0f0f0fu, (q.y >> 4) & 0x0f0f0f0fu, (q.z >> 4) & 0x0f0f0f0fu, (q.w >> 4) & 0x0f0f0f0fu);
+      const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(blk));
+      const uint32_t sw[3] = {__ldg(reinterpret_cast<const uint32_t*>(blk + 4)), __ldg(reinterpret_cast<const uint32_t*>(blk + 8)),
+                              __ldg(reinterpret_cast<const uint32_t*>(blk + 12))};
+      auto sbyte = [&](int i) { return int((sw[i / 4] >> (8 * (i % 4))) & 255); };
+      const float d = h2f(uint16_t(dm & 0xffff)), dmin = h2f(uint16_t(dm >> 16));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        const int sc = j < 4 ? sbyte(j) & 63 : (sbyte(j + 4) & 15) | (sbyte(j - 4) >> 6) << 4;
+        const int mn = j < 4 ? sbyte(j + 4) & 63 : (sbyte(j + 4) >> 4) | (sbyte(j) >> 6) << 4;
+        a[r][h] = d * float(sc), m[r][h] = dmin * float(mn);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+      if (t < T) {
+        const int8_t* xr = xq + size_t(t) * cols + size_t(sb) * 256 + 64 * p + l0;
+        const int4 x0 = __ldg(reinterpret_cast<const int4*>(xr)), x1 = __ldg(reinterpret_cast<const int4*>(xr + 32));
+        const int b = t * nb + sb * 8 + 2 * p;
+        const float d0 = __ldg(xd + b), d1 = __ldg(xd + b + 1);
+        const float s0 = l0 == 0 ? __ldg(xs + b) : 0.0f, s1 = l0 == 0 ? __ldg(xs + b + 1) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          acc[r][t] += (a[r][0] * d0 * float(dp4a4(lo[r], x0, 0)) - m[r][0] * s0) + (a[r][1] * d1 * float(dp4a4(hi[r], x1, 0)) - m[r][1] * s1);
+      }
+  }
+  store<R>(acc, y, rows, row0, T);
+}
+
+// v2, Q6_K: lane k: half h = k / 4, positions l0 .. l0 + 7 (l0 = 8 (k % 4)) of the four quarters.
+template <int R>
+__global__ void __launch_bounds__(128) q6k_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
+                                              const float* __restrict__ xd, float* __restrict__ y, int rows, int cols, int T) {
+  const int row0 = (int(blockIdx.x) * 4 + int(threadIdx.y)) * R;
+  if (row0 >= rows) return;
+  const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4), nb = cols / 32;
+  float acc[R][8] = {};
+  auto ld8 = [](const uint8_t* p, uint32_t* out) {
+    const auto* v = reinterpret_cast<const uint16_t*>(p);
+    out[0] = uint32_t(__ldg(v)) | uint32_t(__ldg(v + 1)) << 16, out[1] = uint32_t(__ldg(v + 2)) | uint32_t(__ldg(v + 3)) << 16;
+  };
+  for (int sb = int(threadIdx.x / 8); sb < cols / 256; sb += 4) {
+    uint32_t v[R][4][2];  // quarter g's eight 6-bit values (0..63), two words
+    float sc[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(sb) * 210;
+      uint32_t la[2], lb[2], hb[2];
+      ld8(blk + 64 * h + l0, la), ld8(blk + 64 * h + 32 + l0, lb), ld8(blk + 128 + 32 * h + l0, hb);
+#pragma unroll
+      for (int g = 0; g < 4; ++g)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          v[r][g][c] = (((g % 2 == 0 ? la[c] : lb[c]) >> (4 * (g / 2))) & 0x0f0f0f0fu) | ((hb[c] >> (2 * g)) & 0x03030303u) << 4;
+      const float d = h2f(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
+      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) sc[r][g] = d * float(__ldg(scales + 2 * g));
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+      if (t < T) {
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const int2 x = __ldg(reinterpret_cast<const int2*>(xq + size_t(t) * cols + size_t(sb) * 256 + 128 * h + 32 * g + l0));
+          const float dx = __ldg(xd + t * nb + sb * 8 + 4 * h + g);
+          const int sx = __dp4a(0x01010101, x.x, __dp4a(0x01010101, x.y, 0));
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            acc[r][t] += sc[r][g] * dx * float(__dp4a(int(v[r][g][0]), x.x, __dp4a(int(v[r][g][1]), x.y, 0)) - 32 * sx);
+        }
+      }
+  }
+  store<R>(acc, y, rows, row0, T);
+}
+
+struct Shape {
+  int rows, cols;
+  const char* what;
+};
+
+struct Case {
+  std::string name;
+  bool int8;  // compared with v1 at the int8 activations' tolerance
+  std::function<void(const DeviceWeight&, const DeviceActQ8&, const float*, float*, int)> run;
+};
+
+template <int R>
+Case v2_case(DType type, const char* name) {
+  return {name, true, [type](const DeviceWeight& w, const DeviceActQ8& xq, const float*, float* y, int T) {
+            const dim3 block(32, 4);
+            const unsigned grid = unsigned((w.rows + 4 * R - 1) / (4 * R));
+            const size_t rb = row_bytes(type, w.cols);
+            if (type == DType::Q4_K)
+              q4k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, int(w.rows), int(w.cols), T);
+            else
+              q6k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, int(w.rows), int(w.cols), T);
+          }};
+}
+
+std::vector<Case> cases(DType type) {
+  return {{"v1 engine", false, [](const DeviceWeight& w, const DeviceActQ8& xq, const float* x, float* y, int T) { gemv(w, x, xq, y, T, 0, nullptr); }},
+          v2_case<1>(type, "v2 R1"), v2_case<2>(type, "v2 R2"), v2_case<4>(type, "v2 R4")};
+}
+
+// A random [rows, cols] matrix of a K-quant type in the file's layout, the f16 scales finite and
+// sized like a trained model's (random bytes elsewhere), in copies >= 512 MiB on the device.
+struct KCopies {
+  DeviceBuffer buf;
+  std::vector<DeviceWeight> w;
+  KCopies(DType t, int rows, int cols) {
+    const size_t rb = row_bytes(t, cols), bytes = rb * size_t(rows);
+    std::vector<uint8_t> host(bytes);
+    std::mt19937_64 rng(5);
+    for (auto& b : host) b = uint8_t(rng());
+    const size_t blk = t == DType::Q4_K ? 144 : 210;
+    auto put = [&](size_t at, float v) {
+      const uint16_t h = __half_as_ushort(__float2half(v));
+      std::memcpy(host.data() + at, &h, 2);
+    };
+    for (size_t i = 0; i < bytes / blk; ++i) {
+      if (t == DType::Q4_K) put(i * blk, 1e-4f * float(1 + rng() % 8)), put(i * blk + 2, 1e-4f * float(1 + rng() % 8));
+      else put(i * blk + 208, 8e-6f * float(1 + rng() % 8));
+    }
+    const int copies = int(std::max<size_t>(2, (512ull << 20) / bytes + 1));
+    buf = DeviceBuffer(bytes * size_t(copies));
+    for (int i = 0; i < copies; ++i) {
+      buf.upload(host.data(), bytes, bytes * size_t(i));
+      w.push_back(split_weight_view(t, rows, cols, buf.as<uint8_t>() + bytes * size_t(i)));
+    }
+  }
+};
+
+double max_rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num = std::max(num, double(std::fabs(a[i] - ref[i]))), den = std::max(den, double(std::fabs(ref[i])));
+  }
+  return num / den;
+}
+
+void run_type(DType type, const std::vector<Shape>& shapes, int T, int reps, double copy_gbs) {
+  const std::vector<Case> cs = cases(type);
+  for (const Shape& sh : shapes) {
+    const KCopies wc(type, sh.rows, sh.cols);
+    const double bytes = double(row_bytes(type, sh.cols)) * sh.rows;
+    DeviceBuffer x(size_t(T) * sh.cols * 4), q(size_t(T) * sh.cols), d(size_t(T) * sh.cols / 8), s(size_t(T) * sh.cols / 8);
+    std::vector<float> hx(size_t(T) * sh.cols);
+    std::mt19937 rng(7);
+    for (auto& v : hx) v = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
+    x.upload(hx.data(), hx.size() * 4);
+    const DeviceActQ8 xq{q.as<int8_t>(), d.as<float>(), s.as<float>()};
+    quantize_act(x.as<float>(), xq, T, sh.cols, nullptr);
+    DeviceBuffer y(size_t(T) * sh.rows * 4);
+    std::vector<float> ref(size_t(T) * sh.rows), got(ref.size());
+    for (size_t ci = 0; ci < cs.size(); ++ci) {
+      CK(cudaMemset(y.get(), 0xff, y.bytes()));  // NaN: every element must be written
+      cs[ci].run(wc.w[0], xq, x.as<float>(), y.as<float>(), T);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      y.download(ci == 0 ? ref.data() : got.data(), ref.size() * 4);
+      const double err = ci == 0 ? 0.0 : max_rel_err(got, ref), tol = cs[ci].int8 ? 2e-2 : 1e-4;
+      size_t i = 0;
+      const double ms = best_time_ms(reps, [&] {
+        for (size_t c = 0; c < wc.w.size(); ++c) cs[ci].run(wc.w[(i++) % wc.w.size()], xq, x.as<float>(), y.as<float>(), T);
+      }) / double(wc.w.size());
+      const double gbs = bytes / (ms * 1e-3) / 1e9;
+      std::printf("%-5s T=%d %-8s %5dx%-5d  %-10s %8.2f us  %7.0f GB/s  %5.1f%% of copy  err %.1e%s\n", dtype_name(type), T, sh.what,
+                  sh.rows, sh.cols, cs[ci].name.c_str(), ms * 1e3, gbs, 100.0 * gbs / copy_gbs, err, err > tol ? "  MISMATCH" : "");
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20;
+  for (int i = 1; i + 1 < argc; i += 2)
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  try {
+    CK(cudaSetDevice(0));
+    std::printf("%s\n", device_description(0).c_str());
+    const double copy = measure_copy_bandwidth() / 1e9;
+    std::printf("copy %.0f GB/s (read + write)\n", copy);
+    // llama-2-7b's matrices as a Q4_K_M file has them: Q4_K qkv (stacked), wo, gate_up (stacked),
+    // down; Q6_K down (the use_more_bits layers), v and the output.
+    const std::vector<Shape> q4k = {{12288, 4096, "qkv"}, {4096, 4096, "wo"}, {22016, 4096, "gate_up"}, {4096, 11008, "down"}};
+    const std::vector<Shape> q6k = {{4096, 11008, "down"}, {4096, 4096, "v"}, {32000, 4096, "output"}};
+    for (int T : {1, 2}) {
+      run_type(DType::Q4_K, q4k, T, reps, copy);
+      run_type(DType::Q6_K, q6k, T, reps, copy);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gemv_k lab: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
