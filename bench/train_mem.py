@@ -16,7 +16,7 @@ tensor (mem/train.cpp, pytorch_estimate): the RMSNorm is an autograd.Function th
 fp32 reciprocal RMS only; the normalized activations are cast once to the compute dtype and shared by the
 projections that read them; attention is F.scaled_dot_product_attention (FlashAttention for 16-bit,
 memory-efficient attention for fp32). Mixed precision is torch.autocast(bfloat16) over fp32 parameters;
-"pure-bf16" converts the model to bfloat16. The optimizers are torch.optim.AdamW / SGD with foreach=True.
+"pure-bf16" converts the model to bfloat16. The optimizers are torch.optim.AdamW / SGD / Adafactor with foreach=True.
 """
 import argparse
 import json
@@ -32,7 +32,7 @@ SIZES = {
     "llama-953m": (2048, 5632, 16, 16, 32000),
 }
 
-# At least 8 configurations: fp32 vs bf16 autocast (and pure bf16), AdamW vs SGD, checkpointing on/off,
+# At least 8 configurations: fp32 vs bf16 autocast (and pure bf16), AdamW vs SGD (and Adafactor), checkpointing on/off,
 # batch and sequence variations, three model sizes.
 CONFIGS = [
     {"size": "llama-134m", "precision": "fp32", "optimizer": "adamw", "ckpt": "none", "b": 4, "s": 512},
@@ -46,6 +46,9 @@ CONFIGS = [
     {"size": "llama-953m", "precision": "bf16", "optimizer": "adamw", "ckpt": "full", "b": 8, "s": 2048},
     {"size": "llama-953m", "precision": "pure-bf16", "optimizer": "adamw", "ckpt": "none", "b": 2, "s": 1024},
     {"size": "llama-953m", "precision": "fp32", "optimizer": "sgd", "ckpt": "none", "b": 1, "s": 1024},
+    # torch.optim.Adafactor (PyTorch >= 2.5), foreach: factored second moments, no momentum.
+    {"size": "llama-374m", "precision": "fp32", "optimizer": "adafactor", "ckpt": "none", "b": 2, "s": 1024},
+    {"size": "llama-953m", "precision": "bf16", "optimizer": "adafactor", "ckpt": "none", "b": 1, "s": 2048},
 ]
 
 
@@ -153,6 +156,8 @@ def run_one(cfg, steps):
     params = sum(p.numel() for p in model.parameters())
     if cfg["optimizer"] == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+    elif cfg["optimizer"] == "adafactor":
+        opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, foreach=True)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9 if cfg["optimizer"] == "sgd-momentum" else 0.0,
                               foreach=True)

@@ -23,6 +23,7 @@ constexpr const char* kQlora = "Dettmers et al. 2023, arXiv 2305.14314 (NF4, blo
 constexpr const char* kLora = "Hu et al. 2021, arXiv 2106.09685 (B [out, r] · A [r, in])";
 constexpr const char* kTorch = "PyTorch: torch.optim.AdamW foreach, torch.amp autocast cache, CUDACachingAllocator";
 constexpr const char* kKo2 = "okoge-kaz memory-estimator notes (CUDA context ~300-500 MB, NCCL ~0.5 GB per communicator)";
+constexpr const char* kAdafactor = "Shazeer & Stern 2018, arXiv 1804.04235 (factored second moments); torch.optim.Adafactor";
 constexpr const char* kTorchBlas = "PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp (parseChosenWorkspaceSize: :4096:8 on sm_90)";
 
 std::string num(double x) { return fmt::format("{:.6g}", x); }
@@ -41,6 +42,7 @@ const char* optimizer_label(Optimizer o) {
     case Optimizer::Adam: return "Adam/AdamW";
     case Optimizer::Adam8bit: return "8-bit Adam";
     case Optimizer::SGD: return "SGD";
+    case Optimizer::Adafactor: return "Adafactor";
     default: return "SGD with momentum";
   }
 }
@@ -146,6 +148,14 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
   if (sb.master > 0)
     r.lines.push_back({"master weights (fp32)", sb.master * trainable / s_div,
                        fmt::format("4 B x Ψ_trainable{}", s_div > 1 ? " / N_d" : ""), kZero, opt_place, Basis::Formula});
+  if (o.optimizer == Optimizer::Adafactor) {
+    if (lora) throw UsageError("Adafactor with LoRA is not modelled (its factored states follow each adapter's shape)");
+    const double elems = adafactor_state_elements(m) * gp.all / double(m.params()), bytes = o.precision == Precision::BF16 ? 2 : 4;
+    r.lines.push_back({"optimizer states (Adafactor, factored)", bytes * elems / s_div,
+                       fmt::format("{} B x (Σ matrices rows + cols + vectors) = {} x {} elements{}", bytes, bytes, num(elems),
+                                   s_div > 1 ? " / N_d" : ""),
+                       kAdafactor, opt_place, Basis::Formula});
+  }
   if (sb.optim > 0)
     r.lines.push_back({"optimizer states", sb.optim * trainable / s_div,
                        fmt::format("{} B x Ψ_trainable{} ({}; K = {} with the master copy)", num(sb.optim), s_div > 1 ? " / N_d" : "",
@@ -250,6 +260,7 @@ MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, c
                      o.optimizer == Optimizer::Adam ? fmt::format("exp_avg + exp_avg_sq: 2 x {} B x Ψ", p)
                      : o.optimizer == Optimizer::SGDMomentum ? fmt::format("momentum buffer: {} B x Ψ", p)
                      : o.optimizer == Optimizer::Adam8bit ? "2 x 1 B x Ψ + fp32 absmax per 2048 (bitsandbytes)"
+                     : o.optimizer == Optimizer::Adafactor ? fmt::format("Adafactor: {} B x (rows + cols) per matrix, x n per vector", p)
                                                           : "none",
                      o.optimizer == Optimizer::Adam8bit ? k8bit : kTorch, Place::Device, Basis::Formula});
   r.lines.push_back({"activations (saved for backward)", P.act,
@@ -292,10 +303,13 @@ MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
                a = double(m.heads);
 
   // Parameter tensors (numel), in bench/train_mem.py's module order.
-  std::vector<double> layer_mats = {q * h, kv * h, kv * h, h * q, H * h, H * h, h * H};
+  const std::vector<std::pair<double, double>> layer_shapes = {{q, h}, {kv, h}, {kv, h}, {h, q}, {H, h}, {H, h}, {h, H}};  // [rows, cols]
+  std::vector<double> layer_mats;
+  for (const auto& [rows, cols] : layer_shapes) layer_mats.push_back(rows * cols);
   std::vector<double> layer_vecs = {h, h};
   std::vector<double> other = {V * h, h};
-  if (!m.tied) other.push_back(V * h);
+  std::vector<std::pair<double, double>> other_shapes = {{V, h}, {h, 0}};  // cols 0: a vector
+  if (!m.tied) other.push_back(V * h), other_shapes.push_back({V, h});
   auto sum_over = [&](const std::function<double(double)>& f, const std::vector<double>& v) {
     double t = 0;
     for (double n : v) t += f(n);
@@ -323,6 +337,19 @@ MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
         break;
       }
       case Optimizer::SGD: break;
+      case Optimizer::Adafactor: {
+        // torch.optim.Adafactor (foreach): row and column variances per matrix, a full variance
+        // per vector, a step scalar per tensor; the step's var_estimates are a full-size copy of
+        // every matrix at once (_multi_tensor_adafactor), the vectors' a clone.
+        auto f = [&](const std::pair<double, double>& rc) { return R(p * rc.first) + R(p * rc.second) + R(4); };
+        auto vec = [&](double n) { return R(p * n) + R(4); };
+        double st = sum_over(vec, layer_vecs), st_other = 0;
+        for (const auto& rc : layer_shapes) st += f(rc);
+        for (const auto& rc : other_shapes) st_other += rc.second == 0 ? vec(rc.first) : f(rc);
+        S = double(m.layers) * st + st_other;
+        T_opt = per_param(p);
+        break;
+      }
     }
     // Autocast's bf16 copies of the Linear weights (cached until autocast exits; saved by the linears).
     const double cw_layer = autocast ? sum_over([&](double n) { return R(2 * n); }, layer_mats) : 0;
@@ -378,6 +405,15 @@ double torch_cublas_workspace_bytes(const std::string& gpu) {
   return is_sm90_gpu(gpu) ? 4096.0 * 8 * 1024 : 4096.0 * 1024 * 2 + 16.0 * 1024 * 8;
 }
 
+double adafactor_state_elements(const ModelShape& m) {
+  const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden), V = double(m.vocab);
+  const double mlp = m.mlp == Mlp::SwiGLU ? 2 * (H + h) + (h + H) : (H + h) + (h + H);  // gate, up [H, h]; down [h, H]
+  const double layer = (q + h) + 2 * (kv + h) + (h + q) + mlp + double(m.layer_params() - m.layer_linear_params());
+  const double embed = (V + h) + double(m.embed_params()) - V * h;  // learned positions (GPT) in full
+  const double head = double(m.head_params()) - (m.tied ? 0 : V * h) + (m.tied ? 0 : V + h);
+  return double(m.layers) * layer + embed + head;
+}
+
 void add_torch_cuda_lines(MemReport& r, const TrainOptions& o) {
   const double ws = torch_cublas_workspace_bytes(o.gpu);
   r.lines.push_back({"cuBLAS workspaces", 2 * ws,
@@ -409,7 +445,8 @@ Optimizer optimizer_from_name(const std::string& s) {
   if (n == "adam8bit" || n == "adam-8bit" || n == "8bit-adam") return Optimizer::Adam8bit;
   if (n == "sgd") return Optimizer::SGD;
   if (n == "sgd-momentum" || n == "momentum") return Optimizer::SGDMomentum;
-  throw UsageError("unknown optimizer '" + s + "' (adam, adamw, adam8bit, sgd, sgd-momentum)");
+  if (n == "adafactor") return Optimizer::Adafactor;
+  throw UsageError("unknown optimizer '" + s + "' (adam, adamw, adam8bit, sgd, sgd-momentum, adafactor)");
 }
 
 Checkpointing checkpointing_from_name(const std::string& s) {
@@ -450,6 +487,7 @@ StateBytes state_bytes(Precision p, Optimizer o, Framework f) {
     case Optimizer::Adam8bit: s.optim = 2 + 8.0 / 2048; break;
     case Optimizer::SGD: s.optim = 0; break;
     case Optimizer::SGDMomentum: s.optim = state; break;
+    case Optimizer::Adafactor: s.optim = 0; break;  // factored: O(rows + cols), a line of its own
   }
   return s;
 }

@@ -37,7 +37,10 @@ enum class Precision {
   BF16,   ///< pure bf16: weights, gradients and optimizer states in bf16, no master copy
 };
 /// Optimizer (Adam and AdamW hold the same state).
-enum class Optimizer { Adam, Adam8bit, SGD, SGDMomentum };
+/// Adafactor: factored second moments (Shazeer & Stern 2018, arXiv 1804.04235, §3), no momentum,
+/// as torch.optim.Adafactor keeps them: per matrix [rows, cols] a row and a column vector, per
+/// vector parameter a full one, in the parameters' dtype.
+enum class Optimizer { Adam, Adam8bit, SGD, SGDMomentum, Adafactor };
 /// Activation checkpointing (KORTH §4 / §5).
 enum class Checkpointing { None, Selective, Full };
 /// Where offloaded tensors go.
@@ -94,6 +97,11 @@ bool is_sm90_gpu(const std::string& gpu);
 /// (parseChosenWorkspaceSize, getCUDABlasLtWorkspaceSize). A training step holds two: the
 /// forward thread's handle and the autograd engine's backward thread's.
 double torch_cublas_workspace_bytes(const std::string& gpu);
+
+/// Elements of Adafactor's factored second moments for the whole model (before partitioning):
+/// Σ over matrices [rows, cols] of rows + cols (token embedding and an untied output included),
+/// plus every vector parameter in full (ModelShape's block matrices and norms).
+double adafactor_state_elements(const ModelShape& m);
 
 /// A PyTorch training process's CUDA lines: its two cuBLAS workspaces (device, inside
 /// max_memory_allocated) and the CUDA context (gpu-other: measured on an H100, else assumed).

@@ -112,6 +112,8 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
       o.checkpointing == Checkpointing::Selective || o.precision == Precision::Mixed)
     throw UsageError("--framework litgpt models LitGPT's finetune scripts with bf16-true or 32-true precision on one GPU or FSDP "
                      "(--fsdp full): no TP/PP, offload, selective checkpointing or mixed precision");
+  if (o.optimizer == Optimizer::Adafactor || o.optimizer == Optimizer::SGDMomentum)
+    throw UsageError("--framework litgpt models AdamW, 8-bit AdamW and SGD (the optimizers of LitGPT's recipes)");
   const Block B = block_of(o.block);
   const double e = o.precision == Precision::FP32 ? 4 : 2, T = double(o.micro_batch) * double(o.seq_len);
   const double P = double(m.params()), N = o.dp, h = double(m.dim), V = double(m.vocab);

@@ -232,6 +232,21 @@ TEST_CASE("Training estimator options move the lines the right way", "[mem]") {
         Approx(ds_zero3_model_states(double(m.params()), double(m.largest_layer_params()), 8, 1, false, false).gpu));
 }
 
+TEST_CASE("Adafactor's factored states: rows + cols per matrix, vectors in full", "[mem]") {
+  const ModelShape m = preset("tinyllama-1.1b");  // untied, SwiGLU, GQA
+  const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden), V = double(m.vocab);
+  const double layer = (q + h) + 2 * (kv + h) + (h + q) + 2 * (H + h) + (h + H) + 2 * h;  // q k v o, gate up down, 2 norms
+  CHECK(adafactor_state_elements(m) == double(m.layers) * layer + (V + h) + h + (V + h));
+  TrainOptions o;
+  o.optimizer = Optimizer::Adafactor, o.precision = Precision::FP32;
+  const MemReport r = estimate_training(m, o);
+  CHECK(lines_sum(r, {"optimizer states (Adafactor, factored)"}) == 4 * adafactor_state_elements(m));
+  CHECK(lines_sum(r, {"optimizer states"}) == 0);
+  o.lora_rank = 8;
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+  CHECK(optimizer_from_name("Adafactor") == Optimizer::Adafactor);
+}
+
 TEST_CASE("PyTorch framework: phases, allocator rounding and the AdamW step", "[mem]") {
   ModelShape m = preset("tinyllama-1.1b");
   m.kv_heads = m.heads;  // bench/train_mem.py's models are multi-head
@@ -257,6 +272,12 @@ TEST_CASE("PyTorch framework: phases, allocator rounding and the AdamW step", "[
         Approx(2 * (32.0 * MiB - 8.125 * MiB)).margin(1));
   CHECK(lines_sum(h100, {"CUDA context (PyTorch)"}) == 767.0 * MiB);
   CHECK(lines_sum(a100, {"CUDA context"}) == 512.0 * MiB);
+  // Adafactor (torch.optim.Adafactor, foreach): factored states, a step copy of every matrix.
+  o.optimizer = Optimizer::Adafactor;
+  const MemReport af = estimate_training(m, o);
+  CHECK(af.extra["peak_phase"] == "optimizer step");
+  CHECK(af.total(Place::Device) < r.total(Place::Device));  // no moments: 4 + 4 + 4 B/param against AdamW's 20
+  CHECK(af.total(Place::Device) == Approx(12 * psi).epsilon(0.02));
   // Long sequences move the peak into the backward pass; checkpointing lowers it.
   o.seq_len = 8192;
   const MemReport lng = estimate_training(m, o);

@@ -176,7 +176,7 @@ int main(int argc, char** argv) {
                  }() + "), a .llmq or .gguf file, a config.json or a directory holding one")
       ->required();
   tr->add_option("--precision", ta.precision, "fp32 | fp16 / bf16 / mixed (16-bit compute, fp32 master) | pure-bf16");
-  tr->add_option("--optimizer", ta.optimizer, "adam | adamw | adam8bit | sgd | sgd-momentum");
+  tr->add_option("--optimizer", ta.optimizer, "adam | adamw | adam8bit | sgd | sgd-momentum | adafactor");
   tr->add_option("-b,--micro-batch", to.micro_batch, "sequences per GPU per forward pass");
   tr->add_option("-s,--seq", to.seq_len, "sequence length");
   tr->add_option("--grad-accum", to.grad_accum, "micro-batches per optimizer step");
