@@ -74,8 +74,7 @@ MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
   t += b * P * (2 * h + 2 * double(m.hidden)) * 2;
   tf += " + the prefill's activations of one layer";
   r.lines.push_back({"prefill transients", t, tf, kHf, Place::Device, Basis::Formula});
-  r.lines.push_back({"CUDA context + cuBLAS workspace", 512.0 * (1 << 20), "assumed constant per GPU (outside max_memory_allocated)", "",
-                     Place::GpuOther, Basis::Assumed});
+  add_torch_cuda_lines(r, o.gpu, 1, 512.0 * (1 << 20));  // generation: one thread, one cuBLAS handle
   r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
   return r;
 }

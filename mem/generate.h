@@ -20,6 +20,7 @@ struct GenerateOptions {
   int64_t new_tokens = 64;
   bool flash = true;        ///< false: eager attention keeps [b, heads, prompt, prompt] scores during the prefill
   int compute_bytes = 2;    ///< bitsandbytes 4-bit compute dtype (4: float32, transformers' old default)
+  std::string gpu;          ///< GPU model (--gpu): PyTorch's cuBLAS workspace is 32 MiB on sm_90, 8 MiB elsewhere
 };
 
 /// The report: weights (Linear layers in the weight format, the rest in 16 bits; the output

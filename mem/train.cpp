@@ -278,7 +278,7 @@ MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, c
   r.lines.push_back({"allocator rounding", blocks_total - P.total(),
                      "Σ per tensor (round_up(n, 512) - n), large segments to 2 MiB when < 1 MiB would remain", kTorch, Place::Device,
                      Basis::Formula});
-  add_torch_cuda_lines(r, o);
+  add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes);
   if (o.dp > 1)
     r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
                        Basis::Assumed});
@@ -414,20 +414,21 @@ double adafactor_state_elements(const ModelShape& m) {
   return double(m.layers) * layer + embed + head;
 }
 
-void add_torch_cuda_lines(MemReport& r, const TrainOptions& o) {
-  const double ws = torch_cublas_workspace_bytes(o.gpu);
-  r.lines.push_back({"cuBLAS workspaces", 2 * ws,
-                     fmt::format("2 handles (forward thread, autograd's backward thread) x {} ({})", format_bytes(ws),
-                                 is_sm90_gpu(o.gpu) ? "sm_90" : o.gpu.empty() ? "not sm_90: no --gpu given" : "not sm_90"),
+void add_torch_cuda_lines(MemReport& r, const std::string& gpu, int handles, double assumed_context) {
+  const double ws = torch_cublas_workspace_bytes(gpu);
+  r.lines.push_back({handles == 1 ? "cuBLAS workspace" : "cuBLAS workspaces", handles * ws,
+                     fmt::format("{} x {} ({}){}", handles, format_bytes(ws),
+                                 is_sm90_gpu(gpu) ? "sm_90" : gpu.empty() ? "not sm_90: no --gpu given" : "not sm_90",
+                                 handles == 2 ? ": the forward thread's and autograd's backward thread's handles" : ""),
                      kTorchBlas, Place::Device, Basis::Formula});
   // The context (outside max_memory_allocated): torch.cuda.mem_get_info's used bytes minus
   // max_memory_reserved in bench/train_mem.py, 751-767 MiB on an H100 80GB HBM3 (PyTorch
   // 2.11.0+cu130, driver 580; bench/RESULTS.md); elsewhere not measured.
-  if (lower(o.gpu).find("h100") != std::string::npos)
+  if (lower(gpu).find("h100") != std::string::npos)
     r.lines.push_back({"CUDA context (PyTorch)", 767.0 * (1 << 20), "measured: H100 80GB, PyTorch 2.11 + CUDA 13.0, driver 580 (751-767 MiB)",
                        "bench/train_mem.py on an H100 (bench/RESULTS.md)", Place::GpuOther, Basis::Measured});
   else
-    r.lines.push_back({"CUDA context", o.cuda_context_bytes, "assumed constant per GPU (measured only on an H100: 767 MiB with PyTorch)", kKo2,
+    r.lines.push_back({"CUDA context", assumed_context, "assumed constant per GPU (measured only on an H100: 767 MiB with PyTorch)", kKo2,
                        Place::GpuOther, Basis::Assumed});
 }
 

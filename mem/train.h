@@ -103,9 +103,10 @@ double torch_cublas_workspace_bytes(const std::string& gpu);
 /// plus every vector parameter in full (ModelShape's block matrices and norms).
 double adafactor_state_elements(const ModelShape& m);
 
-/// A PyTorch training process's CUDA lines: its two cuBLAS workspaces (device, inside
-/// max_memory_allocated) and the CUDA context (gpu-other: measured on an H100, else assumed).
-void add_torch_cuda_lines(MemReport& r, const TrainOptions& o);
+/// A PyTorch process's CUDA lines on `gpu`: `handles` cuBLAS workspaces (device, inside
+/// max_memory_allocated; training 2: the forward thread's and autograd's backward thread's;
+/// generation 1) and the CUDA context (gpu-other: measured on an H100, else `assumed_context`).
+void add_torch_cuda_lines(MemReport& r, const std::string& gpu, int handles, double assumed_context);
 
 /// Bytes per trainable parameter of each model state (before any partitioning).
 struct StateBytes {

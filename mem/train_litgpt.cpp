@@ -179,7 +179,7 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                          fmt::format("e·Ψ (unsharded checkpoint) + e·Ψ/N (the shards) = {}", format_bytes(load)), kFsdp, Place::Device,
                          Basis::Formula});
   }
-  add_torch_cuda_lines(r, o);
+  add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes);
   r.notes.push_back(fmt::format("LitGPT block '{}' ({}, {} MLP, {} residual{}), code of {}", o.block, B.rms ? "RMSNorm" : "LayerNorm",
                                 B.gated ? "gated" : "GELU", B.parallel ? "parallel" : "sequential", B.shared_norm ? ", shared norm" : "",
                                 o.litgpt_version >= 2024 ? "litgpt 2024 (00af8b0d)" : "lit-gpt 2023 (8641822)"));

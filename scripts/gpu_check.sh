@@ -21,7 +21,8 @@
 #                llmq-convert), interleaved; llmq-run's GPU peak (nvidia-smi) against llmq-mem infer
 #                on each; and test-backend-ops perf on the MUL_MAT shapes of the issue
 #     tools      llmq-run (offload, --tp 2, ranks as processes), llmq-server
-#     train      bench/train_mem.py: PyTorch's peak vs llmq-mem train
+#     train      bench/train_mem.py: PyTorch's peak vs llmq-mem train; bench/generate_mem.py:
+#                transformers' generate() peak vs llmq-mem generate
 #   DRY=1 bash scripts/gpu_check.sh ...  # print the commands only
 # The default order puts what a session has not measured yet before what it re-measures, so a
 # call cut short by its time limit still brings back the new numbers.
@@ -186,6 +187,7 @@ run_phase() {
       ;;
     train)
       step train-mem ${TRAIN_SECS:-240} "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
+      step generate-mem ${GENERATE_SECS:-150} "python3 bench/generate_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/generate_mem.json"
       ;;
     *)
       echo "gpu_check.sh: unknown phase '$phase' (info tests sanitizer lab bench peer tools train)" >&2

@@ -625,6 +625,10 @@ TEST_CASE("llmq-mem generate: transformers and LitGPT generation as published", 
   CHECK(lines_sum(estimate_generate(preset("llama-2-7b"), o), {"weights: Linear layers"}) == Approx(lin16 * 0.5625 / 2));
   o.weights = "bf16", o.flash = false;
   CHECK(estimate_generate(preset("llama-2-7b"), o).total(Place::Device) > bf16 + 32 * 4000.0 * 4000 * 6 - 1);
+  // One cuBLAS workspace (one thread's handle), inside the device total: 32 MiB on sm_90.
+  o.flash = true, o.gpu = "H100";
+  CHECK(lines_sum(estimate_generate(preset("llama-2-7b"), o), {"cuBLAS workspace"}) == 32.0 * MiB);
+  CHECK(estimate_generate(preset("llama-2-7b"), o).total(Place::Device) == Approx(bf16 + 32.0 * MiB - 8.125 * MiB));
   o.weights = "q4";
   CHECK_THROWS_AS(estimate_generate(preset("llama-2-7b"), o), UsageError);
 }

@@ -218,6 +218,7 @@ int main(int argc, char** argv) {
   gen->add_option("--kv-len", ga.go.kv_len, "KV-cache positions (default: prompt + new tokens; torchtune: the model's max_seq_len)");
   gen->add_option("--compute-bytes", ga.go.compute_bytes, "bitsandbytes 4-bit compute dtype bytes (2: bf16, 4: float32)");
   gen->add_flag("--no-flash", ga.no_flash, "eager attention (the prefill keeps the score matrices)");
+  gen->add_option("--gpu", ga.go.gpu, "GPU model, e.g. H100 (sizes PyTorch's cuBLAS workspace; the H100's context is measured)");
   gen->add_flag("--json", ga.json, "JSON output");
   gen->add_option("--svg", ga.svg, "also write a stacked bar chart to this SVG file");
 

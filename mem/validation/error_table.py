@@ -149,6 +149,8 @@ def generate_flags(case: dict) -> list[str]:
         dq = (r.get("qlora") or {}).get("double_quant")
         weights = "fp4" if fw == "transformers" else "nf4-dq" if dq else "nf4"
     out = ["--framework", fw, "--weights", weights, "-b", str(r["micro_batch"] or 1)]
+    if case.get("gpu"):
+        out += ["--gpu", case["gpu"]]
     if fw == "torchtune":
         out += ["--prompt", "6", "--kv-len", str(r["seq"])]
     else:
