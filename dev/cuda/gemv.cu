@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/matmul.h"
 #include "dev/cuda/lab.h"
@@ -35,18 +36,6 @@ using namespace llmq::cuda;
 
 namespace {
 
-__device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-__device__ __forceinline__ float wsum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ int dp4a4(uint4 a, int4 b, int acc) {
-  acc = __dp4a(int(a.x), b.x, acc);
-  acc = __dp4a(int(a.y), b.y, acc);
-  acc = __dp4a(int(a.z), b.z, acc);
-  return __dp4a(int(a.w), b.w, acc);
-}
 template <bool kStream>
 __device__ __forceinline__ uint4 ldw(const uint4* p) {
   if constexpr (kStream) {
@@ -68,7 +57,7 @@ __device__ __forceinline__ void store_rows(float (&acc)[R][T], float* __restrict
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int t = 0; t < T; ++t) {
-        const float v = wsum(acc[r][t]);
+        const float v = warp_sum(acc[r][t]);
         if (lane == 0 && row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
       }
   } else {
@@ -77,7 +66,7 @@ __device__ __forceinline__ void store_rows(float (&acc)[R][T], float* __restrict
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int t = 0; t < T; ++t) {
-        const float v = wsum(acc[r][t]);
+        const float v = warp_sum(acc[r][t]);
         if (lane == 0) part[warp][r * T + t] = v;
       }
     __syncthreads();
@@ -120,7 +109,7 @@ __global__ void __launch_bounds__(32 * W) gemv_lab(const uint8_t* __restrict__ w
     float dw[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      w0[r] = ldw<kStream>(w[r] + kChunks * b), dw[r] = h2f(__ldg(d[r] + b));
+      w0[r] = ldw<kStream>(w[r] + kChunks * b), dw[r] = fp16_bits_to_float(__ldg(d[r] + b));
       if constexpr (kQ8) w1[r] = ldw<kStream>(w[r] + 2 * b + 1);
     }
 #pragma unroll
@@ -182,15 +171,6 @@ std::vector<Case> cases(DType type) {
   return c;
 }
 
-double max_rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num = std::max(num, double(std::fabs(a[i] - ref[i]))), den = std::max(den, double(std::fabs(ref[i])));
-  }
-  return num / den;
-}
-
 template <int T>
 void run_type(DType type, const std::vector<Shape>& shapes, int reps, double copy_gbs) {
   std::vector<Case> cs = cases<T>(type);
@@ -211,7 +191,7 @@ void run_type(DType type, const std::vector<Shape>& shapes, int reps, double cop
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       y.download(ci == 0 ? ref.data() : got.data(), ref.size() * 4);
-      const double err = ci == 0 ? 0.0 : max_rel_err(got, ref);
+      const double err = ci == 0 ? 0.0 : lab::max_rel_err(got, ref);
       int i = 0;
       const double ms = best_time_ms(reps, [&] {
         for (int k = 0; k < copies; ++k) cs[ci].run(ws[(i++) % copies], xq, x.as<float>(), y.as<float>());

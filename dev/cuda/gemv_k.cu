@@ -26,8 +26,11 @@
 #include <string>
 #include <vector>
 
+#include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/matmul.h"
+#include "engine/cuda/raw_blocks.cuh"
+#include "dev/cuda/lab.h"
 #include "formats/quant.h"
 
 using namespace llmq;
@@ -37,19 +40,6 @@ using namespace llmq::cuda;
 
 namespace {
 
-__device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-__device__ __forceinline__ float wsum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ int dp4a4(uint4 a, int4 b, int acc) {
-  acc = __dp4a(int(a.x), b.x, acc);
-  acc = __dp4a(int(a.y), b.y, acc);
-  acc = __dp4a(int(a.z), b.z, acc);
-  return __dp4a(int(a.w), b.w, acc);
-}
-
 template <int R>
 __device__ __forceinline__ void store(float (&acc)[R][8], float* y, int rows, int row0, int T) {
 #pragma unroll
@@ -57,7 +47,7 @@ __device__ __forceinline__ void store(float (&acc)[R][8], float* y, int rows, in
 #pragma unroll
     for (int t = 0; t < 8; ++t)
       if (t < T) {
-        const float v = wsum(acc[r][t]);
+        const float v = warp_sum(acc[r][t]);
         if (threadIdx.x == 0 && row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
       }
 }
@@ -85,12 +75,11 @@ __global__ void __launch_bounds__(128) q4k_v2(const uint8_t* __restrict__ wq, si
       const uint32_t sw[3] = {__ldg(reinterpret_cast<const uint32_t*>(blk + 4)), __ldg(reinterpret_cast<const uint32_t*>(blk + 8)),
                               __ldg(reinterpret_cast<const uint32_t*>(blk + 12))};
       auto sbyte = [&](int i) { return int((sw[i / 4] >> (8 * (i % 4))) & 255); };
-      const float d = h2f(uint16_t(dm & 0xffff)), dmin = h2f(uint16_t(dm >> 16));
+      const float d = fp16_bits_to_float(uint16_t(dm & 0xffff)), dmin = fp16_bits_to_float(uint16_t(dm >> 16));
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int j = 2 * p + h;
-        const int sc = j < 4 ? sbyte(j) & 63 : (sbyte(j + 4) & 15) | (sbyte(j - 4) >> 6) << 4;
-        const int mn = j < 4 ? sbyte(j + 4) & 63 : (sbyte(j + 4) >> 4) | (sbyte(j) >> 6) << 4;
+        int sc, mn;
+        k4_scale_min(sbyte, 2 * p + h, sc, mn);
         a[r][h] = d * float(sc), m[r][h] = dmin * float(mn);
       }
     }
@@ -135,7 +124,7 @@ __global__ void __launch_bounds__(128) q6k_v2(const uint8_t* __restrict__ wq, si
 #pragma unroll
         for (int c = 0; c < 2; ++c)
           v[r][g][c] = (((g % 2 == 0 ? la[c] : lb[c]) >> (4 * (g / 2))) & 0x0f0f0f0fu) | ((hb[c] >> (2 * g)) & 0x03030303u) << 4;
-      const float d = h2f(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
+      const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
       const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
 #pragma unroll
       for (int g = 0; g < 4; ++g) sc[r][g] = d * float(__ldg(scales + 2 * g));
@@ -214,26 +203,14 @@ struct KCopies {
   }
 };
 
-double max_rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num = std::max(num, double(std::fabs(a[i] - ref[i]))), den = std::max(den, double(std::fabs(ref[i])));
-  }
-  return num / den;
-}
-
 void run_type(DType type, const std::vector<Shape>& shapes, int T, int reps, double copy_gbs) {
   const std::vector<Case> cs = cases(type);
   for (const Shape& sh : shapes) {
     const KCopies wc(type, sh.rows, sh.cols);
     const double bytes = double(row_bytes(type, sh.cols)) * sh.rows;
-    DeviceBuffer x(size_t(T) * sh.cols * 4), q(size_t(T) * sh.cols), d(size_t(T) * sh.cols / 8), s(size_t(T) * sh.cols / 8);
-    std::vector<float> hx(size_t(T) * sh.cols);
-    std::mt19937 rng(7);
-    for (auto& v : hx) v = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
-    x.upload(hx.data(), hx.size() * 4);
-    const DeviceActQ8 xq{q.as<int8_t>(), d.as<float>(), s.as<float>()};
+    const lab::Activations act(T, sh.cols);
+    const DeviceBuffer& x = act.x;
+    const DeviceActQ8 xq = act.xq;
     quantize_act(x.as<float>(), xq, T, sh.cols, nullptr);
     DeviceBuffer y(size_t(T) * sh.rows * 4);
     std::vector<float> ref(size_t(T) * sh.rows), got(ref.size());
@@ -243,7 +220,7 @@ void run_type(DType type, const std::vector<Shape>& shapes, int T, int reps, dou
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       y.download(ci == 0 ? ref.data() : got.data(), ref.size() * 4);
-      const double err = ci == 0 ? 0.0 : max_rel_err(got, ref), tol = cs[ci].int8 ? 2e-2 : 1e-4;
+      const double err = ci == 0 ? 0.0 : lab::max_rel_err(got, ref), tol = cs[ci].int8 ? 2e-2 : 1e-4;
       size_t i = 0;
       const double ms = best_time_ms(reps, [&] {
         for (size_t c = 0; c < wc.w.size(); ++c) cs[ci].run(wc.w[(i++) % wc.w.size()], xq, x.as<float>(), y.as<float>(), T);

@@ -1,7 +1,9 @@
 // What the dev/cuda labs share: a matrix in enough copies that timed calls read DRAM, not L2,
-// and random activations with their int8 quantization (quantize_act's layout).
+// random activations with their int8 quantization (quantize_act's layout), and the error check.
+// Device helpers (warp_sum, fp16_bits_to_float, dp4a4) come from engine/cuda/common.cuh.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <vector>
 
@@ -39,5 +41,15 @@ struct Activations {
     xq = {q.as<int8_t>(), d.as<float>(), s.as<float>()};
   }
 };
+
+/// max |a - ref| / max |ref|; infinite when a holds a NaN or an infinity (the check before timing).
+inline double max_rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num = std::max(num, double(std::fabs(a[i] - ref[i]))), den = std::max(den, double(std::fabs(ref[i])));
+  }
+  return num / den;
+}
 
 }  // namespace llmq::cuda::lab

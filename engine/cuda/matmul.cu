@@ -178,13 +178,6 @@ namespace {
 // so the weights are read once.
 constexpr int kGemvWarps = 4;
 
-__device__ __forceinline__ int dp4a4(uint4 a, int4 b, int acc) {
-  acc = __dp4a(int(a.x), b.x, acc);
-  acc = __dp4a(int(a.y), b.y, acc);
-  acc = __dp4a(int(a.z), b.z, acc);
-  return __dp4a(int(a.w), b.w, acc);
-}
-
 __device__ __forceinline__ void store_rows(float (&acc)[kGemvMaxTokens], float* y, int64_t ldy, int64_t row, int T) {
 #pragma unroll
   for (int t = 0; t < kGemvMaxTokens; ++t)
@@ -425,9 +418,8 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 6) gemv_q4k_kernel(const uint
       const float d = fp16_bits_to_float(uint16_t(dm & 0xffff)), dmin = fp16_bits_to_float(uint16_t(dm >> 16));
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int j = 2 * p + h;
-        const int sc = j < 4 ? sbyte(j) & 63 : (sbyte(j + 4) & 15) | (sbyte(j - 4) >> 6) << 4;
-        const int mn = j < 4 ? sbyte(j + 4) & 63 : (sbyte(j + 4) >> 4) | (sbyte(j) >> 6) << 4;
+        int sc, mn;
+        k4_scale_min(sbyte, 2 * p + h, sc, mn);
         a[r][h] = d * float(sc), m[r][h] = dmin * float(mn);
       }
     }

@@ -22,6 +22,14 @@ __host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) {
 
 __device__ __forceinline__ float half_at(const uint8_t* p) { return fp16_bits_to_float(uint16_t(p[0] | (p[1] << 8))); }
 
+/// Sub-block j's (0..7) 6-bit scale and minimum of a Q4_K / Q5_K super-block, from its 12
+/// packed scale bytes: byte(i) returns byte i (formats/quant.h has the packing).
+template <class Byte>
+__device__ __forceinline__ void k4_scale_min(const Byte& byte, int j, int& sc, int& mn) {
+  sc = j < 4 ? byte(j) & 63 : (byte(j + 4) & 15) | (byte(j - 4) >> 6) << 4;
+  mn = j < 4 ? byte(j + 4) & 63 : (byte(j + 4) >> 4) | (byte(j) >> 6) << 4;
+}
+
 /// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
 __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* w) {
   if (t == DType::Q5_0 || t == DType::Q5_1) {
@@ -40,8 +48,8 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
     const uint8_t* blk = row + (b / 8) * (five ? 176 : 144);
     const int j = int(b % 8);
     const uint8_t* s = blk + 4;
-    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
-    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    int sc, mn;
+    k4_scale_min([&](int i) { return int(s[i]); }, j, sc, mn);
     const float a = half_at(blk) * float(sc), m = half_at(blk + 2) * float(mn);
     const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
     for (int l = 0; l < 32; ++l) {
