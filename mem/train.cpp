@@ -285,7 +285,7 @@ MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, c
   r.notes.push_back(fmt::format("peak phase: {} (of {} phases modelled); precision {}", P.name, n_phases, prec));
   r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
   r.extra["peak_phase"] = P.name;
-  r.extra["predicted_max_memory_allocated"] = std::llround(blocks_total + 2 * torch_cublas_workspace_bytes(o.gpu));
+  r.extra["predicted_max_memory_allocated"] = std::llround(r.total(Place::Device));  // the allocator's blocks and the workspaces
   return r;
 }
 
@@ -307,9 +307,10 @@ MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
   std::vector<double> layer_mats;
   for (const auto& [rows, cols] : layer_shapes) layer_mats.push_back(rows * cols);
   std::vector<double> layer_vecs = {h, h};
-  std::vector<double> other = {V * h, h};
-  std::vector<std::pair<double, double>> other_shapes = {{V, h}, {h, 0}};  // cols 0: a vector
-  if (!m.tied) other.push_back(V * h), other_shapes.push_back({V, h});
+  std::vector<std::pair<double, double>> other_shapes = {{V, h}, {h, 0}};  // embedding, final norm (cols 0: a vector)
+  if (!m.tied) other_shapes.push_back({V, h});
+  std::vector<double> other;
+  for (const auto& [rows, cols] : other_shapes) other.push_back(cols > 0 ? rows * cols : rows);
   auto sum_over = [&](const std::function<double(double)>& f, const std::vector<double>& v) {
     double t = 0;
     for (double n : v) t += f(n);
