@@ -79,24 +79,27 @@ void measure(SessionBase& s, const std::vector<int32_t>& prompt, int64_t n_gen, 
 // --device cuda: the model (`model`, or random weights of `type` with config c) on GPU 0.
 // --profile: one prefill of `prompt` and n_gen greedy steps, timed per op class with CUDA events
 // (ungraphed); milliseconds for the prefill, microseconds per decode step.
+// A profile's time per op class, each times `scale` (1: ms; 1e3 / n: us per step of n), and their "total".
+nlohmann::json op_times(const cuda::OpProfile& prof, double scale) {
+  nlohmann::json j = nlohmann::json::object();
+  double sum = 0;
+  for (const auto& [op, ms] : prof.totals_ms()) j[op] = ms * scale, sum += ms * scale;
+  j["total"] = sum;
+  return j;
+}
+
 nlohmann::json profile_cuda(cuda::CudaSession& s, const std::vector<int32_t>& prompt, int64_t n_gen) {
   cuda::OpProfile prof;
   s.set_profile(&prof);
   s.reset();
   s.prefill(prompt.data(), int64_t(prompt.size()));
-  nlohmann::json j, pre = nlohmann::json::object(), dec = nlohmann::json::object();
-  double sum = 0;
-  for (const auto& [op, ms] : prof.totals_ms()) pre[op] = ms, sum += ms;
-  pre["total"] = sum;
+  nlohmann::json j;
+  j["prefill_ms"] = op_times(prof, 1.0);
   prof.clear();
   int32_t tok = prompt.back();
   for (int64_t i = 0; i < n_gen; ++i) tok = s.decode_greedy(tok);
-  sum = 0;
-  for (const auto& [op, ms] : prof.totals_ms()) dec[op] = ms * 1e3 / double(n_gen), sum += ms * 1e3 / double(n_gen);
-  dec["total"] = sum;
   s.set_profile(nullptr);
-  j["prefill_ms"] = pre;
-  j["decode_us_per_token"] = dec;
+  j["decode_us_per_token"] = op_times(prof, 1e3 / double(n_gen));
   return j;
 }
 
@@ -141,11 +144,7 @@ nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_
   }
   nlohmann::json j = {{"batch", batch}, {"prompt_tokens_each", n_prompt}, {"gen_tokens_each", n_gen},
                       {"aggregate_decode_tok_s", double(batch * n_gen) / best}, {"step_ms", best / double(n_gen) * 1e3}};
-  if (profile) {
-    double sum = 0;
-    for (const auto& [op, ms] : prof.totals_ms()) j["profile_us_per_step"][op] = ms * 1e3 / double(n_gen), sum += ms * 1e3 / double(n_gen);
-    j["profile_us_per_step"]["total"] = sum;
-  }
+  if (profile) j["profile_us_per_step"] = op_times(prof, 1e3 / double(n_gen));
   return j;
 }
 
