@@ -5,9 +5,10 @@ block type (Q4_0 or Q8_0), norms 1.0 in F32, the tokenizer copied from a vocabul
 (llama.cpp's ggml-vocab-llama-spm.gguf for a 32000-token Llama). `--type q4_k_m` writes the mix
 llama.cpp's Q4_K_M gives a Llama: Q6_K for output.weight and for attn_v / ffn_down in the layers
 its use_more_bits rule picks (the first and last eighth, and every third between), Q4_K for the
-rest. Quants are random bytes, the f16 block scales drawn so the weights have a trained Llama's
-spread (std ~0.01-0.02), as llmq-bench --synthetic does. Needs numpy and the gguf-py package (the llama-cpp-python sdist's, put on
-sys.path with --gguf-py).
+rest (the policy llmq-convert --type q4_k_m follows, written again here because this script
+writes the GGUF both engines read). Quants are random bytes, the f16 block scales drawn so the
+weights have a trained Llama's spread (std ~0.01-0.02), as llmq-bench --synthetic does. Needs
+numpy and the gguf-py package (the llama-cpp-python sdist's, put on sys.path with --gguf-py).
 
   python3 scripts/peer_gguf.py --gguf-py .gpu/peer/gguf-py --vocab VOCAB.gguf --type q4_0 -o out.gguf
 """
