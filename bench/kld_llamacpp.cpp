@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
 
   llama_backend_init();
   llama_model_params mp = llama_model_default_params();
+  if (const char* r = std::getenv("LLMQ_PEER_REPACK"); r && std::string(r) == "0") mp.use_extra_bufts = false;  // no repacked kernels
   llama_model* peer = llama_model_load_from_file(argv[1], mp);
   if (!peer) return std::fprintf(stderr, "llama.cpp could not load %s\n", argv[1]), 2;
   llama_context_params cp = llama_context_default_params();

@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "base/error.h"
 #include "engine/cpu/cpu_ops.h"
 #include "test_util.h"
 
@@ -264,12 +265,38 @@ TEST_CASE("quantize_act_q8, dot_f32 and axpy_f32 agree across CPU levels", "[ker
   set_cpu_level(CpuLevel::Scalar);
   std::vector<BlockQ8Act> want(size_t(n / 32));
   quantize_act_q8(x.data(), want.data(), n);
+  // One scale per 256 values (llama.cpp's Q8_K rule, for K-quant weights): 4 groups of the first 1024.
+  const int64_t n256 = 1024;
+  std::vector<BlockQ8Act> want256(size_t(n256 / 32));
+  quantize_act_q8(x.data(), want256.data(), n256, 256);
+  for (int64_t g = 0; g < n256 / 256; ++g) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(x[size_t(g * 256 + i)]));
+    int qmax = 0;
+    for (int64_t b = g * 8; b < g * 8 + 8; ++b) {
+      CHECK(want256[size_t(b)].d == want256[size_t(g * 8)].d);
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const float v = x[size_t(b * 32 + i)], q = float(want256[size_t(b)].qs[i]);
+        CHECK(std::fabs(v - want256[size_t(b)].d * q) <= 0.5001f * want256[size_t(b)].d);
+        qmax = std::max(qmax, std::abs(int(want256[size_t(b)].qs[i])));
+        sum += want256[size_t(b)].qs[i];
+      }
+      CHECK(want256[size_t(b)].s == want256[size_t(b)].d * float(sum));
+    }
+    CHECK(qmax == 127);
+    CHECK(want256[size_t(g * 8)].d == 1.0f / (127.0f / amax));
+  }
+  CHECK_THROWS_AS(quantize_act_q8(x.data(), want256.data(), n256, 64), UsageError);
   for (CpuLevel level : supported_levels()) {
     set_cpu_level(level);
     INFO(cpu_level_name(level));
     std::vector<BlockQ8Act> got(want.size());
     quantize_act_q8(x.data(), got.data(), n);
     CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(BlockQ8Act)) == 0);
+    std::vector<BlockQ8Act> got256(want256.size());
+    quantize_act_q8(x.data(), got256.data(), n256, 256);
+    CHECK(std::memcmp(got256.data(), want256.data(), got256.size() * sizeof(BlockQ8Act)) == 0);
     for (int64_t len : {1, 7, 16, 31, 64, 100}) {
       const auto a = gaussian(size_t(len), rng), b = gaussian(size_t(len), rng);
       double ref = 0;

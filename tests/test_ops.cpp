@@ -383,6 +383,29 @@ Op matmul_op() {
           {{4096, 4096, 1}, {4096, 4096, 8}, {2048, 2048, 128}}};  // --perf: decode, a batch, a prefill chunk
 }
 
+/// matmul against the K-quants with one activation scale per 256 values (set_kquant_act_group,
+/// llama.cpp's Q8_K rule), the CPU levels' only other activation rule; the CUDA backend ignores
+/// it (its K-quant GEMV takes fp32 activations).
+Op matmul_k256_op() {
+  Op m = matmul_op();
+  m.name = "matmul_k256";
+  m.types = {DType::Q4_K, DType::Q5_K, DType::Q6_K};
+  m.shapes = {{19, 256, 1}, {40, 768, 6}, {21, 1280, 3}, {33, 512, 17}};
+  m.perf_shapes.clear();
+  auto make = m.make;
+  m.make = [make](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
+    CaseRun c = make(b, t, s, rng);
+    if (auto keep = c.prepared.run)
+      c.prepared.run = [keep] {
+        set_kquant_act_group(256);
+        keep();
+        set_kquant_act_group(32);
+      };
+    return c;
+  };
+  return m;
+}
+
 Op rmsnorm_op() {
   return {"rmsnorm", {DType::F32}, {{5, 8}, {3, 300}, {2, 4096}},
           [](Backend& b, DType, const Shape& s, std::mt19937_64& rng) {
@@ -551,7 +574,7 @@ Op head_rmsnorm_op() {
 
 /// Every op of the harness.
 std::vector<Op> ops() {
-  return {matmul_op(), rmsnorm_op(), rope_op(), gated_op(Activation::SwiGLU), gated_op(Activation::GeGLU), softmax_op(),
+  return {matmul_op(), matmul_k256_op(), rmsnorm_op(), rope_op(), gated_op(Activation::SwiGLU), gated_op(Activation::GeGLU), softmax_op(),
           attention_op(), embedding_op(), softcap_op(), head_rmsnorm_op()};
 }
 

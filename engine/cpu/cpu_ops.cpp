@@ -92,6 +92,41 @@ void set_cpu_level(CpuLevel level) {
 
 const char* cpu_kernels_name() { return cpu_level_name(cpu_level()); }
 
+// ---------------------------------------------------------------- activation groups
+
+namespace {
+
+std::atomic<int> g_kquant_group{0};  // 0 until first use
+
+int kquant_group_from_env() {
+  const char* env = std::getenv("LLMQ_KQUANT_ACT");
+  if (!env || !*env || std::strcmp(env, "32") == 0) return QK;
+  if (std::strcmp(env, "256") == 0) return QK_K;
+  std::fprintf(stderr, "llmq: unknown LLMQ_KQUANT_ACT=%s (32, 256); using 32\n", env);
+  return QK;
+}
+
+}  // namespace
+
+int kquant_act_group() {
+  int g = g_kquant_group.load(std::memory_order_acquire);
+  if (g == 0) {
+    static const int from_env = kquant_group_from_env();
+    int expected = 0;
+    g_kquant_group.compare_exchange_strong(expected, from_env, std::memory_order_acq_rel);
+    g = g_kquant_group.load(std::memory_order_acquire);
+  }
+  return g;
+}
+
+void set_kquant_act_group(int group) {
+  if (group != QK && group != QK_K)
+    throw UsageError("the activation group of K-quant matmuls is 32 or 256, not " + std::to_string(group));
+  g_kquant_group.store(group, std::memory_order_release);
+}
+
+int act_group(DType type) { return dtype_info(type).block == QK_K ? kquant_act_group() : QK; }
+
 // ---------------------------------------------------------------- dot products
 
 namespace {
@@ -169,20 +204,24 @@ float dot_quant_blocks(DType t, const uint8_t* row, const BlockQ8Act* x, int64_t
 
 namespace {
 
-void quantize_act_q8_scalar(const float* x, BlockQ8Act* out, int64_t n) {
-  for (int64_t b = 0; b < n / QK; ++b, x += QK) {
+void quantize_act_q8_scalar(const float* x, BlockQ8Act* out, int64_t n, int group) {
+  const int per = group / QK;  // blocks of 32 sharing one scale
+  for (int64_t g = 0; g < n / group; ++g) {
     float amax = 0.0f;
-    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
-    for (int j = 0; j < QK; ++j) {
-      const int q = int(std::nearbyint(x[j] * id));
-      out[b].qs[j] = int8_t(q);
-      sum += q;
+    for (int j = 0; j < group; ++j) amax = std::max(amax, std::fabs(x[g * group + j]));
+    const ActScale sc = act_scale(amax, group);
+    for (int i = 0; i < per; ++i) {
+      BlockQ8Act& o = out[g * per + i];
+      const float* xb = x + (g * per + i) * QK;
+      int32_t sum = 0;
+      for (int j = 0; j < QK; ++j) {
+        const int q = int(std::nearbyint(xb[j] * sc.id));
+        o.qs[j] = int8_t(q);
+        sum += q;
+      }
+      o.d = sc.d;
+      o.s = sc.d * float(sum);
     }
-    out[b].d = d;
-    out[b].s = d * float(sum);
   }
 }
 
@@ -250,7 +289,7 @@ void matmul_simd(const x86::Kernels& k, ThreadPool& pool, MatmulScratch& s, cons
   uint8_t* prep = aligned_buffer(s.prep, k.prep_bytes(type, T, K));
   a.prep = prep;
   pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
-    k.quantize_act(x + t0 * K, xq + t0 * nb, xsum + t0 * nb, (t1 - t0) * K);
+    k.quantize_act(x + t0 * K, xq + t0 * nb, xsum + t0 * nb, (t1 - t0) * K, act_group(type));
     k.prepare_quant(type, a, xsum, t0, t1, s.corr.data(), prep);
   });
   const size_t tb = k.thread_bytes(type, T, K);
@@ -356,9 +395,10 @@ Weight weight_rows(const Weight& w, int64_t r0, int64_t n) {
   return v;
 }
 
-void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n) {
-  if (const x86::Kernels* k = active_kernels()) k->quantize_act(x, out, nullptr, n);
-  else quantize_act_q8_scalar(x, out, n);
+void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n, int group) {
+  if (group != QK && group != QK_K) throw UsageError("quantize_act_q8: group must be 32 or 256");
+  if (const x86::Kernels* k = active_kernels()) k->quantize_act(x, out, nullptr, n, group);
+  else quantize_act_q8_scalar(x, out, n, group);
 }
 
 float dot_f32(const float* a, const float* b, int64_t n) {
@@ -453,7 +493,7 @@ void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_
     if (s.xq.size() < size_t(T * nb)) s.xq.resize(size_t(T * nb));
     BlockQ8Act* xq = s.xq.data();
     pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
-      for (int64_t t = t0; t < t1; ++t) quantize_act_q8_scalar(x + t * K, xq + t * nb, K);
+      for (int64_t t = t0; t < t1; ++t) quantize_act_q8_scalar(x + t * K, xq + t * nb, K, act_group(w.type));
     });
     pool.parallel_for(M, [&](int64_t r0, int64_t r1, int) {
       for (int64_t r = r0; r < r1; ++r) {

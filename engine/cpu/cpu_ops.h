@@ -37,6 +37,37 @@ struct BlockQ8Act {
   int8_t qs[QK];
 };
 
+/// The scale shared by one group of activations: dequantized value = d·q, q = round-to-nearest-
+/// even(x·id), both 0 when the group's max |x| is 0.
+///  - group 32 (llmq's rule): d = amax/127, id = 1/d;
+///  - group 256 (llama.cpp's Q8_K rule, ggml-quants.c quantize_row_q8_K_ref): id = 127/amax,
+///    d = 1/id (llama.cpp negates both when the largest value is negative; d·q is the same).
+struct ActScale {
+  float d, id;
+};
+inline ActScale act_scale(float amax, int group) {
+  if (amax == 0.0f) return {0.0f, 0.0f};
+  if (group == QK) {
+    const float d = amax / 127.0f;
+    return {d, 1.0f / d};
+  }
+  const float id = 127.0f / amax;
+  return {1.0f / id, id};
+}
+
+/// Values per activation scale in matmuls against K-quant weights (Q4_K, Q5_K, Q6_K): 32 (the
+/// default: the rule of every other type, and the more accurate) or 256 (one scale per
+/// super-block, as llama.cpp's CPU backend does with its Q8_K activations: use it to compare
+/// with llama.cpp number for number). The first call reads LLMQ_KQUANT_ACT (32 | 256; anything
+/// else: a warning and 32). Blocks of 32 are stored either way (BlockQ8Act), so the kernels
+/// are the same.
+int kquant_act_group();
+/// Sets kquant_act_group() (32 or 256, else UsageError). Not while kernels run.
+void set_kquant_act_group(int group);
+/// The activation group matmul uses for a weight of `type`: kquant_act_group() for the
+/// K-quants, 32 for every other type.
+int act_group(DType type);
+
 /// Reusable buffers for matmul (sized on first use, never shrunk).
 struct MatmulScratch {
   std::vector<BlockQ8Act> xq;               // [T, cols/32] quantized activations
@@ -147,9 +178,10 @@ void ref_matmul(float* y, const float* x, int64_t T, const Weight& w);
 /// and returns the multiply-adds done (12 · 64 · rounds); 0 when the level has no such loop.
 uint64_t int8_dot_peak_loop(int64_t rounds);
 
-/// Quantizes n activations (n a multiple of 32) into n/32 BlockQ8Act: d = max|x|/127,
-/// q = round-to-nearest-even(x/d), s = d·Σq. Every level gives bit-identical results.
-void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n);
+/// Quantizes n activations (n a multiple of `group`, 32 or 256) into n/32 BlockQ8Act: each
+/// group of `group` values shares one scale (act_scale of its max |x|), q = round-to-nearest-
+/// even(x·id), and each block of 32 gets s = d·Σq. Every level gives bit-identical results.
+void quantize_act_q8(const float* x, BlockQ8Act* out, int64_t n, int group = QK);
 
 /// Σ a[i]·b[i] in fp32 at the active level (several vector accumulators, fixed order; the
 /// scalar level uses 8 accumulators). For attention scores.

@@ -193,25 +193,28 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
+// max |x| over n values (n a multiple of 8).
+float absmax(const float* x, int64_t n) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) a = _mm256_max_ps(a, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+  return hmax(a);
+}
+
+void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n, int group) {
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  ActScale sc{};
   for (int64_t b = 0; b < n / QK; ++b, x += QK) {
-    __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
-    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
-                                   _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
-    const float d = hmax(a) / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const __m256 idv = _mm256_set1_ps(id);
+    if (b % (group / QK) == 0) sc = act_scale(absmax(x, group), group);
+    const __m256 idv = _mm256_set1_ps(sc.id);
     __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  // nearest-even
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), idv));  // nearest-even
     const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
     const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
     const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].qs), p8);
-    out[b].d = d;
-    out[b].s = d * float(sum);
+    out[b].d = sc.d;
+    out[b].s = sc.d * float(sum);
     if (sums) sums[b] = sum;
   }
 }
@@ -747,14 +750,20 @@ inline float hsum(__m512 v) {
   return _mm_cvtss_f32(h);
 }
 
-void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
+// max |x| over n values (n a multiple of 16).
+float absmax(const float* x, int64_t n) {
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) a = _mm512_max_ps(a, _mm512_and_ps(_mm512_loadu_ps(x + i), absmask));
+  return _mm512_reduce_max_ps(a);
+}
+
+void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n, int group) {
+  ActScale sc{};
   for (int64_t b = 0; b < n / QK; ++b, x += QK) {
+    if (b % (group / QK) == 0) sc = act_scale(absmax(x, group), group);
     const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const __m512 idv = _mm512_set1_ps(id);
+    const __m512 idv = _mm512_set1_ps(sc.id);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));  // round to nearest even
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].qs), _mm512_cvtsepi32_epi8(q0));
@@ -764,8 +773,8 @@ void quantize_act(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n) {
     const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
     const __m512i s0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi), s1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1));
-    out[b].d = d;
-    out[b].s = d * float(sum);
+    out[b].d = sc.d;
+    out[b].s = sc.d * float(sum);
     if (sums) sums[b] = sum;
   }
 }

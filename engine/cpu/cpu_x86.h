@@ -31,9 +31,9 @@ struct QuantActs {
 /// The kernels of one instruction-set level.
 struct Kernels {
   const char* name;  // "avx2" or "avx512"
-  /// Same contract and bit-identical results as llmq::quantize_act_q8; also writes
-  /// sums[b] = Σ q over block b when sums is not null.
-  void (*quantize_act)(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n);
+  /// Same contract and bit-identical results as llmq::quantize_act_q8 (`group` 32 or 256);
+  /// also writes sums[b] = Σ q over block b when sums is not null.
+  void (*quantize_act)(const float* x, BlockQ8Act* out, int32_t* sums, int64_t n, int group);
   /// y[t, r] for rows r in [r0, r1) and all T tokens of an F32/F16/BF16 weight (y is [T, w.rows]).
   void (*matmul_float)(float* y, const float* x, int64_t T, const Weight& w, int64_t r0, int64_t r1);
   /// Bytes of `prep` that prepare_quant needs for T tokens of K columns (0 when unused).
