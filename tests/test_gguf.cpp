@@ -63,7 +63,7 @@ static_assert(std::endian::native == std::endian::little, "the GGUF writer below
 enum : uint32_t { kU8 = 0, kI8, kU16, kI16, kU32, kI32, kF32, kBool, kStr, kArr, kU64, kI64, kF64 };
 // ggml type ids used here
 enum : uint32_t { tF32 = 0, tF16 = 1, tQ4_0 = 2, tQ4_1 = 3, tQ5_0 = 6, tQ5_1 = 7, tQ8_0 = 8, tQ8_1 = 9, tQ2_K = 10,
-                  tQ4_K = 12, tQ5_K = 13, tQ6_K = 14, tF64 = 28, tBF16 = 30 };
+                  tQ3_K = 11, tQ4_K = 12, tIQ4_NL = 20, tQ5_K = 13, tQ6_K = 14, tF64 = 28, tBF16 = 30 };
 
 void put(Bytes& b, const void* p, size_t n) {
   if (n == 0) return;
@@ -252,6 +252,8 @@ std::vector<size_t> half_fields(uint32_t type) {
     case tQ4_0: case tQ5_0: case tQ8_0: return {0};
     case tQ4_1: case tQ5_1: case tQ4_K: case tQ5_K: return {0, 2};
     case tQ6_K: return {208};
+    case tQ3_K: return {108};
+    case tIQ4_NL: return {0};
     default: return {};
   }
 }
@@ -299,7 +301,7 @@ Bytes tensor_data(uint32_t type, int64_t rows, int64_t cols, std::mt19937& rng) 
     for (float& v : x) v = nd(rng);
     return encode_rows(DType(type), x, cols);
   }
-  if (dtype_known(type)) return random_blocks(type, rows * cols, rng);
+  if (dtype_known(type) || !half_fields(type).empty()) return random_blocks(type, rows * cols, rng);  // finite scales
   Bytes b(ggml_bytes(type, rows, cols));
   for (auto& x : b) x = uint8_t(rng());
   return b;
@@ -461,7 +463,7 @@ std::string smollm2_path() {
 
 // ================================================================ dequantization vs gguf-py
 
-TEST_CASE("ggml dequantization is bit-identical to gguf-py's for Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (and our types)",
+TEST_CASE("ggml dequantization is bit-identical to gguf-py's for Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL (and our types)",
           "[gguf][dequant]") {
   const std::string dir = test::scratch("gguf-py");
   const std::string venv = dir + "/venv";
@@ -473,7 +475,7 @@ TEST_CASE("ggml dequantization is bit-identical to gguf-py's for Q5_0, Q5_1, Q4_
     WARN("SKIPPED: could not install the gguf Python package (pip or network unavailable):\n" + slurp(log));
     return;
   }
-  const std::vector<uint32_t> types{tQ5_0, tQ5_1, tQ4_K, tQ5_K, tQ6_K, tQ8_0, tQ4_0, tQ4_1, tF16, tBF16};
+  const std::vector<uint32_t> types{tQ5_0, tQ5_1, tQ3_K, tIQ4_NL, tQ4_K, tQ5_K, tQ6_K, tQ8_0, tQ4_0, tQ4_1, tF16, tBF16};
   std::mt19937 rng(20240521);
   std::map<uint32_t, Bytes> inputs;
   std::string ids;
@@ -627,7 +629,7 @@ TEST_CASE("stories260K as GGUF (Q8_0) repacks byte for byte and equals the llama
 
 // ================================================================ every supported tensor type
 
-TEST_CASE("GGUF tensors of every supported type convert: ours raw, Q5/K-quants dequantized", "[gguf]") {
+TEST_CASE("GGUF tensors of every supported type convert: ours raw, Q3_K and IQ4_NL widened", "[gguf]") {
   const std::string dir = test::scratch("gguf-types");
   struct Variant {
     const char* name;
@@ -636,11 +638,11 @@ TEST_CASE("GGUF tensors of every supported type convert: ours raw, Q5/K-quants d
   };
   TinySpec kq;
   kq.dim = 256, kq.hidden = 256, kq.heads = 4, kq.kv_heads = 2, kq.file_type = ~0u;
-  kq.types = {{"token_embd", tQ6_K}, {"attn_q", tQ4_K}, {"attn_k", tQ5_K}, {"attn_v", tQ6_K}, {"attn_output", tQ5_0},
-              {"ffn_gate", tQ5_1},   {"ffn_up", tQ4_K}, {"ffn_down", tQ5_K}, {"output", tQ6_K}};
+  kq.types = {{"token_embd", tQ6_K}, {"attn_q", tQ4_K}, {"attn_k", tQ5_K}, {"attn_v", tQ3_K}, {"attn_output", tQ5_0},
+              {"ffn_gate", tQ5_1},   {"ffn_up", tIQ4_NL}, {"ffn_down", tQ5_K}, {"output", tQ6_K}};
   TinySpec tied = mixed_spec();
   tied.tied = true;
-  for (const Variant& v : {Variant{"mixed", mixed_spec(), "GGUF v3 (Q8_0)"}, Variant{"kquants", kq, "GGUF v3 (Q4_K)"},
+  for (const Variant& v : {Variant{"mixed", mixed_spec(), "GGUF v3 (Q8_0)"}, Variant{"kquants", kq, "GGUF v3 (Q5_K)"},
                            Variant{"tied", tied, "GGUF v3 (Q8_0)"}}) {
     SECTION(v.name) {
       const std::string gguf = dir + "/" + v.name + ".gguf", out = dir + "/" + v.name + ".llmq";
@@ -676,6 +678,15 @@ TEST_CASE("GGUF tensors of every supported type convert: ours raw, Q5/K-quants d
           CHECK(uint32_t(t->type) == s->type);
           REQUIRE(t->nbytes == s->nbytes);
           CHECK(std::memcmp(f->data(*t), s->data, s->nbytes) == 0);
+        } else if (DType wide; ggml_widened_type(s->type, &wide)) {  // Q3_K as Q6_K, IQ4_NL as Q8_0: the same values
+          CHECK(st.raw == nullptr);
+          REQUIRE(st.read_raw);
+          CHECK(t->type == (s->type == tQ3_K ? DType::Q6_K : DType::Q8_0));
+          CHECK(t->type == wide);
+          REQUIRE(t->nbytes == row_bytes(wide, cols) * size_t(rows));
+          std::vector<float> stored(want.size());
+          dequantize_row(wide, f->data(*t), stored.data(), st.numel());
+          CHECK(bit_mismatches(want.data(), stored.data(), want.size()) == 0);
         } else {  // dequantized, then stored as F16
           CHECK(st.raw == nullptr);
           CHECK(t->type == DType::F16);
@@ -1034,6 +1045,10 @@ std::vector<BadCase> hostile_cases() {
     const uint16_t nan16 = 0x7e00;
     std::memcpy(g.at("blk.0.attn_q.weight").data.data(), &nan16, 2);
     cs.push_back({"Q4_K with a NaN scale", g.build(), {"blk.0.attn_q.weight"}});
+    s.types["attn_q"] = tQ3_K;  // Q3_K is widened to Q6_K; a NaN scale is caught after the widening
+    GgufBuilder g3 = tiny_model(s, 4);
+    std::memcpy(g3.at("blk.0.attn_q.weight").data.data() + 108, &nan16, 2);
+    cs.push_back({"Q3_K with a NaN scale", g3.build(), {"blk.0.attn_q.weight", "not finite"}});
   }
   return cs;
 }

@@ -62,7 +62,7 @@ std::vector<std::string> more_bits_tensors(const std::vector<SourceTensor>& ts) 
 DType choose_type(const SourceTensor& src, const ConvertOptions& opts, bool* fell_back) {
   *fell_back = false;
   if (src.shape.size() < 2) return DType::F32;
-  DType t = opts.type ? *opts.type : opts.mix ? mix_type(*opts.mix, src.name, opts) : src.raw ? src.raw_type : DType::F16;
+  DType t = opts.type ? *opts.type : opts.mix ? mix_type(*opts.mix, src.name, opts) : src.raw || src.read_raw ? src.raw_type : DType::F16;
   for (const auto& [pattern, type] : opts.overrides)
     if (fnmatch(pattern.c_str(), src.name.c_str(), 0) == 0) {
       t = type;
@@ -149,14 +149,20 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
     const TensorInfo& info = w.tensors()[i];
     if (opts.progress) draw_progress(i, src.tensors.size(), t.name);
     const int64_t n = t.numel(), cols = t.shape.back(), rows = n / cols;
-    if (t.raw && t.raw_type == info.type) {  // lossless repack: the stored bytes as they are
+    if ((t.raw || t.read_raw) && t.raw_type == info.type) {  // lossless repack: the stored bytes (or their widening)
+      const uint8_t* bytes = t.raw;
+      if (!bytes) {
+        packed.resize(info.nbytes);
+        t.read_raw(packed.data());
+        bytes = packed.data();
+      }
       const size_t rb = row_bytes(info.type, cols);
       for (int64_t r = 0; r < rows; ++r)
-        if (const int64_t j = first_nonfinite(info.type, t.raw + size_t(r) * rb, cols); j >= 0)
+        if (const int64_t j = first_nonfinite(info.type, bytes + size_t(r) * rb, cols); j >= 0)
           throw FileError(opts.source_path.empty() ? "source" : opts.source_path,
                           "tensor '" + t.name + "' row " + std::to_string(r) + ": weight " + std::to_string(j) +
                               " is not finite (NaN or infinite value or scale)");
-      w.write_tensor(i, t.raw, info.nbytes);
+      w.write_tensor(i, bytes, info.nbytes);
       if (t.release) t.release();
       errors.push_back(0.0f);
       rep.tensors.push_back({t.name, info.type, fallback[i], 0.0, info.nbytes, n});

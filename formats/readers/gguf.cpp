@@ -93,6 +93,7 @@ GgmlTypeSize ggml_type_size(uint32_t type) {
     case 13: return {256, 176, "Q5_K"};
     case 14: return {256, 210, "Q6_K"};
     case 15: return {256, 292, "Q8_K"};
+    case 20: return {32, 18, "IQ4_NL"};
     case 24: return {1, 1, "I8"};
     case 25: return {1, 2, "I16"};
     case 26: return {1, 4, "I32"};
