@@ -25,9 +25,16 @@ int64_t ModelShape::layer_params() const {
   return n;
 }
 
-int64_t ModelShape::embed_params() const { return vocab * dim + (gpt ? context * dim : 0); }
+int64_t ModelShape::embed_params() const { return vocab * dim + positions * dim + extra_embed; }
 
-int64_t ModelShape::head_params() const { return dim * (gpt ? 2 : 1) + (tied ? 0 : vocab * dim); }
+int64_t ModelShape::head_params() const {
+  if (head == Head::Classifier) return dim * dim + dim + labels * dim + labels;
+  return dim * (gpt ? 2 : 1) + (tied ? 0 : vocab * dim);
+}
+
+double ModelShape::logits(double s, double b) const {
+  return head == Head::Classifier ? b * double(labels) : s * b * double(vocab);
+}
 
 int64_t ModelShape::params() const { return embed_params() + layers * layer_params() + head_params(); }
 
@@ -65,7 +72,7 @@ const std::vector<ModelShape>& presets() {
         llama("smollm2-135m", 576, 1536, 30, 9, 3, 49152, 8192, true),
     };
     ModelShape g = llama("gpt-3-175b", 12288, 4 * 12288, 96, 96, 96, 50257, 2048, true);
-    g.mlp = Mlp::Gelu, g.gpt = true;
+    g.mlp = Mlp::Gelu, g.gpt = true, g.positions = g.context;
     v.push_back(g);
     return v;
   }();
@@ -76,25 +83,56 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// BERT (transformers' BertConfig): post-LayerNorm encoder, GELU MLP, biases, learned positions
+// and token types; the head from `architectures`: a sequence classifier of num_labels classes
+// (len(id2label), default 2), else the masked-LM head (transform dense + LayerNorm, decoder tied
+// to the embedding with a bias). BLOOM (BloomConfig): n_layer / n_head, MLP 4·hidden, ALiBi (no
+// position table), a LayerNorm after the embedding, tied output.
+void apply_family(ModelShape& s, const nlohmann::json& j, const std::string& type) {
+  if (type == "gpt_neox" || type == "phi" || type == "falcon" || type == "gpt_bigcode" || type == "gpt2") s.mlp = Mlp::Gelu;
+  if (type == "bert") {
+    s.mlp = Mlp::Gelu, s.gpt = true, s.positions = s.context;
+    s.extra_embed = j.value("type_vocab_size", int64_t(2)) * s.dim + 2 * s.dim;
+    bool classifier = false;
+    if (j.contains("architectures") && j["architectures"].is_array())
+      for (const auto& a : j["architectures"])
+        classifier = classifier || (a.is_string() && a.get<std::string>().find("ForSequenceClassification") != std::string::npos);
+    if (classifier) {
+      s.head = Head::Classifier;
+      s.labels = j.contains("id2label") && j["id2label"].is_object() ? int64_t(j["id2label"].size()) : j.value("num_labels", int64_t(2));
+      if (s.labels < 1) s.labels = 2;
+    } else {
+      s.tied = true;
+      s.extra_embed += s.dim * s.dim + s.dim + s.vocab;  // MLM transform dense + bias, decoder bias (its LayerNorm: the final norm)
+    }
+  }
+  if (type == "bloom") s.mlp = Mlp::Gelu, s.gpt = true, s.tied = true, s.extra_embed = 2 * s.dim;
+}
+
 ModelShape from_hf_config(const std::string& path) {
   std::ifstream in = open_regular_file(path);
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(in);
-    auto get = [&](const char* k) {
-      if (!j.contains(k) || !j[k].is_number_integer()) throw FileError(path, std::string("missing integer key '") + k + "'");
-      return j[k].get<int64_t>();
+    const std::string type = j.value("model_type", "");
+    // The first of the names that holds an integer (BLOOM spells some keys its own way).
+    auto get = [&](std::initializer_list<const char*> keys) {
+      for (const char* k : keys)
+        if (j.contains(k) && j[k].is_number_integer()) return j[k].get<int64_t>();
+      throw FileError(path, std::string("missing integer key '") + *keys.begin() + "'");
     };
+    auto has = [&](const char* k) { return j.contains(k) && j[k].is_number_integer(); };
     ModelShape s;
     s.name = j.value("_name_or_path", std::filesystem::path(path).parent_path().filename().string());
-    s.dim = get("hidden_size"), s.hidden = get("intermediate_size"), s.layers = get("num_hidden_layers");
-    s.heads = get("num_attention_heads");
-    s.kv_heads = j.contains("num_key_value_heads") && j["num_key_value_heads"].is_number_integer() ? get("num_key_value_heads") : s.heads;
-    s.head_dim = j.contains("head_dim") && j["head_dim"].is_number_integer() ? get("head_dim") : s.dim / s.heads;
-    s.vocab = get("vocab_size"), s.context = get("max_position_embeddings");
+    s.dim = get({"hidden_size", "n_embed"}), s.layers = get({"num_hidden_layers", "n_layer"});
+    s.heads = get({"num_attention_heads", "n_head"});
+    s.hidden = type == "bloom" && !has("intermediate_size") ? 4 * s.dim : get({"intermediate_size"});
+    s.kv_heads = has("num_key_value_heads") ? get({"num_key_value_heads"}) : s.heads;
+    s.head_dim = has("head_dim") ? get({"head_dim"}) : s.dim / s.heads;
+    s.vocab = get({"vocab_size"});
+    s.context = type == "bloom" && !has("max_position_embeddings") ? j.value("seq_length", int64_t(2048)) : get({"max_position_embeddings"});
     s.tied = j.value("tie_word_embeddings", false);
-    const std::string type = j.value("model_type", "");
-    if (type == "gpt_neox" || type == "phi" || type == "falcon" || type == "gpt_bigcode" || type == "gpt2") s.mlp = Mlp::Gelu;
+    apply_family(s, j, type);
     if (s.name.empty()) s.name = "config.json";
     return s;
   } catch (const nlohmann::json::exception& e) {

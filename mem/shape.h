@@ -16,13 +16,23 @@ enum class Mlp {
   Gelu,    ///< GPT: fc [hidden, dim] and proj [dim, hidden], with biases
 };
 
-/// Dimensions of a decoder-only transformer.
+/// What the last block feeds.
+enum class Head {
+  LM,          ///< a final norm and the vocabulary logits at every position (decoders; BERT's MLM head)
+  Classifier,  ///< BERT's sequence classifier: pooler [dim, dim] on the first token, then [labels, dim]; no per-token logits
+};
+
+/// Dimensions of a transformer (decoder-only, or a BERT-style encoder).
 struct ModelShape {
   std::string name;
   int64_t dim = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, context = 0;
   bool tied = false;        ///< output matrix = token embedding
   Mlp mlp = Mlp::SwiGLU;
-  bool gpt = false;         ///< GPT-style: biases on every linear, LayerNorm with bias, learned positions
+  bool gpt = false;         ///< GPT-style: biases on every linear, LayerNorm with bias (GPT-2/3, BERT, BLOOM)
+  int64_t positions = 0;    ///< rows of learned position embeddings (GPT-2/3, BERT: context; RoPE, ALiBi: 0)
+  int64_t extra_embed = 0;  ///< other embedding parameters: BERT's token types and embedding LayerNorm, BLOOM's embedding LayerNorm
+  Head head = Head::LM;
+  int64_t labels = 0;       ///< Head::Classifier: classes (transformers' num_labels, default 2)
   int64_t counted_params = 0;  ///< from a file's tensor directory (0: not counted)
 
   int64_t q_dim() const { return heads * head_dim; }
@@ -33,10 +43,14 @@ struct ModelShape {
   int64_t layer_params() const;
   /// Parameters of the block's matrices only (what LoRA/QLoRA/autocast treat as Linear).
   int64_t layer_linear_params() const;
-  /// Token embedding vocab·dim (+ learned positions context·dim for GPT).
+  /// Token embedding vocab·dim + learned positions positions·dim + extra_embed.
   int64_t embed_params() const;
-  /// Final norm dim (+dim bias for GPT) + output vocab·dim unless tied.
+  /// LM: final norm dim (+dim bias for GPT) + output vocab·dim unless tied. Classifier: pooler
+  /// dim·dim + dim, classifier labels·dim + labels (BERT has no final norm: its LayerNorms
+  /// follow each sub-layer).
   int64_t head_params() const;
+  /// Logit values of one micro-batch of b sequences of s tokens: LM s·b·vocab, classifier b·labels.
+  double logits(double s, double b) const;
   /// embed + layers·layer + head: the formula, which equals a file's counted_params.
   int64_t params() const;
   /// DeepSpeed's "largest layer": the largest single module's parameters, here

@@ -34,8 +34,17 @@ std::string lower(std::string s) {
 }
 
 const char* precision_label(Precision p) {
-  return p == Precision::FP32 ? "fp32" : p == Precision::Mixed ? "mixed 16-bit + fp32 master" : "pure bf16";
+  switch (p) {
+    case Precision::FP32: return "fp32";
+    case Precision::Mixed: return "mixed 16-bit + fp32 master";
+    case Precision::Amp: return "torch.amp (fp32 parameters, 16-bit autocast)";
+    default: return "pure bf16";
+  }
 }
+
+// Whether the Linear layers run under torch.autocast over fp32 parameters (Precision::Amp, and
+// Mixed in --framework pytorch, which models bench/train_mem.py's autocast run).
+bool autocast(Precision p, Framework f) { return p == Precision::Amp || (f == Framework::PyTorch && p == Precision::Mixed); }
 
 const char* optimizer_label(Optimizer o) {
   switch (o) {
@@ -81,8 +90,9 @@ double lora_layer_params_of(const ModelShape& m, const TrainOptions& o) {
     if (name == "q") n += r * (h + q);
     else if (name == "k" || name == "v") n += r * (h + kv);
     else if (name == "o") n += r * (q + h);
+    else if (name == "qkv") n += r * (h + q + 2 * kv);  // one adapter on a fused projection (BLOOM's query_key_value)
     else if (name == "gate" || name == "up" || name == "down") n += r * (h + H);
-    else if (name != "head") throw UsageError("unknown LoRA target '" + name + "' (q, k, v, o, gate, up, down, head, all)");
+    else if (name != "head") throw UsageError("unknown LoRA target '" + name + "' (q, k, v, qkv, o, gate, up, down, head, all)");
   }
   return n;
 }
@@ -118,8 +128,9 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
   }
 
   if (lora) {
-    double frozen_bytes = (o.precision == Precision::FP32 ? 4.0 : 2.0) * gp.all;
-    std::string f = fmt::format("{} B x Ψ", o.precision == Precision::FP32 ? 4 : 2);
+    const int frozen_b = o.precision == Precision::FP32 || o.precision == Precision::Amp ? 4 : 2;
+    double frozen_bytes = frozen_b * gp.all;
+    std::string f = fmt::format("{} B x Ψ", frozen_b);
     if (o.qlora) {
       const double nf4 = inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4");
       frozen_bytes = nf4 * gp.block_linear + 2.0 * (gp.all - gp.block_linear);
@@ -165,7 +176,7 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
 
 void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   const GpuParams gp = gpu_params(m, o);
-  const double s = double(o.seq_len), b = double(o.micro_batch), h = double(m.dim), a = double(m.heads), v = double(m.vocab);
+  const double s = double(o.seq_len), b = double(o.micro_batch), h = double(m.dim), a = double(m.heads);
   const double scale = o.precision == Precision::FP32 ? 2.0 : 1.0;  // KORTH counts 16-bit values
   const double in_flight = o.pp > 1 ? double(std::min<int64_t>(o.pp, o.grad_accum)) : 1.0;
   const double layers = double(gp.layers) * in_flight;
@@ -178,20 +189,51 @@ void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   f += fmt::format(" x {} layers{} ; s={} b={} h={} a={} t={}{}", gp.layers, in_flight > 1 ? fmt::format(" x {} micro-batches in flight (1F1B)", in_flight) : "",
                    o.seq_len, o.micro_batch, m.dim, m.heads, o.tp, scale > 1 ? "; x2 for fp32 activations" : "");
   r.lines.push_back({"activations (transformer layers)", per * layers, f, kKorth, Place::Device, Basis::Formula});
+  if (o.precision == Precision::Amp) {
+    // What torch.amp keeps beyond KORTH's 16-bit count, per layer (a GPT/BERT block under
+    // autocast, op by op): both LayerNorms save an fp32 input (+2sbh each), the Q, K and V
+    // Linears each save their own 16-bit cast of the fp32 LayerNorm output (+4sbh), softmax
+    // saves its fp32 output and the P·V matmul a 16-bit cast of it (+2as²b without
+    // FlashAttention); with full recomputation the kept layer input is the fp32 residual (+2sbh).
+    const double sbh = s * b * h / (o.sequence_parallel ? o.tp : 1);
+    const double extra = o.checkpointing == Checkpointing::Full ? 2 * sbh
+                         : 8 * sbh + (o.flash_attention || o.checkpointing == Checkpointing::Selective ? 0 : 2 * a * s * s * b / o.tp);
+    r.lines.push_back({"activations (torch.amp fp32 copies)", extra * layers,
+                       o.checkpointing == Checkpointing::Full ? "2sbh per layer (the kept input is the fp32 residual stream)"
+                                                              : "sbh(8 + 2as/h) per layer: fp32 LayerNorm inputs, per-Linear casts, fp32 softmax",
+                       kTorch, Place::Device, Basis::Formula});
+  }
   if (o.checkpointing == Checkpointing::Full) {
     const double work = korthikanti_layer_activations(s, b, h, a, o.tp, o.sequence_parallel, Checkpointing::None, o.flash_attention) * scale;
     r.lines.push_back({"activations (one layer recomputed)", work, "the layer's full activations during its backward", kKorth, Place::Device,
                        Basis::Formula});
   }
-  const double out = (4 * s * b * h + 4 * s * b * v) / o.tp;
+  if (m.head == Head::Classifier) {
+    const double out = 4 * b * h * 2 + 4 * m.logits(s, b);
+    r.lines.push_back({"activations (classifier head)", out, fmt::format("4bh x 2 (pooler in and out) + 4b·labels, labels = {}", m.labels),
+                       kKorth, Place::Device, Basis::Formula});
+    return;
+  }
+  const double out = (4 * s * b * h + 4 * m.logits(s, b)) / o.tp;
   r.lines.push_back({"activations (output layer, fp32 logits)", out, fmt::format("(4sbh + 4sbv)/t, v = {}", m.vocab), kKorth, Place::Device,
                      Basis::Formula});
 }
 
 void add_temporaries(MemReport& r, const ModelShape& m, const TrainOptions& o) {
-  const double s = double(o.seq_len), b = double(o.micro_batch), v = double(m.vocab);
-  r.lines.push_back({"temporary: logits gradient (fp32)", 4 * s * b * v / o.tp, "4sbv/t during the loss backward", kKorth, Place::Device,
-                     Basis::Formula});
+  const double s = double(o.seq_len), b = double(o.micro_batch);
+  r.lines.push_back({"temporary: logits gradient (fp32)", 4 * m.logits(s, b) / o.tp,
+                     m.head == Head::Classifier ? "4b·labels during the loss backward" : "4sbv/t during the loss backward", kKorth,
+                     Place::Device, Basis::Formula});
+  if (o.precision == Precision::Amp) {
+    const GpuParams gp = gpu_params(m, o);
+    const double head = m.head == Head::Classifier ? double(m.dim) * double(m.dim + m.labels) : double(m.vocab) * double(m.dim);
+    const double linear = gp.block_linear + head / o.tp;
+    r.lines.push_back({"autocast weight copies (16-bit)", 2 * linear,
+                       fmt::format("2 B x {} Linear parameters: torch.autocast caches each weight's cast from its first use to the end "
+                                   "of the backward",
+                                   num(linear)),
+                       kTorch, Place::Device, Basis::Formula});
+  }
   if (o.qlora) {
     const double mat = double(std::max(m.dim * m.hidden, m.dim * m.q_dim())) / o.tp;
     r.lines.push_back({"temporary: dequantized NF4 matrix (bf16)", 2 * mat, "2 B x largest block matrix", kQlora, Place::Device,
@@ -214,8 +256,12 @@ void add_comm_and_overhead(MemReport& r, const ModelShape& m, const TrainOptions
                                    : "2 B x (min(Ψ, reduce_bucket_size 5e8) + min(Ψ, allgather_bucket_size 5e8))",
                        "DeepSpeed configuration defaults (zero_optimization)", Place::Device, Basis::Formula});
   }
-  r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes, "assumed constant per GPU (not measured here)", kKo2,
-                     Place::GpuOther, Basis::Assumed});
+  if (o.cuda_context_given)
+    r.lines.push_back({"CUDA context + cuBLAS workspace (given)", o.cuda_context_bytes, "--cuda-context: measured on the user's setup",
+                       "the user's measurement", Place::GpuOther, Basis::Measured});
+  else
+    r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes, "assumed constant per GPU (not measured here)", kKo2,
+                       Place::GpuOther, Basis::Assumed});
   if (o.dp * o.tp * o.pp > 1)
     r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
                        Basis::Assumed});
@@ -247,7 +293,7 @@ struct Phase {
 // pytorch_estimate's report of its peak phase P (raw bytes) whose allocator blocks total
 // blocks_total: one line per kind, formulas and sources beside them.
 MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, const ModelShape& m, const TrainOptions& o) {
-  const bool autocast = o.precision == Precision::Mixed, bf16 = o.precision == Precision::BF16;
+  const bool autocast = llmq::mem::autocast(o.precision, o.framework), bf16 = o.precision == Precision::BF16;
   const double p = bf16 ? 2 : 4;              // parameter (and gradient, state) bytes
   const double c = autocast || bf16 ? 2 : 4;  // compute (matmul output) bytes
   const double res = bf16 ? 2 : 4;            // residual stream bytes
@@ -278,7 +324,7 @@ MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, c
   r.lines.push_back({"allocator rounding", blocks_total - P.total(),
                      "Σ per tensor (round_up(n, 512) - n), large segments to 2 MiB when < 1 MiB would remain", kTorch, Place::Device,
                      Basis::Formula});
-  add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes);
+  add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes, o.cuda_context_given);
   if (o.dp > 1)
     r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
                        Basis::Assumed});
@@ -294,7 +340,7 @@ MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
       o.offload_params != Offload::None || o.checkpointing == Checkpointing::Selective || m.gpt)
     throw UsageError("--framework pytorch models one process of bench/train_mem.py's Llama (optionally DDP): no TP/PP, ZeRO, "
                      "LoRA, offload or selective checkpointing; use --framework analytic for those");
-  const bool autocast = o.precision == Precision::Mixed, bf16 = o.precision == Precision::BF16;
+  const bool autocast = llmq::mem::autocast(o.precision, o.framework), bf16 = o.precision == Precision::BF16;
   const double p = bf16 ? 2 : 4;         // parameter (and gradient, state) bytes
   const double c = autocast || bf16 ? 2 : 4;  // compute (matmul output) bytes
   const double res = bf16 ? 2 : 4;       // residual stream bytes (fp32 under autocast: fp32 embedding + promotion)
@@ -411,11 +457,13 @@ double adafactor_state_elements(const ModelShape& m) {
   const double mlp = m.mlp == Mlp::SwiGLU ? 2 * (H + h) + (h + H) : (H + h) + (h + H);  // gate, up [H, h]; down [h, H]
   const double layer = (q + h) + 2 * (kv + h) + (h + q) + mlp + double(m.layer_params() - m.layer_linear_params());
   const double embed = (V + h) + double(m.embed_params()) - V * h;  // learned positions (GPT) in full
-  const double head = double(m.head_params()) - (m.tied ? 0 : V * h) + (m.tied ? 0 : V + h);
+  const double lbl = double(m.labels);
+  const double head = m.head == Head::Classifier ? (h + h) + h + (lbl + h) + lbl  // pooler [h, h] + bias, classifier [labels, h] + bias
+                                                 : double(m.head_params()) - (m.tied ? 0 : V * h) + (m.tied ? 0 : V + h);
   return double(m.layers) * layer + embed + head;
 }
 
-void add_torch_cuda_lines(MemReport& r, const std::string& gpu, int handles, double assumed_context) {
+void add_torch_cuda_lines(MemReport& r, const std::string& gpu, int handles, double context, bool given) {
   const double ws = torch_cublas_workspace_bytes(gpu);
   r.lines.push_back({handles == 1 ? "cuBLAS workspace" : "cuBLAS workspaces", handles * ws,
                      fmt::format("{} x {} ({}){}", handles, format_bytes(ws),
@@ -425,20 +473,24 @@ void add_torch_cuda_lines(MemReport& r, const std::string& gpu, int handles, dou
   // The context (outside max_memory_allocated): torch.cuda.mem_get_info's used bytes minus
   // max_memory_reserved in bench/train_mem.py, 751-767 MiB on an H100 80GB HBM3 (PyTorch
   // 2.11.0+cu130, driver 580; bench/RESULTS.md); elsewhere not measured.
-  if (lower(gpu).find("h100") != std::string::npos)
+  if (given)
+    r.lines.push_back({"CUDA context (given)", context, "--cuda-context: measured on the user's setup", "the user's measurement",
+                       Place::GpuOther, Basis::Measured});
+  else if (lower(gpu).find("h100") != std::string::npos)
     r.lines.push_back({"CUDA context (PyTorch)", 767.0 * (1 << 20), "measured: H100 80GB, PyTorch 2.11 + CUDA 13.0, driver 580 (751-767 MiB)",
                        "bench/train_mem.py on an H100 (bench/RESULTS.md)", Place::GpuOther, Basis::Measured});
   else
-    r.lines.push_back({"CUDA context", assumed_context, "assumed constant per GPU (measured only on an H100: 767 MiB with PyTorch)", kKo2,
+    r.lines.push_back({"CUDA context", context, "assumed constant per GPU (measured only on an H100: 767 MiB with PyTorch)", kKo2,
                        Place::GpuOther, Basis::Assumed});
 }
 
 Precision precision_from_name(const std::string& s) {
   const std::string n = lower(s);
   if (n == "fp32" || n == "float32") return Precision::FP32;
-  if (n == "fp16" || n == "bf16" || n == "mixed" || n == "amp") return Precision::Mixed;
+  if (n == "fp16" || n == "bf16" || n == "mixed") return Precision::Mixed;
+  if (n == "amp" || n == "fp16-mixed" || n == "bf16-mixed" || n == "16-mixed") return Precision::Amp;
   if (n == "pure-bf16" || n == "bf16-pure") return Precision::BF16;
-  throw UsageError("unknown precision '" + s + "' (fp32, fp16, bf16 = mixed with fp32 master weights, pure-bf16)");
+  throw UsageError("unknown precision '" + s + "' (fp32, fp16, bf16 = mixed with fp32 master weights, amp = torch.amp autocast, pure-bf16)");
 }
 
 Optimizer optimizer_from_name(const std::string& s) {
@@ -478,7 +530,7 @@ Framework framework_from_name(const std::string& s) {
 
 StateBytes state_bytes(Precision p, Optimizer o, Framework f) {
   StateBytes s;
-  const bool torch_amp = f == Framework::PyTorch && p == Precision::Mixed;  // fp32 parameters under autocast
+  const bool torch_amp = autocast(p, f);  // fp32 parameters under autocast
   const bool fp32_params = p == Precision::FP32 || torch_amp;
   s.weights = fp32_params ? 4 : 2;
   s.grads = fp32_params ? 4 : 2;

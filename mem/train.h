@@ -35,6 +35,9 @@ enum class Precision {
   Mixed,  ///< fp16/bf16 compute with fp32 master weights (ZeRO/Megatron: 16-bit weights + fp32
           ///< copy; PyTorch framework: fp32 parameters under torch.autocast)
   BF16,   ///< pure bf16: weights, gradients and optimizer states in bf16, no master copy
+  Amp,    ///< torch.amp (HF Trainer fp16/bf16=True, accelerate, Lightning 16-mixed): fp32 parameters,
+          ///< gradients and optimizer states; each Linear computes from a 16-bit copy of its weight that
+          ///< autocast caches until the backward ends; softmax, LayerNorm and the residual stream in fp32
 };
 /// Optimizer (Adam and AdamW hold the same state).
 /// Adafactor: factored second moments (Shazeer & Stern 2018, arXiv 1804.04235, §3), no momentum,
@@ -53,7 +56,7 @@ enum class Framework {
   DeepSpeed,  ///< DeepSpeed's own estimator formulas for model states (DS), KORTH activations
 };
 
-Precision precision_from_name(const std::string& s);      ///< fp32 | fp16 | bf16 | mixed | pure-bf16
+Precision precision_from_name(const std::string& s);      ///< fp32 | fp16 | bf16 | mixed | amp | pure-bf16
 Optimizer optimizer_from_name(const std::string& s);      ///< adam | adamw | adam8bit | sgd | sgd-momentum
 Checkpointing checkpointing_from_name(const std::string& s);  ///< none | selective | full
 Offload offload_from_name(const std::string& s);          ///< none | cpu | nvme
@@ -69,7 +72,7 @@ struct TrainOptions {
   Checkpointing checkpointing = Checkpointing::None;
   bool flash_attention = true;  ///< no s² attention matrices (KORTH: removes 5as²b)
   int64_t lora_rank = 0;        ///< 0: full fine-tuning
-  std::vector<std::string> lora_targets = {"q", "k", "v", "o"};  ///< of q k v o gate up down head, or "all" (not head)
+  std::vector<std::string> lora_targets = {"q", "k", "v", "o"};  ///< of q k v qkv (fused) o gate up down head, or "all" (not head)
   bool qlora = false;           ///< base weights in NF4 (needs lora_rank > 0)
   bool double_quant = true;     ///< QLoRA double quantization of the absmax constants
   int dp = 1;                   ///< N_d data-parallel ranks (DDP or ZeRO)
@@ -83,7 +86,8 @@ struct TrainOptions {
   int litgpt_version = 2024;    ///< 2023: lit-gpt 8641822 (RMSNorm in the input dtype); 2024: litgpt 00af8b0d (RMSNorm in fp32)
   double lora_dropout = 0.05;   ///< LoRA dropout p (> 0 keeps a mask and the dropped input per adapted Linear)
   std::string gpu;              ///< GPU model, e.g. "H100" (--gpu): sizes PyTorch's cuBLAS workspaces and the measured context
-  double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported)
+  double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported), unless cuda_context_given
+  bool cuda_context_given = false;                 ///< --cuda-context: the user measured their setup's context (nvidia-smi after CUDA init)
   double nccl_bytes = 512.0 * (1 << 20);          ///< assumed per process group when world > 1
 };
 
@@ -105,8 +109,9 @@ double adafactor_state_elements(const ModelShape& m);
 
 /// A PyTorch process's CUDA lines on `gpu`: `handles` cuBLAS workspaces (device, inside
 /// max_memory_allocated; training 2: the forward thread's and autograd's backward thread's;
-/// generation 1) and the CUDA context (gpu-other: measured on an H100, else `assumed_context`).
-void add_torch_cuda_lines(MemReport& r, const std::string& gpu, int handles, double assumed_context);
+/// generation 1) and the CUDA context (gpu-other: `context` when `given` by the user, else
+/// measured on an H100, else `context` as an assumption).
+void add_torch_cuda_lines(MemReport& r, const std::string& gpu, int handles, double context, bool given = false);
 
 /// Bytes per trainable parameter of each model state (before any partitioning).
 struct StateBytes {

@@ -109,7 +109,7 @@ double nf4_bytes(bool double_quant) { return double_quant ? 0.5 + 1.0 / 64 + 4.0
 
 MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
   if (o.tp != 1 || o.pp != 1 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None ||
-      o.checkpointing == Checkpointing::Selective || o.precision == Precision::Mixed)
+      o.checkpointing == Checkpointing::Selective || o.precision == Precision::Mixed || o.precision == Precision::Amp)
     throw UsageError("--framework litgpt models LitGPT's finetune scripts with bf16-true or 32-true precision on one GPU or FSDP "
                      "(--fsdp full): no TP/PP, offload, selective checkpointing or mixed precision");
   if (o.optimizer == Optimizer::Adafactor || o.optimizer == Optimizer::SGDMomentum)
@@ -179,7 +179,7 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                          fmt::format("e·Ψ (unsharded checkpoint) + e·Ψ/N (the shards) = {}", format_bytes(load)), kFsdp, Place::Device,
                          Basis::Formula});
   }
-  add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes);
+  add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes, o.cuda_context_given);
   r.notes.push_back(fmt::format("LitGPT block '{}' ({}, {} MLP, {} residual{}), code of {}", o.block, B.rms ? "RMSNorm" : "LayerNorm",
                                 B.gated ? "gated" : "GELU", B.parallel ? "parallel" : "sequential", B.shared_norm ? ", shared norm" : "",
                                 o.litgpt_version >= 2024 ? "litgpt 2024 (00af8b0d)" : "lit-gpt 2023 (8641822)"));

@@ -359,6 +359,46 @@ TEST_CASE("Model shapes: presets and files give the right parameter counts", "[m
   CHECK(hf.params() == s.params());
 }
 
+TEST_CASE("Model shapes: BERT and BLOOM config.json give transformers' parameter counts", "[mem]") {
+  const std::string dir = test::scratch("mem-shapes");
+  auto shape = [&](const std::string& name, const nlohmann::json& j) {
+    std::ofstream(dir + "/" + name) << j.dump();
+    return load_shape(dir + "/" + name);
+  };
+  // bert-large-uncased (BertConfig defaults where the model card's config.json is silent).
+  nlohmann::json bert = {{"model_type", "bert"},       {"hidden_size", 1024},      {"intermediate_size", 4096},
+                         {"num_hidden_layers", 24},    {"num_attention_heads", 16}, {"vocab_size", 30522},
+                         {"max_position_embeddings", 512}, {"type_vocab_size", 2}};
+  bert["architectures"] = {"BertForSequenceClassification"};
+  const ModelShape cls = shape("bert-cls.json", bert);
+  CHECK(cls.head == Head::Classifier);
+  CHECK(cls.labels == 2);
+  CHECK(cls.params() == 335143938);  // BertForSequenceClassification: embeddings 31,782,912 + 24 x 12,596,224 + pooler + classifier
+  CHECK(cls.logits(512, 4) == 8);     // no per-token logits
+  bert["architectures"] = {"BertForMaskedLM"};
+  const ModelShape mlm = shape("bert-mlm.json", bert);
+  CHECK(mlm.head == Head::LM);
+  CHECK(mlm.params() == 335174458);  // BertForMaskedLM: no pooler; transform dense + LayerNorm, tied decoder with a bias
+  // bigscience/bloom-7b1 (BloomConfig's key names): 7,069,016,064 parameters.
+  const ModelShape bloom = shape("bloom.json", {{"model_type", "bloom"}, {"n_embed", 4096}, {"n_layer", 30}, {"n_head", 32},
+                                                {"vocab_size", 250880}});
+  CHECK(bloom.hidden == 4 * 4096);
+  CHECK(bloom.tied);
+  CHECK(bloom.params() == 7069016064);
+  // torch.amp in the analytic model: fp32 parameters and gradients, 16-bit autocast copies, fp32 extras.
+  TrainOptions o;
+  o.precision = Precision::Amp, o.micro_batch = 4, o.seq_len = 512, o.flash_attention = false;
+  const MemReport amp = estimate_training(cls, o);
+  o.precision = Precision::Mixed;
+  const MemReport mixed = estimate_training(cls, o);
+  const double P = double(cls.params());
+  CHECK(amp.total(Place::Device) - mixed.total(Place::Device) == Approx(2 * 0.0 + (4 + 4 - 2 - 2 - 4) * P + 2 * (24 * 12582912.0 + 1024.0 * 1026) +
+                                                                        24 * (8.0 * 512 * 4 * 1024 + 2.0 * 16 * 512 * 512 * 4))
+                                                                     .epsilon(1e-9));
+  CHECK(precision_from_name("bf16-mixed") == Precision::Amp);
+  CHECK(precision_from_name("mixed") == Precision::Mixed);
+}
+
 TEST_CASE("Reports render as a table, JSON and SVG", "[mem]") {
   TrainOptions o;
   MemReport r = estimate_training(preset("llama-2-7b"), o);

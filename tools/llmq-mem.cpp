@@ -96,6 +96,7 @@ struct TrainCli {
   std::string model_spec, precision = "mixed", optimizer = "adamw", ckpt = "none", off_opt = "none", off_par = "none",
                           framework = "analytic", targets = "q,k,v,o", fsdp, gpu_mem, svg;
   TrainOptions to;
+  double context_mib = -1;  // --cuda-context (< 0: not given)
   bool no_flash = false, no_dq = false, rule = false, json = false;
 };
 
@@ -110,6 +111,10 @@ int run_train(TrainCli& a) {
   to.flash_attention = !a.no_flash;
   to.double_quant = !a.no_dq;
   to.lora_targets = split_commas(a.targets);
+  if (a.context_mib >= 0) {
+    if (!(a.context_mib <= 1 << 20)) throw UsageError("--cuda-context must be a number of MiB up to 1048576");
+    to.cuda_context_bytes = a.context_mib * (1 << 20), to.cuda_context_given = true;
+  }
   if (!a.fsdp.empty()) {
     if (a.fsdp == "full") to.zero = 3;
     else if (a.fsdp == "grad-op") to.zero = 2;
@@ -202,6 +207,9 @@ int main(int argc, char** argv) {
   tr->add_option("--gpu-mem", ta.gpu_mem, "GPU memory to check against, e.g. 80GB");
   tr->add_option("--gpu", to.gpu, "GPU model, e.g. H100 or A100 (PyTorch's cuBLAS workspace is 32 MiB on sm_90, 8 MiB elsewhere; "
                                   "the CUDA context is measured for the H100)");
+  tr->add_option("--cuda-context", ta.context_mib,
+                 "MiB of GPU memory a process holds before its first tensor on your setup (CUDA context, kernels, libraries: "
+                 "nvidia-smi after initialising CUDA); default an assumed 512 MiB, or the H100's measured one");
   tr->add_flag("--rule-of-thumb", ta.rule, "add the '6x the weights' rule of thumb beside the estimate, with the difference explained");
   tr->add_flag("--json", ta.json, "JSON output");
   tr->add_option("--svg", ta.svg, "also write a stacked bar chart to this SVG file");

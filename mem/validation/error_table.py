@@ -29,15 +29,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 GATED = {"llama", "mistral", "gemma", "gemma2", "phi3", "qwen2", "qwen3"}  # gate/up/down MLP blocks
+GPT_STYLE = {"bert", "bloom"}  # LayerNorm + GELU blocks with biases llmq-mem's shape knows (mem/shape.cpp)
 # LitGPT block recipes llmq-mem's --framework litgpt knows (--block), by the case's arch.
 LITGPT_BLOCKS = {"llama": "llama", "mistral": "mistral", "gemma": "gemma", "gemma2": "gemma2", "phi3": "phi3", "qwen2": "qwen2",
                  "gpt_neox": "gpt-neox", "phi": "phi", "falcon": "falcon"}
 OPTIMIZERS = {"adamw": "adamw", "paged-adamw-32bit": "adamw", "adamw-8bit": "adam8bit", "paged-adamw-8bit": "adam8bit",
-              "sgd": "sgd"}
-PRECISIONS = {"fp32": "fp32", "fp16-mixed": "mixed", "bf16-mixed": "mixed", "pure-bf16": "pure-bf16", "nf4": "pure-bf16"}
+              "sgd": "sgd", "adafactor": "adafactor"}
+PRECISIONS = {"fp32": "fp32", "fp16-mixed": "amp", "bf16-mixed": "amp", "pure-bf16": "pure-bf16", "nf4": "pure-bf16"}
 TARGETS = {"q": "q", "q_proj": "q", "query": "q", "k": "k", "k_proj": "k", "key": "k", "v": "v", "v_proj": "v", "value": "v",
            "proj": "o", "o_proj": "o", "output_proj": "o", "mlp": "gate,up,down", "head": "head",
-           "all-linear": "q,k,v,o,gate,up,down"}
+           "all-linear": "q,k,v,o,gate,up,down", "query_key_value": "qkv"}
 
 
 def measured_bytes(case: dict) -> float:
@@ -62,7 +63,7 @@ def why_not(case: dict) -> str | None:
             return f"precision {r['precision']}"
         return None
     litgpt = r.get("framework") == "litgpt" and m["arch"] in LITGPT_BLOCKS
-    if m["arch"] not in GATED and not litgpt:
+    if m["arch"] not in GATED and m["arch"] not in GPT_STYLE and not litgpt:
         return f"{m['arch']} blocks (non-Llama MLP/attention)"
     if r["optimizer"] not in OPTIMIZERS:
         return f"optimizer {r['optimizer']}"
@@ -92,7 +93,9 @@ def config_json(case: dict, folder: Path) -> Path:
                                 "num_key_value_heads": m.get("kv_heads") or m["heads"], "vocab_size": m["vocab"],
                                 "max_position_embeddings": max(4096, case["recipe"]["seq"]),
                                 "model_type": m["arch"], **({"head_dim": m["head_dim"]} if m.get("head_dim") else {}),
-                                "tie_word_embeddings": bool(m.get("tied_embeddings", False))}))
+                                "tie_word_embeddings": bool(m.get("tied_embeddings", False)),
+                                **({"architectures": ["BertForSequenceClassification"], "num_labels": m.get("labels", 2)}
+                                   if m.get("task") == "sequence-classification" else {})}))
     return path
 
 
@@ -107,6 +110,8 @@ def flags(case: dict) -> list[str]:
            "-s", str(r["seq"]), "--checkpointing", r["checkpointing"]]
     if case.get("gpu"):
         out += ["--gpu", case["gpu"]]  # PyTorch's cuBLAS workspace size depends on it (sm_90 or not)
+    if r.get("cuda_context_mib"):  # measured by the same source (e.g. nvidia-smi after CUDA init)
+        out += ["--cuda-context", str(r["cuda_context_mib"])]
     if r.get("framework") == "litgpt" and case["model"]["arch"] in LITGPT_BLOCKS and r["precision"] != "bf16-mixed":
         out += ["--framework", "litgpt", "--block", LITGPT_BLOCKS[case["model"]["arch"]], "--litgpt-version", litgpt_version(case)]
         if r.get("lora"):
@@ -126,6 +131,7 @@ def flags(case: dict) -> list[str]:
     gpus = r.get("gpus") or 1
     if gpus > 1:
         out += ["--dp", str(gpus)]
+    if gpus > 1 or r["offload"] != "none":  # one GPU: ZeRO changes nothing but where it offloads
         if r["sharding"] in ("zero3", "fsdp-full"):
             out += ["--zero", "3"]
         elif r["sharding"] == "zero2":
