@@ -46,21 +46,20 @@ struct ActScale {
   float d, id;
 };
 inline ActScale act_scale(float amax, int group) {
-  if (amax == 0.0f) return {0.0f, 0.0f};
   if (group == QK) {
     const float d = amax / 127.0f;
-    return {d, 1.0f / d};
+    return d != 0.0f ? ActScale{d, 1.0f / d} : ActScale{0.0f, 0.0f};  // (a denormal amax can give d = 0)
   }
-  const float id = 127.0f / amax;
-  return {1.0f / id, id};
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  return id != 0.0f && id < 3.0e38f ? ActScale{1.0f / id, id} : ActScale{0.0f, 0.0f};  // (and an infinite id)
 }
 
 /// Values per activation scale in matmuls against K-quant weights (Q4_K, Q5_K, Q6_K): 32 (the
 /// default: the rule of every other type, and the more accurate) or 256 (one scale per
-/// super-block, as llama.cpp's CPU backend does with its Q8_K activations: use it to compare
-/// with llama.cpp number for number). The first call reads LLMQ_KQUANT_ACT (32 | 256; anything
-/// else: a warning and 32). Blocks of 32 are stored either way (BlockQ8Act), so the kernels
-/// are the same.
+/// super-block, the granularity of llama.cpp's Q8_K activations: with it llmq's error against
+/// the exact model equals llama.cpp's, bench/RESULTS.md "Gemma-3-270M against llama.cpp, taken
+/// apart"). The first call reads LLMQ_KQUANT_ACT (32 | 256; anything else: a warning and 32).
+/// Blocks of 32 are stored either way (BlockQ8Act), so the kernels are the same.
 int kquant_act_group();
 /// Sets kquant_act_group() (32 or 256, else UsageError). Not while kernels run.
 void set_kquant_act_group(int group);
