@@ -34,6 +34,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/model.h"
@@ -701,6 +702,43 @@ TEST_CASE("GGUF tensors of every supported type convert: ours raw, Q3_K and IQ4_
       CHECK(greedy(*m, 4, &l).size() == 4);
     }
   }
+}
+
+// ================================================================ llmq-run -m model.gguf
+
+TEST_CASE("llmq-run loads a GGUF through one cached lossless conversion", "[gguf][tools]") {
+  const std::string dir = test::scratch("gguf-cache");
+  const std::string cache = dir + "/cache", gguf = dir + "/tiny.gguf", llmq = dir + "/tiny.llmq";
+  write_file(gguf, tiny_model(mixed_spec(), 11).build());
+  REQUIRE(convert(gguf, llmq, dir + "/conv.err").code == 0);
+  auto run = [&](const std::string& model, const std::string& tag) {
+    const std::string out = dir + "/" + tag + ".out", err = dir + "/" + tag + ".err";
+    const int code = test::run("LLMQ_CACHE='" + cache + "' timeout 20 " + test::bin("llmq-run") + " -m '" + model +
+                               "' -p 'hello world' -n 6 --temp 0 -t 1 >'" + out + "' 2>'" + err + "'");
+    return std::make_tuple(code, slurp(out), slurp(err));
+  };
+  const auto [c0, want, e0] = run(llmq, "direct");
+  REQUIRE(c0 == 0);
+  const auto [c1, first, e1] = run(gguf, "first");
+  INFO(e1);
+  REQUIRE(c1 == 0);
+  CHECK(first == want);  // the same tokens as the converted file
+  CHECK(e1.find("converted") != std::string::npos);
+  REQUIRE(std::distance(fs::directory_iterator(cache), fs::directory_iterator{}) == 1);
+  const auto [c2, second, e2] = run(gguf, "second");
+  CHECK(c2 == 0);
+  CHECK(second == want);
+  CHECK(e2.find("converted") == std::string::npos);  // loaded from the cache
+  // A changed GGUF is a new cache entry; a broken one exits 2 and leaves nothing behind.
+  write_file(gguf, tiny_model(mixed_spec(), 12).build());
+  CHECK(std::get<0>(run(gguf, "changed")) == 0);
+  CHECK(std::distance(fs::directory_iterator(cache), fs::directory_iterator{}) == 2);
+  const Bytes whole = tiny_model(mixed_spec(), 13).build();
+  write_file(gguf, Bytes(whole.begin(), whole.begin() + long(whole.size() / 2)));
+  const auto [c3, o3, e3] = run(gguf, "broken");
+  CHECK(c3 == 2);
+  CHECK(e3.find("tiny.gguf") != std::string::npos);
+  CHECK(std::distance(fs::directory_iterator(cache), fs::directory_iterator{}) == 2);
 }
 
 // ================================================================ SmolLM2-135M-Instruct

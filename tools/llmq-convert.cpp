@@ -10,7 +10,7 @@
 #include "formats/readers/convert.h"
 #include "base/error.h"
 #include "formats/readers/source.h"
-#include "text/tokenizer.h"
+#include "engine/runner/model_file.h"
 #include "cli/cli_common.h"
 
 using namespace llmq;
@@ -53,17 +53,9 @@ int main(int argc, char** argv) {
       src.vocab = cli::load_tokenizer_file(tokenizer, src.config.vocab_size);
       src.has_vocab = true;
     }
-    if (!src.has_vocab) throw UsageError(input + " carries no tokenizer: give one with --tokenizer");
     // The tokenizer as llmq-run will build it, before anything is written: inconsistent token
     // types, scores, merges or special ids fail here (exit 2), not in a file that cannot load.
-    try {
-      const Tokenizer check(src.vocab);
-    } catch (const std::exception& e) {
-      throw FileError(tokenizer.empty() ? input : tokenizer, e.what());
-    }
-    if (int64_t(src.vocab.tokens.size()) != src.config.vocab_size)
-      throw FileError(tokenizer.empty() ? input : tokenizer, "the tokenizer has " + std::to_string(src.vocab.tokens.size()) +
-                                                                  " tokens, the model's vocabulary " + std::to_string(src.config.vocab_size));
+    check_source_vocab(src, tokenizer.empty() ? input : tokenizer);
     opts.chat_template = src.chat_template;
     std::fprintf(stderr, "llmq-convert: %s (%s): dim %lld, %lld layers, %lld heads (%lld KV), vocab %lld\n", input.c_str(),
                  src.format.c_str(), (long long)src.config.dim, (long long)src.config.n_layers,

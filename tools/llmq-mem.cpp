@@ -18,6 +18,7 @@
 #include "mem/infer.h"
 #include "mem/train.h"
 #include "cli/cli_common.h"
+#include "engine/runner/model_file.h"
 
 using namespace llmq;
 using namespace llmq::mem;
@@ -85,6 +86,7 @@ int fit_cpu(const InferCli& a) {
 }
 
 int run_infer(InferCli& a) {
+  a.model_path = model_file_for(a.model_path);  // a GGUF: its cached conversion, as llmq-run loads it
   if (!a.mem_budget.empty()) a.io.budget = parse_size(a.mem_budget);
   if (a.fit) return a.io.device == "cuda" ? fit_gpu(a) : fit_cpu(a);
   emit(infer_report(a.model_path, a.io), a.json, a.svg);
@@ -152,7 +154,7 @@ int main(int argc, char** argv) {
   // ---- infer
   auto* inf = app.add_subcommand("infer", "memory of llmq-run / llmq-server for a .llmq model (exact on the CPU)");
   InferOptions& io = ia.io;
-  inf->add_option("-m,--model", ia.model_path, "model file (.llmq)")->required();
+  inf->add_option("-m,--model", ia.model_path, "model file (.llmq, or a GGUF: converted once into the cache, as llmq-run does)")->required();
   auto* ctx_opt = inf->add_option("-c,--ctx", io.ctx, "tokens per sequence (default: the model's context, at most 4096)");
   auto* par_opt = inf->add_option("--parallel", io.parallel, "sequences at once (> 1: llmq-server's plan)");
   inf->add_flag("--server", io.server, "plan llmq-server even for one sequence");

@@ -10,6 +10,7 @@
 
 #include "base/error.h"
 #include "engine/runner/cuda_backend.h"
+#include "engine/runner/model_file.h"
 
 // Defined when the backend is linked in (engine/runner/cuda_backend.cpp); else null, and the
 // plugin is opened instead.
@@ -101,7 +102,7 @@ std::unique_ptr<Model> load_model(const std::string& path, bool verify, const Pl
   const bool pack = cpu || p.gpu_layers >= 0;
   const int64_t gpu_layers = cpu ? 0 : std::max<int64_t>(0, p.gpu_layers);
   const int tp = cpu && !p.whole_panels ? p.tp : 1;
-  return Model::load(path, verify, pack, gpu_layers, tp, p.ctx);
+  return Model::load(model_file_for(path), verify, pack, gpu_layers, tp, p.ctx);
 }
 
 Device pick_device(const std::string& name) {

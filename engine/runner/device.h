@@ -22,7 +22,8 @@ struct Placement {
   int64_t ctx = 0;            ///< KV positions per sequence (0: the model's, capped): LongRoPE's factors depend on it
 };
 
-/// The tools' one loading path: Model::load(path, verify, ...) with the packing `p` needs. CPU:
+/// The tools' one loading path: Model::load(model_file_for(path), verify, ...) (a GGUF through
+/// its cached conversion, engine/runner/model_file.h) with the packing `p` needs. CPU:
 /// every matrix (tp > 1 without whole_panels: each rank packs its own slices of the attention
 /// output and FFN down, so the model's are left unpacked); CUDA: none, but the first layers'
 /// under partial offload (gpu_layers >= 0), which the CPU runs. Throws as Model::load.

@@ -1,0 +1,32 @@
+// Which `.llmq` file the tools load for the model path they are given: a GGUF is converted once
+// (a lossless repack) into a cache and loaded from there, as a llama.cpp user expects
+// `-m model.gguf` to work.
+#pragma once
+#include <string>
+
+#include "formats/readers/llama2c.h"  // SourceModel
+
+namespace llmq {
+
+/// The checks llmq-convert makes before it writes anything: the source carries a tokenizer, the
+/// tokenizer builds as llmq-run will build it (token types, scores, merges, special ids), and
+/// its size is the model's vocabulary. Throws FileError naming `what` (the source or tokenizer
+/// file) or UsageError (no tokenizer).
+void check_source_vocab(const SourceModel& src, const std::string& what);
+
+/// The cache directory of converted GGUFs: LLMQ_CACHE, else $XDG_CACHE_HOME/llmq, else
+/// $HOME/.cache/llmq (not created here). Throws UsageError when none of them is set.
+std::string model_cache_dir();
+
+/// The `.llmq` file to load for `path`. Anything that does not start with "GGUF" is returned as
+/// it is (Model::load says what is wrong with it). A GGUF is converted once, with llmq-convert's
+/// defaults (every tensor keeps its type, a byte copy; Q3_K and IQ4_NL widened exactly), into
+/// model_cache_dir() as STEM-HHHHHHHHHHHHHHHH.llmq, H the XXH64 of the GGUF's real path, size
+/// and modification time (a replaced or edited GGUF converts again); later calls return that
+/// file. Prints one line on stderr when it converts. Callers in several processes at once (MPI
+/// ranks) may all convert: the first to finish publishes the file (LlmqWriter is exclusive), the
+/// others use it. Throws FileError (unreadable or bad GGUF, a cache that cannot be written) or
+/// UsageError.
+std::string model_file_for(const std::string& path);
+
+}  // namespace llmq
