@@ -44,6 +44,8 @@ std::string model_cache_dir() {
 namespace {
 
 bool is_gguf(const std::string& path) {
+  struct stat sb {};
+  if (::stat(path.c_str(), &sb) != 0 || !S_ISREG(sb.st_mode)) return false;  // (a FIFO would block here; Model::load refuses it)
   std::ifstream in(path, std::ios::binary);
   char magic[4] = {};
   return in.read(magic, 4) && std::string(magic, 4) == "GGUF";
