@@ -38,6 +38,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "engine/model.h"
@@ -558,6 +559,34 @@ TEST_CASE("hf: tokenizer.json, tokenizer_config.json and generation_config.json 
   CHECK(ids == std::vector<int32_t>{258, 32, 259});
   CHECK(model->tokenizer->decode(ids) == " the in");
   CHECK(model->chat_template == kChatML);
+}
+
+TEST_CASE("hf: llmq-run takes a checkpoint directory through one cached conversion", "[hf][tools]") {
+  const std::string dir = make_tokenizer_dir(llmq::test::scratch("hf_cache") + "/model");
+  const std::string work = llmq::test::scratch("hf_cache_work"), out = work + "/tok.llmq", cache = work + "/cache";
+  REQUIRE(convert(dir, out).code == 0);
+  auto run = [&](const std::string& model, const std::string& tag) {
+    const std::string o = work + "/" + tag + ".out", e = work + "/" + tag + ".err";
+    const int code = llmq::test::run("LLMQ_CACHE='" + cache + "' timeout 20 " + llmq::test::bin("llmq-run") + " -m '" + model +
+                                     "' -p 'the thin' -n 8 --temp 0 -t 1 >'" + o + "' 2>'" + e + "'");
+    auto slurp = [](const std::string& f) {
+      std::ifstream in(f);
+      return std::string(std::istreambuf_iterator<char>(in), {});
+    };
+    return std::make_tuple(code, slurp(o), slurp(e));
+  };
+  const auto [c0, want, e0] = run(out, "file");
+  REQUIRE(c0 == 0);
+  const auto [c1, first, e1] = run(dir, "dir");
+  INFO(e1);
+  REQUIRE(c1 == 0);
+  CHECK(first == want);
+  CHECK(e1.find("converted") != std::string::npos);
+  const auto [c2, second, e2] = run(dir + "/", "again");  // the same directory, spelled with a slash
+  CHECK(c2 == 0);
+  CHECK(second == want);
+  CHECK(e2.find("converted") == std::string::npos);
+  CHECK(std::distance(fs::directory_iterator(cache), fs::directory_iterator{}) == 1);
 }
 
 TEST_CASE("hf: tokenizer reader variants (pre-tokenizer regexes, merge pairs, template lists, tokenizer.model)", "[hf]") {

@@ -3,11 +3,13 @@
 #include <sys/stat.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include "base/error.h"
 #include "formats/readers/convert.h"
@@ -51,22 +53,43 @@ bool is_gguf(const std::string& path) {
   return in.read(magic, 4) && std::string(magic, 4) == "GGUF";
 }
 
-// STEM-HHHHHHHHHHHHHHHH.llmq for the GGUF at `path` as it is now.
-std::string cache_name(const std::string& path) {
+// A Hugging Face checkpoint directory (it holds a config.json).
+bool is_hf_dir(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec) && fs::is_regular_file(fs::path(path) / "config.json", ec);
+}
+
+// "size.mtime" of a file (symbolic links followed).
+std::string stamp(const std::string& path) {
   struct stat sb {};
   if (::stat(path.c_str(), &sb) != 0) throw FileError(path, "cannot stat");
-  const std::string real = fs::weakly_canonical(path).string();
-  const std::string key = real + '\0' + std::to_string(sb.st_size) + '\0' + std::to_string(sb.st_mtim.tv_sec) + '.' +
-                          std::to_string(sb.st_mtim.tv_nsec);
+  return std::to_string(sb.st_size) + '.' + std::to_string(sb.st_mtim.tv_sec) + '.' + std::to_string(sb.st_mtim.tv_nsec);
+}
+
+// STEM-HHHHHHHHHHHHHHHH.llmq for the GGUF file or checkpoint directory at `path` as it is now:
+// H hashes its real path and the size and modification time of the file (of a directory: of
+// every regular file in it, by name).
+std::string cache_name(const std::string& path) {
+  const fs::path real = fs::weakly_canonical(path);
+  std::string key = real.string();
+  if (fs::is_directory(real)) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(real))
+      if (e.is_regular_file()) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    for (const auto& n : names) key += '\0' + n + '\0' + stamp((real / n).string());
+  } else {
+    key += '\0' + stamp(path);
+  }
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH64(key.data(), key.size(), 0));
-  return fs::path(path).stem().string() + "-" + hex + ".llmq";
+  return (real.has_filename() ? real.stem().string() : std::string("model")) + "-" + hex + ".llmq";
 }
 
 }  // namespace
 
 std::string model_file_for(const std::string& path) {
-  if (!is_gguf(path)) return path;
+  if (!is_gguf(path) && !is_hf_dir(path)) return path;
   const std::string dir = model_cache_dir();
   const std::string out = (fs::path(dir) / cache_name(path)).string();
   std::error_code ec;
@@ -81,7 +104,7 @@ std::string model_file_for(const std::string& path) {
   opts.chat_template = src.chat_template;
   try {
     const ConvertReport rep = convert_to_llmq(src, src.vocab, out, opts);
-    std::fprintf(stderr, "llmq: converted %s to %s (lossless repack, %.1f MiB, %.1f s); later runs load it from there\n", path.c_str(),
+    std::fprintf(stderr, "llmq: converted %s to %s (types kept, %.1f MiB, %.1f s); later runs load it from there\n", path.c_str(),
                  out.c_str(), double(rep.file_bytes) / (1 << 20),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } catch (const FileError&) {

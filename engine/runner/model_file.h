@@ -1,6 +1,6 @@
-// Which `.llmq` file the tools load for the model path they are given: a GGUF is converted once
-// (a lossless repack) into a cache and loaded from there, as a llama.cpp user expects
-// `-m model.gguf` to work.
+// Which `.llmq` file the tools load for the model path they are given: a GGUF or a Hugging Face
+// directory is converted once (its types kept) into a cache and loaded from there, as llama.cpp
+// and vLLM users expect `-m model.gguf` and `--model DIR` to work.
 #pragma once
 #include <string>
 
@@ -18,12 +18,13 @@ void check_source_vocab(const SourceModel& src, const std::string& what);
 /// $HOME/.cache/llmq (not created here). Throws UsageError when none of them is set.
 std::string model_cache_dir();
 
-/// The `.llmq` file to load for `path`. Anything that does not start with "GGUF" is returned as
-/// it is (Model::load says what is wrong with it). A GGUF is converted once, with llmq-convert's
-/// defaults (every tensor keeps its type, a byte copy; Q3_K and IQ4_NL widened exactly), into
-/// model_cache_dir() as STEM-HHHHHHHHHHHHHHHH.llmq, H the XXH64 of the GGUF's real path, size
-/// and modification time (a replaced or edited GGUF converts again); later calls return that
-/// file. Prints one line on stderr when it converts. Callers in several processes at once (MPI
+/// The `.llmq` file to load for `path`. A GGUF file or a Hugging Face checkpoint directory (one
+/// holding config.json) is converted once, with llmq-convert's defaults (every tensor keeps its
+/// type: a byte copy of GGUF blocks, Q3_K and IQ4_NL widened exactly; safetensors' F32, F16 and
+/// BF16 as they are), into model_cache_dir() as STEM-HHHHHHHHHHHHHHHH.llmq, H the XXH64 of the
+/// real path and the size and modification time of the file (of a directory: of each of its
+/// files), so a replaced or edited source converts again; later calls return that file.
+/// Anything else is returned as it is (Model::load says what is wrong with it). Prints one line on stderr when it converts. Callers in several processes at once (MPI
 /// ranks) may all convert: the first to finish publishes the file (LlmqWriter is exclusive), the
 /// others use it. Throws FileError (unreadable or bad GGUF, a cache that cannot be written) or
 /// UsageError.
