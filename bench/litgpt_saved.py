@@ -6,7 +6,7 @@ needs no gradient, so it saves less). Compares with llmq-mem's LitGPT 2024 block
 (mem/train_litgpt.cpp block_saved) for the same shape. A lab for issue 23's LitGPT rows, not a
 test: needs `pip install litgpt` (it pulls torch) in a venv of its own.
 
-    python bench/litgpt_saved.py [--T 64] [--h 256] [--H 688] [--heads 8]
+    python bench/litgpt_saved.py [--T 64] [--h 256] [--H 688] [--heads 8] [--device cuda]
 """
 import argparse
 
@@ -20,7 +20,7 @@ def saved_bytes(n_layer: int, lora: bool, a) -> int:
                  norm_class_name="RMSNorm", bias=False, parallel_residual=False, rotary_percentage=1.0,
                  lora_r=8 if lora else 0, lora_alpha=16, lora_dropout=0.05, lora_query=lora, lora_value=lora)
     torch.manual_seed(0)
-    m = GPT(cfg).to(torch.bfloat16)
+    m = GPT(cfg).to(device=a.device, dtype=torch.bfloat16)
     if lora:
         mark_only_lora_as_trainable(m)
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
@@ -33,7 +33,7 @@ def saved_bytes(n_layer: int, lora: bool, a) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        m(torch.randint(0, 512, (1, a.T)))
+        m(torch.randint(0, 512, (1, a.T), device=a.device))
     return sum(seen.values())
 
 
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--h", type=int, default=256)
     ap.add_argument("--H", type=int, default=688)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (FlashAttention's saved tensors on a GPU)")
     a = ap.parse_args()
     for lora in (True, False):
         got = saved_bytes(2, lora, a) - saved_bytes(1, lora, a)
