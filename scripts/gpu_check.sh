@@ -188,6 +188,10 @@ run_phase() {
     train)
       step train-mem ${TRAIN_SECS:-240} "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
       step generate-mem ${GENERATE_SECS:-150} "python3 bench/generate_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/generate_mem.json"
+      # LitGPT's saved tensors per block on the GPU (FlashAttention), beside the CPU's count
+      # (bench/RESULTS.md "LitGPT's saved tensors counted on the CPU").
+      step litgpt-saved ${LITGPT_SECS:-120} "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && \
+        for s in '64 256 688 8' '1304 4096 11008 32'; do set -- \$s; PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda; done"
       ;;
     *)
       echo "gpu_check.sh: unknown phase '$phase' (info tests sanitizer lab bench peer tools train)" >&2

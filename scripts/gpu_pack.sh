@@ -38,6 +38,12 @@ done
 mkdir -p .gpu/shared/tokenizers && cp ../shared/tokenizers/llamacpp-vocab/ggml-vocab-llama-spm.gguf .gpu/shared/tokenizers/
 if [ -d build-peer/cuda/bin ] && [ ! -d .gpu/peer ]; then bash scripts/peer_cuda.sh; fi
 cp scripts/peer_gguf.py .gpu/
+# LitGPT for bench/litgpt_saved.py --device cuda (its other needs are in the GPU image: torch,
+# lightning, huggingface_hub, safetensors, tokenizers, psutil, tqdm, PyYAML); pure-Python wheels.
+mkdir -p .gpu/wheels
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any \
+  -d .gpu/wheels litgpt==0.5.13 jsonargparse==4.41.0 docstring-parser==0.18.0 typeshed-client==2.15.0 ||
+  echo "gpu_pack.sh: no LitGPT wheels (pip could not download them): the train phase skips bench/litgpt_saved.py" >&2
 du -sh .gpu .gpu/*
 # One archive to carry (the device tool takes at most 64 MiB; the binaries share their kernels,
 # which xz's 64 MiB window folds): gpu_check.sh unpacks it where .gpu/ is missing.
