@@ -724,21 +724,30 @@ TEST_CASE("llmq-run loads a GGUF through one cached lossless conversion", "[gguf
   REQUIRE(c1 == 0);
   CHECK(first == want);  // the same tokens as the converted file
   CHECK(e1.find("converted") != std::string::npos);
-  REQUIRE(std::distance(fs::directory_iterator(cache), fs::directory_iterator{}) == 1);
+  REQUIRE(llmq::test::files_with_extension(cache, ".llmq") == 1);
   const auto [c2, second, e2] = run(gguf, "second");
   CHECK(c2 == 0);
   CHECK(second == want);
   CHECK(e2.find("converted") == std::string::npos);  // loaded from the cache
+  // Three processes at once on a new GGUF (MPI ranks): one converts, the others wait for it.
+  write_file(gguf, tiny_model(mixed_spec(), 14).build());
+  const std::string cmd = "LLMQ_CACHE='" + cache + "' timeout 30 " + test::bin("llmq-run") + " -m '" + gguf + "' -p hi -n 2 -t 1";
+  REQUIRE(test::run("(" + cmd + " >/dev/null 2>'" + dir + "/p1.err' & " + cmd + " >/dev/null 2>'" + dir + "/p2.err' & " + cmd +
+                    " >/dev/null 2>'" + dir + "/p3.err' & wait)") == 0);
+  int conversions = 0;
+  for (const char* f : {"/p1.err", "/p2.err", "/p3.err"}) conversions += slurp(dir + f).find("converted") != std::string::npos;
+  CHECK(conversions == 1);
+  CHECK(llmq::test::files_with_extension(cache, ".llmq") == 2);
   // A changed GGUF is a new cache entry; a broken one exits 2 and leaves nothing behind.
   write_file(gguf, tiny_model(mixed_spec(), 12).build());
   CHECK(std::get<0>(run(gguf, "changed")) == 0);
-  CHECK(std::distance(fs::directory_iterator(cache), fs::directory_iterator{}) == 2);
+  CHECK(llmq::test::files_with_extension(cache, ".llmq") == 3);
   const Bytes whole = tiny_model(mixed_spec(), 13).build();
   write_file(gguf, Bytes(whole.begin(), whole.begin() + long(whole.size() / 2)));
   const auto [c3, o3, e3] = run(gguf, "broken");
   CHECK(c3 == 2);
   CHECK(e3.find("tiny.gguf") != std::string::npos);
-  CHECK(std::distance(fs::directory_iterator(cache), fs::directory_iterator{}) == 2);
+  CHECK(llmq::test::files_with_extension(cache, ".llmq") == 3);
 }
 
 // ================================================================ SmolLM2-135M-Instruct

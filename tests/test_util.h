@@ -37,6 +37,12 @@ inline std::string dir_setting(const char* env, const char* compiled) {
 inline std::string shared(const std::string& rel) { return dir_setting("LLMQ_SHARED_DIR", LLMQ_SHARED_DIR) + "/" + rel; }
 /// Path of a built tool, e.g. bin("llmq-run").
 inline std::string bin(const std::string& name) { return dir_setting("LLMQ_BIN_DIR", LLMQ_BIN_DIR) + "/" + name; }
+/// Regular entries of `dir` whose name ends in `ext` (e.g. ".llmq").
+inline long files_with_extension(const std::string& dir, const std::string& ext) {
+  long n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) n += e.path().extension() == ext;
+  return n;
+}
 /// This process's scratch root, LLMQ_TEST_TMP/<pid> (CTest runs test cases as parallel
 /// processes), removed when the process exits.
 inline const std::filesystem::path& scratch_root() {

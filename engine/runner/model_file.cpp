@@ -1,9 +1,13 @@
 #include "engine/runner/model_file.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -96,6 +100,25 @@ std::string model_file_for(const std::string& path) {
   if (fs::is_regular_file(out, ec)) return out;
   fs::create_directories(dir, ec);
   if (ec) throw FileError(dir, "cannot create the cache directory for converted GGUF files: " + ec.message() + " (set LLMQ_CACHE)");
+  // One converter at a time per entry (MPI ranks start together): the others wait on the lock
+  // and then find the file. Without a lock (a file system that refuses it) every caller
+  // converts, and LlmqWriter lets the first to finish publish.
+  std::string lock_name = fs::path(out).filename().string();
+  lock_name.insert(0, 1, '.');
+  lock_name.append(".lock");
+  const std::string lock_path = (fs::path(dir) / lock_name).string();
+  const int lock = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  struct Unlock {
+    int fd;
+    ~Unlock() {
+      if (fd >= 0) ::close(fd);  // releases the flock
+    }
+  } unlock{lock};
+  if (lock >= 0) {
+    while (::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
+    }
+    if (fs::is_regular_file(out, ec)) return out;  // converted while we waited
+  }
   const auto t0 = std::chrono::steady_clock::now();
   SourceModel src = open_source(path);
   check_source_vocab(src, path);

@@ -24,10 +24,11 @@ std::string model_cache_dir();
 /// BF16 as they are), into model_cache_dir() as STEM-HHHHHHHHHHHHHHHH.llmq, H the XXH64 of the
 /// real path and the size and modification time of the file (of a directory: of each of its
 /// files), so a replaced or edited source converts again; later calls return that file.
-/// Anything else is returned as it is (Model::load says what is wrong with it). Prints one line on stderr when it converts. Callers in several processes at once (MPI
-/// ranks) may all convert: the first to finish publishes the file (LlmqWriter is exclusive), the
-/// others use it. Throws FileError (unreadable or bad GGUF, a cache that cannot be written) or
-/// UsageError.
+/// Anything else is returned as it is (Model::load says what is wrong with it). Prints one line
+/// on stderr when it converts. Callers in several processes at once (MPI ranks) take turns on a
+/// lock file beside the entry (flock), so one converts and the others find its file; where locks
+/// fail, each converts and the first to finish publishes (LlmqWriter is exclusive). Throws
+/// FileError (unreadable or bad source, a cache that cannot be written) or UsageError.
 std::string model_file_for(const std::string& path);
 
 }  // namespace llmq
