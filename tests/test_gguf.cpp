@@ -712,10 +712,8 @@ TEST_CASE("llmq-run loads a GGUF through one cached lossless conversion", "[gguf
   write_file(gguf, tiny_model(mixed_spec(), 11).build());
   REQUIRE(convert(gguf, llmq, dir + "/conv.err").code == 0);
   auto run = [&](const std::string& model, const std::string& tag) {
-    const std::string out = dir + "/" + tag + ".out", err = dir + "/" + tag + ".err";
-    const int code = test::run("LLMQ_CACHE='" + cache + "' timeout 20 " + test::bin("llmq-run") + " -m '" + model +
-                               "' -p 'hello world' -n 6 --temp 0 -t 1 >'" + out + "' 2>'" + err + "'");
-    return std::make_tuple(code, slurp(out), slurp(err));
+    const test::CachedRun r = test::run_with_cache(cache, model, "hello world", 6, dir + "/" + tag);
+    return std::make_tuple(r.code, r.out, r.err);
   };
   const auto [c0, want, e0] = run(llmq, "direct");
   REQUIRE(c0 == 0);

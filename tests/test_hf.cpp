@@ -566,14 +566,8 @@ TEST_CASE("hf: llmq-run takes a checkpoint directory through one cached conversi
   const std::string work = llmq::test::scratch("hf_cache_work"), out = work + "/tok.llmq", cache = work + "/cache";
   REQUIRE(convert(dir, out).code == 0);
   auto run = [&](const std::string& model, const std::string& tag) {
-    const std::string o = work + "/" + tag + ".out", e = work + "/" + tag + ".err";
-    const int code = llmq::test::run("LLMQ_CACHE='" + cache + "' timeout 20 " + llmq::test::bin("llmq-run") + " -m '" + model +
-                                     "' -p 'the thin' -n 8 --temp 0 -t 1 >'" + o + "' 2>'" + e + "'");
-    auto slurp = [](const std::string& f) {
-      std::ifstream in(f);
-      return std::string(std::istreambuf_iterator<char>(in), {});
-    };
-    return std::make_tuple(code, slurp(o), slurp(e));
+    const llmq::test::CachedRun r = llmq::test::run_with_cache(cache, model, "the thin", 8, work + "/" + tag);
+    return std::make_tuple(r.code, r.out, r.err);
   };
   const auto [c0, want, e0] = run(out, "file");
   REQUIRE(c0 == 0);

@@ -71,6 +71,23 @@ inline int run(const std::string& cmd) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+/// What llmq-run printed for `model` with LLMQ_CACHE=`cache` (engine/runner/model_file.h): its
+/// exit code, stdout and stderr (written to `stem`.out and `stem`.err); greedy, one thread.
+struct CachedRun {
+  int code;
+  std::string out, err;
+};
+inline CachedRun run_with_cache(const std::string& cache, const std::string& model, const std::string& prompt, int n,
+                                const std::string& stem) {
+  const int code = run("LLMQ_CACHE='" + cache + "' timeout 20 " + bin("llmq-run") + " -m '" + model + "' -p '" + prompt + "' -n " +
+                       std::to_string(n) + " --temp 0 -t 1 >'" + stem + ".out' 2>'" + stem + ".err'");
+  auto read = [](const std::string& f) {
+    std::ifstream in(f);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  return {code, read(stem + ".out"), read(stem + ".err")};
+}
+
 /// argv as the null-terminated char* array execv takes (pointing into `argv`, which must outlive it).
 inline std::vector<char*> exec_args(const std::vector<std::string>& argv) {
   std::vector<char*> args;
