@@ -206,12 +206,8 @@ void run_type(DType type, const std::vector<Shape>& shapes, int reps, double cop
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 20;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
   try {
-    CK(cudaSetDevice(0));
-    std::printf("%s\n", device_description(0).c_str());
+    const int reps = lab::start(argc, argv, 20);
     const double copy = measure_copy_bandwidth() / 1e9;
     std::printf("copy %.0f GB/s (read + write)\n", copy);
     // llama-2-7b's matrices (qkv stacked, gate/up stacked), llama.cpp test-backend-ops' 4096x14336.

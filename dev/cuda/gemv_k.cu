@@ -71,17 +71,7 @@ __global__ void __launch_bounds__(128) q4k_v2(const uint8_t* __restrict__ wq, si
       const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * k));
       lo[r] = make_uint4(q.x & 0x0f0f0f0fu, q.y & 0x0f0f0f0fu, q.z & 0x0f0f0f0fu, q.w & 0x0f0f0f0fu);
       hi[r] = make_uint4((q.x >> 4) & 0x0f0f0f0fu, (q.y >> 4) & 0x0f0f0f0fu, (q.z >> 4) & 0x0f0f0f0fu, (q.w >> 4) & 0x0f0f0f0fu);
-      const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(blk));
-      const uint32_t sw[3] = {__ldg(reinterpret_cast<const uint32_t*>(blk + 4)), __ldg(reinterpret_cast<const uint32_t*>(blk + 8)),
-                              __ldg(reinterpret_cast<const uint32_t*>(blk + 12))};
-      auto sbyte = [&](int i) { return int((sw[i / 4] >> (8 * (i % 4))) & 255); };
-      const float d = fp16_bits_to_float(uint16_t(dm & 0xffff)), dmin = fp16_bits_to_float(uint16_t(dm >> 16));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int sc, mn;
-        k4_scale_min(sbyte, 2 * p + h, sc, mn);
-        a[r][h] = d * float(sc), m[r][h] = dmin * float(mn);
-      }
+      q4k_pair_scales(blk, p, a[r], m[r]);
     }
 #pragma unroll
     for (int t = 0; t < 8; ++t)
@@ -235,12 +225,8 @@ void run_type(DType type, const std::vector<Shape>& shapes, int T, int reps, dou
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 20;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
   try {
-    CK(cudaSetDevice(0));
-    std::printf("%s\n", device_description(0).c_str());
+    const int reps = lab::start(argc, argv, 20);
     const double copy = measure_copy_bandwidth() / 1e9;
     std::printf("copy %.0f GB/s (read + write)\n", copy);
     // llama-2-7b's matrices as a Q4_K_M file has them: Q4_K qkv (stacked), wo, gate_up (stacked),

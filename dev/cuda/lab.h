@@ -4,13 +4,25 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/matmul.h"
 
 namespace llmq::cuda::lab {
+
+/// A lab's start: `--reps N` from the command line (else `reps`), GPU 0 selected and described
+/// on stdout. Throws as cuda::check.
+inline int start(int argc, char** argv, int reps) {
+  for (int i = 1; i + 1 < argc; i += 2)
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  check(cudaSetDevice(0), "cudaSetDevice");
+  std::printf("%s\n", device_description(0).c_str());
+  return reps;
+}
 
 /// Copies of a random [rows, cols] matrix of type t, >= 512 MiB in all (at least 2).
 struct WeightCopies {

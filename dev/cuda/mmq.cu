@@ -53,12 +53,8 @@ double rel(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 10;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
   try {
-    CK(cudaSetDevice(0));
-    std::printf("%s\n", device_description(0).c_str());
+    const int reps = lab::start(argc, argv, 10);
     cublasHandle_t h;
     ckb(cublasCreate(&h), "cublasCreate");
     DeviceBuffer ws(32 << 20);

@@ -411,17 +411,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 6) gemv_q4k_kernel(const uint
       const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * 144;
       const uint4 qs = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * k));
       qw[r][0] = qs.x, qw[r][1] = qs.y, qw[r][2] = qs.z, qw[r][3] = qs.w;
-      const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(blk));
-      const uint32_t sw[3] = {__ldg(reinterpret_cast<const uint32_t*>(blk + 4)), __ldg(reinterpret_cast<const uint32_t*>(blk + 8)),
-                              __ldg(reinterpret_cast<const uint32_t*>(blk + 12))};
-      auto sbyte = [&](int i) { return int((sw[i / 4] >> (8 * (i % 4))) & 255); };
-      const float d = fp16_bits_to_float(uint16_t(dm & 0xffff)), dmin = fp16_bits_to_float(uint16_t(dm >> 16));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int sc, mn;
-        k4_scale_min(sbyte, 2 * p + h, sc, mn);
-        a[r][h] = d * float(sc), m[r][h] = dmin * float(mn);
-      }
+      q4k_pair_scales(blk, p, a[r], m[r]);
     }
 #pragma unroll
     for (int t = 0; t < kGemvMaxTokens; ++t)

@@ -30,6 +30,23 @@ __device__ __forceinline__ void k4_scale_min(const Byte& byte, int j, int& sc, i
   mn = j < 4 ? byte(j + 4) & 63 : (byte(j + 4) >> 4) | (byte(j) >> 6) << 4;
 }
 
+/// The fp32 scale a[h] = d·sc and minimum m[h] = dmin·mn of sub-blocks 2p and 2p + 1 (h = 0, 1)
+/// of the Q4_K super-block at blk (4-byte aligned: its header read as four words), for
+/// w = a·q − m. The K-quant GEMVs (engine/cuda/matmul.cu, dev/cuda/gemv_k.cu) call it.
+__device__ __forceinline__ void q4k_pair_scales(const uint8_t* blk, int p, float (&a)[2], float (&m)[2]) {
+  const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(blk));
+  const uint32_t sw[3] = {__ldg(reinterpret_cast<const uint32_t*>(blk + 4)), __ldg(reinterpret_cast<const uint32_t*>(blk + 8)),
+                          __ldg(reinterpret_cast<const uint32_t*>(blk + 12))};
+  auto sbyte = [&](int i) { return int((sw[i / 4] >> (8 * (i % 4))) & 255); };
+  const float d = fp16_bits_to_float(uint16_t(dm & 0xffff)), dmin = fp16_bits_to_float(uint16_t(dm >> 16));
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int sc, mn;
+    k4_scale_min(sbyte, 2 * p + h, sc, mn);
+    a[h] = d * float(sc), m[h] = dmin * float(mn);
+  }
+}
+
 /// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
 __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* w) {
   if (t == DType::Q5_0 || t == DType::Q5_1) {
