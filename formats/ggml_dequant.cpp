@@ -11,35 +11,9 @@ namespace llmq {
 
 namespace {
 
-constexpr uint32_t kQ3_K = 11, kIQ4_NL = 20;
-constexpr size_t kQ3KBytes = 110, kIQ4NLBytes = 18;
+constexpr uint32_t kIQ4_NL = 20;
+constexpr size_t kIQ4NLBytes = 18;
 constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-// The 16 six-bit scales (0 .. 63) of a Q3_K block's 12 scale bytes.
-void q3_k_scales(const uint8_t* sc, int s[16]) {
-  for (int k = 0; k < 16; ++k) {
-    const int lo = k < 8 ? sc[k] & 15 : sc[k - 8] >> 4;
-    const int hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
-    s[k] = lo | hi << 4;
-  }
-}
-
-// One Q3_K block (110 bytes) as one Q6_K block.
-void widen_q3_k_block(const uint8_t* in, BlockQ6_K& o) {
-  o = BlockQ6_K{};
-  int s[16];
-  q3_k_scales(in + 96, s);
-  for (int k = 0; k < 16; ++k) o.scales[k] = int8_t(s[k] - 32);
-  std::memcpy(&o.d, in + 108, 2);
-  const uint8_t* hmask = in;
-  const uint8_t* qs = in + 32;
-  for (int i = 0; i < QK_K; ++i) {
-    const int h = i / 128, r = i % 128, j = r / 32, l = r % 32;
-    const int q = ((qs[32 * h + l] >> (2 * j)) & 3) + 4 * ((hmask[l] >> (4 * h + j)) & 1) + 28;
-    o.ql[64 * h + r % 64] |= uint8_t((q & 15) << (4 * (r / 64)));  // Q6_K's layout (formats/quant.h)
-    o.qh[32 * h + r % 32] |= uint8_t((q >> 4) << (2 * (r / 32)));
-  }
-}
 
 // One IQ4_NL block (18 bytes) as one Q8_0 block.
 void widen_iq4_nl_block(const uint8_t* in, BlockQ8_0& o) {
@@ -53,9 +27,8 @@ void widen_iq4_nl_block(const uint8_t* in, BlockQ8_0& o) {
 }  // namespace
 
 bool ggml_widened_type(uint32_t t, DType* out) {
-  if (t == kQ3_K) *out = DType::Q6_K;
-  else if (t == kIQ4_NL) *out = DType::Q8_0;
-  else return false;
+  if (t != kIQ4_NL) return false;
+  *out = DType::Q8_0;
   return true;
 }
 
@@ -66,15 +39,9 @@ void ggml_widen_row(uint32_t t, const void* src, uint8_t* dst, int64_t n) {
   if (n % block != 0) throw UsageError("ggml_widen_row: " + std::to_string(n) + " weights is not a whole number of blocks");
   const auto* in = static_cast<const uint8_t*>(src);
   for (int64_t b = 0; b < n / block; ++b) {
-    if (t == kQ3_K) {
-      BlockQ6_K o;
-      widen_q3_k_block(in + b * kQ3KBytes, o);
-      std::memcpy(dst + b * sizeof o, &o, sizeof o);
-    } else {
-      BlockQ8_0 o;
-      widen_iq4_nl_block(in + b * kIQ4NLBytes, o);
-      std::memcpy(dst + b * sizeof o, &o, sizeof o);
-    }
+    BlockQ8_0 o;
+    widen_iq4_nl_block(in + b * kIQ4NLBytes, o);
+    std::memcpy(dst + b * sizeof o, &o, sizeof o);
   }
 }
 

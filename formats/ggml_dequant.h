@@ -1,10 +1,10 @@
 // Dequantization of a GGUF tensor row by its ggml type id, for readers (formats/readers/) whose
 // source bytes may sit at any alignment. Every ggml type llmq decodes is one of its own DTypes
-// (formats/quant.h: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, with ggml's
+// (formats/quant.h: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, with ggml's
 // block layouts and ggml's reference dequantization formulas, checked bit for bit against the
 // `gguf` Python package's `gguf.quants.dequantize` in tests/test_gguf.cpp).
-// Which ids it decodes: formats/quant.h's dtype_known, and the ids of ggml_widened_type (Q3_K,
-// IQ4_NL: decoded through the wider type that holds them exactly).
+// Which ids it decodes: formats/quant.h's dtype_known, and the ids of ggml_widened_type (IQ4_NL:
+// decoded through the wider type that holds it exactly).
 #pragma once
 #include <cstdint>
 
@@ -21,13 +21,6 @@ void ggml_dequantize_row(uint32_t ggml_type, const void* src, float* dst, int64_
 
 /// The types of ggml that llmq stores in a wider type of its own, holding the same values
 /// exactly (its kernels do not read them as they are):
-///  - Q3_K (id 11; ggml-common.h block_q3_K, 110 bytes per 256 weights: u8 hmask[32]; u8 qs[64];
-///    u8 scales[12]; fp16 d). Weight i: h = i / 128, r = i % 128, j = r / 32, l = r % 32;
-///    q = ((qs[32h + l] >> 2j) & 3) + 4 · ((hmask[l] >> (4h + j)) & 1); sub-block k = i / 16 has
-///    the 6-bit scale s_k = lo | hi << 4, lo = scales[k] & 15 (k < 8) or scales[k − 8] >> 4
-///    (k >= 8), hi = (scales[8 + k % 4] >> 2·(k / 4)) & 3; w = (d · (s_k − 32)) · (q − 4)
-///    (ggml-quants.c dequantize_row_q3_K). As Q6_K: the same d, scale s_k − 32 (−32 .. 31),
-///    quant q + 28 (Q6_K subtracts 32); d · (s_k − 32) is exact in fp32. 1.9x the bytes.
 ///  - IQ4_NL (id 20; block_iq4_nl, 18 bytes per 32: fp16 d; u8 qs[16], nibbles as Q4_0):
 ///    w = d · v[q] with the non-linear table v = {−127, −104, −83, −65, −49, −35, −22, −10, 1,
 ///    13, 25, 38, 53, 69, 89, 113} (ggml-common.h kvalues_iq4nl). As Q8_0: the same d, q = v[q].

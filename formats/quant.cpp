@@ -17,11 +17,12 @@ const DTypeInfo kQ4_0{"q4_0", QK, sizeof(BlockQ4_0)};
 const DTypeInfo kQ4_1{"q4_1", QK, sizeof(BlockQ4_1)};
 const DTypeInfo kQ5_0{"q5_0", QK, sizeof(BlockQ5_0)};
 const DTypeInfo kQ5_1{"q5_1", QK, sizeof(BlockQ5_1)};
+const DTypeInfo kQ3_K{"q3_k", QK_K, sizeof(BlockQ3_K)};
 const DTypeInfo kQ4_K{"q4_k", QK_K, sizeof(BlockQ4_K)};
 const DTypeInfo kQ5_K{"q5_k", QK_K, sizeof(BlockQ5_K)};
 const DTypeInfo kQ6_K{"q6_k", QK_K, sizeof(BlockQ6_K)};
 constexpr DType kAll[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
-                          DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+                          DType::Q5_0, DType::Q5_1, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K};
 
 uint32_t bits_of(float f) {
   uint32_t u;
@@ -45,6 +46,7 @@ const DTypeInfo& dtype_info(DType t) {
     case DType::Q4_1: return kQ4_1;
     case DType::Q5_0: return kQ5_0;
     case DType::Q5_1: return kQ5_1;
+    case DType::Q3_K: return kQ3_K;
     case DType::Q4_K: return kQ4_K;
     case DType::Q5_K: return kQ5_K;
     case DType::Q6_K: return kQ6_K;
@@ -301,11 +303,12 @@ void quantize_k45(const float* x, uint8_t* out, int64_t nsb, bool five_bit) {
   }
 }
 
-// The scale s of x ≈ s·q, q in [-32, 31], for n values with the least squared error among
-// candidates that map the value of largest magnitude m to -32 (Q4_0's rule), or to a code up to
-// 8 steps nearer zero (so the others get finer steps), each refined once by least squares on its
-// codes (s = Σqx / Σq²). Our own search; the first candidate is the plain rule.
-float fit_symmetric(const float* x, int n) {
+// The scale s of x ≈ s·q, q in [-qn, qn - 1], for n values with the least squared error among
+// candidates that map the value of largest magnitude m to -qn (Q4_0's rule), or to a code up to
+// 8 steps of `step` nearer zero (so the others get finer steps; Q6_K: qn = 32, step 0.5; Q3_K: 4,
+// 0.125), each refined once by least squares on its codes (s = Σqx / Σq²). Our own search; the
+// first candidate is the plain rule.
+float fit_symmetric(const float* x, int n, int qn, float step) {
   float amax = 0.0f, m = 0.0f;
   for (int l = 0; l < n; ++l)
     if (std::fabs(x[l]) > amax) amax = std::fabs(x[l]), m = x[l];
@@ -314,16 +317,16 @@ float fit_symmetric(const float* x, int n) {
     double e = 0;
     *sqx = *sqq = 0;
     for (int l = 0; l < n; ++l) {
-      const int q = std::clamp(int(std::lround(x[l] / s)), -32, 31);
+      const int q = std::clamp(int(std::lround(x[l] / s)), -qn, qn - 1);
       const double d = double(s) * q - x[l];
       e += d * d, *sqx += double(q) * x[l], *sqq += double(q) * q;
     }
     return e;
   };
-  float best_s = m / -32.0f;
+  float best_s = m / -float(qn);
   double best = HUGE_VAL;
   for (int k = 0; k <= 8; ++k) {
-    float s = m / -(32.0f - float(k) * 0.5f);
+    float s = m / -(float(qn) - float(k) * step);
     for (int pass = 0; pass < 2; ++pass) {
       double sqx, sqq;
       const double e = codes_error(s, &sqx, &sqq);
@@ -343,7 +346,7 @@ void quantize_q6_k(const float* x, uint8_t* out, int64_t nsb) {
     std::memset(out, 0, sizeof(BlockQ6_K));
     float scale[16], smax = 0.0f;
     for (int j = 0; j < 16; ++j) {
-      scale[j] = fit_symmetric(x + 16 * j, 16);
+      scale[j] = fit_symmetric(x + 16 * j, 16, 32, 0.5f);
       smax = std::max(smax, std::fabs(scale[j]));
     }
     const uint16_t dh = fp32_to_fp16(smax / 127.0f);
@@ -356,6 +359,36 @@ void quantize_q6_k(const float* x, uint8_t* out, int64_t nsb) {
       const int h = w / 128, r = w % 128;
       out[64 * h + r % 64] |= uint8_t((q & 15) << (4 * (r / 64)));
       out[128 + 32 * h + r % 32] |= uint8_t((q >> 4) << (2 * (r / 32)));
+    }
+  }
+}
+
+// Q3_K: per sub-block of 16 the scale of fit_symmetric (codes -4..3); the 16 scales as 6-bit
+// multiples s − 32 (−32..31) of d, the largest scale mapped to −32 (its sign carried by d).
+void quantize_q3_k(const float* x, uint8_t* out, int64_t nsb) {
+  for (int64_t i = 0; i < nsb; ++i, x += QK_K, out += sizeof(BlockQ3_K)) {
+    std::memset(out, 0, sizeof(BlockQ3_K));
+    float scale[16], smax = 0.0f;
+    for (int j = 0; j < 16; ++j) {
+      scale[j] = fit_symmetric(x + 16 * j, 16, 4, 0.125f);
+      if (std::fabs(scale[j]) > std::fabs(smax)) smax = scale[j];
+    }
+    const uint16_t dh = fp32_to_fp16(smax / -32.0f);
+    std::memcpy(out + 108, &dh, 2);
+    const float d = fp16_to_fp32(dh);
+    int sc[16];
+    for (int j = 0; j < 16; ++j) sc[j] = round_clamp(scale[j], d, -32, 31);
+    uint8_t* s = out + 96;
+    for (int k = 0; k < 16; ++k) {
+      const int v = sc[k] + 32;
+      s[k % 8] |= uint8_t((v & 15) << (4 * (k / 8)));
+      s[8 + k % 4] |= uint8_t((v >> 4) << (2 * (k / 4)));
+    }
+    for (int w = 0; w < QK_K; ++w) {
+      const int q = round_clamp(x[w], d * float(sc[w / 16]), -4, 3) + 4;
+      const int h = w / 128, r = w % 128, j = r / 32, l = r % 32;
+      out[32 + 32 * h + l] |= uint8_t((q & 3) << (2 * j));
+      out[l] |= uint8_t((q >> 2) << (4 * h + j));
     }
   }
 }
@@ -417,6 +450,20 @@ void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
       }
       return;
     }
+    case DType::Q3_K: {  // formats/quant.h has the layout
+      const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ3_K);
+      const int j = int(b % 8), h = j / 4, sh = j % 4;
+      const float d = half_at(blk + 108);
+      const uint8_t* sc = blk + 96;
+      for (int half = 0; half < 2; ++half) {
+        const int k = 2 * j + half;
+        o.a[half] = d * float(q3_k_scale(sc, k) - 32);
+      }
+      o.offset = 4;
+      for (int l = 0; l < 32; ++l)
+        o.q[l] = uint8_t(((blk[32 + 32 * h + l] >> (2 * sh)) & 3) | ((blk[l] >> (4 * h + sh)) & 1) << 2);
+      return;
+    }
     case DType::Q6_K: {
       const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ6_K);
       const int j = int(b % 8);
@@ -462,6 +509,7 @@ void quantize_row(DType t, const float* x, void* dst, int64_t n) {
     case DType::Q4_K: quantize_k45(x, static_cast<uint8_t*>(dst), n / QK_K, false); return;
     case DType::Q5_K: quantize_k45(x, static_cast<uint8_t*>(dst), n / QK_K, true); return;
     case DType::Q6_K: quantize_q6_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
+    case DType::Q3_K: quantize_q3_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
   }
 }
 

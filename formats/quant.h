@@ -21,6 +21,7 @@ enum class DType : uint32_t {
   Q5_0 = 6,
   Q5_1 = 7,
   Q8_0 = 8,
+  Q3_K = 11,
   Q4_K = 12,
   Q5_K = 13,
   Q6_K = 14,
@@ -28,7 +29,7 @@ enum class DType : uint32_t {
 };
 
 constexpr int QK = 32;     ///< weights per block of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 (and per activation block)
-constexpr int QK_K = 256;  ///< weights per super-block of the K-quants (Q4_K, Q5_K, Q6_K)
+constexpr int QK_K = 256;  ///< weights per super-block of the K-quants (Q3_K, Q4_K, Q5_K, Q6_K)
 
 /// Q8_0: 32 weights = fp16 scale d + 32 int8 q; w = d * q. 34 bytes, 8.5 bits per weight.
 struct BlockQ8_0 {
@@ -64,6 +65,18 @@ struct BlockQ5_1 {
   uint8_t qh[4];
   uint8_t qs[16];
 };
+/// Q3_K: 256 weights in 16 sub-blocks of 16 = u8 hmask[32] (bit 2 of each quant); u8 qs[64]
+/// (bits 0-1); u8 scales[12] (16 six-bit scales); fp16 d (last). Weight i: h = i / 128,
+/// r = i % 128, j = r / 32, l = r % 32; q = ((qs[32h + l] >> 2j) & 3) | ((hmask[l] >> (4h + j)) & 1) << 2
+/// (0..7); sub-block k = i / 16 has the scale s_k = lo | hi << 4, lo = scales[k] & 15 (k < 8) or
+/// scales[k − 8] >> 4 (k >= 8), hi = (scales[8 + k % 4] >> 2·(k / 4)) & 3; w = (d · (s_k − 32)) · (q − 4)
+/// (ggml-quants.c dequantize_row_q3_K). 110 bytes, 3.4375 bits per weight.
+struct BlockQ3_K {
+  uint8_t hmask[32];
+  uint8_t qs[64];
+  uint8_t scales[12];
+  uint16_t d;
+};
 /// Q4_K: 256 weights in 8 sub-blocks of 32 = fp16 d; fp16 dmin; u8 scales[12] (8 six-bit
 /// scales sc[j] and 8 six-bit mins m[j]: for j < 4, sc = scales[j] & 63, m = scales[j+4] & 63;
 /// for j >= 4, sc = (scales[j+4] & 15) | (scales[j-4] >> 6) << 4,
@@ -95,6 +108,7 @@ struct BlockQ6_K {
   int8_t scales[16];
   uint16_t d;
 };
+static_assert(sizeof(BlockQ3_K) == 110, "Q3_K block must be 110 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ5_0) == 22, "Q5_0 block must be 22 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ5_1) == 24, "Q5_1 block must be 24 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ4_K) == 144, "Q4_K block must be 144 bytes (GGUF layout)");
@@ -129,12 +143,12 @@ bool is_quantized(DType t);
 /// sequence of 32-weight blocks, block b holding w_i = a_h · (q_i − o) − m for i in half h
 /// (h = i / 16), q_i ≥ 0. `QuantBlock` is that block decoded (formats/quant.cpp,
 /// decode_quant_block): 32 unsigned quants, the offset o, the scale of each half (equal except
-/// for Q6_K, whose sub-blocks have 16 weights) and the subtracted minimum m (Q4_1/Q5_1 store
+/// for Q3_K and Q6_K, whose sub-blocks have 16 weights) and the subtracted minimum m (Q4_1/Q5_1 store
 /// −m, the K-quants dmin·m). Scales are the exact fp32 products of the file's fields
 /// (fp16 × 6- or 8-bit integer, at most 19 significant bits).
 struct QuantBlock {
   uint8_t q[32];
-  int offset;    ///< o: 128 for Q8_0 (q = w + 128), 8 Q4_0, 16 Q5_0, 32 Q6_K, else 0
+  int offset;    ///< o: 128 for Q8_0 (q = w + 128), 8 Q4_0, 16 Q5_0, 4 Q3_K, 32 Q6_K, else 0
   float a[2];    ///< scale of weights 0..15 and 16..31
   float m;       ///< subtracted minimum (0 for the symmetric types)
 };
@@ -148,6 +162,14 @@ inline void k_quant_scale_min(int j, const uint8_t* s, int* sc, int* m) {
     *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
     *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
+}
+/// The 6-bit scale (0..63; the weight's factor is d · (s − 32)) of sub-block k (0..15) of a Q3_K
+/// super-block from its 12 packed scale bytes `s` (the layout at BlockQ3_K).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline int q3_k_scale(const uint8_t* s, int k) {
+  return ((k < 8 ? s[k] : s[k - 8] >> 4) & 15) | ((s[8 + k % 4] >> (2 * (k / 4))) & 3) << 4;
 }
 /// Decodes 32-weight block b (0-based, counting 32-weight blocks along the row) of a row of
 /// quantized type t at `row`. Throws nothing; t must be quantized.
@@ -178,8 +200,8 @@ inline float bf16_to_fp32(uint16_t h) {
 /// Q4_0 and Q4_1 with 16 and 31 for 8 and 15. The K-quants use llmq's own search (not
 /// llama.cpp's): per sub-block the grid of least squared error among clipped ranges of
 /// [min(0, x), max x] (Q4_K/Q5_K, an affine fit) or scales that map the value of largest
-/// magnitude to -32 or nearer zero (Q6_K), each refined by least squares on its codes; the
-/// sub-block scales and mins rounded to 6 (8) bits against the super-block's largest, then
+/// magnitude to -32 (Q6_K; Q3_K -4) or nearer zero, each refined by least squares on its codes;
+/// the sub-block scales and mins rounded to 6 (8) bits against the super-block's largest, then
 /// every weight rounded to nearest with the rounded scales.
 /// Throws UsageError if x holds NaN or Inf, or n is not a multiple of the block size.
 void quantize_row(DType t, const float* x, void* dst, int64_t n);

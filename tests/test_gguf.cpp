@@ -630,7 +630,7 @@ TEST_CASE("stories260K as GGUF (Q8_0) repacks byte for byte and equals the llama
 
 // ================================================================ every supported tensor type
 
-TEST_CASE("GGUF tensors of every supported type convert: ours raw, Q3_K and IQ4_NL widened", "[gguf]") {
+TEST_CASE("GGUF tensors of every supported type convert: ours (Q3_K included) raw, IQ4_NL widened", "[gguf]") {
   const std::string dir = test::scratch("gguf-types");
   struct Variant {
     const char* name;
@@ -679,10 +679,10 @@ TEST_CASE("GGUF tensors of every supported type convert: ours raw, Q3_K and IQ4_
           CHECK(uint32_t(t->type) == s->type);
           REQUIRE(t->nbytes == s->nbytes);
           CHECK(std::memcmp(f->data(*t), s->data, s->nbytes) == 0);
-        } else if (DType wide; ggml_widened_type(s->type, &wide)) {  // Q3_K as Q6_K, IQ4_NL as Q8_0: the same values
+        } else if (DType wide; ggml_widened_type(s->type, &wide)) {  // IQ4_NL as Q8_0: the same values
           CHECK(st.raw == nullptr);
           REQUIRE(st.read_raw);
-          CHECK(t->type == (s->type == tQ3_K ? DType::Q6_K : DType::Q8_0));
+          CHECK(t->type == DType::Q8_0);
           CHECK(t->type == wide);
           REQUIRE(t->nbytes == row_bytes(wide, cols) * size_t(rows));
           std::vector<float> stored(want.size());
@@ -1090,7 +1090,7 @@ std::vector<BadCase> hostile_cases() {
     const uint16_t nan16 = 0x7e00;
     std::memcpy(g.at("blk.0.attn_q.weight").data.data(), &nan16, 2);
     cs.push_back({"Q4_K with a NaN scale", g.build(), {"blk.0.attn_q.weight"}});
-    s.types["attn_q"] = tQ3_K;  // Q3_K is widened to Q6_K; a NaN scale is caught after the widening
+    s.types["attn_q"] = tQ3_K;  // a Q3_K tensor (kept as it is) whose d is NaN
     GgufBuilder g3 = tiny_model(s, 4);
     std::memcpy(g3.at("blk.0.attn_q.weight").data.data() + 108, &nan16, 2);
     cs.push_back({"Q3_K with a NaN scale", g3.build(), {"blk.0.attn_q.weight", "not finite"}});
@@ -1292,6 +1292,7 @@ TEST_CASE("K-quant mixes choose llama.cpp's type per tensor", "[gguf][convert]")
   for (int i = 0; i < 24; ++i)
     if (use_more_bits(i, 24)) picked.push_back(i);
   CHECK(picked == std::vector<int>{0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23});
+  CHECK(k_quant_fallback(DType::Q3_K) == DType::Q4_0);
   CHECK(k_quant_fallback(DType::Q4_K) == DType::Q5_0);
   CHECK(k_quant_fallback(DType::Q5_K) == DType::Q5_1);
   CHECK(k_quant_fallback(DType::Q6_K) == DType::Q8_0);

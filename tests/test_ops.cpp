@@ -96,10 +96,18 @@ class CpuBackend : public Backend {
   explicit CpuBackend(CpuLevel level) : level_(level), pool_(2) {}
   std::string name() const override { return std::string("cpu:") + cpu_level_name(level_); }
 
+  /// The weight packed once for this level first, as Model::load does (pack_weights), so that
+  /// --perf times the kernels and not a repack per call (test_kernels checks that packed and
+  /// unpacked weights give the same bits).
   Prepared matmul(const Weight& w, const Floats& x, int64_t T) override {
     auto y = std::make_shared<Floats>(size_t(T * w.rows));
     auto sc = std::make_shared<MatmulScratch>();
-    return at_level([=, this] { llmq::matmul(pool_, *sc, y->data(), x.data(), T, w); }, y);
+    auto pw = std::make_shared<Weight>(w);
+    const CpuLevel before = cpu_level();
+    set_cpu_level(level_);
+    auto packed = std::make_shared<PackedWeights>(pack_weights({pw.get()}));
+    set_cpu_level(before);
+    return at_level([=, this] { llmq::matmul(pool_, *sc, y->data(), x.data(), T, *pw); (void)packed; }, y);
   }
   Prepared rmsnorm(const Floats& x, const Floats& w, int64_t T, int64_t n) override {
     auto y = std::make_shared<Floats>(x.size());
@@ -324,7 +332,7 @@ struct Op {
 
 // Every weight type, for the ops that take weights.
 const std::vector<DType> kAllTypes{DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
-                                   DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+                                   DType::Q5_0, DType::Q5_1, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K};
 
 // For ops whose shape[1] is a weight's columns.
 bool whole_blocks(DType t, const Shape& s) { return s[1] % int64_t(dtype_info(t).block) == 0; }
@@ -389,7 +397,7 @@ Op matmul_op() {
 Op matmul_k256_op() {
   Op m = matmul_op();
   m.name = "matmul_k256";
-  m.types = {DType::Q4_K, DType::Q5_K, DType::Q6_K};
+  m.types = {DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K};
   m.shapes = {{19, 256, 1}, {40, 768, 6}, {21, 1280, 3}, {33, 512, 17}};
   m.perf_shapes.clear();
   auto make = m.make;

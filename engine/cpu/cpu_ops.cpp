@@ -185,7 +185,7 @@ float dot_q4_1(const BlockQ4_1* w, const BlockQ8Act* x, int64_t nb) {
   return sum;
 }
 
-// Any other quantized type (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) through formats/quant.h's QuantBlock:
+// Any other quantized type (Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K) through formats/quant.h's QuantBlock:
 // per block x.d · (a0 · Σ_{i<16} (q_i − o) q_x,i + a1 · Σ_{i≥16} …) − m · s_x.
 float dot_quant_blocks(DType t, const uint8_t* row, const BlockQ8Act* x, int64_t nb) {
   float sum = 0.0f;

@@ -1,8 +1,8 @@
 // x86-64 SIMD kernels; see cpu_x86.h for the contract and the numerics.
 //
 // Block-quantized weights (every type of formats/quant.h but the floats), activations quantized
-// per block of 32 to int8; the K-quants are taken a 32-weight sub-block at a time (Q6_K's two
-// 16-weight halves keep separate integer sums):
+// per block of 32 to int8; the K-quants are taken a 32-weight sub-block at a time (Q3_K's and
+// Q6_K's two 16-weight halves keep separate integer sums):
 // - AVX-512: the weights are repacked into panels of 16 rows (section "Packed weights" below):
 //   one 64-byte vector holds 4 consecutive quants of each of the 16 rows (Q4: nibbles still
 //   packed), so one `vpdpbusd` with a broadcast 4-byte group of one token's activations does 64
@@ -20,8 +20,9 @@
 // AVX2 keeps Q8_0 signed and uses |w|·(x·sign w), because (w+128)·x overflows int16 pairs;
 // its other types use the unsigned nibbles with the same corrections as AVX-512.
 // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the 5th and 6th bits kept as bit planes beside the nibbles,
-// Q5_0's offset 16 corrected as Q4_0's 8, Q6_K's 32 per half block. Both levels read weights
-// packed at load into panels of rows (AVX-512 16, AVX2 8; see their sections).
+// Q5_0's offset 16 corrected as Q4_0's 8, Q6_K's 32 per half block; Q3_K: 2-bit crumbs and a
+// plane of bit 2, its offset 4 corrected per half block. Both levels read weights packed at load
+// into panels of rows (AVX-512 16, AVX2 8; see their sections).
 //
 // Float weights (F32/F16/BF16): fp32 activations, tiles of R rows × C tokens with one vector
 // accumulator per output along K (F16 by F16C, BF16 by a 16-bit shift), a fixed-order
@@ -133,9 +134,26 @@ auto with_layout(DType t, F&& f) {
     case DType::Q5_1: return f(Layout<DType::Q5_1>{});
     case DType::Q4_K: return f(Layout<DType::Q4_K>{});
     case DType::Q5_K: return f(Layout<DType::Q5_K>{});
+    case DType::Q3_K: return f(Layout<DType::Q3_K>{});
     default: return f(Layout<DType::Q6_K>{});
   }
 }
+
+// What both levels' packed layouts need to know of a type beyond its file layout.
+template <DType D>
+struct QuantTraits {
+  /// One scale per half block (16 weights): the halves' integer dots are kept apart.
+  static constexpr bool kTwoScales = D == DType::Q3_K || D == DType::Q6_K;
+  /// The offset the two-scale types remove per half block (corr holds the halves' Σq_x).
+  static constexpr int kHalfOffset = D == DType::Q6_K ? 32 : D == DType::Q3_K ? 4 : 0;
+  /// Bits of each quant in the packed quant vectors: nibbles, or Q3_K's 2-bit crumbs.
+  static constexpr int kLowBits = D == DType::Q3_K ? 2 : 4;
+  /// Bit planes above them: Q6_K bits 4 and 5; Q5_0/Q5_1/Q5_K bit 4; Q3_K bit 2.
+  static constexpr int kHighBits = D == DType::Q6_K ? 2
+                                 : D == DType::Q5_0 || D == DType::Q5_1 || D == DType::Q5_K || D == DType::Q3_K ? 1
+                                                                                                                 : 0;
+};
+constexpr bool has_half_corr(DType t) { return t == DType::Q3_K || t == DType::Q6_K; }
 
 // Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
@@ -154,8 +172,8 @@ void fill_corr(DType type, const int32_t* sums, int64_t n, int32_t* corr) {
   for (int64_t i = 0; i < n; ++i) corr[i] = int32_t(k * uint32_t(sums[i]));
 }
 
-// Q6_K's corrections hold the two half-block sums of the quants instead (|Σ| <= 16 · 128, so
-// each fits int16): corr[i] = Σ_{j<16} q_j (low 16 bits) | Σ_{j>=16} q_j << 16.
+// Q3_K's and Q6_K's corrections hold the two half-block sums of the quants instead (|Σ| <= 16 ·
+// 128, so each fits int16): corr[i] = Σ_{j<16} q_j (low 16 bits) | Σ_{j>=16} q_j << 16.
 void fill_corr_halves(const BlockQ8Act* xq, int64_t n, int32_t* corr) {
   for (int64_t i = 0; i < n; ++i) {
     int32_t lo = 0, hi = 0;
@@ -301,33 +319,38 @@ inline void store_rows8(float* y, int64_t M, const __m256* acc, int nrows) {
 // horizontal sum is needed. The same tile serves decode (C = 1..3) and prefill (C = 4), so
 // batched prefill equals token-by-token decode bit for bit. Per block:
 //   [quants QB][high bits HB][scales SB]   (K-quants: a header of HDR bytes per super-block)
-// - high bits (Q5_0/Q5_1/Q5_K: one vector, Q6_K: two): byte 4i+k holds the bits that u_J's
-//   quant k of row i misses: Q5 bit J = bit 4; Q6_K vector J/4, bits 2(J%4)+{0,1} = bits 4-5.
+// Q3_K's quants are 2-bit crumbs instead: vector c (0, 1) holds u_J for J = c + 2s at bits 2s.
+// - high bits (Q5_0/Q5_1/Q5_K/Q3_K: one vector, Q6_K: two): byte 4i+k holds the bits that u_J's
+//   quant k of row i misses: Q5 bit J = bit 4, Q3_K bit J = bit 2; Q6_K vector J/4, bits
+//   2(J%4)+{0,1} = bits 4-5.
 // - scales: Q4_0/Q5_0/Q8_0 d[8] f16; Q4_1/Q5_1 d[8], m[8] f16; Q4_K/Q5_K the 6-bit sc[8] and
-//   min[8] as bytes (header: d[8] and −dmin[8] as f16); Q6_K sc_lo[8], sc_hi[8] int8 (header d[8]).
+//   min[8] as bytes (header: d[8] and −dmin[8] as f16); Q6_K sc_lo[8], sc_hi[8] int8, Q3_K the
+//   same as s − 32 (header d[8]).
 // Bytes per block of 8 rows: Q4_0 144 (the file's 144), Q4_1 160, Q5_0 176, Q5_1 192, Q8_0 272
-// (all as the file), Q4_K 148 (file 144), Q5_K 180 (176), Q6_K 210 (210).
+// (all as the file), Q3_K 114 (file 110), Q4_K 148 (144), Q5_K 180 (176), Q6_K 210 (210).
 //
 // Integer part: `_mm256_maddubs_epi16` (unsigned u × signed x, pairs summed to saturating
 // int16), summed in int16 over G vectors where that cannot overflow (Q4: 8 · 2·15·127 = 30480;
-// 5-bit: 4 · 2·31·127 = 31496; Q6_K: 2 · 2·63·127 = 32004), then widened. The offsets come
-// back as integer corrections (Q4_0 −8·Σx, Q5_0 −16·Σx, Q6_K −32 per half block: prepare_quant).
+// 5-bit: 4 · 2·31·127 = 31496; Q6_K: 2 · 2·63·127 = 32004; Q3_K 4 per half), then widened. The
+// offsets come back as integer corrections (Q4_0 −8·Σx, Q5_0 −16·Σx, Q6_K −32 and Q3_K −4 per
+// half block: prepare_quant).
 // Q8_0's signed quants take the sign trick |w| · (x·sign(w)) (at most 2·128·127 per pair),
 // widened per vector. fp32 part per block: acc = fma(float(dot), a0·d_x, acc), then
-// fma(m, s_x, acc) for the types with a minimum (Q6_K: the two halves with their own scales).
+// fma(m, s_x, acc) for the types with a minimum (Q3_K, Q6_K: the two halves with their own scales).
 template <DType D>
-struct Pk8 {
+struct Pk8 : QuantTraits<D> {
+  using T = QuantTraits<D>;
   static constexpr DType kType = D;
   static constexpr bool kQ8 = D == DType::Q8_0;
-  static constexpr bool kSuper = D == DType::Q4_K || D == DType::Q5_K || D == DType::Q6_K;
+  static constexpr bool kSuper = D == DType::Q3_K || D == DType::Q4_K || D == DType::Q5_K || D == DType::Q6_K;
   static constexpr bool kMin = D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
   static constexpr bool kCorr = D == DType::Q4_0 || D == DType::Q5_0;  // a whole-block integer correction
-  static constexpr int kHighBits = D == DType::Q6_K ? 2 : (D == DType::Q5_0 || D == DType::Q5_1 || D == DType::Q5_K) ? 1 : 0;
-  static constexpr int G = D == DType::Q6_K ? 2 : kHighBits ? 4 : 8;  // vectors summed in int16
-  static constexpr size_t QB = kQ8 ? 256 : 128, HB = 32 * size_t(kHighBits);
+  // vectors summed in int16 (the two-scale types at most a half block: 4)
+  static constexpr int G = D == DType::Q6_K ? 2 : T::kHighBits || T::kTwoScales ? 4 : 8;
+  static constexpr size_t QB = kQ8 ? 256 : 32 * size_t(T::kLowBits), HB = 32 * size_t(T::kHighBits);
   static constexpr size_t SB = D == DType::Q4_1 || D == DType::Q5_1 ? 32 : 16;
   static constexpr size_t BLOCK = QB + HB + SB;
-  static constexpr size_t HDR = !kSuper ? 0 : D == DType::Q6_K ? 16 : 32;
+  static constexpr size_t HDR = !kSuper ? 0 : T::kTwoScales ? 16 : 32;
   static size_t panel_bytes(int64_t K) { return size_t(K / QK) * BLOCK + size_t(K / QK / 8) * HDR; }
   // Two panels (16 rows, the matmul's unit of work) rounded up to 64 bytes.
   static size_t pair_bytes(int64_t K) { return (2 * panel_bytes(K) + 63) / 64 * 64; }
@@ -351,6 +374,14 @@ void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, 
   }
   QuantBlock qb;
   decode_quant_block(D, row, b, qb);
+  if constexpr (P::kLowBits == 2) {  // Q3_K: u_J's quant k (element 4J + k) at bits 2(J/2) of vector J%2
+    for (int J = 0; J < 8; ++J)
+      for (int k = 0; k < 4; ++k) {
+        const int u = qb.q[4 * J + k], at = 4 * i + k;
+        q[32 * (J % 2) + at] = uint8_t(q[32 * (J % 2) + at] | (u & 3) << (2 * (J / 2)));
+        hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
+      }
+  } else
   for (int j = 0; j < 4; ++j)
     for (int k = 0; k < 4; ++k) {
       const int lo = qb.q[4 * j + k], hi = qb.q[16 + 4 * j + k], at = 4 * i + k;
@@ -368,6 +399,9 @@ void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, 
   } else if constexpr (D == DType::Q6_K) {
     const auto* scales = reinterpret_cast<const int8_t*>(row + size_t(b / 8) * sizeof(BlockQ6_K) + 192);
     sc[i] = uint8_t(scales[2 * (b % 8)]), sc[8 + i] = uint8_t(scales[2 * (b % 8) + 1]);
+  } else if constexpr (D == DType::Q3_K) {
+    const uint8_t* scales = row + size_t(b / 8) * sizeof(BlockQ3_K) + 96;
+    sc[i] = uint8_t(q3_k_scale(scales, int(2 * (b % 8))) - 32), sc[8 + i] = uint8_t(q3_k_scale(scales, int(2 * (b % 8) + 1)) - 32);
   } else {
     int s, m;
     k_quant_scale_min(int(b % 8), row + size_t(b / 8) * dtype_info(D).block_bytes + 4, &s, &m);
@@ -375,11 +409,12 @@ void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, 
   }
 }
 
-// The super-block header of row i: d (Q6_K), or d and −dmin (the sign flipped: exact).
+// The super-block header of row i: d (Q3_K, Q6_K), or d and −dmin (the sign flipped: exact).
 template <DType D>
 void pack_header8(const uint8_t* row, int64_t s, int i, uint8_t* hdr) {
-  if constexpr (D == DType::Q6_K) {
-    std::memcpy(hdr + 2 * i, row + size_t(s) * sizeof(BlockQ6_K) + 208, 2);
+  if constexpr (D == DType::Q6_K || D == DType::Q3_K) {
+    const size_t bytes = dtype_info(D).block_bytes;
+    std::memcpy(hdr + 2 * i, row + size_t(s) * bytes + bytes - 2, 2);  // d is their last field
   } else {
     const uint8_t* sb = row + size_t(s) * dtype_info(D).block_bytes;
     std::memcpy(hdr + 2 * i, sb, 2);
@@ -437,6 +472,10 @@ inline __m256i quant_vec(const uint8_t* q, const uint8_t* hb) {
   using P = Pk8<D>;
   if constexpr (P::kQ8) {
     return loadu256(q + 32 * J);
+  } else if constexpr (P::kLowBits == 2) {  // Q3_K: crumbs at bits 2(J/2) of vector J%2, bit J of hb to bit 2
+    const __m256i u = _mm256_and_si256(_mm256_srli_epi16(loadu256(q + 32 * (J % 2)), 2 * (J / 2)), _mm256_set1_epi8(3));
+    const __m256i h = _mm256_and_si256(loadu256(hb), _mm256_set1_epi8(char(1 << J)));
+    return _mm256_or_si256(u, J <= 2 ? _mm256_slli_epi16(h, 2 - J) : _mm256_srli_epi16(h, J - 2));
   } else {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i v = loadu256(q + 32 * (J % 4));
@@ -453,13 +492,13 @@ inline __m256i quant_vec(const uint8_t* q, const uint8_t* hb) {
   }
 }
 
-// The block's fp32 scales of the 8 rows: a0 (Q6_K: first half) and a1 (the minimum term's
-// factor m or −m, or Q6_K's second half scale); dsup/msup: the super-block's d and −dmin.
+// The block's fp32 scales of the 8 rows: a0 (Q3_K/Q6_K: first half) and a1 (the minimum term's
+// factor m or −m, or the second half's scale); dsup/msup: the super-block's d and −dmin.
 template <DType D>
 inline void block_scales(const uint8_t* sc, __m256 dsup, __m256 msup, __m256& a0, __m256& a1) {
   if constexpr (D == DType::Q4_K || D == DType::Q5_K) {
     a0 = _mm256_mul_ps(dsup, bytes8_ps<false>(sc)), a1 = _mm256_mul_ps(msup, bytes8_ps<false>(sc + 8));
-  } else if constexpr (D == DType::Q6_K) {
+  } else if constexpr (Pk8<D>::kTwoScales) {
     a0 = _mm256_mul_ps(dsup, bytes8_ps<true>(sc)), a1 = _mm256_mul_ps(dsup, bytes8_ps<true>(sc + 8));
   } else {
     a0 = f16x8(sc);
@@ -467,16 +506,17 @@ inline void block_scales(const uint8_t* sc, __m256 dsup, __m256 msup, __m256& a0
   }
 }
 
-// One token's fp32 step for a block of 8 rows: lo (Q6_K: first half, hi the second) are the
+// One token's fp32 step for a block of 8 rows: lo (Q3_K/Q6_K: first half, hi the second) are the
 // exact integer dots without the offset correction `corr` (prepare_quant's, of this token and
 // block); acc += float(dot) · a0·d_x (+ a1·s_x for the types with a minimum).
 template <DType D>
 inline __m256 block_fp(__m256 acc, __m256i lo, __m256i hi, __m256 a0, __m256 a1, const BlockQ8Act& xa, int32_t corr) {
   const __m256 dx = _mm256_set1_ps(xa.d);
-  if constexpr (D == DType::Q6_K) {
+  if constexpr (Pk8<D>::kTwoScales) {
     const auto k = uint32_t(corr);
-    lo = _mm256_add_epi32(lo, _mm256_set1_epi32(-32 * int32_t(int16_t(k & 0xffffu))));
-    hi = _mm256_add_epi32(hi, _mm256_set1_epi32(-32 * int32_t(int16_t(k >> 16))));
+    constexpr int32_t o = Pk8<D>::kHalfOffset;
+    lo = _mm256_add_epi32(lo, _mm256_set1_epi32(-o * int32_t(int16_t(k & 0xffffu))));
+    hi = _mm256_add_epi32(hi, _mm256_set1_epi32(-o * int32_t(int16_t(k >> 16))));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(a0, dx), acc);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(a1, dx), acc);
   }
@@ -512,10 +552,10 @@ inline void block_dots(const V& vec, const int8_t* const* x, __m256i* lo, __m256
       const __m256i u = vec(std::integral_constant<int, J0 + decltype(jj)::value>{});
       for (int c = 0; c < C; ++c) s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(u, bcast4(x[c] + 4 * (J0 + decltype(jj)::value))));
     });
-    __m256i* dst = D == DType::Q6_K && J0 >= 4 ? hi : lo;  // Q6_K: vectors 0-3 are the first half
+    __m256i* dst = P::kTwoScales && J0 >= 4 ? hi : lo;  // Q3_K/Q6_K: vectors 0-3 are the first half
     for (int c = 0; c < C; ++c) {
       const __m256i w32 = _mm256_madd_epi16(s16[c], ones);
-      dst[c] = J0 == 0 || (D == DType::Q6_K && J0 == 4) ? w32 : _mm256_add_epi32(dst[c], w32);
+      dst[c] = J0 == 0 || (P::kTwoScales && J0 == 4) ? w32 : _mm256_add_epi32(dst[c], w32);
     }
   });
 }
@@ -636,7 +676,7 @@ int64_t int8_dot_loop(int64_t rounds) {
 
 size_t prep_bytes(DType, int64_t, int64_t) { return 0; }
 void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr, uint8_t*) {
-  if (type == DType::Q6_K) fill_corr_halves(a.xq + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
+  if (has_half_corr(type)) fill_corr_halves(a.xq + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
   else fill_corr(type, sums + t0 * a.nb, (t1 - t0) * a.nb, corr + t0 * a.nb);
 }
 // Scratch: one panel, for weights that were not packed at load, then (prefill) its expanded
@@ -845,7 +885,7 @@ size_t prep_bytes(DType, int64_t T, int64_t K) {
 void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t t0, int64_t t1, int32_t* corr,
                    uint8_t* prep) {
   const int64_t nb = a.nb, tiled = a.T / kTile * kTile;
-  if (type == DType::Q6_K) fill_corr_halves(a.xq + t0 * nb, (t1 - t0) * nb, corr + t0 * nb);
+  if (has_half_corr(type)) fill_corr_halves(a.xq + t0 * nb, (t1 - t0) * nb, corr + t0 * nb);
   else fill_corr(type, sums + t0 * nb, (t1 - t0) * nb, corr + t0 * nb);
   for (int64_t t = t0; t < std::min(t1, tiled); ++t) {
     uint8_t* tile = prep + size_t(t / kTile) * size_t(nb) * kTileBlockBytes;
@@ -868,29 +908,32 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
 //   others: 4 vectors; vector j, lane r holds in its low nibbles the low 4 bits of elements
 //           4j..4j+3 of row r, in its high nibbles those of elements 16+4j..16+4j+3 (for Q4_0
 //           and Q4_1 these are the file's quant bytes 4j..4j+3).
-// high bits (formats/quant.h's QuantBlock q ≥ 16): one 64-byte bit plane per bit, byte 4r+k
-//   holding in bit J that bit of the element in byte k of lane r of quant vector J (J = 0..3
-//   the low nibbles of vectors 0..3, 4..7 their high nibbles): Q5_0/Q5_1/Q5_K the plane of
-//   bit 4 (64 bytes); Q6_K that of bit 4, then of bit 5 (128 bytes).
+//   Q3_K:   2 vectors of 2-bit crumbs; u_J (the elements 4J..4J+3 of each row, J = 0..7) at
+//           bits 2(J/2) of vector J%2.
+// high bits (formats/quant.h's QuantBlock q ≥ 16, Q3_K's q ≥ 4): one 64-byte bit plane per
+//   bit, byte 4r+k holding in bit J that bit of the element in byte k of lane r of quant vector
+//   u_J (J = 0..3 the low nibbles of vectors 0..3, 4..7 their high nibbles): Q5_0/Q5_1/Q5_K
+//   the plane of bit 4 (64 bytes); Q6_K that of bit 4, then of bit 5 (128 bytes); Q3_K bit 2.
 // scales of the 16 rows: Q8_0/Q4_0/Q5_0 d as fp16 (32 bytes); Q4_1/Q5_1 d, then m, as fp16
 //   (64); Q4_K/Q5_K a = d·sc, then the added minimum −dmin·m, as fp32 (128; both exact
-//   products of the file's fields); Q6_K the two half-block scales d·sc as fp32 (128).
+//   products of the file's fields); Q6_K the two half-block scales d·sc as fp32 (128); Q3_K
+//   the two halves' s − 32 as int8, then the super-block's d as fp16 (64; multiplied per block).
 // A pair is a multiple of 64 bytes, so every load is aligned: Q4_0 576 (= 16 rows × 2 blocks
-// × 18: the file's bytes), Q4_1 640, Q5_0 704 (the file's), Q5_1 768, Q8_0 1088, Q4_K 768 and
-// Q5_K 896 (the file's 576 and 704 plus the scales widened to fp32), Q6_K 1024 (file: 840).
+// × 18: the file's bytes), Q4_1 640, Q5_0 704 (the file's), Q5_1 768, Q8_0 1088, Q3_K 512
+// (file: 440), Q4_K 768 and Q5_K 896 (the file's 576 and 704 plus the scales widened to fp32),
+// Q6_K 1024 (file: 840).
 // One panel is one sequential stream, which decode reads at the DRAM bandwidth (16 rows read in
 // place, 16 streams, lost up to half of it: dev/README.md #5, #14); prefill reuses
 // each panel (up to 27 KiB for K = 1536 at Q4_0) from L1/L2 for every tile of 8 tokens.
 template <DType D>
-struct Pk {
+struct Pk : QuantTraits<D> {
+  using T = QuantTraits<D>;
   static constexpr DType kType = D;
   static constexpr bool kF32Scales = D == DType::Q4_K || D == DType::Q5_K || D == DType::Q6_K;
   static constexpr bool kMin = D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
-  static constexpr bool kTwoScales = D == DType::Q6_K;  // one per half block (16 weights)
-  static constexpr int kHighBits = D == DType::Q6_K ? 2 : (D == DType::Q5_0 || D == DType::Q5_1 || D == DType::Q5_K) ? 1 : 0;
-  static constexpr size_t QB = D == DType::Q8_0 ? 512 : 256;
-  static constexpr size_t HB = 64 * size_t(kHighBits);
-  static constexpr size_t SB = kF32Scales ? 128 : kMin ? 64 : 32;
+  static constexpr size_t QB = D == DType::Q8_0 ? 512 : 64 * size_t(T::kLowBits);
+  static constexpr size_t HB = 64 * size_t(T::kHighBits);
+  static constexpr size_t SB = kF32Scales ? 128 : kMin || D == DType::Q3_K ? 64 : 32;
   static constexpr size_t PAIR = 2 * (QB + HB + SB);
   static size_t panel_bytes(int64_t K) { return size_t((K / QK + 1) / 2) * PAIR; }
 };
@@ -911,6 +954,20 @@ void pack_block_bytes(const uint8_t* blk, int i, uint8_t* q, uint8_t* sc) {
     }
   std::memcpy(sc + 2 * i, blk, 2);                                           // d
   if constexpr (D == DType::Q4_1) std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
+}
+
+// Q3_K's block b of row i: crumbs and bit plane from the decoded block, the scales as the file's.
+void pack_block_q3_k(const uint8_t* row, int64_t b, const QuantBlock& qb, int i, uint8_t* q, uint8_t* hb, uint8_t* sc) {
+  for (int J = 0; J < 8; ++J)
+    for (int k = 0; k < 4; ++k) {
+      const int u = qb.q[4 * J + k], at = 4 * i + k;
+      q[64 * (J % 2) + at] = uint8_t(q[64 * (J % 2) + at] | (u & 3) << (2 * (J / 2)));
+      hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
+    }
+  const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ3_K);
+  sc[i] = uint8_t(q3_k_scale(blk + 96, int(2 * (b % 8))) - 32);
+  sc[16 + i] = uint8_t(q3_k_scale(blk + 96, int(2 * (b % 8) + 1)) - 32);
+  std::memcpy(sc + 32 + 2 * i, blk + 108, 2);
 }
 
 // The other types from their decoded block (formats/quant.h decode_quant_block).
@@ -951,6 +1008,9 @@ void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
       uint8_t* sc = pair + 2 * (P::QB + P::HB) + size_t(b % 2) * P::SB;
       if constexpr (D == DType::Q8_0 || D == DType::Q4_0 || D == DType::Q4_1) {
         pack_block_bytes<D>(row + size_t(b) * block_size<D>(), i, q, sc);
+      } else if constexpr (D == DType::Q3_K) {
+        decode_quant_block(D, row, b, qb);
+        pack_block_q3_k(row, b, qb, i, q, hb, sc);
       } else {
         decode_quant_block(D, row, b, qb);
         pack_block_decoded<D>(qb, i, q, hb, sc);
@@ -1007,13 +1067,26 @@ inline __m512i nibbles_with_high_bits(__m512i v, const uint8_t* hb, int j, int h
   return n;
 }
 
+// Q3_K's quant vectors u_J and u_{4+j} (J = j) of a block: the crumbs of vector j%2 at bits
+// 2(j/2) and 2(j/2) + 4, bit 2 added from the bit plane (bits j and 4 + j), as above.
+inline void crumbs_with_high_bit(const uint8_t* q, const uint8_t* hb, int j, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_load_si512(q + 64 * (j % 2)), three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+  const __m512i h = _mm512_load_si512(hb);
+  const unsigned sh = unsigned(2 * (j / 2));
+  lo = _mm512_and_si512(_mm512_srli_epi16(v, sh), three);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, sh + 4), three);
+  lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h, _mm512_set1_epi8(char(1 << j))), lo, four);
+  hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h, _mm512_set1_epi8(char(1 << (4 + j)))), hi, four);
+}
+
 // The integer corrections of a token's block, for the first and second half accumulators:
-// Q6_K's corr holds the two half sums of q_x as int16 (fill_corr_halves), the others the whole
-// block's correction.
+// Q3_K's and Q6_K's corr holds the two half sums of q_x as int16 (fill_corr_halves), the others
+// the whole block's correction.
 template <DType D>
 inline void block_corr(int32_t c, int32_t& lo, int32_t& hi) {
   if constexpr (Pk<D>::kTwoScales) {
-    lo = -32 * int32_t(int16_t(uint32_t(c) & 0xffffu)), hi = -32 * int32_t(int16_t(uint32_t(c) >> 16));
+    constexpr int32_t o = Pk<D>::kHalfOffset;
+    lo = -o * int32_t(int16_t(uint32_t(c) & 0xffffu)), hi = -o * int32_t(int16_t(uint32_t(c) >> 16));
   } else {
     lo = c, hi = 0;
   }
@@ -1055,8 +1128,13 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
       }
     } else {
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_load_si512(q + 64 * j);
-        const __m512i lo = nibbles_with_high_bits<D>(v, hb, j, 0), hi = nibbles_with_high_bits<D>(v, hb, j, 1);
+        __m512i lo, hi;
+        if constexpr (P::kLowBits == 2) {
+          crumbs_with_high_bit(q, hb, j, lo, hi);
+        } else {
+          const __m512i v = _mm512_load_si512(q + 64 * j);
+          lo = nibbles_with_high_bits<D>(v, hb, j, 0), hi = nibbles_with_high_bits<D>(v, hb, j, 1);
+        }
         for (int c = 0; c < C; ++c) {
           const int8_t* x = tile_act<C>(xq, nb, c, b).qs;
           s[c][0] = _mm512_dpbusd_epi32(s[c][0], lo, _mm512_set1_epi32(int(load_u32(x + 4 * j))));
@@ -1068,6 +1146,12 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
     if constexpr (P::kF32Scales) {
       dw = _mm512_load_ps(reinterpret_cast<const float*>(sc));
       (P::kTwoScales ? dw2 : mw) = _mm512_load_ps(reinterpret_cast<const float*>(sc + 64));
+    } else if constexpr (D == DType::Q3_K) {  // d · (s − 32): exact in fp32, as decode_quant_block's
+      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+      const __m128i s = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+      const __m128i s2 = _mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16));
+      dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+      dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s2)));
     } else {
       dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
       if constexpr (P::kMin) mw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));

@@ -1,5 +1,5 @@
 // Weights of the types the device keeps in the file's own block layout ("raw": Q5_0, Q5_1,
-// Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
+// Q3_K, Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
 // The CPU reference is formats/quant.h's decode_quant_block / dequantize_row: the same
 // w = a·(q − o) − m per weight (the device may fuse the multiply and subtract into an FMA).
 // Bytes are read one at a time, so a row needs no alignment.
@@ -11,13 +11,13 @@ namespace llmq::cuda {
 
 /// True for the types kept raw on the device.
 __host__ __device__ constexpr bool is_raw_type(DType t) {
-  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
+  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
 }
 
 /// Bytes of a row of `cols` weights of raw type t (formats/quant.h's row_bytes, on either side).
 __host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) {
-  return t == DType::Q5_0 ? cols / 32 * 22 : t == DType::Q5_1 ? cols / 32 * 24 : t == DType::Q4_K ? cols / 256 * 144
-       : t == DType::Q5_K ? cols / 256 * 176 : cols / 256 * 210;
+  return t == DType::Q5_0 ? cols / 32 * 22 : t == DType::Q5_1 ? cols / 32 * 24 : t == DType::Q3_K ? cols / 256 * 110
+       : t == DType::Q4_K ? cols / 256 * 144 : t == DType::Q5_K ? cols / 256 * 176 : cols / 256 * 210;
 }
 
 __device__ __forceinline__ float half_at(const uint8_t* p) { return fp16_bits_to_float(uint16_t(p[0] | (p[1] << 8))); }
@@ -73,6 +73,15 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
       int q = (qs[l] >> (4 * (j % 2))) & 15;
       if (five) q |= ((blk[16 + l] >> j) & 1) << 4;
       w[l] = a * float(q) - m;
+    }
+  } else if (t == DType::Q3_K) {
+    const uint8_t* blk = row + (b / 8) * 110;
+    const int j = int(b % 8), h = j / 4, sh = j % 4;
+    const float d = half_at(blk + 108);
+    const float a0 = d * float(q3_k_scale(blk + 96, 2 * j) - 32), a1 = d * float(q3_k_scale(blk + 96, 2 * j + 1) - 32);
+    for (int l = 0; l < 32; ++l) {
+      const int q = ((blk[32 + 32 * h + l] >> (2 * sh)) & 3) | ((blk[l] >> (4 * h + sh)) & 1) << 2;
+      w[l] = (l < 16 ? a0 : a1) * float(q - 4);
     }
   } else {  // Q6_K
     const uint8_t* blk = row + (b / 8) * 210;
