@@ -6,7 +6,9 @@ block type (Q4_0 or Q8_0), norms 1.0 in F32, the tokenizer copied from a vocabul
 llama.cpp's Q4_K_M gives a Llama: Q6_K for output.weight and for attn_v / ffn_down in the layers
 its use_more_bits rule picks (the first and last eighth, and every third between), Q4_K for the
 rest (the policy llmq-convert --type q4_k_m follows, written again here because this script
-writes the GGUF both engines read). Quants are random bytes, the f16 block scales drawn so the
+writes the GGUF both engines read). `--type q3_k_m` writes llama.cpp's Q3_K_M for a Llama
+(llama-quant.cpp): Q6_K output.weight, attn_v Q5_K in the first two layers and Q4_K after,
+ffn_down Q5_K in the first sixteenth and Q4_K after, attn_output Q4_K, Q3_K for the rest. Quants are random bytes, the f16 block scales drawn so the
 weights have a trained Llama's spread (std ~0.01-0.02), as llmq-bench --synthetic does. Needs
 numpy and the gguf-py package (the llama-cpp-python sdist's, put on sys.path with --gguf-py).
 
@@ -20,6 +22,7 @@ import numpy as np
 
 PRESETS = {  # dim, hidden, layers, heads, kv_heads, vocab
     "llama-2-7b": (4096, 11008, 32, 32, 32, 32000),
+    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000),
     "tiny": (256, 512, 2, 4, 2, 32000),  # for checking the script itself
 }
 
@@ -28,7 +31,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf-py", required=True)
     ap.add_argument("--vocab", required=True)
-    ap.add_argument("--type", choices=["q4_0", "q8_0", "q4_k_m"], default="q4_0")
+    ap.add_argument("--type", choices=["q4_0", "q8_0", "q4_k_m", "q3_k_m"], default="q4_0")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-2-7b")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
@@ -38,12 +41,14 @@ def main():
     dim, hidden, layers, heads, kv_heads, vocab = PRESETS[a.preset]
     Q = gguf.GGMLQuantizationType
     ftype = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-             "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}[a.type]
+             "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q3_k_m": gguf.LlamaFileType.MOSTLY_Q3_K_M}[a.type]
     # type: (weights per block, bytes per block, [(byte offset of an f16 scale, its size)])
     # Q4_0: |q - 8| ~ 4; Q8_0: |q| ~ 64; Q4_K: d * 6-bit scale (~32) * q (0..15) - dmin * min;
-    # Q6_K (d last, after ql, qh and 16 int8 scales ~64): d * scale * (q - 32).
+    # Q6_K (d last, after ql, qh and 16 int8 scales ~64): d * scale * (q - 32); Q5_K as Q4_K with
+    # q 0..31; Q3_K (d last): d * (6-bit scale - 32, ~16) * (q - 4, ~2).
     layout = {Q.Q4_0: (32, 18, [(0, 4e-3)]), Q.Q8_0: (32, 34, [(0, 2.5e-4)]),
-              Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]), Q.Q6_K: (256, 210, [(208, 8e-6)])}
+              Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]), Q.Q6_K: (256, 210, [(208, 8e-6)]),
+              Q.Q5_K: (256, 176, [(0, 5e-5), (2, 5e-5)]), Q.Q3_K: (256, 110, [(108, 5e-4)])}
 
     r = gguf.GGUFReader(a.vocab)
     f = r.fields
@@ -95,6 +100,15 @@ def main():
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
 
     def qtype(name):
+        if a.type == "q3_k_m":
+            i = int(name.split(".")[1]) if name.startswith("blk.") else -1
+            if name == "output.weight":
+                return Q.Q6_K
+            if name.endswith("attn_v.weight"):
+                return Q.Q5_K if i < 2 else Q.Q4_K
+            if name.endswith("ffn_down.weight"):
+                return Q.Q5_K if i < layers // 16 else Q.Q4_K
+            return Q.Q4_K if name.endswith("attn_output.weight") else Q.Q3_K
         if a.type != "q4_k_m":
             return Q.Q4_0 if a.type == "q4_0" else Q.Q8_0
         if name == "output.weight":
