@@ -1,6 +1,6 @@
 // Dequantization of a GGUF tensor row by its ggml type id, for readers (formats/readers/) whose
 // source bytes may sit at any alignment. Every ggml type llmq decodes is one of its own DTypes
-// (formats/quant.h: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, with ggml's
+// (formats/quant.h: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, with ggml's
 // block layouts and ggml's reference dequantization formulas, checked bit for bit against the
 // `gguf` Python package's `gguf.quants.dequantize` in tests/test_gguf.cpp).
 // Which ids it decodes: formats/quant.h's dtype_known, and the ids of ggml_widened_type (IQ4_NL:

@@ -17,12 +17,13 @@ const DTypeInfo kQ4_0{"q4_0", QK, sizeof(BlockQ4_0)};
 const DTypeInfo kQ4_1{"q4_1", QK, sizeof(BlockQ4_1)};
 const DTypeInfo kQ5_0{"q5_0", QK, sizeof(BlockQ5_0)};
 const DTypeInfo kQ5_1{"q5_1", QK, sizeof(BlockQ5_1)};
+const DTypeInfo kQ2_K{"q2_k", QK_K, sizeof(BlockQ2_K)};
 const DTypeInfo kQ3_K{"q3_k", QK_K, sizeof(BlockQ3_K)};
 const DTypeInfo kQ4_K{"q4_k", QK_K, sizeof(BlockQ4_K)};
 const DTypeInfo kQ5_K{"q5_k", QK_K, sizeof(BlockQ5_K)};
 const DTypeInfo kQ6_K{"q6_k", QK_K, sizeof(BlockQ6_K)};
 constexpr DType kAll[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
-                          DType::Q5_0, DType::Q5_1, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+                          DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K};
 
 uint32_t bits_of(float f) {
   uint32_t u;
@@ -46,6 +47,7 @@ const DTypeInfo& dtype_info(DType t) {
     case DType::Q4_1: return kQ4_1;
     case DType::Q5_0: return kQ5_0;
     case DType::Q5_1: return kQ5_1;
+    case DType::Q2_K: return kQ2_K;
     case DType::Q3_K: return kQ3_K;
     case DType::Q4_K: return kQ4_K;
     case DType::Q5_K: return kQ5_K;
@@ -393,6 +395,32 @@ void quantize_q3_k(const float* x, uint8_t* out, int64_t nsb) {
   }
 }
 
+// Q2_K: per sub-block of 16 the affine fit of fit_affine (codes 0..3); the scales and mins
+// (−offset) as 4-bit multiples of the super-block's d and dmin.
+void quantize_q2_k(const float* x, uint8_t* out, int64_t nsb) {
+  for (int64_t i = 0; i < nsb; ++i, x += QK_K, out += sizeof(BlockQ2_K)) {
+    std::memset(out, 0, sizeof(BlockQ2_K));
+    float scale[16], mn[16], smax = 0.0f, mmax = 0.0f;
+    for (int j = 0; j < 16; ++j) {
+      fit_affine(x + 16 * j, 16, 3, &scale[j], &mn[j]);
+      smax = std::max(smax, scale[j]), mmax = std::max(mmax, mn[j]);
+    }
+    const uint16_t dh = fp32_to_fp16(smax / 15.0f), mh = fp32_to_fp16(mmax / 15.0f);
+    std::memcpy(out + 80, &dh, 2), std::memcpy(out + 82, &mh, 2);
+    const float d = fp16_to_fp32(dh), dmin = fp16_to_fp32(mh);
+    int sc[16], m[16];
+    for (int j = 0; j < 16; ++j) {
+      sc[j] = round_clamp(scale[j], d, 0, 15), m[j] = round_clamp(mn[j], dmin, 0, 15);
+      out[j] = uint8_t(sc[j] | m[j] << 4);
+    }
+    for (int w = 0; w < QK_K; ++w) {
+      const int k = w / 16, q = round_clamp(x[w] + dmin * float(m[k]), d * float(sc[k]), 0, 3);
+      const int h = w / 128, r = w % 128;
+      out[16 + 32 * h + r % 32] |= uint8_t(q << (2 * (r / 32)));
+    }
+  }
+}
+
 // Little-endian fp16 at p (any alignment) as fp32.
 inline float half_at(const uint8_t* p) { return fp16_to_fp32(uint16_t(p[0] | (p[1] << 8))); }
 
@@ -412,7 +440,7 @@ void unpack_q4_q5(const uint8_t* qs, const uint8_t* qh, uint8_t* q) {
 bool is_quantized(DType t) { return t != DType::F32 && t != DType::F16 && t != DType::BF16; }
 
 void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
-  o.m = 0.0f;
+  o.m[0] = o.m[1] = 0.0f;
   o.offset = 0;
   switch (t) {
     case DType::Q8_0: {
@@ -431,7 +459,7 @@ void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
     case DType::Q4_1: case DType::Q5_1: {
       const bool five = t == DType::Q5_1;
       const uint8_t* blk = row + size_t(b) * (five ? sizeof(BlockQ5_1) : sizeof(BlockQ4_1));
-      o.a[0] = o.a[1] = half_at(blk), o.m = -half_at(blk + 2);
+      o.a[0] = o.a[1] = half_at(blk), o.m[0] = o.m[1] = -half_at(blk + 2);
       unpack_q4_q5(blk + (five ? 8 : 4), five ? blk + 4 : nullptr, o.q);
       return;
     }
@@ -441,13 +469,24 @@ void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
       const int j = int(b % 8);
       int sc, m;
       k_quant_scale_min(j, blk + 4, &sc, &m);
-      o.a[0] = o.a[1] = half_at(blk) * float(sc), o.m = half_at(blk + 2) * float(m);
+      o.a[0] = o.a[1] = half_at(blk) * float(sc), o.m[0] = o.m[1] = half_at(blk + 2) * float(m);
       const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
       for (int l = 0; l < 32; ++l) {
         int v = (qs[l] >> (4 * (j % 2))) & 15;
         if (five) v |= ((blk[16 + l] >> j) & 1) << 4;
         o.q[l] = uint8_t(v);
       }
+      return;
+    }
+    case DType::Q2_K: {  // formats/quant.h has the layout
+      const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ2_K);
+      const int j = int(b % 8), h = j / 4, sh = j % 4;
+      const float d = half_at(blk + 80), dmin = half_at(blk + 82);
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t sc = blk[2 * j + half];
+        o.a[half] = d * float(sc & 15), o.m[half] = dmin * float(sc >> 4);
+      }
+      for (int l = 0; l < 32; ++l) o.q[l] = uint8_t((blk[16 + 32 * h + l] >> (2 * sh)) & 3);
       return;
     }
     case DType::Q3_K: {  // formats/quant.h has the layout
@@ -510,6 +549,7 @@ void quantize_row(DType t, const float* x, void* dst, int64_t n) {
     case DType::Q5_K: quantize_k45(x, static_cast<uint8_t*>(dst), n / QK_K, true); return;
     case DType::Q6_K: quantize_q6_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
     case DType::Q3_K: quantize_q3_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
+    case DType::Q2_K: quantize_q2_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
   }
 }
 
@@ -528,7 +568,7 @@ int64_t first_nonfinite(DType t, const void* src, int64_t n) {
   QuantBlock qb;
   for (int64_t b = 0; b < n / QK; ++b) {
     decode_quant_block(t, p, b, qb);
-    if (!std::isfinite(qb.a[0]) || !std::isfinite(qb.a[1]) || !std::isfinite(qb.m)) return b * QK;
+    if (!std::isfinite(qb.a[0]) || !std::isfinite(qb.a[1]) || !std::isfinite(qb.m[0]) || !std::isfinite(qb.m[1])) return b * QK;
   }
   return -1;
 }
@@ -552,7 +592,7 @@ void dequantize_row(DType t, const void* src, float* y, int64_t n) {
       const auto* row = static_cast<const uint8_t*>(src);
       for (int64_t b = 0; b < n / QK; ++b, y += QK) {
         decode_quant_block(t, row, b, qb);
-        for (int i = 0; i < QK; ++i) y[i] = qb.a[i / 16] * float(int(qb.q[i]) - qb.offset) - qb.m;
+        for (int i = 0; i < QK; ++i) y[i] = qb.a[i / 16] * float(int(qb.q[i]) - qb.offset) - qb.m[i / 16];
       }
       return;
     }

@@ -21,6 +21,7 @@ enum class DType : uint32_t {
   Q5_0 = 6,
   Q5_1 = 7,
   Q8_0 = 8,
+  Q2_K = 10,
   Q3_K = 11,
   Q4_K = 12,
   Q5_K = 13,
@@ -29,7 +30,7 @@ enum class DType : uint32_t {
 };
 
 constexpr int QK = 32;     ///< weights per block of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 (and per activation block)
-constexpr int QK_K = 256;  ///< weights per super-block of the K-quants (Q3_K, Q4_K, Q5_K, Q6_K)
+constexpr int QK_K = 256;  ///< weights per super-block of the K-quants (Q2_K … Q6_K)
 
 /// Q8_0: 32 weights = fp16 scale d + 32 int8 q; w = d * q. 34 bytes, 8.5 bits per weight.
 struct BlockQ8_0 {
@@ -64,6 +65,16 @@ struct BlockQ5_1 {
   uint16_t m;
   uint8_t qh[4];
   uint8_t qs[16];
+};
+/// Q2_K: 256 weights in 16 sub-blocks of 16 = u8 scales[16] (sub-block k: scale sc = scales[k] & 15,
+/// minimum m = scales[k] >> 4); u8 qs[64] (2-bit quants: weight i, h = i / 128, r = i % 128, at bits
+/// 2·(r / 32) of qs[32h + r % 32]); fp16 d; fp16 dmin. w = (d · sc) · q − dmin · m
+/// (ggml-quants.c dequantize_row_q2_K). 84 bytes, 2.625 bits per weight.
+struct BlockQ2_K {
+  uint8_t scales[16];
+  uint8_t qs[64];
+  uint16_t d;
+  uint16_t dmin;
 };
 /// Q3_K: 256 weights in 16 sub-blocks of 16 = u8 hmask[32] (bit 2 of each quant); u8 qs[64]
 /// (bits 0-1); u8 scales[12] (16 six-bit scales); fp16 d (last). Weight i: h = i / 128,
@@ -108,6 +119,7 @@ struct BlockQ6_K {
   int8_t scales[16];
   uint16_t d;
 };
+static_assert(sizeof(BlockQ2_K) == 84, "Q2_K block must be 84 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ3_K) == 110, "Q3_K block must be 110 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ5_0) == 22, "Q5_0 block must be 22 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ5_1) == 24, "Q5_1 block must be 24 bytes (GGUF layout)");
@@ -140,17 +152,17 @@ bool row_fits(DType t, int64_t n);
 /// True for the block-quantized types (everything but F32, F16, BF16).
 bool is_quantized(DType t);
 /// The (sub-)block decomposition every integer kernel uses: a row of a quantized type is a
-/// sequence of 32-weight blocks, block b holding w_i = a_h · (q_i − o) − m for i in half h
+/// sequence of 32-weight blocks, block b holding w_i = a_h · (q_i − o) − m_h for i in half h
 /// (h = i / 16), q_i ≥ 0. `QuantBlock` is that block decoded (formats/quant.cpp,
-/// decode_quant_block): 32 unsigned quants, the offset o, the scale of each half (equal except
-/// for Q3_K and Q6_K, whose sub-blocks have 16 weights) and the subtracted minimum m (Q4_1/Q5_1 store
-/// −m, the K-quants dmin·m). Scales are the exact fp32 products of the file's fields
+/// decode_quant_block): 32 unsigned quants, the offset o, the scale and the subtracted minimum of
+/// each half (equal except for Q2_K, Q3_K and Q6_K, whose sub-blocks have 16 weights; Q4_1/Q5_1
+/// store −m, the K-quants dmin·m). Scales are the exact fp32 products of the file's fields
 /// (fp16 × 6- or 8-bit integer, at most 19 significant bits).
 struct QuantBlock {
   uint8_t q[32];
   int offset;    ///< o: 128 for Q8_0 (q = w + 128), 8 Q4_0, 16 Q5_0, 4 Q3_K, 32 Q6_K, else 0
   float a[2];    ///< scale of weights 0..15 and 16..31
-  float m;       ///< subtracted minimum (0 for the symmetric types)
+  float m[2];    ///< subtracted minimum of each half (0 for the symmetric types)
 };
 /// The 6-bit scale and minimum of sub-block j (0..7) of a Q4_K / Q5_K super-block from its
 /// 12 packed scale bytes `s` (the layout at BlockQ4_K).

@@ -64,7 +64,7 @@ static_assert(std::endian::native == std::endian::little, "the GGUF writer below
 enum : uint32_t { kU8 = 0, kI8, kU16, kI16, kU32, kI32, kF32, kBool, kStr, kArr, kU64, kI64, kF64 };
 // ggml type ids used here
 enum : uint32_t { tF32 = 0, tF16 = 1, tQ4_0 = 2, tQ4_1 = 3, tQ5_0 = 6, tQ5_1 = 7, tQ8_0 = 8, tQ8_1 = 9, tQ2_K = 10,
-                  tQ3_K = 11, tQ4_K = 12, tIQ4_NL = 20, tQ5_K = 13, tQ6_K = 14, tF64 = 28, tBF16 = 30 };
+                  tQ3_K = 11, tQ4_K = 12, tIQ4_NL = 20, tQ5_K = 13, tQ6_K = 14, tQ8_K = 15, tF64 = 28, tBF16 = 30 };
 
 void put(Bytes& b, const void* p, size_t n) {
   if (n == 0) return;
@@ -254,6 +254,7 @@ std::vector<size_t> half_fields(uint32_t type) {
     case tQ4_1: case tQ5_1: case tQ4_K: case tQ5_K: return {0, 2};
     case tQ6_K: return {208};
     case tQ3_K: return {108};
+    case tQ2_K: return {80, 82};
     case tIQ4_NL: return {0};
     default: return {};
   }
@@ -464,7 +465,7 @@ std::string smollm2_path() {
 
 // ================================================================ dequantization vs gguf-py
 
-TEST_CASE("ggml dequantization is bit-identical to gguf-py's for Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL (and our types)",
+TEST_CASE("ggml dequantization is bit-identical to gguf-py's for Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL (and our types)",
           "[gguf][dequant]") {
   const std::string dir = test::scratch("gguf-py");
   const std::string venv = dir + "/venv";
@@ -476,7 +477,7 @@ TEST_CASE("ggml dequantization is bit-identical to gguf-py's for Q5_0, Q5_1, Q3_
     WARN("SKIPPED: could not install the gguf Python package (pip or network unavailable):\n" + slurp(log));
     return;
   }
-  const std::vector<uint32_t> types{tQ5_0, tQ5_1, tQ3_K, tIQ4_NL, tQ4_K, tQ5_K, tQ6_K, tQ8_0, tQ4_0, tQ4_1, tF16, tBF16};
+  const std::vector<uint32_t> types{tQ5_0, tQ5_1, tQ2_K, tQ3_K, tIQ4_NL, tQ4_K, tQ5_K, tQ6_K, tQ8_0, tQ4_0, tQ4_1, tF16, tBF16};
   std::mt19937 rng(20240521);
   std::map<uint32_t, Bytes> inputs;
   std::string ids;
@@ -525,7 +526,7 @@ TEST_CASE("ggml dequantization is bit-identical to gguf-py's for Q5_0, Q5_1, Q3_
 TEST_CASE("ggml_dequantize_row rejects unsupported types and partial blocks", "[gguf][dequant]") {
   std::vector<uint8_t> buf(4096);
   std::vector<float> out(1024);
-  CHECK_THROWS_AS(ggml_dequantize_row(tQ2_K, buf.data(), out.data(), 256), UsageError);
+  CHECK_THROWS_AS(ggml_dequantize_row(tQ8_K, buf.data(), out.data(), 256), UsageError);
   CHECK_THROWS_AS(ggml_dequantize_row(tQ4_K, buf.data(), out.data(), 128), UsageError);
   CHECK_THROWS_AS(ggml_dequantize_row(tQ5_0, buf.data(), out.data(), 33), UsageError);
   CHECK(dtype_known(tQ6_K));
@@ -640,10 +641,10 @@ TEST_CASE("GGUF tensors of every supported type convert: ours (Q3_K included) ra
   TinySpec kq;
   kq.dim = 256, kq.hidden = 256, kq.heads = 4, kq.kv_heads = 2, kq.file_type = ~0u;
   kq.types = {{"token_embd", tQ6_K}, {"attn_q", tQ4_K}, {"attn_k", tQ5_K}, {"attn_v", tQ3_K}, {"attn_output", tQ5_0},
-              {"ffn_gate", tQ5_1},   {"ffn_up", tIQ4_NL}, {"ffn_down", tQ5_K}, {"output", tQ6_K}};
+              {"ffn_gate", tQ5_1},   {"ffn_up", tIQ4_NL}, {"ffn_down", tQ2_K}, {"output", tQ6_K}};
   TinySpec tied = mixed_spec();
   tied.tied = true;
-  for (const Variant& v : {Variant{"mixed", mixed_spec(), "GGUF v3 (Q8_0)"}, Variant{"kquants", kq, "GGUF v3 (Q5_K)"},
+  for (const Variant& v : {Variant{"mixed", mixed_spec(), "GGUF v3 (Q8_0)"}, Variant{"kquants", kq, "GGUF v3 (Q5_0)"},
                            Variant{"tied", tied, "GGUF v3 (Q8_0)"}}) {
     SECTION(v.name) {
       const std::string gguf = dir + "/" + v.name + ".gguf", out = dir + "/" + v.name + ".llmq";
@@ -1079,12 +1080,12 @@ std::vector<BadCase> hostile_cases() {
     t.type = tF64;
     t.data.resize(ggml_bytes(tF64, 32, 32));
   }, {"blk.0.attn_output.weight", "F64", "cannot convert"});
-  {  // Q2_K needs 256-wide rows: a 256-wide model
+  {  // Q8_K (llama.cpp's activation type, never a weight here) needs 256-wide rows: a 256-wide model
     TinySpec s;
     s.dim = 256, s.hidden = 256, s.heads = 4, s.kv_heads = 2;
-    s.types = {{"attn_q", tQ2_K}, {"token_embd", tQ8_0}, {"attn_k", tQ8_0}, {"attn_v", tQ8_0}, {"attn_output", tQ8_0},
+    s.types = {{"attn_q", tQ8_K}, {"token_embd", tQ8_0}, {"attn_k", tQ8_0}, {"attn_v", tQ8_0}, {"attn_output", tQ8_0},
                {"ffn_gate", tQ8_0}, {"ffn_up", tQ8_0}, {"ffn_down", tQ8_0}, {"output", tQ8_0}};
-    cs.push_back({"unsupported type Q2_K", tiny_model(s, 4).build(), {"blk.0.attn_q.weight", "Q2_K", "cannot convert"}});
+    cs.push_back({"unsupported type Q8_K", tiny_model(s, 4).build(), {"blk.0.attn_q.weight", "Q8_K", "cannot convert"}});
     s.types["attn_q"] = tQ4_K;  // a Q4_K tensor whose scale is NaN: the dequantized weights cannot be stored
     GgufBuilder g = tiny_model(s, 4);
     const uint16_t nan16 = 0x7e00;
@@ -1292,6 +1293,7 @@ TEST_CASE("K-quant mixes choose llama.cpp's type per tensor", "[gguf][convert]")
   for (int i = 0; i < 24; ++i)
     if (use_more_bits(i, 24)) picked.push_back(i);
   CHECK(picked == std::vector<int>{0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23});
+  CHECK(k_quant_fallback(DType::Q2_K) == DType::Q4_0);
   CHECK(k_quant_fallback(DType::Q3_K) == DType::Q4_0);
   CHECK(k_quant_fallback(DType::Q4_K) == DType::Q5_0);
   CHECK(k_quant_fallback(DType::Q5_K) == DType::Q5_1);

@@ -49,18 +49,19 @@ TEST_CASE("block sizes match GGUF", "[quant]") {
   CHECK(dtype_from_name("Q8_0") == DType::Q8_0);
   CHECK(row_bytes(DType::Q3_K, 256) == 110);
   CHECK(dtype_from_name("q3_k") == DType::Q3_K);
-  CHECK_THROWS_AS(dtype_from_name("q2_k"), UsageError);
+  CHECK(row_bytes(DType::Q2_K, 512) == 168);
+  CHECK_THROWS_AS(dtype_from_name("iq4_nl"), UsageError);
 }
 
 // Relative RMS round-trip error bounds on N(0,1) data (stated per type, with ~1.5x headroom
 // over the expected value: step/sqrt(12) with step = 2^-11 (f16), 2^-8 (bf16), amax/127 (q8_0),
 // amax/8 (q4_0), (max-min)/15 (q4_1), amax/16 (q5_0), (max-min)/31 (q5_1); the K-quants
-// measured for llmq's own search (formats/quant.h: q3_k 0.145, q4_k 0.072, q5_k 0.037, q6_k 0.017, about
+// measured for llmq's own search (formats/quant.h: q2_k 0.264, q3_k 0.145, q4_k 0.072, q5_k 0.037, q6_k 0.017, about
 // Q4_1's and Q5_1's on N(0,1) data, whose sub-block ranges vary little), with the same headroom).
 TEST_CASE("round-trip error on fresh random data is within each type's bound", "[quant]") {
   const std::pair<DType, double> bounds[] = {
       {DType::F32, 0.0}, {DType::F16, 5e-4}, {DType::BF16, 4e-3}, {DType::Q8_0, 8e-3}, {DType::Q4_0, 0.13}, {DType::Q4_1, 0.13},
-      {DType::Q5_0, 0.065}, {DType::Q5_1, 0.065}, {DType::Q3_K, 0.22}, {DType::Q4_K, 0.12}, {DType::Q5_K, 0.06}, {DType::Q6_K, 0.03},
+      {DType::Q5_0, 0.065}, {DType::Q5_1, 0.065}, {DType::Q2_K, 0.4}, {DType::Q3_K, 0.22}, {DType::Q4_K, 0.12}, {DType::Q5_K, 0.06}, {DType::Q6_K, 0.03},
   };
   std::random_device rd;
   const uint64_t seed = (uint64_t(rd()) << 32) | rd();
@@ -115,8 +116,8 @@ TEST_CASE("values already on the grid round-trip exactly", "[quant]") {
 }
 
 TEST_CASE("all-zero blocks stay zero", "[quant]") {
-  for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q3_K,
-                  DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+  for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K,
+                  DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
     std::vector<float> x(512, 0.0f);
     const auto y = round_trip(t, x);
     for (float v : y) CHECK(v == 0.0f);
@@ -127,7 +128,7 @@ const float bad_nan = std::nanf("");
 
 TEST_CASE("NaN and Inf are rejected with a clear error", "[quant]") {
   for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1,
-                  DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+                  DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
     for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
       auto x = gaussian(256, 7);
       x[37] = bad;
@@ -141,7 +142,7 @@ TEST_CASE("NaN and Inf are rejected with a clear error", "[quant]") {
     quantize_row(t, x.data(), row.data(), 512);
     CHECK(first_nonfinite(t, row.data(), 512) == -1);
     const size_t second = row.size() / 2;  // the second half: block 8 (or weight 256 of the float types)
-    const size_t at = !is_quantized(t) ? second : t == DType::Q6_K ? second + 208 : t == DType::Q3_K ? second + 108 : second;  // where d lives
+    const size_t at = !is_quantized(t) ? second : t == DType::Q6_K ? second + 208 : t == DType::Q3_K ? second + 108 : t == DType::Q2_K ? second + 80 : second;  // where d lives
     if (t == DType::F32) std::memcpy(row.data() + at, &bad_nan, 4);
     else if (t == DType::BF16) row[at] = 0xc0, row[at + 1] = 0x7f;  // bf16 NaN
     else row[at] = 0x00, row[at + 1] = 0x7e;                         // fp16 NaN

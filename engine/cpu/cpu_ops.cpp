@@ -185,16 +185,19 @@ float dot_q4_1(const BlockQ4_1* w, const BlockQ8Act* x, int64_t nb) {
   return sum;
 }
 
-// Any other quantized type (Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K) through formats/quant.h's QuantBlock:
-// per block x.d · (a0 · Σ_{i<16} (q_i − o) q_x,i + a1 · Σ_{i≥16} …) − m · s_x.
+// Any other quantized type (Q5_0, Q5_1, Q2_K … Q6_K) through formats/quant.h's QuantBlock:
+// per block x.d · (a0 · Σ_{i<16} (q_i − o) q_x,i + a1 · Σ_{i≥16} …) − m · s_x; Q2_K's minimum per
+// half: − x.d · (m0 · Σ_{i<16} q_x,i + m1 · Σ_{i≥16} q_x,i).
 float dot_quant_blocks(DType t, const uint8_t* row, const BlockQ8Act* x, int64_t nb) {
   float sum = 0.0f;
   QuantBlock qb;
   for (int64_t b = 0; b < nb; ++b) {
     decode_quant_block(t, row, b, qb);
-    int32_t half[2] = {0, 0};
-    for (int i = 0; i < QK; ++i) half[i / 16] += (int32_t(qb.q[i]) - qb.offset) * int32_t(x[b].qs[i]);
-    sum += x[b].d * (qb.a[0] * float(half[0]) + qb.a[1] * float(half[1])) - qb.m * x[b].s;
+    int32_t half[2] = {0, 0}, xs[2] = {0, 0};
+    for (int i = 0; i < QK; ++i) half[i / 16] += (int32_t(qb.q[i]) - qb.offset) * int32_t(x[b].qs[i]), xs[i / 16] += x[b].qs[i];
+    sum += x[b].d * (qb.a[0] * float(half[0]) + qb.a[1] * float(half[1]));
+    if (t == DType::Q2_K) sum -= x[b].d * (qb.m[0] * float(xs[0]) + qb.m[1] * float(xs[1]));
+    else sum -= qb.m[0] * x[b].s;
   }
   return sum;
 }

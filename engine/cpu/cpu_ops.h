@@ -54,7 +54,7 @@ inline ActScale act_scale(float amax, int group) {
   return id != 0.0f && id < 3.0e38f ? ActScale{1.0f / id, id} : ActScale{0.0f, 0.0f};  // (and an infinite id)
 }
 
-/// Values per activation scale in matmuls against K-quant weights (Q3_K … Q6_K): 32 (the
+/// Values per activation scale in matmuls against K-quant weights (Q2_K … Q6_K): 32 (the
 /// default: the rule of every other type, and the more accurate) or 256 (one scale per
 /// super-block, the granularity of llama.cpp's Q8_K activations: with it llmq's error against
 /// the exact model equals llama.cpp's, bench/RESULTS.md "Gemma-3-270M against llama.cpp, taken

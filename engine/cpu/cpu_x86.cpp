@@ -134,6 +134,7 @@ auto with_layout(DType t, F&& f) {
     case DType::Q5_1: return f(Layout<DType::Q5_1>{});
     case DType::Q4_K: return f(Layout<DType::Q4_K>{});
     case DType::Q5_K: return f(Layout<DType::Q5_K>{});
+    case DType::Q2_K: return f(Layout<DType::Q2_K>{});
     case DType::Q3_K: return f(Layout<DType::Q3_K>{});
     default: return f(Layout<DType::Q6_K>{});
   }
@@ -143,17 +144,19 @@ auto with_layout(DType t, F&& f) {
 template <DType D>
 struct QuantTraits {
   /// One scale per half block (16 weights): the halves' integer dots are kept apart.
-  static constexpr bool kTwoScales = D == DType::Q3_K || D == DType::Q6_K;
+  static constexpr bool kTwoScales = D == DType::Q2_K || D == DType::Q3_K || D == DType::Q6_K;
+  /// One minimum per half block (Q2_K): − dmin·m_h · d_x·Σ_h q_x from corr's half sums.
+  static constexpr bool kHalfMins = D == DType::Q2_K;
   /// The offset the two-scale types remove per half block (corr holds the halves' Σq_x).
   static constexpr int kHalfOffset = D == DType::Q6_K ? 32 : D == DType::Q3_K ? 4 : 0;
-  /// Bits of each quant in the packed quant vectors: nibbles, or Q3_K's 2-bit crumbs.
-  static constexpr int kLowBits = D == DType::Q3_K ? 2 : 4;
+  /// Bits of each quant in the packed quant vectors: nibbles, or Q2_K's and Q3_K's 2-bit crumbs.
+  static constexpr int kLowBits = D == DType::Q2_K || D == DType::Q3_K ? 2 : 4;
   /// Bit planes above them: Q6_K bits 4 and 5; Q5_0/Q5_1/Q5_K bit 4; Q3_K bit 2.
   static constexpr int kHighBits = D == DType::Q6_K ? 2
                                  : D == DType::Q5_0 || D == DType::Q5_1 || D == DType::Q5_K || D == DType::Q3_K ? 1
                                                                                                                  : 0;
 };
-constexpr bool has_half_corr(DType t) { return t == DType::Q3_K || t == DType::Q6_K; }
+constexpr bool has_half_corr(DType t) { return t == DType::Q2_K || t == DType::Q3_K || t == DType::Q6_K; }
 
 // Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
@@ -172,7 +175,7 @@ void fill_corr(DType type, const int32_t* sums, int64_t n, int32_t* corr) {
   for (int64_t i = 0; i < n; ++i) corr[i] = int32_t(k * uint32_t(sums[i]));
 }
 
-// Q3_K's and Q6_K's corrections hold the two half-block sums of the quants instead (|Σ| <= 16 ·
+// Q2_K's, Q3_K's and Q6_K's corrections hold the two half-block sums of the quants instead (|Σ| <= 16 ·
 // 128, so each fits int16): corr[i] = Σ_{j<16} q_j (low 16 bits) | Σ_{j>=16} q_j << 16.
 void fill_corr_halves(const BlockQ8Act* xq, int64_t n, int32_t* corr) {
   for (int64_t i = 0; i < n; ++i) {
@@ -319,15 +322,17 @@ inline void store_rows8(float* y, int64_t M, const __m256* acc, int nrows) {
 // horizontal sum is needed. The same tile serves decode (C = 1..3) and prefill (C = 4), so
 // batched prefill equals token-by-token decode bit for bit. Per block:
 //   [quants QB][high bits HB][scales SB]   (K-quants: a header of HDR bytes per super-block)
-// Q3_K's quants are 2-bit crumbs instead: vector c (0, 1) holds u_J for J = c + 2s at bits 2s.
+// Q2_K's and Q3_K's quants are 2-bit crumbs instead: vector c (0, 1) holds u_J for J = c + 2s at
+// bits 2s.
 // - high bits (Q5_0/Q5_1/Q5_K/Q3_K: one vector, Q6_K: two): byte 4i+k holds the bits that u_J's
 //   quant k of row i misses: Q5 bit J = bit 4, Q3_K bit J = bit 2; Q6_K vector J/4, bits
 //   2(J%4)+{0,1} = bits 4-5.
 // - scales: Q4_0/Q5_0/Q8_0 d[8] f16; Q4_1/Q5_1 d[8], m[8] f16; Q4_K/Q5_K the 6-bit sc[8] and
 //   min[8] as bytes (header: d[8] and −dmin[8] as f16); Q6_K sc_lo[8], sc_hi[8] int8, Q3_K the
-//   same as s − 32 (header d[8]).
+//   same as s − 32 (header d[8]); Q2_K the file's scale bytes of the two halves, [8] each
+//   (header d[8], −dmin[8]).
 // Bytes per block of 8 rows: Q4_0 144 (the file's 144), Q4_1 160, Q5_0 176, Q5_1 192, Q8_0 272
-// (all as the file), Q3_K 114 (file 110), Q4_K 148 (144), Q5_K 180 (176), Q6_K 210 (210).
+// (all as the file), Q2_K 88 (file 84), Q3_K 114 (110), Q4_K 148 (144), Q5_K 180 (176), Q6_K 210.
 //
 // Integer part: `_mm256_maddubs_epi16` (unsigned u × signed x, pairs summed to saturating
 // int16), summed in int16 over G vectors where that cannot overflow (Q4: 8 · 2·15·127 = 30480;
@@ -342,7 +347,7 @@ struct Pk8 : QuantTraits<D> {
   using T = QuantTraits<D>;
   static constexpr DType kType = D;
   static constexpr bool kQ8 = D == DType::Q8_0;
-  static constexpr bool kSuper = D == DType::Q3_K || D == DType::Q4_K || D == DType::Q5_K || D == DType::Q6_K;
+  static constexpr bool kSuper = D == DType::Q2_K || D == DType::Q3_K || D == DType::Q4_K || D == DType::Q5_K || D == DType::Q6_K;
   static constexpr bool kMin = D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
   static constexpr bool kCorr = D == DType::Q4_0 || D == DType::Q5_0;  // a whole-block integer correction
   // vectors summed in int16 (the two-scale types at most a half block: 4)
@@ -350,7 +355,7 @@ struct Pk8 : QuantTraits<D> {
   static constexpr size_t QB = kQ8 ? 256 : 32 * size_t(T::kLowBits), HB = 32 * size_t(T::kHighBits);
   static constexpr size_t SB = D == DType::Q4_1 || D == DType::Q5_1 ? 32 : 16;
   static constexpr size_t BLOCK = QB + HB + SB;
-  static constexpr size_t HDR = !kSuper ? 0 : T::kTwoScales ? 16 : 32;
+  static constexpr size_t HDR = !kSuper ? 0 : T::kTwoScales && !T::kHalfMins ? 16 : 32;
   static size_t panel_bytes(int64_t K) { return size_t(K / QK) * BLOCK + size_t(K / QK / 8) * HDR; }
   // Two panels (16 rows, the matmul's unit of work) rounded up to 64 bytes.
   static size_t pair_bytes(int64_t K) { return (2 * panel_bytes(K) + 63) / 64 * 64; }
@@ -374,12 +379,12 @@ void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, 
   }
   QuantBlock qb;
   decode_quant_block(D, row, b, qb);
-  if constexpr (P::kLowBits == 2) {  // Q3_K: u_J's quant k (element 4J + k) at bits 2(J/2) of vector J%2
+  if constexpr (P::kLowBits == 2) {  // Q2_K, Q3_K: u_J's quant k (element 4J + k) at bits 2(J/2) of vector J%2
     for (int J = 0; J < 8; ++J)
       for (int k = 0; k < 4; ++k) {
         const int u = qb.q[4 * J + k], at = 4 * i + k;
         q[32 * (J % 2) + at] = uint8_t(q[32 * (J % 2) + at] | (u & 3) << (2 * (J / 2)));
-        hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
+        if constexpr (P::kHighBits == 1) hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
       }
   } else
   for (int j = 0; j < 4; ++j)
@@ -399,6 +404,9 @@ void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, 
   } else if constexpr (D == DType::Q6_K) {
     const auto* scales = reinterpret_cast<const int8_t*>(row + size_t(b / 8) * sizeof(BlockQ6_K) + 192);
     sc[i] = uint8_t(scales[2 * (b % 8)]), sc[8 + i] = uint8_t(scales[2 * (b % 8) + 1]);
+  } else if constexpr (D == DType::Q2_K) {
+    const uint8_t* scales = row + size_t(b / 8) * sizeof(BlockQ2_K);
+    sc[i] = scales[2 * (b % 8)], sc[8 + i] = scales[2 * (b % 8) + 1];
   } else if constexpr (D == DType::Q3_K) {
     const uint8_t* scales = row + size_t(b / 8) * sizeof(BlockQ3_K) + 96;
     sc[i] = uint8_t(q3_k_scale(scales, int(2 * (b % 8))) - 32), sc[8 + i] = uint8_t(q3_k_scale(scales, int(2 * (b % 8) + 1)) - 32);
@@ -416,7 +424,7 @@ void pack_header8(const uint8_t* row, int64_t s, int i, uint8_t* hdr) {
     const size_t bytes = dtype_info(D).block_bytes;
     std::memcpy(hdr + 2 * i, row + size_t(s) * bytes + bytes - 2, 2);  // d is their last field
   } else {
-    const uint8_t* sb = row + size_t(s) * dtype_info(D).block_bytes;
+    const uint8_t* sb = row + size_t(s) * dtype_info(D).block_bytes + (D == DType::Q2_K ? 80 : 0);  // d, dmin
     std::memcpy(hdr + 2 * i, sb, 2);
     const uint16_t neg_min = uint16_t(load_u16(sb + 2) ^ 0x8000u);
     std::memcpy(hdr + 16 + 2 * i, &neg_min, 2);
@@ -472,8 +480,9 @@ inline __m256i quant_vec(const uint8_t* q, const uint8_t* hb) {
   using P = Pk8<D>;
   if constexpr (P::kQ8) {
     return loadu256(q + 32 * J);
-  } else if constexpr (P::kLowBits == 2) {  // Q3_K: crumbs at bits 2(J/2) of vector J%2, bit J of hb to bit 2
+  } else if constexpr (P::kLowBits == 2) {  // crumbs at bits 2(J/2) of vector J%2; Q3_K: bit J of hb to bit 2
     const __m256i u = _mm256_and_si256(_mm256_srli_epi16(loadu256(q + 32 * (J % 2)), 2 * (J / 2)), _mm256_set1_epi8(3));
+    if constexpr (P::kHighBits == 0) return u;
     const __m256i h = _mm256_and_si256(loadu256(hb), _mm256_set1_epi8(char(1 << J)));
     return _mm256_or_si256(u, J <= 2 ? _mm256_slli_epi16(h, 2 - J) : _mm256_srli_epi16(h, J - 2));
   } else {
@@ -492,8 +501,17 @@ inline __m256i quant_vec(const uint8_t* q, const uint8_t* hb) {
   }
 }
 
-// The block's fp32 scales of the 8 rows: a0 (Q3_K/Q6_K: first half) and a1 (the minimum term's
-// factor m or −m, or the second half's scale); dsup/msup: the super-block's d and −dmin.
+// The block's fp32 scales of the 8 rows: a0 (two-scale types: first half) and a1 (the minimum
+// term's factor m or −m, or the second half's scale); Q2_K's −dmin·m of each half in m0, m1.
+struct Scales8 {
+  __m256 a0, a1, m0, m1;
+};
+// The low (H = 0) or high nibbles of 8 bytes as fp32.
+template <int H>
+inline __m256 nibbles8_ps(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(H ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
+}
 template <DType D>
 inline void block_scales(const uint8_t* sc, __m256 dsup, __m256 msup, __m256& a0, __m256& a1) {
   if constexpr (D == DType::Q4_K || D == DType::Q5_K) {
@@ -506,19 +524,41 @@ inline void block_scales(const uint8_t* sc, __m256 dsup, __m256 msup, __m256& a0
   }
 }
 
-// One token's fp32 step for a block of 8 rows: lo (Q3_K/Q6_K: first half, hi the second) are the
-// exact integer dots without the offset correction `corr` (prepare_quant's, of this token and
-// block); acc += float(dot) · a0·d_x (+ a1·s_x for the types with a minimum).
+// dsup/msup: the super-block's d and −dmin.
 template <DType D>
-inline __m256 block_fp(__m256 acc, __m256i lo, __m256i hi, __m256 a0, __m256 a1, const BlockQ8Act& xa, int32_t corr) {
-  const __m256 dx = _mm256_set1_ps(xa.d);
+inline Scales8 block_scales(const uint8_t* sc, __m256 dsup, __m256 msup) {
+  Scales8 s{};
+  if constexpr (D == DType::Q2_K) {
+    s.a0 = _mm256_mul_ps(dsup, nibbles8_ps<0>(sc)), s.a1 = _mm256_mul_ps(dsup, nibbles8_ps<0>(sc + 8));
+    s.m0 = _mm256_mul_ps(msup, nibbles8_ps<1>(sc)), s.m1 = _mm256_mul_ps(msup, nibbles8_ps<1>(sc + 8));
+  } else {
+    block_scales<D>(sc, dsup, msup, s.a0, s.a1);
+  }
+  return s;
+}
+
+// One token's fp32 step for a block of 8 rows: lo (two-scale types: first half, hi the second)
+// are the exact integer dots without the offset correction `corr` (prepare_quant's, of this token
+// and block); acc += float(dot) · a0·d_x (+ a1·s_x for the types with a minimum; Q2_K: + m_h ·
+// d_x·Σ_h q_x per half, the half sums from corr).
+template <DType D>
+inline __m256 block_fp(__m256 acc, __m256i lo, __m256i hi, const Scales8& s, const BlockQ8Act& xa, int32_t corr) {
+  const __m256 dx = _mm256_set1_ps(xa.d), a0 = s.a0, a1 = s.a1;
   if constexpr (Pk8<D>::kTwoScales) {
     const auto k = uint32_t(corr);
+    const int32_t sum_lo = int16_t(k & 0xffffu), sum_hi = int16_t(k >> 16);
     constexpr int32_t o = Pk8<D>::kHalfOffset;
-    lo = _mm256_add_epi32(lo, _mm256_set1_epi32(-o * int32_t(int16_t(k & 0xffffu))));
-    hi = _mm256_add_epi32(hi, _mm256_set1_epi32(-o * int32_t(int16_t(k >> 16))));
+    if constexpr (o != 0) {
+      lo = _mm256_add_epi32(lo, _mm256_set1_epi32(-o * sum_lo));
+      hi = _mm256_add_epi32(hi, _mm256_set1_epi32(-o * sum_hi));
+    }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(a0, dx), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(a1, dx), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(a1, dx), acc);
+    if constexpr (Pk8<D>::kHalfMins) {
+      acc = _mm256_fmadd_ps(s.m0, _mm256_set1_ps(xa.d * float(sum_lo)), acc);
+      acc = _mm256_fmadd_ps(s.m1, _mm256_set1_ps(xa.d * float(sum_hi)), acc);
+    }
+    return acc;
   }
   if constexpr (Pk8<D>::kCorr) lo = _mm256_add_epi32(lo, _mm256_set1_epi32(corr));
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(a0, dx), acc);
@@ -597,19 +637,18 @@ void tile8(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8A
     if constexpr (P::kSuper)
       if (b % 8 == 0) {
         dsup = f16x8(p);
-        if constexpr (P::kMin) msup = f16x8(p + 16);
+        if constexpr (P::kMin || P::kHalfMins) msup = f16x8(p + 16);
         p += P::HDR;
       }
     const uint8_t *q = p, *hb = p + P::QB;
-    __m256 a0, a1;
-    block_scales<D>(hb + P::HB, dsup, msup, a0, a1);
+    const Scales8 sc = block_scales<D>(hb + P::HB, dsup, msup);
     p += P::BLOCK;
     if constexpr (P::kQ8) {  // C tokens at once
       __m256i lo[C], hi[C] = {};
       const int8_t* x[C];
       for (int c = 0; c < C; ++c) x[c] = xq[c * nb + b].qs;
       block_dots<D, C>([&](auto J) { return quant_vec<D, decltype(J)::value>(q, hb); }, x, lo, hi);
-      for (int c = 0; c < C; ++c) acc[c] = block_fp<D>(acc[c], lo[c], hi[c], a0, a1, xq[c * nb + b], corr[c * nb + b]);
+      for (int c = 0; c < C; ++c) acc[c] = block_fp<D>(acc[c], lo[c], hi[c], sc, xq[c * nb + b], corr[c * nb + b]);
       continue;
     }
     __m256i u[8];  // the block's 8 quant vectors in registers, then token after token
@@ -620,7 +659,7 @@ void tile8(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8A
       const int8_t* x = xq[c * nb + b].qs;
       __m256i l, h = _mm256_setzero_si256();
       block_dots<D, 1>([&](auto J) { return u[J]; }, &x, &l, &h);
-      acc[c] = block_fp<D>(acc[c], l, h, a0, a1, xq[c * nb + b], corr[c * nb + b]);
+      acc[c] = block_fp<D>(acc[c], l, h, sc, xq[c * nb + b], corr[c * nb + b]);
     }
   }
   store_rows8<C>(y, M, acc, nrows);
@@ -908,7 +947,7 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
 //   others: 4 vectors; vector j, lane r holds in its low nibbles the low 4 bits of elements
 //           4j..4j+3 of row r, in its high nibbles those of elements 16+4j..16+4j+3 (for Q4_0
 //           and Q4_1 these are the file's quant bytes 4j..4j+3).
-//   Q3_K:   2 vectors of 2-bit crumbs; u_J (the elements 4J..4J+3 of each row, J = 0..7) at
+//   Q2_K, Q3_K: 2 vectors of 2-bit crumbs; u_J (the elements 4J..4J+3 of each row, J = 0..7) at
 //           bits 2(J/2) of vector J%2.
 // high bits (formats/quant.h's QuantBlock q ≥ 16, Q3_K's q ≥ 4): one 64-byte bit plane per
 //   bit, byte 4r+k holding in bit J that bit of the element in byte k of lane r of quant vector
@@ -917,11 +956,12 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
 // scales of the 16 rows: Q8_0/Q4_0/Q5_0 d as fp16 (32 bytes); Q4_1/Q5_1 d, then m, as fp16
 //   (64); Q4_K/Q5_K a = d·sc, then the added minimum −dmin·m, as fp32 (128; both exact
 //   products of the file's fields); Q6_K the two half-block scales d·sc as fp32 (128); Q3_K
-//   the two halves' s − 32 as int8, then the super-block's d as fp16 (64; multiplied per block).
+//   the two halves' s − 32 as int8, then the super-block's d as fp16 (64; multiplied per block);
+//   Q2_K the file's scale bytes (sc | m << 4) of the two halves, then d and −dmin as fp16 (96).
 // A pair is a multiple of 64 bytes, so every load is aligned: Q4_0 576 (= 16 rows × 2 blocks
-// × 18: the file's bytes), Q4_1 640, Q5_0 704 (the file's), Q5_1 768, Q8_0 1088, Q3_K 512
-// (file: 440), Q4_K 768 and Q5_K 896 (the file's 576 and 704 plus the scales widened to fp32),
-// Q6_K 1024 (file: 840).
+// × 18: the file's bytes), Q4_1 640, Q5_0 704 (the file's), Q5_1 768, Q8_0 1088, Q2_K 448
+// (file: 336), Q3_K 512 (440), Q4_K 768 and Q5_K 896 (the file's 576 and 704 plus the scales
+// widened to fp32), Q6_K 1024 (file: 840).
 // One panel is one sequential stream, which decode reads at the DRAM bandwidth (16 rows read in
 // place, 16 streams, lost up to half of it: dev/README.md #5, #14); prefill reuses
 // each panel (up to 27 KiB for K = 1536 at Q4_0) from L1/L2 for every tile of 8 tokens.
@@ -933,7 +973,7 @@ struct Pk : QuantTraits<D> {
   static constexpr bool kMin = D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
   static constexpr size_t QB = D == DType::Q8_0 ? 512 : 64 * size_t(T::kLowBits);
   static constexpr size_t HB = 64 * size_t(T::kHighBits);
-  static constexpr size_t SB = kF32Scales ? 128 : kMin || D == DType::Q3_K ? 64 : 32;
+  static constexpr size_t SB = kF32Scales ? 128 : D == DType::Q2_K ? 96 : kMin || D == DType::Q3_K ? 64 : 32;
   static constexpr size_t PAIR = 2 * (QB + HB + SB);
   static size_t panel_bytes(int64_t K) { return size_t((K / QK + 1) / 2) * PAIR; }
 };
@@ -956,18 +996,27 @@ void pack_block_bytes(const uint8_t* blk, int i, uint8_t* q, uint8_t* sc) {
   if constexpr (D == DType::Q4_1) std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
 }
 
-// Q3_K's block b of row i: crumbs and bit plane from the decoded block, the scales as the file's.
-void pack_block_q3_k(const uint8_t* row, int64_t b, const QuantBlock& qb, int i, uint8_t* q, uint8_t* hb, uint8_t* sc) {
+// Q2_K's and Q3_K's block b of row i: crumbs (and Q3_K's bit plane) from the decoded block, the
+// scales from the file's.
+template <DType D>
+void pack_block_crumbs(const uint8_t* row, int64_t b, const QuantBlock& qb, int i, uint8_t* q, uint8_t* hb, uint8_t* sc) {
   for (int J = 0; J < 8; ++J)
     for (int k = 0; k < 4; ++k) {
       const int u = qb.q[4 * J + k], at = 4 * i + k;
       q[64 * (J % 2) + at] = uint8_t(q[64 * (J % 2) + at] | (u & 3) << (2 * (J / 2)));
-      hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
+      if constexpr (D == DType::Q3_K) hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
     }
-  const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ3_K);
-  sc[i] = uint8_t(q3_k_scale(blk + 96, int(2 * (b % 8))) - 32);
-  sc[16 + i] = uint8_t(q3_k_scale(blk + 96, int(2 * (b % 8) + 1)) - 32);
-  std::memcpy(sc + 32 + 2 * i, blk + 108, 2);
+  const uint8_t* blk = row + size_t(b / 8) * dtype_info(D).block_bytes;
+  if constexpr (D == DType::Q3_K) {
+    sc[i] = uint8_t(q3_k_scale(blk + 96, int(2 * (b % 8))) - 32);
+    sc[16 + i] = uint8_t(q3_k_scale(blk + 96, int(2 * (b % 8) + 1)) - 32);
+    std::memcpy(sc + 32 + 2 * i, blk + 108, 2);
+  } else {
+    sc[i] = blk[2 * (b % 8)], sc[16 + i] = blk[2 * (b % 8) + 1];
+    std::memcpy(sc + 32 + 2 * i, blk + 80, 2);
+    const uint16_t neg_min = uint16_t(load_u16(blk + 82) ^ 0x8000u);
+    std::memcpy(sc + 64 + 2 * i, &neg_min, 2);
+  }
 }
 
 // The other types from their decoded block (formats/quant.h decode_quant_block).
@@ -984,9 +1033,9 @@ void pack_block_decoded(const QuantBlock& qb, int i, uint8_t* q, uint8_t* hb, ui
   if constexpr (Pk<D>::kF32Scales) {
     auto* f = reinterpret_cast<float*>(sc);
     f[i] = qb.a[0];
-    f[16 + i] = Pk<D>::kTwoScales ? qb.a[1] : -qb.m;
+    f[16 + i] = Pk<D>::kTwoScales ? qb.a[1] : -qb.m[0];
   } else {
-    const uint16_t d = fp32_to_fp16(qb.a[0]), m = fp32_to_fp16(-qb.m);  // exact: they were fp16
+    const uint16_t d = fp32_to_fp16(qb.a[0]), m = fp32_to_fp16(-qb.m[0]);  // exact: they were fp16
     std::memcpy(sc + 2 * i, &d, 2);
     if constexpr (Pk<D>::kMin) std::memcpy(sc + 32 + 2 * i, &m, 2);
   }
@@ -997,7 +1046,7 @@ template <DType D>
 void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
   using P = Pk<D>;
   const int64_t nb = w.cols / QK, nrows = std::min<int64_t>(16, w.rows - p * 16);
-  if (nrows < 16 || nb % 2 || P::kHighBits) std::memset(out, 0, P::panel_bytes(w.cols));  // padding; bit planes are OR-ed
+  if (nrows < 16 || nb % 2 || P::kHighBits || P::kLowBits == 2) std::memset(out, 0, P::panel_bytes(w.cols));  // padding; bit planes are OR-ed
   QuantBlock qb;
   for (int i = 0; i < nrows; ++i) {
     const uint8_t* row = w.row(p * 16 + i);
@@ -1008,9 +1057,9 @@ void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
       uint8_t* sc = pair + 2 * (P::QB + P::HB) + size_t(b % 2) * P::SB;
       if constexpr (D == DType::Q8_0 || D == DType::Q4_0 || D == DType::Q4_1) {
         pack_block_bytes<D>(row + size_t(b) * block_size<D>(), i, q, sc);
-      } else if constexpr (D == DType::Q3_K) {
+      } else if constexpr (P::kLowBits == 2) {
         decode_quant_block(D, row, b, qb);
-        pack_block_q3_k(row, b, qb, i, q, hb, sc);
+        pack_block_crumbs<D>(row, b, qb, i, q, hb, sc);
       } else {
         decode_quant_block(D, row, b, qb);
         pack_block_decoded<D>(qb, i, q, hb, sc);
@@ -1067,16 +1116,19 @@ inline __m512i nibbles_with_high_bits(__m512i v, const uint8_t* hb, int j, int h
   return n;
 }
 
-// Q3_K's quant vectors u_J and u_{4+j} (J = j) of a block: the crumbs of vector j%2 at bits
-// 2(j/2) and 2(j/2) + 4, bit 2 added from the bit plane (bits j and 4 + j), as above.
+// Q2_K's and Q3_K's quant vectors u_J and u_{4+j} (J = j) of a block: the crumbs of vector j%2
+// at bits 2(j/2) and 2(j/2) + 4; Q3_K's bit 2 added from the bit plane (bits j and 4 + j).
+template <DType D>
 inline void crumbs_with_high_bit(const uint8_t* q, const uint8_t* hb, int j, __m512i& lo, __m512i& hi) {
-  const __m512i v = _mm512_load_si512(q + 64 * (j % 2)), three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
-  const __m512i h = _mm512_load_si512(hb);
+  const __m512i v = _mm512_load_si512(q + 64 * (j % 2)), three = _mm512_set1_epi8(3);
   const unsigned sh = unsigned(2 * (j / 2));
   lo = _mm512_and_si512(_mm512_srli_epi16(v, sh), three);
   hi = _mm512_and_si512(_mm512_srli_epi16(v, sh + 4), three);
-  lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h, _mm512_set1_epi8(char(1 << j))), lo, four);
-  hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h, _mm512_set1_epi8(char(1 << (4 + j)))), hi, four);
+  if constexpr (Pk<D>::kHighBits == 1) {
+    const __m512i h = _mm512_load_si512(hb), four = _mm512_set1_epi8(4);
+    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h, _mm512_set1_epi8(char(1 << j))), lo, four);
+    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h, _mm512_set1_epi8(char(1 << (4 + j)))), hi, four);
+  }
 }
 
 // The integer corrections of a token's block, for the first and second half accumulators:
@@ -1130,7 +1182,7 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
       for (int j = 0; j < 4; ++j) {
         __m512i lo, hi;
         if constexpr (P::kLowBits == 2) {
-          crumbs_with_high_bit(q, hb, j, lo, hi);
+          crumbs_with_high_bit<D>(q, hb, j, lo, hi);
         } else {
           const __m512i v = _mm512_load_si512(q + 64 * j);
           lo = nibbles_with_high_bits<D>(v, hb, j, 0), hi = nibbles_with_high_bits<D>(v, hb, j, 1);
@@ -1142,10 +1194,20 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
         }
       }
     }
-    __m512 dw, dw2 = _mm512_setzero_ps(), mw = _mm512_setzero_ps();
+    __m512 dw, dw2 = _mm512_setzero_ps(), mw = _mm512_setzero_ps(), mw2 = _mm512_setzero_ps();
     if constexpr (P::kF32Scales) {
       dw = _mm512_load_ps(reinterpret_cast<const float*>(sc));
       (P::kTwoScales ? dw2 : mw) = _mm512_load_ps(reinterpret_cast<const float*>(sc + 64));
+    } else if constexpr (D == DType::Q2_K) {  // d · sc and −dmin · m: exact in fp32, as decode_quant_block's
+      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+      const __m512 nmin = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 64)));
+      const __m512i s = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
+      const __m512i s2 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16)));
+      const __m512i low4 = _mm512_set1_epi32(15);
+      dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(s, low4)));
+      dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(s2, low4)));
+      mw = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(s, 4)));
+      mw2 = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(s2, 4)));
     } else if constexpr (D == DType::Q3_K) {  // d · (s − 32): exact in fp32, as decode_quant_block's
       const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
       const __m128i s = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
@@ -1167,6 +1229,11 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
         acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[c]);
       }
       if constexpr (P::kMin) acc[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.s), acc[c]);
+      if constexpr (P::kHalfMins) {  // Q2_K: −dmin·m_h · d_x·Σ_h q_x, the half sums from corr
+        const auto k = uint32_t(tile_corr<C>(xq, corr, nb, c, b));
+        acc[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.d * float(int16_t(k & 0xffffu))), acc[c]);
+        acc[c] = _mm512_fmadd_ps(mw2, _mm512_set1_ps(xa.d * float(int16_t(k >> 16))), acc[c]);
+      }
     }
   }
   for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * M, rmask, acc[c]);

@@ -1,5 +1,5 @@
 // Weights of the types the device keeps in the file's own block layout ("raw": Q5_0, Q5_1,
-// Q3_K, Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
 // The CPU reference is formats/quant.h's decode_quant_block / dequantize_row: the same
 // w = a·(q − o) − m per weight (the device may fuse the multiply and subtract into an FMA).
 // Bytes are read one at a time, so a row needs no alignment.
@@ -11,12 +11,13 @@ namespace llmq::cuda {
 
 /// True for the types kept raw on the device.
 __host__ __device__ constexpr bool is_raw_type(DType t) {
-  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
+  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
 }
 
 /// Bytes of a row of `cols` weights of raw type t (formats/quant.h's row_bytes, on either side).
 __host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) {
-  return t == DType::Q5_0 ? cols / 32 * 22 : t == DType::Q5_1 ? cols / 32 * 24 : t == DType::Q3_K ? cols / 256 * 110
+  return t == DType::Q5_0 ? cols / 32 * 22 : t == DType::Q5_1 ? cols / 32 * 24 : t == DType::Q2_K ? cols / 256 * 84
+       : t == DType::Q3_K ? cols / 256 * 110
        : t == DType::Q4_K ? cols / 256 * 144 : t == DType::Q5_K ? cols / 256 * 176 : cols / 256 * 210;
 }
 
@@ -73,6 +74,16 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
       int q = (qs[l] >> (4 * (j % 2))) & 15;
       if (five) q |= ((blk[16 + l] >> j) & 1) << 4;
       w[l] = a * float(q) - m;
+    }
+  } else if (t == DType::Q2_K) {
+    const uint8_t* blk = row + (b / 8) * 84;
+    const int j = int(b % 8), h = j / 4, sh = j % 4;
+    const float d = half_at(blk + 80), dmin = half_at(blk + 82);
+    const float a0 = d * float(blk[2 * j] & 15), a1 = d * float(blk[2 * j + 1] & 15);
+    const float m0 = dmin * float(blk[2 * j] >> 4), m1 = dmin * float(blk[2 * j + 1] >> 4);
+    for (int l = 0; l < 32; ++l) {
+      const int q = (blk[16 + 32 * h + l] >> (2 * sh)) & 3;
+      w[l] = l < 16 ? a0 * float(q) - m0 : a1 * float(q) - m1;
     }
   } else if (t == DType::Q3_K) {
     const uint8_t* blk = row + (b / 8) * 110;

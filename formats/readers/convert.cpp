@@ -27,7 +27,7 @@ bool use_more_bits(int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n 
 
 DType k_quant_fallback(DType t) {
   switch (t) {
-    case DType::Q3_K: return DType::Q4_0;
+    case DType::Q2_K: case DType::Q3_K: return DType::Q4_0;
     case DType::Q4_K: return DType::Q5_0;
     case DType::Q5_K: return DType::Q5_1;
     case DType::Q6_K: return DType::Q8_0;

@@ -26,7 +26,7 @@ std::optional<QuantMix> quant_mix_from_name(const std::string& name);
 /// (i − n/8) mod 3 == 2 (a third of the middle layers).
 bool use_more_bits(int layer, int n_layers);
 /// The type that stands in for a K-quant when a row does not hold whole 256-weight
-/// super-blocks (llama.cpp's fallbacks): Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0; any other type
+/// super-blocks (llama.cpp's fallbacks): Q2_K and Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0; any other type
 /// is returned unchanged.
 DType k_quant_fallback(DType t);
 

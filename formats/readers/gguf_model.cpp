@@ -18,7 +18,7 @@ namespace llmq {
 
 namespace {
 
-constexpr const char* kSupportedTypes = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K; IQ4_NL as Q8_0 (the same values)";
+constexpr const char* kSupportedTypes = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; IQ4_NL as Q8_0 (the same values)";
 
 std::string type_name(uint32_t t) {
   const GgmlTypeSize ts = ggml_type_size(t);
