@@ -8,7 +8,9 @@ its use_more_bits rule picks (the first and last eighth, and every third between
 rest (the policy llmq-convert --type q4_k_m follows, written again here because this script
 writes the GGUF both engines read). `--type q3_k_m` writes llama.cpp's Q3_K_M for a Llama
 (llama-quant.cpp): Q6_K output.weight, attn_v Q5_K in the first two layers and Q4_K after,
-ffn_down Q5_K in the first sixteenth and Q4_K after, attn_output Q4_K, Q3_K for the rest. Quants are random bytes, the f16 block scales drawn so the
+ffn_down Q5_K in the first sixteenth and Q4_K after, attn_output Q4_K, Q3_K for the rest; `--type
+q2_k` its Q2_K: Q6_K output.weight, attn_v Q4_K (GQA of 4 or more, else Q3_K), ffn_down and
+attn_output Q3_K, Q2_K for the rest. Quants are random bytes, the f16 block scales drawn so the
 weights have a trained Llama's spread (std ~0.01-0.02), as llmq-bench --synthetic does. Needs
 numpy and the gguf-py package (the llama-cpp-python sdist's, put on sys.path with --gguf-py).
 
@@ -31,7 +33,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf-py", required=True)
     ap.add_argument("--vocab", required=True)
-    ap.add_argument("--type", choices=["q4_0", "q8_0", "q4_k_m", "q3_k_m"], default="q4_0")
+    ap.add_argument("--type", choices=["q4_0", "q8_0", "q4_k_m", "q3_k_m", "q2_k"], default="q4_0")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-2-7b")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
@@ -41,14 +43,17 @@ def main():
     dim, hidden, layers, heads, kv_heads, vocab = PRESETS[a.preset]
     Q = gguf.GGMLQuantizationType
     ftype = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-             "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q3_k_m": gguf.LlamaFileType.MOSTLY_Q3_K_M}[a.type]
+             "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q3_k_m": gguf.LlamaFileType.MOSTLY_Q3_K_M,
+             "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K}[a.type]
     # type: (weights per block, bytes per block, [(byte offset of an f16 scale, its size)])
     # Q4_0: |q - 8| ~ 4; Q8_0: |q| ~ 64; Q4_K: d * 6-bit scale (~32) * q (0..15) - dmin * min;
     # Q6_K (d last, after ql, qh and 16 int8 scales ~64): d * scale * (q - 32); Q5_K as Q4_K with
-    # q 0..31; Q3_K (d last): d * (6-bit scale - 32, ~16) * (q - 4, ~2).
+    # q 0..31; Q3_K (d last): d * (6-bit scale - 32, ~16) * (q - 4, ~2); Q2_K (d, dmin last):
+    # d * (4-bit scale) * q (0..3) - dmin * (4-bit min).
     layout = {Q.Q4_0: (32, 18, [(0, 4e-3)]), Q.Q8_0: (32, 34, [(0, 2.5e-4)]),
               Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]), Q.Q6_K: (256, 210, [(208, 8e-6)]),
-              Q.Q5_K: (256, 176, [(0, 5e-5), (2, 5e-5)]), Q.Q3_K: (256, 110, [(108, 5e-4)])}
+              Q.Q5_K: (256, 176, [(0, 5e-5), (2, 5e-5)]), Q.Q3_K: (256, 110, [(108, 5e-4)]),
+              Q.Q2_K: (256, 84, [(80, 1e-3), (82, 1e-3)])}
 
     r = gguf.GGUFReader(a.vocab)
     f = r.fields
@@ -100,6 +105,12 @@ def main():
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
 
     def qtype(name):
+        if a.type == "q2_k":
+            if name == "output.weight":
+                return Q.Q6_K
+            if name.endswith("attn_v.weight"):
+                return Q.Q4_K if heads // kv_heads >= 4 else Q.Q3_K
+            return Q.Q3_K if name.endswith(("ffn_down.weight", "attn_output.weight")) else Q.Q2_K
         if a.type == "q3_k_m":
             i = int(name.split(".")[1]) if name.startswith("blk.") else -1
             if name == "output.weight":
