@@ -1,5 +1,6 @@
 // The `.llmq` model file: reader (mmap, validated) and atomic writer. Spec: docs/FORMAT.md.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -89,6 +90,11 @@ class LlmqFile {
   /// Drops the pages of bytes [p, p + n) of the mapping from the resident set
   /// (MappedFile::release); they stay readable and come back from the file when touched.
   void release(const uint8_t* p, uint64_t n) const { map_->release(p, n); }
+  /// release() of [p − before, p + n), clamped to the start of the mapping.
+  void release(const uint8_t* p, uint64_t n, uint64_t before) const {
+    const uint64_t back = std::min<uint64_t>(before, uint64_t(p - base_));
+    map_->release(p - back, n + back);
+  }
   /// release() of the whole mapping: what is read later comes back page by page.
   void release_all() const { map_->release(base_, size_); }
 
