@@ -341,16 +341,24 @@ float fit_symmetric(const float* x, int n, int qn, float step) {
   return best_s;
 }
 
+// fit_symmetric's scale of each of the 16 sub-blocks of 16 weights of the super-block x [256]
+// into scale [16]; returns the one of largest magnitude, with its sign.
+float fit_sub_scales(const float* x, int qn, float step, float* scale) {
+  float big = 0.0f;
+  for (int j = 0; j < 16; ++j) {
+    scale[j] = fit_symmetric(x + 16 * j, 16, qn, step);
+    if (std::fabs(scale[j]) > std::fabs(big)) big = scale[j];
+  }
+  return big;
+}
+
 // Q6_K: per sub-block of 16 the scale of fit_symmetric; the 16 scales as 8-bit multiples of
 // d = max|scale| / 127.
 void quantize_q6_k(const float* x, uint8_t* out, int64_t nsb) {
   for (int64_t i = 0; i < nsb; ++i, x += QK_K, out += sizeof(BlockQ6_K)) {
     std::memset(out, 0, sizeof(BlockQ6_K));
-    float scale[16], smax = 0.0f;
-    for (int j = 0; j < 16; ++j) {
-      scale[j] = fit_symmetric(x + 16 * j, 16, 32, 0.5f);
-      smax = std::max(smax, std::fabs(scale[j]));
-    }
+    float scale[16];
+    const float smax = std::fabs(fit_sub_scales(x, 32, 0.5f, scale));
     const uint16_t dh = fp32_to_fp16(smax / 127.0f);
     std::memcpy(out + 208, &dh, 2);
     const float d = fp16_to_fp32(dh);
@@ -370,12 +378,8 @@ void quantize_q6_k(const float* x, uint8_t* out, int64_t nsb) {
 void quantize_q3_k(const float* x, uint8_t* out, int64_t nsb) {
   for (int64_t i = 0; i < nsb; ++i, x += QK_K, out += sizeof(BlockQ3_K)) {
     std::memset(out, 0, sizeof(BlockQ3_K));
-    float scale[16], smax = 0.0f;
-    for (int j = 0; j < 16; ++j) {
-      scale[j] = fit_symmetric(x + 16 * j, 16, 4, 0.125f);
-      if (std::fabs(scale[j]) > std::fabs(smax)) smax = scale[j];
-    }
-    const uint16_t dh = fp32_to_fp16(smax / -32.0f);
+    float scale[16];
+    const uint16_t dh = fp32_to_fp16(fit_sub_scales(x, 4, 0.125f, scale) / -32.0f);
     std::memcpy(out + 108, &dh, 2);
     const float d = fp16_to_fp32(dh);
     int sc[16];

@@ -1303,7 +1303,7 @@ TEST_CASE("K-quant mixes choose llama.cpp's type per tensor", "[gguf][convert]")
   ConvertOptions o;
   o.mix = quant_mix_from_name("q4_k_m");
   REQUIRE(o.mix);
-  o.more_bits = {"blk.0.attn_v.weight"};
+  o.mix_types = {{"blk.0.attn_v.weight", DType::Q6_K}};
   auto type_of = [&](const std::string& name, int64_t cols, bool tied = false) {
     SourceTensor t;
     t.name = name;
@@ -1325,4 +1325,38 @@ TEST_CASE("K-quant mixes choose llama.cpp's type per tensor", "[gguf][convert]")
   o.mix = quant_mix_from_name("Q5_K_M");
   CHECK(type_of("blk.1.ffn_up.weight", 768) == DType::Q5_K);
   CHECK(type_of("blk.1.ffn_up.weight", 800) == DType::Q5_1);
+}
+
+// The per-role rules of each mix (QuantMix), over a 32-layer model whose tensors come in layer
+// order: Q4_K_M's use_more_bits, Q3_K_M's first layers in Q5_K, Q2_K's GQA switch.
+TEST_CASE("K-quant mixes: attn_v, ffn_down and attn_output per layer, as llama.cpp's quantizer", "[gguf][convert]") {
+  std::vector<SourceTensor> ts;
+  for (int i = 0; i < 32; ++i)
+    for (const char* role : {"attn_q", "attn_v", "attn_output", "ffn_down"}) {
+      SourceTensor t;
+      t.name = "blk." + std::to_string(i) + "." + role + ".weight";
+      t.file_order = int64_t(ts.size());
+      ts.push_back(t);
+    }
+  auto type = [](const std::map<std::string, DType>& m, const std::string& name) {
+    const auto it = m.find(name);
+    return it == m.end() ? std::optional<DType>() : std::optional<DType>(it->second);
+  };
+  const auto q4 = mix_tensor_types(*quant_mix_from_name("q4_k_m"), ts, 8);
+  CHECK(type(q4, "blk.0.attn_v.weight") == DType::Q6_K);
+  CHECK(type(q4, "blk.4.attn_v.weight") == std::nullopt);  // the base type
+  CHECK(type(q4, "blk.6.ffn_down.weight") == DType::Q6_K);  // (6 − 4) % 3 == 2
+  CHECK(type(q4, "blk.6.attn_output.weight") == std::nullopt);
+  const auto q3 = mix_tensor_types(*quant_mix_from_name("q3_k_m"), ts, 8);
+  CHECK(type(q3, "blk.1.attn_v.weight") == DType::Q5_K);
+  CHECK(type(q3, "blk.2.attn_v.weight") == DType::Q4_K);
+  CHECK(type(q3, "blk.1.ffn_down.weight") == DType::Q5_K);  // i < 32 / 16
+  CHECK(type(q3, "blk.2.ffn_down.weight") == DType::Q4_K);
+  CHECK(type(q3, "blk.31.attn_output.weight") == DType::Q4_K);
+  CHECK(type(q3, "blk.0.attn_q.weight") == std::nullopt);  // Q3_K
+  const auto q2 = mix_tensor_types(*quant_mix_from_name("q2_k"), ts, 8);
+  CHECK(type(q2, "blk.9.attn_v.weight") == DType::Q4_K);
+  CHECK(type(q2, "blk.9.ffn_down.weight") == DType::Q3_K);
+  CHECK(type(q2, "blk.9.attn_output.weight") == DType::Q3_K);
+  CHECK(type(mix_tensor_types(*quant_mix_from_name("q2_k"), ts, 1), "blk.9.attn_v.weight") == DType::Q3_K);
 }

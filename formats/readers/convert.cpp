@@ -20,6 +20,8 @@ namespace llmq {
 std::optional<QuantMix> quant_mix_from_name(const std::string& name) {
   if (name == "q4_k_m" || name == "Q4_K_M") return QuantMix{DType::Q4_K, "q4_k_m"};
   if (name == "q5_k_m" || name == "Q5_K_M") return QuantMix{DType::Q5_K, "q5_k_m"};
+  if (name == "q3_k_m" || name == "Q3_K_M") return QuantMix{DType::Q3_K, "q3_k_m"};
+  if (name == "q2_k" || name == "Q2_K") return QuantMix{DType::Q2_K, "q2_k"};
   return std::nullopt;
 }
 
@@ -40,23 +42,44 @@ namespace {
 // The mix's type for a 2-D tensor (ConvertOptions::mix).
 DType mix_type(const QuantMix& mix, const std::string& name, const ConvertOptions& opts) {
   if (name == "output.weight" || (opts.tied_output && name == "token_embd.weight")) return DType::Q6_K;
-  if (std::find(opts.more_bits.begin(), opts.more_bits.end(), name) != opts.more_bits.end()) return DType::Q6_K;
-  return mix.base;
+  const auto it = opts.mix_types.find(name);
+  return it != opts.mix_types.end() ? it->second : mix.base;
 }
 
-// The attn_v and ffn_down tensors use_more_bits picks, each kind counted in file order.
-std::vector<std::string> more_bits_tensors(const std::vector<SourceTensor>& ts) {
-  std::vector<std::string> out;
-  for (const char* kind : {".attn_v.weight", ".ffn_down.weight"}) {
+enum class MixRole { AttnV, FfnDown, AttnOutput };
+
+// QuantMix's rule for the i-th of n tensors of a role (nullopt: the base type).
+std::optional<DType> mix_role_type(const QuantMix& mix, MixRole role, int i, int n, int64_t gqa) {
+  switch (mix.base) {
+    case DType::Q3_K:
+      if (role == MixRole::AttnV) return i < 2 ? DType::Q5_K : DType::Q4_K;
+      if (role == MixRole::FfnDown) return i < n / 16 ? DType::Q5_K : DType::Q4_K;
+      return DType::Q4_K;
+    case DType::Q2_K:
+      return role == MixRole::AttnV && gqa >= 4 ? DType::Q4_K : DType::Q3_K;
+    default:
+      if (role != MixRole::AttnOutput && use_more_bits(i, n)) return DType::Q6_K;
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
+std::map<std::string, DType> mix_tensor_types(const QuantMix& mix, const std::vector<SourceTensor>& ts, int64_t gqa) {
+  std::map<std::string, DType> out;
+  for (auto [kind, role] : {std::pair{".attn_v.weight", MixRole::AttnV}, std::pair{".ffn_down.weight", MixRole::FfnDown},
+                            std::pair{".attn_output.weight", MixRole::AttnOutput}}) {
     std::vector<const SourceTensor*> of;
     for (const SourceTensor& t : ts)
       if (t.name.find(kind) != std::string::npos) of.push_back(&t);
     std::stable_sort(of.begin(), of.end(), [](auto* a, auto* b) { return a->file_order < b->file_order; });
     for (size_t i = 0; i < of.size(); ++i)
-      if (use_more_bits(int(i), int(of.size()))) out.push_back(of[i]->name);
+      if (auto t = mix_role_type(mix, role, int(i), int(of.size()), gqa)) out[of[i]->name] = *t;
   }
   return out;
 }
+
+namespace {
 
 }  // namespace
 
@@ -129,7 +152,7 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
   ConvertReport rep;
   std::vector<bool> fallback;
   ConvertOptions o = opts;
-  if (o.mix) o.more_bits = more_bits_tensors(src.tensors);
+  if (o.mix) o.mix_types = mix_tensor_types(*o.mix, src.tensors, src.config.n_heads / std::max<int64_t>(1, src.config.n_kv_heads));
   o.tied_output = true;
   for (const SourceTensor& t : src.tensors) o.tied_output = o.tied_output && t.name != "output.weight";
   for (const SourceTensor& t : src.tensors) {

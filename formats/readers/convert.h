@@ -1,5 +1,6 @@
 // Conversion of an opened source checkpoint (llama2.c, later GGUF and safetensors) to `.llmq`.
 #pragma once
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -10,18 +11,27 @@
 
 namespace llmq {
 
-/// llama.cpp's K-quant mixes by name ("q4_k_m", "q5_k_m"; facts from llama.cpp's
-/// llama-quant.cpp, llama_tensor_get_type): every 2-D weight in `base` (Q4_K or Q5_K) except
-/// output.weight (token_embd.weight when the embeddings are tied) in Q6_K, and attn_v and
-/// ffn_down in Q6_K in the layers use_more_bits picks, counting those tensors in the source
-/// file's order as llama.cpp's quantizer does (its converters have written layers both as
-/// 0, 1, 2, … and as 0, 1, 10, 11, …, 2, …: SourceTensor::file_order), else in layer order.
+/// llama.cpp's K-quant mixes by name (facts from llama.cpp's llama-quant.cpp,
+/// llama_tensor_get_type, for a dense model; its Falcon, mixture-of-experts and 70B-Llama
+/// special cases are not followed): every 2-D weight in `base` except output.weight
+/// (token_embd.weight when the embeddings are tied) in Q6_K, and these, where attn_v and
+/// ffn_down are counted in the source file's order as llama.cpp's quantizer does (its
+/// converters have written layers both as 0, 1, 2, … and as 0, 1, 10, 11, …, 2, …:
+/// SourceTensor::file_order), i of n:
+///  - "q4_k_m" (base Q4_K), "q5_k_m" (Q5_K): attn_v and ffn_down in Q6_K where use_more_bits(i, n);
+///  - "q3_k_m" (Q3_K): attn_v Q5_K for i < 2, else Q4_K; ffn_down Q5_K for i < n/16, else Q4_K;
+///    attn_output Q4_K;
+///  - "q2_k" (Q2_K): attn_v Q4_K when 4 or more query heads share a KV head, else Q3_K;
+///    ffn_down and attn_output Q3_K.
 struct QuantMix {
   DType base = DType::Q4_K;
   std::string name;  ///< "q4_k_m", recorded as general.file_type
 };
 /// The mix of that name, or nullopt when `name` is not a mix.
 std::optional<QuantMix> quant_mix_from_name(const std::string& name);
+/// The mix's types for the attn_v, ffn_down and attn_output tensors among `ts` (those it does
+/// not keep in its base type), for a model whose query heads per KV head are `gqa`.
+std::map<std::string, DType> mix_tensor_types(const QuantMix& mix, const std::vector<SourceTensor>& ts, int64_t gqa);
 /// llama.cpp's use_more_bits: layer i of n gets more bits when i < n/8, i >= 7n/8, or
 /// (i − n/8) mod 3 == 2 (a third of the middle layers).
 bool use_more_bits(int layer, int n_layers);
@@ -37,7 +47,7 @@ struct ConvertOptions {
   /// A K-quant mix instead of one type (type then unset).
   std::optional<QuantMix> mix;
   bool tied_output = false;              ///< for the mix: no output.weight (convert_to_llmq sets it)
-  std::vector<std::string> more_bits;    ///< for the mix: the attn_v/ffn_down to store as Q6_K (ditto)
+  std::map<std::string, DType> mix_types;  ///< for the mix: mix_tensor_types (ditto)
   /// Per-tensor overrides, "glob pattern" -> type (fnmatch syntax, e.g. "token_embd.weight",
   /// "blk.*.ffn_down.weight"); the first matching pattern wins.
   std::vector<std::pair<std::string, DType>> overrides;
