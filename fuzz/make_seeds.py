@@ -5,7 +5,7 @@ far below 64 KiB. Run from the repository root after building (the .llmq seeds c
 real llmq-convert):  python3 fuzz/make_seeds.py [BUILD_DIR]   (default build/)
 
 Synthetic files: tiny llama2.c checkpoints (legacy, v1, v2) and tokenizer.bin files, GGUF
-models (tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and a
+models (tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K) and a
 GGUF byte-level vocabulary, safetensors files. Real data from ../shared: tok512.bin, the
 llama.cpp tokenizer test inputs (texts for the tokenizer targets). Random bytes use a fixed
 seed, so the output is reproducible."""
@@ -87,7 +87,7 @@ TINY_PIECES = ["<unk>", "\n<s>\n", "\n</s>\n", " ", "a", "b", "ab", " a"]
 # ---------------------------------------------------------------- GGUF
 
 GGUF_BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
-              12: (256, 144), 13: (256, 176), 14: (256, 210)}
+              10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
 def gstr(s):
@@ -395,6 +395,10 @@ def main():
     }
     for name, (kind, text) in seeds.items():
         put("structured_output", name, bytes([kind]) + text.encode())
+
+    # Added after the others so that the fixed-seed random bytes of the seeds above stay the same.
+    put("gguf", "llama-q2k", gguf_llama({**simple, "down": 10, "gate": 2, "up": 3}, hidden=256))
+    put("gguf", "llama-q3k", gguf_llama({**simple, "down": 11, "gate": 2, "up": 3}, hidden=256))
 
 
 if __name__ == "__main__":
