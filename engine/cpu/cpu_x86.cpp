@@ -332,7 +332,7 @@ inline void store_rows8(float* y, int64_t M, const __m256* acc, int nrows) {
 //   same as s − 32 (header d[8]); Q2_K the file's scale bytes of the two halves, [8] each
 //   (header d[8], −dmin[8]).
 // Bytes per block of 8 rows: Q4_0 144 (the file's 144), Q4_1 160, Q5_0 176, Q5_1 192, Q8_0 272
-// (all as the file), Q2_K 88 (file 84), Q3_K 114 (110), Q4_K 148 (144), Q5_K 180 (176), Q6_K 210.
+// (all as the file), Q2_K 84 (file 84), Q3_K 114 (110), Q4_K 148 (144), Q5_K 180 (176), Q6_K 210.
 //
 // Integer part: `_mm256_maddubs_epi16` (unsigned u × signed x, pairs summed to saturating
 // int16), summed in int16 over G vectors where that cannot overflow (Q4: 8 · 2·15·127 = 30480;
