@@ -17,13 +17,15 @@ const DTypeInfo kQ4_0{"q4_0", QK, sizeof(BlockQ4_0)};
 const DTypeInfo kQ4_1{"q4_1", QK, sizeof(BlockQ4_1)};
 const DTypeInfo kQ5_0{"q5_0", QK, sizeof(BlockQ5_0)};
 const DTypeInfo kQ5_1{"q5_1", QK, sizeof(BlockQ5_1)};
+const DTypeInfo kIQ4_NL{"iq4_nl", QK, sizeof(BlockIQ4_NL)};
 const DTypeInfo kQ2_K{"q2_k", QK_K, sizeof(BlockQ2_K)};
 const DTypeInfo kQ3_K{"q3_k", QK_K, sizeof(BlockQ3_K)};
 const DTypeInfo kQ4_K{"q4_k", QK_K, sizeof(BlockQ4_K)};
 const DTypeInfo kQ5_K{"q5_k", QK_K, sizeof(BlockQ5_K)};
 const DTypeInfo kQ6_K{"q6_k", QK_K, sizeof(BlockQ6_K)};
 constexpr DType kAll[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
-                          DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+                          DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K,
+                          DType::IQ4_NL};
 
 uint32_t bits_of(float f) {
   uint32_t u;
@@ -47,6 +49,7 @@ const DTypeInfo& dtype_info(DType t) {
     case DType::Q4_1: return kQ4_1;
     case DType::Q5_0: return kQ5_0;
     case DType::Q5_1: return kQ5_1;
+    case DType::IQ4_NL: return kIQ4_NL;
     case DType::Q2_K: return kQ2_K;
     case DType::Q3_K: return kQ3_K;
     case DType::Q4_K: return kQ4_K;
@@ -399,6 +402,55 @@ void quantize_q3_k(const float* x, uint8_t* out, int64_t nsb) {
   }
 }
 
+// The index of IQ4_NL's level nearest v (levels ascending; ties to the lower).
+int iq4_nl_index(float v) {
+  int best = 0;
+  for (int i = 1; i < 16; ++i)
+    if (std::fabs(v - float(kIQ4NLValues[i])) < std::fabs(v - float(kIQ4NLValues[best]))) best = i;
+  return best;
+}
+
+// IQ4_NL: per block of 32, the scale d of least squared error among d0 · (1 + k/32), k = −8..8,
+// where d0 maps the value of largest magnitude m to −127 (its sign carried by d), each weight at
+// its nearest level; then d refined once by least squares on those levels (d = Σ v x / Σ v²).
+void quantize_iq4_nl(const float* x, BlockIQ4_NL* out, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += QK) {
+    float m = 0.0f;
+    for (int i = 0; i < QK; ++i)
+      if (std::fabs(x[i]) > std::fabs(m)) m = x[i];
+    auto error = [&](float d, double* svx, double* svv) {
+      double e = 0;
+      *svx = *svv = 0;
+      for (int i = 0; i < QK; ++i) {
+        const double v = kIQ4NLValues[iq4_nl_index(x[i] / d)], r = double(d) * v - x[i];
+        e += r * r, *svx += v * x[i], *svv += v * v;
+      }
+      return e;
+    };
+    float best_d = m / -127.0f;
+    if (m != 0.0f) {
+      double best = HUGE_VAL;
+      for (int k = -8; k <= 8; ++k) {
+        float d = m / -127.0f * (1.0f + float(k) / 32.0f);
+        for (int pass = 0; pass < 2; ++pass) {
+          double svx, svv;
+          const double e = error(d, &svx, &svv);
+          if (e < best) best = e, best_d = d;
+          if (svv <= 0) break;
+          d = float(svx / svv);
+          if (d == 0.0f) break;
+        }
+      }
+    }
+    out[b].d = fp32_to_fp16(best_d);
+    const float d = fp16_to_fp32(out[b].d);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = d == 0.0f ? 8 : iq4_nl_index(x[j] / d), hi = d == 0.0f ? 8 : iq4_nl_index(x[j + 16] / d);
+      out[b].qs[j] = uint8_t(lo | hi << 4);
+    }
+  }
+}
+
 // Q2_K: per sub-block of 16 the affine fit of fit_affine (codes 0..3); the scales and mins
 // (−offset) as 4-bit multiples of the super-block's d and dmin.
 void quantize_q2_k(const float* x, uint8_t* out, int64_t nsb) {
@@ -458,6 +510,15 @@ void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
       const uint8_t* blk = row + size_t(b) * (five ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0));
       o.a[0] = o.a[1] = half_at(blk), o.offset = five ? 16 : 8;
       unpack_q4_q5(blk + (five ? 6 : 2), five ? blk + 2 : nullptr, o.q);
+      return;
+    }
+    case DType::IQ4_NL: {
+      const uint8_t* blk = row + size_t(b) * sizeof(BlockIQ4_NL);
+      o.a[0] = o.a[1] = half_at(blk), o.offset = 128;
+      for (int j = 0; j < 16; ++j) {
+        o.q[j] = uint8_t(kIQ4NLValues[blk[2 + j] & 15] + 128);
+        o.q[j + 16] = uint8_t(kIQ4NLValues[blk[2 + j] >> 4] + 128);
+      }
       return;
     }
     case DType::Q4_1: case DType::Q5_1: {
@@ -554,6 +615,7 @@ void quantize_row(DType t, const float* x, void* dst, int64_t n) {
     case DType::Q6_K: quantize_q6_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
     case DType::Q3_K: quantize_q3_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
     case DType::Q2_K: quantize_q2_k(x, static_cast<uint8_t*>(dst), n / QK_K); return;
+    case DType::IQ4_NL: quantize_iq4_nl(x, static_cast<BlockIQ4_NL*>(dst), nb); return;
   }
 }
 

@@ -26,10 +26,11 @@ enum class DType : uint32_t {
   Q4_K = 12,
   Q5_K = 13,
   Q6_K = 14,
+  IQ4_NL = 20,
   BF16 = 30,
 };
 
-constexpr int QK = 32;     ///< weights per block of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 (and per activation block)
+constexpr int QK = 32;     ///< weights per block of Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL (and per activation block)
 constexpr int QK_K = 256;  ///< weights per super-block of the K-quants (Q2_K … Q6_K)
 
 /// Q8_0: 32 weights = fp16 scale d + 32 int8 q; w = d * q. 34 bytes, 8.5 bits per weight.
@@ -44,6 +45,15 @@ struct BlockQ4_0 {
   uint16_t d;
   uint8_t qs[QK / 2];
 };
+/// IQ4_NL: 32 weights = fp16 scale d + 16 bytes of 4-bit indices q into the non-linear table
+/// kIQ4NLValues: w = d * kIQ4NLValues[q]. Nibble order as Q4_0. 18 bytes, 4.5 bits per weight
+/// (ggml-common.h block_iq4_nl, kvalues_iq4nl).
+struct BlockIQ4_NL {
+  uint16_t d;
+  uint8_t qs[QK / 2];
+};
+/// IQ4_NL's 16 levels (ggml-common.h kvalues_iq4nl).
+inline constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /// Q4_1: 32 weights = fp16 scale d + fp16 minimum m + 16 bytes of 4-bit q: w = d * q + m.
 /// Nibble order as Q4_0. 20 bytes, 5 bits per weight.
 struct BlockQ4_1 {
@@ -129,6 +139,7 @@ static_assert(sizeof(BlockQ6_K) == 210, "Q6_K block must be 210 bytes (GGUF layo
 static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block must be 34 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block must be 18 bytes (GGUF layout)");
 static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block must be 20 bytes (GGUF layout)");
+static_assert(sizeof(BlockIQ4_NL) == 18, "IQ4_NL block must be 18 bytes (GGUF layout)");
 
 /// Static facts about a type: weights per block and bytes per block.
 struct DTypeInfo {
@@ -160,7 +171,7 @@ bool is_quantized(DType t);
 /// (fp16 × 6- or 8-bit integer, at most 19 significant bits).
 struct QuantBlock {
   uint8_t q[32];
-  int offset;    ///< o: 128 for Q8_0 (q = w + 128), 8 Q4_0, 16 Q5_0, 4 Q3_K, 32 Q6_K, else 0
+  int offset;    ///< o: 128 for Q8_0 (q = w + 128) and IQ4_NL (q = level + 128), 8 Q4_0, 16 Q5_0, 4 Q3_K, 32 Q6_K, else 0
   float a[2];    ///< scale of weights 0..15 and 16..31
   float m[2];    ///< subtracted minimum of each half (0 for the symmetric types)
 };
@@ -209,7 +220,9 @@ inline float bf16_to_fp32(uint16_t h) {
 /// Reference quantizers (as in ggml's reference functions): Q8_0 d = max|x|/127, q = round(x/d);
 /// Q4_0 d = m/-8 where m is the x of largest magnitude, q = clamp(trunc(x/d + 8.5), 0, 15);
 /// Q4_1 d = (max-min)/15, m = min, q = clamp(trunc((x-min)/d + 0.5), 0, 15); Q5_0 and Q5_1 as
-/// Q4_0 and Q4_1 with 16 and 31 for 8 and 15. The K-quants use llmq's own search (not
+/// Q4_0 and Q4_1 with 16 and 31 for 8 and 15; IQ4_NL the scale of least squared error among
+/// candidates around the one that maps the value of largest magnitude to −127, each weight at
+/// its nearest level. The K-quants use llmq's own search (not
 /// llama.cpp's): per sub-block the grid of least squared error among clipped ranges of
 /// [min(0, x), max x] (Q4_K/Q5_K, an affine fit) or scales that map the value of largest
 /// magnitude to -32 (Q6_K; Q3_K -4) or nearer zero, each refined by least squares on its codes;

@@ -82,7 +82,7 @@ std::vector<CpuLevel> supported_levels() {
 // meaningful, and always against the cancellation-free scale Σ|w||x|.
 // Every weight type, and a column count rounded up to the type's (super-)block.
 const DType kWeightTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
-                              DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+                              DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL};
 int64_t whole(DType t, int64_t cols) {
   const int64_t b = dtype_info(t).block;
   return (cols + b - 1) / b * b;

@@ -50,18 +50,19 @@ TEST_CASE("block sizes match GGUF", "[quant]") {
   CHECK(row_bytes(DType::Q3_K, 256) == 110);
   CHECK(dtype_from_name("q3_k") == DType::Q3_K);
   CHECK(row_bytes(DType::Q2_K, 512) == 168);
-  CHECK_THROWS_AS(dtype_from_name("iq4_nl"), UsageError);
+  CHECK(dtype_from_name("iq4_nl") == DType::IQ4_NL);
+  CHECK_THROWS_AS(dtype_from_name("iq4_xs"), UsageError);
 }
 
 // Relative RMS round-trip error bounds on N(0,1) data (stated per type, with ~1.5x headroom
 // over the expected value: step/sqrt(12) with step = 2^-11 (f16), 2^-8 (bf16), amax/127 (q8_0),
 // amax/8 (q4_0), (max-min)/15 (q4_1), amax/16 (q5_0), (max-min)/31 (q5_1); the K-quants
-// measured for llmq's own search (formats/quant.h: q2_k 0.264, q3_k 0.145, q4_k 0.072, q5_k 0.037, q6_k 0.017, about
+// measured for llmq's own search (formats/quant.h: iq4_nl 0.074, q2_k 0.264, q3_k 0.145, q4_k 0.072, q5_k 0.037, q6_k 0.017, about
 // Q4_1's and Q5_1's on N(0,1) data, whose sub-block ranges vary little), with the same headroom).
 TEST_CASE("round-trip error on fresh random data is within each type's bound", "[quant]") {
   const std::pair<DType, double> bounds[] = {
       {DType::F32, 0.0}, {DType::F16, 5e-4}, {DType::BF16, 4e-3}, {DType::Q8_0, 8e-3}, {DType::Q4_0, 0.13}, {DType::Q4_1, 0.13},
-      {DType::Q5_0, 0.065}, {DType::Q5_1, 0.065}, {DType::Q2_K, 0.4}, {DType::Q3_K, 0.22}, {DType::Q4_K, 0.12}, {DType::Q5_K, 0.06}, {DType::Q6_K, 0.03},
+      {DType::Q5_0, 0.065}, {DType::Q5_1, 0.065}, {DType::IQ4_NL, 0.11}, {DType::Q2_K, 0.4}, {DType::Q3_K, 0.22}, {DType::Q4_K, 0.12}, {DType::Q5_K, 0.06}, {DType::Q6_K, 0.03},
   };
   std::random_device rd;
   const uint64_t seed = (uint64_t(rd()) << 32) | rd();
@@ -117,7 +118,7 @@ TEST_CASE("values already on the grid round-trip exactly", "[quant]") {
 
 TEST_CASE("all-zero blocks stay zero", "[quant]") {
   for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K,
-                  DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+                  DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL}) {
     std::vector<float> x(512, 0.0f);
     const auto y = round_trip(t, x);
     for (float v : y) CHECK(v == 0.0f);
@@ -128,7 +129,7 @@ const float bad_nan = std::nanf("");
 
 TEST_CASE("NaN and Inf are rejected with a clear error", "[quant]") {
   for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1,
-                  DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+                  DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL}) {
     for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
       auto x = gaussian(256, 7);
       x[37] = bad;

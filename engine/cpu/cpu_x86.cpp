@@ -30,6 +30,7 @@
 #include "engine/cpu/cpu_x86.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -115,7 +116,7 @@ inline uint16_t load_u16(const void* p) {
 
 template <DType D>
 constexpr size_t block_size() {
-  return D == DType::Q8_0 ? sizeof(BlockQ8_0) : D == DType::Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ4_1);
+  return D == DType::Q8_0 ? sizeof(BlockQ8_0) : D == DType::Q4_0 || D == DType::IQ4_NL ? sizeof(BlockQ4_0) : sizeof(BlockQ4_1);
 }
 // Offset of the quants inside a block.
 template <DType D>
@@ -134,6 +135,7 @@ auto with_layout(DType t, F&& f) {
     case DType::Q5_1: return f(Layout<DType::Q5_1>{});
     case DType::Q4_K: return f(Layout<DType::Q4_K>{});
     case DType::Q5_K: return f(Layout<DType::Q5_K>{});
+    case DType::IQ4_NL: return f(Layout<DType::IQ4_NL>{});
     case DType::Q2_K: return f(Layout<DType::Q2_K>{});
     case DType::Q3_K: return f(Layout<DType::Q3_K>{});
     default: return f(Layout<DType::Q6_K>{});
@@ -161,7 +163,7 @@ constexpr bool has_half_corr(DType t) { return t == DType::Q2_K || t == DType::Q
 // Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
 constexpr int32_t corr_factor(DType t) {
-  return t == DType::Q8_0 ? -128 : t == DType::Q4_0 ? -8 : t == DType::Q5_0 ? -16 : 0;
+  return t == DType::Q8_0 || t == DType::IQ4_NL ? -128 : t == DType::Q4_0 ? -8 : t == DType::Q5_0 ? -16 : 0;
 }
 
 // Fills corr[t, b] = corr_factor · Σq_x for the GEMM paths. For finite activations
@@ -347,6 +349,8 @@ struct Pk8 : QuantTraits<D> {
   using T = QuantTraits<D>;
   static constexpr DType kType = D;
   static constexpr bool kQ8 = D == DType::Q8_0;
+  /// Signed quant vectors, multiplied by the sign trick: Q8_0's bytes, IQ4_NL's levels.
+  static constexpr bool kSigned = kQ8 || D == DType::IQ4_NL;
   static constexpr bool kSuper = D == DType::Q2_K || D == DType::Q3_K || D == DType::Q4_K || D == DType::Q5_K || D == DType::Q6_K;
   static constexpr bool kMin = D == DType::Q4_1 || D == DType::Q5_1 || D == DType::Q4_K || D == DType::Q5_K;
   static constexpr bool kCorr = D == DType::Q4_0 || D == DType::Q5_0;  // a whole-block integer correction
@@ -374,6 +378,12 @@ void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, 
   if constexpr (P::kQ8) {
     const uint8_t* blk = row + size_t(b) * sizeof(BlockQ8_0);
     for (int j = 0; j < 8; ++j) std::memcpy(q + 32 * j + 4 * i, blk + 2 + 4 * j, 4);
+    std::memcpy(sc + 2 * i, blk, 2);
+    return;
+  }
+  if constexpr (D == DType::IQ4_NL) {  // the file's nibble bytes: byte 4j + k holds u_j and u_{4+j}'s quant k
+    const uint8_t* blk = row + size_t(b) * sizeof(BlockIQ4_NL);
+    for (int j = 0; j < 4; ++j) std::memcpy(q + 32 * j + 4 * i, blk + 2 + 4 * j, 4);
     std::memcpy(sc + 2 * i, blk, 2);
     return;
   }
@@ -489,6 +499,8 @@ inline __m256i quant_vec(const uint8_t* q, const uint8_t* hb) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i v = loadu256(q + 32 * (J % 4));
     __m256i u = J < 4 ? _mm256_and_si256(v, low4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if constexpr (D == DType::IQ4_NL)  // the signed level of each nibble
+      return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NLValues))), u);
     if constexpr (P::kHighBits == 1) {  // bit J of the byte to bit 4
       const __m256i h = _mm256_and_si256(loadu256(hb), _mm256_set1_epi8(char(1 << J)));
       u = _mm256_or_si256(u, J <= 4 ? _mm256_slli_epi16(h, 4 - J) : _mm256_srli_epi16(h, J - 4));
@@ -575,7 +587,7 @@ template <DType D, int C, class V>
 inline void block_dots(const V& vec, const int8_t* const* x, __m256i* lo, __m256i* hi) {
   using P = Pk8<D>;
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (P::kQ8) {  // sign trick, widened per vector
+  if constexpr (P::kSigned) {  // sign trick, widened per vector
     for (int c = 0; c < C; ++c) lo[c] = _mm256_setzero_si256();
     static_for<8>([&](auto J) {
       const __m256i w = vec(J), aw = _mm256_sign_epi8(w, w);
@@ -643,7 +655,7 @@ void tile8(float* y, int64_t M, const uint8_t* panel, int64_t nb, const BlockQ8A
     const uint8_t *q = p, *hb = p + P::QB;
     const Scales8 sc = block_scales<D>(hb + P::HB, dsup, msup);
     p += P::BLOCK;
-    if constexpr (P::kQ8) {  // C tokens at once
+    if constexpr (P::kSigned) {  // C tokens at once
       __m256i lo[C], hi[C] = {};
       const int8_t* x[C];
       for (int c = 0; c < C; ++c) x[c] = xq[c * nb + b].qs;
@@ -682,7 +694,7 @@ void packed_matmul8(float* y, const QuantActs& a, const Weight& w, int64_t r0, i
     if (!w.packed) pack_panel8<D>(w, p, scratch), panel = scratch;
     const int nrows = int(std::min<int64_t>(8, r1 - r));
     uint8_t* ex = nullptr;
-    if (!P::kQ8 && T >= kExpandMinT) expand_panel8<D>(panel, nb, ex = scratch + expand_offset(pb));
+    if (!P::kSigned && T >= kExpandMinT) expand_panel8<D>(panel, nb, ex = scratch + expand_offset(pb));
     const auto tile = [&](auto cc, int64_t t) {
       tile8<D, decltype(cc)::value>(y + t * M + r, M, panel, nb, a.xq + t * nb, a.corr + t * nb, nrows, ex);
     };
@@ -722,7 +734,7 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
 // quant vectors.
 size_t thread_bytes(DType type, int64_t T, int64_t K) {
   return with_layout<Pk8>(type, [&](auto pk) {
-    return expand_offset(pk.panel_bytes(K)) + (!pk.kQ8 && T >= kExpandMinT ? size_t(K / QK) * 256 : 0);
+    return expand_offset(pk.panel_bytes(K)) + (!pk.kSigned && T >= kExpandMinT ? size_t(K / QK) * 256 : 0);
   });
 }
 
@@ -1055,7 +1067,7 @@ void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
       uint8_t* q = pair + size_t(b % 2) * P::QB;
       uint8_t* hb = pair + 2 * P::QB + size_t(b % 2) * P::HB;
       uint8_t* sc = pair + 2 * (P::QB + P::HB) + size_t(b % 2) * P::SB;
-      if constexpr (D == DType::Q8_0 || D == DType::Q4_0 || D == DType::Q4_1) {
+      if constexpr (D == DType::Q8_0 || D == DType::Q4_0 || D == DType::Q4_1 || D == DType::IQ4_NL) {
         pack_block_bytes<D>(row + size_t(b) * block_size<D>(), i, q, sc);
       } else if constexpr (P::kLowBits == 2) {
         decode_quant_block(D, row, b, qb);
@@ -1112,6 +1124,14 @@ inline __m512i nibbles_with_high_bits(__m512i v, const uint8_t* hb, int j, int h
   if constexpr (Pk<D>::kHighBits > 1) {
     const __mmask64 m5 = _mm512_test_epi8_mask(_mm512_load_si512(hb + 64), bit);
     n = _mm512_mask_add_epi8(n, m5, n, _mm512_set1_epi8(0x20));
+  }
+  if constexpr (D == DType::IQ4_NL) {  // the level + 128 of each nibble (corrected by −128·Σx as Q8_0)
+    static constexpr auto kLevels = [] {
+      std::array<uint8_t, 16> a{};
+      for (int i = 0; i < 16; ++i) a[size_t(i)] = uint8_t(kIQ4NLValues[i] + 128);
+      return a;
+    }();
+    n = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevels.data()))), n);
   }
   return n;
 }

@@ -1,5 +1,5 @@
 // Weights of the types the device keeps in the file's own block layout ("raw": Q5_0, Q5_1,
-// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
+// IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
 // The CPU reference is formats/quant.h's decode_quant_block / dequantize_row: the same
 // w = a·(q − o) − m per weight (the device may fuse the multiply and subtract into an FMA).
 // Bytes are read one at a time, so a row needs no alignment.
@@ -11,12 +11,13 @@ namespace llmq::cuda {
 
 /// True for the types kept raw on the device.
 __host__ __device__ constexpr bool is_raw_type(DType t) {
-  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
+  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
 }
 
 /// Bytes of a row of `cols` weights of raw type t (formats/quant.h's row_bytes, on either side).
 __host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) {
-  return t == DType::Q5_0 ? cols / 32 * 22 : t == DType::Q5_1 ? cols / 32 * 24 : t == DType::Q2_K ? cols / 256 * 84
+  return t == DType::Q5_0 ? cols / 32 * 22 : t == DType::Q5_1 ? cols / 32 * 24 : t == DType::IQ4_NL ? cols / 32 * 18
+       : t == DType::Q2_K ? cols / 256 * 84
        : t == DType::Q3_K ? cols / 256 * 110
        : t == DType::Q4_K ? cols / 256 * 144 : t == DType::Q5_K ? cols / 256 * 176 : cols / 256 * 210;
 }
@@ -48,6 +49,12 @@ __device__ __forceinline__ void q4k_pair_scales(const uint8_t* blk, int p, float
   }
 }
 
+/// IQ4_NL's level i (formats/quant.h kIQ4NLValues, whose host array device code cannot read).
+__device__ __forceinline__ float iq4_nl_level(int i) {
+  constexpr int8_t v[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  return float(v[i]);
+}
+
 /// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
 __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* w) {
   if (t == DType::Q5_0 || t == DType::Q5_1) {
@@ -74,6 +81,13 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
       int q = (qs[l] >> (4 * (j % 2))) & 15;
       if (five) q |= ((blk[16 + l] >> j) & 1) << 4;
       w[l] = a * float(q) - m;
+    }
+  } else if (t == DType::IQ4_NL) {
+    const uint8_t* blk = row + b * 18;
+    const float d = half_at(blk);
+    for (int i = 0; i < 16; ++i) {
+      w[i] = d * iq4_nl_level(blk[2 + i] & 15);
+      w[i + 16] = d * iq4_nl_level(blk[2 + i] >> 4);
     }
   } else if (t == DType::Q2_K) {
     const uint8_t* blk = row + (b / 8) * 84;

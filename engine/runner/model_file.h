@@ -20,7 +20,7 @@ std::string model_cache_dir();
 
 /// The `.llmq` file to load for `path`. A GGUF file or a Hugging Face checkpoint directory (one
 /// holding config.json) is converted once, with llmq-convert's defaults (every tensor keeps its
-/// type: a byte copy of GGUF blocks, IQ4_NL widened exactly; safetensors' F32, F16 and
+/// type: a byte copy of GGUF blocks; safetensors' F32, F16 and
 /// BF16 as they are), into model_cache_dir() as STEM-HHHHHHHHHHHHHHHH.llmq, H the XXH64 of the
 /// real path and the size and modification time of the file (of a directory: of each of its
 /// files), so a replaced or edited source converts again; later calls return that file.

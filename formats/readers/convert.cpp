@@ -86,7 +86,7 @@ namespace {
 DType choose_type(const SourceTensor& src, const ConvertOptions& opts, bool* fell_back) {
   *fell_back = false;
   if (src.shape.size() < 2) return DType::F32;
-  DType t = opts.type ? *opts.type : opts.mix ? mix_type(*opts.mix, src.name, opts) : src.raw || src.read_raw ? src.raw_type : DType::F16;
+  DType t = opts.type ? *opts.type : opts.mix ? mix_type(*opts.mix, src.name, opts) : src.raw ? src.raw_type : DType::F16;
   for (const auto& [pattern, type] : opts.overrides)
     if (fnmatch(pattern.c_str(), src.name.c_str(), 0) == 0) {
       t = type;
@@ -173,13 +173,8 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
     const TensorInfo& info = w.tensors()[i];
     if (opts.progress) draw_progress(i, src.tensors.size(), t.name);
     const int64_t n = t.numel(), cols = t.shape.back(), rows = n / cols;
-    if ((t.raw || t.read_raw) && t.raw_type == info.type) {  // lossless repack: the stored bytes (or their widening)
+    if (t.raw && t.raw_type == info.type) {  // lossless repack: the stored bytes
       const uint8_t* bytes = t.raw;
-      if (!bytes) {
-        packed.resize(info.nbytes);
-        t.read_raw(packed.data());
-        bytes = packed.data();
-      }
       const size_t rb = row_bytes(info.type, cols);
       for (int64_t r = 0; r < rows; ++r)
         if (const int64_t j = first_nonfinite(info.type, bytes + size_t(r) * rb, cols); j >= 0)

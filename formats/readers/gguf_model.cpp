@@ -18,7 +18,7 @@ namespace llmq {
 
 namespace {
 
-constexpr const char* kSupportedTypes = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; IQ4_NL as Q8_0 (the same values)";
+constexpr const char* kSupportedTypes = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL";
 
 std::string type_name(uint32_t t) {
   const GgmlTypeSize ts = ggml_type_size(t);
@@ -155,9 +155,7 @@ SourceTensor gguf_source_tensor(const std::shared_ptr<GgufFile>& g, const ModelC
   if (piece.src_rows >= 0) want[0] = piece.src_rows;
   if (t->shape != want)
     throw FileError(path, "tensor '" + piece.src + "' has shape " + shape_str(t->shape) + ", expected " + shape_str(want));
-  DType wide = DType::F32;
-  const bool widened = ggml_widened_type(t->type, &wide);  // stored in a wider type, the same values
-  if (!dtype_known(t->type) && !widened)
+  if (!dtype_known(t->type))
     throw FileError(path, "tensor '" + piece.src + "' has type " + type_name(t->type) + ", which llmq cannot convert (supported: " +
                               kSupportedTypes + ")");
   SourceTensor st;
@@ -171,16 +169,8 @@ SourceTensor gguf_source_tensor(const std::shared_ptr<GgufFile>& g, const ModelC
   const uint64_t rb = uint64_t(cols / ts.block) * ts.bytes;
   const uint8_t* data = t->data + uint64_t(piece.row0) * rb;  // whole rows: exact for every block type
   std::shared_ptr<GgufFile> keep = g;
-  if (widened) {
-    st.raw_type = wide;
-    st.read_raw = [keep, type, wide, data, rows, cols, rb](uint8_t* out) {
-      const size_t ob = row_bytes(wide, cols);
-      for (int64_t r = 0; r < rows; ++r) ggml_widen_row(type, data + uint64_t(r) * rb, out + size_t(r) * ob, cols);
-    };
-  } else {
-    st.raw_type = DType(t->type);
-    st.raw = data;
-  }
+  st.raw_type = DType(t->type);
+  st.raw = data;
   st.read = [keep, type, data, rows, cols, rb](float* out) {
     for (int64_t r = 0; r < rows; ++r) ggml_dequantize_row(type, data + uint64_t(r) * rb, out + r * cols, cols);
   };

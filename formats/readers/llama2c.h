@@ -22,10 +22,6 @@ struct SourceTensor {
   /// bytes as stored (rows of shape.back(), our block layout); raw == nullptr otherwise.
   DType raw_type = DType::F32;
   const uint8_t* raw = nullptr;
-  /// Lossless path for a source type llmq stores in a wider one of its types (GGUF's IQ4_NL as
-  /// Q8_0): writes the tensor in raw_type's layout into out (rows of shape.back()); empty
-  /// otherwise. Used when raw is null. May throw FileError.
-  std::function<void(uint8_t* out)> read_raw;
   /// Optional: called by the converter once it is done with the tensor (after the raw copy or
   /// read()); a reader over a mapping drops the tensor's pages from the resident set, so a
   /// lossless conversion does not end with the whole source resident. Empty: nothing to do.
