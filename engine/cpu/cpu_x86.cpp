@@ -329,11 +329,11 @@ inline void store_rows8(float* y, int64_t M, const __m256* acc, int nrows) {
 // - high bits (Q5_0/Q5_1/Q5_K/Q3_K: one vector, Q6_K: two): byte 4i+k holds the bits that u_J's
 //   quant k of row i misses: Q5 bit J = bit 4, Q3_K bit J = bit 2; Q6_K vector J/4, bits
 //   2(J%4)+{0,1} = bits 4-5.
-// - scales: Q4_0/Q5_0/Q8_0 d[8] f16; Q4_1/Q5_1 d[8], m[8] f16; Q4_K/Q5_K the 6-bit sc[8] and
+// - scales: Q4_0/Q5_0/Q8_0/IQ4_NL d[8] f16; Q4_1/Q5_1 d[8], m[8] f16; Q4_K/Q5_K the 6-bit sc[8] and
 //   min[8] as bytes (header: d[8] and −dmin[8] as f16); Q6_K sc_lo[8], sc_hi[8] int8, Q3_K the
 //   same as s − 32 (header d[8]); Q2_K the file's scale bytes of the two halves, [8] each
 //   (header d[8], −dmin[8]).
-// Bytes per block of 8 rows: Q4_0 144 (the file's 144), Q4_1 160, Q5_0 176, Q5_1 192, Q8_0 272
+// Bytes per block of 8 rows: Q4_0 and IQ4_NL 144 (the file's 144), Q4_1 160, Q5_0 176, Q5_1 192, Q8_0 272
 // (all as the file), Q2_K 84 (file 84), Q3_K 114 (110), Q4_K 148 (144), Q5_K 180 (176), Q6_K 210.
 //
 // Integer part: `_mm256_maddubs_epi16` (unsigned u × signed x, pairs summed to saturating
@@ -341,7 +341,8 @@ inline void store_rows8(float* y, int64_t M, const __m256* acc, int nrows) {
 // 5-bit: 4 · 2·31·127 = 31496; Q6_K: 2 · 2·63·127 = 32004; Q3_K 4 per half), then widened. The
 // offsets come back as integer corrections (Q4_0 −8·Σx, Q5_0 −16·Σx, Q6_K −32 and Q3_K −4 per
 // half block: prepare_quant).
-// Q8_0's signed quants take the sign trick |w| · (x·sign(w)) (at most 2·128·127 per pair),
+// Q8_0's signed quants and IQ4_NL's signed levels (a vpshufb of the nibbles) take the sign trick
+// |w| · (x·sign(w)) (at most 2·128·127 per pair),
 // widened per vector. fp32 part per block: acc = fma(float(dot), a0·d_x, acc), then
 // fma(m, s_x, acc) for the types with a minimum (Q3_K, Q6_K: the two halves with their own scales).
 template <DType D>
@@ -957,21 +958,22 @@ void prepare_quant(DType type, const QuantActs& a, const int32_t* sums, int64_t 
 // quants of a block, lanes = the 16 rows, 64 bytes per vector:
 //   Q8_0:   8 vectors; vector j, lane r = quants 4j..4j+3 of row r, stored as w + 128.
 //   others: 4 vectors; vector j, lane r holds in its low nibbles the low 4 bits of elements
-//           4j..4j+3 of row r, in its high nibbles those of elements 16+4j..16+4j+3 (for Q4_0
-//           and Q4_1 these are the file's quant bytes 4j..4j+3).
+//           4j..4j+3 of row r, in its high nibbles those of elements 16+4j..16+4j+3 (for Q4_0,
+//           Q4_1 and IQ4_NL these are the file's quant bytes 4j..4j+3; IQ4_NL's become their
+//           level + 128 by a vpshufb).
 //   Q2_K, Q3_K: 2 vectors of 2-bit crumbs; u_J (the elements 4J..4J+3 of each row, J = 0..7) at
 //           bits 2(J/2) of vector J%2.
 // high bits (formats/quant.h's QuantBlock q ≥ 16, Q3_K's q ≥ 4): one 64-byte bit plane per
 //   bit, byte 4r+k holding in bit J that bit of the element in byte k of lane r of quant vector
 //   u_J (J = 0..3 the low nibbles of vectors 0..3, 4..7 their high nibbles): Q5_0/Q5_1/Q5_K
 //   the plane of bit 4 (64 bytes); Q6_K that of bit 4, then of bit 5 (128 bytes); Q3_K bit 2.
-// scales of the 16 rows: Q8_0/Q4_0/Q5_0 d as fp16 (32 bytes); Q4_1/Q5_1 d, then m, as fp16
+// scales of the 16 rows: Q8_0/Q4_0/Q5_0/IQ4_NL d as fp16 (32 bytes); Q4_1/Q5_1 d, then m, as fp16
 //   (64); Q4_K/Q5_K a = d·sc, then the added minimum −dmin·m, as fp32 (128; both exact
 //   products of the file's fields); Q6_K the two half-block scales d·sc as fp32 (128); Q3_K
 //   the two halves' s − 32 as int8, then the super-block's d as fp16 (64; multiplied per block);
 //   Q2_K the file's scale bytes (sc | m << 4) of the two halves, then d and −dmin as fp16 (96).
 // A pair is a multiple of 64 bytes, so every load is aligned: Q4_0 576 (= 16 rows × 2 blocks
-// × 18: the file's bytes), Q4_1 640, Q5_0 704 (the file's), Q5_1 768, Q8_0 1088, Q2_K 448
+// × 18: the file's bytes; IQ4_NL the same), Q4_1 640, Q5_0 704 (the file's), Q5_1 768, Q8_0 1088, Q2_K 448
 // (file: 336), Q3_K 512 (440), Q4_K 768 and Q5_K 896 (the file's 576 and 704 plus the scales
 // widened to fp32), Q6_K 1024 (file: 840).
 // One panel is one sequential stream, which decode reads at the DRAM bandwidth (16 rows read in
