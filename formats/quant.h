@@ -225,7 +225,8 @@ inline float bf16_to_fp32(uint16_t h) {
 /// its nearest level. The K-quants use llmq's own search (not
 /// llama.cpp's): per sub-block the grid of least squared error among clipped ranges of
 /// [min(0, x), max x] (Q4_K/Q5_K, an affine fit) or scales that map the value of largest
-/// magnitude to -32 (Q6_K; Q3_K -4) or nearer zero, each refined by least squares on its codes;
+/// magnitude to -32 (Q6_K; Q3_K -4, its errors weighted by x²) or nearer zero, each refined by
+/// least squares on its codes;
 /// the sub-block scales and mins rounded to 6 (8) bits against the super-block's largest, then
 /// every weight rounded to nearest with the rounded scales.
 /// Throws UsageError if x holds NaN or Inf, or n is not a multiple of the block size.
