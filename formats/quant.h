@@ -224,7 +224,7 @@ inline float bf16_to_fp32(uint16_t h) {
 /// candidates around the one that maps the value of largest magnitude to −127, each weight at
 /// its nearest level. The K-quants use llmq's own search (not
 /// llama.cpp's): per sub-block the grid of least squared error among clipped ranges of
-/// [min(0, x), max x] (Q4_K/Q5_K, an affine fit) or scales that map the value of largest
+/// [min(0, x), max x] (Q2_K/Q4_K/Q5_K, an affine fit; Q2_K's errors weighted by |x|) or scales that map the value of largest
 /// magnitude to -32 (Q6_K; Q3_K -4, its errors weighted by x²) or nearer zero, each refined by
 /// least squares on its codes;
 /// the sub-block scales and mins rounded to 6 (8) bits against the super-block's largest, then

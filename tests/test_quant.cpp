@@ -57,7 +57,7 @@ TEST_CASE("block sizes match GGUF", "[quant]") {
 // Relative RMS round-trip error bounds on N(0,1) data (stated per type, with ~1.5x headroom
 // over the expected value: step/sqrt(12) with step = 2^-11 (f16), 2^-8 (bf16), amax/127 (q8_0),
 // amax/8 (q4_0), (max-min)/15 (q4_1), amax/16 (q5_0), (max-min)/31 (q5_1); the K-quants
-// measured for llmq's own search (formats/quant.h: iq4_nl 0.074, q2_k 0.264, q3_k 0.154 (x²-weighted), q4_k 0.072, q5_k 0.037, q6_k 0.017, about
+// measured for llmq's own search (formats/quant.h: iq4_nl 0.074, q2_k 0.281 (|x|-weighted), q3_k 0.154 (x²-weighted), q4_k 0.072, q5_k 0.037, q6_k 0.017, about
 // Q4_1's and Q5_1's on N(0,1) data, whose sub-block ranges vary little), with the same headroom).
 TEST_CASE("round-trip error on fresh random data is within each type's bound", "[quant]") {
   const std::pair<DType, double> bounds[] = {

@@ -26,7 +26,8 @@ int main(int argc, char** argv) {
                  "tokenizer: llama2.c tokenizer.bin or SentencePiece tokenizer.model (needed when the source has none)");
   app.add_option("--type", type_name,
                  "type of 2-D weights: f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k, or the K-quant mix "
-                 "q2_k|q3_k_m|q4_k_m|q5_k_m (llama.cpp's per-tensor policy); 1-D tensors stay f32; default: as in the source");
+                 "q2_k|q3_k_m|q4_k_m|q5_k_m (llama.cpp's per-tensor policy; as in llama.cpp, q2_k names the mix: "
+                 "--tensor-type '*=q2_k' puts every matrix in Q2_K); 1-D tensors stay f32; default: as in the source");
   app.add_option("--tensor-type", overrides,
                  "per-tensor type, PATTERN=TYPE with a glob pattern, e.g. token_embd.weight=q8_0 (repeatable)");
   app.add_flag("-f,--force", force, "overwrite an existing output file");
