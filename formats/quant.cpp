@@ -314,6 +314,27 @@ void quantize_k45(const float* x, uint8_t* out, int64_t nsb, bool five_bit) {
   }
 }
 
+// The scale of least error among the candidates start(k), k = k0..k1, each tried as it is and
+// once more refined by least squares on the codes v it gives (s = Σvx / Σv²); err(s, &Σvx, &Σv²)
+// returns the error of s. `first` when every error is infinite.
+template <class Start, class Err>
+float best_refined_scale(int k0, int k1, Start start, Err err, float first) {
+  float best_s = first;
+  double best = HUGE_VAL;
+  for (int k = k0; k <= k1; ++k) {
+    float s = start(k);
+    for (int pass = 0; pass < 2; ++pass) {
+      double svx, svv;
+      const double e = err(s, &svx, &svv);
+      if (e < best) best = e, best_s = s;
+      if (svv <= 0) break;
+      s = float(svx / svv);
+      if (s == 0.0f) break;
+    }
+  }
+  return best_s;
+}
+
 // The scale s of x ≈ s·q, q in [-qn, qn - 1], for n values with the least squared error among
 // candidates that map the value of largest magnitude m to -qn (Q4_0's rule), or to a code up to
 // 8 steps of `step` nearer zero (so the others get finer steps; Q6_K: qn = 32, step 0.5; Q3_K: 4,
@@ -337,20 +358,7 @@ float fit_symmetric(const float* x, int n, int qn, float step, bool weighted) {
     }
     return e;
   };
-  float best_s = m / -float(qn);
-  double best = HUGE_VAL;
-  for (int k = 0; k <= 8; ++k) {
-    float s = m / -(float(qn) - float(k) * step);
-    for (int pass = 0; pass < 2; ++pass) {
-      double sqx, sqq;
-      const double e = codes_error(s, &sqx, &sqq);
-      if (e < best) best = e, best_s = s;
-      if (sqq <= 0) break;
-      s = float(sqx / sqq);
-      if (s == 0.0f) break;
-    }
-  }
-  return best_s;
+  return best_refined_scale(0, 8, [&](int k) { return m / -(float(qn) - float(k) * step); }, codes_error, m / -float(qn));
 }
 
 // fit_symmetric's scale of each of the 16 sub-blocks of 16 weights of the super-block x [256]
@@ -436,21 +444,9 @@ void quantize_iq4_nl(const float* x, BlockIQ4_NL* out, int64_t nb) {
       }
       return e;
     };
-    float best_d = m / -127.0f;
-    if (m != 0.0f) {
-      double best = HUGE_VAL;
-      for (int k = -8; k <= 8; ++k) {
-        float d = m / -127.0f * (1.0f + float(k) / 32.0f);
-        for (int pass = 0; pass < 2; ++pass) {
-          double svx, svv;
-          const double e = error(d, &svx, &svv);
-          if (e < best) best = e, best_d = d;
-          if (svv <= 0) break;
-          d = float(svx / svv);
-          if (d == 0.0f) break;
-        }
-      }
-    }
+    const float best_d = m == 0.0f ? 0.0f
+                                   : best_refined_scale(-8, 8, [&](int k) { return m / -127.0f * (1.0f + float(k) / 32.0f); }, error,
+                                                        m / -127.0f);
     out[b].d = fp32_to_fp16(best_d);
     const float d = fp16_to_fp32(out[b].d);
     for (int j = 0; j < 16; ++j) {
