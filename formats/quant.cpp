@@ -393,6 +393,9 @@ void quantize_q6_k(const float* x, uint8_t* out, int64_t nsb) {
   }
 }
 
+// Sets weight w's (0..255) 2-bit quant q in a Q2_K/Q3_K super-block's qs[64] (k_crumb's layout).
+void put_k_crumb(uint8_t* qs, int w, int q) { qs[32 * (w / 128) + w % 32] |= uint8_t((q & 3) << (2 * (w / 32 % 4))); }
+
 // Q3_K: per sub-block of 16 the scale of fit_symmetric (codes -4..3, weighted); the 16 scales as 6-bit
 // multiples s − 32 (−32..31) of d, the largest scale mapped to −32 (its sign carried by d).
 void quantize_q3_k(const float* x, uint8_t* out, int64_t nsb) {
@@ -412,9 +415,8 @@ void quantize_q3_k(const float* x, uint8_t* out, int64_t nsb) {
     }
     for (int w = 0; w < QK_K; ++w) {
       const int q = round_clamp(x[w], d * float(sc[w / 16]), -4, 3) + 4;
-      const int h = w / 128, r = w % 128, j = r / 32, l = r % 32;
-      out[32 + 32 * h + l] |= uint8_t((q & 3) << (2 * j));
-      out[l] |= uint8_t((q >> 2) << (4 * h + j));
+      put_k_crumb(out + 32, w, q);
+      out[w % 32] |= uint8_t((q >> 2) << (w / 32));  // hmask
     }
   }
 }
@@ -475,9 +477,8 @@ void quantize_q2_k(const float* x, uint8_t* out, int64_t nsb) {
       out[j] = uint8_t(sc[j] | m[j] << 4);
     }
     for (int w = 0; w < QK_K; ++w) {
-      const int k = w / 16, q = round_clamp(x[w] + dmin * float(m[k]), d * float(sc[k]), 0, 3);
-      const int h = w / 128, r = w % 128;
-      out[16 + 32 * h + r % 32] |= uint8_t(q << (2 * (r / 32)));
+      const int k = w / 16;
+      put_k_crumb(out + 16, w, round_clamp(x[w] + dmin * float(m[k]), d * float(sc[k]), 0, 3));
     }
   }
 }
@@ -550,27 +551,22 @@ void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
     }
     case DType::Q2_K: {  // formats/quant.h has the layout
       const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ2_K);
-      const int j = int(b % 8), h = j / 4, sh = j % 4;
+      const int j = int(b % 8);
       const float d = half_at(blk + 80), dmin = half_at(blk + 82);
       for (int half = 0; half < 2; ++half) {
         const uint8_t sc = blk[2 * j + half];
         o.a[half] = d * float(sc & 15), o.m[half] = dmin * float(sc >> 4);
       }
-      for (int l = 0; l < 32; ++l) o.q[l] = uint8_t((blk[16 + 32 * h + l] >> (2 * sh)) & 3);
+      for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(k_crumb(blk + 16, j, l));
       return;
     }
     case DType::Q3_K: {  // formats/quant.h has the layout
       const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ3_K);
-      const int j = int(b % 8), h = j / 4, sh = j % 4;
+      const int j = int(b % 8);
       const float d = half_at(blk + 108);
-      const uint8_t* sc = blk + 96;
-      for (int half = 0; half < 2; ++half) {
-        const int k = 2 * j + half;
-        o.a[half] = d * float(q3_k_scale(sc, k) - 32);
-      }
+      for (int half = 0; half < 2; ++half) o.a[half] = d * float(q3_k_scale(blk + 96, 2 * j + half) - 32);
       o.offset = 4;
-      for (int l = 0; l < 32; ++l)
-        o.q[l] = uint8_t(((blk[32 + 32 * h + l] >> (2 * sh)) & 3) | ((blk[l] >> (4 * h + sh)) & 1) << 2);
+      for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(k_crumb(blk + 32, j, l) | ((blk[l] >> j) & 1) << 2);
       return;
     }
     case DType::Q6_K: {

@@ -186,14 +186,21 @@ inline void k_quant_scale_min(int j, const uint8_t* s, int* sc, int* m) {
     *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
+// The helpers below are also compiled for the device (engine/cuda/raw_blocks.cuh).
+#if defined(__CUDACC__)
+#define LLMQ_HOST_DEVICE __host__ __device__
+#else
+#define LLMQ_HOST_DEVICE
+#endif
 /// The 6-bit scale (0..63; the weight's factor is d · (s − 32)) of sub-block k (0..15) of a Q3_K
 /// super-block from its 12 packed scale bytes `s` (the layout at BlockQ3_K).
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-inline int q3_k_scale(const uint8_t* s, int k) {
+LLMQ_HOST_DEVICE inline int q3_k_scale(const uint8_t* s, int k) {
   return ((k < 8 ? s[k] : s[k - 8] >> 4) & 15) | ((s[8 + k % 4] >> (2 * (k / 4))) & 3) << 4;
 }
+/// The 2-bit quant (bits 0-1) of weight l (0..31) of 32-weight block j (0..7) of a Q2_K or Q3_K
+/// super-block whose qs[64] is `qs` (the layout at BlockQ2_K and BlockQ3_K); Q3_K's bit 2 of
+/// that weight is bit j of hmask[l].
+LLMQ_HOST_DEVICE inline int k_crumb(const uint8_t* qs, int j, int l) { return (qs[32 * (j / 4) + l] >> (2 * (j % 4))) & 3; }
 /// Decodes 32-weight block b (0-based, counting 32-weight blocks along the row) of a row of
 /// quantized type t at `row`. Throws nothing; t must be quantized.
 void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& out);

@@ -103,10 +103,8 @@ class CpuBackend : public Backend {
     auto y = std::make_shared<Floats>(size_t(T * w.rows));
     auto sc = std::make_shared<MatmulScratch>();
     auto pw = std::make_shared<Weight>(w);
-    const CpuLevel before = cpu_level();
-    set_cpu_level(level_);
-    auto packed = std::make_shared<PackedWeights>(pack_weights({pw.get()}));
-    set_cpu_level(before);
+    auto packed = std::make_shared<PackedWeights>();
+    with_level(level_, [&] { *packed = pack_weights({pw.get()}); });
     return at_level([=, this] { llmq::matmul(pool_, *sc, y->data(), x.data(), T, *pw); (void)packed; }, y);
   }
   Prepared rmsnorm(const Floats& x, const Floats& w, int64_t T, int64_t n) override {
@@ -179,15 +177,16 @@ class CpuBackend : public Backend {
 
  private:
   // `fn` run with this level active (the previous one restored after), output in *y.
+  /// Runs fn with `level` active.
+  static void with_level(CpuLevel level, const std::function<void()>& fn) {
+    const CpuLevel before = cpu_level();
+    set_cpu_level(level);
+    fn();
+    set_cpu_level(before);
+  }
   Prepared at_level(std::function<void()> fn, std::shared_ptr<Floats> y) {
     const CpuLevel level = level_;
-    return {[fn, level] {
-              const CpuLevel before = cpu_level();
-              set_cpu_level(level);
-              fn();
-              set_cpu_level(before);
-            },
-            [y] { return *y; }};
+    return {[fn, level] { with_level(level, fn); }, [y] { return *y; }};
   }
   CpuLevel level_;
   ThreadPool pool_;

@@ -158,7 +158,35 @@ struct QuantTraits {
                                  : D == DType::Q5_0 || D == DType::Q5_1 || D == DType::Q5_K || D == DType::Q3_K ? 1
                                                                                                                  : 0;
 };
-constexpr bool has_half_corr(DType t) { return t == DType::Q2_K || t == DType::Q3_K || t == DType::Q6_K; }
+// The two-scale types' corrections are the halves' sums (fill_corr_halves).
+bool has_half_corr(DType t) {
+  return with_layout<QuantTraits>(t, [](auto tr) { return decltype(tr)::kTwoScales; });
+}
+
+// Packing shared by both levels. The 2-bit quants of Q2_K/Q3_K from a decoded block, for row
+// lane i of a panel whose quant vectors are `vec` bytes apart: u_J's quant k (the block's
+// element 4J + k) at bits 2(J/2) of byte 4i + k of vector J%2; Q3_K's bit 2 at bit J of hb's byte.
+template <DType D>
+void pack_crumbs(const QuantBlock& qb, int i, size_t vec, uint8_t* q, uint8_t* hb) {
+  for (int J = 0; J < 8; ++J)
+    for (int k = 0; k < 4; ++k) {
+      const int u = qb.q[4 * J + k], at = 4 * i + k;
+      q[vec * size_t(J % 2) + size_t(at)] |= uint8_t((u & 3) << (2 * (J / 2)));
+      if constexpr (D == DType::Q3_K) hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
+    }
+}
+// The two half-block scale bytes of 32-weight block b of a Q2_K (the file's sc | m << 4) or Q3_K
+// (s − 32 as int8) row.
+template <DType D>
+void crumb_half_scales(const uint8_t* row, int64_t b, uint8_t& lo, uint8_t& hi) {
+  const uint8_t* blk = row + size_t(b / 8) * dtype_info(D).block_bytes;
+  const int k = int(2 * (b % 8));
+  if constexpr (D == DType::Q3_K) {
+    lo = uint8_t(q3_k_scale(blk + 96, k) - 32), hi = uint8_t(q3_k_scale(blk + 96, k + 1) - 32);
+  } else {
+    lo = blk[k], hi = blk[k + 1];
+  }
+}
 
 // Integer correction factor per block: weights enter the integer dot as u = w + k_off, so
 // Σ w·x = Σ u·x + corr_factor·Σx with corr_factor = -k_off.
@@ -376,28 +404,19 @@ size_t packed_bytes(DType type, int64_t rows, int64_t cols) {
 template <DType D>
 void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, uint8_t* sc) {
   using P = Pk8<D>;
-  if constexpr (P::kQ8) {
-    const uint8_t* blk = row + size_t(b) * sizeof(BlockQ8_0);
-    for (int j = 0; j < 8; ++j) std::memcpy(q + 32 * j + 4 * i, blk + 2 + 4 * j, 4);
-    std::memcpy(sc + 2 * i, blk, 2);
-    return;
-  }
-  if constexpr (D == DType::IQ4_NL) {  // the file's nibble bytes: byte 4j + k holds u_j and u_{4+j}'s quant k
-    const uint8_t* blk = row + size_t(b) * sizeof(BlockIQ4_NL);
-    for (int j = 0; j < 4; ++j) std::memcpy(q + 32 * j + 4 * i, blk + 2 + 4 * j, 4);
+  if constexpr (P::kSigned) {  // the file's bytes: Q8_0's quants, IQ4_NL's nibbles (byte 4j + k: u_j's and u_{4+j}'s quant k)
+    const uint8_t* blk = row + size_t(b) * block_size<D>();
+    for (size_t j = 0; j < P::QB / 32; ++j) std::memcpy(q + 32 * j + 4 * size_t(i), blk + 2 + 4 * j, 4);
     std::memcpy(sc + 2 * i, blk, 2);
     return;
   }
   QuantBlock qb;
   decode_quant_block(D, row, b, qb);
-  if constexpr (P::kLowBits == 2) {  // Q2_K, Q3_K: u_J's quant k (element 4J + k) at bits 2(J/2) of vector J%2
-    for (int J = 0; J < 8; ++J)
-      for (int k = 0; k < 4; ++k) {
-        const int u = qb.q[4 * J + k], at = 4 * i + k;
-        q[32 * (J % 2) + at] = uint8_t(q[32 * (J % 2) + at] | (u & 3) << (2 * (J / 2)));
-        if constexpr (P::kHighBits == 1) hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
-      }
-  } else
+  if constexpr (P::kLowBits == 2) {
+    pack_crumbs<D>(qb, i, 32, q, hb);
+    crumb_half_scales<D>(row, b, sc[i], sc[8 + i]);
+    return;
+  }
   for (int j = 0; j < 4; ++j)
     for (int k = 0; k < 4; ++k) {
       const int lo = qb.q[4 * j + k], hi = qb.q[16 + 4 * j + k], at = 4 * i + k;
@@ -415,12 +434,6 @@ void pack_block8(const uint8_t* row, int64_t b, int i, uint8_t* q, uint8_t* hb, 
   } else if constexpr (D == DType::Q6_K) {
     const auto* scales = reinterpret_cast<const int8_t*>(row + size_t(b / 8) * sizeof(BlockQ6_K) + 192);
     sc[i] = uint8_t(scales[2 * (b % 8)]), sc[8 + i] = uint8_t(scales[2 * (b % 8) + 1]);
-  } else if constexpr (D == DType::Q2_K) {
-    const uint8_t* scales = row + size_t(b / 8) * sizeof(BlockQ2_K);
-    sc[i] = scales[2 * (b % 8)], sc[8 + i] = scales[2 * (b % 8) + 1];
-  } else if constexpr (D == DType::Q3_K) {
-    const uint8_t* scales = row + size_t(b / 8) * sizeof(BlockQ3_K) + 96;
-    sc[i] = uint8_t(q3_k_scale(scales, int(2 * (b % 8))) - 32), sc[8 + i] = uint8_t(q3_k_scale(scales, int(2 * (b % 8) + 1)) - 32);
   } else {
     int s, m;
     k_quant_scale_min(int(b % 8), row + size_t(b / 8) * dtype_info(D).block_bytes + 4, &s, &m);
@@ -525,18 +538,6 @@ inline __m256 nibbles8_ps(const uint8_t* p) {
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_cvtepi32_ps(H ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
 }
-template <DType D>
-inline void block_scales(const uint8_t* sc, __m256 dsup, __m256 msup, __m256& a0, __m256& a1) {
-  if constexpr (D == DType::Q4_K || D == DType::Q5_K) {
-    a0 = _mm256_mul_ps(dsup, bytes8_ps<false>(sc)), a1 = _mm256_mul_ps(msup, bytes8_ps<false>(sc + 8));
-  } else if constexpr (Pk8<D>::kTwoScales) {
-    a0 = _mm256_mul_ps(dsup, bytes8_ps<true>(sc)), a1 = _mm256_mul_ps(dsup, bytes8_ps<true>(sc + 8));
-  } else {
-    a0 = f16x8(sc);
-    a1 = Pk8<D>::kMin ? f16x8(sc + 16) : _mm256_setzero_ps();
-  }
-}
-
 // dsup/msup: the super-block's d and −dmin.
 template <DType D>
 inline Scales8 block_scales(const uint8_t* sc, __m256 dsup, __m256 msup) {
@@ -544,8 +545,13 @@ inline Scales8 block_scales(const uint8_t* sc, __m256 dsup, __m256 msup) {
   if constexpr (D == DType::Q2_K) {
     s.a0 = _mm256_mul_ps(dsup, nibbles8_ps<0>(sc)), s.a1 = _mm256_mul_ps(dsup, nibbles8_ps<0>(sc + 8));
     s.m0 = _mm256_mul_ps(msup, nibbles8_ps<1>(sc)), s.m1 = _mm256_mul_ps(msup, nibbles8_ps<1>(sc + 8));
+  } else if constexpr (D == DType::Q4_K || D == DType::Q5_K) {
+    s.a0 = _mm256_mul_ps(dsup, bytes8_ps<false>(sc)), s.a1 = _mm256_mul_ps(msup, bytes8_ps<false>(sc + 8));
+  } else if constexpr (Pk8<D>::kTwoScales) {
+    s.a0 = _mm256_mul_ps(dsup, bytes8_ps<true>(sc)), s.a1 = _mm256_mul_ps(dsup, bytes8_ps<true>(sc + 8));
   } else {
-    block_scales<D>(sc, dsup, msup, s.a0, s.a1);
+    s.a0 = f16x8(sc);
+    if constexpr (Pk8<D>::kMin) s.a1 = f16x8(sc + 16);
   }
   return s;
 }
@@ -1011,23 +1017,14 @@ void pack_block_bytes(const uint8_t* blk, int i, uint8_t* q, uint8_t* sc) {
 }
 
 // Q2_K's and Q3_K's block b of row i: crumbs (and Q3_K's bit plane) from the decoded block, the
-// scales from the file's.
+// half-block scale bytes, then the super-block's d (and Q2_K's −dmin) beside them.
 template <DType D>
 void pack_block_crumbs(const uint8_t* row, int64_t b, const QuantBlock& qb, int i, uint8_t* q, uint8_t* hb, uint8_t* sc) {
-  for (int J = 0; J < 8; ++J)
-    for (int k = 0; k < 4; ++k) {
-      const int u = qb.q[4 * J + k], at = 4 * i + k;
-      q[64 * (J % 2) + at] = uint8_t(q[64 * (J % 2) + at] | (u & 3) << (2 * (J / 2)));
-      if constexpr (D == DType::Q3_K) hb[at] = uint8_t(hb[at] | ((u >> 2) & 1) << J);
-    }
+  pack_crumbs<D>(qb, i, 64, q, hb);
+  crumb_half_scales<D>(row, b, sc[i], sc[16 + i]);
   const uint8_t* blk = row + size_t(b / 8) * dtype_info(D).block_bytes;
-  if constexpr (D == DType::Q3_K) {
-    sc[i] = uint8_t(q3_k_scale(blk + 96, int(2 * (b % 8))) - 32);
-    sc[16 + i] = uint8_t(q3_k_scale(blk + 96, int(2 * (b % 8) + 1)) - 32);
-    std::memcpy(sc + 32 + 2 * i, blk + 108, 2);
-  } else {
-    sc[i] = blk[2 * (b % 8)], sc[16 + i] = blk[2 * (b % 8) + 1];
-    std::memcpy(sc + 32 + 2 * i, blk + 80, 2);
+  std::memcpy(sc + 32 + 2 * i, blk + (D == DType::Q3_K ? 108 : 80), 2);
+  if constexpr (D == DType::Q2_K) {
     const uint16_t neg_min = uint16_t(load_u16(blk + 82) ^ 0x8000u);
     std::memcpy(sc + 64 + 2 * i, &neg_min, 2);
   }
@@ -1071,12 +1068,10 @@ void pack_panel(const Weight& w, int64_t p, uint8_t* out) {
       uint8_t* sc = pair + 2 * (P::QB + P::HB) + size_t(b % 2) * P::SB;
       if constexpr (D == DType::Q8_0 || D == DType::Q4_0 || D == DType::Q4_1 || D == DType::IQ4_NL) {
         pack_block_bytes<D>(row + size_t(b) * block_size<D>(), i, q, sc);
-      } else if constexpr (P::kLowBits == 2) {
-        decode_quant_block(D, row, b, qb);
-        pack_block_crumbs<D>(row, b, qb, i, q, hb, sc);
       } else {
         decode_quant_block(D, row, b, qb);
-        pack_block_decoded<D>(qb, i, q, hb, sc);
+        if constexpr (P::kLowBits == 2) pack_block_crumbs<D>(row, b, qb, i, q, hb, sc);
+        else pack_block_decoded<D>(qb, i, q, hb, sc);
       }
     }
   }

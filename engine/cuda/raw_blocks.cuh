@@ -91,21 +91,21 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
     }
   } else if (t == DType::Q2_K) {
     const uint8_t* blk = row + (b / 8) * 84;
-    const int j = int(b % 8), h = j / 4, sh = j % 4;
+    const int j = int(b % 8);
     const float d = half_at(blk + 80), dmin = half_at(blk + 82);
     const float a0 = d * float(blk[2 * j] & 15), a1 = d * float(blk[2 * j + 1] & 15);
     const float m0 = dmin * float(blk[2 * j] >> 4), m1 = dmin * float(blk[2 * j + 1] >> 4);
     for (int l = 0; l < 32; ++l) {
-      const int q = (blk[16 + 32 * h + l] >> (2 * sh)) & 3;
+      const int q = k_crumb(blk + 16, j, l);
       w[l] = l < 16 ? a0 * float(q) - m0 : a1 * float(q) - m1;
     }
   } else if (t == DType::Q3_K) {
     const uint8_t* blk = row + (b / 8) * 110;
-    const int j = int(b % 8), h = j / 4, sh = j % 4;
+    const int j = int(b % 8);
     const float d = half_at(blk + 108);
     const float a0 = d * float(q3_k_scale(blk + 96, 2 * j) - 32), a1 = d * float(q3_k_scale(blk + 96, 2 * j + 1) - 32);
     for (int l = 0; l < 32; ++l) {
-      const int q = ((blk[32 + 32 * h + l] >> (2 * sh)) & 3) | ((blk[l] >> (4 * h + sh)) & 1) << 2;
+      const int q = k_crumb(blk + 32, j, l) | ((blk[l] >> j) & 1) << 2;
       w[l] = (l < 16 ? a0 : a1) * float(q - 4);
     }
   } else {  // Q6_K
