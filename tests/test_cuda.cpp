@@ -240,11 +240,12 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   struct Shape { int64_t rows, cols; };
-  const Shape shapes[] = {{1, 64}, {130, 128}, {257, 576}, {64, 2048}};
+  const std::vector<Shape> shapes = {{1, 64}, {130, 128}, {257, 576}, {64, 2048}};
+  const std::vector<Shape> k_shapes = {{1, 256}, {130, 512}, {257, 768}, {64, 2048}};  // whole 256-weight super-blocks
   DeviceBuffer split(1 << 20);  // split-K scratch: {64, 2048} splits 8 ways (32 stages, 1 block of rows)
   CHECK(cuda::mmq_splits(cuda::split_weight_view(DType::Q8_0, 64, 2048, nullptr), 9, split.bytes()) == 8);
-  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
-    for (const Shape& s : shapes) {
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K}) {
+    for (const Shape& s : dtype_info(t).block == 256 ? k_shapes : shapes) {
       TestWeight w(t, s.rows, s.cols, rng);
       std::vector<float> wf(size_t(s.rows * s.cols));
       for (int64_t r = 0; r < s.rows; ++r) dequantize_row(t, w.host.row(r), wf.data() + r * s.cols, s.cols);
@@ -289,6 +290,83 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
         }
       }
     }
+  }
+}
+
+// The raw types' GEMVs need 16-byte-aligned activations (float4 loads); anything else runs the
+// byte-wise gemv_raw_kernel, which the op harness never reaches (its buffers are aligned): the
+// two must agree, and the output's ldy padding stays untouched.
+TEST_CASE("CUDA GEMV on activations that are not 16-byte aligned: the raw kernel = the tuned one", "[cuda]") {
+  if (!have_gpu()) return;
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int64_t rows = 21, cols = 512, ldy = rows + 3;
+  for (DType t : {DType::Q5_0, DType::Q5_1, DType::IQ4_NL, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+    TestWeight w(t, rows, cols, rng);
+    for (int T : {1, 3, 8}) {
+      const auto x = gaussian(size_t(T * cols) + 1, rng);
+      DeviceBuffer xd(x.size() * 4);
+      std::vector<float> y[2];
+      for (int off : {0, 1}) {  // activations at x + 1 float: 4-byte aligned only
+        std::vector<float> shifted(x.size());
+        std::copy(x.begin(), x.end() - 1, shifted.begin() + off);
+        xd.upload(shifted.data(), shifted.size() * 4);
+        DeviceBuffer yd = to_device(std::vector<float>(size_t(T * ldy), 7.0f));
+        cuda::gemv(w.view, xd.as<float>() + off, cuda::DeviceActQ8{}, yd.as<float>(), T, ldy, nullptr);
+        cuda::check(cudaGetLastError(), "gemv");
+        y[off] = from_device<float>(yd, size_t(T * ldy));
+      }
+      double e2 = 0, s2 = 0;
+      bool pad_ok = true;
+      for (int i = 0; i < T; ++i) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const double a = y[0][size_t(i * ldy + r)], b = y[1][size_t(i * ldy + r)];
+          e2 += (a - b) * (a - b), s2 += a * a;
+        }
+        for (int64_t r = rows; r < ldy; ++r) pad_ok = pad_ok && y[1][size_t(i * ldy + r)] == 7.0f;
+      }
+      INFO(dtype_name(t) << " T " << T << " rel. difference " << std::sqrt(e2 / s2));
+      CHECK(std::sqrt(e2 / s2) < 1e-5);
+      CHECK(pad_ok);
+    }
+  }
+}
+
+// llmq-bench --synthetic's weights for every type: finite, of the size a trained model's have
+// (RMS 0.005-0.05), and the GEMV and the CPU reference agree on them.
+TEST_CASE("CUDA fill_random: synthetic weights of every type are finite and model-sized", "[cuda]") {
+  if (!have_gpu()) return;
+  const int64_t rows = 8, cols = 512;
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::IQ4_NL,
+                  DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+    DeviceBuffer dev(cuda::split_weight_bytes(t, rows, cols));
+    const cuda::DeviceWeight w = cuda::split_weight_view(t, rows, cols, dev.as<uint8_t>());
+    cuda::fill_random(w, 42, nullptr);
+    const auto split = from_device<uint8_t>(dev, dev.bytes());
+    // Back to the file layout (the split one is the file's for every type but Q8_0/Q4_0/Q4_1).
+    std::vector<uint8_t> file(row_bytes(t, cols) * size_t(rows));
+    if (t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1) {
+      const size_t nb = size_t(cols / 32), qb = t == DType::Q8_0 ? 32 : 16, head = t == DType::Q4_1 ? 4 : 2, bb = head + qb;
+      const size_t n = size_t(rows) * nb, qbytes = n * qb;
+      for (size_t i = 0; i < n; ++i) {
+        std::memcpy(&file[i * bb], &split[qbytes + 2 * i], 2);
+        if (t == DType::Q4_1) std::memcpy(&file[i * bb + 2], &split[qbytes + 2 * n + 2 * i], 2);
+        std::memcpy(&file[i * bb + head], &split[i * qb], qb);
+      }
+    } else {
+      file = split;
+    }
+    std::vector<float> v(size_t(rows * cols));
+    double ss = 0;
+    bool finite = true;
+    for (int64_t r = 0; r < rows; ++r) dequantize_row(t, file.data() + size_t(r) * row_bytes(t, cols), v.data() + r * cols, cols);
+    for (float x : v) finite = finite && std::isfinite(x), ss += double(x) * x;
+    const double rms = std::sqrt(ss / double(v.size()));
+    INFO(dtype_name(t) << " rms " << rms);
+    CHECK(finite);
+    CHECK(rms > 0.005);
+    CHECK(rms < 0.05);
   }
 }
 

@@ -463,7 +463,7 @@ int main(int argc, char** argv) {
   app.add_option("-m,--model", o.model_path, "model file (.llmq)");
   app.add_option("--device", o.device_s, "cpu or cuda (GPU 0)")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--synthetic", o.synthetic, "with --device cuda, instead of -m: random weights with a preset's shapes (llama-2-7b, llama-3-8b, ...)");
-  app.add_option("--type", o.type_s, "weight type of --synthetic: q4_0, q4_1, q8_0, f16 or bf16");
+  app.add_option("--type", o.type_s, "weight type of --synthetic: q4_0, q4_1, q8_0, q5_0, q5_1, iq4_nl, q2_k ... q6_k, f16 or bf16");
   app.add_option("-p,--prompt-tokens", o.n_prompt, "prompt length for the prefill measurement");
   app.add_option("-n,--gen-tokens", o.n_gen, "tokens decoded one at a time after the prompt");
   app.add_option("-t,--threads", o.threads, "threads in all (default: all cores); with --tp they are shared by the ranks");

@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
     const std::vector<Shape> shapes = {{12288, 4096, "qkv"}, {4096, 4096, "wo"}, {22016, 4096, "gate_up"}, {4096, 11008, "down"}, {4096, 14336, "tbo"}};
     const int Ts[] = {16, 32, 64, 128, 512};
     const int maxT = 512;
-    for (DType type : {DType::Q4_0, DType::Q8_0}) {
+    for (DType type : {DType::Q4_0, DType::Q8_0, DType::Q4_K}) {
       for (const Shape& sh : shapes) {
         const lab::WeightCopies wc(type, sh.rows, sh.cols);
         const std::vector<DeviceWeight>& w = wc.w;

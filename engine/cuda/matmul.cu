@@ -117,14 +117,49 @@ __global__ void neg_scaled_kernel(uint16_t* dst, const uint16_t* src, uint64_t n
     dst[i] = __half_as_ushort(__float2half(-k * fp16_bits_to_float(src[i])));
 }
 
+// One fp16 field per block of block_bytes (at byte `off`, 2-byte aligned): amp·[0.5, 1.5).
+__global__ void fill_block_half_kernel(uint8_t* p, uint64_t n_blocks, int block_bytes, int off, uint64_t seed, float amp) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n_blocks; i += uint64_t(gridDim.x) * blockDim.x)
+    *reinterpret_cast<uint16_t*>(p + i * block_bytes + off) = __half_as_ushort(__float2half((0.5f + uniform01(seed, i)) * amp));
+}
+
 constexpr int kFillBlocks = 1024, kFillThreads = 256;
+
+// The fp16 fields of a raw type's block (formats/quant.h layouts) and their scale of values, for
+// random quants (uniform bytes): weights of about 0.01-0.02 in magnitude, as fill_random's others.
+struct RawHalves {
+  int block_bytes, off_d;
+  float d;
+  int off_m;  // -1: none
+  float m;    // Q5_1's minimum is added (negative: centres the weights), the K-quants' dmin subtracted
+};
+RawHalves raw_halves(DType t) {
+  switch (t) {
+    case DType::Q5_0: return {22, 0, 1.5e-3f, -1, 0};
+    case DType::Q5_1: return {24, 0, 1.5e-3f, 2, -0.024f};
+    case DType::IQ4_NL: return {18, 0, 1.5e-4f, -1, 0};
+    case DType::Q2_K: return {84, 80, 1.5e-3f, 82, 1.5e-3f};
+    case DType::Q3_K: return {110, 108, 2e-4f, -1, 0};
+    case DType::Q4_K: return {144, 0, 5e-5f, 2, 2.5e-4f};
+    case DType::Q5_K: return {176, 0, 2.5e-5f, 2, 2.5e-4f};
+    default: return {210, 208, 1e-5f, -1, 0};  // Q6_K
+  }
+}
 
 }  // namespace
 
 void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
-  if (is_raw_type(w.type)) throw UsageError(std::string("synthetic weights are not made for ") + dtype_name(w.type));
   const uint64_t n = uint64_t(w.rows) * uint64_t(w.cols), nb = n / QK;
   auto* q = const_cast<uint8_t*>(w.q);
+  if (is_raw_type(w.type)) {  // the file's blocks: random bytes, then sane fp16 scales over them
+    const RawHalves h = raw_halves(w.type);
+    const uint64_t bytes = uint64_t(w.rows) * row_bytes(w.type, w.cols), blocks = bytes / uint64_t(h.block_bytes);
+    LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, bytes, seed);
+    LLMQ_LAUNCH(fill_block_half_kernel, kFillBlocks, kFillThreads, 0, s)(q, blocks, h.block_bytes, h.off_d, seed + 1, h.d);
+    if (h.off_m >= 0) LLMQ_LAUNCH(fill_block_half_kernel, kFillBlocks, kFillThreads, 0, s)(q, blocks, h.block_bytes, h.off_m, seed + 2, h.m);
+    check_launch("fill_random");
+    return;
+  }
   auto* d = const_cast<uint16_t*>(w.d);
   switch (w.type) {
     case DType::F32: LLMQ_LAUNCH(fill_values_kernel, kFillBlocks, kFillThreads, 0, s)(q, n, seed, 0, 0.03f); break;
@@ -140,7 +175,7 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
         LLMQ_LAUNCH(neg_scaled_kernel, kFillBlocks, kFillThreads, 0, s)(const_cast<uint16_t*>(w.m), w.d, nb, 8.0f);
       break;
     }
-    default: break;  // raw types refused above
+    default: break;  // raw types above
   }
   check_launch("fill_random");
 }
@@ -366,9 +401,10 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_float_kernel(const E* __
 }
 
 // Raw-layout weights (raw_blocks.cuh) against fp32 activations: one warp per row, each lane
-// decodes whole blocks b = lane, lane + 32, ... Not tuned: Q5_0, Q5_1 and Q5_K decode here (and
-// Q4_K / Q6_K without 16-byte alignment); Q4_K and Q6_K have the kernels below, 6.3x faster on an
-// H100 (bench/RESULTS.md, second GPU session).
+// decodes whole blocks b = lane, lane + 32, ... byte by byte. Not tuned: every raw type has its
+// kernel below (Q4_K's and Q6_K's were 6.3x faster on an H100, bench/RESULTS.md, second GPU
+// session); this one runs only when weights or activations lack the alignment those need
+// (raw_gemv_kernel).
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, const uint8_t* __restrict__ wq, size_t rb,
                                                                   const float* __restrict__ x, float* __restrict__ y, int64_t ldy,
                                                                   int64_t rows, int64_t cols, int T) {
@@ -388,30 +424,44 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, c
   store_rows(acc, y, ldy, row, T);
 }
 
-// Q4_K and Q6_K (the Q4_K_M mix) against fp32 activations. gemv_raw_kernel gave each lane a
-// 32-weight block and read it a byte at a time (Q4_K_M llama-2-7b: 33 tok/s on an H100, 5% of
-// the copy rate); here eight lanes share a 256-weight super-block, each with one wide load of
+// 2n bytes at a 2-byte-aligned address p as n little-endian words (Q3_K, Q6_K, IQ4_NL and Q5_0
+// rows are only 2-byte aligned: their blocks are 110, 210, 18 and 22 bytes).
+template <int N>
+__device__ __forceinline__ void ld_words2(const uint8_t* p, uint32_t* out) {
+  const auto* v = reinterpret_cast<const uint16_t*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = uint32_t(__ldg(v + 2 * i)) | uint32_t(__ldg(v + 2 * i + 1)) << 16;
+}
+
+// Q4_K and Q5_K (the Q4_K_M / Q5_K_M mixes) against fp32 activations. gemv_raw_kernel gave each
+// lane a 32-weight block and read it a byte at a time (Q4_K_M llama-2-7b: 33 tok/s on an H100, 5%
+// of the copy rate); here eight lanes share a 256-weight super-block, each with one wide load of
 // its quants, and a warp computes R rows so every activation load serves R of them. The sums
-// per 32-weight sub-block are regrouped: Σ (a q - m) x = a Σ q x - m Σ x (Q4_K),
-// Σ d s (q - 32) x = d s Σ (q - 32) x per 16 weights (Q6_K); formats/quant.h has the layouts.
-// Q4_K: lane k of a group reads qs[16k, 16k + 16): weights l0 .. l0 + 15 (l0 = 16 (k % 2)) of
-// sub-block 2p (low nibbles) and 2p + 1 (high), p = k / 2.
-template <int R>
-__global__ void __launch_bounds__(32 * kGemvWarps, 6) gemv_q4k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
-                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+// per 32-weight sub-block are regrouped: Σ (a q - m) x = a Σ q x - m Σ x; formats/quant.h has the
+// layouts. Lane k of a group reads qs[16k, 16k + 16): weights l0 .. l0 + 15 (l0 = 16 (k % 2)) of
+// sub-block 2p (low nibbles) and 2p + 1 (high), p = k / 2; Q5_K's fifth bits of those weights are
+// bits 2p and 2p + 1 of qh[l0, l0 + 16) (one more 16-byte load).
+template <int R, bool kQ5>
+__global__ void __launch_bounds__(32 * kGemvWarps, kQ5 ? 5 : 6) gemv_q45k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
+                                                                             float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  constexpr int kBlockBytes = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
   const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2);
   float acc[R][kGemvMaxTokens] = {};
   for (int64_t sb = threadIdx.x / 8; sb < cols / 256; sb += 4) {
-    uint32_t qw[R][4];  // the 16 quant bytes: low nibbles sub-block 2p, high 2p + 1
+    uint32_t qw[R][4], hw[R][4];  // the 16 quant bytes: low nibbles sub-block 2p, high 2p + 1; Q5_K: the 16 qh bytes
     float a[R][2], m[R][2];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * 144;
-      const uint4 qs = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * k));
+      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * kBlockBytes;
+      const uint4 qs = __ldg(reinterpret_cast<const uint4*>(blk + kQs + 16 * k));
       qw[r][0] = qs.x, qw[r][1] = qs.y, qw[r][2] = qs.z, qw[r][3] = qs.w;
-      q4k_pair_scales(blk, p, a[r], m[r]);
+      if constexpr (kQ5) {
+        const uint4 qh = __ldg(reinterpret_cast<const uint4*>(blk + 16 + l0));
+        hw[r][0] = qh.x >> (2 * p), hw[r][1] = qh.y >> (2 * p), hw[r][2] = qh.z >> (2 * p), hw[r][3] = qh.w >> (2 * p);
+      }
+      q4k_pair_scales(blk, p, a[r], m[r]);  // the same header in Q4_K and Q5_K
     }
 #pragma unroll
     for (int t = 0; t < kGemvMaxTokens; ++t)
@@ -421,13 +471,16 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 6) gemv_q4k_kernel(const uint
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const float4 lo = __ldg(xr + c), hi = __ldg(xr + 8 + c);  // weights l0 + 4c .. of sub-blocks 2p, 2p + 1
+          const float xl[4] = {lo.x, lo.y, lo.z, lo.w}, xh[4] = {hi.x, hi.y, hi.z, hi.w};
           sx0 += (lo.x + lo.y) + (lo.z + lo.w), sx1 += (hi.x + hi.y) + (hi.z + hi.w);
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const uint32_t u = qw[r][c];
-            s0[r] += float(u & 15) * lo.x + float((u >> 8) & 15) * lo.y + float((u >> 16) & 15) * lo.z + float((u >> 24) & 15) * lo.w;
-            s1[r] += float((u >> 4) & 15) * hi.x + float((u >> 12) & 15) * hi.y + float((u >> 20) & 15) * hi.z + float(u >> 28) * hi.w;
-          }
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              uint32_t q0 = (qw[r][c] >> (8 * i)) & 15, q1 = (qw[r][c] >> (8 * i + 4)) & 15;
+              if constexpr (kQ5) q0 |= ((hw[r][c] >> (8 * i)) & 1) << 4, q1 |= ((hw[r][c] >> (8 * i + 1)) & 1) << 4;
+              s0[r] += float(q0) * xl[i], s1[r] += float(q1) * xh[i];
+            }
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r][t] += (a[r][0] * s0[r] - m[r][0] * sx0) + (a[r][1] * s1[r] - m[r][1] * sx1);
@@ -440,8 +493,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 6) gemv_q4k_kernel(const uint
 
 // Q6_K: lane k of a group takes half h = k / 4 of the super-block and positions l0 .. l0 + 7
 // (l0 = 8 (k % 4)) of its four 32-weight quarters: 8 bytes of ql at 64h + l0 and at 64h + 32 + l0,
-// 8 of qh at 128 + 32h + l0 (two-byte loads: a Q6_K super-block is 210 bytes, so rows are only
-// 2-byte aligned), and the four 16-weight scales 8h + l0/16 + {0, 2, 4, 6}.
+// 8 of qh at 128 + 32h + l0 (ld_words2), and the four 16-weight scales 8h + l0/16 + {0, 2, 4, 6}.
 template <int R>
 __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
@@ -449,17 +501,13 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint
   if (row0 >= rows) return;
   const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4);
   float acc[R][kGemvMaxTokens] = {};
-  auto ld8 = [](const uint8_t* p, uint32_t* out) {  // 8 bytes at a 2-byte-aligned address, as two words
-    const auto* v = reinterpret_cast<const uint16_t*>(p);
-    out[0] = uint32_t(__ldg(v)) | uint32_t(__ldg(v + 1)) << 16, out[1] = uint32_t(__ldg(v + 2)) | uint32_t(__ldg(v + 3)) << 16;
-  };
   for (int64_t sb = threadIdx.x / 8; sb < cols / 256; sb += 4) {
     uint32_t la[R][2], lb[R][2], hb[R][2];
     float sc[R][4];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * 210;
-      ld8(blk + 64 * h + l0, la[r]), ld8(blk + 64 * h + 32 + l0, lb[r]), ld8(blk + 128 + 32 * h + l0, hb[r]);
+      ld_words2<2>(blk + 64 * h + l0, la[r]), ld_words2<2>(blk + 64 * h + 32 + l0, lb[r]), ld_words2<2>(blk + 128 + 32 * h + l0, hb[r]);
       const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
       const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
 #pragma unroll
@@ -495,7 +543,154 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint
     if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
 }
 
-constexpr int kGemvKRows = 2;  // rows per warp of the Q4_K / Q6_K kernels
+// Q2_K and Q3_K (the Q2_K / Q3_K_M mixes) against fp32 activations, laid out as the other
+// K-quant GEMVs: eight lanes per super-block, R rows per warp. Their 2-bit quants are crumbs:
+// weight l of sub-block j is bits 2 (j % 4) of qs[32 (j / 4) + l] (k_crumb), Q3_K's third bit is
+// bit j of hmask[l]. Lane k takes half n = k / 4 and positions l0 .. l0 + 7 (l0 = 8 (k % 4)) of its
+// four sub-blocks j = 4n + s, so one 8-byte load of qs[32n + l0, + 8) (and of hmask[l0, + 8)) holds
+// all its 32 quants; the 16-weight scale of those positions is scale 2j + l0 / 16.
+//   Q2_K  w = d sc q - dmin mn:  Σ w x = d sc Σ q x - dmin mn Σ x  (sc, mn: the scale byte's nibbles)
+//   Q3_K  w = d (sc - 32) (q - 4), q = crumb | hbit << 2  (q3_k_scale)
+// Q2_K rows are 4-byte aligned (84-byte super-blocks), Q3_K rows 2-byte (110): ld_words2.
+template <int R, bool kQ3>
+__global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q23k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
+                                                                     float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  constexpr int kBlockBytes = kQ3 ? 110 : 84, kQs = kQ3 ? 32 : 16;
+  const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
+  if (row0 >= rows) return;
+  const int k = int(threadIdx.x % 8), n = k / 4, l0 = 8 * (k % 4), half = l0 / 16;
+  float acc[R][kGemvMaxTokens] = {};
+  for (int64_t sb = threadIdx.x / 8; sb < cols / 256; sb += 4) {
+    uint32_t qw[R][2], hw[R][2];  // qs[32n + l0, + 8); Q3_K: hmask[l0, + 8) shifted to bit 4n
+    float a[R][4], m[R][4];       // per sub-block 4n + s: scale and (Q2_K) minimum
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * kBlockBytes;
+      ld_words2<2>(blk + kQs + 32 * n + l0, qw[r]);
+      if constexpr (kQ3) {
+        ld_words2<2>(blk + l0, hw[r]);
+        hw[r][0] >>= 4 * n, hw[r][1] >>= 4 * n;
+        const float d = half_at(blk + 108);
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) a[r][s4] = d * float(q3_k_scale(blk + 96, 2 * (4 * n + s4) + half) - 32), m[r][s4] = 0.0f;
+      } else {
+        const float d = half_at(blk + 80), dmin = half_at(blk + 82);
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) {
+          const int sc = __ldg(blk + 2 * (4 * n + s4) + half);
+          a[r][s4] = d * float(sc & 15), m[r][s4] = dmin * float(sc >> 4);
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const float* xr = x + t * cols + sb * 256 + 128 * n + l0;
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) {
+          const float4 v0 = __ldg(reinterpret_cast<const float4*>(xr + 32 * s4)), v1 = __ldg(reinterpret_cast<const float4*>(xr + 32 * s4) + 1);
+          const float xv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+          const float sx = ((v0.x + v0.y) + (v0.z + v0.w)) + ((v1.x + v1.y) + (v1.z + v1.w));
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            float sq = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              int q = int((qw[r][i / 4] >> (8 * (i % 4) + 2 * s4)) & 3);
+              if constexpr (kQ3) q += int((hw[r][i / 4] >> (8 * (i % 4) + s4)) & 1) * 4 - 4;
+              sq += float(q) * xv[i];
+            }
+            acc[r][t] += kQ3 ? a[r][s4] * sq : a[r][s4] * sq - m[r][s4] * sx;
+          }
+        }
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
+}
+
+// The 32-weight raw types Q5_0, Q5_1 and IQ4_NL against fp32 activations: a lane per block
+// (b = lane, lane + 32, ...: a warp reads consecutive blocks), R rows per warp, the block read as
+// 16-bit words (Q5_0 and IQ4_NL rows are only 2-byte aligned: 22- and 18-byte blocks), the 32
+// activations as eight float4. qs byte i holds weight i (low nibble) and i + 16 (high); Q5's
+// fifth bit of weight i is bit i of qh. With w = d q' + m per weight:
+//   Q5_0  q' = q, m = -16 d;   Q5_1  q' = q, m from the block;   IQ4_NL  q' = level(q), m = 0.
+template <int R, DType kType>
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_b32_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
+                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  constexpr bool kNL = kType == DType::IQ4_NL, kMin = kType == DType::Q5_1;
+  constexpr int kBlockBytes = kNL ? 18 : kMin ? 24 : 22, kQh = kMin ? 4 : 2, kQs = kNL ? 2 : kQh + 4;
+  const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
+  if (row0 >= rows) return;
+  float acc[R][kGemvMaxTokens] = {};
+  for (int64_t b = threadIdx.x; b < cols / 32; b += 32) {
+    uint32_t qw[R][4], hw[R];
+    float d[R], m[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + b * kBlockBytes;
+      const auto* h = reinterpret_cast<const uint16_t*>(blk);
+      d[r] = fp16_bits_to_float(__ldg(h));
+      m[r] = kMin ? fp16_bits_to_float(__ldg(h + 1)) : kNL ? 0.0f : -16.0f * d[r];
+      ld_words2<4>(blk + kQs, qw[r]);
+      if constexpr (!kNL) ld_words2<1>(blk + kQh, &hw[r]);
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const float4* xr = reinterpret_cast<const float4*>(x + t * cols + b * 32);
+        float sq[R] = {}, sx = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float4 lo = __ldg(xr + c), hi = __ldg(xr + 4 + c);  // weights 4c .. 4c + 3 and 16 + 4c ..
+          const float xl[4] = {lo.x, lo.y, lo.z, lo.w}, xh[4] = {hi.x, hi.y, hi.z, hi.w};
+          if constexpr (!kNL) sx += ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              uint32_t ql = (qw[r][c] >> (8 * i)) & 15, qh = (qw[r][c] >> (8 * i + 4)) & 15;
+              if constexpr (kNL) {
+                sq[r] += float(iq4_nl_level(ql)) * xl[i] + float(iq4_nl_level(qh)) * xh[i];
+              } else {
+                ql |= ((hw[r] >> (4 * c + i)) & 1) << 4, qh |= ((hw[r] >> (16 + 4 * c + i)) & 1) << 4;
+                sq[r] += float(ql) * xl[i] + float(qh) * xh[i];
+              }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][t] += d[r] * sq[r] + m[r] * sx;
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
+}
+
+constexpr int kGemvKRows = 2;  // rows per warp of the raw types' kernels
+
+// The raw types' GEMV kernels above (one signature).
+using RawGemvKernel = void (*)(const uint8_t*, size_t, const float*, float*, int64_t, int64_t, int64_t, int);
+
+// The tuned GEMV of raw type t, or nullptr when the weights at wq are not aligned as its loads
+// need (every row then is: a row's bytes are a multiple of that alignment) or the activations at x
+// are not 16-byte aligned; gemv_raw_kernel runs then.
+RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
+  const int align = t == DType::Q4_K || t == DType::Q5_K ? 16 : t == DType::Q2_K || t == DType::Q5_1 ? 4 : 2;
+  if (reinterpret_cast<uintptr_t>(wq) % align != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return nullptr;
+  switch (t) {
+    case DType::Q2_K: return gemv_q23k_kernel<kGemvKRows, false>;
+    case DType::Q3_K: return gemv_q23k_kernel<kGemvKRows, true>;
+    case DType::Q4_K: return gemv_q45k_kernel<kGemvKRows, false>;
+    case DType::Q5_K: return gemv_q45k_kernel<kGemvKRows, true>;
+    case DType::Q6_K: return gemv_q6k_kernel<kGemvKRows>;
+    case DType::Q5_0: return gemv_b32_kernel<kGemvKRows, DType::Q5_0>;
+    case DType::Q5_1: return gemv_b32_kernel<kGemvKRows, DType::Q5_1>;
+    case DType::IQ4_NL: return gemv_b32_kernel<kGemvKRows, DType::IQ4_NL>;
+    default: return nullptr;
+  }
+}
 
 }  // namespace
 
@@ -519,18 +714,12 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
     case DType::BF16:
       LLMQ_LAUNCH(gemv_float_kernel<__nv_bfloat16>, grid, block, 0, s)(reinterpret_cast<const __nv_bfloat16*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
-    case DType::Q4_K:
-    case DType::Q6_K:
-      if (reinterpret_cast<uintptr_t>(w.q) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    default:
+      if (RawGemvKernel k = raw_gemv_kernel(w.type, w.q, x)) {
         const unsigned kgrid = unsigned((w.rows + kGemvWarps * kGemvKRows - 1) / (kGemvWarps * kGemvKRows));
-        if (w.type == DType::Q4_K)
-          LLMQ_LAUNCH(gemv_q4k_kernel<kGemvKRows>, kgrid, block, 0, s)(w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
-        else
-          LLMQ_LAUNCH(gemv_q6k_kernel<kGemvKRows>, kgrid, block, 0, s)(w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
+        LLMQ_LAUNCH(k, kgrid, block, 0, s)(w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
         break;
       }
-      [[fallthrough]];
-    default:
       LLMQ_LAUNCH(gemv_raw_kernel, grid, block, 0, s)(w.type, w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
       break;
   }
@@ -663,7 +852,7 @@ static bool use_mmq(const DeviceWeight& w, int64_t T) {
   return mode != 0 && T > kGemvMaxTokens && (T <= kCudaMmqMaxTokens || mode == 1) && mmq_supported(w);
 }
 
-bool matmul_quantizes(const DeviceWeight& w, int64_t T) { return is_block_type(w.type) && (T <= kGemvMaxTokens || use_mmq(w, T)); }
+bool matmul_quantizes(const DeviceWeight& w, int64_t T) { return (is_block_type(w.type) && T <= kGemvMaxTokens) || use_mmq(w, T); }
 
 const DeviceActQ8* MatmulContext::fusable(const DeviceWeight& next, int64_t T, int64_t cols) {
   if (!matmul_quantizes(next, T) || cols % 32 != 0) return nullptr;

@@ -1,9 +1,11 @@
 // Matrix products on the GPU: y [T, rows] = x [T, cols] · Wᵀ for weights in every stored type.
-//   decode (T <= kGemvMaxTokens): our GEMV kernels, dequantization fused in registers, 16-byte
-//     loads, int8 dot products (dp4a) against activations quantized per block of 32 (as the
-//     CPU path and llama.cpp's MMVQ do);
-//   batches of block-quantized weights (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8 tensor
-//     cores on the quant blocks, split-K when the grid would be small;
+//   decode (T <= kGemvMaxTokens): our GEMV kernels, dequantization fused in registers, wide
+//     loads; Q8_0/Q4_0/Q4_1: int8 dot products (dp4a) against activations quantized per block
+//     of 32 (as the CPU path and llama.cpp's MMVQ do); the raw types (K-quants, Q5_0, Q5_1,
+//     IQ4_NL): fp32 activations, one kernel family each (eight lanes per 256-weight super-block,
+//     or a lane per 32-weight block);
+//   batches of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K weights (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8
+//     tensor cores on the quant blocks, split-K when the grid would be small;
 //   prefill (larger T, or weights MMQ does not take): the weight dequantized to fp16 tiles of
 //     rows, then cuBLAS on the tensor cores (fp32 accumulation).
 // CPU references: engine/cpu/cpu_ops.h ref_matmul (fp32 activations, fp64 sums) and the block dot
@@ -47,7 +49,8 @@ DeviceWeight weight_rows(const DeviceWeight& w, int64_t r0, int64_t n);
 
 /// Fills a split-layout matrix on the device with random weights (a hash of seed and index):
 /// Q types get uniform quants and scales ~ 0.02/|q| (weights of std ~0.01-0.02, as a trained
-/// Llama's), float types uniform values in ±0.03. For synthetic benchmarks: nothing travels.
+/// Llama's), float types uniform values in ±0.03; the raw types (file layout) uniform bytes with
+/// their fp16 scales (and minimums) set to that scale. For synthetic benchmarks: nothing travels.
 void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s);
 
 /// Activations quantized per block of 32 for the integer GEMV, as engine/cpu/cpu_ops.h's
@@ -130,10 +133,14 @@ double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps = 10)
 
 /// The kernels behind matmul, exposed for the parity tests and the dev lab.
 void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t cols, cudaStream_t s);
+/// GEMV: y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = x [T, w.cols] · wᵀ, 1 <= T <=
+/// kGemvMaxTokens. Q8_0/Q4_0/Q4_1 read xq (quantize_act of x), every other type reads x (fp32;
+/// the raw types' tuned kernels want x 16-byte aligned, else a byte-wise kernel runs).
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
 /// MMQ (engine/cuda/mmq.cu): y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = the
 /// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for Q8_0/Q4_0/Q4_1
-/// weights whose column count is a multiple of 64 (mmq_supported). tile_tokens: tokens per CUDA
+/// weights whose column count is a multiple of 64, and Q4_K/Q5_K weights at 16-byte-aligned
+/// addresses (mmq_supported). tile_tokens: tokens per CUDA
 /// block (16, 32, 64 or 128; 0: mmq_tile_tokens(T)). split / split_bytes: scratch for
 /// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
 /// the grid would otherwise leave most of the GPU idle (few rows, few tokens); null: no split.

@@ -1,12 +1,15 @@
 // MMQ: matrix products of block-quantized weights and int8 activations on the tensor cores
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
-// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout, x quantized per
-// block of 32 by quantize_act (q, d, s = d·Σq). Per block of 32 columns, an integer product on
-// the tensor cores (mma.m16n8k32, int32 sums), then scaled in fp32 as the GEMV does:
+// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout or Q4_K / Q5_K in the
+// file's (raw_blocks.cuh), x quantized per block of 32 by quantize_act (q, d, s = d·Σq). Per
+// block of 32 columns, an integer product on the tensor cores (mma.m16n8k32, int32 sums), then
+// scaled in fp32 as the GEMV does:
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
 //   Q4_0:  w = d_w (q_w - 8):   Σ w x = d_w (d_x Σ q_w q_x - 8 s_x)       (q_w as uint8 0..15)
 //   Q4_1:  w = d_w q_w + m_w:   Σ w x = d_w d_x Σ q_w q_x + m_w s_x
+//   Q4_K, Q5_K: per 32-weight sub-block w = a q_w - m (a = d·sc, m = dmin·mn, k4_scale_min):
+//          Q4_1's sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31).
 // (the same sums as llama.cpp's MMQ kernels and the CPU's block dot products, engine/cpu/cpu_ops.cpp).
 //
 // A CUDA block computes a tile of kMmqBM weight rows x BN tokens with 8 warps (4 along the rows,
@@ -19,6 +22,7 @@
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/matmul.h"
 #include "engine/cuda/mma.cuh"
+#include "engine/cuda/raw_blocks.cuh"
 #include "base/error.h"
 
 namespace llmq::cuda {
@@ -32,15 +36,22 @@ constexpr int kMmqThreads = 256;
 constexpr int kMmqPad = 16;     // bytes after each shared-memory row
 
 template <DType kType>
-constexpr int kQuantBytes = kType == DType::Q8_0 ? 32 : 16;  // bytes of one block's quants
+constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K;  // raw rows, a 16-byte header per super-block
+// Bytes of one 32-column block's quants in shared memory (Q5_K: 16 of qs and 16 of qh).
+template <DType kType>
+constexpr int kQuantBytes = kType == DType::Q8_0 || kType == DType::Q5_K ? 32 : 16;
 template <DType kType>
 constexpr int kAPitch = 2 * kQuantBytes<kType> + kMmqPad;
 constexpr int kBPitch = kMmqBK + kMmqPad;
 
-// One stage in shared memory: two quant blocks of BM weight rows and BN tokens.
+// One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K / Q5_K:
+// the stage is sub-blocks 2p, 2p + 1 of a super-block (p = stage % 4), a holds its 32 qs bytes
+// (byte i: column i in the low nibble, 32 + i in the high; Q5_K then the super-block's 32 qh
+// bytes), hdr the super-block's d, dmin and 12 scale bytes.
 template <DType kType, int BN>
 struct MmqStage {
   alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad]
+  alignas(16) uint8_t hdr[kKQuant<kType> ? kMmqBM * 16 : 16];  // K-quant super-block headers [BM][16]
   alignas(16) int8_t b[BN * kBPitch];                // activation quants [BN][64 + pad]
   alignas(16) uint16_t dw[kMmqBM * 2];               // weight scales [BM][2] fp16
   alignas(16) uint16_t mw[kType == DType::Q4_1 ? kMmqBM * 2 : 8];  // Q4_1 minimums [BM][2] fp16
@@ -50,6 +61,7 @@ struct MmqStage {
 
 struct MmqArgs {
   const uint8_t* wq;
+  int64_t rb;     // bytes per weight row (raw K-quant rows)
   const uint16_t *wd, *wm;
   const int8_t* xq;
   const float *xd, *xs;
@@ -67,7 +79,15 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
   const int tid = int(threadIdx.x), nb = p.cols / 32;
   for (int i = tid; i < kMmqBM * kRowChunks; i += kMmqThreads) {
     const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
-    cp_async16(st.a + r * kAPitch<kType> + c * 16, p.wq + (int64_t(row) * nb + kb) * kQB + c * 16);
+    const uint8_t* src;
+    if constexpr (kKQuant<kType>) {  // qs of sub-blocks 2p, 2p + 1 (chunks 0, 1); Q5_K: qh (chunks 2, 3)
+      const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * (kType == DType::Q5_K ? 176 : 144);
+      const int qs = kType == DType::Q5_K ? 48 : 16, pr = (kb / 2) % 4;
+      src = c < 2 ? sb + qs + 32 * pr + 16 * c : sb + 16 + 16 * (c - 2);
+    } else {
+      src = p.wq + (int64_t(row) * nb + kb) * kQB + c * 16;
+    }
+    cp_async16(st.a + r * kAPitch<kType> + c * 16, src);
   }
   for (int i = tid; i < BN * 4; i += kMmqThreads) {
     const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
@@ -75,8 +95,12 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
   }
   for (int i = tid; i < kMmqBM; i += kMmqThreads) {
     const int64_t row = min(row0 + i, p.rows - 1);
-    cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
-    if constexpr (kType == DType::Q4_1) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
+    if constexpr (kKQuant<kType>) {
+      cp_async16(st.hdr + 16 * i, p.wq + row * p.rb + int64_t(kb / 8) * (kType == DType::Q5_K ? 176 : 144));
+    } else {
+      cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
+      if constexpr (kType == DType::Q4_1) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
+    }
   }
   for (int i = tid; i < BN; i += kMmqThreads) {
     const int64_t tok = min(tok0 + i, p.T - 1);
@@ -87,12 +111,31 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
 
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+// Sub-block j's (0..7) scale a = d·sc and negated minimum -dmin·mn of the Q4_K / Q5_K super-block
+// header at h (d, dmin, 12 scale bytes; shared memory).
+__device__ __forceinline__ void k_sub_scale(const uint8_t* h, int j, float& a, float& neg_m) {
+  int sc, mn;
+  k4_scale_min([&](int i) { return int(h[4 + i]); }, j, sc, mn);
+  a = fp16_bits_to_float(uint16_t(h[0] | h[1] << 8)) * float(sc);
+  neg_m = -fp16_bits_to_float(uint16_t(h[2] | h[3] << 8)) * float(mn);
+}
+
 // The A fragments (layout: mma.cuh) of 16 rows at `rows` (pitch kAPitch) for quant block j of the
-// stage: Q8_0 bytes as they are; Q4 nibbles, low ones = columns 0..15, high ones = 16..31.
+// stage: Q8_0 bytes as they are; Q4 nibbles, low ones = columns 0..15, high ones = 16..31;
+// Q4_K / Q5_K: nibble j of the stage's 32 qs bytes (Q5_K: | bit 2 pr + j of the qh bytes << 4,
+// pr = the stage's sub-block pair).
 template <DType kType>
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, int j, int g, int c) {
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, int j, int g, int c, int pr) {
   constexpr int P = kAPitch<kType>;
-  if constexpr (kType == DType::Q8_0) {
+  if constexpr (kKQuant<kType>) {
+    const uint8_t* r0 = rows + g * P + 4 * c;
+    const int off[4] = {0, 8 * P, 16, 8 * P + 16};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = (lds32(r0 + off[i]) >> (4 * j)) & 0x0f0f0f0fu;
+      if constexpr (kType == DType::Q5_K) a[i] |= ((lds32(r0 + 32 + off[i]) >> (2 * pr + j)) & 0x01010101u) << 4;
+    }
+  } else if constexpr (kType == DType::Q8_0) {
     const uint8_t* r0 = rows + g * P + j * 32 + 4 * c;
     a[0] = lds32(r0), a[1] = lds32(r0 + 8 * P), a[2] = lds32(r0 + 16), a[3] = lds32(r0 + 8 * P + 16);
   } else {
@@ -131,11 +174,12 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
     if (kn < n_stages) mmq_load(st[kn % kMmqStages], p, row0, tok0, 2 * (first + kn));
     cp_async_commit();
     const Stage& s = st[k % kMmqStages];
+    const int pr = (first + k) % 4;  // K-quants: the stage's sub-block pair in its super-block
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       uint32_t a[2][4], b[NT][2];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) load_a<kType>(a[mi], s.a + (wr + 16 * mi) * kAPitch<kType>, j, g, c);
+      for (int mi = 0; mi < 2; ++mi) load_a<kType>(a[mi], s.a + (wr + 16 * mi) * kAPitch<kType>, j, g, c, pr);
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni) {
         const int8_t* br = s.b + (wc + 8 * ni + g) * kBPitch + j * 32 + 4 * c;
@@ -144,9 +188,13 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
         const int r = wr + 16 * mi + g;
-        const float dw0 = fp16_bits_to_float(s.dw[2 * r + j]), dw1 = fp16_bits_to_float(s.dw[2 * (r + 8) + j]);
-        float mw0 = 0.0f, mw1 = 0.0f;
-        if constexpr (kType == DType::Q4_1) mw0 = fp16_bits_to_float(s.mw[2 * r + j]), mw1 = fp16_bits_to_float(s.mw[2 * (r + 8) + j]);
+        float dw0, dw1, mw0 = 0.0f, mw1 = 0.0f;
+        if constexpr (kKQuant<kType>) {
+          k_sub_scale(s.hdr + 16 * r, 2 * pr + j, dw0, mw0), k_sub_scale(s.hdr + 16 * (r + 8), 2 * pr + j, dw1, mw1);
+        } else {
+          dw0 = fp16_bits_to_float(s.dw[2 * r + j]), dw1 = fp16_bits_to_float(s.dw[2 * (r + 8) + j]);
+          if constexpr (kType == DType::Q4_1) mw0 = fp16_bits_to_float(s.mw[2 * r + j]), mw1 = fp16_bits_to_float(s.mw[2 * (r + 8) + j]);
+        }
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {
           int d[4] = {0, 0, 0, 0};
@@ -231,10 +279,13 @@ void launch_mmq_bn(const MmqArgs& a, int bn, cudaStream_t s) {
 
 void mmq_prepare() {
   allow_smem_all<DType::Q8_0>(), allow_smem_all<DType::Q4_0>(), allow_smem_all<DType::Q4_1>();
+  allow_smem_all<DType::Q4_K>(), allow_smem_all<DType::Q5_K>();
 }
 
 bool mmq_supported(const DeviceWeight& w) {
-  return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1) && w.cols % 64 == 0 && w.rows > 0;
+  const bool k = w.type == DType::Q4_K || w.type == DType::Q5_K;  // raw rows: 16-byte aligned for cp.async
+  return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1 || (k && reinterpret_cast<uintptr_t>(w.q) % 16 == 0)) &&
+         w.cols % 64 == 0 && w.rows > 0;
 }
 
 int mmq_tile_tokens(int64_t T) { return T <= 16 ? 16 : T <= 32 ? 32 : T <= 64 ? 64 : 128; }
@@ -251,15 +302,17 @@ int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes) {
 
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
          uint64_t split_bytes) {
-  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0 or Q4_1 weights with columns a multiple of 64");
+  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0, Q4_1, Q4_K or Q5_K weights with columns a multiple of 64");
   if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
   const int splits = split ? mmq_splits(w, T, split_bytes) : 1;
   if (ldy == 0) ldy = w.rows;
-  const MmqArgs a{w.q, w.d, w.m, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits};
+  const MmqArgs a{w.q, int64_t(row_bytes(w.type, w.cols)), w.d, w.m, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits};
   const int bn = tile_tokens ? tile_tokens : mmq_tile_tokens(T);
   switch (w.type) {
     case DType::Q8_0: launch_mmq_bn<DType::Q8_0>(a, bn, s); break;
     case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
+    case DType::Q4_K: launch_mmq_bn<DType::Q4_K>(a, bn, s); break;
+    case DType::Q5_K: launch_mmq_bn<DType::Q5_K>(a, bn, s); break;
     default: launch_mmq_bn<DType::Q4_1>(a, bn, s); break;
   }
   check_launch("mmq");

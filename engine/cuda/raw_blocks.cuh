@@ -49,10 +49,11 @@ __device__ __forceinline__ void q4k_pair_scales(const uint8_t* blk, int p, float
   }
 }
 
-/// IQ4_NL's level i (formats/quant.h kIQ4NLValues, whose host array device code cannot read).
-__device__ __forceinline__ float iq4_nl_level(int i) {
-  constexpr int8_t v[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-  return float(v[i]);
+/// IQ4_NL's level i, 0 <= i < 16 (formats/quant.h kIQ4NLValues, whose host array device code
+/// cannot read), looked up in registers: the 16 levels as signed bytes of two words.
+__device__ __forceinline__ int iq4_nl_level(uint32_t i) {
+  constexpr uint64_t kLo = 0xf6eaddcfbfad9881ull, kHi = 0x7159453526190d01ull;  // levels 0-7, 8-15
+  return int(int8_t(((i & 8) ? kHi : kLo) >> (8 * (i & 7))));
 }
 
 /// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
@@ -86,8 +87,8 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
     const uint8_t* blk = row + b * 18;
     const float d = half_at(blk);
     for (int i = 0; i < 16; ++i) {
-      w[i] = d * iq4_nl_level(blk[2 + i] & 15);
-      w[i + 16] = d * iq4_nl_level(blk[2 + i] >> 4);
+      w[i] = d * float(iq4_nl_level(blk[2 + i] & 15));
+      w[i + 16] = d * float(iq4_nl_level(blk[2 + i] >> 4));
     }
   } else if (t == DType::Q2_K) {
     const uint8_t* blk = row + (b / 8) * 84;
