@@ -10,6 +10,9 @@
 //   Q4_1:  w = d_w q_w + m_w:   Σ w x = d_w d_x Σ q_w q_x + m_w s_x
 //   Q4_K, Q5_K: per 32-weight sub-block w = a q_w - m (a = d·sc, m = dmin·mn, k4_scale_min):
 //          Q4_1's sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31).
+//   Q6_K:  w = d sc (q_w - 32) with a scale per 16 weights: two products per block, each on one
+//          half of k (the other half's A fragments zero):  d d_x (sc_lo Σ_lo + sc_hi Σ_hi),
+//          q_w - 32 as int8.
 // (the same sums as llama.cpp's MMQ kernels and the CPU's block dot products, engine/cpu/cpu_ops.cpp).
 //
 // A CUDA block computes a tile of kMmqBM weight rows x BN tokens with 8 warps (4 along the rows,
@@ -36,10 +39,11 @@ constexpr int kMmqThreads = 256;
 constexpr int kMmqPad = 16;     // bytes after each shared-memory row
 
 template <DType kType>
-constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K;  // raw rows, a 16-byte header per super-block
-// Bytes of one 32-column block's quants in shared memory (Q5_K: 16 of qs and 16 of qh).
+constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kType == DType::Q6_K;  // raw rows, a header per row and stage
+// Bytes of one 32-column block's quants in shared memory (Q5_K: 16 of qs and 16 of qh; Q6_K:
+// 32 of ql and 16 of qh).
 template <DType kType>
-constexpr int kQuantBytes = kType == DType::Q8_0 || kType == DType::Q5_K ? 32 : 16;
+constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K ? 32 : 16;
 template <DType kType>
 constexpr int kAPitch = 2 * kQuantBytes<kType> + kMmqPad;
 constexpr int kBPitch = kMmqBK + kMmqPad;
@@ -47,7 +51,9 @@ constexpr int kBPitch = kMmqBK + kMmqPad;
 // One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K / Q5_K:
 // the stage is sub-blocks 2p, 2p + 1 of a super-block (p = stage % 4), a holds its 32 qs bytes
 // (byte i: column i in the low nibble, 32 + i in the high; Q5_K then the super-block's 32 qh
-// bytes), hdr the super-block's d, dmin and 12 scale bytes.
+// bytes), hdr the super-block's d, dmin and 12 scale bytes. Q6_K: a holds ql[64h, 64h + 64) and
+// qh[32h, 32h + 32) of half h = p / 2 (block j's low nibbles: ql byte 32j + i, nibble p % 2; its
+// high bits: qh byte i, bits 2 (2 (p % 2) + j)), hdr the stage's four int8 scales and d.
 template <DType kType, int BN>
 struct MmqStage {
   alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad]
@@ -71,36 +77,55 @@ struct MmqArgs {
   int splits;     // gridDim.z: column ranges (split-K), each a contiguous run of stages
 };
 
+// Q6_K's part of a stage (column blocks kb, kb + 1) for the rows at row0: its rows are only
+// 2-byte aligned (210-byte super-blocks), so 16-bit loads and stores rather than cp.async.
+template <class Stage>
+__device__ __forceinline__ void mmq_load_q6k(Stage& st, const MmqArgs& p, int row0, int kb) {
+  constexpr int P = kAPitch<DType::Q6_K>;
+  const int tid = int(threadIdx.x), pr = (kb / 2) % 4, h = pr / 2;
+  for (int i = tid; i < kMmqBM * 51; i += kMmqThreads) {  // per row: 48 words of quants, 3 of header
+    const int r = i / 51, w = i % 51, row = min(row0 + r, p.rows - 1);
+    const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * 210;
+    const uint8_t* src = w < 32 ? sb + 64 * h + 2 * w : w < 48 ? sb + 128 + 32 * h + 2 * (w - 32) : w < 50 ? sb + 192 + 4 * pr + 2 * (w - 48) : sb + 208;
+    uint8_t* dst = w < 48 ? st.a + r * P + 2 * w : st.hdr + 16 * r + 2 * (w - 48);
+    *reinterpret_cast<uint16_t*>(dst) = __ldg(reinterpret_cast<const uint16_t*>(src));
+  }
+}
+
 // Issues the copies of stage (column blocks kb, kb + 1) for the tile at (row0, tok0). Rows and
 // tokens past the end read the last one (their results are not stored).
 template <DType kType, int BN>
 __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs& p, int row0, int tok0, int kb) {
   constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16;
   const int tid = int(threadIdx.x), nb = p.cols / 32;
-  for (int i = tid; i < kMmqBM * kRowChunks; i += kMmqThreads) {
-    const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
-    const uint8_t* src;
-    if constexpr (kKQuant<kType>) {  // qs of sub-blocks 2p, 2p + 1 (chunks 0, 1); Q5_K: qh (chunks 2, 3)
-      const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * (kType == DType::Q5_K ? 176 : 144);
-      const int qs = kType == DType::Q5_K ? 48 : 16, pr = (kb / 2) % 4;
-      src = c < 2 ? sb + qs + 32 * pr + 16 * c : sb + 16 + 16 * (c - 2);
-    } else {
-      src = p.wq + (int64_t(row) * nb + kb) * kQB + c * 16;
+  if constexpr (kType == DType::Q6_K) {
+    mmq_load_q6k(st, p, row0, kb);
+  } else {
+    for (int i = tid; i < kMmqBM * kRowChunks; i += kMmqThreads) {
+      const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
+      const uint8_t* src;
+      if constexpr (kKQuant<kType>) {  // qs of sub-blocks 2p, 2p + 1 (chunks 0, 1); Q5_K: qh (chunks 2, 3)
+        const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * (kType == DType::Q5_K ? 176 : 144);
+        const int qs = kType == DType::Q5_K ? 48 : 16, pr = (kb / 2) % 4;
+        src = c < 2 ? sb + qs + 32 * pr + 16 * c : sb + 16 + 16 * (c - 2);
+      } else {
+        src = p.wq + (int64_t(row) * nb + kb) * kQB + c * 16;
+      }
+      cp_async16(st.a + r * kAPitch<kType> + c * 16, src);
     }
-    cp_async16(st.a + r * kAPitch<kType> + c * 16, src);
+    for (int i = tid; i < kMmqBM; i += kMmqThreads) {
+      const int64_t row = min(row0 + i, p.rows - 1);
+      if constexpr (kKQuant<kType>) {
+        cp_async16(st.hdr + 16 * i, p.wq + row * p.rb + int64_t(kb / 8) * (kType == DType::Q5_K ? 176 : 144));
+      } else {
+        cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
+        if constexpr (kType == DType::Q4_1) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
+      }
+    }
   }
   for (int i = tid; i < BN * 4; i += kMmqThreads) {
     const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
     cp_async16(st.b + t * kBPitch + c * 16, p.xq + int64_t(tok) * p.cols + kb * 32 + c * 16);
-  }
-  for (int i = tid; i < kMmqBM; i += kMmqThreads) {
-    const int64_t row = min(row0 + i, p.rows - 1);
-    if constexpr (kKQuant<kType>) {
-      cp_async16(st.hdr + 16 * i, p.wq + row * p.rb + int64_t(kb / 8) * (kType == DType::Q5_K ? 176 : 144));
-    } else {
-      cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
-      if constexpr (kType == DType::Q4_1) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
-    }
   }
   for (int i = tid; i < BN; i += kMmqThreads) {
     const int64_t tok = min(tok0 + i, p.T - 1);
@@ -110,6 +135,26 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
 }
 
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Q6_K: block j of the stage for rows r and r + 8 of the warp's tile, added to acc.
+template <int NT, class Stage>
+__device__ __forceinline__ void q6k_accumulate(float (&acc)[NT][4], const uint32_t (&a)[4], const uint32_t (&b)[NT][2], const Stage& s, int r,
+                                               int j, int wc, int c) {
+  const uint8_t *h0 = s.hdr + 16 * r, *h1 = s.hdr + 16 * (r + 8);
+  const float d0 = fp16_bits_to_float(uint16_t(h0[4] | h0[5] << 8)), d1 = fp16_bits_to_float(uint16_t(h1[4] | h1[5] << 8));
+  const float s0a = d0 * float(int8_t(h0[2 * j])), s0b = d0 * float(int8_t(h0[2 * j + 1]));
+  const float s1a = d1 * float(int8_t(h1[2 * j])), s1b = d1 * float(int8_t(h1[2 * j + 1]));
+  const uint32_t lo[4] = {a[0], a[1], 0u, 0u}, hi[4] = {0u, 0u, a[2], a[3]};
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni) {
+    int dl[4] = {0, 0, 0, 0}, dh[4] = {0, 0, 0, 0};
+    mma_s8(dl, lo, b[ni]), mma_s8(dh, hi, b[ni]);
+    const int t = wc + 8 * ni + 2 * c;
+    const float dx0 = s.dx[2 * t + j], dx1 = s.dx[2 * (t + 1) + j];
+    acc[ni][0] += dx0 * (s0a * float(dl[0]) + s0b * float(dh[0])), acc[ni][1] += dx1 * (s0a * float(dl[1]) + s0b * float(dh[1]));
+    acc[ni][2] += dx0 * (s1a * float(dl[2]) + s1b * float(dh[2])), acc[ni][3] += dx1 * (s1a * float(dl[3]) + s1b * float(dh[3]));
+  }
+}
 
 // Sub-block j's (0..7) scale a = d·sc and negated minimum -dmin·mn of the Q4_K / Q5_K super-block
 // header at h (d, dmin, 12 scale bytes; shared memory).
@@ -127,7 +172,15 @@ __device__ __forceinline__ void k_sub_scale(const uint8_t* h, int j, float& a, f
 template <DType kType>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, int j, int g, int c, int pr) {
   constexpr int P = kAPitch<kType>;
-  if constexpr (kKQuant<kType>) {
+  if constexpr (kType == DType::Q6_K) {
+    const uint8_t* r0 = rows + g * P + 4 * c;
+    const int off[4] = {0, 8 * P, 16, 8 * P + 16}, jj = 2 * (pr % 2) + j;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t q = ((lds32(r0 + 32 * j + off[i]) >> (4 * (pr % 2))) & 0x0f0f0f0fu) | ((lds32(r0 + 64 + off[i]) >> (2 * jj)) & 0x03030303u) << 4;
+      a[i] = ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // each byte q - 32 as int8 (bytes 0..63: no borrow)
+    }
+  } else if constexpr (kKQuant<kType>) {
     const uint8_t* r0 = rows + g * P + 4 * c;
     const int off[4] = {0, 8 * P, 16, 8 * P + 16};
 #pragma unroll
@@ -188,6 +241,10 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
         const int r = wr + 16 * mi + g;
+        if constexpr (kType == DType::Q6_K) {
+          q6k_accumulate<NT>(acc[mi], a[mi], b, s, r, j, wc, c);
+          continue;
+        }
         float dw0, dw1, mw0 = 0.0f, mw1 = 0.0f;
         if constexpr (kKQuant<kType>) {
           k_sub_scale(s.hdr + 16 * r, 2 * pr + j, dw0, mw0), k_sub_scale(s.hdr + 16 * (r + 8), 2 * pr + j, dw1, mw1);
@@ -279,12 +336,14 @@ void launch_mmq_bn(const MmqArgs& a, int bn, cudaStream_t s) {
 
 void mmq_prepare() {
   allow_smem_all<DType::Q8_0>(), allow_smem_all<DType::Q4_0>(), allow_smem_all<DType::Q4_1>();
-  allow_smem_all<DType::Q4_K>(), allow_smem_all<DType::Q5_K>();
+  allow_smem_all<DType::Q4_K>(), allow_smem_all<DType::Q5_K>(), allow_smem_all<DType::Q6_K>();
 }
 
 bool mmq_supported(const DeviceWeight& w) {
   const bool k = w.type == DType::Q4_K || w.type == DType::Q5_K;  // raw rows: 16-byte aligned for cp.async
-  return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1 || (k && reinterpret_cast<uintptr_t>(w.q) % 16 == 0)) &&
+  const bool q6 = w.type == DType::Q6_K;                           // 2-byte aligned (16-bit loads)
+  return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1 || (k && reinterpret_cast<uintptr_t>(w.q) % 16 == 0) ||
+          (q6 && reinterpret_cast<uintptr_t>(w.q) % 2 == 0)) &&
          w.cols % 64 == 0 && w.rows > 0;
 }
 
@@ -302,7 +361,7 @@ int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes) {
 
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
          uint64_t split_bytes) {
-  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0, Q4_1, Q4_K or Q5_K weights with columns a multiple of 64");
+  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K weights with columns a multiple of 64");
   if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
   const int splits = split ? mmq_splits(w, T, split_bytes) : 1;
   if (ldy == 0) ldy = w.rows;
@@ -313,6 +372,7 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
     case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
     case DType::Q4_K: launch_mmq_bn<DType::Q4_K>(a, bn, s); break;
     case DType::Q5_K: launch_mmq_bn<DType::Q5_K>(a, bn, s); break;
+    case DType::Q6_K: launch_mmq_bn<DType::Q6_K>(a, bn, s); break;
     default: launch_mmq_bn<DType::Q4_1>(a, bn, s); break;
   }
   check_launch("mmq");
