@@ -1,8 +1,8 @@
 // MMQ: matrix products of block-quantized weights and int8 activations on the tensor cores
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
-// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout or Q4_K / Q5_K in the
-// file's (raw_blocks.cuh), x quantized per block of 32 by quantize_act (q, d, s = d·Σq). Per
+// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout or Q5_0 / Q5_1 /
+// Q4_K / Q5_K / Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by quantize_act (q, d, s = d·Σq). Per
 // block of 32 columns, an integer product on the tensor cores (mma.m16n8k32, int32 sums), then
 // scaled in fp32 as the GEMV does:
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
@@ -10,6 +10,7 @@
 //   Q4_1:  w = d_w q_w + m_w:   Σ w x = d_w d_x Σ q_w q_x + m_w s_x
 //   Q4_K, Q5_K: per 32-weight sub-block w = a q_w - m (a = d·sc, m = dmin·mn, k4_scale_min):
 //          Q4_1's sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31).
+//   Q5_0:  as Q4_0 with q_w 0..31 (the fifth bit from qh) and -16 s_x;  Q5_1: as Q4_1, q_w 0..31
 //   Q6_K:  w = d sc (q_w - 32) with a scale per 16 weights: two products per block, each on one
 //          half of k (the other half's A fragments zero):  d d_x (sc_lo Σ_lo + sc_hi Σ_hi),
 //          q_w - 32 as int8.
@@ -43,9 +44,11 @@ constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kType =
 // Bytes of one 32-column block's quants in shared memory (Q5_K: 16 of qs and 16 of qh; Q6_K:
 // 32 of ql and 16 of qh).
 template <DType kType>
-constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K ? 32 : 16;
+constexpr bool kQ5 = kType == DType::Q5_0 || kType == DType::Q5_1;  // raw 22- / 24-byte blocks
 template <DType kType>
-constexpr int kAPitch = 2 * kQuantBytes<kType> + kMmqPad;
+constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K ? 32 : kQ5<kType> ? 20 : 16;
+template <DType kType>
+constexpr int kAPitch = kQ5<kType> ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // Q5: 12 words, so 8 rows x 4 words hit 32 banks
 constexpr int kBPitch = kMmqBK + kMmqPad;
 
 // One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K / Q5_K:
@@ -57,17 +60,16 @@ constexpr int kBPitch = kMmqBK + kMmqPad;
 template <DType kType, int BN>
 struct MmqStage {
   alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad]
-  alignas(16) uint8_t hdr[kKQuant<kType> ? kMmqBM * 16 : 16];  // K-quant super-block headers [BM][16]
   alignas(16) int8_t b[BN * kBPitch];                // activation quants [BN][64 + pad]
   alignas(16) uint16_t dw[kMmqBM * 2];               // weight scales [BM][2] fp16
-  alignas(16) uint16_t mw[kType == DType::Q4_1 ? kMmqBM * 2 : 8];  // Q4_1 minimums [BM][2] fp16
+  alignas(16) uint16_t mw[kType == DType::Q4_1 || kType == DType::Q5_1 ? kMmqBM * 2 : 8];  // Q4_1 / Q5_1 minimums [BM][2] fp16
   alignas(16) float dx[BN * 2];                      // activation scales [BN][2]
   alignas(16) float sx[BN * 2];                      // d·Σq [BN][2] (Q4_0, Q4_1)
+  alignas(16) uint8_t hdr[kKQuant<kType> ? kMmqBM * 16 : 16];  // K-quant super-block headers [BM][16]
 };
 
 struct MmqArgs {
   const uint8_t* wq;
-  int64_t rb;     // bytes per weight row (raw K-quant rows)
   const uint16_t *wd, *wm;
   const int8_t* xq;
   const float *xd, *xs;
@@ -75,7 +77,26 @@ struct MmqArgs {
   int64_t ldy;
   int rows, cols, T;
   int splits;     // gridDim.z: column ranges (split-K), each a contiguous run of stages
+  int64_t rb;     // bytes per weight row (the raw types' rows)
 };
+
+// Q5_0 / Q5_1's part of a stage (column blocks kb, kb + 1) for the rows at row0, by 16-bit loads
+// (22-byte blocks: 2-byte aligned): a row's qs of both blocks (bytes 0..31), then their qh words
+// (32..39); d and Q5_1's m into dw and mw.
+template <DType kType, class Stage>
+__device__ __forceinline__ void mmq_load_q5(Stage& st, const MmqArgs& p, int row0, int kb) {
+  constexpr int P = kAPitch<kType>, B = kType == DType::Q5_1 ? 24 : 22, W = B / 2;  // block bytes, words
+  constexpr int kQh = kType == DType::Q5_1 ? 4 : 2;
+  for (int i = int(threadIdx.x); i < kMmqBM * 2 * W; i += kMmqThreads) {
+    const int r = i / (2 * W), jb = i / W % 2, w = i % W, row = min(row0 + r, p.rows - 1);
+    const uint8_t* blk = p.wq + int64_t(row) * p.rb + int64_t(kb + jb) * B;
+    const uint16_t v = __ldg(reinterpret_cast<const uint16_t*>(blk + 2 * w));
+    if (w == 0) st.dw[2 * r + jb] = v;
+    else if (kType == DType::Q5_1 && w == 1) st.mw[2 * r + jb] = v;
+    else if (2 * w < kQh + 4) *reinterpret_cast<uint16_t*>(st.a + r * P + 32 + 4 * jb + 2 * w - kQh) = v;
+    else *reinterpret_cast<uint16_t*>(st.a + r * P + 16 * jb + 2 * w - kQh - 4) = v;
+  }
+}
 
 // Q6_K's part of a stage (column blocks kb, kb + 1) for the rows at row0: its rows are only
 // 2-byte aligned (210-byte super-blocks), so 16-bit loads and stores rather than cp.async.
@@ -100,6 +121,8 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
   const int tid = int(threadIdx.x), nb = p.cols / 32;
   if constexpr (kType == DType::Q6_K) {
     mmq_load_q6k(st, p, row0, kb);
+  } else if constexpr (kQ5<kType>) {
+    mmq_load_q5<kType>(st, p, row0, kb);
   } else {
     for (int i = tid; i < kMmqBM * kRowChunks; i += kMmqThreads) {
       const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
@@ -113,6 +136,12 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
       }
       cp_async16(st.a + r * kAPitch<kType> + c * 16, src);
     }
+  }
+  for (int i = tid; i < BN * 4; i += kMmqThreads) {
+    const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
+    cp_async16(st.b + t * kBPitch + c * 16, p.xq + int64_t(tok) * p.cols + kb * 32 + c * 16);
+  }
+  if constexpr (kType != DType::Q6_K && !kQ5<kType>) {
     for (int i = tid; i < kMmqBM; i += kMmqThreads) {
       const int64_t row = min(row0 + i, p.rows - 1);
       if constexpr (kKQuant<kType>) {
@@ -122,10 +151,6 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
         if constexpr (kType == DType::Q4_1) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
       }
     }
-  }
-  for (int i = tid; i < BN * 4; i += kMmqThreads) {
-    const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
-    cp_async16(st.b + t * kBPitch + c * 16, p.xq + int64_t(tok) * p.cols + kb * 32 + c * 16);
   }
   for (int i = tid; i < BN; i += kMmqThreads) {
     const int64_t tok = min(tok0 + i, p.T - 1);
@@ -180,6 +205,15 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
       const uint32_t q = ((lds32(r0 + 32 * j + off[i]) >> (4 * (pr % 2))) & 0x0f0f0f0fu) | ((lds32(r0 + 64 + off[i]) >> (2 * jj)) & 0x03030303u) << 4;
       a[i] = ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // each byte q - 32 as int8 (bytes 0..63: no borrow)
     }
+  } else if constexpr (kQ5<kType>) {
+    // low / high nibbles of block j's qs (columns 4c.. and 16 + 4c..) with bits 4c.. / 16 + 4c.. of
+    // its qh word moved to bit 4 of each byte
+    auto spread = [](uint32_t b) { return (b & 1u) << 4 | (b & 2u) << 11 | (b & 4u) << 18 | (b & 8u) << 25; };
+    const uint8_t* r0 = rows + g * P;
+    const uint32_t v0 = lds32(r0 + 16 * j + 4 * c), v1 = lds32(r0 + 8 * P + 16 * j + 4 * c);
+    const uint32_t h0 = lds32(r0 + 32 + 4 * j), h1 = lds32(r0 + 8 * P + 32 + 4 * j);
+    a[0] = (v0 & 0x0f0f0f0fu) | spread(h0 >> (4 * c)), a[1] = (v1 & 0x0f0f0f0fu) | spread(h1 >> (4 * c));
+    a[2] = ((v0 >> 4) & 0x0f0f0f0fu) | spread(h0 >> (16 + 4 * c)), a[3] = ((v1 >> 4) & 0x0f0f0f0fu) | spread(h1 >> (16 + 4 * c));
   } else if constexpr (kKQuant<kType>) {
     const uint8_t* r0 = rows + g * P + 4 * c;
     const int off[4] = {0, 8 * P, 16, 8 * P + 16};
@@ -250,7 +284,8 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
           k_sub_scale(s.hdr + 16 * r, 2 * pr + j, dw0, mw0), k_sub_scale(s.hdr + 16 * (r + 8), 2 * pr + j, dw1, mw1);
         } else {
           dw0 = fp16_bits_to_float(s.dw[2 * r + j]), dw1 = fp16_bits_to_float(s.dw[2 * (r + 8) + j]);
-          if constexpr (kType == DType::Q4_1) mw0 = fp16_bits_to_float(s.mw[2 * r + j]), mw1 = fp16_bits_to_float(s.mw[2 * (r + 8) + j]);
+          if constexpr (kType == DType::Q4_1 || kType == DType::Q5_1)
+            mw0 = fp16_bits_to_float(s.mw[2 * r + j]), mw1 = fp16_bits_to_float(s.mw[2 * (r + 8) + j]);
         }
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {
@@ -265,9 +300,10 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
             o[2] += dw1 * dx0 * float(d[2]), o[3] += dw1 * dx1 * float(d[3]);
           } else {
             const float sx0 = s.sx[2 * t + j], sx1 = s.sx[2 * (t + 1) + j];
-            if constexpr (kType == DType::Q4_0) {
-              o[0] += dw0 * (dx0 * float(d[0]) - 8.0f * sx0), o[1] += dw0 * (dx1 * float(d[1]) - 8.0f * sx1);
-              o[2] += dw1 * (dx0 * float(d[2]) - 8.0f * sx0), o[3] += dw1 * (dx1 * float(d[3]) - 8.0f * sx1);
+            if constexpr (kType == DType::Q4_0 || kType == DType::Q5_0) {
+              constexpr float off = kType == DType::Q4_0 ? 8.0f : 16.0f;
+              o[0] += dw0 * (dx0 * float(d[0]) - off * sx0), o[1] += dw0 * (dx1 * float(d[1]) - off * sx1);
+              o[2] += dw1 * (dx0 * float(d[2]) - off * sx0), o[3] += dw1 * (dx1 * float(d[3]) - off * sx1);
             } else {
               o[0] += dw0 * dx0 * float(d[0]) + mw0 * sx0, o[1] += dw0 * dx1 * float(d[1]) + mw0 * sx1;
               o[2] += dw1 * dx0 * float(d[2]) + mw1 * sx0, o[3] += dw1 * dx1 * float(d[3]) + mw1 * sx1;
@@ -336,12 +372,13 @@ void launch_mmq_bn(const MmqArgs& a, int bn, cudaStream_t s) {
 
 void mmq_prepare() {
   allow_smem_all<DType::Q8_0>(), allow_smem_all<DType::Q4_0>(), allow_smem_all<DType::Q4_1>();
+  allow_smem_all<DType::Q5_0>(), allow_smem_all<DType::Q5_1>();
   allow_smem_all<DType::Q4_K>(), allow_smem_all<DType::Q5_K>(), allow_smem_all<DType::Q6_K>();
 }
 
 bool mmq_supported(const DeviceWeight& w) {
   const bool k = w.type == DType::Q4_K || w.type == DType::Q5_K;  // raw rows: 16-byte aligned for cp.async
-  const bool q6 = w.type == DType::Q6_K;                           // 2-byte aligned (16-bit loads)
+  const bool q6 = w.type == DType::Q6_K || w.type == DType::Q5_0 || w.type == DType::Q5_1;  // 2-byte aligned (16-bit loads)
   return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1 || (k && reinterpret_cast<uintptr_t>(w.q) % 16 == 0) ||
           (q6 && reinterpret_cast<uintptr_t>(w.q) % 2 == 0)) &&
          w.cols % 64 == 0 && w.rows > 0;
@@ -361,15 +398,17 @@ int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes) {
 
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
          uint64_t split_bytes) {
-  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K weights with columns a multiple of 64");
+  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K weights with columns a multiple of 64");
   if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
   const int splits = split ? mmq_splits(w, T, split_bytes) : 1;
   if (ldy == 0) ldy = w.rows;
-  const MmqArgs a{w.q, int64_t(row_bytes(w.type, w.cols)), w.d, w.m, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits};
+  const MmqArgs a{w.q, w.d, w.m, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, int64_t(row_bytes(w.type, w.cols))};
   const int bn = tile_tokens ? tile_tokens : mmq_tile_tokens(T);
   switch (w.type) {
     case DType::Q8_0: launch_mmq_bn<DType::Q8_0>(a, bn, s); break;
     case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
+    case DType::Q5_0: launch_mmq_bn<DType::Q5_0>(a, bn, s); break;
+    case DType::Q5_1: launch_mmq_bn<DType::Q5_1>(a, bn, s); break;
     case DType::Q4_K: launch_mmq_bn<DType::Q4_K>(a, bn, s); break;
     case DType::Q5_K: launch_mmq_bn<DType::Q5_K>(a, bn, s); break;
     case DType::Q6_K: launch_mmq_bn<DType::Q6_K>(a, bn, s); break;
