@@ -56,11 +56,17 @@ MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
   r.lines.push_back({"KV cache", 2 * double(m.layers) * b * kv_len * kv_dim * 2,
                      fmt::format("2 (K,V) x {} layers x b {} x {} positions x {} x 2 B", m.layers, o.batch, kv_len, kv_dim), kHf, Place::Device,
                      Basis::Formula});
-  // The prefill's transients: fp32 logits of every prompt position (transformers), eager
-  // attention scores of one layer, a dequantized matrix.
+  // The prefill's transients: fp32 logits of every prompt position (transformers) or eager
+  // attention's scores of one layer, whichever is larger (a layer's scores are freed before the
+  // next layer, so never live with the logits), a dequantized matrix.
   double t = o.framework == "transformers" ? b * P * V * (2 + 4) : b * V * 4;
   std::string tf = o.framework == "transformers" ? "logits [b, prompt, V] in 16 bits and their fp32 copy" : "the last position's logits, fp32";
-  if (!o.flash) t += b * double(m.heads) * P * P * (2 + 4), tf += " + eager attention scores [b, heads, prompt, prompt] (16-bit and fp32 softmax)";
+  if (!o.flash) {
+    const double scores = b * double(m.heads) * P * P * (2 + 4);
+    tf = fmt::format("the larger of {} ({}) and one layer's eager attention scores [b, heads, prompt, prompt], 16-bit and the fp32 "
+                     "softmax ({})", tf, format_bytes(t), format_bytes(scores));
+    t = std::max(t, scores);
+  }
   if (quant && o.weights != "int8") {
     const double big = std::max({h * double(m.hidden), h * double(m.q_dim() + 2 * m.kv_dim()), head_quant ? V * h : 0.0});
     // LitGPT (Lightning's BitsandbytesPrecision) creates each Linear on the GPU in the default dtype and
