@@ -2,7 +2,7 @@
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
 // y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout or Q5_0 / Q5_1 /
-// Q4_K / Q5_K / Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by quantize_act (q, d, s = d·Σq). Per
+// Q2_K ... Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by quantize_act (q, d, s = d·Σq). Per
 // block of 32 columns, an integer product on the tensor cores (mma.m16n8k32, int32 sums), then
 // scaled in fp32 as the GEMV does:
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
@@ -11,9 +11,11 @@
 //   Q4_K, Q5_K: per 32-weight sub-block w = a q_w - m (a = d·sc, m = dmin·mn, k4_scale_min):
 //          Q4_1's sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31).
 //   Q5_0:  as Q4_0 with q_w 0..31 (the fifth bit from qh) and -16 s_x;  Q5_1: as Q4_1, q_w 0..31
-//   Q6_K:  w = d sc (q_w - 32) with a scale per 16 weights: two products per block, each on one
-//          half of k (the other half's A fragments zero):  d d_x (sc_lo Σ_lo + sc_hi Σ_hi),
-//          q_w - 32 as int8.
+//   Q6_K, Q3_K, Q2_K: a scale per 16 weights, so two products per block, each on one half of k
+//          (the other half's A fragments zero):  d_x (a_lo Σ_lo + a_hi Σ_hi), with
+//          Q6_K  a = d sc, q_w - 32 as int8;   Q3_K  a = d (sc - 32), q_w - 4 as int8 (q3_k_scale);
+//          Q2_K  a = d (sc & 15), q_w 0..3, and the minimum's - dmin (sc >> 4) Σ_half x, Σ_half q_x from
+//          one more product with ones for A, shared by every row.
 // (the same sums as llama.cpp's MMQ kernels and the CPU's block dot products, engine/cpu/cpu_ops.cpp).
 //
 // A CUDA block computes a tile of kMmqBM weight rows x BN tokens with 8 warps (4 along the rows,
@@ -40,13 +42,15 @@ constexpr int kMmqThreads = 256;
 constexpr int kMmqPad = 16;     // bytes after each shared-memory row
 
 template <DType kType>
-constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kType == DType::Q6_K;  // raw rows, a header per row and stage
+constexpr bool kSplit16 = kType == DType::Q2_K || kType == DType::Q3_K || kType == DType::Q6_K;  // a scale per 16 weights
+template <DType kType>
+constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kSplit16<kType>;  // raw rows, a header per row and stage
 // Bytes of one 32-column block's quants in shared memory (Q5_K: 16 of qs and 16 of qh; Q6_K:
 // 32 of ql and 16 of qh).
 template <DType kType>
 constexpr bool kQ5 = kType == DType::Q5_0 || kType == DType::Q5_1;  // raw 22- / 24-byte blocks
 template <DType kType>
-constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K ? 32 : kQ5<kType> ? 20 : 16;
+constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K || kType == DType::Q3_K ? 32 : kQ5<kType> ? 20 : 16;
 template <DType kType>
 constexpr int kAPitch = kQ5<kType> ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // Q5: 12 words, so 8 rows x 4 words hit 32 banks
 constexpr int kBPitch = kMmqBK + kMmqPad;
@@ -56,7 +60,10 @@ constexpr int kBPitch = kMmqBK + kMmqPad;
 // (byte i: column i in the low nibble, 32 + i in the high; Q5_K then the super-block's 32 qh
 // bytes), hdr the super-block's d, dmin and 12 scale bytes. Q6_K: a holds ql[64h, 64h + 64) and
 // qh[32h, 32h + 32) of half h = p / 2 (block j's low nibbles: ql byte 32j + i, nibble p % 2; its
-// high bits: qh byte i, bits 2 (2 (p % 2) + j)), hdr the stage's four int8 scales and d.
+// high bits: qh byte i, bits 2 (2 (p % 2) + j)), hdr the stage's four int8 scales and d. Q3_K /
+// Q2_K: a holds qs[32h, 32h + 32) (block j's crumbs: bits 2 (2 (p % 2) + j) of byte i; Q3_K then
+// hmask[0, 32), bit 2p + j), hdr Q3_K's 12 scale bytes and d, or Q2_K's four scale bytes of the
+// stage, d and dmin.
 template <DType kType, int BN>
 struct MmqStage {
   alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad]
@@ -98,18 +105,41 @@ __device__ __forceinline__ void mmq_load_q5(Stage& st, const MmqArgs& p, int row
   }
 }
 
-// Q6_K's part of a stage (column blocks kb, kb + 1) for the rows at row0: its rows are only
-// 2-byte aligned (210-byte super-blocks), so 16-bit loads and stores rather than cp.async.
-template <class Stage>
-__device__ __forceinline__ void mmq_load_q6k(Stage& st, const MmqArgs& p, int row0, int kb) {
-  constexpr int P = kAPitch<DType::Q6_K>;
-  const int tid = int(threadIdx.x), pr = (kb / 2) % 4, h = pr / 2;
-  for (int i = tid; i < kMmqBM * 51; i += kMmqThreads) {  // per row: 48 words of quants, 3 of header
-    const int r = i / 51, w = i % 51, row = min(row0 + r, p.rows - 1);
-    const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * 210;
-    const uint8_t* src = w < 32 ? sb + 64 * h + 2 * w : w < 48 ? sb + 128 + 32 * h + 2 * (w - 32) : w < 50 ? sb + 192 + 4 * pr + 2 * (w - 48) : sb + 208;
-    uint8_t* dst = w < 48 ? st.a + r * P + 2 * w : st.hdr + 16 * r + 2 * (w - 48);
-    *reinterpret_cast<uint16_t*>(dst) = __ldg(reinterpret_cast<const uint16_t*>(src));
+// The 16-bit words of a Q6_K / Q3_K / Q2_K stage (pair pr of its super-block, half h = pr / 2):
+// word w of a row comes from byte src of the super-block and goes to byte dst of the row's
+// quants (to_hdr false) or of its header.
+struct WordMove {
+  int src, dst;
+  bool to_hdr;
+};
+template <DType kType>
+constexpr int kStageWords = kType == DType::Q6_K ? 51 : kType == DType::Q3_K ? 39 : 20;
+template <DType kType>
+__device__ __forceinline__ WordMove stage_word(int w, int pr) {
+  const int h = pr / 2;
+  if constexpr (kType == DType::Q6_K)  // ql 64h.. (32 words), qh 128 + 32h.. (16), scales 192 + 4pr.. (2), d (1)
+    return w < 32 ? WordMove{64 * h + 2 * w, 2 * w, false} : w < 48 ? WordMove{128 + 32 * h + 2 * (w - 32), 2 * w, false}
+         : w < 50 ? WordMove{192 + 4 * pr + 2 * (w - 48), 2 * (w - 48), true} : WordMove{208, 4, true};
+  else if constexpr (kType == DType::Q3_K)  // qs 32 + 32h.. (16), hmask (16), scales 96.. (6), d (1)
+    return w < 16 ? WordMove{32 + 32 * h + 2 * w, 2 * w, false} : w < 32 ? WordMove{2 * (w - 16), 2 * w, false}
+         : w < 38 ? WordMove{96 + 2 * (w - 32), 2 * (w - 32), true} : WordMove{108, 12, true};
+  else  // Q2_K: qs 16 + 32h.. (16), scales 4pr.. (2), d, dmin
+    return w < 16 ? WordMove{16 + 32 * h + 2 * w, 2 * w, false} : w < 18 ? WordMove{4 * pr + 2 * (w - 16), 2 * (w - 16), true}
+         : WordMove{80 + 2 * (w - 18), 4 + 2 * (w - 18), true};
+}
+
+// A Q6_K / Q3_K / Q2_K stage (column blocks kb, kb + 1) for the rows at row0: their rows are only
+// 2-byte aligned (210- and 110-byte super-blocks; Q2_K's 84 are 4), so 16-bit loads and stores
+// rather than cp.async.
+template <DType kType, class Stage>
+__device__ __forceinline__ void mmq_load_words(Stage& st, const MmqArgs& p, int row0, int kb) {
+  constexpr int P = kAPitch<kType>, W = kStageWords<kType>, B = kType == DType::Q6_K ? 210 : kType == DType::Q3_K ? 110 : 84;
+  const int pr = (kb / 2) % 4;
+  for (int i = int(threadIdx.x); i < kMmqBM * W; i += kMmqThreads) {
+    const int r = i / W, row = min(row0 + r, p.rows - 1);
+    const WordMove m = stage_word<kType>(i % W, pr);
+    const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * B;
+    *reinterpret_cast<uint16_t*>((m.to_hdr ? st.hdr + 16 * r : st.a + r * P) + m.dst) = __ldg(reinterpret_cast<const uint16_t*>(sb + m.src));
   }
 }
 
@@ -119,8 +149,8 @@ template <DType kType, int BN>
 __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs& p, int row0, int tok0, int kb) {
   constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16;
   const int tid = int(threadIdx.x), nb = p.cols / 32;
-  if constexpr (kType == DType::Q6_K) {
-    mmq_load_q6k(st, p, row0, kb);
+  if constexpr (kSplit16<kType>) {
+    mmq_load_words<kType>(st, p, row0, kb);
   } else if constexpr (kQ5<kType>) {
     mmq_load_q5<kType>(st, p, row0, kb);
   } else {
@@ -141,7 +171,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
     const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
     cp_async16(st.b + t * kBPitch + c * 16, p.xq + int64_t(tok) * p.cols + kb * 32 + c * 16);
   }
-  if constexpr (kType != DType::Q6_K && !kQ5<kType>) {
+  if constexpr (!kSplit16<kType> && !kQ5<kType>) {
     for (int i = tid; i < kMmqBM; i += kMmqThreads) {
       const int64_t row = min(row0 + i, p.rows - 1);
       if constexpr (kKQuant<kType>) {
@@ -161,23 +191,59 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
 
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// Q6_K: block j of the stage for rows r and r + 8 of the warp's tile, added to acc.
-template <int NT, class Stage>
-__device__ __forceinline__ void q6k_accumulate(float (&acc)[NT][4], const uint32_t (&a)[4], const uint32_t (&b)[NT][2], const Stage& s, int r,
-                                               int j, int wc, int c) {
-  const uint8_t *h0 = s.hdr + 16 * r, *h1 = s.hdr + 16 * (r + 8);
-  const float d0 = fp16_bits_to_float(uint16_t(h0[4] | h0[5] << 8)), d1 = fp16_bits_to_float(uint16_t(h1[4] | h1[5] << 8));
-  const float s0a = d0 * float(int8_t(h0[2 * j])), s0b = d0 * float(int8_t(h0[2 * j + 1]));
-  const float s1a = d1 * float(int8_t(h1[2 * j])), s1b = d1 * float(int8_t(h1[2 * j + 1]));
+// The fp32 scales a (and Q2_K's minimums m, else 0) of 16-weight groups 2j and 2j + 1 of the
+// stage (block j's two halves) for the row whose header is h.
+template <DType kType>
+__device__ __forceinline__ void split16_scales(const uint8_t* h, int j, int pr, float (&a)[2], float (&m)[2]) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if constexpr (kType == DType::Q6_K) {
+      a[e] = fp16_bits_to_float(uint16_t(h[4] | h[5] << 8)) * float(int8_t(h[2 * j + e])), m[e] = 0.0f;
+    } else if constexpr (kType == DType::Q3_K) {
+      a[e] = fp16_bits_to_float(uint16_t(h[12] | h[13] << 8)) * float(q3_k_scale(h, 4 * pr + 2 * j + e) - 32), m[e] = 0.0f;
+    } else {
+      const int sc = h[2 * j + e];
+      a[e] = fp16_bits_to_float(uint16_t(h[4] | h[5] << 8)) * float(sc & 15);
+      m[e] = fp16_bits_to_float(uint16_t(h[6] | h[7] << 8)) * float(sc >> 4);
+    }
+  }
+}
+
+// Q6_K / Q3_K / Q2_K: block j of the stage for rows r and r + 8 of the warp's tile, added to acc;
+// xs[ni]: Q2_K's Σ_half q_x per token pair (ones_sums), else unused.
+template <DType kType, int NT, class Stage>
+__device__ __forceinline__ void split16_accumulate(float (&acc)[NT][4], const uint32_t (&a)[4], const uint32_t (&b)[NT][2], const int (&xs)[NT][2][2],
+                                                   const Stage& s, int r, int j, int pr, int wc, int c) {
+  float a0[2], m0[2], a1[2], m1[2];
+  split16_scales<kType>(s.hdr + 16 * r, j, pr, a0, m0), split16_scales<kType>(s.hdr + 16 * (r + 8), j, pr, a1, m1);
   const uint32_t lo[4] = {a[0], a[1], 0u, 0u}, hi[4] = {0u, 0u, a[2], a[3]};
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni) {
     int dl[4] = {0, 0, 0, 0}, dh[4] = {0, 0, 0, 0};
     mma_s8(dl, lo, b[ni]), mma_s8(dh, hi, b[ni]);
     const int t = wc + 8 * ni + 2 * c;
-    const float dx0 = s.dx[2 * t + j], dx1 = s.dx[2 * (t + 1) + j];
-    acc[ni][0] += dx0 * (s0a * float(dl[0]) + s0b * float(dh[0])), acc[ni][1] += dx1 * (s0a * float(dl[1]) + s0b * float(dh[1]));
-    acc[ni][2] += dx0 * (s1a * float(dl[2]) + s1b * float(dh[2])), acc[ni][3] += dx1 * (s1a * float(dl[3]) + s1b * float(dh[3]));
+    const float dx[2] = {s.dx[2 * t + j], s.dx[2 * (t + 1) + j]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // row r (i < 2) or r + 8, token t + i % 2
+      const float(&ar)[2] = i < 2 ? a0 : a1;
+      const float(&mr)[2] = i < 2 ? m0 : m1;
+      float v = ar[0] * float(dl[i]) + ar[1] * float(dh[i]);
+      if constexpr (kType == DType::Q2_K) v -= mr[0] * float(xs[ni][0][i % 2]) + mr[1] * float(xs[ni][1][i % 2]);
+      acc[ni][i] += dx[i % 2] * v;
+    }
+  }
+}
+
+// Q2_K: Σ q_x over each half (k 0..15, 16..31) of block j for the warp's token pairs, from one
+// product with ones for A (every row of D the same): xs[ni][half][0 / 1] for tokens 2c, 2c + 1.
+template <int NT>
+__device__ __forceinline__ void ones_sums(int (&xs)[NT][2][2], const uint32_t (&b)[NT][2]) {
+  const uint32_t lo[4] = {0x01010101u, 0x01010101u, 0u, 0u}, hi[4] = {0u, 0u, 0x01010101u, 0x01010101u};
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni) {
+    int dl[4] = {0, 0, 0, 0}, dh[4] = {0, 0, 0, 0};
+    mma_s8(dl, lo, b[ni]), mma_s8(dh, hi, b[ni]);
+    xs[ni][0][0] = dl[0], xs[ni][0][1] = dl[1], xs[ni][1][0] = dh[0], xs[ni][1][1] = dh[1];
   }
 }
 
@@ -204,6 +270,15 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
     for (int i = 0; i < 4; ++i) {
       const uint32_t q = ((lds32(r0 + 32 * j + off[i]) >> (4 * (pr % 2))) & 0x0f0f0f0fu) | ((lds32(r0 + 64 + off[i]) >> (2 * jj)) & 0x03030303u) << 4;
       a[i] = ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // each byte q - 32 as int8 (bytes 0..63: no borrow)
+    }
+  } else if constexpr (kType == DType::Q3_K || kType == DType::Q2_K) {
+    const uint8_t* r0 = rows + g * P + 4 * c;
+    const int off[4] = {0, 8 * P, 16, 8 * P + 16}, jj = 2 * (pr % 2) + j;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = (lds32(r0 + off[i]) >> (2 * jj)) & 0x03030303u;
+      if constexpr (kType == DType::Q3_K)  // | the hmask bit << 2, then - 4 bytewise (bytes 0..7: no borrow)
+        a[i] = (((a[i] | ((lds32(r0 + 32 + off[i]) >> (2 * pr + j)) & 0x01010101u) << 2) | 0x80808080u) - 0x04040404u) ^ 0x80808080u;
     }
   } else if constexpr (kQ5<kType>) {
     // low / high nibbles of block j's qs (columns 4c.. and 16 + 4c..) with bits 4c.. / 16 + 4c.. of
@@ -272,11 +347,13 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
         const int8_t* br = s.b + (wc + 8 * ni + g) * kBPitch + j * 32 + 4 * c;
         b[ni][0] = lds32(br), b[ni][1] = lds32(br + 16);
       }
+      int xs[NT][2][2];  // Q2_K's Σ_half q_x
+      if constexpr (kType == DType::Q2_K) ones_sums<NT>(xs, b);
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
         const int r = wr + 16 * mi + g;
-        if constexpr (kType == DType::Q6_K) {
-          q6k_accumulate<NT>(acc[mi], a[mi], b, s, r, j, wc, c);
+        if constexpr (kSplit16<kType>) {
+          split16_accumulate<kType, NT>(acc[mi], a[mi], b, xs, s, r, j, pr, wc, c);
           continue;
         }
         float dw0, dw1, mw0 = 0.0f, mw1 = 0.0f;
@@ -373,12 +450,13 @@ void launch_mmq_bn(const MmqArgs& a, int bn, cudaStream_t s) {
 void mmq_prepare() {
   allow_smem_all<DType::Q8_0>(), allow_smem_all<DType::Q4_0>(), allow_smem_all<DType::Q4_1>();
   allow_smem_all<DType::Q5_0>(), allow_smem_all<DType::Q5_1>();
-  allow_smem_all<DType::Q4_K>(), allow_smem_all<DType::Q5_K>(), allow_smem_all<DType::Q6_K>();
+  allow_smem_all<DType::Q2_K>(), allow_smem_all<DType::Q3_K>(), allow_smem_all<DType::Q4_K>(), allow_smem_all<DType::Q5_K>();
+  allow_smem_all<DType::Q6_K>();
 }
 
 bool mmq_supported(const DeviceWeight& w) {
   const bool k = w.type == DType::Q4_K || w.type == DType::Q5_K;  // raw rows: 16-byte aligned for cp.async
-  const bool q6 = w.type == DType::Q6_K || w.type == DType::Q5_0 || w.type == DType::Q5_1;  // 2-byte aligned (16-bit loads)
+  const bool q6 = w.type == DType::Q2_K || w.type == DType::Q3_K || w.type == DType::Q6_K || w.type == DType::Q5_0 || w.type == DType::Q5_1;  // 16-bit loads
   return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1 || (k && reinterpret_cast<uintptr_t>(w.q) % 16 == 0) ||
           (q6 && reinterpret_cast<uintptr_t>(w.q) % 2 == 0)) &&
          w.cols % 64 == 0 && w.rows > 0;
@@ -398,7 +476,7 @@ int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes) {
 
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
          uint64_t split_bytes) {
-  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K weights with columns a multiple of 64");
+  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q2_K ... Q6_K weights with columns a multiple of 64");
   if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
   const int splits = split ? mmq_splits(w, T, split_bytes) : 1;
   if (ldy == 0) ldy = w.rows;
@@ -409,6 +487,8 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
     case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
     case DType::Q5_0: launch_mmq_bn<DType::Q5_0>(a, bn, s); break;
     case DType::Q5_1: launch_mmq_bn<DType::Q5_1>(a, bn, s); break;
+    case DType::Q2_K: launch_mmq_bn<DType::Q2_K>(a, bn, s); break;
+    case DType::Q3_K: launch_mmq_bn<DType::Q3_K>(a, bn, s); break;
     case DType::Q4_K: launch_mmq_bn<DType::Q4_K>(a, bn, s); break;
     case DType::Q5_K: launch_mmq_bn<DType::Q5_K>(a, bn, s); break;
     case DType::Q6_K: launch_mmq_bn<DType::Q6_K>(a, bn, s); break;
