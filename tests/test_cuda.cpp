@@ -244,7 +244,8 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
   const std::vector<Shape> k_shapes = {{1, 256}, {130, 512}, {257, 768}, {64, 2048}};  // whole 256-weight super-blocks
   DeviceBuffer split(1 << 20);  // split-K scratch: {64, 2048} splits 8 ways (32 stages, 1 block of rows)
   CHECK(cuda::mmq_splits(cuda::split_weight_view(DType::Q8_0, 64, 2048, nullptr), 9, split.bytes()) == 8);
-  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::IQ4_NL, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K,
+                  DType::Q6_K}) {
     for (const Shape& s : dtype_info(t).block == 256 ? k_shapes : shapes) {
       TestWeight w(t, s.rows, s.cols, rng);
       std::vector<float> wf(size_t(s.rows * s.cols));

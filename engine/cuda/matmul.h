@@ -4,7 +4,7 @@
 //     of 32 (as the CPU path and llama.cpp's MMVQ do); the raw types (K-quants, Q5_0, Q5_1,
 //     IQ4_NL): fp32 activations, one kernel family each (eight lanes per 256-weight super-block,
 //     or a lane per 32-weight block);
-//   batches of every quantized type but IQ4_NL (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8
+//   batches of every quantized type (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8
 //     tensor cores on the quant blocks, split-K when the grid would be small;
 //   prefill (larger T, or weights MMQ does not take): the weight dequantized to fp16 tiles of
 //     rows, then cuBLAS on the tensor cores (fp32 accumulation).
@@ -140,7 +140,7 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
 /// MMQ (engine/cuda/mmq.cu): y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = the
 /// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for Q8_0/Q4_0/Q4_1
 /// weights whose column count is a multiple of 64, Q4_K/Q5_K weights at 16-byte-aligned
-/// addresses and Q5_0/Q5_1/Q2_K/Q3_K/Q6_K weights (mmq_supported). tile_tokens: tokens per CUDA
+/// addresses and Q5_0/Q5_1/IQ4_NL/Q2_K/Q3_K/Q6_K weights (mmq_supported). tile_tokens: tokens per CUDA
 /// block (16, 32, 64 or 128; 0: mmq_tile_tokens(T)). split / split_bytes: scratch for
 /// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
 /// the grid would otherwise leave most of the GPU idle (few rows, few tokens); null: no split.

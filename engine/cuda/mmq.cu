@@ -2,7 +2,7 @@
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
 // y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout or Q5_0 / Q5_1 /
-// Q2_K ... Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by quantize_act (q, d, s = d·Σq). Per
+// IQ4_NL / Q2_K ... Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by quantize_act (q, d, s = d·Σq). Per
 // block of 32 columns, an integer product on the tensor cores (mma.m16n8k32, int32 sums), then
 // scaled in fp32 as the GEMV does:
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
@@ -11,6 +11,7 @@
 //   Q4_K, Q5_K: per 32-weight sub-block w = a q_w - m (a = d·sc, m = dmin·mn, k4_scale_min):
 //          Q4_1's sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31).
 //   Q5_0:  as Q4_0 with q_w 0..31 (the fifth bit from qh) and -16 s_x;  Q5_1: as Q4_1, q_w 0..31
+//   IQ4_NL: as Q8_0 with q_w = the level of each nibble (iq4_nl_level)
 //   Q6_K, Q3_K, Q2_K: a scale per 16 weights, so two products per block, each on one half of k
 //          (the other half's A fragments zero):  d_x (a_lo Σ_lo + a_hi Σ_hi), with
 //          Q6_K  a = d sc, q_w - 32 as int8;   Q3_K  a = d (sc - 32), q_w - 4 as int8 (q3_k_scale);
@@ -50,9 +51,11 @@ constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kSplit1
 template <DType kType>
 constexpr bool kQ5 = kType == DType::Q5_0 || kType == DType::Q5_1;  // raw 22- / 24-byte blocks
 template <DType kType>
+constexpr bool kB32 = kQ5<kType> || kType == DType::IQ4_NL;  // raw 32-weight blocks, read by 16-bit loads
+template <DType kType>
 constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K || kType == DType::Q3_K ? 32 : kQ5<kType> ? 20 : 16;
 template <DType kType>
-constexpr int kAPitch = kQ5<kType> ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // Q5: 12 words, so 8 rows x 4 words hit 32 banks
+constexpr int kAPitch = kB32<kType> ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // Q5, IQ4_NL: 12 words, so 8 rows x 4 words hit 32 banks
 constexpr int kBPitch = kMmqBK + kMmqPad;
 
 // One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K / Q5_K:
@@ -87,21 +90,21 @@ struct MmqArgs {
   int64_t rb;     // bytes per weight row (the raw types' rows)
 };
 
-// Q5_0 / Q5_1's part of a stage (column blocks kb, kb + 1) for the rows at row0, by 16-bit loads
-// (22-byte blocks: 2-byte aligned): a row's qs of both blocks (bytes 0..31), then their qh words
-// (32..39); d and Q5_1's m into dw and mw.
+// Q5_0 / Q5_1 / IQ4_NL's part of a stage (column blocks kb, kb + 1) for the rows at row0, by
+// 16-bit loads (22- and 18-byte blocks: 2-byte aligned): a row's qs of both blocks (bytes 0..31),
+// then Q5's qh words (32..39); d and Q5_1's m into dw and mw.
 template <DType kType, class Stage>
-__device__ __forceinline__ void mmq_load_q5(Stage& st, const MmqArgs& p, int row0, int kb) {
-  constexpr int P = kAPitch<kType>, B = kType == DType::Q5_1 ? 24 : 22, W = B / 2;  // block bytes, words
-  constexpr int kQh = kType == DType::Q5_1 ? 4 : 2;
+__device__ __forceinline__ void mmq_load_b32(Stage& st, const MmqArgs& p, int row0, int kb) {
+  constexpr int P = kAPitch<kType>, B = kType == DType::Q5_1 ? 24 : kType == DType::Q5_0 ? 22 : 18, W = B / 2;  // block bytes, words
+  constexpr int kQh = kType == DType::Q5_1 ? 4 : 2, kQs = kType == DType::IQ4_NL ? 2 : kQh + 4;
   for (int i = int(threadIdx.x); i < kMmqBM * 2 * W; i += kMmqThreads) {
     const int r = i / (2 * W), jb = i / W % 2, w = i % W, row = min(row0 + r, p.rows - 1);
     const uint8_t* blk = p.wq + int64_t(row) * p.rb + int64_t(kb + jb) * B;
     const uint16_t v = __ldg(reinterpret_cast<const uint16_t*>(blk + 2 * w));
     if (w == 0) st.dw[2 * r + jb] = v;
     else if (kType == DType::Q5_1 && w == 1) st.mw[2 * r + jb] = v;
-    else if (2 * w < kQh + 4) *reinterpret_cast<uint16_t*>(st.a + r * P + 32 + 4 * jb + 2 * w - kQh) = v;
-    else *reinterpret_cast<uint16_t*>(st.a + r * P + 16 * jb + 2 * w - kQh - 4) = v;
+    else if (2 * w < kQs) *reinterpret_cast<uint16_t*>(st.a + r * P + 32 + 4 * jb + 2 * w - kQh) = v;
+    else *reinterpret_cast<uint16_t*>(st.a + r * P + 16 * jb + 2 * w - kQs) = v;
   }
 }
 
@@ -151,8 +154,8 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
   const int tid = int(threadIdx.x), nb = p.cols / 32;
   if constexpr (kSplit16<kType>) {
     mmq_load_words<kType>(st, p, row0, kb);
-  } else if constexpr (kQ5<kType>) {
-    mmq_load_q5<kType>(st, p, row0, kb);
+  } else if constexpr (kB32<kType>) {
+    mmq_load_b32<kType>(st, p, row0, kb);
   } else {
     for (int i = tid; i < kMmqBM * kRowChunks; i += kMmqThreads) {
       const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
@@ -171,7 +174,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
     const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
     cp_async16(st.b + t * kBPitch + c * 16, p.xq + int64_t(tok) * p.cols + kb * 32 + c * 16);
   }
-  if constexpr (!kSplit16<kType> && !kQ5<kType>) {
+  if constexpr (!kSplit16<kType> && !kB32<kType>) {
     for (int i = tid; i < kMmqBM; i += kMmqThreads) {
       const int64_t row = min(row0 + i, p.rows - 1);
       if constexpr (kKQuant<kType>) {
@@ -280,6 +283,17 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
       if constexpr (kType == DType::Q3_K)  // | the hmask bit << 2, then - 4 bytewise (bytes 0..7: no borrow)
         a[i] = (((a[i] | ((lds32(r0 + 32 + off[i]) >> (2 * pr + j)) & 0x01010101u) << 2) | 0x80808080u) - 0x04040404u) ^ 0x80808080u;
     }
+  } else if constexpr (kType == DType::IQ4_NL) {
+    // block j's nibbles (low: columns 4c.., high: 16 + 4c..) as their int8 levels
+    auto levels = [](uint32_t v) {
+      uint32_t out = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out |= uint32_t(uint8_t(int8_t(iq4_nl_level((v >> (8 * i)) & 15)))) << (8 * i);
+      return out;
+    };
+    const uint8_t* r0 = rows + g * P + 16 * j + 4 * c;
+    const uint32_t v0 = lds32(r0), v1 = lds32(r0 + 8 * P);
+    a[0] = levels(v0), a[1] = levels(v1), a[2] = levels(v0 >> 4), a[3] = levels(v1 >> 4);
   } else if constexpr (kQ5<kType>) {
     // low / high nibbles of block j's qs (columns 4c.. and 16 + 4c..) with bits 4c.. / 16 + 4c.. of
     // its qh word moved to bit 4 of each byte
@@ -367,12 +381,12 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {
           int d[4] = {0, 0, 0, 0};
-          if constexpr (kType == DType::Q8_0) mma_s8(d, a[mi], b[ni]);
+          if constexpr (kType == DType::Q8_0 || kType == DType::IQ4_NL) mma_s8(d, a[mi], b[ni]);
           else mma_u8s8(d, a[mi], b[ni]);
           const int t = wc + 8 * ni + 2 * c;
           const float dx0 = s.dx[2 * t + j], dx1 = s.dx[2 * (t + 1) + j];
           float* o = acc[mi][ni];
-          if constexpr (kType == DType::Q8_0) {
+          if constexpr (kType == DType::Q8_0 || kType == DType::IQ4_NL) {
             o[0] += dw0 * dx0 * float(d[0]), o[1] += dw0 * dx1 * float(d[1]);
             o[2] += dw1 * dx0 * float(d[2]), o[3] += dw1 * dx1 * float(d[3]);
           } else {
@@ -449,14 +463,15 @@ void launch_mmq_bn(const MmqArgs& a, int bn, cudaStream_t s) {
 
 void mmq_prepare() {
   allow_smem_all<DType::Q8_0>(), allow_smem_all<DType::Q4_0>(), allow_smem_all<DType::Q4_1>();
-  allow_smem_all<DType::Q5_0>(), allow_smem_all<DType::Q5_1>();
+  allow_smem_all<DType::Q5_0>(), allow_smem_all<DType::Q5_1>(), allow_smem_all<DType::IQ4_NL>();
   allow_smem_all<DType::Q2_K>(), allow_smem_all<DType::Q3_K>(), allow_smem_all<DType::Q4_K>(), allow_smem_all<DType::Q5_K>();
   allow_smem_all<DType::Q6_K>();
 }
 
 bool mmq_supported(const DeviceWeight& w) {
   const bool k = w.type == DType::Q4_K || w.type == DType::Q5_K;  // raw rows: 16-byte aligned for cp.async
-  const bool q6 = w.type == DType::Q2_K || w.type == DType::Q3_K || w.type == DType::Q6_K || w.type == DType::Q5_0 || w.type == DType::Q5_1;  // 16-bit loads
+  const bool q6 = w.type == DType::Q2_K || w.type == DType::Q3_K || w.type == DType::Q6_K || w.type == DType::Q5_0 || w.type == DType::Q5_1 ||
+                  w.type == DType::IQ4_NL;  // 16-bit loads
   return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1 || (k && reinterpret_cast<uintptr_t>(w.q) % 16 == 0) ||
           (q6 && reinterpret_cast<uintptr_t>(w.q) % 2 == 0)) &&
          w.cols % 64 == 0 && w.rows > 0;
@@ -476,7 +491,7 @@ int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes) {
 
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
          uint64_t split_bytes) {
-  if (!mmq_supported(w)) throw UsageError("mmq: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q2_K ... Q6_K weights with columns a multiple of 64");
+  if (!mmq_supported(w)) throw UsageError("mmq: quantized weights with columns a multiple of 64");
   if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
   const int splits = split ? mmq_splits(w, T, split_bytes) : 1;
   if (ldy == 0) ldy = w.rows;
@@ -487,6 +502,7 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
     case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
     case DType::Q5_0: launch_mmq_bn<DType::Q5_0>(a, bn, s); break;
     case DType::Q5_1: launch_mmq_bn<DType::Q5_1>(a, bn, s); break;
+    case DType::IQ4_NL: launch_mmq_bn<DType::IQ4_NL>(a, bn, s); break;
     case DType::Q2_K: launch_mmq_bn<DType::Q2_K>(a, bn, s); break;
     case DType::Q3_K: launch_mmq_bn<DType::Q3_K>(a, bn, s); break;
     case DType::Q4_K: launch_mmq_bn<DType::Q4_K>(a, bn, s); break;
