@@ -1091,39 +1091,44 @@ TEST_CASE("CUDA graphs replay llmq-server's batched decode steps exactly", "[cud
 }
 
 // Batched decode steps of 9 .. kCudaMmqMaxTokens tokens run on MMQ (split-K included) and are
-// graphed too when no product needs cuBLAS: 12 sequences of a synthetic Q4_0 model (widths that
-// are multiples of 64, as MMQ needs) decode 6 steps, graphed and not, bit for bit.
+// graphed too when no product needs cuBLAS: 12 sequences of a synthetic Q4_0, Q4_K and Q6_K
+// model (widths that are multiples of 64, as MMQ needs; 256 for the K-quants) decode 6 steps,
+// graphed and not, bit for bit.
 TEST_CASE("CUDA graphs replay batched MMQ decode steps exactly", "[cuda][batch]") {
   if (!have_gpu()) return;
-  ModelConfig c;
-  c.dim = 128, c.hidden_dim = 256, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 32, c.vocab_size = 256;
-  c.context_length = 64;
-  cuda::CudaModel dm(c, DType::Q4_0, 77);
-  const int64_t n_seq = 12;
-  std::vector<float> rows[2];
-  for (int graphs = 0; graphs < 2; ++graphs) {
-    setenv("LLMQ_CUDA_GRAPH", graphs ? "1" : "0", 1);
-    const CudaPlan plan = plan_cuda_server(c, {}, 64, 16, n_seq);
-    cuda::CudaSession s(dm, nullptr, plan);
-    KVCache kv = KVCache::tables_only(c, plan.kv_blocks, plan.block_tokens);
-    std::vector<int32_t> ids, next;
-    for (int64_t i = 0; i < n_seq; ++i) {
-      ids.push_back(kv.add_sequence());
-      REQUIRE(kv.reserve(ids.back(), 64));
-      const std::vector<BatchToken> b = {{ids.back(), int32_t(3 * i), false}, {ids.back(), int32_t(3 * i + 1), true}};
-      next.push_back(Sampler::argmax(s.forward_batch(kv, b.data(), 2), c.vocab_size));
+  for (DType t : {DType::Q4_0, DType::Q4_K, DType::Q6_K}) {  // the split layout; raw rows by cp.async; raw rows by 16-bit loads
+    INFO(dtype_name(t));
+    const bool k = dtype_info(t).block == 256;  // K-quants: widths of whole super-blocks
+    ModelConfig c;
+    c.dim = k ? 256 : 128, c.hidden_dim = 2 * c.dim, c.n_layers = 2, c.n_heads = c.dim / 32, c.n_kv_heads = c.n_heads / 2, c.head_dim = 32;
+    c.vocab_size = 256, c.context_length = 64;
+    cuda::CudaModel dm(c, t, 77);
+    const int64_t n_seq = 12;
+    std::vector<float> rows[2];
+    for (int graphs = 0; graphs < 2; ++graphs) {
+      setenv("LLMQ_CUDA_GRAPH", graphs ? "1" : "0", 1);
+      const CudaPlan plan = plan_cuda_server(c, {}, 64, 16, n_seq);
+      cuda::CudaSession s(dm, nullptr, plan);
+      KVCache kv = KVCache::tables_only(c, plan.kv_blocks, plan.block_tokens);
+      std::vector<int32_t> ids, next;
+      for (int64_t i = 0; i < n_seq; ++i) {
+        ids.push_back(kv.add_sequence());
+        REQUIRE(kv.reserve(ids.back(), 64));
+        const std::vector<BatchToken> b = {{ids.back(), int32_t(3 * i), false}, {ids.back(), int32_t(3 * i + 1), true}};
+        next.push_back(Sampler::argmax(s.forward_batch(kv, b.data(), 2), c.vocab_size));
+      }
+      for (int step = 0; step < 6; ++step) {
+        std::vector<BatchToken> b;
+        for (int64_t i = 0; i < n_seq; ++i) b.push_back({ids[size_t(i)], next[size_t(i)], true});
+        const float* l = s.forward_batch(kv, b.data(), n_seq);
+        rows[graphs].insert(rows[graphs].end(), l, l + n_seq * c.vocab_size);
+        for (int64_t i = 0; i < n_seq; ++i) next[size_t(i)] = Sampler::argmax(l + i * c.vocab_size, c.vocab_size);
+      }
     }
-    for (int step = 0; step < 6; ++step) {
-      std::vector<BatchToken> b;
-      for (int64_t i = 0; i < n_seq; ++i) b.push_back({ids[size_t(i)], next[size_t(i)], true});
-      const float* l = s.forward_batch(kv, b.data(), n_seq);
-      rows[graphs].insert(rows[graphs].end(), l, l + n_seq * c.vocab_size);
-      for (int64_t i = 0; i < n_seq; ++i) next[size_t(i)] = Sampler::argmax(l + i * c.vocab_size, c.vocab_size);
-    }
+    unsetenv("LLMQ_CUDA_GRAPH");
+    REQUIRE(rows[0].size() == rows[1].size());
+    CHECK(std::memcmp(rows[0].data(), rows[1].data(), rows[0].size() * sizeof(float)) == 0);
   }
-  unsetenv("LLMQ_CUDA_GRAPH");
-  REQUIRE(rows[0].size() == rows[1].size());
-  CHECK(std::memcmp(rows[0].data(), rows[1].data(), rows[0].size() * sizeof(float)) == 0);
 }
 
 // llmq-server's GPU path: CudaBatchRunner (paged cache, batches mixing sequences) against the
