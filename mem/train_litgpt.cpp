@@ -37,6 +37,9 @@ namespace {
 constexpr const char* kLit = "LitGPT lit_gpt/model.py, lora.py (8641822) and litgpt/model.py (00af8b0d); PyTorch autograd saved tensors";
 constexpr const char* kBnb = "bitsandbytes Linear4bit / MatMul4Bit (NF4 blocks of 64; paged optimizers in CUDA managed memory)";
 constexpr const char* kFsdp = "Lightning FSDPStrategy.load_checkpoint: a full (unsharded) state dict on every rank";
+constexpr const char* kFsdpSync =
+    "PyTorch FSDP docs (no_sync: full gradients accumulated until the sync; use_orig_params with mixed frozen parameters: gradient memory as if "
+    "none were frozen; BackwardPrefetch.BACKWARD_PRE), Lightning FSDPStrategy (use_orig_params=True), litgpt issue #1417";
 
 // A LitGPT block recipe (litgpt/config.py: norm_class, mlp_class, parallel_residual,
 // shared_attention_norm).
@@ -136,7 +139,20 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
   r.lines.push_back({lora ? "parameters (LoRA adapters)" : "parameters", e * trainable / shard,
                      fmt::format("{} B x {}{}", e, num_str(trainable), fsdp ? " / N (FSDP shard)" : ""), kLit, Place::Device, Basis::Formula});
   // Gradients exist at the forward's end when gradient accumulation keeps them between micro-batches.
-  if (o.grad_accum > 1 || lora)
+  // FSDP accumulating: LitGPT's backward runs under fabric.no_backward_sync, i.e. FSDP.no_sync,
+  // which keeps full (unsharded) gradients until the synchronizing micro-batch; and with
+  // Lightning's use_orig_params=True one FlatParameter per Block holds the frozen weights beside
+  // the LoRA ones, so it requires grad as a whole: a LoRA run keeps unsharded gradients of every
+  // block parameter, frozen or not.
+  const double block_params = double(m.layers) * double(m.layer_params());
+  const bool fsdp_accum = fsdp && o.grad_accum > 1;
+  if (fsdp_accum)
+    r.lines.push_back({"gradients (FSDP no_sync: unsharded, every parameter of a Block unit)", e * (lora ? block_params : P),
+                       fmt::format("{} B x {} ({}), kept across {} micro-batches", e, num_str(lora ? block_params : P),
+                                   lora ? "the blocks' parameters: frozen ones share the LoRA weights' FlatParameter" : "every parameter",
+                                   o.grad_accum),
+                       kFsdpSync, Place::Device, Basis::Formula});
+  else if (o.grad_accum > 1 || lora)
     r.lines.push_back({"gradients", e * trainable / shard, fmt::format("{} B x trainable (kept across {} micro-batches)", e, o.grad_accum),
                        kLit, Place::Device, Basis::Formula});
   const bool paged = o.qlora;  // lit-gpt uses bnb.optim.PagedAdamW with --quantize: managed memory, not torch's
@@ -171,6 +187,9 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                        fmt::format("2 x 2 B x the largest Linear ({}): the fp16 dequantized weight and its bf16 cast", num_str(mat)), kBnb,
                        Place::Device, Basis::Formula});
   }
+  if (fsdp)  // FULL_SHARD: the unit being recomputed and run backward, and the next one prefetched (BACKWARD_PRE)
+    r.lines.push_back({"FSDP: two Blocks' parameters all-gathered", 2 * e * double(m.layer_params()),
+                       fmt::format("2 x {} B x {} (one Block)", e, num_str(double(m.layer_params()))), kFsdpSync, Place::Device, Basis::Formula});
   if (fsdp) {  // the load: the checkpoint as a full state dict on every rank beside the shards
     const double states = r.total(Place::Device);
     const double load = e * P + e * P / N;

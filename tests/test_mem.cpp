@@ -328,6 +328,17 @@ TEST_CASE("LitGPT framework: LoRA on Llama-2 as lit-gpt's resource table measure
   o.precision = Precision::BF16, o.block = "transformer-xl";
   CHECK_THROWS_AS(estimate_training(m, o), UsageError);
 
+  // FSDP over 2 GPUs (lg-rt-llama2-7b-lora-mb1-2gpu / -mb4: 22.18 / 23.39 GB; activation
+  // checkpointing on): accumulating under FSDP.no_sync keeps unsharded gradients of every
+  // block parameter (frozen ones share the LoRA weights' FlatParameter), beside the shards.
+  o.block = "llama", o.qlora = false, o.litgpt_version = 2023, o.dp = 2, o.zero = 3, o.checkpointing = Checkpointing::Full;
+  CHECK(allocated("llama-2-7b", 1) == Approx(22.18 * GB).epsilon(0.05));
+  CHECK(allocated("llama-2-7b", 4) == Approx(23.39 * GB).epsilon(0.05));
+  const MemReport f = estimate_training(m, o);
+  CHECK(lines_sum(f, {"gradients (FSDP no_sync: unsharded, every parameter of a Block unit)"}) == 2.0 * double(m.layers * m.layer_params()));
+  o.grad_accum = 1;  // no accumulation: gradients reduce-scattered each step, only the LoRA shards kept
+  CHECK(lines_sum(estimate_training(m, o), {"gradients (FSDP no_sync: unsharded, every parameter of a Block unit)"}) == 0);
+
   // Gemma 2 (lg-ch-gemma2-2b-lora: 14.31 GB): softcapped attention keeps its score matrices,
   // two more norms per block and tanh's logits; the rest as Gemma.
   ModelShape g2;
