@@ -2,9 +2,9 @@
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
 // y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout or Q5_0 / Q5_1 /
-// IQ4_NL / Q2_K ... Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by quantize_act (q, d, s = d·Σq). Per
-// block of 32 columns, an integer product on the tensor cores (mma.m16n8k32, int32 sums), then
-// scaled in fp32 as the GEMV does:
+// IQ4_NL / Q2_K ... Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by
+// quantize_act (q, d, s = d·Σq). Per block of 32 columns, an integer product on the tensor cores
+// (mma.m16n8k32, int32 sums), then scaled in fp32 as the GEMV does:
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
 //   Q4_0:  w = d_w (q_w - 8):   Σ w x = d_w (d_x Σ q_w q_x - 8 s_x)       (q_w as uint8 0..15)
 //   Q4_1:  w = d_w q_w + m_w:   Σ w x = d_w d_x Σ q_w q_x + m_w s_x
@@ -46,12 +46,12 @@ template <DType kType>
 constexpr bool kSplit16 = kType == DType::Q2_K || kType == DType::Q3_K || kType == DType::Q6_K;  // a scale per 16 weights
 template <DType kType>
 constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kSplit16<kType>;  // raw rows, a header per row and stage
-// Bytes of one 32-column block's quants in shared memory (Q5_K: 16 of qs and 16 of qh; Q6_K:
-// 32 of ql and 16 of qh).
 template <DType kType>
 constexpr bool kQ5 = kType == DType::Q5_0 || kType == DType::Q5_1;  // raw 22- / 24-byte blocks
 template <DType kType>
 constexpr bool kB32 = kQ5<kType> || kType == DType::IQ4_NL;  // raw 32-weight blocks, read by 16-bit loads
+// Bytes of one 32-column block's quants in shared memory (Q5_K, Q3_K: 16 of quants and 16 of high
+// bits; Q6_K: 32 of ql and 16 of qh; Q5_0/Q5_1: 16 of qs and 4 of qh).
 template <DType kType>
 constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K || kType == DType::Q3_K ? 32 : kQ5<kType> ? 20 : 16;
 template <DType kType>
@@ -74,7 +74,7 @@ struct MmqStage {
   alignas(16) uint16_t dw[kMmqBM * 2];               // weight scales [BM][2] fp16
   alignas(16) uint16_t mw[kType == DType::Q4_1 || kType == DType::Q5_1 ? kMmqBM * 2 : 8];  // Q4_1 / Q5_1 minimums [BM][2] fp16
   alignas(16) float dx[BN * 2];                      // activation scales [BN][2]
-  alignas(16) float sx[BN * 2];                      // d·Σq [BN][2] (Q4_0, Q4_1)
+  alignas(16) float sx[BN * 2];                      // d·Σq [BN][2] (the types with an offset or a minimum)
   alignas(16) uint8_t hdr[kKQuant<kType> ? kMmqBM * 16 : 16];  // K-quant super-block headers [BM][16]
 };
 
@@ -469,12 +469,11 @@ void mmq_prepare() {
 }
 
 bool mmq_supported(const DeviceWeight& w) {
-  const bool k = w.type == DType::Q4_K || w.type == DType::Q5_K;  // raw rows: 16-byte aligned for cp.async
-  const bool q6 = w.type == DType::Q2_K || w.type == DType::Q3_K || w.type == DType::Q6_K || w.type == DType::Q5_0 || w.type == DType::Q5_1 ||
-                  w.type == DType::IQ4_NL;  // 16-bit loads
-  return (w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1 || (k && reinterpret_cast<uintptr_t>(w.q) % 16 == 0) ||
-          (q6 && reinterpret_cast<uintptr_t>(w.q) % 2 == 0)) &&
-         w.cols % 64 == 0 && w.rows > 0;
+  const bool split = w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1;  // the split layout
+  const bool async = w.type == DType::Q4_K || w.type == DType::Q5_K;                              // raw rows by cp.async: 16-byte aligned
+  const bool words = is_raw_type(w.type) && !async;                                              // raw rows by 16-bit loads
+  const auto at = reinterpret_cast<uintptr_t>(w.q);
+  return (split || (async && at % 16 == 0) || (words && at % 2 == 0)) && w.cols % 64 == 0 && w.rows > 0;
 }
 
 int mmq_tile_tokens(int64_t T) { return T <= 16 ? 16 : T <= 32 ? 32 : T <= 64 ? 64 : 128; }
