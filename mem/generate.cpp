@@ -37,10 +37,12 @@ MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
   // Linear layers of the blocks, and the output layer: bitsandbytes in LitGPT converts every Linear
   // (Lightning's BitsandbytesPrecision), transformers keeps the output embedding in 16 bits.
   const double rows_per_layer = double(m.q_dim() + 2 * m.kv_dim()) + h + double(m.mlp == Mlp::SwiGLU ? 2 : 1) * double(m.hidden) + h;
-  const bool head_quant = quant && o.framework == "litgpt" && !m.tied;
+  // LitGPT never ties lm_head to the embedding (its converter copies a tied model's embedding into
+  // lm_head.weight; GPT keeps both), so a tied model holds V·h more there.
+  const bool litgpt = o.framework == "litgpt", head_quant = quant && litgpt;
   const double lin = double(m.layers) * double(m.layer_linear_params()) + (head_quant ? V * h : 0);
   const double lin_rows = double(m.layers) * rows_per_layer + (head_quant ? V : 0);
-  const double rest = double(m.params()) - lin;
+  const double rest = double(m.params()) + (litgpt && m.tied ? V * h : 0) - lin;
   MemReport r;
   r.device = "gpu 0";
   r.title = fmt::format("{}: generate with {} ({} weights), batch {}, prompt {}, {} new tokens", m.name, o.framework, o.weights, o.batch,

@@ -119,13 +119,16 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
     throw UsageError("--framework litgpt models AdamW, 8-bit AdamW and SGD (the optimizers of LitGPT's recipes)");
   const Block B = block_of(o.block);
   const double e = o.precision == Precision::FP32 ? 4 : 2, T = double(o.micro_batch) * double(o.seq_len);
-  const double P = double(m.params()), N = o.dp, h = double(m.dim), V = double(m.vocab);
+  // LitGPT never ties the output layer to the embedding: its converter copies a tied model's
+  // embedding into lm_head.weight (litgpt/scripts/convert_hf_checkpoint.py) and GPT keeps both
+  // (litgpt/model.py: an nn.Embedding and an nn.Linear), so a tied model holds V·h more.
+  const double h = double(m.dim), V = double(m.vocab), P = double(m.params()) + (m.tied ? V * h : 0), N = o.dp;
   const bool lora = o.lora_rank > 0, fsdp = o.dp > 1;
   MemReport r;
   r.device = "gpu 0";
 
   // Model states. LoRA adapters (trainable), or every parameter (full fine-tuning).
-  const double linear = double(m.layers) * double(m.layer_linear_params()) + (m.tied ? 0 : V * h);
+  const double linear = double(m.layers) * double(m.layer_linear_params()) + V * h;  // the blocks' and lm_head
   const double head_lora = lora && std::count(o.lora_targets.begin(), o.lora_targets.end(), "head") ? double(o.lora_rank) * (h + V) : 0;
   const double trainable = lora ? double(m.layers) * lora_layer_params_of(m, o) + head_lora : P;
   const double frozen = lora ? (o.qlora ? nf4_bytes(o.double_quant) * linear + e * (P - linear) : e * P) : 0;
@@ -180,7 +183,7 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                                  B.softcap ? ", tanh's softcapped logits" : "", m.vocab),
                      kLit, Place::Device, Basis::Formula});
   if (o.qlora) {
-    const double mat = double(std::max({m.dim * m.hidden, m.dim * (m.q_dim() + 2 * m.kv_dim()), m.tied ? 0 : m.vocab * m.dim}));
+    const double mat = double(std::max({m.dim * m.hidden, m.dim * (m.q_dim() + 2 * m.kv_dim()), m.vocab * m.dim}));
     // MatMul4Bit: dequantize_4bit(B) in the weight's original dtype (fp16: Lightning quantizes a .half() copy),
     // then .to(A.dtype): two 16-bit copies of the matrix while it is multiplied.
     r.lines.push_back({"temporary: a dequantized NF4 matrix", 2 * 2 * mat,
