@@ -59,6 +59,11 @@ const DTypeInfo& dtype_info(DType t) {
   throw UsageError("unknown tensor type id " + std::to_string(uint32_t(t)));
 }
 
+const std::vector<DType>& all_dtypes() {
+  static const std::vector<DType> all(std::begin(kAll), std::end(kAll));
+  return all;
+}
+
 bool dtype_known(uint32_t id) {
   for (DType t : kAll)
     if (uint32_t(t) == id) return true;

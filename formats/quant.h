@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace llmq {
 
@@ -54,6 +55,13 @@ struct BlockIQ4_NL {
 };
 /// IQ4_NL's 16 levels (ggml-common.h kvalues_iq4nl).
 inline constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/// Levels 8h .. 8h + 7 of kIQ4NLValues (h = 0, 1) as the bytes of one word, lowest level in the
+/// lowest byte: the table as two register constants for device code, which cannot index the array.
+constexpr uint64_t iq4_nl_levels_word(int h) {
+  uint64_t w = 0;
+  for (int i = 0; i < 8; ++i) w |= uint64_t(uint8_t(kIQ4NLValues[8 * h + i])) << (8 * i);
+  return w;
+}
 /// Q4_1: 32 weights = fp16 scale d + fp16 minimum m + 16 bytes of 4-bit q: w = d * q + m.
 /// Nibble order as Q4_0. 20 bytes, 5 bits per weight.
 struct BlockQ4_1 {
@@ -162,6 +170,9 @@ size_t row_bytes(DType t, int64_t n);
 bool row_fits(DType t, int64_t n);
 /// True for the block-quantized types (everything but F32, F16, BF16).
 bool is_quantized(DType t);
+/// Every stored type (the ids dtype_known accepts): F32, F16, BF16, then the block types. Tests
+/// loop over it, so a new type is in every type x backend row at once.
+const std::vector<DType>& all_dtypes();
 /// The (sub-)block decomposition every integer kernel uses: a row of a quantized type is a
 /// sequence of 32-weight blocks, block b holding w_i = a_h · (q_i − o) − m_h for i in half h
 /// (h = i / 16), q_i ≥ 0. `QuantBlock` is that block decoded (formats/quant.cpp,

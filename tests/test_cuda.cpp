@@ -244,8 +244,8 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
   const std::vector<Shape> k_shapes = {{1, 256}, {130, 512}, {257, 768}, {64, 2048}};  // whole 256-weight super-blocks
   DeviceBuffer split(1 << 20);  // split-K scratch: {64, 2048} splits 8 ways (32 stages, 1 block of rows)
   CHECK(cuda::mmq_splits(cuda::split_weight_view(DType::Q8_0, 64, 2048, nullptr), 9, split.bytes()) == 8);
-  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::IQ4_NL, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K,
-                  DType::Q6_K}) {
+  for (DType t : all_dtypes()) {
+    if (!is_quantized(t)) continue;
     for (const Shape& s : dtype_info(t).block == 256 ? k_shapes : shapes) {
       TestWeight w(t, s.rows, s.cols, rng);
       std::vector<float> wf(size_t(s.rows * s.cols));
@@ -303,7 +303,8 @@ TEST_CASE("CUDA GEMV on activations that are not 16-byte aligned: the raw kernel
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   const int64_t rows = 21, cols = 512, ldy = rows + 3;
-  for (DType t : {DType::Q5_0, DType::Q5_1, DType::IQ4_NL, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+  for (DType t : all_dtypes()) {
+    if (!cuda::is_raw_type(t)) continue;
     TestWeight w(t, rows, cols, rng);
     for (int T : {1, 3, 8}) {
       const auto x = gaussian(size_t(T * cols) + 1, rng);
@@ -339,8 +340,7 @@ TEST_CASE("CUDA GEMV on activations that are not 16-byte aligned: the raw kernel
 TEST_CASE("CUDA fill_random: synthetic weights of every type are finite and model-sized", "[cuda]") {
   if (!have_gpu()) return;
   const int64_t rows = 8, cols = 512;
-  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::IQ4_NL,
-                  DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+  for (DType t : all_dtypes()) {
     DeviceBuffer dev(cuda::split_weight_bytes(t, rows, cols));
     const cuda::DeviceWeight w = cuda::split_weight_view(t, rows, cols, dev.as<uint8_t>());
     cuda::fill_random(w, 42, nullptr);

@@ -330,8 +330,7 @@ struct Op {
 };
 
 // Every weight type, for the ops that take weights.
-const std::vector<DType> kAllTypes{DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
-                                   DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL};
+const std::vector<DType>& kAllTypes = all_dtypes();
 
 // For ops whose shape[1] is a weight's columns.
 bool whole_blocks(DType t, const Shape& s) { return s[1] % int64_t(dtype_info(t).block) == 0; }

@@ -18,7 +18,7 @@ namespace llmq::cuda {
 
 namespace {
 
-bool is_block_type(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
+bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1
 
 // Bytes of one row of the q array.
 size_t q_row_bytes(DType t, int64_t cols) {
@@ -128,21 +128,21 @@ constexpr int kFillBlocks = 1024, kFillThreads = 256;
 // The fp16 fields of a raw type's block (formats/quant.h layouts) and their scale of values, for
 // random quants (uniform bytes): weights of about 0.01-0.02 in magnitude, as fill_random's others.
 struct RawHalves {
-  int block_bytes, off_d;
+  int off_d;
   float d;
   int off_m;  // -1: none
   float m;    // Q5_1's minimum is added (negative: centres the weights), the K-quants' dmin subtracted
 };
 RawHalves raw_halves(DType t) {
   switch (t) {
-    case DType::Q5_0: return {22, 0, 1.5e-3f, -1, 0};
-    case DType::Q5_1: return {24, 0, 1.5e-3f, 2, -0.024f};
-    case DType::IQ4_NL: return {18, 0, 1.5e-4f, -1, 0};
-    case DType::Q2_K: return {84, 80, 1.5e-3f, 82, 1.5e-3f};
-    case DType::Q3_K: return {110, 108, 2e-4f, -1, 0};
-    case DType::Q4_K: return {144, 0, 5e-5f, 2, 2.5e-4f};
-    case DType::Q5_K: return {176, 0, 2.5e-5f, 2, 2.5e-4f};
-    default: return {210, 208, 1e-5f, -1, 0};  // Q6_K
+    case DType::Q5_0: return {0, 1.5e-3f, -1, 0};
+    case DType::Q5_1: return {0, 1.5e-3f, 2, -0.024f};
+    case DType::IQ4_NL: return {0, 1.5e-4f, -1, 0};
+    case DType::Q2_K: return {80, 1.5e-3f, 82, 1.5e-3f};
+    case DType::Q3_K: return {108, 2e-4f, -1, 0};
+    case DType::Q4_K: return {0, 5e-5f, 2, 2.5e-4f};
+    case DType::Q5_K: return {0, 2.5e-5f, 2, 2.5e-4f};
+    default: return {208, 1e-5f, -1, 0};  // Q6_K
   }
 }
 
@@ -153,10 +153,11 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
   auto* q = const_cast<uint8_t*>(w.q);
   if (is_raw_type(w.type)) {  // the file's blocks: random bytes, then sane fp16 scales over them
     const RawHalves h = raw_halves(w.type);
-    const uint64_t bytes = uint64_t(w.rows) * row_bytes(w.type, w.cols), blocks = bytes / uint64_t(h.block_bytes);
+    const int bb = raw_block_bytes(w.type);
+    const uint64_t bytes = uint64_t(w.rows) * row_bytes(w.type, w.cols), blocks = bytes / uint64_t(bb);
     LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, bytes, seed);
-    LLMQ_LAUNCH(fill_block_half_kernel, kFillBlocks, kFillThreads, 0, s)(q, blocks, h.block_bytes, h.off_d, seed + 1, h.d);
-    if (h.off_m >= 0) LLMQ_LAUNCH(fill_block_half_kernel, kFillBlocks, kFillThreads, 0, s)(q, blocks, h.block_bytes, h.off_m, seed + 2, h.m);
+    LLMQ_LAUNCH(fill_block_half_kernel, kFillBlocks, kFillThreads, 0, s)(q, blocks, bb, h.off_d, seed + 1, h.d);
+    if (h.off_m >= 0) LLMQ_LAUNCH(fill_block_half_kernel, kFillBlocks, kFillThreads, 0, s)(q, blocks, bb, h.off_m, seed + 2, h.m);
     check_launch("fill_random");
     return;
   }
@@ -444,7 +445,7 @@ __device__ __forceinline__ void ld_words2(const uint8_t* p, uint32_t* out) {
 template <int R, bool kQ5>
 __global__ void __launch_bounds__(32 * kGemvWarps, kQ5 ? 5 : 6) gemv_q45k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
                                                                              float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  constexpr int kBlockBytes = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
+  constexpr int kBlockBytes = raw_block_bytes(kQ5 ? DType::Q5_K : DType::Q4_K), kQs = kQ5 ? 48 : 16;
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
   const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2);
@@ -506,7 +507,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint
     float sc[R][4];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * 210;
+      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * raw_block_bytes(DType::Q6_K);
       ld_words2<2>(blk + 64 * h + l0, la[r]), ld_words2<2>(blk + 64 * h + 32 + l0, lb[r]), ld_words2<2>(blk + 128 + 32 * h + l0, hb[r]);
       const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
       const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
@@ -555,7 +556,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint
 template <int R, bool kQ3>
 __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q23k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
                                                                      float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  constexpr int kBlockBytes = kQ3 ? 110 : 84, kQs = kQ3 ? 32 : 16;
+  constexpr int kBlockBytes = raw_block_bytes(kQ3 ? DType::Q3_K : DType::Q2_K), kQs = kQ3 ? 32 : 16;
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
   const int k = int(threadIdx.x % 8), n = k / 4, l0 = 8 * (k % 4), half = l0 / 16;
@@ -620,7 +621,7 @@ template <int R, DType kType>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_b32_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
   constexpr bool kNL = kType == DType::IQ4_NL, kMin = kType == DType::Q5_1;
-  constexpr int kBlockBytes = kNL ? 18 : kMin ? 24 : 22, kQh = kMin ? 4 : 2, kQs = kNL ? 2 : kQh + 4;
+  constexpr int kBlockBytes = raw_block_bytes(kType), kQh = b32_qh_offset(kType), kQs = b32_qs_offset(kType);
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
   float acc[R][kGemvMaxTokens] = {};

@@ -21,6 +21,13 @@
 
 namespace llmq::cuda {
 
+/// True for the types the device keeps in the file's own block layout ("raw": Q5_0, Q5_1, IQ4_NL
+/// and the K-quants; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1 are split.
+__host__ __device__ constexpr bool is_raw_type(DType t) {
+  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K ||
+         t == DType::Q5_K || t == DType::Q6_K;
+}
+
 /// A weight matrix [rows, cols] on the device in the split layout the kernels read with aligned
 /// 16-byte loads: the file's blocks (formats/quant.h) taken apart into arrays. Same bytes in
 /// all as the file's tensor (row_bytes(type, cols) · rows), only rearranged:
@@ -29,6 +36,7 @@ namespace llmq::cuda {
 ///         byte j, weight j+16 in the high one, as in the file), d = fp16 scales [rows, cols/32]
 ///   Q4_1: as Q4_0, plus m = fp16 minimums [rows, cols/32]
 ///   F32, F16, BF16: q = the elements [rows, cols] (d, m null)
+///   raw types (is_raw_type): q = the file's rows as they are (d, m null)
 struct DeviceWeight {
   DType type = DType::F32;
   int64_t rows = 0, cols = 0;

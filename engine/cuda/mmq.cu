@@ -95,8 +95,8 @@ struct MmqArgs {
 // then Q5's qh words (32..39); d and Q5_1's m into dw and mw.
 template <DType kType, class Stage>
 __device__ __forceinline__ void mmq_load_b32(Stage& st, const MmqArgs& p, int row0, int kb) {
-  constexpr int P = kAPitch<kType>, B = kType == DType::Q5_1 ? 24 : kType == DType::Q5_0 ? 22 : 18, W = B / 2;  // block bytes, words
-  constexpr int kQh = kType == DType::Q5_1 ? 4 : 2, kQs = kType == DType::IQ4_NL ? 2 : kQh + 4;
+  constexpr int P = kAPitch<kType>, B = raw_block_bytes(kType), W = B / 2;  // block bytes, words
+  constexpr int kQh = b32_qh_offset(kType), kQs = b32_qs_offset(kType);
   for (int i = int(threadIdx.x); i < kMmqBM * 2 * W; i += kMmqThreads) {
     const int r = i / (2 * W), jb = i / W % 2, w = i % W, row = min(row0 + r, p.rows - 1);
     const uint8_t* blk = p.wq + int64_t(row) * p.rb + int64_t(kb + jb) * B;
@@ -136,7 +136,7 @@ __device__ __forceinline__ WordMove stage_word(int w, int pr) {
 // rather than cp.async.
 template <DType kType, class Stage>
 __device__ __forceinline__ void mmq_load_words(Stage& st, const MmqArgs& p, int row0, int kb) {
-  constexpr int P = kAPitch<kType>, W = kStageWords<kType>, B = kType == DType::Q6_K ? 210 : kType == DType::Q3_K ? 110 : 84;
+  constexpr int P = kAPitch<kType>, W = kStageWords<kType>, B = raw_block_bytes(kType);
   const int pr = (kb / 2) % 4;
   for (int i = int(threadIdx.x); i < kMmqBM * W; i += kMmqThreads) {
     const int r = i / W, row = min(row0 + r, p.rows - 1);
@@ -161,7 +161,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
       const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
       const uint8_t* src;
       if constexpr (kKQuant<kType>) {  // qs of sub-blocks 2p, 2p + 1 (chunks 0, 1); Q5_K: qh (chunks 2, 3)
-        const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * (kType == DType::Q5_K ? 176 : 144);
+        const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * raw_block_bytes(kType);
         const int qs = kType == DType::Q5_K ? 48 : 16, pr = (kb / 2) % 4;
         src = c < 2 ? sb + qs + 32 * pr + 16 * c : sb + 16 + 16 * (c - 2);
       } else {
@@ -178,7 +178,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
     for (int i = tid; i < kMmqBM; i += kMmqThreads) {
       const int64_t row = min(row0 + i, p.rows - 1);
       if constexpr (kKQuant<kType>) {
-        cp_async16(st.hdr + 16 * i, p.wq + row * p.rb + int64_t(kb / 8) * (kType == DType::Q5_K ? 176 : 144));
+        cp_async16(st.hdr + 16 * i, p.wq + row * p.rb + int64_t(kb / 8) * raw_block_bytes(kType));
       } else {
         cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
         if constexpr (kType == DType::Q4_1) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
@@ -469,7 +469,7 @@ void mmq_prepare() {
 }
 
 bool mmq_supported(const DeviceWeight& w) {
-  const bool split = w.type == DType::Q8_0 || w.type == DType::Q4_0 || w.type == DType::Q4_1;  // the split layout
+  const bool split = is_quantized(w.type) && !is_raw_type(w.type);                              // the split layout
   const bool async = w.type == DType::Q4_K || w.type == DType::Q5_K;                              // raw rows by cp.async: 16-byte aligned
   const bool words = is_raw_type(w.type) && !async;                                              // raw rows by 16-bit loads
   const auto at = reinterpret_cast<uintptr_t>(w.q);

@@ -5,22 +5,27 @@
 // Bytes are read one at a time, so a row needs no alignment.
 #pragma once
 #include "engine/cuda/common.cuh"
+#include "engine/cuda/matmul.h"
 #include "formats/quant.h"
 
 namespace llmq::cuda {
 
-/// True for the types kept raw on the device.
-__host__ __device__ constexpr bool is_raw_type(DType t) {
-  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
+/// Bytes of one block of raw type t: 32 weights (Q5_0, Q5_1, IQ4_NL) or a 256-weight super-block
+/// (the K-quants); formats/quant.h's sizeof(Block...), usable in device code and constant expressions.
+__host__ __device__ constexpr int raw_block_bytes(DType t) {
+  return t == DType::Q5_0 ? 22 : t == DType::Q5_1 ? 24 : t == DType::IQ4_NL ? 18 : t == DType::Q2_K ? 84 : t == DType::Q3_K ? 110
+       : t == DType::Q4_K ? 144 : t == DType::Q5_K ? 176 : 210;
 }
+/// Weights per block of raw type t.
+__host__ __device__ constexpr int raw_block_weights(DType t) { return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::IQ4_NL ? 32 : 256; }
 
 /// Bytes of a row of `cols` weights of raw type t (formats/quant.h's row_bytes, on either side).
-__host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) {
-  return t == DType::Q5_0 ? cols / 32 * 22 : t == DType::Q5_1 ? cols / 32 * 24 : t == DType::IQ4_NL ? cols / 32 * 18
-       : t == DType::Q2_K ? cols / 256 * 84
-       : t == DType::Q3_K ? cols / 256 * 110
-       : t == DType::Q4_K ? cols / 256 * 144 : t == DType::Q5_K ? cols / 256 * 176 : cols / 256 * 210;
-}
+__host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) { return cols / raw_block_weights(t) * raw_block_bytes(t); }
+
+/// Byte offsets in a Q5_0 / Q5_1 / IQ4_NL block: of the fifth bits qh (Q5; after d, and Q5_1's m)
+/// and of the nibbles qs.
+__host__ __device__ constexpr int b32_qh_offset(DType t) { return t == DType::Q5_1 ? 4 : 2; }
+__host__ __device__ constexpr int b32_qs_offset(DType t) { return t == DType::IQ4_NL ? 2 : b32_qh_offset(t) + 4; }
 
 __device__ __forceinline__ float half_at(const uint8_t* p) { return fp16_bits_to_float(uint16_t(p[0] | (p[1] << 8))); }
 
@@ -49,21 +54,21 @@ __device__ __forceinline__ void q4k_pair_scales(const uint8_t* blk, int p, float
   }
 }
 
-/// IQ4_NL's level i, 0 <= i < 16 (formats/quant.h kIQ4NLValues, whose host array device code
-/// cannot read), looked up in registers: the 16 levels as signed bytes of two words.
-__device__ __forceinline__ int iq4_nl_level(uint32_t i) {
-  constexpr uint64_t kLo = 0xf6eaddcfbfad9881ull, kHi = 0x7159453526190d01ull;  // levels 0-7, 8-15
-  return int(int8_t(((i & 8) ? kHi : kLo) >> (8 * (i & 7))));
-}
+// IQ4_NL's levels 0-7 and 8-15 as bytes of two words, computed on the host from formats/quant.h's
+// kIQ4NLValues (integral constants, which device code may read; the array it may not).
+constexpr uint64_t kIQ4NLWordLo = iq4_nl_levels_word(0), kIQ4NLWordHi = iq4_nl_levels_word(1);
+
+/// IQ4_NL's level i, 0 <= i < 16, looked up in registers.
+__device__ __forceinline__ int iq4_nl_level(uint32_t i) { return int(int8_t(((i & 8) ? kIQ4NLWordHi : kIQ4NLWordLo) >> (8 * (i & 7)))); }
 
 /// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
 __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* w) {
   if (t == DType::Q5_0 || t == DType::Q5_1) {
     const bool has_min = t == DType::Q5_1;
-    const uint8_t* blk = row + b * (has_min ? 24 : 22);
+    const uint8_t* blk = row + b * raw_block_bytes(t);
     const float d = half_at(blk), m = has_min ? half_at(blk + 2) : 0.0f;
-    const uint8_t* qh = blk + (has_min ? 4 : 2);
-    const uint8_t* qs = qh + 4;
+    const uint8_t* qh = blk + b32_qh_offset(t);
+    const uint8_t* qs = blk + b32_qs_offset(t);
     const uint32_t h = uint32_t(qh[0]) | uint32_t(qh[1]) << 8 | uint32_t(qh[2]) << 16 | uint32_t(qh[3]) << 24;
     for (int i = 0; i < 32; ++i) {
       const int q = ((i < 16 ? qs[i] : qs[i - 16] >> 4) & 15) | int((h >> i) & 1) << 4;
@@ -71,7 +76,7 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
     }
   } else if (t == DType::Q4_K || t == DType::Q5_K) {
     const bool five = t == DType::Q5_K;
-    const uint8_t* blk = row + (b / 8) * (five ? 176 : 144);
+    const uint8_t* blk = row + (b / 8) * raw_block_bytes(t);
     const int j = int(b % 8);
     const uint8_t* s = blk + 4;
     int sc, mn;
@@ -91,7 +96,7 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
       w[i + 16] = d * float(iq4_nl_level(blk[2 + i] >> 4));
     }
   } else if (t == DType::Q2_K) {
-    const uint8_t* blk = row + (b / 8) * 84;
+    const uint8_t* blk = row + (b / 8) * raw_block_bytes(t);
     const int j = int(b % 8);
     const float d = half_at(blk + 80), dmin = half_at(blk + 82);
     const float a0 = d * float(blk[2 * j] & 15), a1 = d * float(blk[2 * j + 1] & 15);
@@ -101,7 +106,7 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
       w[l] = l < 16 ? a0 * float(q) - m0 : a1 * float(q) - m1;
     }
   } else if (t == DType::Q3_K) {
-    const uint8_t* blk = row + (b / 8) * 110;
+    const uint8_t* blk = row + (b / 8) * raw_block_bytes(t);
     const int j = int(b % 8);
     const float d = half_at(blk + 108);
     const float a0 = d * float(q3_k_scale(blk + 96, 2 * j) - 32), a1 = d * float(q3_k_scale(blk + 96, 2 * j + 1) - 32);
@@ -110,7 +115,7 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
       w[l] = (l < 16 ? a0 : a1) * float(q - 4);
     }
   } else {  // Q6_K
-    const uint8_t* blk = row + (b / 8) * 210;
+    const uint8_t* blk = row + (b / 8) * raw_block_bytes(DType::Q6_K);
     const int j = int(b % 8), h = j / 4, jj = j % 4;
     const float d = half_at(blk + 208);
     const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
