@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The checks a GPU session runs (issues 4, 6, 7, 25), in phases, on the GPU machine from the
 # repository root, on what scripts/gpu_pack.sh packed into .gpu/ (carried there: the machine
-# has no network). Each step's output goes to $OUT/<phase>/<step>.txt, a step that fails is
-# recorded and the next one runs; $OUT/<phase>/summary.txt lists every step with its exit code
-# and seconds, and the last lines printed are every phase's summary.
+# has no network). Each step's output goes to $RES/<phase>/<step>.txt (RES: /tmp/gpu-check), a
+# step that fails is recorded and the next one runs; $RES/<phase>/summary.txt lists every step
+# with its exit code and seconds, and the last lines printed are every phase's summary. After
+# each phase $RES is packed into $OUT/gpu-check.tgz: the device tool brings back only a few
+# files from $OUT (a third GPU session lost its lab and peer outputs to that), and a call cut
+# short still brings back the phases it finished.
 #
 #   bash scripts/gpu_check.sh            # the default: one device call of at most 9 minutes
 #                                        # (info tests tools peer train bench sanitizer)
@@ -31,6 +34,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
+RES=${RES:-/tmp/gpu-check}
 G=$PWD/.gpu
 # gpu_pack.sh's archive (what travels: the device tool carries at most 64 MiB)
 [ -d "$G" ] || [ ! -f .gpu-pack/gpu.tar.xz ] || [ "${DRY:-0}" = 1 ] || tar -xJf .gpu-pack/gpu.tar.xz
@@ -126,7 +130,7 @@ need_model() {
 
 run_phase() {
   phase=$1
-  dir=$OUT/$phase
+  dir=$RES/$phase
   if [ "${DRY:-0}" != 1 ]; then
     mkdir -p "$dir" "$LLMQ_TEST_TMP"
     : >"$dir/summary.txt"
@@ -144,7 +148,7 @@ run_phase() {
       ;;
     sanitizer)
       step memcheck-kernels 150 "compute-sanitizer --tool memcheck --error-exitcode 9 $G/bin/llmq-tests '[cuda]~[model]' -r compact"
-      step racecheck-mmq-attn 90 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*' -r compact"
+      step racecheck-mmq-attn 180 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*' -r compact"
       ;;
     lab)
       for l in ${LABS:-gemv gemv_k mmq attn}; do
@@ -204,7 +208,10 @@ run_phase() {
 
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(info tests tools peer train bench sanitizer)
-for p in "${phases[@]}"; do run_phase "$p"; done
+for p in "${phases[@]}"; do
+  run_phase "$p"
+  [ "${DRY:-0}" = 1 ] || { mkdir -p "$OUT" && tar czf "$OUT/gpu-check.tgz" -C "$RES" .; }
+done
 if [ "${DRY:-0}" != 1 ]; then
-  for p in "${phases[@]}"; do echo "== $p"; cat "$OUT/$p/summary.txt"; done
+  for p in "${phases[@]}"; do echo "== $p"; cat "$RES/$p/summary.txt"; done
 fi

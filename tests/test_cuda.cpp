@@ -1091,12 +1091,12 @@ TEST_CASE("CUDA graphs replay llmq-server's batched decode steps exactly", "[cud
 }
 
 // Batched decode steps of 9 .. kCudaMmqMaxTokens tokens run on MMQ (split-K included) and are
-// graphed too when no product needs cuBLAS: 12 sequences of a synthetic Q4_0, Q4_K and Q6_K
+// graphed too when no product needs cuBLAS: 12 sequences of a synthetic Q4_0, Q4_K and Q5_K
 // model (widths that are multiples of 64, as MMQ needs; 256 for the K-quants) decode 6 steps,
 // graphed and not, bit for bit.
 TEST_CASE("CUDA graphs replay batched MMQ decode steps exactly", "[cuda][batch]") {
   if (!have_gpu()) return;
-  for (DType t : {DType::Q4_0, DType::Q4_K, DType::Q6_K}) {  // the split layout; raw rows by cp.async; raw rows by 16-bit loads
+  for (DType t : {DType::Q4_0, DType::Q4_K, DType::Q5_K}) {  // the split layout; raw rows by cp.async (Q6_K's MMQ is off by default)
     INFO(dtype_name(t));
     const bool k = dtype_info(t).block == 256;  // K-quants: widths of whole super-blocks
     ModelConfig c;

@@ -6,11 +6,14 @@
 //   dev/cuda/build.sh && build-gpu/dev/gemv_k [--reps N]
 //
 // Versions:
-//   v1  engine (gemv_q4k_kernel / gemv_q6k_kernel): fp32 activations, eight lanes per 256-weight
-//       super-block, two rows per warp; H100: 30% of the copy rate over a 7B Q4_K_M decode
+//   v0  the engine's fp32-activation kernels (gemv_q45k_kernel / gemv_q6k_kernel, what gemv runs
+//       when xq.q is null): eight lanes per 256-weight super-block, two rows per warp; H100: 30%
+//       of the copy rate over a 7B Q4_K_M decode
 //   v2  the same lanes on int8 activations (quantize_act's per-32 blocks, which the engine's
 //       Q4_0 / Q8_0 GEMV already uses): dp4a on the quant nibbles (Q4_K) or the rebuilt 6-bit
-//       values (Q6_K), a quarter of v1's activation bytes; R rows per warp
+//       values (Q6_K), a quarter of v0's activation bytes; R rows per warp. H200: faster than v0
+//       on every matrix at T = 1 and 2 (Q4_K R1 1.35x, Q6_K R2 1.3x) -> graduated
+//   v1  engine (since then: v2, R1 for Q4_K and R2 for Q6_K, gemv_q4k_q8_kernel / gemv_q6k_q8_kernel)
 //   Q4_K: Σ over a 32-weight sub-block = a d_x Σ q q_x - m s_x (s_x = d_x Σ q_x, counted by the
 //   lane holding the sub-block's first half); Q6_K: per 16-weight scale s,
 //   d s d_x (Σ q q_x - 32 Σ q_x).
@@ -162,6 +165,7 @@ Case v2_case(DType type, const char* name) {
 
 std::vector<Case> cases(DType type) {
   return {{"v1 engine", false, [](const DeviceWeight& w, const DeviceActQ8& xq, const float* x, float* y, int T) { gemv(w, x, xq, y, T, 0, nullptr); }},
+          {"v0 fp32 act", true, [](const DeviceWeight& w, const DeviceActQ8&, const float* x, float* y, int T) { gemv(w, x, DeviceActQ8{}, y, T, 0, nullptr); }},
           v2_case<1>(type, "v2 R1"), v2_case<2>(type, "v2 R2"), v2_case<4>(type, "v2 R4")};
 }
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "engine/cuda/cuda.h"
@@ -14,14 +15,27 @@
 
 namespace llmq::cuda::lab {
 
-/// A lab's start: `--reps N` from the command line (else `reps`), GPU 0 selected and described
-/// on stdout. Throws as cuda::check.
+/// A lab's start: `--reps N` from the command line (else `reps`), stdout line-buffered, GPU 0
+/// selected and described on stdout. Throws as cuda::check.
 inline int start(int argc, char** argv, int reps) {
   for (int i = 1; i + 1 < argc; i += 2)
     if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines survive a lab cut short by `timeout`
   check(cudaSetDevice(0), "cudaSetDevice");
   std::printf("%s\n", device_description(0).c_str());
   return reps;
+}
+
+/// Types from a comma-separated list of names ("q4_0,q4_k"); throws as dtype_from_name.
+inline std::vector<DType> parse_types(const char* list) {
+  std::vector<DType> out;
+  std::string s(list);
+  for (size_t b = 0; b <= s.size();) {
+    const size_t e = std::min(s.find(',', b), s.size());
+    out.push_back(dtype_from_name(s.substr(b, e - b)));
+    b = e + 1;
+  }
+  return out;
 }
 
 /// Copies of a random [rows, cols] matrix of type t, >= 512 MiB in all (at least 2).

@@ -7,7 +7,8 @@
 // "engine matmul" is what the engine runs for that T (matmul(): MMQ up to kCudaMmqMaxTokens,
 // then dequantize + cuBLAS), quantization of the fp32 input included.
 //
-//   dev/cuda/build.sh && build-gpu/dev/mmq [--reps N]
+//   dev/cuda/build.sh && build-gpu/dev/mmq [--reps N] [--types q4_0,q4_k,...]
+// (default: every quantized type the engine's MMQ takes, Q4_0 first)
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -62,7 +63,11 @@ int main(int argc, char** argv) {
     const std::vector<Shape> shapes = {{12288, 4096, "qkv"}, {4096, 4096, "wo"}, {22016, 4096, "gate_up"}, {4096, 11008, "down"}, {4096, 14336, "tbo"}};
     const int Ts[] = {16, 32, 64, 128, 512};
     const int maxT = 512;
-    for (DType type : {DType::Q4_0, DType::Q8_0, DType::Q4_K}) {
+    std::vector<DType> types = {DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::Q5_0, DType::Q3_K,
+                                DType::Q5_K, DType::Q2_K, DType::Q5_1, DType::Q4_1, DType::IQ4_NL};
+    for (int a = 1; a + 1 < argc; a += 2)
+      if (!std::strcmp(argv[a], "--types")) types = lab::parse_types(argv[a + 1]);
+    for (DType type : types) {
       for (const Shape& sh : shapes) {
         const lab::WeightCopies wc(type, sh.rows, sh.cols);
         const std::vector<DeviceWeight>& w = wc.w;

@@ -669,6 +669,99 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_b32_kernel(const uint8_t
     if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
 }
 
+// Q4_K and Q6_K against int8 activations (quantize_act: per 32 values q_x, d_x and s_x = d_x Σ q_x),
+// the lanes of gemv_q45k_kernel and gemv_q6k_kernel with the products by dp4a: a quarter of the
+// activation bytes and no float conversion per weight. dev/cuda/gemv_k.cu's v2, which on an H200
+// (bench/RESULTS.md, third GPU session) took llama-2-7b's Q4_K matrices at T = 1 from 23-26% to
+// 31-34% of the copy rate (one row per warp best) and Q6_K's from 28-42% to 34-55% (two rows).
+//   Q4_K sub-block:  a d_x Σ q q_x - m s_x   (s_x added by the lanes holding positions 0 .. 15)
+//   Q6_K 16 weights: d sc d_x (Σ q q_x - 32 Σ q_x),  q = 0 .. 63
+template <int R>
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q4k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
+                                                                  const float* __restrict__ xd, const float* __restrict__ xs,
+                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  // 32-bit indices (rows, cols < 2^31; T cols < 2^31): the lab's register count (Q4_K 56, Q6_K 96)
+  const int nrows = int(rows), ncols = int(cols), row0 = (int(blockIdx.x) * kGemvWarps + int(threadIdx.y)) * R;
+  if (row0 >= nrows) return;
+  const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2);
+  const int nb = ncols / 32;
+  float acc[R][kGemvMaxTokens] = {};
+  for (int sb = int(threadIdx.x) / 8; sb < ncols / 256; sb += 4) {
+    uint4 lo[R], hi[R];  // positions l0 .. l0 + 15 of sub-blocks 2p (low nibbles) and 2p + 1 (high)
+    float a[R][2], m[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + size_t(min(row0 + r, nrows - 1)) * rb + size_t(sb) * raw_block_bytes(DType::Q4_K);
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * k));
+      lo[r] = make_uint4(q.x & 0x0f0f0f0fu, q.y & 0x0f0f0f0fu, q.z & 0x0f0f0f0fu, q.w & 0x0f0f0f0fu);
+      hi[r] = make_uint4((q.x >> 4) & 0x0f0f0f0fu, (q.y >> 4) & 0x0f0f0f0fu, (q.z >> 4) & 0x0f0f0f0fu, (q.w >> 4) & 0x0f0f0f0fu);
+      q4k_pair_scales(blk, p, a[r], m[r]);
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const int8_t* xr = xq + t * ncols + sb * 256 + 64 * p + l0;
+        const int4 x0 = __ldg(reinterpret_cast<const int4*>(xr)), x1 = __ldg(reinterpret_cast<const int4*>(xr + 32));
+        const int b = t * nb + sb * 8 + 2 * p;
+        const float d0 = __ldg(xd + b), d1 = __ldg(xd + b + 1);
+        const float s0 = l0 == 0 ? __ldg(xs + b) : 0.0f, s1 = l0 == 0 ? __ldg(xs + b + 1) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          acc[r][t] += (a[r][0] * d0 * float(dp4a4(lo[r], x0, 0)) - m[r][0] * s0) + (a[r][1] * d1 * float(dp4a4(hi[r], x1, 0)) - m[r][1] * s1);
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < nrows) store_rows(acc[r], y, ldy, row0 + r, T);
+}
+
+template <int R>
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q6k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
+                                                                  const float* __restrict__ xd, const float* __restrict__,
+                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  // 32-bit indices (rows, cols < 2^31; T cols < 2^31): the lab's register count (Q4_K 56, Q6_K 96)
+  const int nrows = int(rows), ncols = int(cols), row0 = (int(blockIdx.x) * kGemvWarps + int(threadIdx.y)) * R;
+  if (row0 >= nrows) return;
+  const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4);
+  const int nb = ncols / 32;
+  float acc[R][kGemvMaxTokens] = {};
+  for (int sb = int(threadIdx.x) / 8; sb < ncols / 256; sb += 4) {
+    uint32_t v[R][4][2];  // quarter g's eight 6-bit values at positions l0 .. l0 + 7, two words
+    float sc[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + size_t(min(row0 + r, nrows - 1)) * rb + size_t(sb) * raw_block_bytes(DType::Q6_K);
+      uint32_t la[2], lb[2], hb[2];
+      ld_words2<2>(blk + 64 * h + l0, la), ld_words2<2>(blk + 64 * h + 32 + l0, lb), ld_words2<2>(blk + 128 + 32 * h + l0, hb);
+#pragma unroll
+      for (int g = 0; g < 4; ++g)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          v[r][g][c] = (((g % 2 == 0 ? la[c] : lb[c]) >> (4 * (g / 2))) & 0x0f0f0f0fu) | ((hb[c] >> (2 * g)) & 0x03030303u) << 4;
+      const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
+      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) sc[r][g] = d * float(__ldg(scales + 2 * g));
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const int2 x = __ldg(reinterpret_cast<const int2*>(xq + t * ncols + sb * 256 + 128 * h + 32 * g + l0));
+          const float dx = __ldg(xd + t * nb + sb * 8 + 4 * h + g);
+          const int sx = __dp4a(0x01010101, x.x, __dp4a(0x01010101, x.y, 0));
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            acc[r][t] += sc[r][g] * dx * float(__dp4a(int(v[r][g][0]), x.x, __dp4a(int(v[r][g][1]), x.y, 0)) - 32 * sx);
+        }
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < nrows) store_rows(acc[r], y, ldy, row0 + r, T);
+}
+
 constexpr int kGemvKRows = 2;  // rows per warp of the raw types' kernels
 
 // The raw types' GEMV kernels above (one signature).
@@ -693,7 +786,23 @@ RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
   }
 }
 
+// The raw types' GEMVs on int8 activations (one signature) with their rows per warp, or
+// nullptr where t has none or the weights at wq are not aligned as its loads need.
+using RawGemvQ8Kernel = void (*)(const uint8_t*, size_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
+struct RawGemvQ8 {
+  RawGemvQ8Kernel kernel = nullptr;
+  int rows_per_warp = 1;
+};
+RawGemvQ8 raw_gemv_q8_kernel(DType t, const void* wq) {
+  const auto at = reinterpret_cast<uintptr_t>(wq);
+  if (t == DType::Q4_K && at % 16 == 0) return {gemv_q4k_q8_kernel<1>, 1};
+  if (t == DType::Q6_K && at % 2 == 0) return {gemv_q6k_q8_kernel<2>, 2};
+  return {};
+}
+
 }  // namespace
+
+bool gemv_reads_int8(const DeviceWeight& w) { return is_block_type(w.type) || raw_gemv_q8_kernel(w.type, w.q).kernel != nullptr; }
 
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s) {
   if (T < 1 || T > kGemvMaxTokens) throw UsageError("gemv: T must be 1.." + std::to_string(kGemvMaxTokens));
@@ -716,6 +825,12 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
       LLMQ_LAUNCH(gemv_float_kernel<__nv_bfloat16>, grid, block, 0, s)(reinterpret_cast<const __nv_bfloat16*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
     default:
+      if (const RawGemvQ8 k = raw_gemv_q8_kernel(w.type, w.q); k.kernel && xq.q) {
+        const int per_block = kGemvWarps * k.rows_per_warp;
+        LLMQ_LAUNCH(k.kernel, unsigned((w.rows + per_block - 1) / per_block), block, 0, s)(w.q, row_bytes(w.type, w.cols), xq.q, xq.d, xq.s, y,
+                                                                                          ldy, w.rows, w.cols, nt);
+        break;
+      }
       if (RawGemvKernel k = raw_gemv_kernel(w.type, w.q, x)) {
         const unsigned kgrid = unsigned((w.rows + kGemvWarps * kGemvKRows - 1) / (kGemvWarps * kGemvKRows));
         LLMQ_LAUNCH(k, kgrid, block, 0, s)(w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
@@ -842,18 +957,26 @@ DeviceActQ8 MatmulContext::quantized(const float* x, int64_t T, int64_t cols) {
   return act();
 }
 
-// Batches of block-quantized weights (9 .. kCudaMmqMaxTokens tokens): MMQ, for the weights mmq
-// takes, unless LLMQ_CUDA_MMQ=0 (dequantize + cuBLAS, for comparison).
-// LLMQ_CUDA_MMQ=1: MMQ for any T (for comparisons; the default stops at kCudaMmqMaxTokens).
+// The types whose MMQ beat dequantize + cuBLAS at 16-32 tokens on an H200 (dev/cuda/mmq.cu,
+// llama-2-7b's matrices; bench/RESULTS.md, third GPU session): 0.4-0.8x its time. The others'
+// MMQ (16-bit loads instead of cp.async: Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q6_K) took 1.0-3.9x it
+// there, so their batches dequantize until that loader is rebuilt.
+static bool mmq_wins(DType t) {
+  return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q4_K || t == DType::Q5_K;
+}
+
+// Batches of quantized weights (9 .. kCudaMmqMaxTokens tokens): MMQ for the weights mmq takes
+// and wins on, unless LLMQ_CUDA_MMQ=0 (dequantize + cuBLAS, for comparison).
+// LLMQ_CUDA_MMQ=1: MMQ for any T and every type it takes (for comparisons).
 static bool use_mmq(const DeviceWeight& w, int64_t T) {
   static const int mode = [] {
     const char* e = std::getenv("LLMQ_CUDA_MMQ");
     return e ? std::atoi(e) : -1;
   }();
-  return mode != 0 && T > kGemvMaxTokens && (T <= kCudaMmqMaxTokens || mode == 1) && mmq_supported(w);
+  return mode != 0 && T > kGemvMaxTokens && (mode == 1 || (T <= kCudaMmqMaxTokens && mmq_wins(w.type))) && mmq_supported(w);
 }
 
-bool matmul_quantizes(const DeviceWeight& w, int64_t T) { return (is_block_type(w.type) && T <= kGemvMaxTokens) || use_mmq(w, T); }
+bool matmul_quantizes(const DeviceWeight& w, int64_t T) { return (T <= kGemvMaxTokens && gemv_reads_int8(w)) || use_mmq(w, T); }
 
 const DeviceActQ8* MatmulContext::fusable(const DeviceWeight& next, int64_t T, int64_t cols) {
   if (!matmul_quantizes(next, T) || cols % 32 != 0) return nullptr;
@@ -866,7 +989,7 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
   if (w.cols > c.max_cols_) throw UsageError("CUDA matmul: matrix wider than the planned scratch");
   cudaStream_t s = c.stream_;
   if (T <= kGemvMaxTokens) {
-    const DeviceActQ8 xq = is_block_type(w.type) ? c.quantized(x, T, w.cols) : c.act();
+    const DeviceActQ8 xq = gemv_reads_int8(w) ? c.quantized(x, T, w.cols) : c.act();
     gemv(w, x, xq, y, T, ldy, s);
     return;
   }

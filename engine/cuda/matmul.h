@@ -130,10 +130,13 @@ class MatmulContext {
 /// w.cols > max_cols.
 void matmul(MatmulContext& ctx, const DeviceWeight& w, const float* x, float* y, int64_t T, int64_t ldy = 0);
 
-/// Whether matmul quantizes its input (quantize_act) for w at T tokens: block-quantized weights
-/// on the GEMV (T <= kGemvMaxTokens) or MMQ path. Producers of that input can then quantize
+/// Whether matmul quantizes its input (quantize_act) for w at T tokens: the weights gemv_reads_int8
+/// names on the GEMV path (T <= kGemvMaxTokens), and those it sends to MMQ. Producers of that input can then quantize
 /// it themselves (MatmulContext::note_quantized).
 bool matmul_quantizes(const DeviceWeight& w, int64_t T);
+/// Whether gemv reads w's activations as int8 (xq): Q8_0/Q4_0/Q4_1, and Q4_K (16-byte-aligned
+/// weights) and Q6_K, whose int8 kernels beat their fp32 ones on an H200 (dev/cuda/gemv_k.cu).
+bool gemv_reads_int8(const DeviceWeight& w);
 
 /// cuBLAS's bf16 GEMM rate on this GPU (FLOP/s, best of `reps`): C [m, n] fp32 = A [m, k] ·
 /// B [k, n], bf16 inputs (random, ±0.03), fp32 accumulation: the reference for the prefill target.
@@ -142,8 +145,9 @@ double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps = 10)
 /// The kernels behind matmul, exposed for the parity tests and the dev lab.
 void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t cols, cudaStream_t s);
 /// GEMV: y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = x [T, w.cols] · wᵀ, 1 <= T <=
-/// kGemvMaxTokens. Q8_0/Q4_0/Q4_1 read xq (quantize_act of x), every other type reads x (fp32;
-/// the raw types' tuned kernels want x 16-byte aligned, else a byte-wise kernel runs).
+/// kGemvMaxTokens. Weights for which gemv_reads_int8 holds read xq (quantize_act of x; Q4_K/Q6_K
+/// read x instead when xq.q is null), every other type reads x (fp32; the raw types' tuned kernels
+/// want x 16-byte aligned, else a byte-wise kernel runs).
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
 /// MMQ (engine/cuda/mmq.cu): y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = the
 /// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for Q8_0/Q4_0/Q4_1
