@@ -416,6 +416,33 @@ Op matmul_k256_op() {
   return m;
 }
 
+/// matmul with the activations kept in fp32 (set_float_activations: every quantized weight's rows
+/// dequantized, fp32 dot products), the exact model of the file: 1e-5 of fp64 on the CPU for
+/// every quantized type; the CUDA backend ignores the setting (the matmul bounds above).
+Op matmul_f32act_op() {
+  Op m = matmul_op();
+  m.name = "matmul_f32act";
+  m.types.clear();
+  for (DType t : kAllTypes)
+    if (is_quantized(t)) m.types.push_back(t);
+  m.shapes = {{37, 64, 1}, {19, 256, 1}, {40, 768, 6}, {33, 512, 17}};
+  m.perf_shapes.clear();
+  auto make = m.make;
+  m.make = [make](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
+    CaseRun c = make(b, t, s, rng);
+    if (auto keep = c.prepared.run)
+      c.prepared.run = [keep] {
+        set_float_activations(true);
+        keep();
+        set_float_activations(false);
+      };
+    return c;
+  };
+  auto bound = m.bound;
+  m.bound = [bound](DType t, const Backend& b, const Shape& s) { return b.gpu() ? bound(t, b, s) : 1e-5; };
+  return m;
+}
+
 Op rmsnorm_op() {
   return {"rmsnorm", {DType::F32}, {{5, 8}, {3, 300}, {2, 4096}},
           [](Backend& b, DType, const Shape& s, std::mt19937_64& rng) {
@@ -584,7 +611,7 @@ Op head_rmsnorm_op() {
 
 /// Every op of the harness.
 std::vector<Op> ops() {
-  return {matmul_op(), matmul_k256_op(), rmsnorm_op(), rope_op(), gated_op(Activation::SwiGLU), gated_op(Activation::GeGLU), softmax_op(),
+  return {matmul_op(), matmul_k256_op(), matmul_f32act_op(), rmsnorm_op(), rope_op(), gated_op(Activation::SwiGLU), gated_op(Activation::GeGLU), softmax_op(),
           attention_op(), embedding_op(), softcap_op(), head_rmsnorm_op()};
 }
 

@@ -127,6 +127,36 @@ void set_kquant_act_group(int group) {
 
 int act_group(DType type) { return dtype_info(type).block == QK_K ? kquant_act_group() : QK; }
 
+namespace {
+
+std::atomic<int> g_float_act{-1};  // -1 until first use
+
+int float_act_from_env() {
+  const char* env = std::getenv("LLMQ_MATMUL_ACT");
+  if (!env || !*env || std::strcmp(env, "int8") == 0) return 0;
+  if (std::strcmp(env, "f32") == 0) return 1;
+  std::fprintf(stderr, "llmq: unknown LLMQ_MATMUL_ACT=%s (int8, f32); using int8\n", env);
+  return 0;
+}
+
+// Quantized weights whose matmul takes the fp32 path (dequantized rows) instead of int8 activations.
+bool float_path(DType type) { return is_quantized(type) && float_activations(); }
+
+}  // namespace
+
+bool float_activations() {
+  int v = g_float_act.load(std::memory_order_acquire);
+  if (v < 0) {
+    static const int from_env = float_act_from_env();
+    int expected = -1;
+    g_float_act.compare_exchange_strong(expected, from_env, std::memory_order_acq_rel);
+    v = g_float_act.load(std::memory_order_acquire);
+  }
+  return v == 1;
+}
+
+void set_float_activations(bool on) { g_float_act.store(on ? 1 : 0, std::memory_order_release); }
+
 // ---------------------------------------------------------------- dot products
 
 namespace {
@@ -478,7 +508,7 @@ uint64_t int8_dot_peak_loop(int64_t rounds) {
 
 void matmul_many(ThreadPool& pool, MatmulScratch& s, const float* x, int64_t T, std::initializer_list<MatmulOut> outs) {
   const x86::Kernels* k = active_kernels();
-  bool shared = k && outs.size() <= 8;
+  bool shared = k && outs.size() <= 8 && !float_path(outs.begin()->w->type);
   for (const MatmulOut& o : outs)
     shared = shared && o.w->type == outs.begin()->w->type && o.w->cols == outs.begin()->w->cols;
   if (shared) return matmul_simd(*k, pool, s, x, T, outs.begin(), outs.size());
@@ -486,12 +516,12 @@ void matmul_many(ThreadPool& pool, MatmulScratch& s, const float* x, int64_t T, 
 }
 
 void matmul(ThreadPool& pool, MatmulScratch& s, float* y, const float* x, int64_t T, const Weight& w) {
-  if (const x86::Kernels* k = active_kernels()) {
+  if (const x86::Kernels* k = active_kernels(); k && !float_path(w.type)) {
     const MatmulOut out{y, &w};
     return matmul_simd(*k, pool, s, x, T, &out, 1);
   }
   const int64_t M = w.rows, K = w.cols;
-  if (is_quantized(w.type)) {
+  if (is_quantized(w.type) && !float_path(w.type)) {
     const int64_t nb = K / QK;
     if (s.xq.size() < size_t(T * nb)) s.xq.resize(size_t(T * nb));
     BlockQ8Act* xq = s.xq.data();

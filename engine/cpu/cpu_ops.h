@@ -66,6 +66,16 @@ void set_kquant_act_group(int group);
 /// The activation group matmul uses for a weight of `type`: kquant_act_group() for the
 /// K-quants, 32 for every other type.
 int act_group(DType type);
+/// Whether matmuls against quantized weights keep the activations in fp32: each weight row is
+/// dequantized and dotted with the fp32 activations (the exact model of the file, as a converter
+/// to F32 would give it, at the speed of the scalar float path) instead of quantizing them to
+/// int8 per 32 (the default). A fidelity check, not a speed mode: llama.cpp's distance from the
+/// exact model is then all that separates the two (bench/RESULTS.md, "Gemma-3-270M against
+/// llama.cpp, taken apart"). The first call reads LLMQ_MATMUL_ACT (int8 | f32; anything else: a
+/// warning and int8).
+bool float_activations();
+/// Sets float_activations(). Not while kernels run.
+void set_float_activations(bool on);
 
 /// Reusable buffers for matmul (sized on first use, never shrunk).
 struct MatmulScratch {
