@@ -345,19 +345,11 @@ TEST_CASE("CUDA fill_random: synthetic weights of every type are finite and mode
     const cuda::DeviceWeight w = cuda::split_weight_view(t, rows, cols, dev.as<uint8_t>());
     cuda::fill_random(w, 42, nullptr);
     const auto split = from_device<uint8_t>(dev, dev.bytes());
-    // Back to the file layout (the split one is the file's for every type but Q8_0/Q4_0/Q4_1).
     std::vector<uint8_t> file(row_bytes(t, cols) * size_t(rows));
-    if (t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1) {
-      const size_t nb = size_t(cols / 32), qb = t == DType::Q8_0 ? 32 : 16, head = t == DType::Q4_1 ? 4 : 2, bb = head + qb;
-      const size_t n = size_t(rows) * nb, qbytes = n * qb;
-      for (size_t i = 0; i < n; ++i) {
-        std::memcpy(&file[i * bb], &split[qbytes + 2 * i], 2);
-        if (t == DType::Q4_1) std::memcpy(&file[i * bb + 2], &split[qbytes + 2 * n + 2 * i], 2);
-        std::memcpy(&file[i * bb + head], &split[i * qb], qb);
-      }
-    } else {
-      file = split;
-    }
+    cuda::unsplit_weight(t, split.data(), rows, cols, file.data());  // back to the file layout
+    std::vector<uint8_t> again(split.size());
+    cuda::split_weight(t, file.data(), rows, cols, again.data());
+    CHECK(again == split);  // unsplit_weight inverts split_weight
     std::vector<float> v(size_t(rows * cols));
     double ss = 0;
     bool finite = true;

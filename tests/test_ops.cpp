@@ -381,9 +381,10 @@ Op matmul_op() {
             return c;
           },
           [](DType t, const Backend& b, const Shape& s) {
-            // The GPU's GEMVs (T <= 8) take fp32 activations for every type but Q8_0/Q4_0/Q4_1 and
-            // Q4_K/Q6_K (cuda::gemv_reads_int8).
-            const bool int8_act = t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q4_K || t == DType::Q6_K;
+            // The GPU's GEMVs (T <= 8) take fp32 activations for every type but the split ones
+            // (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and Q4_K/Q6_K (cuda::gemv_reads_int8).
+            const bool int8_act = t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q5_0 || t == DType::Q5_1 ||
+                                  t == DType::Q4_K || t == DType::Q6_K;
             if (dtype_info(t).block > 1 && b.gpu() && s[2] <= 8 && !int8_act) return 1e-5;
             if (dtype_info(t).block > 1) return 2e-2;  // activations quantized to int8 per block of 32
             if (t == DType::F32 || !b.gpu() || s[2] <= 8) return 1e-5;

@@ -15,10 +15,9 @@
 //       on every matrix at T = 1 and 2 (Q4_K R1 1.35x, Q6_K R2 1.3x) -> graduated
 //   v1  engine (since then: v2, R1 for Q4_K and R2 for Q6_K, gemv_q4k_q8_kernel / gemv_q6k_q8_kernel)
 //   v2 for Q5_K (Q4_K's lanes, the fifth bits from qh joined into the bytes: values 0..31) and
-//       for the 32-weight raw types Q5_0 / Q5_1 / IQ4_NL (the engine's gemv_b32_kernel lanes: one
-//       lane per block, 16-bit loads; the 32 values rebuilt as int8 -- Q5: 0..31, IQ4_NL: its
-//       levels -- and dp4a'd against the block's int8 activations), not yet run on a GPU:
-//         Q5_0  d (d_x Σ q q_x - 16 s_x);  Q5_1  d d_x Σ q q_x + m s_x;  IQ4_NL  d d_x Σ l q_x
+//       for IQ4_NL (the engine's gemv_iq4nl_kernel lanes: one lane per block, 16-bit loads; the 32
+//       levels as int8, dp4a'd against the block's int8 activations: d d_x Σ l q_x), not yet run
+//       on a GPU. (Q5_0 / Q5_1 moved to the split layout and Q4_1's int8 GEMV: gemv.cu's kind.)
 //   Q4_K: Σ over a 32-weight sub-block = a d_x Σ q q_x - m s_x (s_x = d_x Σ q_x, counted by the
 //   lane holding the sub-block's first half); Q6_K: per 16-weight scale s,
 //   d s d_x (Σ q q_x - 32 Σ q_x).
@@ -144,11 +143,6 @@ __global__ void __launch_bounds__(128) q6k_v2(const uint8_t* __restrict__ wq, si
   store<R>(acc, y, rows, row0, T);
 }
 
-// Four bits b (bits 0..3 of `bits`) as the 0x10 bit of four bytes: the fifth bits of four weights.
-__device__ __forceinline__ uint32_t fifth_bits(uint32_t bits) {
-  return ((bits & 1u) | (bits & 2u) << 7 | (bits & 4u) << 14 | (bits & 8u) << 21) << 4;
-}
-
 // v2, Q5_K: Q4_K's lanes; qh[l0, l0 + 16) holds the fifth bits, bit 2p (low nibbles) and 2p + 1.
 template <int R>
 __global__ void __launch_bounds__(128) q5k_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
@@ -187,13 +181,11 @@ __global__ void __launch_bounds__(128) q5k_v2(const uint8_t* __restrict__ wq, si
   store<R>(acc, y, rows, row0, T);
 }
 
-// v2, Q5_0 / Q5_1 / IQ4_NL: lane = block (b = lane, lane + 32, ...), R rows per warp.
-template <int R, DType kType>
-__global__ void __launch_bounds__(128) b32_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
-                                              const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int rows,
-                                              int cols, int T) {
-  constexpr bool kNL = kType == DType::IQ4_NL, kMin = kType == DType::Q5_1;
-  constexpr int kBlockBytes = raw_block_bytes(kType), kQh = b32_qh_offset(kType), kQs = b32_qs_offset(kType);
+// v2, IQ4_NL: lane = block (b = lane, lane + 32, ...), R rows per warp.
+template <int R>
+__global__ void __launch_bounds__(128) iq4nl_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
+                                                const float* __restrict__ xd, float* __restrict__ y, int rows, int cols, int T) {
+  constexpr int kBlockBytes = raw_block_bytes(DType::IQ4_NL);
   const int row0 = (int(blockIdx.x) * 4 + int(threadIdx.y)) * R;
   if (row0 >= rows) return;
   const int nb = cols / 32;
@@ -201,7 +193,7 @@ __global__ void __launch_bounds__(128) b32_v2(const uint8_t* __restrict__ wq, si
     const auto* v = reinterpret_cast<const uint16_t*>(p);
     return uint32_t(__ldg(v + 2 * i)) | uint32_t(__ldg(v + 2 * i + 1)) << 16;
   };
-  auto levels = [](uint32_t nib) {  // four nibbles (one per byte) -> their IQ4_NL levels as int8 bytes
+  auto levels = [](uint32_t nib) {  // four nibbles (one per byte) -> their levels as int8 bytes
     uint32_t o = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) o |= uint32_t(uint8_t(iq4_nl_level((nib >> (8 * i)) & 15))) << (8 * i);
@@ -210,20 +202,16 @@ __global__ void __launch_bounds__(128) b32_v2(const uint8_t* __restrict__ wq, si
   float acc[R][8] = {};
   for (int b = int(threadIdx.x); b < nb; b += 32) {
     uint4 lo[R], hi[R];  // weights 0..15 and 16..31 as int8
-    float d[R], m[R];
+    float d[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(b) * kBlockBytes;
-      const auto* h = reinterpret_cast<const uint16_t*>(blk);
-      d[r] = fp16_bits_to_float(__ldg(h)), m[r] = kMin ? fp16_bits_to_float(__ldg(h + 1)) : 0.0f;
-      const uint32_t qh = kNL ? 0u : ld(blk + kQh, 0);
+      d[r] = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk)));
       uint32_t l[4], u[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const uint32_t qw = ld(blk + kQs, c);
-        l[c] = qw & 0x0f0f0f0fu, u[c] = (qw >> 4) & 0x0f0f0f0fu;
-        if constexpr (kNL) l[c] = levels(l[c]), u[c] = levels(u[c]);
-        else l[c] |= fifth_bits(qh >> (4 * c)), u[c] |= fifth_bits(qh >> (16 + 4 * c));
+        const uint32_t qw = ld(blk + kIQ4NLQs, c);
+        l[c] = levels(qw & 0x0f0f0f0fu), u[c] = levels((qw >> 4) & 0x0f0f0f0fu);
       }
       lo[r] = make_uint4(l[0], l[1], l[2], l[3]), hi[r] = make_uint4(u[0], u[1], u[2], u[3]);
     }
@@ -232,14 +220,9 @@ __global__ void __launch_bounds__(128) b32_v2(const uint8_t* __restrict__ wq, si
       if (t < T) {
         const int4* xr = reinterpret_cast<const int4*>(xq + size_t(t) * cols + size_t(b) * 32);
         const int4 x0 = __ldg(xr), x1 = __ldg(xr + 1);
-        const float dx = __ldg(xd + t * nb + b), sx = kNL ? 0.0f : __ldg(xs + t * nb + b);
+        const float dx = __ldg(xd + t * nb + b);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float s = float(dp4a4(hi[r], x1, dp4a4(lo[r], x0, 0)));
-          if constexpr (kNL) acc[r][t] += d[r] * dx * s;
-          else if constexpr (kMin) acc[r][t] += d[r] * dx * s + m[r] * sx;
-          else acc[r][t] += d[r] * (dx * s - 16.0f * sx);
-        }
+        for (int r = 0; r < R; ++r) acc[r][t] += d[r] * dx * float(dp4a4(hi[r], x1, dp4a4(lo[r], x0, 0)));
       }
   }
   store<R>(acc, y, rows, row0, T);
@@ -267,9 +250,7 @@ Case v2_case(DType type, const char* name) {
               case DType::Q4_K: q4k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
               case DType::Q6_K: q6k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
               case DType::Q5_K: q5k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
-              case DType::Q5_0: b32_v2<R, DType::Q5_0><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
-              case DType::Q5_1: b32_v2<R, DType::Q5_1><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
-              default: b32_v2<R, DType::IQ4_NL><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
+              default: iq4nl_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
             }
           }};
 }
@@ -320,13 +301,13 @@ int main(int argc, char** argv) {
     // down; Q6_K down (the use_more_bits layers), v and the output.
     const std::vector<Shape> q4k = {{12288, 4096, "qkv"}, {4096, 4096, "wo"}, {22016, 4096, "gate_up"}, {4096, 11008, "down"}};
     const std::vector<Shape> q6k = {{4096, 11008, "down"}, {4096, 4096, "v"}, {32000, 4096, "output"}};
-    // The other raw types on the same 7B matrices (a Q5_K_M file's Q5_K; Q5_0 / Q5_1 / IQ4_NL as
-    // Qwen2.5's and Gemma 3's files hold them at widths of 896 and 640, not multiples of 256).
+    // The other raw types on the same 7B matrices (a Q5_K_M file's Q5_K; IQ4_NL as llama.cpp's
+    // mixes put it where widths are not multiples of 256).
     const std::vector<Shape> other = {{12288, 4096, "qkv"}, {4096, 11008, "down"}};
     for (int T : {1, 2}) {
       run_type(DType::Q4_K, q4k, T, reps, copy);
       run_type(DType::Q6_K, q6k, T, reps, copy);
-      for (DType t : {DType::Q5_K, DType::Q5_0, DType::Q5_1, DType::IQ4_NL}) run_type(t, other, T, reps, copy);
+      for (DType t : {DType::Q5_K, DType::IQ4_NL}) run_type(t, other, T, reps, copy);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gemv_k lab: %s\n", e.what());

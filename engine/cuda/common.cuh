@@ -54,6 +54,12 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 __device__ __forceinline__ float fp16_bits_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 
+/// Bits 0..3 of `bits` as bit 4 of bytes 0..3: four Q5 weights' fifth bits, to OR into their
+/// nibbles.
+__device__ __forceinline__ uint32_t fifth_bit_bytes(uint32_t bits) {
+  return (bits & 1u) << 4 | (bits & 2u) << 11 | (bits & 4u) << 18 | (bits & 8u) << 25;
+}
+
 /// Σ of the 16 int8 products of a and b (four __dp4a; a's bytes may be unsigned below 128).
 __device__ __forceinline__ int dp4a4(uint4 a, int4 b, int acc) {
   acc = __dp4a(int(a.x), b.x, acc);

@@ -18,14 +18,18 @@ namespace llmq::cuda {
 
 namespace {
 
-bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1
+bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+__host__ __device__ constexpr bool is_q5(DType t) { return t == DType::Q5_0 || t == DType::Q5_1; }     // split, with the h array
+__host__ __device__ constexpr bool has_min(DType t) { return t == DType::Q4_1 || t == DType::Q5_1; }  // split, with the m array
 
 // Bytes of one row of the q array.
 size_t q_row_bytes(DType t, int64_t cols) {
   switch (t) {
     case DType::Q8_0: return size_t(cols);
     case DType::Q4_0:
-    case DType::Q4_1: return size_t(cols / 2);
+    case DType::Q4_1:
+    case DType::Q5_0:
+    case DType::Q5_1: return size_t(cols / 2);
     case DType::F32: return size_t(cols) * 4;
     case DType::F16:
     case DType::BF16: return size_t(cols) * 2;
@@ -43,34 +47,58 @@ void check_cublas(cublasStatus_t st, const char* what) {
 
 uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols) { return uint64_t(rows) * row_bytes(t, cols); }
 
-void split_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst) {
+namespace {
+
+// Moves every block of a [rows, cols] matrix between the file layout (`file`) and the split one
+// (`split`): to_split true copies file -> split, false split -> file.
+void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
   const size_t rb = row_bytes(t, cols);
   if (!is_block_type(t)) {
-    std::memcpy(dst, src, size_t(rows) * rb);
+    if (to_split) std::memcpy(split, file, size_t(rows) * rb);
+    else std::memcpy(file, split, size_t(rows) * rb);
     return;
   }
   const int64_t nb = cols / QK;
   const size_t qrow = q_row_bytes(t, cols), bb = dtype_info(t).block_bytes, qb = t == DType::Q8_0 ? QK : QK / 2;
-  uint8_t* q = dst;
-  uint8_t* d = dst + size_t(rows) * qrow;   // [rows, nb] fp16
-  uint8_t* m = d + size_t(rows * nb) * 2;   // [rows, nb] fp16 (Q4_1)
+  uint8_t* q = split;
+  uint8_t* h = split + size_t(rows) * qrow;                  // [rows, nb] uint32 (Q5_0, Q5_1)
+  uint8_t* d = h + (is_q5(t) ? size_t(rows * nb) * 4 : 0);  // [rows, nb] fp16
+  uint8_t* m = d + size_t(rows * nb) * 2;                    // [rows, nb] fp16 (Q4_1, Q5_1)
+  auto move = [to_split](uint8_t* in_file, uint8_t* in_split, size_t n) {
+    if (to_split) std::memcpy(in_split, in_file, n);
+    else std::memcpy(in_file, in_split, n);
+  };
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = src + size_t(r) * rb + size_t(b) * bb;
+    for (int64_t b = 0; b < nb; ++b) {  // a file block: d, then m (Q4_1, Q5_1), qh (Q5), the quants
+      uint8_t* blk = file + size_t(r) * rb + size_t(b) * bb;
       const size_t i = size_t(r * nb + b);
-      std::memcpy(d + 2 * i, blk, 2);
-      if (t == DType::Q4_1) std::memcpy(m + 2 * i, blk + 2, 2);
-      const size_t head = t == DType::Q4_1 ? 4 : 2;
-      std::memcpy(q + size_t(r) * qrow + size_t(b) * qb, blk + head, qb);
+      move(blk, d + 2 * i, 2);
+      size_t head = 2;
+      if (has_min(t)) move(blk + head, m + 2 * i, 2), head += 2;
+      if (is_q5(t)) move(blk + head, h + 4 * i, 4), head += 4;
+      move(blk + head, q + size_t(r) * qrow + size_t(b) * qb, qb);
     }
+}
+
+}  // namespace
+
+void split_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst) {
+  move_blocks(t, const_cast<uint8_t*>(src), rows, cols, dst, true);  // reads src only
+}
+
+void unsplit_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst) {
+  move_blocks(t, dst, rows, cols, const_cast<uint8_t*>(src), false);  // reads src only
 }
 
 DeviceWeight split_weight_view(DType t, int64_t rows, int64_t cols, const uint8_t* base) {
   DeviceWeight w;
   w.type = t, w.rows = rows, w.cols = cols, w.q = base;
   if (is_block_type(t)) {
-    w.d = reinterpret_cast<const uint16_t*>(base + size_t(rows) * q_row_bytes(t, cols));
-    if (t == DType::Q4_1) w.m = w.d + rows * (cols / QK);
+    const int64_t nb = rows * (cols / QK);
+    const uint8_t* after_q = base + size_t(rows) * q_row_bytes(t, cols);
+    if (is_q5(t)) w.h = reinterpret_cast<const uint32_t*>(after_q);
+    w.d = reinterpret_cast<const uint16_t*>(after_q + (is_q5(t) ? 4 * nb : 0));
+    if (has_min(t)) w.m = w.d + nb;
   }
   return w;
 }
@@ -81,6 +109,7 @@ DeviceWeight weight_rows(const DeviceWeight& w, int64_t r0, int64_t n) {
   v.q = w.q + size_t(r0) * q_row_bytes(w.type, w.cols);
   if (w.d) v.d = w.d + r0 * (w.cols / QK);
   if (w.m) v.m = w.m + r0 * (w.cols / QK);
+  if (w.h) v.h = w.h + r0 * (w.cols / QK);
   return v;
 }
 
@@ -131,12 +160,10 @@ struct RawHalves {
   int off_d;
   float d;
   int off_m;  // -1: none
-  float m;    // Q5_1's minimum is added (negative: centres the weights), the K-quants' dmin subtracted
+  float m;    // the K-quants' dmin (subtracted)
 };
 RawHalves raw_halves(DType t) {
   switch (t) {
-    case DType::Q5_0: return {0, 1.5e-3f, -1, 0};
-    case DType::Q5_1: return {0, 1.5e-3f, 2, -0.024f};
     case DType::IQ4_NL: return {0, 1.5e-4f, -1, 0};
     case DType::Q2_K: return {80, 1.5e-3f, 82, 1.5e-3f};
     case DType::Q3_K: return {108, 2e-4f, -1, 0};
@@ -168,12 +195,16 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
     case DType::BF16: LLMQ_LAUNCH(fill_values_kernel, kFillBlocks, kFillThreads, 0, s)(q, n, seed, 2, 0.03f); break;
     case DType::Q8_0:
     case DType::Q4_0:
-    case DType::Q4_1: {
+    case DType::Q4_1:
+    case DType::Q5_0:
+    case DType::Q5_1: {
       LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, w.type == DType::Q8_0 ? n : n / 2, seed);
-      // |q| averages ~64 (Q8_0) or ~4 (Q4_0 centred on 8): scales give weights of about 0.01-0.02.
-      LLMQ_LAUNCH(fill_values_kernel, kFillBlocks, kFillThreads, 0, s)(d, nb, seed + 1, 3, w.type == DType::Q8_0 ? 2.5e-4f : 4e-3f);
-      if (w.type == DType::Q4_1)  // m = -8 d: the weights centred on zero, as Q4_0's
-        LLMQ_LAUNCH(neg_scaled_kernel, kFillBlocks, kFillThreads, 0, s)(const_cast<uint16_t*>(w.m), w.d, nb, 8.0f);
+      if (w.h) LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(reinterpret_cast<uint8_t*>(const_cast<uint32_t*>(w.h)), 4 * nb, seed + 3);
+      // |q| averages ~64 (Q8_0), ~4 (Q4_0 centred on 8) or ~8 (Q5_0 on 16): weights of about 0.01-0.02.
+      const float amp = w.type == DType::Q8_0 ? 2.5e-4f : w.h ? 1.5e-3f : 4e-3f;
+      LLMQ_LAUNCH(fill_values_kernel, kFillBlocks, kFillThreads, 0, s)(d, nb, seed + 1, 3, amp);
+      if (w.m)  // m = -8 d (Q4_1) or -16 d (Q5_1): the weights centred on zero, as Q4_0's and Q5_0's
+        LLMQ_LAUNCH(neg_scaled_kernel, kFillBlocks, kFillThreads, 0, s)(const_cast<uint16_t*>(w.m), w.d, nb, w.h ? 16.0f : 8.0f);
       break;
     }
     default: break;  // raw types above
@@ -225,15 +256,17 @@ __device__ __forceinline__ void store_rows(float (&acc)[kGemvMaxTokens], float* 
 
 // Block-quantized weights (dev/cuda/gemv.cu's versions 2 and 3; dev/README.md has their
 // timings). R rows per group; each lane takes whole quant blocks b = lane, lane + 32 KS, ...:
-// Q8_0 two 16-byte loads, Q4 one (low nibbles = weights 0..15 of the block, high = 16..31); every
-// load of weights and activations serves all R rows and T tokens (registers). KS = 1: one warp
-// per group, W groups per CUDA block; KS = W: the block's W warps split the row's blocks between
-// them (more loads in flight for matrices with few rows; partial sums added through shared memory
-// in a fixed order). Per block:  Q8_0  d_w d_x Σ q_w q_x;  Q4_0  d_w (d_x Σ q_w q_x - 8 s_x);
-// Q4_1  d_w d_x Σ q_w q_x + m_w s_x  (s_x = d_x Σ q_x, from quantize_act).
+// Q8_0 two 16-byte loads, Q4 and Q5 one (low nibbles = weights 0..15 of the block, high =
+// 16..31; Q5: and the block's word of fifth bits); every load of weights and activations serves
+// all R rows and T tokens (registers). KS = 1: one warp per group, W groups per CUDA block; KS =
+// W: the block's W warps split the row's blocks between them (more loads in flight for matrices
+// with few rows; partial sums added through shared memory in a fixed order). Per block:
+// Q8_0  d_w d_x Σ q_w q_x;  Q4_0 / Q5_0  d_w (d_x Σ q_w q_x - 8 s_x / - 16 s_x);
+// Q4_1 / Q5_1  d_w d_x Σ q_w q_x + m_w s_x  (s_x = d_x Σ q_x, from quantize_act).
 template <DType kType, int R, int W, int T, int KS>
 __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
-                                                           const uint16_t* __restrict__ wm, const int8_t* __restrict__ xq,
+                                                           const uint16_t* __restrict__ wm, const uint32_t* __restrict__ wh,
+                                                           const int8_t* __restrict__ xq,
                                                            const float* __restrict__ xd, const float* __restrict__ xs,
                                                            float* __restrict__ y, int64_t ldy, int rows, int cols) {
   constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;  // quant bytes per block
@@ -241,13 +274,16 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
   const int row0 = (KS == 1 ? int(blockIdx.x) * W + warp : int(blockIdx.x)) * R;
   if (row0 >= rows) return;  // whole warps (KS == 1) or whole blocks (KS > 1: row0 is the block's)
   const int ks = KS == 1 ? 0 : warp, nb = cols / 32;
+  constexpr bool kQ5 = is_q5(kType), kMin = has_min(kType);
   const uint4* w[R];
   const uint16_t* d[R];
   const uint16_t* m[R];
+  const uint32_t* h[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int64_t row = min(row0 + r, rows - 1);
-    w[r] = reinterpret_cast<const uint4*>(wq + row * nb * kQB), d[r] = wd + row * nb, m[r] = kType == DType::Q4_1 ? wm + row * nb : nullptr;
+    w[r] = reinterpret_cast<const uint4*>(wq + row * nb * kQB), d[r] = wd + row * nb, m[r] = kMin ? wm + row * nb : nullptr;
+    h[r] = kQ5 ? wh + row * nb : nullptr;
   }
   float acc[R][T];
 #pragma unroll
@@ -258,12 +294,14 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
   for (int b = ks * 32 + lane; b < nb; b += 32 * KS) {
     uint4 w0[R], w1[R];
     float dw[R], mw[R];
+    uint32_t hw[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       w0[r] = __ldg(w[r] + (kQB / 16) * b);
       if constexpr (kType == DType::Q8_0) w1[r] = __ldg(w[r] + 2 * b + 1);
       dw[r] = fp16_bits_to_float(__ldg(d[r] + b));
-      if constexpr (kType == DType::Q4_1) mw[r] = fp16_bits_to_float(__ldg(m[r] + b));
+      if constexpr (kMin) mw[r] = fp16_bits_to_float(__ldg(m[r] + b));
+      if constexpr (kQ5) hw[r] = __ldg(h[r] + b);
     }
 #pragma unroll
     for (int t = 0; t < T; ++t) {
@@ -277,11 +315,16 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
           acc[r][t] += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
         } else {
           const uint4 v = w0[r];
-          const uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
-          const uint4 hi = make_uint4((v.x >> 4) & 0x0f0f0f0fu, (v.y >> 4) & 0x0f0f0f0fu, (v.z >> 4) & 0x0f0f0f0fu, (v.w >> 4) & 0x0f0f0f0fu);
+          uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
+          uint4 hi = make_uint4((v.x >> 4) & 0x0f0f0f0fu, (v.y >> 4) & 0x0f0f0f0fu, (v.z >> 4) & 0x0f0f0f0fu, (v.w >> 4) & 0x0f0f0f0fu);
+          if constexpr (kQ5) {  // weight j's fifth bit is bit j of the block's word
+            const uint32_t e = hw[r];
+            lo.x |= fifth_bit_bytes(e), lo.y |= fifth_bit_bytes(e >> 4), lo.z |= fifth_bit_bytes(e >> 8), lo.w |= fifth_bit_bytes(e >> 12);
+            hi.x |= fifth_bit_bytes(e >> 16), hi.y |= fifth_bit_bytes(e >> 20), hi.z |= fifth_bit_bytes(e >> 24), hi.w |= fifth_bit_bytes(e >> 28);
+          }
           const float s = float(dp4a4(hi, x1, dp4a4(lo, x0, 0)));
-          if constexpr (kType == DType::Q4_0) acc[r][t] += dw[r] * (dx * s - 8.0f * sx);
-          else acc[r][t] += dw[r] * dx * s + mw[r] * sx;
+          if constexpr (kMin) acc[r][t] += dw[r] * dx * s + mw[r] * sx;
+          else acc[r][t] += dw[r] * (dx * s - (kQ5 ? 16.0f : 8.0f) * sx);
         }
       }
     }
@@ -319,7 +362,7 @@ void launch_gemv_block(const DeviceWeight& w, const DeviceActQ8& xq, float* y, i
   const int64_t groups = (w.rows + R - 1) / R;
   const unsigned grid = unsigned(KS == 1 ? (groups + W - 1) / W : groups);
   auto* kernel = gemv_block_kernel<kType, R, W, T, KS>;  // a template name's commas would split the macro's arguments
-  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols));
+  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols));
 }
 
 // The version per type and token count, from the lab's timings on an H200 (bench/RESULTS.md):
@@ -425,8 +468,8 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, c
   store_rows(acc, y, ldy, row, T);
 }
 
-// 2n bytes at a 2-byte-aligned address p as n little-endian words (Q3_K, Q6_K, IQ4_NL and Q5_0
-// rows are only 2-byte aligned: their blocks are 110, 210, 18 and 22 bytes).
+// 2n bytes at a 2-byte-aligned address p as n little-endian words (Q3_K, Q6_K and IQ4_NL rows
+// are only 2-byte aligned: their blocks are 110, 210 and 18 bytes).
 template <int N>
 __device__ __forceinline__ void ld_words2(const uint8_t* p, uint32_t* out) {
   const auto* v = reinterpret_cast<const uint16_t*>(p);
@@ -611,57 +654,43 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q23k_kernel(const uin
     if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
 }
 
-// The 32-weight raw types Q5_0, Q5_1 and IQ4_NL against fp32 activations: a lane per block
-// (b = lane, lane + 32, ...: a warp reads consecutive blocks), R rows per warp, the block read as
-// 16-bit words (Q5_0 and IQ4_NL rows are only 2-byte aligned: 22- and 18-byte blocks), the 32
-// activations as eight float4. qs byte i holds weight i (low nibble) and i + 16 (high); Q5's
-// fifth bit of weight i is bit i of qh. With w = d q' + m per weight:
-//   Q5_0  q' = q, m = -16 d;   Q5_1  q' = q, m from the block;   IQ4_NL  q' = level(q), m = 0.
-template <int R, DType kType>
-__global__ void __launch_bounds__(32 * kGemvWarps) gemv_b32_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
-                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  constexpr bool kNL = kType == DType::IQ4_NL, kMin = kType == DType::Q5_1;
-  constexpr int kBlockBytes = raw_block_bytes(kType), kQh = b32_qh_offset(kType), kQs = b32_qs_offset(kType);
+// IQ4_NL against fp32 activations: a lane per 32-weight block (b = lane, lane + 32, ...: a warp
+// reads consecutive blocks), R rows per warp, the block read as 16-bit words (its rows are only
+// 2-byte aligned: 18-byte blocks), the 32 activations as eight float4. qs byte i holds weight i
+// (low nibble) and i + 16 (high); w = d · level(q).
+template <int R>
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_iq4nl_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
+                                                                    float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  constexpr int kBlockBytes = raw_block_bytes(DType::IQ4_NL);
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
   float acc[R][kGemvMaxTokens] = {};
   for (int64_t b = threadIdx.x; b < cols / 32; b += 32) {
-    uint32_t qw[R][4], hw[R];
-    float d[R], m[R];
+    uint32_t qw[R][4];
+    float d[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + b * kBlockBytes;
-      const auto* h = reinterpret_cast<const uint16_t*>(blk);
-      d[r] = fp16_bits_to_float(__ldg(h));
-      m[r] = kMin ? fp16_bits_to_float(__ldg(h + 1)) : kNL ? 0.0f : -16.0f * d[r];
-      ld_words2<4>(blk + kQs, qw[r]);
-      if constexpr (!kNL) ld_words2<1>(blk + kQh, &hw[r]);
+      d[r] = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk)));
+      ld_words2<4>(blk + kIQ4NLQs, qw[r]);
     }
 #pragma unroll
     for (int t = 0; t < kGemvMaxTokens; ++t)
       if (t < T) {
         const float4* xr = reinterpret_cast<const float4*>(x + t * cols + b * 32);
-        float sq[R] = {}, sx = 0.0f;
+        float sq[R] = {};
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const float4 lo = __ldg(xr + c), hi = __ldg(xr + 4 + c);  // weights 4c .. 4c + 3 and 16 + 4c ..
           const float xl[4] = {lo.x, lo.y, lo.z, lo.w}, xh[4] = {hi.x, hi.y, hi.z, hi.w};
-          if constexpr (!kNL) sx += ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              uint32_t ql = (qw[r][c] >> (8 * i)) & 15, qh = (qw[r][c] >> (8 * i + 4)) & 15;
-              if constexpr (kNL) {
-                sq[r] += float(iq4_nl_level(ql)) * xl[i] + float(iq4_nl_level(qh)) * xh[i];
-              } else {
-                ql |= ((hw[r] >> (4 * c + i)) & 1) << 4, qh |= ((hw[r] >> (16 + 4 * c + i)) & 1) << 4;
-                sq[r] += float(ql) * xl[i] + float(qh) * xh[i];
-              }
-            }
+            for (int i = 0; i < 4; ++i)
+              sq[r] += float(iq4_nl_level((qw[r][c] >> (8 * i)) & 15)) * xl[i] + float(iq4_nl_level((qw[r][c] >> (8 * i + 4)) & 15)) * xh[i];
         }
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][t] += d[r] * sq[r] + m[r] * sx;
+        for (int r = 0; r < R; ++r) acc[r][t] += d[r] * sq[r];
       }
   }
 #pragma unroll
@@ -771,7 +800,7 @@ using RawGemvKernel = void (*)(const uint8_t*, size_t, const float*, float*, int
 // need (every row then is: a row's bytes are a multiple of that alignment) or the activations at x
 // are not 16-byte aligned; gemv_raw_kernel runs then.
 RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
-  const int align = t == DType::Q4_K || t == DType::Q5_K ? 16 : t == DType::Q2_K || t == DType::Q5_1 ? 4 : 2;
+  const int align = t == DType::Q4_K || t == DType::Q5_K ? 16 : t == DType::Q2_K ? 4 : 2;
   if (reinterpret_cast<uintptr_t>(wq) % align != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return nullptr;
   switch (t) {
     case DType::Q2_K: return gemv_q23k_kernel<kGemvKRows, false>;
@@ -779,9 +808,7 @@ RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
     case DType::Q4_K: return gemv_q45k_kernel<kGemvKRows, false>;
     case DType::Q5_K: return gemv_q45k_kernel<kGemvKRows, true>;
     case DType::Q6_K: return gemv_q6k_kernel<kGemvKRows>;
-    case DType::Q5_0: return gemv_b32_kernel<kGemvKRows, DType::Q5_0>;
-    case DType::Q5_1: return gemv_b32_kernel<kGemvKRows, DType::Q5_1>;
-    case DType::IQ4_NL: return gemv_b32_kernel<kGemvKRows, DType::IQ4_NL>;
+    case DType::IQ4_NL: return gemv_iq4nl_kernel<kGemvKRows>;
     default: return nullptr;
   }
 }
@@ -815,6 +842,8 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
     case DType::Q8_0: gemv_block<DType::Q8_0>(w, xq, y, ldy, nt, s); break;
     case DType::Q4_0: gemv_block<DType::Q4_0>(w, xq, y, ldy, nt, s); break;
     case DType::Q4_1: gemv_block<DType::Q4_1>(w, xq, y, ldy, nt, s); break;
+    case DType::Q5_0: gemv_block<DType::Q5_0>(w, xq, y, ldy, nt, s); break;
+    case DType::Q5_1: gemv_block<DType::Q5_1>(w, xq, y, ldy, nt, s); break;
     case DType::F32:
       LLMQ_LAUNCH(gemv_float_kernel<float>, grid, block, 0, s)(reinterpret_cast<const float*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
@@ -849,11 +878,11 @@ namespace {
 // One thread per 8 weights (a quarter of a block), written as one 16-byte store: a warp writes
 // 512 contiguous bytes. (A thread per block writing 4 x 16 bytes 64 bytes apart ran at ~2 TB/s
 // on an H200; dev/cuda/mmq.cu times this kernel as "dequant + cublas".) Quarter k of a block:
-// Q8_0 quants 8k..8k+7; Q4 nibbles of bytes 8 (k % 2) .. +7, low ones for k < 2 (weights 0..15),
-// high ones for k >= 2.
+// Q8_0 quants 8k..8k+7; Q4 / Q5 nibbles of bytes 8 (k % 2) .. +7, low ones for k < 2 (weights
+// 0..15), high ones for k >= 2, so weights 8k .. 8k + 7 (Q5: with bits 8k .. of the block's word).
 template <DType kType>
-__global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
-                                      const uint16_t* __restrict__ wm, uint4* __restrict__ out, int64_t n_quarters) {
+__global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd, const uint16_t* __restrict__ wm,
+                                      const uint32_t* __restrict__ wh, uint4* __restrict__ out, int64_t n_quarters) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_quarters) return;
   const int64_t b = i / 4;
@@ -865,12 +894,14 @@ __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[j] = d * float(int8_t(raw.x >> (8 * j))), f[4 + j] = d * float(int8_t(raw.y >> (8 * j)));
   } else {
-    const float m = kType == DType::Q4_1 ? fp16_bits_to_float(wm[b]) : -8.0f * d;
+    const float m = has_min(kType) ? fp16_bits_to_float(wm[b]) : (is_q5(kType) ? -16.0f : -8.0f) * d;
     const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 16 + 8 * (k % 2));
+    const uint32_t e = is_q5(kType) ? wh[b] >> (8 * k) : 0u;  // fifth bits of weights 8k ..
     const int sh = k < 2 ? 0 : 4;
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      f[j] = d * float((raw.x >> (8 * j + sh)) & 0x0f) + m, f[4 + j] = d * float((raw.y >> (8 * j + sh)) & 0x0f) + m;
+      f[j] = d * float(((raw.x >> (8 * j + sh)) & 0x0f) | ((e >> j) & 1) << 4) + m,
+      f[4 + j] = d * float(((raw.y >> (8 * j + sh)) & 0x0f) | ((e >> (4 + j)) & 1) << 4) + m;
   }
   uint32_t h[4];
 #pragma unroll
@@ -910,9 +941,11 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
   const unsigned grid = unsigned((4 * n_blocks + 255) / 256);
   auto* o = reinterpret_cast<uint4*>(out);
   switch (w.type) {
-    case DType::Q8_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q8_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
-    case DType::Q4_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_0>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
-    case DType::Q4_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_1>, grid, 256, 0, s)(v.q, v.d, v.m, o, 4 * n_blocks); break;
+    case DType::Q8_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q8_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
+    case DType::Q4_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
+    case DType::Q4_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_1>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
+    case DType::Q5_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
+    case DType::Q5_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_1>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
     default:
       if (!is_raw_type(w.type)) throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));
       LLMQ_LAUNCH(dequantize_raw_f16_kernel, unsigned((n_blocks + 127) / 128), 128, 0, s)(w.type, v.q, w.cols / QK,
@@ -959,8 +992,9 @@ DeviceActQ8 MatmulContext::quantized(const float* x, int64_t T, int64_t cols) {
 
 // The types whose MMQ beat dequantize + cuBLAS at 16-32 tokens on an H200 (dev/cuda/mmq.cu,
 // llama-2-7b's matrices; bench/RESULTS.md, third GPU session): 0.4-0.8x its time. The others'
-// MMQ (16-bit loads instead of cp.async: Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q6_K) took 1.0-3.9x it
-// there, so their batches dequantize until that loader is rebuilt.
+// MMQ (16-bit loads instead of cp.async: IQ4_NL, Q2_K, Q3_K, Q6_K, and then Q5_0, Q5_1) took
+// 1.0-3.9x it there, so their batches dequantize until their loaders are rebuilt. (Q5_0/Q5_1 now
+// have the split layout and Q4_1's cp.async loader, not yet timed.)
 static bool mmq_wins(DType t) {
   return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q4_K || t == DType::Q5_K;
 }

@@ -1,11 +1,11 @@
 // Matrix products on the GPU: y [T, rows] = x [T, cols] · Wᵀ for weights in every stored type.
 //   decode (T <= kGemvMaxTokens): our GEMV kernels, dequantization fused in registers, wide
 //     loads; Q8_0/Q4_0/Q4_1: int8 dot products (dp4a) against activations quantized per block
-//     of 32 (as the CPU path and llama.cpp's MMVQ do); the raw types (K-quants, Q5_0, Q5_1,
-//     IQ4_NL): fp32 activations, one kernel family each (eight lanes per 256-weight super-block,
-//     or a lane per 32-weight block);
-//   batches of every quantized type (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8
-//     tensor cores on the quant blocks, split-K when the grid would be small;
+//     of 32 (as the CPU path and llama.cpp's MMVQ do), as are Q5_0/Q5_1 and Q4_K/Q6_K; the
+//     other raw types (K-quants, IQ4_NL): fp32 activations, one kernel family each (eight lanes
+//     per 256-weight super-block, or a lane per 32-weight block);
+//   batches (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8 tensor cores on the quant blocks,
+//     split-K when the grid would be small, for the types where it beat dequantize + cuBLAS;
 //   prefill (larger T, or weights MMQ does not take): the weight dequantized to fp16 tiles of
 //     rows, then cuBLAS on the tensor cores (fp32 accumulation).
 // CPU references: engine/cpu/cpu_ops.h ref_matmul (fp32 activations, fp64 sums) and the block dot
@@ -21,11 +21,10 @@
 
 namespace llmq::cuda {
 
-/// True for the types the device keeps in the file's own block layout ("raw": Q5_0, Q5_1, IQ4_NL
-/// and the K-quants; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1 are split.
+/// True for the types the device keeps in the file's own block layout ("raw": IQ4_NL and the
+/// K-quants; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 are split.
 __host__ __device__ constexpr bool is_raw_type(DType t) {
-  return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K ||
-         t == DType::Q5_K || t == DType::Q6_K;
+  return t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
 }
 
 /// A weight matrix [rows, cols] on the device in the split layout the kernels read with aligned
@@ -35,30 +34,37 @@ __host__ __device__ constexpr bool is_raw_type(DType t) {
 ///   Q4_0: q = nibbles [rows, cols/2] (per block of 32: 16 bytes, weight j in the low nibble of
 ///         byte j, weight j+16 in the high one, as in the file), d = fp16 scales [rows, cols/32]
 ///   Q4_1: as Q4_0, plus m = fp16 minimums [rows, cols/32]
-///   F32, F16, BF16: q = the elements [rows, cols] (d, m null)
-///   raw types (is_raw_type): q = the file's rows as they are (d, m null)
+///   Q5_0, Q5_1: as Q4_0 / Q4_1, plus h = the fifth bits [rows, cols/32] (bit j of a block's word:
+///         weight j, the file's qh), stored between q and d
+///   F32, F16, BF16: q = the elements [rows, cols] (d, m, h null)
+///   raw types (is_raw_type): q = the file's rows as they are (d, m, h null)
 struct DeviceWeight {
   DType type = DType::F32;
   int64_t rows = 0, cols = 0;
   const uint8_t* q = nullptr;
   const uint16_t* d = nullptr;
   const uint16_t* m = nullptr;
+  const uint32_t* h = nullptr;
 };
 
 /// Bytes of the split layout of a [rows, cols] matrix of type t: the file's bytes.
 uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols);
 /// Rearranges a matrix from the file layout (host memory, rows · row_bytes(t, cols) bytes at
-/// src) into the split layout at dst (host memory, split_weight_bytes): q, then d, then m.
+/// src) into the split layout at dst (host memory, split_weight_bytes): q, then h, d and m.
 void split_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst);
+/// The inverse of split_weight: the split layout at src (host memory) back into the file layout
+/// at dst (for tests and tools that read device weights back).
+void unsplit_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst);
 /// The view of a split-layout matrix stored at device address `base`.
 DeviceWeight split_weight_view(DType t, int64_t rows, int64_t cols, const uint8_t* base);
 /// Rows [r0, r0 + n) of w as a matrix of their own (a view).
 DeviceWeight weight_rows(const DeviceWeight& w, int64_t r0, int64_t n);
 
 /// Fills a split-layout matrix on the device with random weights (a hash of seed and index):
-/// Q types get uniform quants and scales ~ 0.02/|q| (weights of std ~0.01-0.02, as a trained
-/// Llama's), float types uniform values in ±0.03; the raw types (file layout) uniform bytes with
-/// their fp16 scales (and minimums) set to that scale. For synthetic benchmarks: nothing travels.
+/// Q types get uniform quants (Q5: and fifth bits) and scales ~ 0.02/|q| (weights of std
+/// ~0.01-0.02, as a trained Llama's), float types uniform values in ±0.03; the raw types (file
+/// layout) uniform bytes with their fp16 scales (and minimums) set to that scale. For synthetic
+/// benchmarks: nothing travels.
 void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s);
 
 /// Activations quantized per block of 32 for the integer GEMV, as engine/cpu/cpu_ops.h's
@@ -150,9 +156,9 @@ void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t col
 /// want x 16-byte aligned, else a byte-wise kernel runs).
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
 /// MMQ (engine/cuda/mmq.cu): y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = the
-/// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for Q8_0/Q4_0/Q4_1
-/// weights whose column count is a multiple of 64, Q4_K/Q5_K weights at 16-byte-aligned
-/// addresses and Q5_0/Q5_1/IQ4_NL/Q2_K/Q3_K/Q6_K weights (mmq_supported). tile_tokens: tokens per CUDA
+/// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for weights whose
+/// column count is a multiple of 64: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, Q4_K/Q5_K at 16-byte-aligned
+/// addresses, IQ4_NL/Q2_K/Q3_K/Q6_K (mmq_supported). tile_tokens: tokens per CUDA
 /// block (16, 32, 64 or 128; 0: mmq_tile_tokens(T)). split / split_bytes: scratch for
 /// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
 /// the grid would otherwise leave most of the GPU idle (few rows, few tokens); null: no split.

@@ -1,7 +1,7 @@
 // MMQ: matrix products of block-quantized weights and int8 activations on the tensor cores
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
-// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 in the split layout or Q5_0 / Q5_1 /
+// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 in the split layout or
 // IQ4_NL / Q2_K ... Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by
 // quantize_act (q, d, s = d·Σq). Per block of 32 columns, an integer product on the tensor cores
 // (mma.m16n8k32, int32 sums), then scaled in fp32 as the GEMV does:
@@ -47,15 +47,18 @@ constexpr bool kSplit16 = kType == DType::Q2_K || kType == DType::Q3_K || kType 
 template <DType kType>
 constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kSplit16<kType>;  // raw rows, a header per row and stage
 template <DType kType>
-constexpr bool kQ5 = kType == DType::Q5_0 || kType == DType::Q5_1;  // raw 22- / 24-byte blocks
+constexpr bool kQ5 = kType == DType::Q5_0 || kType == DType::Q5_1;  // split: Q4's nibbles and the h words
 template <DType kType>
-constexpr bool kB32 = kQ5<kType> || kType == DType::IQ4_NL;  // raw 32-weight blocks, read by 16-bit loads
-// Bytes of one 32-column block's quants in shared memory (Q5_K, Q3_K: 16 of quants and 16 of high
-// bits; Q6_K: 32 of ql and 16 of qh; Q5_0/Q5_1: 16 of qs and 4 of qh).
+constexpr bool kMin = kType == DType::Q4_1 || kType == DType::Q5_1;  // split, with minimums
 template <DType kType>
-constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K || kType == DType::Q3_K ? 32 : kQ5<kType> ? 20 : 16;
+constexpr bool kB32 = kType == DType::IQ4_NL;  // raw 32-weight blocks, read by 16-bit loads
+// Bytes of one 32-column block's quants as loaded from the q array (Q5_K, Q3_K: 16 of quants and
+// 16 of high bits; Q6_K: 32 of ql and 16 of qh; Q5_0/Q5_1: the 16 of nibbles, their 4 of fifth
+// bits come from the h array to bytes 32..39 of the row).
 template <DType kType>
-constexpr int kAPitch = kB32<kType> ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // Q5, IQ4_NL: 12 words, so 8 rows x 4 words hit 32 banks
+constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K || kType == DType::Q3_K ? 32 : 16;
+template <DType kType>
+constexpr int kAPitch = kB32<kType> || kQ5<kType> ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // Q5, IQ4_NL: 12 words, so 8 rows x 4 words hit 32 banks
 constexpr int kBPitch = kMmqBK + kMmqPad;
 
 // One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K / Q5_K:
@@ -72,7 +75,7 @@ struct MmqStage {
   alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad]
   alignas(16) int8_t b[BN * kBPitch];                // activation quants [BN][64 + pad]
   alignas(16) uint16_t dw[kMmqBM * 2];               // weight scales [BM][2] fp16
-  alignas(16) uint16_t mw[kType == DType::Q4_1 || kType == DType::Q5_1 ? kMmqBM * 2 : 8];  // Q4_1 / Q5_1 minimums [BM][2] fp16
+  alignas(16) uint16_t mw[kMin<kType> ? kMmqBM * 2 : 8];  // Q4_1 / Q5_1 minimums [BM][2] fp16
   alignas(16) float dx[BN * 2];                      // activation scales [BN][2]
   alignas(16) float sx[BN * 2];                      // d·Σq [BN][2] (the types with an offset or a minimum)
   alignas(16) uint8_t hdr[kKQuant<kType> ? kMmqBM * 16 : 16];  // K-quant super-block headers [BM][16]
@@ -81,6 +84,7 @@ struct MmqStage {
 struct MmqArgs {
   const uint8_t* wq;
   const uint16_t *wd, *wm;
+  const uint32_t* wh;  // Q5_0 / Q5_1: the fifth bits [rows, cols/32]
   const int8_t* xq;
   const float *xd, *xs;
   float* y;       // splits == 1: the output, row t at y + t · ldy; else the partial sums [splits, T, rows]
@@ -90,21 +94,17 @@ struct MmqArgs {
   int64_t rb;     // bytes per weight row (the raw types' rows)
 };
 
-// Q5_0 / Q5_1 / IQ4_NL's part of a stage (column blocks kb, kb + 1) for the rows at row0, by
-// 16-bit loads (22- and 18-byte blocks: 2-byte aligned): a row's qs of both blocks (bytes 0..31),
-// then Q5's qh words (32..39); d and Q5_1's m into dw and mw.
+// IQ4_NL's part of a stage (column blocks kb, kb + 1) for the rows at row0, by 16-bit loads
+// (18-byte blocks: 2-byte aligned): a row's qs of both blocks (bytes 0..31); d into dw.
 template <DType kType, class Stage>
 __device__ __forceinline__ void mmq_load_b32(Stage& st, const MmqArgs& p, int row0, int kb) {
   constexpr int P = kAPitch<kType>, B = raw_block_bytes(kType), W = B / 2;  // block bytes, words
-  constexpr int kQh = b32_qh_offset(kType), kQs = b32_qs_offset(kType);
   for (int i = int(threadIdx.x); i < kMmqBM * 2 * W; i += kMmqThreads) {
     const int r = i / (2 * W), jb = i / W % 2, w = i % W, row = min(row0 + r, p.rows - 1);
     const uint8_t* blk = p.wq + int64_t(row) * p.rb + int64_t(kb + jb) * B;
     const uint16_t v = __ldg(reinterpret_cast<const uint16_t*>(blk + 2 * w));
     if (w == 0) st.dw[2 * r + jb] = v;
-    else if (kType == DType::Q5_1 && w == 1) st.mw[2 * r + jb] = v;
-    else if (2 * w < kQs) *reinterpret_cast<uint16_t*>(st.a + r * P + 32 + 4 * jb + 2 * w - kQh) = v;
-    else *reinterpret_cast<uint16_t*>(st.a + r * P + 16 * jb + 2 * w - kQs) = v;
+    else *reinterpret_cast<uint16_t*>(st.a + r * P + 16 * jb + 2 * w - kIQ4NLQs) = v;
   }
 }
 
@@ -169,6 +169,9 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
       }
       cp_async16(st.a + r * kAPitch<kType> + c * 16, src);
     }
+    if constexpr (kQ5<kType>)  // the two blocks' words of fifth bits (8-byte aligned: nb and kb are even)
+      for (int i = tid; i < kMmqBM; i += kMmqThreads)
+        cp_async8(st.a + i * kAPitch<kType> + 32, p.wh + int64_t(min(row0 + i, p.rows - 1)) * nb + kb);
   }
   for (int i = tid; i < BN * 4; i += kMmqThreads) {
     const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
@@ -181,7 +184,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
         cp_async16(st.hdr + 16 * i, p.wq + row * p.rb + int64_t(kb / 8) * raw_block_bytes(kType));
       } else {
         cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
-        if constexpr (kType == DType::Q4_1) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
+        if constexpr (kMin<kType>) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
       }
     }
   }
@@ -297,12 +300,11 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
   } else if constexpr (kQ5<kType>) {
     // low / high nibbles of block j's qs (columns 4c.. and 16 + 4c..) with bits 4c.. / 16 + 4c.. of
     // its qh word moved to bit 4 of each byte
-    auto spread = [](uint32_t b) { return (b & 1u) << 4 | (b & 2u) << 11 | (b & 4u) << 18 | (b & 8u) << 25; };
     const uint8_t* r0 = rows + g * P;
     const uint32_t v0 = lds32(r0 + 16 * j + 4 * c), v1 = lds32(r0 + 8 * P + 16 * j + 4 * c);
     const uint32_t h0 = lds32(r0 + 32 + 4 * j), h1 = lds32(r0 + 8 * P + 32 + 4 * j);
-    a[0] = (v0 & 0x0f0f0f0fu) | spread(h0 >> (4 * c)), a[1] = (v1 & 0x0f0f0f0fu) | spread(h1 >> (4 * c));
-    a[2] = ((v0 >> 4) & 0x0f0f0f0fu) | spread(h0 >> (16 + 4 * c)), a[3] = ((v1 >> 4) & 0x0f0f0f0fu) | spread(h1 >> (16 + 4 * c));
+    a[0] = (v0 & 0x0f0f0f0fu) | fifth_bit_bytes(h0 >> (4 * c)), a[1] = (v1 & 0x0f0f0f0fu) | fifth_bit_bytes(h1 >> (4 * c));
+    a[2] = ((v0 >> 4) & 0x0f0f0f0fu) | fifth_bit_bytes(h0 >> (16 + 4 * c)), a[3] = ((v1 >> 4) & 0x0f0f0f0fu) | fifth_bit_bytes(h1 >> (16 + 4 * c));
   } else if constexpr (kKQuant<kType>) {
     const uint8_t* r0 = rows + g * P + 4 * c;
     const int off[4] = {0, 8 * P, 16, 8 * P + 16};
@@ -375,7 +377,7 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
           k_sub_scale(s.hdr + 16 * r, 2 * pr + j, dw0, mw0), k_sub_scale(s.hdr + 16 * (r + 8), 2 * pr + j, dw1, mw1);
         } else {
           dw0 = fp16_bits_to_float(s.dw[2 * r + j]), dw1 = fp16_bits_to_float(s.dw[2 * (r + 8) + j]);
-          if constexpr (kType == DType::Q4_1 || kType == DType::Q5_1)
+          if constexpr (kMin<kType>)
             mw0 = fp16_bits_to_float(s.mw[2 * r + j]), mw1 = fp16_bits_to_float(s.mw[2 * (r + 8) + j]);
         }
 #pragma unroll
@@ -494,7 +496,7 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
   if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
   const int splits = split ? mmq_splits(w, T, split_bytes) : 1;
   if (ldy == 0) ldy = w.rows;
-  const MmqArgs a{w.q, w.d, w.m, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, int64_t(row_bytes(w.type, w.cols))};
+  const MmqArgs a{w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, int64_t(row_bytes(w.type, w.cols))};
   const int bn = tile_tokens ? tile_tokens : mmq_tile_tokens(T);
   switch (w.type) {
     case DType::Q8_0: launch_mmq_bn<DType::Q8_0>(a, bn, s); break;

@@ -225,35 +225,36 @@ __global__ void add_bias_kernel(float* __restrict__ x, int64_t ld, const float* 
 }
 
 // Element j of row r of a split-layout matrix, as fp32.
-__device__ __forceinline__ float weight_at(DType type, const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t cols,
-                                           int64_t r, int64_t j) {
-  const int64_t b = r * (cols / 32) + j / 32;
-  switch (type) {
-    case DType::F32: return reinterpret_cast<const float*>(q)[r * cols + j];
-    case DType::F16: return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(q)[r * cols + j]);
-    case DType::BF16: return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(q)[r * cols + j]);
-    case DType::Q8_0: return fp16_bits_to_float(d[b]) * float(reinterpret_cast<const int8_t*>(q)[r * cols + j]);
+__device__ __forceinline__ float weight_at(const DeviceWeight& w, int64_t r, int64_t j) {
+  const int64_t cols = w.cols, b = r * (cols / 32) + j / 32;
+  switch (w.type) {
+    case DType::F32: return reinterpret_cast<const float*>(w.q)[r * cols + j];
+    case DType::F16: return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(w.q)[r * cols + j]);
+    case DType::BF16: return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(w.q)[r * cols + j]);
+    case DType::Q8_0: return fp16_bits_to_float(w.d[b]) * float(reinterpret_cast<const int8_t*>(w.q)[r * cols + j]);
     case DType::Q4_0:
-    case DType::Q4_1: {
+    case DType::Q4_1:
+    case DType::Q5_0:
+    case DType::Q5_1: {
       const int k = int(j % 32);
-      const uint8_t byte = q[b * 16 + k % 16];
-      const int nib = k < 16 ? byte & 0x0f : byte >> 4;
-      return type == DType::Q4_0 ? fp16_bits_to_float(d[b]) * float(nib - 8)
-                                 : fp16_bits_to_float(d[b]) * float(nib) + fp16_bits_to_float(m[b]);
+      const uint8_t byte = w.q[b * 16 + k % 16];
+      int q = k < 16 ? byte & 0x0f : byte >> 4;
+      if (w.h) q |= int((w.h[b] >> k) & 1) << 4;  // Q5's fifth bit
+      const float d = fp16_bits_to_float(w.d[b]);
+      return w.m ? d * float(q) + fp16_bits_to_float(w.m[b]) : d * float(q - (w.h ? 16 : 8));
     }
     default: {  // raw layout (raw_blocks.cuh): decode the element's block
-      float w[32];
-      raw_block(type, q + r * int64_t(raw_row_bytes(type, cols)), j / 32, w);
-      return w[j % 32];
+      float v[32];
+      raw_block(w.type, w.q + r * int64_t(raw_row_bytes(w.type, cols)), j / 32, v);
+      return v[j % 32];
     }
   }
 }
 
-__global__ void embedding_kernel(float* __restrict__ x, DType type, const uint8_t* __restrict__ q, const uint16_t* __restrict__ d,
-                                 const uint16_t* __restrict__ m, int64_t cols, const int32_t* __restrict__ tokens, float scale) {
+__global__ void embedding_kernel(float* __restrict__ x, DeviceWeight table, const int32_t* __restrict__ tokens, float scale) {
   const int64_t t = blockIdx.y, r = tokens[t];
-  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < cols; j += int64_t(gridDim.x) * blockDim.x)
-    x[t * cols + j] = weight_at(type, q, d, m, cols, r, j) * scale;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < table.cols; j += int64_t(gridDim.x) * blockDim.x)
+    x[t * table.cols + j] = weight_at(table, r, j) * scale;
 }
 
 unsigned grid_for(int64_t n, int threads) { return unsigned(std::min<int64_t>((n + threads - 1) / threads, 8192)); }
@@ -297,7 +298,7 @@ void add_bias(float* x, int64_t ld, const float* b, int64_t T, int64_t n, cudaSt
 void embedding(float* x, const DeviceWeight& table, const int32_t* tokens, int64_t T, cudaStream_t s, float scale) {
   if (T == 0) return;
   const dim3 grid(unsigned((table.cols + 255) / 256), unsigned(T));
-  LLMQ_LAUNCH(embedding_kernel, grid, 256, 0, s)(x, table.type, table.q, table.d, table.m, table.cols, tokens, scale);
+  LLMQ_LAUNCH(embedding_kernel, grid, 256, 0, s)(x, table, tokens, scale);
   check_launch("embedding");
 }
 

@@ -1,5 +1,5 @@
-// Weights of the types the device keeps in the file's own block layout ("raw": Q5_0, Q5_1,
-// IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
+// Weights of the types the device keeps in the file's own block layout ("raw": IQ4_NL, Q2_K,
+// Q3_K, Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
 // The CPU reference is formats/quant.h's decode_quant_block / dequantize_row: the same
 // w = a·(q − o) − m per weight (the device may fuse the multiply and subtract into an FMA).
 // Bytes are read one at a time, so a row needs no alignment.
@@ -10,22 +10,19 @@
 
 namespace llmq::cuda {
 
-/// Bytes of one block of raw type t: 32 weights (Q5_0, Q5_1, IQ4_NL) or a 256-weight super-block
-/// (the K-quants); formats/quant.h's sizeof(Block...), usable in device code and constant expressions.
+/// Bytes of one block of raw type t: 32 weights (IQ4_NL) or a 256-weight super-block (the
+/// K-quants); formats/quant.h's sizeof(Block...), usable in device code and constant expressions.
 __host__ __device__ constexpr int raw_block_bytes(DType t) {
-  return t == DType::Q5_0 ? 22 : t == DType::Q5_1 ? 24 : t == DType::IQ4_NL ? 18 : t == DType::Q2_K ? 84 : t == DType::Q3_K ? 110
-       : t == DType::Q4_K ? 144 : t == DType::Q5_K ? 176 : 210;
+  return t == DType::IQ4_NL ? 18 : t == DType::Q2_K ? 84 : t == DType::Q3_K ? 110 : t == DType::Q4_K ? 144 : t == DType::Q5_K ? 176 : 210;
 }
 /// Weights per block of raw type t.
-__host__ __device__ constexpr int raw_block_weights(DType t) { return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::IQ4_NL ? 32 : 256; }
+__host__ __device__ constexpr int raw_block_weights(DType t) { return t == DType::IQ4_NL ? 32 : 256; }
 
 /// Bytes of a row of `cols` weights of raw type t (formats/quant.h's row_bytes, on either side).
 __host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) { return cols / raw_block_weights(t) * raw_block_bytes(t); }
 
-/// Byte offsets in a Q5_0 / Q5_1 / IQ4_NL block: of the fifth bits qh (Q5; after d, and Q5_1's m)
-/// and of the nibbles qs.
-__host__ __device__ constexpr int b32_qh_offset(DType t) { return t == DType::Q5_1 ? 4 : 2; }
-__host__ __device__ constexpr int b32_qs_offset(DType t) { return t == DType::IQ4_NL ? 2 : b32_qh_offset(t) + 4; }
+/// Byte offset of the nibbles qs in an IQ4_NL block (after its fp16 d).
+constexpr int kIQ4NLQs = 2;
 
 __device__ __forceinline__ float half_at(const uint8_t* p) { return fp16_bits_to_float(uint16_t(p[0] | (p[1] << 8))); }
 
@@ -63,18 +60,7 @@ __device__ __forceinline__ int iq4_nl_level(uint32_t i) { return int(int8_t(((i 
 
 /// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
 __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* w) {
-  if (t == DType::Q5_0 || t == DType::Q5_1) {
-    const bool has_min = t == DType::Q5_1;
-    const uint8_t* blk = row + b * raw_block_bytes(t);
-    const float d = half_at(blk), m = has_min ? half_at(blk + 2) : 0.0f;
-    const uint8_t* qh = blk + b32_qh_offset(t);
-    const uint8_t* qs = blk + b32_qs_offset(t);
-    const uint32_t h = uint32_t(qh[0]) | uint32_t(qh[1]) << 8 | uint32_t(qh[2]) << 16 | uint32_t(qh[3]) << 24;
-    for (int i = 0; i < 32; ++i) {
-      const int q = ((i < 16 ? qs[i] : qs[i - 16] >> 4) & 15) | int((h >> i) & 1) << 4;
-      w[i] = has_min ? d * float(q) + m : d * float(q - 16);
-    }
-  } else if (t == DType::Q4_K || t == DType::Q5_K) {
+  if (t == DType::Q4_K || t == DType::Q5_K) {
     const bool five = t == DType::Q5_K;
     const uint8_t* blk = row + (b / 8) * raw_block_bytes(t);
     const int j = int(b % 8);
@@ -89,11 +75,11 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
       w[l] = a * float(q) - m;
     }
   } else if (t == DType::IQ4_NL) {
-    const uint8_t* blk = row + b * 18;
+    const uint8_t* blk = row + b * raw_block_bytes(DType::IQ4_NL);
     const float d = half_at(blk);
     for (int i = 0; i < 16; ++i) {
-      w[i] = d * float(iq4_nl_level(blk[2 + i] & 15));
-      w[i + 16] = d * float(iq4_nl_level(blk[2 + i] >> 4));
+      w[i] = d * float(iq4_nl_level(blk[kIQ4NLQs + i] & 15));
+      w[i + 16] = d * float(iq4_nl_level(blk[kIQ4NLQs + i] >> 4));
     }
   } else if (t == DType::Q2_K) {
     const uint8_t* blk = row + (b / 8) * raw_block_bytes(t);
