@@ -394,51 +394,42 @@ Op matmul_op() {
           {{4096, 4096, 1}, {4096, 4096, 8}, {2048, 2048, 128}}};  // --perf: decode, a batch, a prefill chunk
 }
 
-/// matmul against the K-quants with one activation scale per 256 values (set_kquant_act_group,
-/// llama.cpp's Q8_K rule), the CPU levels' only other activation rule; the CUDA backend ignores
-/// it (its K-quant GEMVs take fp32 activations, or int8 per 32 for Q4_K/Q6_K).
-Op matmul_k256_op() {
+/// matmul under a process-wide CPU setting: `set(true)` before each run of a case, `set(false)`
+/// after it; types and shapes as given, no --perf shapes.
+Op matmul_with(const char* name, std::vector<DType> types, std::vector<Shape> shapes, void (*set)(bool)) {
   Op m = matmul_op();
-  m.name = "matmul_k256";
-  m.types = {DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K};
-  m.shapes = {{19, 256, 1}, {40, 768, 6}, {21, 1280, 3}, {33, 512, 17}};
+  m.name = name, m.types = std::move(types), m.shapes = std::move(shapes);
   m.perf_shapes.clear();
   auto make = m.make;
-  m.make = [make](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
+  m.make = [make, set](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
     CaseRun c = make(b, t, s, rng);
     if (auto keep = c.prepared.run)
-      c.prepared.run = [keep] {
-        set_kquant_act_group(256);
+      c.prepared.run = [keep, set] {
+        set(true);
         keep();
-        set_kquant_act_group(32);
+        set(false);
       };
     return c;
   };
   return m;
 }
 
+/// matmul against the K-quants with one activation scale per 256 values (set_kquant_act_group,
+/// llama.cpp's Q8_K rule), the CPU levels' only other activation rule; the CUDA backend ignores
+/// it (its K-quant GEMVs take fp32 activations, or int8 per 32 for Q4_K/Q6_K).
+Op matmul_k256_op() {
+  return matmul_with("matmul_k256", {DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K},
+                     {{19, 256, 1}, {40, 768, 6}, {21, 1280, 3}, {33, 512, 17}}, [](bool on) { set_kquant_act_group(on ? 256 : 32); });
+}
+
 /// matmul with the activations kept in fp32 (set_float_activations: every quantized weight's rows
 /// dequantized, fp32 dot products), the exact model of the file: 1e-5 of fp64 on the CPU for
 /// every quantized type; the CUDA backend ignores the setting (the matmul bounds above).
 Op matmul_f32act_op() {
-  Op m = matmul_op();
-  m.name = "matmul_f32act";
-  m.types.clear();
+  std::vector<DType> quantized;
   for (DType t : kAllTypes)
-    if (is_quantized(t)) m.types.push_back(t);
-  m.shapes = {{37, 64, 1}, {19, 256, 1}, {40, 768, 6}, {33, 512, 17}};
-  m.perf_shapes.clear();
-  auto make = m.make;
-  m.make = [make](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
-    CaseRun c = make(b, t, s, rng);
-    if (auto keep = c.prepared.run)
-      c.prepared.run = [keep] {
-        set_float_activations(true);
-        keep();
-        set_float_activations(false);
-      };
-    return c;
-  };
+    if (is_quantized(t)) quantized.push_back(t);
+  Op m = matmul_with("matmul_f32act", quantized, {{37, 64, 1}, {19, 256, 1}, {40, 768, 6}, {33, 512, 17}}, set_float_activations);
   auto bound = m.bound;
   m.bound = [bound](DType t, const Backend& b, const Shape& s) { return b.gpu() ? bound(t, b, s) : 1e-5; };
   return m;
