@@ -17,10 +17,10 @@
 #     sanitizer  compute-sanitizer memcheck over the kernel tests; racecheck over MMQ and attention
 #     lab        the kernel labs (dev/cuda): GEMV (Q4_0/Q8_0, and K-quants: gemv_k), MMQ and attention
 #                against the engine's (LABS=...)
-#     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0 and Q4_K (BENCH_TYPES=...), with --profile
+#     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
 #                (NO_MMQ=1: MMQ off once more)
-#     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q8_0,
+#     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
 #                llmq-convert), interleaved; llmq-run's GPU peak (nvidia-smi) against llmq-mem infer
@@ -161,14 +161,14 @@ run_phase() {
       done
       ;;
     bench)
-      for t in ${BENCH_TYPES:-q4_0 q8_0 q4_k}; do
+      for t in ${BENCH_TYPES:-q4_0 q8_0 q4_k q6_k q5_0}; do
         step "bench-7b-$t" 90 "$G/bin/llmq-bench $B7 --type $t --profile --batch 32"
       done
       [ "${NO_MMQ:-0}" = 1 ] && step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
       ;;
     peer)
       if [ -x "$G/peer/bin/llama-bench" ]; then
-        for t in ${PEER_TYPES:-q4_k_m q4_0 q8_0 q3_k_m}; do step "peer-$t" 180 "peer_bench $t"; done
+        for t in ${PEER_TYPES:-q4_k_m q5_0 q4_0 q8_0 q3_k_m}; do step "peer-$t" 180 "peer_bench $t"; done
         step peer-backend-ops 120 "LD_LIBRARY_PATH=$G/peer/bin:\$LD_LIBRARY_PATH $G/peer/bin/test-backend-ops perf -b CUDA0 -o MUL_MAT \
           -p 'type_a=(q4_0|q8_0|q4_K|q6_K|f16),type_b=f32,m=4096,n=(1|8|512),k=14336'"
       else

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes a GGUF with random weights in the shapes of a Llama preset (llama-2-7b by default) for
 side-by-side runs of llama.cpp and llmq on one file (scripts/gpu_check.sh): every matrix in one
-block type (Q4_0 or Q8_0), norms 1.0 in F32, the tokenizer copied from a vocabulary GGUF
+block type (Q4_0, Q5_0 or Q8_0), norms 1.0 in F32, the tokenizer copied from a vocabulary GGUF
 (llama.cpp's ggml-vocab-llama-spm.gguf for a 32000-token Llama). `--type q4_k_m` writes the mix
 llama.cpp's Q4_K_M gives a Llama: Q6_K for output.weight and for attn_v / ffn_down in the layers
 its use_more_bits rule picks (the first and last eighth, and every third between), Q4_K for the
@@ -33,7 +33,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf-py", required=True)
     ap.add_argument("--vocab", required=True)
-    ap.add_argument("--type", choices=["q4_0", "q8_0", "q4_k_m", "q3_k_m", "q2_k"], default="q4_0")
+    ap.add_argument("--type", choices=["q4_0", "q5_0", "q8_0", "q4_k_m", "q3_k_m", "q2_k"], default="q4_0")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-2-7b")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
@@ -42,15 +42,15 @@ def main():
 
     dim, hidden, layers, heads, kv_heads, vocab = PRESETS[a.preset]
     Q = gguf.GGMLQuantizationType
-    ftype = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    ftype = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
              "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q3_k_m": gguf.LlamaFileType.MOSTLY_Q3_K_M,
              "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K}[a.type]
     # type: (weights per block, bytes per block, [(byte offset of an f16 scale, its size)])
-    # Q4_0: |q - 8| ~ 4; Q8_0: |q| ~ 64; Q4_K: d * 6-bit scale (~32) * q (0..15) - dmin * min;
+    # Q4_0: |q - 8| ~ 4; Q5_0: |q - 16| ~ 8; Q8_0: |q| ~ 64; Q4_K: d * 6-bit scale (~32) * q (0..15) - dmin * min;
     # Q6_K (d last, after ql, qh and 16 int8 scales ~64): d * scale * (q - 32); Q5_K as Q4_K with
     # q 0..31; Q3_K (d last): d * (6-bit scale - 32, ~16) * (q - 4, ~2); Q2_K (d, dmin last):
     # d * (4-bit scale) * q (0..3) - dmin * (4-bit min).
-    layout = {Q.Q4_0: (32, 18, [(0, 4e-3)]), Q.Q8_0: (32, 34, [(0, 2.5e-4)]),
+    layout = {Q.Q4_0: (32, 18, [(0, 4e-3)]), Q.Q5_0: (32, 22, [(0, 1.5e-3)]), Q.Q8_0: (32, 34, [(0, 2.5e-4)]),
               Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]), Q.Q6_K: (256, 210, [(208, 8e-6)]),
               Q.Q5_K: (256, 176, [(0, 5e-5), (2, 5e-5)]), Q.Q3_K: (256, 110, [(108, 5e-4)]),
               Q.Q2_K: (256, 84, [(80, 1e-3), (82, 1e-3)])}
@@ -121,7 +121,7 @@ def main():
                 return Q.Q5_K if i < layers // 16 else Q.Q4_K
             return Q.Q4_K if name.endswith("attn_output.weight") else Q.Q3_K
         if a.type != "q4_k_m":
-            return Q.Q4_0 if a.type == "q4_0" else Q.Q8_0
+            return {"q4_0": Q.Q4_0, "q5_0": Q.Q5_0}.get(a.type, Q.Q8_0)
         if name == "output.weight":
             return Q.Q6_K
         if name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(int(name.split(".")[1])):
