@@ -60,9 +60,10 @@ __device__ __forceinline__ void store(float (&acc)[R][8], float* y, int rows, in
 }
 
 // v2, Q4_K: lane k of a group of eight: quant bytes qs[16k, 16k + 16) = positions l0 .. l0 + 15
-// (l0 = 16 (k % 2)) of sub-blocks 2p (low nibbles) and 2p + 1 (high), p = k / 2.
-template <int R>
-__global__ void __launch_bounds__(128) q4k_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
+// (l0 = 16 (k % 2)) of sub-blocks 2p (low nibbles) and 2p + 1 (high), p = k / 2. Q5_K (kQ5): its
+// qs start at byte 48, and qh[l0, l0 + 16) holds the fifth bits, bit 2p (low nibbles) and 2p + 1.
+template <int R, bool kQ5>
+__global__ void __launch_bounds__(128) q45k_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
                                               const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int rows,
                                               int cols, int T) {
   const int row0 = (int(blockIdx.x) * 4 + int(threadIdx.y)) * R;
@@ -74,10 +75,13 @@ __global__ void __launch_bounds__(128) q4k_v2(const uint8_t* __restrict__ wq, si
     float a[R][2], m[R][2];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(sb) * 144;
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * k));
-      lo[r] = make_uint4(q.x & 0x0f0f0f0fu, q.y & 0x0f0f0f0fu, q.z & 0x0f0f0f0fu, q.w & 0x0f0f0f0fu);
-      hi[r] = make_uint4((q.x >> 4) & 0x0f0f0f0fu, (q.y >> 4) & 0x0f0f0f0fu, (q.z >> 4) & 0x0f0f0f0fu, (q.w >> 4) & 0x0f0f0f0fu);
+      const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(sb) * raw_block_bytes(kQ5 ? DType::Q5_K : DType::Q4_K);
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + (kQ5 ? 48 : 16) + 16 * k));
+      const uint4 h = kQ5 ? __ldg(reinterpret_cast<const uint4*>(blk + 16 + l0)) : make_uint4(0, 0, 0, 0);
+      auto lo5 = [&](uint32_t qw, uint32_t hw) { return (qw & 0x0f0f0f0fu) | ((hw >> (2 * p)) & 0x01010101u) << 4; };
+      auto hi5 = [&](uint32_t qw, uint32_t hw) { return ((qw >> 4) & 0x0f0f0f0fu) | ((hw >> (2 * p + 1)) & 0x01010101u) << 4; };
+      lo[r] = make_uint4(lo5(q.x, h.x), lo5(q.y, h.y), lo5(q.z, h.z), lo5(q.w, h.w));
+      hi[r] = make_uint4(hi5(q.x, h.x), hi5(q.y, h.y), hi5(q.z, h.z), hi5(q.w, h.w));
       q4k_pair_scales(blk, p, a[r], m[r]);
     }
 #pragma unroll
@@ -138,44 +142,6 @@ __global__ void __launch_bounds__(128) q6k_v2(const uint8_t* __restrict__ wq, si
           for (int r = 0; r < R; ++r)
             acc[r][t] += sc[r][g] * dx * float(__dp4a(int(v[r][g][0]), x.x, __dp4a(int(v[r][g][1]), x.y, 0)) - 32 * sx);
         }
-      }
-  }
-  store<R>(acc, y, rows, row0, T);
-}
-
-// v2, Q5_K: Q4_K's lanes; qh[l0, l0 + 16) holds the fifth bits, bit 2p (low nibbles) and 2p + 1.
-template <int R>
-__global__ void __launch_bounds__(128) q5k_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
-                                              const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int rows,
-                                              int cols, int T) {
-  const int row0 = (int(blockIdx.x) * 4 + int(threadIdx.y)) * R;
-  if (row0 >= rows) return;
-  const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2), nb = cols / 32;
-  float acc[R][8] = {};
-  for (int sb = int(threadIdx.x / 8); sb < cols / 256; sb += 4) {
-    uint4 lo[R], hi[R];
-    float a[R][2], m[R][2];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(sb) * raw_block_bytes(DType::Q5_K);
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + 48 + 16 * k)), h = __ldg(reinterpret_cast<const uint4*>(blk + 16 + l0));
-      auto l5 = [&](uint32_t qw, uint32_t hw) { return (qw & 0x0f0f0f0fu) | ((hw >> (2 * p)) & 0x01010101u) << 4; };
-      auto h5 = [&](uint32_t qw, uint32_t hw) { return ((qw >> 4) & 0x0f0f0f0fu) | ((hw >> (2 * p + 1)) & 0x01010101u) << 4; };
-      lo[r] = make_uint4(l5(q.x, h.x), l5(q.y, h.y), l5(q.z, h.z), l5(q.w, h.w));
-      hi[r] = make_uint4(h5(q.x, h.x), h5(q.y, h.y), h5(q.z, h.z), h5(q.w, h.w));
-      q4k_pair_scales(blk, p, a[r], m[r]);
-    }
-#pragma unroll
-    for (int t = 0; t < 8; ++t)
-      if (t < T) {
-        const int8_t* xr = xq + size_t(t) * cols + size_t(sb) * 256 + 64 * p + l0;
-        const int4 x0 = __ldg(reinterpret_cast<const int4*>(xr)), x1 = __ldg(reinterpret_cast<const int4*>(xr + 32));
-        const int b = t * nb + sb * 8 + 2 * p;
-        const float d0 = __ldg(xd + b), d1 = __ldg(xd + b + 1);
-        const float s0 = l0 == 0 ? __ldg(xs + b) : 0.0f, s1 = l0 == 0 ? __ldg(xs + b + 1) : 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-          acc[r][t] += (a[r][0] * d0 * float(dp4a4(lo[r], x0, 0)) - m[r][0] * s0) + (a[r][1] * d1 * float(dp4a4(hi[r], x1, 0)) - m[r][1] * s1);
       }
   }
   store<R>(acc, y, rows, row0, T);
@@ -247,9 +213,9 @@ Case v2_case(DType type, const char* name) {
             const size_t rb = row_bytes(type, w.cols);
             const int rows = int(w.rows), cols = int(w.cols);
             switch (type) {
-              case DType::Q4_K: q4k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
+              case DType::Q4_K: q45k_v2<R, false><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
               case DType::Q6_K: q6k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
-              case DType::Q5_K: q5k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
+              case DType::Q5_K: q45k_v2<R, true><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
               default: iq4nl_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
             }
           }};
