@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -96,7 +97,30 @@ const char* cpu_kernels_name() { return cpu_level_name(cpu_level()); }
 
 namespace {
 
-std::atomic<int> g_kquant_group{0};  // 0 until first use
+// A process-wide matmul setting: its environment variable's value on first use (`parse`, once),
+// then whatever set() stores. Readable from any thread; set() only while no kernel runs.
+class EnvSetting {
+ public:
+  explicit EnvSetting(int (*parse)()) : parse_(parse) {}
+  int get() {
+    int v = v_.load(std::memory_order_acquire);
+    if (v == kUnset) {
+      std::call_once(once_, [this] {
+        int expected = kUnset;
+        v_.compare_exchange_strong(expected, parse_(), std::memory_order_acq_rel);
+      });
+      v = v_.load(std::memory_order_acquire);
+    }
+    return v;
+  }
+  void set(int v) { v_.store(v, std::memory_order_release); }
+
+ private:
+  static constexpr int kUnset = -1;
+  std::atomic<int> v_{kUnset};
+  std::once_flag once_;
+  int (*parse_)();
+};
 
 int kquant_group_from_env() {
   const char* env = std::getenv("LLMQ_KQUANT_ACT");
@@ -106,31 +130,6 @@ int kquant_group_from_env() {
   return QK;
 }
 
-}  // namespace
-
-int kquant_act_group() {
-  int g = g_kquant_group.load(std::memory_order_acquire);
-  if (g == 0) {
-    static const int from_env = kquant_group_from_env();
-    int expected = 0;
-    g_kquant_group.compare_exchange_strong(expected, from_env, std::memory_order_acq_rel);
-    g = g_kquant_group.load(std::memory_order_acquire);
-  }
-  return g;
-}
-
-void set_kquant_act_group(int group) {
-  if (group != QK && group != QK_K)
-    throw UsageError("the activation group of K-quant matmuls is 32 or 256, not " + std::to_string(group));
-  g_kquant_group.store(group, std::memory_order_release);
-}
-
-int act_group(DType type) { return dtype_info(type).block == QK_K ? kquant_act_group() : QK; }
-
-namespace {
-
-std::atomic<int> g_float_act{-1};  // -1 until first use
-
 int float_act_from_env() {
   const char* env = std::getenv("LLMQ_MATMUL_ACT");
   if (!env || !*env || std::strcmp(env, "int8") == 0) return 0;
@@ -139,23 +138,27 @@ int float_act_from_env() {
   return 0;
 }
 
+EnvSetting g_kquant_group(kquant_group_from_env);
+EnvSetting g_float_act(float_act_from_env);
+
 // Quantized weights whose matmul takes the fp32 path (dequantized rows) instead of int8 activations.
 bool float_path(DType type) { return is_quantized(type) && float_activations(); }
 
 }  // namespace
 
-bool float_activations() {
-  int v = g_float_act.load(std::memory_order_acquire);
-  if (v < 0) {
-    static const int from_env = float_act_from_env();
-    int expected = -1;
-    g_float_act.compare_exchange_strong(expected, from_env, std::memory_order_acq_rel);
-    v = g_float_act.load(std::memory_order_acquire);
-  }
-  return v == 1;
+int kquant_act_group() { return g_kquant_group.get(); }
+
+void set_kquant_act_group(int group) {
+  if (group != QK && group != QK_K)
+    throw UsageError("the activation group of K-quant matmuls is 32 or 256, not " + std::to_string(group));
+  g_kquant_group.set(group);
 }
 
-void set_float_activations(bool on) { g_float_act.store(on ? 1 : 0, std::memory_order_release); }
+int act_group(DType type) { return dtype_info(type).block == QK_K ? kquant_act_group() : QK; }
+
+bool float_activations() { return g_float_act.get() == 1; }
+
+void set_float_activations(bool on) { g_float_act.set(on ? 1 : 0); }
 
 // ---------------------------------------------------------------- dot products
 
