@@ -10,17 +10,15 @@
 //       when xq.q is null): eight lanes per 256-weight super-block, two rows per warp; H100: 30%
 //       of the copy rate over a 7B Q4_K_M decode
 //   v2  the same lanes on int8 activations (quantize_act's per-32 blocks, which the engine's
-//       Q4_0 / Q8_0 GEMV already uses): dp4a on the quant nibbles (Q4_K) or the rebuilt 6-bit
-//       values (Q6_K), a quarter of v0's activation bytes; R rows per warp. H200: faster than v0
-//       on every matrix at T = 1 and 2 (Q4_K R1 1.35x, Q6_K R2 1.3x) -> graduated
-//   v1  engine (since then: v2, R1 for Q4_K and R2 for Q6_K, gemv_q4k_q8_kernel / gemv_q6k_q8_kernel)
-//   v2 for Q5_K (Q4_K's lanes, the fifth bits from qh joined into the bytes: values 0..31) and
-//       for IQ4_NL (the engine's gemv_iq4nl_kernel lanes: one lane per block, 16-bit loads; the 32
-//       levels as int8, dp4a'd against the block's int8 activations: d d_x Σ l q_x), not yet run
-//       on a GPU. (Q5_0 / Q5_1 moved to the split layout and Q4_1's int8 GEMV: gemv.cu's kind.)
-//   Q4_K: Σ over a 32-weight sub-block = a d_x Σ q q_x - m s_x (s_x = d_x Σ q_x, counted by the
-//   lane holding the sub-block's first half); Q6_K: per 16-weight scale s,
-//   d s d_x (Σ q q_x - 32 Σ q_x).
+//       Q4_0 / Q8_0 GEMV already uses): dp4a on the quant nibbles (Q4_K, Q5_K with their fifth
+//       bits) or the rebuilt 6-bit values (Q6_K), a quarter of v0's activation bytes; R rows per
+//       warp. The engine's templates (engine/cuda/gemv.cuh: gemv_q45k_q8_kernel,
+//       gemv_q6k_q8_kernel) at R = 1, 2, 4. H200: faster than v0 on every matrix at T = 1 and 2
+//       (Q4_K R1 1.35x, Q6_K R2 1.3x) -> graduated for Q4_K (R1) and Q6_K (R2); Q5_K not yet run
+//   v2 for IQ4_NL (this file: the engine's gemv_iq4nl_kernel lanes, one lane per block, 16-bit
+//       loads; the 32 levels as int8, dp4a'd against the block's int8 activations: d d_x Σ l q_x),
+//       not yet run on a GPU
+//   v1  engine (what gemv runs: v2 for Q4_K and Q6_K, v0 for the others)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -29,12 +27,12 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
+#include "engine/cuda/gemv.cuh"
 #include "engine/cuda/matmul.h"
 #include "engine/cuda/raw_blocks.cuh"
 #include "dev/cuda/lab.h"
@@ -47,125 +45,15 @@ using namespace llmq::cuda;
 
 namespace {
 
-template <int R>
-__device__ __forceinline__ void store(float (&acc)[R][8], float* y, int rows, int row0, int T) {
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < 8; ++t)
-      if (t < T) {
-        const float v = warp_sum(acc[r][t]);
-        if (threadIdx.x == 0 && row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
-      }
-}
-
-// v2, Q4_K: lane k of a group of eight: quant bytes qs[16k, 16k + 16) = positions l0 .. l0 + 15
-// (l0 = 16 (k % 2)) of sub-blocks 2p (low nibbles) and 2p + 1 (high), p = k / 2. Q5_K (kQ5): its
-// qs start at byte 48, and qh[l0, l0 + 16) holds the fifth bits, bit 2p (low nibbles) and 2p + 1.
-template <int R, bool kQ5>
-__global__ void __launch_bounds__(128) q45k_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
-                                              const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int rows,
-                                              int cols, int T) {
-  const int row0 = (int(blockIdx.x) * 4 + int(threadIdx.y)) * R;
-  if (row0 >= rows) return;
-  const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2), nb = cols / 32;
-  float acc[R][8] = {};
-  for (int sb = int(threadIdx.x / 8); sb < cols / 256; sb += 4) {
-    uint4 lo[R], hi[R];
-    float a[R][2], m[R][2];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(sb) * raw_block_bytes(kQ5 ? DType::Q5_K : DType::Q4_K);
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + (kQ5 ? 48 : 16) + 16 * k));
-      const uint4 h = kQ5 ? __ldg(reinterpret_cast<const uint4*>(blk + 16 + l0)) : make_uint4(0, 0, 0, 0);
-      auto lo5 = [&](uint32_t qw, uint32_t hw) { return (qw & 0x0f0f0f0fu) | ((hw >> (2 * p)) & 0x01010101u) << 4; };
-      auto hi5 = [&](uint32_t qw, uint32_t hw) { return ((qw >> 4) & 0x0f0f0f0fu) | ((hw >> (2 * p + 1)) & 0x01010101u) << 4; };
-      lo[r] = make_uint4(lo5(q.x, h.x), lo5(q.y, h.y), lo5(q.z, h.z), lo5(q.w, h.w));
-      hi[r] = make_uint4(hi5(q.x, h.x), hi5(q.y, h.y), hi5(q.z, h.z), hi5(q.w, h.w));
-      q4k_pair_scales(blk, p, a[r], m[r]);
-    }
-#pragma unroll
-    for (int t = 0; t < 8; ++t)
-      if (t < T) {
-        const int8_t* xr = xq + size_t(t) * cols + size_t(sb) * 256 + 64 * p + l0;
-        const int4 x0 = __ldg(reinterpret_cast<const int4*>(xr)), x1 = __ldg(reinterpret_cast<const int4*>(xr + 32));
-        const int b = t * nb + sb * 8 + 2 * p;
-        const float d0 = __ldg(xd + b), d1 = __ldg(xd + b + 1);
-        const float s0 = l0 == 0 ? __ldg(xs + b) : 0.0f, s1 = l0 == 0 ? __ldg(xs + b + 1) : 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-          acc[r][t] += (a[r][0] * d0 * float(dp4a4(lo[r], x0, 0)) - m[r][0] * s0) + (a[r][1] * d1 * float(dp4a4(hi[r], x1, 0)) - m[r][1] * s1);
-      }
-  }
-  store<R>(acc, y, rows, row0, T);
-}
-
-// v2, Q6_K: lane k: half h = k / 4, positions l0 .. l0 + 7 (l0 = 8 (k % 4)) of the four quarters.
-template <int R>
-__global__ void __launch_bounds__(128) q6k_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
-                                              const float* __restrict__ xd, float* __restrict__ y, int rows, int cols, int T) {
-  const int row0 = (int(blockIdx.x) * 4 + int(threadIdx.y)) * R;
-  if (row0 >= rows) return;
-  const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4), nb = cols / 32;
-  float acc[R][8] = {};
-  auto ld8 = [](const uint8_t* p, uint32_t* out) {
-    const auto* v = reinterpret_cast<const uint16_t*>(p);
-    out[0] = uint32_t(__ldg(v)) | uint32_t(__ldg(v + 1)) << 16, out[1] = uint32_t(__ldg(v + 2)) | uint32_t(__ldg(v + 3)) << 16;
-  };
-  for (int sb = int(threadIdx.x / 8); sb < cols / 256; sb += 4) {
-    uint32_t v[R][4][2];  // quarter g's eight 6-bit values (0..63), two words
-    float sc[R][4];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(sb) * 210;
-      uint32_t la[2], lb[2], hb[2];
-      ld8(blk + 64 * h + l0, la), ld8(blk + 64 * h + 32 + l0, lb), ld8(blk + 128 + 32 * h + l0, hb);
-#pragma unroll
-      for (int g = 0; g < 4; ++g)
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-          v[r][g][c] = (((g % 2 == 0 ? la[c] : lb[c]) >> (4 * (g / 2))) & 0x0f0f0f0fu) | ((hb[c] >> (2 * g)) & 0x03030303u) << 4;
-      const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
-      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
-#pragma unroll
-      for (int g = 0; g < 4; ++g) sc[r][g] = d * float(__ldg(scales + 2 * g));
-    }
-#pragma unroll
-    for (int t = 0; t < 8; ++t)
-      if (t < T) {
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-          const int2 x = __ldg(reinterpret_cast<const int2*>(xq + size_t(t) * cols + size_t(sb) * 256 + 128 * h + 32 * g + l0));
-          const float dx = __ldg(xd + t * nb + sb * 8 + 4 * h + g);
-          const int sx = __dp4a(0x01010101, x.x, __dp4a(0x01010101, x.y, 0));
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-            acc[r][t] += sc[r][g] * dx * float(__dp4a(int(v[r][g][0]), x.x, __dp4a(int(v[r][g][1]), x.y, 0)) - 32 * sx);
-        }
-      }
-  }
-  store<R>(acc, y, rows, row0, T);
-}
-
 // v2, IQ4_NL: lane = block (b = lane, lane + 32, ...), R rows per warp.
 template <int R>
 __global__ void __launch_bounds__(128) iq4nl_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
                                                 const float* __restrict__ xd, float* __restrict__ y, int rows, int cols, int T) {
   constexpr int kBlockBytes = raw_block_bytes(DType::IQ4_NL);
-  const int row0 = (int(blockIdx.x) * 4 + int(threadIdx.y)) * R;
-  if (row0 >= rows) return;
+  const int row0 = warp_row0<R>(rows);
+  if (row0 < 0) return;
   const int nb = cols / 32;
-  auto ld = [](const uint8_t* p, int i) {  // 32-bit word i at a 2-byte-aligned address
-    const auto* v = reinterpret_cast<const uint16_t*>(p);
-    return uint32_t(__ldg(v + 2 * i)) | uint32_t(__ldg(v + 2 * i + 1)) << 16;
-  };
-  auto levels = [](uint32_t nib) {  // four nibbles (one per byte) -> their levels as int8 bytes
-    uint32_t o = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o |= uint32_t(uint8_t(iq4_nl_level((nib >> (8 * i)) & 15))) << (8 * i);
-    return o;
-  };
-  float acc[R][8] = {};
+  float acc[R][kGemvMaxTokens] = {};
   for (int b = int(threadIdx.x); b < nb; b += 32) {
     uint4 lo[R], hi[R];  // weights 0..15 and 16..31 as int8
     float d[R];
@@ -173,16 +61,14 @@ __global__ void __launch_bounds__(128) iq4nl_v2(const uint8_t* __restrict__ wq, 
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = wq + size_t(min(row0 + r, rows - 1)) * rb + size_t(b) * kBlockBytes;
       d[r] = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk)));
-      uint32_t l[4], u[4];
+      uint32_t qw[4], l[4], u[4];
+      ld_words2<4>(blk + kIQ4NLQs, qw);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const uint32_t qw = ld(blk + kIQ4NLQs, c);
-        l[c] = levels(qw & 0x0f0f0f0fu), u[c] = levels((qw >> 4) & 0x0f0f0f0fu);
-      }
+      for (int c = 0; c < 4; ++c) l[c] = iq4_nl_level_bytes(qw[c]), u[c] = iq4_nl_level_bytes(qw[c] >> 4);
       lo[r] = make_uint4(l[0], l[1], l[2], l[3]), hi[r] = make_uint4(u[0], u[1], u[2], u[3]);
     }
 #pragma unroll
-    for (int t = 0; t < 8; ++t)
+    for (int t = 0; t < kGemvMaxTokens; ++t)
       if (t < T) {
         const int4* xr = reinterpret_cast<const int4*>(xq + size_t(t) * cols + size_t(b) * 32);
         const int4 x0 = __ldg(xr), x1 = __ldg(xr + 1);
@@ -191,7 +77,9 @@ __global__ void __launch_bounds__(128) iq4nl_v2(const uint8_t* __restrict__ wq, 
         for (int r = 0; r < R; ++r) acc[r][t] += d[r] * dx * float(dp4a4(hi[r], x1, dp4a4(lo[r], x0, 0)));
       }
   }
-  store<R>(acc, y, rows, row0, T);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < rows) store_rows(acc[r], y, rows, row0 + r, T);
 }
 
 struct Shape {
@@ -208,14 +96,14 @@ struct Case {
 template <int R>
 Case v2_case(DType type, const char* name) {
   return {name, true, [type](const DeviceWeight& w, const DeviceActQ8& xq, const float*, float* y, int T) {
-            const dim3 block(32, 4);
-            const unsigned grid = unsigned((w.rows + 4 * R - 1) / (4 * R));
+            const dim3 block(32, kGemvWarps);
+            const unsigned grid = unsigned((w.rows + kGemvWarps * R - 1) / (kGemvWarps * R));
             const size_t rb = row_bytes(type, w.cols);
             const int rows = int(w.rows), cols = int(w.cols);
             switch (type) {
-              case DType::Q4_K: q45k_v2<R, false><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
-              case DType::Q6_K: q6k_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
-              case DType::Q5_K: q45k_v2<R, true><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, cols, T); break;
+              case DType::Q4_K: gemv_q45k_q8_kernel<R, false><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T); break;
+              case DType::Q5_K: gemv_q45k_q8_kernel<R, true><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T); break;
+              case DType::Q6_K: gemv_q6k_q8_kernel<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T); break;
               default: iq4nl_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
             }
           }};

@@ -10,6 +10,7 @@
 
 #include "engine/cuda/act_q8.cuh"
 #include "engine/cuda/common.cuh"
+#include "engine/cuda/gemv.cuh"
 #include "engine/cuda/matmul.h"
 #include "engine/cuda/raw_blocks.cuh"
 #include "base/error.h"
@@ -19,8 +20,6 @@ namespace llmq::cuda {
 namespace {
 
 bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
-__host__ __device__ constexpr bool is_q5(DType t) { return t == DType::Q5_0 || t == DType::Q5_1; }     // split, with the h array
-__host__ __device__ constexpr bool has_min(DType t) { return t == DType::Q4_1 || t == DType::Q5_1; }  // split, with the m array
 
 // Bytes of one row of the q array.
 size_t q_row_bytes(DType t, int64_t cols) {
@@ -62,7 +61,7 @@ void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* sp
   const size_t qrow = q_row_bytes(t, cols), bb = dtype_info(t).block_bytes, qb = t == DType::Q8_0 ? QK : QK / 2;
   uint8_t* q = split;
   uint8_t* h = split + size_t(rows) * qrow;                  // [rows, nb] uint32 (Q5_0, Q5_1)
-  uint8_t* d = h + (is_q5(t) ? size_t(rows * nb) * 4 : 0);  // [rows, nb] fp16
+  uint8_t* d = h + (split_has_h(t) ? size_t(rows * nb) * 4 : 0);  // [rows, nb] fp16
   uint8_t* m = d + size_t(rows * nb) * 2;                    // [rows, nb] fp16 (Q4_1, Q5_1)
   auto move = [to_split](uint8_t* in_file, uint8_t* in_split, size_t n) {
     if (to_split) std::memcpy(in_split, in_file, n);
@@ -74,8 +73,8 @@ void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* sp
       const size_t i = size_t(r * nb + b);
       move(blk, d + 2 * i, 2);
       size_t head = 2;
-      if (has_min(t)) move(blk + head, m + 2 * i, 2), head += 2;
-      if (is_q5(t)) move(blk + head, h + 4 * i, 4), head += 4;
+      if (split_has_m(t)) move(blk + head, m + 2 * i, 2), head += 2;
+      if (split_has_h(t)) move(blk + head, h + 4 * i, 4), head += 4;
       move(blk + head, q + size_t(r) * qrow + size_t(b) * qb, qb);
     }
 }
@@ -96,9 +95,9 @@ DeviceWeight split_weight_view(DType t, int64_t rows, int64_t cols, const uint8_
   if (is_block_type(t)) {
     const int64_t nb = rows * (cols / QK);
     const uint8_t* after_q = base + size_t(rows) * q_row_bytes(t, cols);
-    if (is_q5(t)) w.h = reinterpret_cast<const uint32_t*>(after_q);
-    w.d = reinterpret_cast<const uint16_t*>(after_q + (is_q5(t) ? 4 * nb : 0));
-    if (has_min(t)) w.m = w.d + nb;
+    if (split_has_h(t)) w.h = reinterpret_cast<const uint32_t*>(after_q);
+    w.d = reinterpret_cast<const uint16_t*>(after_q + (split_has_h(t) ? 4 * nb : 0));
+    if (split_has_m(t)) w.m = w.d + nb;
   }
   return w;
 }
@@ -240,19 +239,6 @@ void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t col
 
 namespace {
 
-// Float weights (gemv_float_kernel): a block is kGemvWarps warps, one weight row each; lanes
-// stride over the row in 16-byte chunks, and every chunk read is used for all T tokens (acc[t]),
-// so the weights are read once.
-constexpr int kGemvWarps = 4;
-
-__device__ __forceinline__ void store_rows(float (&acc)[kGemvMaxTokens], float* y, int64_t ldy, int64_t row, int T) {
-#pragma unroll
-  for (int t = 0; t < kGemvMaxTokens; ++t)
-    if (t < T) {
-      const float v = warp_sum(acc[t]);
-      if (threadIdx.x == 0) y[t * ldy + row] = v;
-    }
-}
 
 // Block-quantized weights (dev/cuda/gemv.cu's versions 2 and 3; dev/README.md has their
 // timings). R rows per group; each lane takes whole quant blocks b = lane, lane + 32 KS, ...:
@@ -274,7 +260,7 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
   const int row0 = (KS == 1 ? int(blockIdx.x) * W + warp : int(blockIdx.x)) * R;
   if (row0 >= rows) return;  // whole warps (KS == 1) or whole blocks (KS > 1: row0 is the block's)
   const int ks = KS == 1 ? 0 : warp, nb = cols / 32;
-  constexpr bool kQ5 = is_q5(kType), kMin = has_min(kType);
+  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType);
   const uint4* w[R];
   const uint16_t* d[R];
   const uint16_t* m[R];
@@ -409,8 +395,9 @@ __device__ __forceinline__ float load1(const E* p) {
   else return bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
 }
 
-// F32 / F16 / BF16 weights against fp32 activations: 16-byte loads when the rows are 16-byte
-// aligned (cols a multiple of 16 / sizeof(E)), else one element per lane and step.
+// F32 / F16 / BF16 weights against fp32 activations: a warp per row, kGemvWarps rows per block;
+// 16-byte loads when the rows are 16-byte aligned (cols a multiple of 16 / sizeof(E)), else one
+// element per lane and step; every load serves all T tokens (acc[t]), so the weights are read once.
 template <class E>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_float_kernel(const E* __restrict__ wq, const float* __restrict__ x,
                                                                     float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
@@ -466,15 +453,6 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, c
       }
   }
   store_rows(acc, y, ldy, row, T);
-}
-
-// 2n bytes at a 2-byte-aligned address p as n little-endian words (Q3_K, Q6_K and IQ4_NL rows
-// are only 2-byte aligned: their blocks are 110, 210 and 18 bytes).
-template <int N>
-__device__ __forceinline__ void ld_words2(const uint8_t* p, uint32_t* out) {
-  const auto* v = reinterpret_cast<const uint16_t*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = uint32_t(__ldg(v + 2 * i)) | uint32_t(__ldg(v + 2 * i + 1)) << 16;
 }
 
 // Q4_K and Q5_K (the Q4_K_M / Q5_K_M mixes) against fp32 activations. gemv_raw_kernel gave each
@@ -552,10 +530,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * raw_block_bytes(DType::Q6_K);
       ld_words2<2>(blk + 64 * h + l0, la[r]), ld_words2<2>(blk + 64 * h + 32 + l0, lb[r]), ld_words2<2>(blk + 128 + 32 * h + l0, hb[r]);
-      const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
-      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
-#pragma unroll
-      for (int g = 0; g < 4; ++g) sc[r][g] = d * float(__ldg(scales + 2 * g));
+      q6k_lane_scales(blk, h, l0, sc[r]);
     }
 #pragma unroll
     for (int t = 0; t < kGemvMaxTokens; ++t)
@@ -698,99 +673,6 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_iq4nl_kernel(const uint8
     if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
 }
 
-// Q4_K and Q6_K against int8 activations (quantize_act: per 32 values q_x, d_x and s_x = d_x Σ q_x),
-// the lanes of gemv_q45k_kernel and gemv_q6k_kernel with the products by dp4a: a quarter of the
-// activation bytes and no float conversion per weight. dev/cuda/gemv_k.cu's v2, which on an H200
-// (bench/RESULTS.md, third GPU session) took llama-2-7b's Q4_K matrices at T = 1 from 23-26% to
-// 31-34% of the copy rate (one row per warp best) and Q6_K's from 28-42% to 34-55% (two rows).
-//   Q4_K sub-block:  a d_x Σ q q_x - m s_x   (s_x added by the lanes holding positions 0 .. 15)
-//   Q6_K 16 weights: d sc d_x (Σ q q_x - 32 Σ q_x),  q = 0 .. 63
-template <int R>
-__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q4k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
-                                                                  const float* __restrict__ xd, const float* __restrict__ xs,
-                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  // 32-bit indices (rows, cols < 2^31; T cols < 2^31): the lab's register count (Q4_K 56, Q6_K 96)
-  const int nrows = int(rows), ncols = int(cols), row0 = (int(blockIdx.x) * kGemvWarps + int(threadIdx.y)) * R;
-  if (row0 >= nrows) return;
-  const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2);
-  const int nb = ncols / 32;
-  float acc[R][kGemvMaxTokens] = {};
-  for (int sb = int(threadIdx.x) / 8; sb < ncols / 256; sb += 4) {
-    uint4 lo[R], hi[R];  // positions l0 .. l0 + 15 of sub-blocks 2p (low nibbles) and 2p + 1 (high)
-    float a[R][2], m[R][2];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + size_t(min(row0 + r, nrows - 1)) * rb + size_t(sb) * raw_block_bytes(DType::Q4_K);
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * k));
-      lo[r] = make_uint4(q.x & 0x0f0f0f0fu, q.y & 0x0f0f0f0fu, q.z & 0x0f0f0f0fu, q.w & 0x0f0f0f0fu);
-      hi[r] = make_uint4((q.x >> 4) & 0x0f0f0f0fu, (q.y >> 4) & 0x0f0f0f0fu, (q.z >> 4) & 0x0f0f0f0fu, (q.w >> 4) & 0x0f0f0f0fu);
-      q4k_pair_scales(blk, p, a[r], m[r]);
-    }
-#pragma unroll
-    for (int t = 0; t < kGemvMaxTokens; ++t)
-      if (t < T) {
-        const int8_t* xr = xq + t * ncols + sb * 256 + 64 * p + l0;
-        const int4 x0 = __ldg(reinterpret_cast<const int4*>(xr)), x1 = __ldg(reinterpret_cast<const int4*>(xr + 32));
-        const int b = t * nb + sb * 8 + 2 * p;
-        const float d0 = __ldg(xd + b), d1 = __ldg(xd + b + 1);
-        const float s0 = l0 == 0 ? __ldg(xs + b) : 0.0f, s1 = l0 == 0 ? __ldg(xs + b + 1) : 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-          acc[r][t] += (a[r][0] * d0 * float(dp4a4(lo[r], x0, 0)) - m[r][0] * s0) + (a[r][1] * d1 * float(dp4a4(hi[r], x1, 0)) - m[r][1] * s1);
-      }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (row0 + r < nrows) store_rows(acc[r], y, ldy, row0 + r, T);
-}
-
-template <int R>
-__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q6k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
-                                                                  const float* __restrict__ xd, const float* __restrict__,
-                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  // 32-bit indices (rows, cols < 2^31; T cols < 2^31): the lab's register count (Q4_K 56, Q6_K 96)
-  const int nrows = int(rows), ncols = int(cols), row0 = (int(blockIdx.x) * kGemvWarps + int(threadIdx.y)) * R;
-  if (row0 >= nrows) return;
-  const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4);
-  const int nb = ncols / 32;
-  float acc[R][kGemvMaxTokens] = {};
-  for (int sb = int(threadIdx.x) / 8; sb < ncols / 256; sb += 4) {
-    uint32_t v[R][4][2];  // quarter g's eight 6-bit values at positions l0 .. l0 + 7, two words
-    float sc[R][4];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + size_t(min(row0 + r, nrows - 1)) * rb + size_t(sb) * raw_block_bytes(DType::Q6_K);
-      uint32_t la[2], lb[2], hb[2];
-      ld_words2<2>(blk + 64 * h + l0, la), ld_words2<2>(blk + 64 * h + 32 + l0, lb), ld_words2<2>(blk + 128 + 32 * h + l0, hb);
-#pragma unroll
-      for (int g = 0; g < 4; ++g)
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-          v[r][g][c] = (((g % 2 == 0 ? la[c] : lb[c]) >> (4 * (g / 2))) & 0x0f0f0f0fu) | ((hb[c] >> (2 * g)) & 0x03030303u) << 4;
-      const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
-      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
-#pragma unroll
-      for (int g = 0; g < 4; ++g) sc[r][g] = d * float(__ldg(scales + 2 * g));
-    }
-#pragma unroll
-    for (int t = 0; t < kGemvMaxTokens; ++t)
-      if (t < T) {
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-          const int2 x = __ldg(reinterpret_cast<const int2*>(xq + t * ncols + sb * 256 + 128 * h + 32 * g + l0));
-          const float dx = __ldg(xd + t * nb + sb * 8 + 4 * h + g);
-          const int sx = __dp4a(0x01010101, x.x, __dp4a(0x01010101, x.y, 0));
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-            acc[r][t] += sc[r][g] * dx * float(__dp4a(int(v[r][g][0]), x.x, __dp4a(int(v[r][g][1]), x.y, 0)) - 32 * sx);
-        }
-      }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (row0 + r < nrows) store_rows(acc[r], y, ldy, row0 + r, T);
-}
-
 constexpr int kGemvKRows = 2;  // rows per warp of the raw types' kernels
 
 // The raw types' GEMV kernels above (one signature).
@@ -822,7 +704,7 @@ struct RawGemvQ8 {
 };
 RawGemvQ8 raw_gemv_q8_kernel(DType t, const void* wq) {
   const auto at = reinterpret_cast<uintptr_t>(wq);
-  if (t == DType::Q4_K && at % 16 == 0) return {gemv_q4k_q8_kernel<1>, 1};
+  if (t == DType::Q4_K && at % 16 == 0) return {gemv_q45k_q8_kernel<1, false>, 1};
   if (t == DType::Q6_K && at % 2 == 0) return {gemv_q6k_q8_kernel<2>, 2};
   return {};
 }
@@ -894,9 +776,9 @@ __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[j] = d * float(int8_t(raw.x >> (8 * j))), f[4 + j] = d * float(int8_t(raw.y >> (8 * j)));
   } else {
-    const float m = has_min(kType) ? fp16_bits_to_float(wm[b]) : (is_q5(kType) ? -16.0f : -8.0f) * d;
+    const float m = split_has_m(kType) ? fp16_bits_to_float(wm[b]) : (split_has_h(kType) ? -16.0f : -8.0f) * d;
     const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 16 + 8 * (k % 2));
-    const uint32_t e = is_q5(kType) ? wh[b] >> (8 * k) : 0u;  // fifth bits of weights 8k ..
+    const uint32_t e = split_has_h(kType) ? wh[b] >> (8 * k) : 0u;  // fifth bits of weights 8k ..
     const int sh = k < 2 ? 0 : 4;
 #pragma unroll
     for (int j = 0; j < 4; ++j)

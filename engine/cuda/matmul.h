@@ -26,6 +26,10 @@ namespace llmq::cuda {
 __host__ __device__ constexpr bool is_raw_type(DType t) {
   return t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
 }
+/// Split types with an h array of fifth bits (Q5_0, Q5_1), and with an m array of minimums (Q4_1,
+/// Q5_1): see DeviceWeight.
+__host__ __device__ constexpr bool split_has_h(DType t) { return t == DType::Q5_0 || t == DType::Q5_1; }
+__host__ __device__ constexpr bool split_has_m(DType t) { return t == DType::Q4_1 || t == DType::Q5_1; }
 
 /// A weight matrix [rows, cols] on the device in the split layout the kernels read with aligned
 /// 16-byte loads: the file's blocks (formats/quant.h) taken apart into arrays. Same bytes in

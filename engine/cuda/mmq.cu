@@ -47,9 +47,9 @@ constexpr bool kSplit16 = kType == DType::Q2_K || kType == DType::Q3_K || kType 
 template <DType kType>
 constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kSplit16<kType>;  // raw rows, a header per row and stage
 template <DType kType>
-constexpr bool kQ5 = kType == DType::Q5_0 || kType == DType::Q5_1;  // split: Q4's nibbles and the h words
+constexpr bool kQ5 = split_has_h(kType);  // split: Q4's nibbles and the h words
 template <DType kType>
-constexpr bool kMin = kType == DType::Q4_1 || kType == DType::Q5_1;  // split, with minimums
+constexpr bool kMin = split_has_m(kType);  // split, with minimums
 template <DType kType>
 constexpr bool kB32 = kType == DType::IQ4_NL;  // raw 32-weight blocks, read by 16-bit loads
 // Bytes of one 32-column block's quants as loaded from the q array (Q5_K, Q3_K: 16 of quants and
@@ -288,15 +288,9 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
     }
   } else if constexpr (kType == DType::IQ4_NL) {
     // block j's nibbles (low: columns 4c.., high: 16 + 4c..) as their int8 levels
-    auto levels = [](uint32_t v) {
-      uint32_t out = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) out |= uint32_t(uint8_t(int8_t(iq4_nl_level((v >> (8 * i)) & 15)))) << (8 * i);
-      return out;
-    };
     const uint8_t* r0 = rows + g * P + 16 * j + 4 * c;
     const uint32_t v0 = lds32(r0), v1 = lds32(r0 + 8 * P);
-    a[0] = levels(v0), a[1] = levels(v1), a[2] = levels(v0 >> 4), a[3] = levels(v1 >> 4);
+    a[0] = iq4_nl_level_bytes(v0), a[1] = iq4_nl_level_bytes(v1), a[2] = iq4_nl_level_bytes(v0 >> 4), a[3] = iq4_nl_level_bytes(v1 >> 4);
   } else if constexpr (kQ5<kType>) {
     // low / high nibbles of block j's qs (columns 4c.. and 16 + 4c..) with bits 4c.. / 16 + 4c.. of
     // its qh word moved to bit 4 of each byte

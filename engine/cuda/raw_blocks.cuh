@@ -24,6 +24,15 @@ __host__ __device__ constexpr int64_t raw_row_bytes(DType t, int64_t cols) { ret
 /// Byte offset of the nibbles qs in an IQ4_NL block (after its fp16 d).
 constexpr int kIQ4NLQs = 2;
 
+/// 2n bytes at a 2-byte-aligned address p as n little-endian words (Q3_K, Q6_K and IQ4_NL rows
+/// are only 2-byte aligned: their blocks are 110, 210 and 18 bytes).
+template <int N>
+__device__ __forceinline__ void ld_words2(const uint8_t* p, uint32_t* out) {
+  const auto* v = reinterpret_cast<const uint16_t*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = uint32_t(__ldg(v + 2 * i)) | uint32_t(__ldg(v + 2 * i + 1)) << 16;
+}
+
 __device__ __forceinline__ float half_at(const uint8_t* p) { return fp16_bits_to_float(uint16_t(p[0] | (p[1] << 8))); }
 
 /// Sub-block j's (0..7) 6-bit scale and minimum of a Q4_K / Q5_K super-block, from its 12
@@ -57,6 +66,22 @@ constexpr uint64_t kIQ4NLWordLo = iq4_nl_levels_word(0), kIQ4NLWordHi = iq4_nl_l
 
 /// IQ4_NL's level i, 0 <= i < 16, looked up in registers.
 __device__ __forceinline__ int iq4_nl_level(uint32_t i) { return int(int8_t(((i & 8) ? kIQ4NLWordHi : kIQ4NLWordLo) >> (8 * (i & 7)))); }
+/// The low nibbles of v's four bytes as their IQ4_NL levels, one int8 per byte (for dp4a / mma).
+__device__ __forceinline__ uint32_t iq4_nl_level_bytes(uint32_t v) {
+  uint32_t out = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out |= uint32_t(uint8_t(iq4_nl_level((v >> (8 * i)) & 15))) << (8 * i);
+  return out;
+}
+
+/// The four 16-weight scales d · sc of a Q6_K super-block that lane positions l0 .. l0 + 7 of
+/// half h meet in its four 32-weight quarters (scales 8h + l0/16 + {0, 2, 4, 6}).
+__device__ __forceinline__ void q6k_lane_scales(const uint8_t* blk, int h, int l0, float (&sc)[4]) {
+  const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
+  const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
+#pragma unroll
+  for (int g = 0; g < 4; ++g) sc[g] = d * float(__ldg(scales + 2 * g));
+}
 
 /// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
 __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* w) {
