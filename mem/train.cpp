@@ -525,7 +525,8 @@ Framework framework_from_name(const std::string& s) {
   if (n == "pytorch" || n == "torch") return Framework::PyTorch;
   if (n == "deepspeed") return Framework::DeepSpeed;
   if (n == "litgpt") return Framework::LitGPT;
-  throw UsageError("unknown framework '" + s + "' (analytic, pytorch, deepspeed, litgpt)");
+  if (n == "torchtune") return Framework::TorchTune;
+  throw UsageError("unknown framework '" + s + "' (analytic, pytorch, deepspeed, litgpt, torchtune)");
 }
 
 StateBytes state_bytes(Precision p, Optimizer o, Framework f) {
@@ -609,9 +610,10 @@ MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
   if (o.pp > m.layers) throw UsageError("--pp cannot exceed the layer count");
 
   MemReport r = o.framework == Framework::PyTorch ? pytorch_estimate(m, o)
-                : o.framework == Framework::LitGPT ? litgpt_estimate(m, o)
-                                                   : MemReport{};
-  if (o.framework != Framework::PyTorch && o.framework != Framework::LitGPT) {
+                : o.framework == Framework::LitGPT    ? litgpt_estimate(m, o)
+                : o.framework == Framework::TorchTune ? torchtune_estimate(m, o)
+                                                      : MemReport{};
+  if (o.framework == Framework::Analytic || o.framework == Framework::DeepSpeed) {
     r.device = "gpu 0";
     add_model_states(r, m, o);
     add_activations(r, m, o);

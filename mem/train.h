@@ -54,13 +54,14 @@ enum class Framework {
   PyTorch,    ///< single-process PyTorch as bench/train_mem.py runs it (allocator included)
   LitGPT,     ///< LitGPT's finetune scripts (bf16-true), saved tensors of its Block (mem/train_litgpt.cpp)
   DeepSpeed,  ///< DeepSpeed's own estimator formulas for model states (DS), KORTH activations
+  TorchTune,  ///< torchtune's single-device recipes (bf16), by phase of the step (mem/train_torchtune.cpp)
 };
 
 Precision precision_from_name(const std::string& s);      ///< fp32 | fp16 | bf16 | mixed | amp | pure-bf16
 Optimizer optimizer_from_name(const std::string& s);      ///< adam | adamw | adam8bit | sgd | sgd-momentum
 Checkpointing checkpointing_from_name(const std::string& s);  ///< none | selective | full
 Offload offload_from_name(const std::string& s);          ///< none | cpu | nvme
-Framework framework_from_name(const std::string& s);      ///< analytic | pytorch | deepspeed
+Framework framework_from_name(const std::string& s);      ///< analytic | pytorch | deepspeed | litgpt | torchtune
 
 /// Everything that shapes training memory.
 struct TrainOptions {
@@ -89,6 +90,12 @@ struct TrainOptions {
   double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported), unless cuda_context_given
   bool cuda_context_given = false;                 ///< --cuda-context: the user measured their setup's context (nvidia-smi after CUDA init)
   double nccl_bytes = 512.0 * (1 << 20);          ///< assumed per process group when world > 1
+  // torchtune's memory levers (--framework torchtune)
+  bool compile = false;                ///< torch.compile per layer: the fp32 upcasts of RMSNorm and RoPE are recomputed, not kept
+  int ce_chunks = 0;                   ///< CEWithChunkedOutputLoss chunks (0: CrossEntropyLoss on the full fp32 logits)
+  bool offload_activations = false;    ///< checkpointed activations kept in CPU memory
+  bool optimizer_in_backward = false;  ///< each parameter stepped, and its gradient freed, as the backward makes it
+  bool paged_optimizer = false;        ///< bitsandbytes paged optimizer: states in CUDA managed memory (not in torch's counters)
 };
 
 /// True for the Hopper data-centre parts (sm_90: H100, H200, H800, H20, GH200), by model name.
@@ -169,6 +176,11 @@ double lora_layer_params_of(const ModelShape& m, const TrainOptions& o);
 /// LitGPT's fine-tuning (Framework::LitGPT): what torch.cuda.max_memory_allocated() reports.
 /// Throws UsageError for what the scripts do not do (TP/PP, offload, mixed precision).
 MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o);
+
+/// torchtune's single-device fine-tuning (Framework::TorchTune): the active / allocated peak of one
+/// step, the larger of the loss's backward and the backward's end. Throws UsageError for what the
+/// recipes do not do (data or model parallelism, mixed precision, other optimizers).
+MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o);
 
 /// "1.23457e+09": the number format of the report's formulas.
 std::string num_str(double x);

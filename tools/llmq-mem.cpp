@@ -202,7 +202,13 @@ int main(int argc, char** argv) {
   tr->add_option("--pp", to.pp, "pipeline-parallel degree (1F1B)");
   tr->add_flag("--sp", to.sequence_parallel, "sequence parallelism (with --tp)");
   tr->add_option("--framework", ta.framework,
-                 "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed | litgpt (LitGPT's finetune scripts)");
+                 "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed | litgpt (LitGPT's finetune scripts) | "
+                 "torchtune (its single-device recipes)");
+  tr->add_flag("--compile", to.compile, "with --framework torchtune: compile=True (per-layer torch.compile)");
+  tr->add_option("--ce-chunks", to.ce_chunks, "with --framework torchtune: CEWithChunkedOutputLoss's chunks (0: CrossEntropyLoss)");
+  tr->add_flag("--offload-activations", to.offload_activations, "with --framework torchtune: enable_activation_offloading=True");
+  tr->add_flag("--optimizer-in-backward", to.optimizer_in_backward, "with --framework torchtune: optimizer_in_bwd=True");
+  tr->add_flag("--paged-optimizer", to.paged_optimizer, "bitsandbytes paged optimizer: states in CUDA managed memory, outside torch's count");
   tr->add_option("--block", to.block, "with --framework litgpt: the block recipe: llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon");
   tr->add_option("--litgpt-version", to.litgpt_version, "with --framework litgpt: 2023 (lit-gpt 8641822) or 2024 (litgpt 00af8b0d)");
   tr->add_option("--lora-dropout", to.lora_dropout, "LoRA dropout probability (LitGPT's default 0.05)");

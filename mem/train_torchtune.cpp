@@ -1,0 +1,148 @@
+// `llmq-mem train --framework torchtune`: torchtune's single-device recipes
+// (full_finetune_single_device.py, lora_finetune_single_device.py, torchtune 0.4.0, Nov 2024),
+// what torch.cuda.memory_stats() reports as the active / allocated peak, by phase of one step.
+//
+// Per transformer layer and token (e bytes per activation, 2 for bf16; h, q, kv, f the model,
+// query, key/value and MLP widths; a heads), what autograd keeps in the eager model
+// (torchtune/modules: RMSNorm upcasts its input to fp32, RotaryPositionalEmbeddings rotates an
+// fp32 copy, SDPA keeps q, k, v, its output and a logsumexp, o_proj reads a contiguous copy):
+//   2 norms    2 x (4h fp32 input + e·h normed + 4 rsqrt)
+//   RoPE       4q + 4kv (fp32 q and k)
+//   attention  SDPA q, k, v, out e(2q + 2kv) + logsumexp 4a; o_proj input e·q
+//   MLP        gate and up outputs, silu(gate), their product: 4·e·f
+// bench/torchtune_mem.py counts this on the CPU within 0.4% (22h + 8kv + 8f + 4a + 8 bytes for
+// Llama shapes). torch.compile (per layer) recomputes the fp32 upcasts of RMSNorm and RoPE in the
+// backward instead of keeping them: 8h + 4q + 4kv fewer bytes (the lab: 1.3% from its count).
+// The head: the standard loss (torch CrossEntropyLoss on the fp32 logits the model returns)
+// peaks at 12·T·V bytes in its backward (log-softmax output, its gradient and the logits'
+// gradient, fp32; the lab measures 12.0 per token and vocabulary entry); CEWithChunkedOutputLoss
+// keeps every chunk's bf16 logits (2·T·V) and upcasts one chunk of n at a time (4·T·V/n), and a
+// trained output matrix accumulates its gradient over the chunks (two V·h copies at once).
+#include "mem/train.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/error.h"
+
+namespace llmq::mem {
+
+namespace {
+
+constexpr const char* kTune = "torchtune 0.4.0 recipes (full_finetune_single_device.py, lora_finetune_single_device.py) and torchtune/modules; "
+                              "bench/torchtune_mem.py";
+constexpr const char* kTuneOffload = "torchtune training/_activation_offloading.py (OffloadActivations: saved tensors >= 1 KiB to the CPU, "
+                                     "not the output projection's)";
+constexpr const char* kTorchao = "torchao NF4Tensor (4 bits, int8 scalers per 64, fp32 factor per 256 scalers); bitsandbytes paged optimizers "
+                                 "(cudaMallocManaged: outside torch's counters)";
+
+bool has_target(const TrainOptions& o, const char* t) {
+  return std::any_of(o.lora_targets.begin(), o.lora_targets.end(), [&](const std::string& x) { return x == t || x == "all"; });
+}
+
+// Bytes one transformer layer keeps per token (see the header comment).
+double layer_saved_per_token(const ModelShape& m, const TrainOptions& o) {
+  const double e = 2, h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), f = double(m.hidden), a = double(m.heads);
+  double b = 2 * (4 * h + e * h + 4) + (4 * q + 4 * kv) + e * (2 * q + 2 * kv) + 4 * a + e * q + 4 * e * f;
+  if (o.compile) b -= 8 * h + 4 * q + 4 * kv;
+  if (o.lora_rank > 0 && !has_target(o, "o")) b -= e * q;  // a frozen o_proj keeps no input
+  if (o.lora_rank > 0 && !has_target(o, "down")) b -= e * f;  // nor a frozen down projection
+  return b;
+}
+
+// NF4 bytes per parameter as torchao stores them (double-quantized scalers).
+constexpr double kNf4 = 0.5 + 1.0 / 64 + 4.0 / (64 * 256);
+
+}  // namespace
+
+MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
+  if (o.tp != 1 || o.pp != 1 || o.dp != 1 || o.zero != 0 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None)
+    throw UsageError("--framework torchtune models the single-device recipes: no --dp/--zero/--tp/--pp or optimizer offload");
+  if (o.precision != Precision::BF16 || o.checkpointing == Checkpointing::Selective)
+    throw UsageError("--framework torchtune models dtype bf16 (--precision pure-bf16) with --checkpointing none or full");
+  if (o.optimizer != Optimizer::Adam && o.optimizer != Optimizer::Adam8bit)
+    throw UsageError("--framework torchtune models AdamW and 8-bit AdamW");
+  if (o.optimizer_in_backward && o.grad_accum > 1) throw UsageError("--optimizer-in-backward needs --grad-accum 1 (as the recipe)");
+  const double e = 2, T = double(o.micro_batch) * double(o.seq_len), h = double(m.dim), V = double(m.vocab);
+  const double P = double(m.params()), L = double(m.layers);
+  const bool lora = o.lora_rank > 0, ckpt = o.checkpointing == Checkpointing::Full;
+  MemReport r;
+  r.device = "gpu 0";
+  auto add = [&](std::string label, double bytes, std::string formula, const char* src = kTune) {
+    r.lines.push_back({std::move(label), bytes, std::move(formula), src, Place::Device, Basis::Formula});
+  };
+
+  // Model states. torchtune trains in bf16 throughout: weights, gradients and AdamW's moments.
+  const double head_lora = lora && has_target(o, "head") ? double(o.lora_rank) * (h + V) : 0;
+  const double trainable = lora ? L * lora_layer_params_of(m, o) + head_lora : P;
+  if (lora) {
+    const double linear = L * double(m.layer_linear_params());
+    add(o.qlora ? "parameters (frozen base, NF4 block matrices)" : "parameters (frozen base)", o.qlora ? kNf4 * linear + e * (P - linear) : e * P,
+        o.qlora ? fmt::format("{:.4f} B x {} block-matrix params + {} B x {} others (embedding, output, norms in bf16)", kNf4, num_str(linear), e,
+                              num_str(P - linear))
+                : fmt::format("{} B x {}", e, num_str(P)),
+        o.qlora ? kTorchao : kTune);
+  }
+  add(lora ? "parameters (LoRA adapters)" : "parameters", e * trainable, fmt::format("{} B x {}", e, num_str(trainable)));
+  const bool paged = o.paged_optimizer;
+  const double moment = o.optimizer == Optimizer::Adam8bit ? 2 + 8.0 / 2048 : 2 * e;
+  add(paged ? "optimizer states (paged: CUDA managed memory, outside torch's count)" : "optimizer states", paged ? 0 : moment * trainable,
+      paged ? "bitsandbytes PagedAdamW8bit allocates its states with cudaMallocManaged"
+            : fmt::format("exp_avg + exp_avg_sq: {} B x trainable", moment),
+      paged ? kTorchao : kTune);
+  const double grads = e * trainable;
+
+  // Activations at the start of the backward.
+  const double per_layer = layer_saved_per_token(m, o) * T;
+  double acts = 0;
+  if (ckpt) {
+    acts = o.offload_activations ? 0 : L * e * T * h;
+    add(o.offload_activations ? "activations (checkpointed layer inputs: offloaded to the CPU)" : "activations (checkpointed layer inputs)", acts,
+        fmt::format("{} layers x e·T·h{}", m.layers, o.offload_activations ? ", moved to pinned CPU memory in the forward" : ""),
+        o.offload_activations ? kTuneOffload : kTune);
+  } else {
+    acts = L * per_layer;
+    add("activations (layers)", acts, fmt::format("{} layers x {} B per token{} x T = {}", m.layers, layer_saved_per_token(m, o),
+                                                  o.compile ? " (compiled: no fp32 copies)" : "", num_str(T)));
+  }
+
+  // The head at the loss's backward.
+  const bool out_trained = !lora || head_lora > 0;
+  double head = 0;
+  std::string head_formula;
+  if (o.ce_chunks <= 0) {
+    head = 12 * T * V;
+    head_formula = "12·T·V: fp32 log-softmax, its gradient and the logits' gradient (torch CrossEntropyLoss)";
+  } else {
+    const double n = double(o.ce_chunks);
+    head = 2 * T * V + (out_trained ? 4 * T * V / n + 2 * e * V * h : 0);
+    head_formula = out_trained ? fmt::format("2·T·V bf16 logits + 4·T·V/{} one chunk in fp32 + 2 x e·V·h the output gradient accumulating over the chunks", o.ce_chunks)
+                               : "2·T·V: every chunk's bf16 logits (the output matrix is frozen)";
+  }
+  const double accum_grads = o.grad_accum > 1 ? grads : 0;  // kept between micro-batches
+  const double loss_phase = acts + head + accum_grads;
+
+  // The end of the backward: every gradient (unless each is stepped and freed as it is made), the
+  // embedding's dense gradient before it is added, a recomputed layer under checkpointing.
+  const double embed_grad = out_trained && !lora ? e * V * h : 0;
+  const double recompute = ckpt ? per_layer : 0;
+  const double end_phase = o.optimizer_in_backward ? recompute : grads + std::max(embed_grad, recompute);
+  if (loss_phase >= end_phase) {
+    add("loss (at its backward)", head, head_formula);
+    if (accum_grads > 0) add("gradients (accumulated)", accum_grads, fmt::format("e x trainable, kept across {} micro-batches", o.grad_accum));
+  } else {
+    r.lines.erase(std::remove_if(r.lines.begin(), r.lines.end(), [](const MemLine& l) { return l.name.rfind("activations", 0) == 0; }),
+                  r.lines.end());
+    add("gradients", grads, "e x trainable, all present when the backward ends");
+    if (recompute > 0) add("activations (one layer recomputed)", recompute, "the layer's saved tensors during its backward");
+    else if (embed_grad > 0) add("temporary: the embedding's dense gradient", embed_grad, "e·V·h before it is added to the weight's gradient");
+  }
+  if (o.optimizer_in_backward) r.notes.push_back("optimizer step fused into the backward: each gradient is freed once its parameter is stepped");
+  r.notes.push_back("AdamW steps without parameter-sized temporaries (the recipes' fused / per-parameter steps)");
+  add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes, o.cuda_context_given);
+  r.notes.push_back("the device total minus gpu-other lines is torchtune's 'peak memory active/alloc'");
+  return r;
+}
+
+}  // namespace llmq::mem
