@@ -1,12 +1,15 @@
 // Attention lab: the engine's attention() (engine/cuda/attention.h) timed on Llama shapes with a
 // random fp16 cache: a 512-token prompt (TFLOP/s of the causal products, 4 · hd per visible
 // (query, position) pair) and decode steps at 512 and 4096 cached positions (GB/s of the K and V
-// bytes read, flash-decoding parts of 64 positions plus their merge). LLMQ_CUDA_ATTN=0 in the
-// environment puts prompts on the CUDA-core kernel instead of the tensor cores, for comparison.
+// bytes read, flash-decoding parts of 64 positions plus their merge; version 1, attention_kernel,
+// and version 2, attention_decode_kernel, the second checked against the first's output).
+// LLMQ_CUDA_ATTN=0 in the environment puts prompts on the CUDA-core kernel instead of the
+// tensor cores, for comparison.
 //
 //   dev/cuda/build.sh && build-gpu/dev/attn && LLMQ_CUDA_ATTN=0 build-gpu/dev/attn
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -45,12 +48,26 @@ int main() {
         const int64_t parts = ctx / 64;
         DeviceBuffer part(size_t(c.heads * parts * (c.hd + 2)) * 4), p1(4);
         p1.upload(&p, 4);
-        const double dms = best_time_ms(50, [&] {
-          attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), p1.as<int32_t>(), 1, c.heads, c.kv, c.hd, scale, parts, 64,
-                    part.as<float>(), out.as<float>(), Q, nullptr);
-        });
-        const double bytes = 2.0 * double(p + 1) * double(KV) * 2.0;
-        std::printf("%-13s decode at %4d (64 parts) %7.1f us  %7.0f GB/s of K+V\n", c.name, p, dms * 1e3, bytes / (dms * 1e-3) / 1e9);
+        std::vector<float> ref1;  // version 1's output: version 2 is checked against it
+        for (int version : {1, 2}) {
+          set_decode_attention_version(version);
+          auto step = [&] {
+            attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), p1.as<int32_t>(), 1, c.heads, c.kv, c.hd, scale, parts, 64,
+                      part.as<float>(), out.as<float>(), Q, nullptr);
+          };
+          step();
+          check(cudaDeviceSynchronize(), "decode");
+          std::vector<float> got(static_cast<size_t>(Q));
+          check(cudaMemcpy(got.data(), out.as<float>(), size_t(Q) * 4, cudaMemcpyDeviceToHost), "copy");
+          double err = 0, norm = 0;
+          if (ref1.empty()) ref1 = got;
+          for (size_t i = 0; i < got.size(); ++i) err += (got[i] - ref1[i]) * (got[i] - ref1[i]), norm += ref1[i] * ref1[i];
+          const double dms = best_time_ms(50, step);
+          const double bytes = 2.0 * double(p + 1) * double(KV) * 2.0;
+          std::printf("%-13s decode at %4d (64 parts) v%d %7.1f us  %7.0f GB/s of K+V  (rel. diff from v1 %.1e)\n", c.name, p, version,
+                      dms * 1e3, bytes / (dms * 1e-3) / 1e9, std::sqrt(err / std::max(norm, 1e-30)));
+        }
+        set_decode_attention_version(1);
       }
     }
   } catch (const std::exception& e) {

@@ -1,5 +1,6 @@
 // Causal attention over the fp16 KV cache (engine/cuda/attention.h).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -202,6 +203,162 @@ __global__ void attention_kernel(AttnArgs a) {
   }
 }
 
+// ---------------------------------------------------------------- decode, version 2
+//
+// LLMQ_CUDA_DECODE_ATTN=2 (or set_decode_attention_version(2)); dev/cuda/attn.cu times it
+// against attention_kernel (version 1, the default until a GPU has timed both). For the
+// flash-decoding parts of a decode step (n_splits > 1) over an fp16 cache, head_dim 64, 128 or
+// 256, GQA groups up to 8: grid (T, n_kv, n_splits), block (32, kDecWarps). Version 1 gives a
+// part one warp per query head (for MHA, one warp per block) and stages 32-position tiles in
+// shared memory (35 KiB per block at head_dim 128), so few warps share an SM and each walks a
+// long dependent chain. Here the part's positions are cut into kDecWarps contiguous slices, one
+// per warp; a warp scores 4 positions at a time, 8 lanes per position (each lane's HD/8 dims
+// read as 16-byte loads straight from the cache), keeps the softmax online, and accumulates V
+// with a lane per HD/32 dims (a position's row read by the whole warp, coalesced). Shared memory
+// holds only the warps' (o, m, l) per head [G][kDecWarps][HD + 2], which warp w combines for
+// heads w, w + kDecWarps, ... into the part's (o, m, l) (or the output when n_splits == 1).
+// A GQA group's later heads read the same K/V rows again, from L1/L2.
+constexpr int kDecWarps = 4;
+constexpr int kDecMaxGroup = 8;
+
+// dst[i] += w · the VL halves at src (VL = 2, 4 or 8: one 4-, 8- or 16-byte load).
+template <int VL>
+__device__ __forceinline__ void axpy_halves(float (&dst)[VL], float w, const __half* src) {
+  uint32_t u[VL / 2];
+  if constexpr (VL == 8) {
+    const uint4 x = *reinterpret_cast<const uint4*>(src);
+    u[0] = x.x, u[1] = x.y, u[2] = x.z, u[3] = x.w;
+  } else if constexpr (VL == 4) {
+    const uint2 x = *reinterpret_cast<const uint2*>(src);
+    u[0] = x.x, u[1] = x.y;
+  } else {
+    u[0] = *reinterpret_cast<const uint32_t*>(src);
+  }
+#pragma unroll
+  for (int i = 0; i < VL / 2; ++i) {
+    dst[2 * i] += w * fp16_bits_to_float(uint16_t(u[i] & 0xffffu));
+    dst[2 * i + 1] += w * fp16_bits_to_float(uint16_t(u[i] >> 16));
+  }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(32 * kDecWarps) attention_decode_kernel(AttnArgs a) {
+  constexpr int KL = HD / 8, VL = HD / 32, stride = HD + 2;
+  float* sm = reinterpret_cast<float*>(dynamic_smem());  // [G][kDecWarps][HD + 2]
+  const int t = int(blockIdx.x), kvh = int(blockIdx.y), split = int(blockIdx.z);
+  const int w = int(threadIdx.y), lane = int(threadIdx.x), sub = lane >> 3, sl = lane & 7;
+  const int G = a.group, lo = split * a.part_len, S = a.part_len / kDecWarps;
+  const int lim = min(a.pos[t] + 1, lo + a.part_len);
+  const int p_begin = lo + w * S, p_end = min(p_begin + S, lim);  // this warp's positions (warp-uniform)
+  const int32_t* table = a.tables ? a.tables + int64_t(a.seq[t]) * a.table_stride : nullptr;
+  const int64_t kv_dim = int64_t(a.n_kv) * HD;
+  auto at = [&](int p) {  // the cache offset of position p's row of this KV head
+    const int64_t r = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
+    return r * kv_dim + int64_t(kvh) * HD;
+  };
+  if (lo >= lim) {  // a part past the token's position (a graph replays every part): l = 0, which the merge skips
+    for (int g = w; g < G; g += kDecWarps) {
+      const int h = kvh * G + g - a.head_off;
+      if (lane == 0 && h >= 0 && h < a.n_heads) {
+        float* part = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * stride;
+        part[HD] = -INFINITY, part[HD + 1] = 0.0f;
+      }
+    }
+    return;  // block-uniform: before any barrier
+  }
+  for (int g = 0; g < G; ++g) {
+    const int h = kvh * G + g - a.head_off;
+    float m = -INFINITY, l = 0.0f, o[VL];
+#pragma unroll
+    for (int i = 0; i < VL; ++i) o[i] = 0.0f;
+    if (h >= 0 && h < a.n_heads) {  // block-uniform
+      float qv[KL];
+      const float* qh = a.q + int64_t(t) * a.ldq + int64_t(h) * HD + sl * KL;
+#pragma unroll
+      for (int i = 0; i < KL; ++i) qv[i] = qh[i] * a.scale;
+      for (int p0 = p_begin; p0 < p_end; p0 += 4) {
+        const int p = p0 + sub;
+        float part = 0.0f;
+        if (p < p_end) {
+          const uint4* kr = reinterpret_cast<const uint4*>(a.kc + at(p) + sl * KL);
+#pragma unroll
+          for (int c = 0; c < KL / 8; ++c) {
+            const uint4 kk = kr[c];
+            const uint32_t w4[4] = {kk.x, kk.y, kk.z, kk.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              part += qv[8 * c + 2 * e] * fp16_bits_to_float(uint16_t(w4[e] & 0xffffu)) +
+                      qv[8 * c + 2 * e + 1] * fp16_bits_to_float(uint16_t(w4[e] >> 16));
+          }
+        }
+        part += __shfl_xor_sync(kFullMask, part, 1);
+        part += __shfl_xor_sync(kFullMask, part, 2);
+        part += __shfl_xor_sync(kFullMask, part, 4);
+        float sc[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) sc[k] = __shfl_sync(kFullMask, part, 8 * k);
+        const int n = min(4, p_end - p0);  // >= 1
+        float mx = sc[0];
+        for (int k = 1; k < n; ++k) mx = fmaxf(mx, sc[k]);
+        const float m_new = fmaxf(m, mx), corr = expf(m - m_new);  // corr 0 on the first step (m = -inf)
+        l *= corr;
+#pragma unroll
+        for (int i = 0; i < VL; ++i) o[i] *= corr;
+        for (int k = 0; k < n; ++k) {
+          const float pk = expf(sc[k] - m_new);
+          l += pk;
+          axpy_halves<VL>(o, pk, a.vc + at(p0 + k) + lane * VL);
+        }
+        m = m_new;
+      }
+    }
+    float* dst = sm + (g * kDecWarps + w) * stride;
+#pragma unroll
+    for (int i = 0; i < VL; ++i) dst[lane * VL + i] = o[i];
+    if (lane == 0) dst[HD] = m, dst[HD + 1] = l;
+  }
+  __syncthreads();
+  for (int g = w; g < G; g += kDecWarps) {
+    const int h = kvh * G + g - a.head_off;
+    if (h < 0 || h >= a.n_heads) continue;
+    const float* src = sm + g * kDecWarps * stride;
+    float M = -INFINITY, L = 0.0f, acc[VL];
+#pragma unroll
+    for (int i = 0; i < VL; ++i) acc[i] = 0.0f;
+    for (int j = 0; j < kDecWarps; ++j)
+      if (src[j * stride + HD + 1] > 0.0f) M = fmaxf(M, src[j * stride + HD]);
+    for (int j = 0; j < kDecWarps; ++j) {
+      const float lj = src[j * stride + HD + 1];
+      if (lj <= 0.0f) continue;  // an empty slice
+      const float wj = expf(src[j * stride + HD] - M);
+      L += wj * lj;
+#pragma unroll
+      for (int i = 0; i < VL; ++i) acc[i] += wj * src[j * stride + lane * VL + i];
+    }
+    if (a.n_splits == 1) {
+      const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+      float* out = a.out + int64_t(t) * a.ldo + int64_t(h) * HD + lane * VL;
+#pragma unroll
+      for (int i = 0; i < VL; ++i) out[i] = acc[i] * inv;
+    } else {
+      float* part = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * stride;
+#pragma unroll
+      for (int i = 0; i < VL; ++i) part[lane * VL + i] = acc[i];
+      if (lane == 0) part[HD] = M, part[HD + 1] = L;
+    }
+  }
+}
+
+size_t decode_smem(int64_t G, int64_t hd) { return size_t(G) * kDecWarps * size_t(hd + 2) * 4; }
+
+std::atomic<int>& decode_version() {
+  static std::atomic<int> v{[] {
+    const char* e = std::getenv("LLMQ_CUDA_DECODE_ATTN");
+    return e && std::string(e) == "2" ? 2 : 1;
+  }()};
+  return v;
+}
+
 // ---------------------------------------------------------------- prefill on the tensor cores
 //
 // FlashAttention-2 (Dao 2023) on mma.m16n8k16 (fp16 operands, fp32 sums) for one sequence's
@@ -391,6 +548,24 @@ __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_
     if (lane + 32 * i < hd) out[int64_t(t) * ldo + int64_t(h) * hd + lane + 32 * i] = acc[i] * inv;
 }
 
+// Version 1: attention_kernel, tq tokens of one sequence per block.
+void launch_v1(const AttnArgs& args, int64_t T, int64_t n_kv, int64_t n_splits, int64_t G, int64_t hd, const KvPages& pages,
+               cudaStream_t s) {
+  // Tokens per block: one sequence (no tables) shares K/V tiles between up to 4 tokens, as long
+  // as a block stays within 8 warps.
+  const int tq = pages.tables || T < 4 ? 1 : int(std::max<int64_t>(1, std::min<int64_t>(4, 8 / G)));
+  const size_t smem = size_t(4) * kTile * (hd + kPad) * 2 + size_t(tq * G * hd) * 4;
+  const dim3 grid{unsigned((T + tq - 1) / tq), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(G), unsigned(tq)};
+  auto launch = [&](auto kernel) {
+    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);  // above the default 48 KiB: opt in
+    LLMQ_LAUNCH(kernel, grid, block, smem, s)(args);
+  };
+  if (tq == 4) launch(attention_kernel<4>);
+  else if (tq == 2) launch(attention_kernel<2>);
+  else launch(attention_kernel<1>);
+  check_launch("attention");
+}
+
 }  // namespace
 
 void attention_prepare(int64_t n_heads, int64_t n_kv, int64_t hd) {
@@ -432,24 +607,25 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     check_launch("attention (prefill)");
     return;
   }
-  // Tokens per block: one sequence (no tables) shares K/V tiles between up to 4 tokens, as long
-  // as a block stays within 8 warps.
-  const int tq = pages.tables || T < 4 ? 1 : int(std::max<int64_t>(1, std::min<int64_t>(4, 8 / G)));
-  const size_t smem = size_t(4) * kTile * (hd + kPad) * 2 + size_t(tq * G * hd) * 4;
-  const dim3 grid{unsigned((T + tq - 1) / tq), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(G), unsigned(tq)};
-  auto launch = [&](auto kernel) {
-    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);  // above the default 48 KiB: opt in
+  if (n_splits > 1 && decode_version() == 2 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup) {
+    const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(kDecWarps), 1};
+    const size_t smem = decode_smem(G, hd);
+    auto kernel = hd == 64 ? attention_decode_kernel<64> : hd == 128 ? attention_decode_kernel<128> : attention_decode_kernel<256>;
     LLMQ_LAUNCH(kernel, grid, block, smem, s)(args);
-  };
-  if (tq == 4) launch(attention_kernel<4>);
-  else if (tq == 2) launch(attention_kernel<2>);
-  else launch(attention_kernel<1>);
-  check_launch("attention");
+    check_launch("attention (decode v2)");
+  } else {
+    launch_v1(args, T, n_kv, n_splits, G, hd, pages, s);
+  }
   if (n_splits > 1) {
     const dim3 merge_grid{unsigned(T), unsigned(n_heads), 1};
     LLMQ_LAUNCH(attention_merge_kernel, merge_grid, 32, 0, s)(partial, int(n_heads), int(hd), int(n_splits), out, ldo);
     check_launch("attention_merge");
   }
+}
+
+void set_decode_attention_version(int version) {
+  if (version != 1 && version != 2) throw UsageError("decode attention version must be 1 or 2");
+  decode_version() = version;
 }
 
 }  // namespace llmq::cuda
