@@ -80,6 +80,10 @@ GpuParams gpu_params(const ModelShape& m, const TrainOptions& o) {
 
 std::string num_str(double x) { return num(x); }
 
+bool lora_targets_include(const TrainOptions& o, const char* t) {
+  return std::any_of(o.lora_targets.begin(), o.lora_targets.end(), [&](const std::string& x) { return x == t || x == "all"; });
+}
+
 double lora_layer_params_of(const ModelShape& m, const TrainOptions& o) {
   const double r = double(o.lora_rank), h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()),
                H = double(m.hidden);

@@ -169,6 +169,9 @@ CpuGpu ds_zero3_model_states(double params, double largest_layer, int gpus_per_n
 double korthikanti_layer_activations(double s, double b, double h, double a, int t, bool sequence_parallel,
                                      Checkpointing ckpt, bool flash);
 
+/// True when the LoRA targets name matrix `t` ("q", "o", "down", ...), or "all".
+bool lora_targets_include(const TrainOptions& o, const char* t);
+
 /// LoRA adapter parameters of one block: Σ over the block's targets r·(in + out) (Hu et al. 2021).
 /// Throws UsageError for an unknown target.
 double lora_layer_params_of(const ModelShape& m, const TrainOptions& o);

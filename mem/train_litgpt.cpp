@@ -60,12 +60,6 @@ Block block_of(const std::string& name) {
   throw UsageError("unknown --block '" + name + "' (llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon)");
 }
 
-bool targets_has(const TrainOptions& o, const char* t) {
-  for (const auto& x : o.lora_targets)
-    if (x == t || x == "all") return true;
-  return false;
-}
-
 struct Saved {
   double bytes = 0;
   std::string formula;
@@ -86,13 +80,13 @@ Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
   const double norm = norm_saved(m, o, B, T);
   const bool lora = o.lora_rank > 0, drop = lora && o.lora_dropout > 0;
   auto lora_in = [&](bool on, double in) { return drop && on ? (1 + e) * T * in : 0.0; };
-  const bool lq = targets_has(o, "q") || targets_has(o, "k") || targets_has(o, "v");
-  const bool lmlp = targets_has(o, "gate") || targets_has(o, "up") || targets_has(o, "down");
+  const bool lq = lora_targets_include(o, "q") || lora_targets_include(o, "k") || lora_targets_include(o, "v");
+  const bool lmlp = lora_targets_include(o, "gate") || lora_targets_include(o, "up") || lora_targets_include(o, "down");
   // SDPA keeps q, k, v and its output; Gemma 2's softcapped attention keeps q, k, v (the two
   // matmuls' inputs) and per score tanh's output (e), the fp32 softmax (4) and its cast (e).
   const double b = double(o.micro_batch), sq = double(o.seq_len);
   const double core = B.softcap ? e * T * (q + 2 * kv) + b * double(m.heads) * sq * sq * (2 * e + 4) : e * T * (2 * q + 2 * kv);
-  const double attn = e * T * h + lora_in(lq, h) + core + e * T * q + lora_in(targets_has(o, "o"), q);
+  const double attn = e * T * h + lora_in(lq, h) + core + e * T * q + lora_in(lora_targets_include(o, "o"), q);
   const double n2 = (B.shared_norm ? 0 : norm + e * T * h) + (B.softcap ? 2 * norm : 0);  // + post-attention, post-MLP norms
   const double mlp = (B.gated ? 4 : 2) * e * T * H + (B.gated ? 2 : 1) * lora_in(lmlp, h) + lora_in(lmlp, H);
   Saved s;

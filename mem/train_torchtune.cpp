@@ -37,17 +37,13 @@ constexpr const char* kTuneOffload = "torchtune training/_activation_offloading.
 constexpr const char* kTorchao = "torchao NF4Tensor (4 bits, int8 scalers per 64, fp32 factor per 256 scalers); bitsandbytes paged optimizers "
                                  "(cudaMallocManaged: outside torch's counters)";
 
-bool has_target(const TrainOptions& o, const char* t) {
-  return std::any_of(o.lora_targets.begin(), o.lora_targets.end(), [&](const std::string& x) { return x == t || x == "all"; });
-}
-
 // Bytes one transformer layer keeps per token (see the header comment).
 double layer_saved_per_token(const ModelShape& m, const TrainOptions& o) {
   const double e = 2, h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), f = double(m.hidden), a = double(m.heads);
   double b = 2 * (4 * h + e * h + 4) + (4 * q + 4 * kv) + e * (2 * q + 2 * kv) + 4 * a + e * q + 4 * e * f;
   if (o.compile) b -= 8 * h + 4 * q + 4 * kv;
-  if (o.lora_rank > 0 && !has_target(o, "o")) b -= e * q;  // a frozen o_proj keeps no input
-  if (o.lora_rank > 0 && !has_target(o, "down")) b -= e * f;  // nor a frozen down projection
+  if (o.lora_rank > 0 && !lora_targets_include(o, "o")) b -= e * q;  // a frozen o_proj keeps no input
+  if (o.lora_rank > 0 && !lora_targets_include(o, "down")) b -= e * f;  // nor a frozen down projection
   return b;
 }
 
@@ -74,7 +70,7 @@ MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
   };
 
   // Model states. torchtune trains in bf16 throughout: weights, gradients and AdamW's moments.
-  const double head_lora = lora && has_target(o, "head") ? double(o.lora_rank) * (h + V) : 0;
+  const double head_lora = lora && lora_targets_include(o, "head") ? double(o.lora_rank) * (h + V) : 0;
   const double trainable = lora ? L * lora_layer_params_of(m, o) + head_lora : P;
   if (lora) {
     const double linear = L * double(m.layer_linear_params());
