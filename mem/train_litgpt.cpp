@@ -20,7 +20,10 @@
 //                          4·e·T·H; GELU: fc out and act(fc): 2·e·T·H
 //   LoRA on a Linear       dropout (p > 0) keeps a bool mask and its output: (1 + e)·T·in
 // The head: the final norm, lm_head's input e·T·h, the logits in chunks of 128 tokens and their
-// log-softmax for the chunked cross-entropy: 2·e·T·V.
+// log-softmax for the chunked cross-entropy: 2·e·T·V; a trained lm_head sums its chunks' V x h
+// gradients as they come (2·e·V·h at once). FSDP (FULL_SHARD, Blocks auto-wrapped): the root unit
+// (embedding, lm_head, final norm) stays unsharded from its forward to its post-backward, and a
+// trained root holds its unsharded gradient through the backward.
 #include "mem/train.h"
 
 #include <fmt/format.h>
@@ -37,6 +40,8 @@ namespace {
 constexpr const char* kLit = "LitGPT lit_gpt/model.py, lora.py (8641822) and litgpt/model.py (00af8b0d); PyTorch autograd saved tensors";
 constexpr const char* kBnb = "bitsandbytes Linear4bit / MatMul4Bit (NF4 blocks of 64; paged optimizers in CUDA managed memory)";
 constexpr const char* kFsdp = "Lightning FSDPStrategy.load_checkpoint: a full (unsharded) state dict on every rank";
+constexpr const char* kFsdpRoot =
+    "PyTorch torch/distributed/fsdp/_runtime_utils.py _post_forward_reshard: FULL_SHARD does not free the root's parameters after forward";
 constexpr const char* kFsdpSync =
     "PyTorch FSDP docs (no_sync: full gradients accumulated until the sync; use_orig_params with mixed frozen parameters: gradient memory as if "
     "none were frozen; BackwardPrefetch.BACKWARD_PRE), Lightning FSDPStrategy (use_orig_params=True), litgpt issue #1417";
@@ -98,6 +103,9 @@ Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
   return s;
 }
 
+// Parameters of the transformer Blocks (FSDP's auto-wrapped units).
+double block_params_of(const ModelShape& m) { return double(m.layers) * double(m.layer_params()); }
+
 // Bytes per parameter of a frozen Linear under QLoRA (bitsandbytes NF4): 4 bits + the absmax
 // of each block of 64 (fp32; double quantization: 8 bits + an fp32 per 256 of them).
 double nf4_bytes(bool double_quant) { return double_quant ? 0.5 + 1.0 / 64 + 4.0 / (64 * 256) : 0.5 + 4.0 / 64; }
@@ -141,7 +149,7 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
   // Lightning's use_orig_params=True one FlatParameter per Block holds the frozen weights beside
   // the LoRA ones, so it requires grad as a whole: a LoRA run keeps unsharded gradients of every
   // block parameter, frozen or not.
-  const double block_params = double(m.layers) * double(m.layer_params());
+  const double block_params = block_params_of(m);
   const bool fsdp_accum = fsdp && o.grad_accum > 1;
   if (fsdp_accum)
     r.lines.push_back({"gradients (FSDP no_sync: unsharded, every parameter of a Block unit)", e * (lora ? block_params : P),
@@ -152,6 +160,22 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
   else if (o.grad_accum > 1 || lora)
     r.lines.push_back({"gradients", e * trainable / shard, fmt::format("{} B x trainable (kept across {} micro-batches)", e, o.grad_accum),
                        kLit, Place::Device, Basis::Formula});
+  else if (fsdp)  // full fine-tuning, every step synchronized: the shards, complete at the backward's end (Blocks recomputed one at a time)
+    r.lines.push_back({"gradients (sharded)", e * P / N, fmt::format("{} B x {} / N", e, num_str(P)), kFsdpSync, Place::Device, Basis::Formula});
+  // FSDP's root unit (what no Block holds: the embedding, lm_head, the final norm) keeps its
+  // parameters unsharded from its forward to its post-backward under FULL_SHARD; a trained root
+  // also holds its unsharded gradient through the backward (lm_head's comes first, the
+  // embedding's last) unless no_sync already keeps every gradient unsharded.
+  const double root = P - block_params_of(m);
+  if (fsdp) {
+    const double root_bytes = o.qlora ? nf4_bytes(o.double_quant) * V * h + e * (root - V * h) : e * root;
+    r.lines.push_back({"FSDP root unit unsharded (embedding, lm_head, final norm)", root_bytes,
+                       fmt::format("{} params outside the Blocks, whole on every rank from forward to backward", num_str(root)), kFsdpRoot,
+                       Place::Device, Basis::Formula});
+    if (!lora && !fsdp_accum)
+      r.lines.push_back({"FSDP root unit's unsharded gradient", e * root, fmt::format("{} B x {}", e, num_str(root)), kFsdpRoot, Place::Device,
+                         Basis::Formula});
+  }
   const bool paged = o.qlora;  // lit-gpt uses bnb.optim.PagedAdamW with --quantize: managed memory, not torch's
   const double state = o.optimizer == Optimizer::Adam8bit ? 2 + 8.0 / 2048 : o.optimizer == Optimizer::SGD ? 0 : 2 * e;
   r.lines.push_back({paged ? "optimizer states (paged: CUDA managed memory, outside torch's count)" : "optimizer states",
@@ -176,6 +200,10 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                      fmt::format("norm + e·T·h + {}·e·T·V (lm_head in chunks of 128 tokens, cross-entropy per chunk{}), V = {}", logit_copies,
                                  B.softcap ? ", tanh's softcapped logits" : "", m.vocab),
                      kLit, Place::Device, Basis::Formula});
+  if (!lora && T > 128)  // a trained lm_head: each chunk's V x h gradient added to the sum of the ones before
+    r.lines.push_back({"temporary: lm_head's gradient summed over its chunks", 2 * e * V * h,
+                       "2 x e·V·h: the running sum and the next chunk's (autograd adds a leaf's gradients as they come)", kLit,
+                       Place::Device, Basis::Formula});
   if (o.qlora) {
     const double mat = double(std::max({m.dim * m.hidden, m.dim * (m.q_dim() + 2 * m.kv_dim()), m.vocab * m.dim}));
     // MatMul4Bit: dequantize_4bit(B) in the weight's original dtype (fp16: Lightning quantizes a .half() copy),

@@ -338,6 +338,18 @@ TEST_CASE("LitGPT framework: LoRA on Llama-2 as lit-gpt's resource table measure
   CHECK(lines_sum(f, {"gradients (FSDP no_sync: unsharded, every parameter of a Block unit)"}) == 2.0 * double(m.layers * m.layer_params()));
   o.grad_accum = 1;  // no accumulation: gradients reduce-scattered each step, only the LoRA shards kept
   CHECK(lines_sum(estimate_training(m, o), {"gradients (FSDP no_sync: unsharded, every parameter of a Block unit)"}) == 0);
+  // FULL_SHARD keeps the root unit (what no Block holds: embedding, lm_head, final norm) unsharded
+  // from forward to backward; a full fine-tuning run also holds the root's unsharded gradient,
+  // the gradient shards, and lm_head's chunk gradients being summed (2·e·V·h).
+  const double root = double(m.params()) - double(m.layers * m.layer_params());
+  CHECK(root == Approx(2.0 * 32000 * 4096 + 4096));
+  CHECK(lines_sum(f, {"FSDP root unit unsharded (embedding, lm_head, final norm)"}) == Approx(2 * root));
+  TrainOptions full = o;
+  full.lora_rank = 0;
+  const MemReport ff = estimate_training(m, full);
+  CHECK(lines_sum(ff, {"FSDP root unit's unsharded gradient"}) == Approx(2 * root));
+  CHECK(lines_sum(ff, {"gradients (sharded)"}) == Approx(2.0 * double(m.params()) / 2));
+  CHECK(lines_sum(ff, {"temporary: lm_head's gradient summed over its chunks"}) == Approx(2.0 * 2 * 32000 * 4096));
 
   // Gemma 2 (lg-ch-gemma2-2b-lora: 14.31 GB): softcapped attention keeps its score matrices,
   // two more norms per block and tanh's logits; the rest as Gemma.
