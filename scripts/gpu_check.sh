@@ -19,7 +19,8 @@
 #                against the engine's (LABS=...)
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
-#                (NO_MMQ=1: MMQ off once more; DECODE_V2=0: without the Q4_0 run on decode attention v2)
+#                (NO_MMQ=1: MMQ off once more; DECODE_V2=0: without the Q4_0 run on decode attention v2;
+#                OVERLAP=0: without the Q8_0 and Q4_0 runs with prefill's dequantization overlapped)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
@@ -168,6 +169,10 @@ run_phase() {
       # decode attention version 2 (engine/cuda/attention.h set_decode_attention_version), end to end
       if [ "${DECODE_V2:-1}" = 1 ]; then
         step bench-7b-q4_0-decode-v2 60 "LLMQ_CUDA_DECODE_ATTN=2 $G/bin/llmq-bench $B7 --type q4_0 --profile"
+      fi
+      # prefill's dequantization overlapped with cuBLAS (engine/cuda/matmul.h set_matmul_overlap), end to end
+      if [ "${OVERLAP:-1}" = 1 ]; then
+        for t in q8_0 q4_0; do step "bench-7b-$t-overlap" 60 "LLMQ_CUDA_OVERLAP=1 $G/bin/llmq-bench $B7 --type $t --profile"; done
       fi
       ;;
     peer)

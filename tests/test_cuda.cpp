@@ -500,6 +500,77 @@ TEST_CASE("CUDA attention: a rank's uneven GQA slice reads the right KV heads, a
                   UsageError);
 }
 
+// MatmulContext::hold_input (CudaSession::matmul_cols): products of one held input on the
+// dequantize + cuBLAS path (80 tokens of Q4_0, past MMQ's 64) convert it to fp16 once; the
+// products equal unheld ones bit for bit, and a product of another input in between (which
+// overwrites the fp16 buffer) makes the held input convert again.
+TEST_CASE("CUDA matmul: a held input is converted to fp16 once and gives the same products", "[cuda]") {
+  if (!have_gpu()) return;
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int64_t T = 80, cols = 256;
+  TestWeight w1(DType::Q4_0, 96, cols, rng), w2(DType::Q4_0, 64, cols, rng);
+  const auto x = gaussian(size_t(T * cols), rng), z = gaussian(size_t(T * cols), rng);
+  DeviceBuffer xd = to_device(x), zd = to_device(z), y(size_t(T * 96) * 4);
+  cuda::MatmulContext c(T, cols, nullptr, 96);
+  auto product = [&](const TestWeight& w, const DeviceBuffer& in) {
+    cuda::matmul(c, w.view, in.as<float>(), y.as<float>(), T);
+    return from_device<float>(y, size_t(T * w.view.rows));
+  };
+  const auto a1 = product(w1, xd), a2 = product(w2, xd), b1 = product(w1, zd);
+  c.hold_input(xd.as<float>());
+  CHECK(product(w1, xd) == a1);
+  CHECK(product(w2, xd) == a2);  // x's fp16 copy reused
+  CHECK(product(w1, zd) == b1);  // another input: converted, overwriting x's copy
+  CHECK(product(w2, xd) == a2);  // so x converts again
+  c.release_input();
+  CHECK(product(w1, xd) == a1);
+}
+
+// Dequantization overlapped with cuBLAS (set_matmul_overlap; LLMQ_CUDA_OVERLAP=1): tiles
+// alternate between two buffers on a second stream, and prefetch() starts the next product's
+// first tile. The emulator runs each stream's work at once, so this checks the tile indexing
+// and the prefetch bookkeeping (a prefetched tile used, one for another weight overwritten, a
+// GEMV-sized product skipped), not the events: products equal the serial path's bit for bit.
+TEST_CASE("CUDA matmul: dequantization overlapped with cuBLAS gives the serial products", "[cuda]") {
+  if (!have_gpu()) return;
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int64_t T = 80, cols = 256;
+  // max_rows 128: tiles of 128 rows, so these take 3, 1 and 2 tiles.
+  TestWeight w1(DType::Q4_0, 300, cols, rng), w2(DType::Q8_0, 96, cols, rng), w3(DType::Q4_K, 256, cols, rng);
+  const auto x = gaussian(size_t(T * cols), rng);
+  DeviceBuffer xd = to_device(x), y(size_t(T * 300) * 4);
+  struct Restore {
+    ~Restore() { cuda::set_matmul_overlap(false); }
+  } restore;
+  auto run = [&](bool overlap) {
+    cuda::set_matmul_overlap(overlap);
+    cuda::MatmulContext c(T, cols, nullptr, 128);
+    std::vector<std::vector<float>> out;
+    auto product = [&](const TestWeight& w) {
+      cuda::matmul(c, w.view, xd.as<float>(), y.as<float>(), T);
+      out.push_back(from_device<float>(y, size_t(T * w.view.rows)));
+    };
+    product(w1);
+    c.prefetch(w2.view, T), product(w2);   // the prefetched tile is used
+    c.prefetch(w1.view, T), product(w3);   // prefetched for another weight: overwritten
+    c.prefetch(w3.view, 4), product(w3);   // 4 tokens would not dequantize: nothing started
+    c.prefetch(w1.view, T), product(w1);
+    return std::make_pair(out, c.bytes());
+  };
+  const auto [serial, serial_bytes] = run(false);
+  const auto [overlapped, overlap_bytes] = run(true);
+  REQUIRE(serial.size() == overlapped.size());
+  for (size_t i = 0; i < serial.size(); ++i) {
+    INFO("product " << i);
+    CHECK(serial[i] == overlapped[i]);
+  }
+  CHECK(overlap_bytes > serial_bytes);  // the second tile
+}
+
 // Decode attention version 2 (attention_decode_kernel; set_decode_attention_version): the
 // flash-decoding parts of decode steps against the fp64 reference, for MHA, GQA groups of 3, 4
 // and 7 and head_dim 64, 128 and 256, positions that end mid-slice, mid-part and in the first

@@ -88,6 +88,10 @@ constexpr int kGemvMaxTokens = kCudaGemvMaxTokens;
 /// llmq-mem reports). The prefill path dequantizes at most tile_rows weight rows at a time into
 /// an fp16 tile and runs one cuBLAS GEMM per tile. Throws CudaError when the device is out of
 /// memory.
+/// Whether MatmulContexts made from now on overlap dequantization with cuBLAS
+/// (MatmulContext::prefetch); the environment's LLMQ_CUDA_OVERLAP=1 sets it at start-up.
+void set_matmul_overlap(bool on);
+
 class MatmulContext {
  public:
   MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream, int64_t max_rows = 0);
@@ -112,6 +116,22 @@ class MatmulContext {
   const DeviceActQ8* fusable(const DeviceWeight& next, int64_t T, int64_t cols);
   void note_quantized(const float* x, int64_t T, int64_t cols) { note_ = {x, T, cols}; }
   void clear_note() { note_ = {}; }
+  /// Between hold_input(x) and release_input(), the products of x that take 16-bit inputs
+  /// (dequantize + cuBLAS) convert x once, not once per matrix: the caller promises not to
+  /// write x in between (CudaSession::matmul_cols: Q, K and V, or gate and up, of one input).
+  /// Host-side bookkeeping at enqueue time, as note_quantized.
+  void hold_input(const float* x) { held_ = x, half_ = {}; }
+  void release_input() { held_ = nullptr, half_ = {}; }
+  /// With LLMQ_CUDA_OVERLAP=1 or set_matmul_overlap(true) before the context is made (an
+  /// experiment until a GPU times it: dev/README.md #16), the
+  /// dequantize + cuBLAS path dequantizes on a second stream into two alternating tiles, so
+  /// the next tile's dequantization runs while the current tile's GEMM does, and prefetch(next,
+  /// T) starts the first tile of the product that follows (the caller's next matrix) as soon as
+  /// this one's GEMMs are enqueued. Events order each tile's GEMM after its dequantization and
+  /// each dequantization after the last GEMM that read its tile. The second tile is outside
+  /// llmq-mem's plan while this is an experiment (bytes() counts it). No-op without the
+  /// setting, for products that will not dequantize at T tokens, and while the stream captures.
+  void prefetch(const DeviceWeight& next, int64_t T);
 
  private:
   friend void matmul(MatmulContext&, const DeviceWeight&, const float*, float*, int64_t, int64_t);
@@ -128,6 +148,21 @@ class MatmulContext {
     const float* x = nullptr;
     int64_t T = 0, cols = 0;
   } note_;             // what act_ holds (note_quantized)
+  // LLMQ_CUDA_OVERLAP=1: the side stream, the second tile, events per tile (ready: dequantized;
+  // used: its last GEMM), which tile the last GEMM read, and a prefetched first tile.
+  void fill_tile(const DeviceWeight& w, int64_t r0, int64_t rows, int b);  // dequantize rows into tile b on side_
+  uint16_t* tile_buf(int b) const;
+  cudaStream_t side_ = nullptr;
+  DeviceBuffer tile2_;
+  cudaEvent_t ready_[2] = {}, used_[2] = {};
+  int last_tile_ = 1;
+  struct Prefetched {
+    const uint8_t* w = nullptr;  // the weight's data (DeviceWeight::q)
+    int tile = -1;
+  } pre_;
+  const float* held_ = nullptr;  // hold_input's x
+  Note half_;                    // what act_h_ holds while held_ (bf16_half_: as bf16)
+  bool bf16_half_ = false;
   DeviceActQ8 act_view_;  // act(), for fusable's callers
   // The activation buffers for x [T, cols]: quantized now, unless the note says they hold it.
   DeviceActQ8 quantized(const float* x, int64_t T, int64_t cols);
