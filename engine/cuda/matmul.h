@@ -82,16 +82,15 @@ struct DeviceActQ8 {
 /// Most tokens the GEMV kernels take in one call (each weight row is read once for all).
 constexpr int kGemvMaxTokens = kCudaGemvMaxTokens;
 
-/// Device scratch and the cuBLAS handle for matmul(), sized once for up to `cap_tokens` tokens
-/// and matrices of at most max_cols columns and max_rows rows (0: any), as engine/cuda_plan.h's
-/// plan_cuda_matmul says (what
-/// llmq-mem reports). The prefill path dequantizes at most tile_rows weight rows at a time into
-/// an fp16 tile and runs one cuBLAS GEMM per tile. Throws CudaError when the device is out of
-/// memory.
 /// Whether MatmulContexts made from now on overlap dequantization with cuBLAS
 /// (MatmulContext::prefetch); the environment's LLMQ_CUDA_OVERLAP=1 sets it at start-up.
 void set_matmul_overlap(bool on);
 
+/// Device scratch and the cuBLAS handle for matmul(), sized once for up to `cap_tokens` tokens
+/// and matrices of at most max_cols columns and max_rows rows (0: any), as engine/cuda_plan.h's
+/// plan_cuda_matmul says (what llmq-mem reports). The prefill path dequantizes at most tile_rows
+/// weight rows at a time into an fp16 tile and runs one cuBLAS GEMM per tile. Throws CudaError
+/// when the device is out of memory.
 class MatmulContext {
  public:
   MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t stream, int64_t max_rows = 0);
@@ -123,9 +122,9 @@ class MatmulContext {
   void hold_input(const float* x) { held_ = x, half_ = {}; }
   void release_input() { held_ = nullptr, half_ = {}; }
   /// With LLMQ_CUDA_OVERLAP=1 or set_matmul_overlap(true) before the context is made (an
-  /// experiment until a GPU times it: dev/README.md #16), the
-  /// dequantize + cuBLAS path dequantizes on a second stream into two alternating tiles, so
-  /// the next tile's dequantization runs while the current tile's GEMM does, and prefetch(next,
+  /// experiment until a GPU times it: dev/README.md #16), the dequantize + cuBLAS path
+  /// dequantizes on a second stream into two alternating tiles, so the next tile's
+  /// dequantization runs while the current tile's GEMM does, and prefetch(next,
   /// T) starts the first tile of the product that follows (the caller's next matrix) as soon as
   /// this one's GEMMs are enqueued. Events order each tile's GEMM after its dequantization and
   /// each dequantization after the last GEMM that read its tile. The second tile is outside
