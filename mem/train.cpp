@@ -612,6 +612,10 @@ MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
   if (o.tp > 1 && (m.heads % o.tp != 0 || m.kv_heads % o.tp != 0 || m.hidden % o.tp != 0))
     throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, m.heads, m.kv_heads, m.hidden));
   if (o.pp > m.layers) throw UsageError("--pp cannot exceed the layer count");
+  if (o.ce_chunks < 0) throw UsageError("--ce-chunks must be >= 0 (0: CrossEntropyLoss on the whole logits)");
+  if (o.framework != Framework::TorchTune && (o.compile || o.ce_chunks > 0 || o.offload_activations || o.optimizer_in_backward || o.paged_optimizer))
+    throw UsageError("--compile, --ce-chunks, --offload-activations, --optimizer-in-backward and --paged-optimizer model torchtune's "
+                     "recipes: add --framework torchtune");
 
   MemReport r = o.framework == Framework::PyTorch ? pytorch_estimate(m, o)
                 : o.framework == Framework::LitGPT    ? litgpt_estimate(m, o)

@@ -408,6 +408,10 @@ TEST_CASE("torchtune framework: the README's optimization flags for Llama 3.2 3B
   CHECK_THROWS_AS(estimate_training(m, o), UsageError);
   o.dp = 1, o.precision = Precision::Mixed;
   CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+  o.precision = Precision::BF16, o.ce_chunks = -1;
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+  o.ce_chunks = 8, o.framework = Framework::LitGPT;  // torchtune's levers elsewhere: refused, not ignored
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
 }
 
 TEST_CASE("Model shapes: presets and files give the right parameter counts", "[mem]") {
