@@ -89,19 +89,17 @@ MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
       paged ? kTorchao : kTune);
   const double grads = e * trainable;
 
-  // Activations at the start of the backward.
-  const double per_layer = layer_saved_per_token(m, o) * T;
-  double acts = 0;
-  if (ckpt) {
-    acts = o.offload_activations ? 0 : L * e * T * h;
-    add(o.offload_activations ? "activations (checkpointed layer inputs: offloaded to the CPU)" : "activations (checkpointed layer inputs)", acts,
-        fmt::format("{} layers x e·T·h{}", m.layers, o.offload_activations ? ", moved to pinned CPU memory in the forward" : ""),
-        o.offload_activations ? kTuneOffload : kTune);
-  } else {
-    acts = L * per_layer;
-    add("activations (layers)", acts, fmt::format("{} layers x {} B per token{} x T = {}", m.layers, layer_saved_per_token(m, o),
-                                                  o.compile ? " (compiled: no fp32 copies)" : "", num_str(T)));
-  }
+  // Activations at the start of the backward (added below if that is the peak).
+  const double per_token = layer_saved_per_token(m, o), per_layer = per_token * T;
+  MemLine acts_line{"activations (layers)", L * per_layer,
+                    fmt::format("{} layers x {} B per token{} x T = {}", m.layers, per_token, o.compile ? " (compiled: no fp32 copies)" : "",
+                                num_str(T)),
+                    kTune, Place::Device, Basis::Formula};
+  if (ckpt)
+    acts_line = {o.offload_activations ? "activations (checkpointed layer inputs: offloaded to the CPU)" : "activations (checkpointed layer inputs)",
+                 o.offload_activations ? 0 : L * e * T * h,
+                 fmt::format("{} layers x e·T·h{}", m.layers, o.offload_activations ? ", moved to pinned CPU memory in the forward" : ""),
+                 o.offload_activations ? kTuneOffload : kTune, Place::Device, Basis::Formula};
 
   // The head at the loss's backward.
   const bool out_trained = !lora || head_lora > 0;
@@ -117,7 +115,7 @@ MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
                                : "2·T·V: every chunk's bf16 logits (the output matrix is frozen)";
   }
   const double accum_grads = o.grad_accum > 1 ? grads : 0;  // kept between micro-batches
-  const double loss_phase = acts + head + accum_grads;
+  const double loss_phase = acts_line.bytes + head + accum_grads;
 
   // The end of the backward: every gradient (unless each is stepped and freed as it is made), the
   // embedding's dense gradient before it is added, a recomputed layer under checkpointing.
@@ -125,11 +123,10 @@ MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
   const double recompute = ckpt ? per_layer : 0;
   const double end_phase = o.optimizer_in_backward ? recompute : grads + std::max(embed_grad, recompute);
   if (loss_phase >= end_phase) {
+    r.lines.push_back(acts_line);
     add("loss (at its backward)", head, head_formula);
     if (accum_grads > 0) add("gradients (accumulated)", accum_grads, fmt::format("e x trainable, kept across {} micro-batches", o.grad_accum));
   } else {
-    r.lines.erase(std::remove_if(r.lines.begin(), r.lines.end(), [](const MemLine& l) { return l.name.rfind("activations", 0) == 0; }),
-                  r.lines.end());
     add("gradients", grads, "e x trainable, all present when the backward ends");
     if (recompute > 0) add("activations (one layer recomputed)", recompute, "the layer's saved tensors during its backward");
     else if (embed_grad > 0) add("temporary: the embedding's dense gradient", embed_grad, "e·V·h before it is added to the weight's gradient");
