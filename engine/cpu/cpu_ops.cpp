@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <mutex>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +9,7 @@
 #include <functional>
 
 #include "engine/cpu/cpu_x86.h"
+#include "base/env_setting.h"
 #include "base/error.h"
 
 namespace llmq {
@@ -96,31 +96,6 @@ const char* cpu_kernels_name() { return cpu_level_name(cpu_level()); }
 // ---------------------------------------------------------------- activation groups
 
 namespace {
-
-// A process-wide matmul setting: its environment variable's value on first use (`parse`, once),
-// then whatever set() stores. Readable from any thread; set() only while no kernel runs.
-class EnvSetting {
- public:
-  explicit EnvSetting(int (*parse)()) : parse_(parse) {}
-  int get() {
-    int v = v_.load(std::memory_order_acquire);
-    if (v == kUnset) {
-      std::call_once(once_, [this] {
-        int expected = kUnset;
-        v_.compare_exchange_strong(expected, parse_(), std::memory_order_acq_rel);
-      });
-      v = v_.load(std::memory_order_acquire);
-    }
-    return v;
-  }
-  void set(int v) { v_.store(v, std::memory_order_release); }
-
- private:
-  static constexpr int kUnset = -1;
-  std::atomic<int> v_{kUnset};
-  std::once_flag once_;
-  int (*parse_)();
-};
 
 int kquant_group_from_env() {
   const char* env = std::getenv("LLMQ_KQUANT_ACT");

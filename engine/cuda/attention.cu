@@ -1,6 +1,5 @@
 // Causal attention over the fp16 KV cache (engine/cuda/attention.h).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -9,6 +8,7 @@
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/mma.cuh"
+#include "base/env_setting.h"
 #include "base/error.h"
 
 namespace llmq::cuda {
@@ -351,13 +351,10 @@ __global__ void __launch_bounds__(32 * kDecWarps) attention_decode_kernel(AttnAr
 
 size_t decode_smem(int64_t G, int64_t hd) { return size_t(G) * kDecWarps * size_t(hd + 2) * 4; }
 
-std::atomic<int>& decode_version() {
-  static std::atomic<int> v{[] {
-    const char* e = std::getenv("LLMQ_CUDA_DECODE_ATTN");
-    return e && std::string(e) == "2" ? 2 : 1;
-  }()};
-  return v;
-}
+EnvSetting g_decode_version([] {
+  const char* e = std::getenv("LLMQ_CUDA_DECODE_ATTN");
+  return e && std::string(e) == "2" ? 2 : 1;
+});
 
 // ---------------------------------------------------------------- prefill on the tensor cores
 //
@@ -607,7 +604,7 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     check_launch("attention (prefill)");
     return;
   }
-  if (n_splits > 1 && decode_version() == 2 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup) {
+  if (n_splits > 1 && g_decode_version.get() == 2 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup) {
     const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(kDecWarps), 1};
     const size_t smem = decode_smem(G, hd);
     auto kernel = hd == 64 ? attention_decode_kernel<64> : hd == 128 ? attention_decode_kernel<128> : attention_decode_kernel<256>;
@@ -625,7 +622,7 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
 
 void set_decode_attention_version(int version) {
   if (version != 1 && version != 2) throw UsageError("decode attention version must be 1 or 2");
-  decode_version() = version;
+  g_decode_version.set(version);
 }
 
 }  // namespace llmq::cuda

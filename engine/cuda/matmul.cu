@@ -3,7 +3,6 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -14,6 +13,7 @@
 #include "engine/cuda/gemv.cuh"
 #include "engine/cuda/matmul.h"
 #include "engine/cuda/raw_blocks.cuh"
+#include "base/env_setting.h"
 #include "base/error.h"
 
 namespace llmq::cuda {
@@ -841,14 +841,10 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
 namespace {
 
 // LLMQ_CUDA_OVERLAP=1 or set_matmul_overlap (MatmulContext::prefetch); read by each new context.
-std::atomic<bool>& overlap_setting() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("LLMQ_CUDA_OVERLAP");
-    return e && std::string(e) == "1";
-  }()};
-  return on;
-}
-bool overlap_enabled() { return overlap_setting().load(); }
+EnvSetting g_overlap([] {
+  const char* e = std::getenv("LLMQ_CUDA_OVERLAP");
+  return e && std::string(e) == "1" ? 1 : 0;
+});
 
 // Rows per dequantized tile of w: tiles of equal height (a multiple of 128), two GEMMs of 11008
 // rows, not 11008 + 11008 - 64.
@@ -880,7 +876,7 @@ MatmulContext::MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t 
     cublas_ = h;
     check_cublas(cublasSetStream(h, stream), "cublasSetStream");
     check_cublas(cublasSetWorkspace(h, cublas_ws_.get(), cublas_ws_.bytes()), "cublasSetWorkspace");
-    if (overlap_enabled() && plan_.tile > 0) {
+    if (g_overlap.get() && plan_.tile > 0) {
       tile2_ = DeviceBuffer(plan_.tile);
       check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
       for (int i = 0; i < 2; ++i) {
@@ -1018,7 +1014,7 @@ void MatmulContext::fill_tile(const DeviceWeight& w, int64_t r0, int64_t rows, i
   check(cudaEventRecord(ready_[b], side_), "cudaEventRecord");
 }
 
-void set_matmul_overlap(bool on) { overlap_setting() = on; }
+void set_matmul_overlap(bool on) { g_overlap.set(on ? 1 : 0); }
 
 void MatmulContext::prefetch(const DeviceWeight& next, int64_t T) {
   if (!side_ || T <= kGemvMaxTokens || T > cap_ || use_mmq(next, T) || next.cols > max_cols_ || next.type == DType::F32 ||
