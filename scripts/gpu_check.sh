@@ -19,13 +19,13 @@
 #                against the engine's (LABS=...)
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
-#                (NO_MMQ=1: MMQ off once more; DECODE_V2=0: without the Q4_0 run on decode attention v2;
-#                OVERLAP=0: without the Q8_0 and Q4_0 runs with prefill's dequantization overlapped)
+#                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-3-8b's Q4_0 (GQA) on each decode
+#                attention version forced, against the default's pick by shape)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
 #                llmq-convert), interleaved; llmq-run's GPU peak (nvidia-smi) against llmq-mem infer
-#                on each; and test-backend-ops perf on the MUL_MAT shapes of the issue
+#                on each; and test-backend-ops perf on the MUL_MAT shapes of the issue (PEER_OPS=0: without)
 #     tools      llmq-run (offload, --tp 2, ranks as processes), llmq-server
 #     train      bench/train_mem.py: PyTorch's peak vs llmq-mem train; bench/generate_mem.py:
 #                transformers' generate() peak vs llmq-mem generate
@@ -148,8 +148,9 @@ run_phase() {
       step tp-process-tests 90 "$G/bin/llmq-tests '[tp_process]' -r compact"
       ;;
     sanitizer)
-      step memcheck-kernels 150 "compute-sanitizer --tool memcheck --error-exitcode 9 $G/bin/llmq-tests '[cuda]~[model]' -r compact"
+      # racecheck first: its last run (MMQ on 11 types since) ran past its limit, without a verdict
       step racecheck-mmq-attn 180 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*' -r compact"
+      step memcheck-kernels 150 "compute-sanitizer --tool memcheck --error-exitcode 9 $G/bin/llmq-tests '[cuda]~[model]' -r compact"
       ;;
     lab)
       for l in ${LABS:-gemv gemv_k mmq attn}; do
@@ -166,19 +167,16 @@ run_phase() {
         step "bench-7b-$t" 90 "$G/bin/llmq-bench $B7 --type $t --profile --batch 32"
       done
       [ "${NO_MMQ:-0}" = 1 ] && step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
-      # decode attention version 2 (engine/cuda/attention.h set_decode_attention_version), end to end
-      if [ "${DECODE_V2:-1}" = 1 ]; then
-        step bench-7b-q4_0-decode-v2 60 "LLMQ_CUDA_DECODE_ATTN=2 $G/bin/llmq-bench $B7 --type q4_0 --profile"
-      fi
-      # prefill's dequantization overlapped with cuBLAS (engine/cuda/matmul.h set_matmul_overlap), end to end
-      if [ "${OVERLAP:-1}" = 1 ]; then
-        for t in q8_0 q4_0; do step "bench-7b-$t-overlap" 60 "LLMQ_CUDA_OVERLAP=1 $G/bin/llmq-bench $B7 --type $t --profile"; done
+      # decode attention by shape (engine/cuda/attention.h set_decode_attention_version): the default
+      # on llama-2-7b (MHA: version 2) above; llama-3-8b (GQA: version 1) with each version forced
+      if [ "${DECODE_ATTN:-1}" = 1 ]; then
+        for v in 1 2; do step "bench-8b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/llama-2-7b/llama-3-8b} --type q4_0"; done
       fi
       ;;
     peer)
       if [ -x "$G/peer/bin/llama-bench" ]; then
         for t in ${PEER_TYPES:-q4_k_m q5_0 q4_0 q8_0 q3_k_m}; do step "peer-$t" 180 "peer_bench $t"; done
-        step peer-backend-ops 120 "LD_LIBRARY_PATH=$G/peer/bin:\$LD_LIBRARY_PATH $G/peer/bin/test-backend-ops perf -b CUDA0 -o MUL_MAT \
+        [ "${PEER_OPS:-1}" = 1 ] && step peer-backend-ops 120 "LD_LIBRARY_PATH=$G/peer/bin:\$LD_LIBRARY_PATH $G/peer/bin/test-backend-ops perf -b CUDA0 -o MUL_MAT \
           -p 'type_a=(q4_0|q8_0|q4_K|q6_K|f16),type_b=f32,m=4096,n=(1|8|512),k=14336'"
       else
         echo "[peer] no .gpu/peer (scripts/peer_cuda.sh builds it): skipped" | tee -a "$dir/summary.txt"

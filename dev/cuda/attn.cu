@@ -67,7 +67,7 @@ int main() {
           std::printf("%-13s decode at %4d (64 parts) v%d %7.1f us  %7.0f GB/s of K+V  (rel. diff from v1 %.1e)\n", c.name, p, version,
                       dms * 1e3, bytes / (dms * 1e-3) / 1e9, std::sqrt(err / std::max(norm, 1e-30)));
         }
-        set_decode_attention_version(1);
+        set_decode_attention_version(0);
       }
     }
   } catch (const std::exception& e) {

@@ -205,8 +205,9 @@ __global__ void attention_kernel(AttnArgs a) {
 
 // ---------------------------------------------------------------- decode, version 2
 //
-// LLMQ_CUDA_DECODE_ATTN=2 (or set_decode_attention_version(2)); dev/cuda/attn.cu times it
-// against attention_kernel (version 1, the default until a GPU has timed both). For the
+// The default for MHA (decode_version below; LLMQ_CUDA_DECODE_ATTN=2 or
+// set_decode_attention_version(2) forces it); dev/cuda/attn.cu times it against
+// attention_kernel (version 1, the default for GQA, where it was faster on an H200). For the
 // flash-decoding parts of a decode step (n_splits > 1) over an fp16 cache, head_dim 64, 128 or
 // 256, GQA groups up to 8: grid (T, n_kv, n_splits), block (32, kDecWarps). Version 1 gives a
 // part one warp per query head (for MHA, one warp per block) and stages 32-position tiles in
@@ -351,10 +352,19 @@ __global__ void __launch_bounds__(32 * kDecWarps) attention_decode_kernel(AttnAr
 
 size_t decode_smem(int64_t G, int64_t hd) { return size_t(G) * kDecWarps * size_t(hd + 2) * 4; }
 
+// 0: by shape (version 2 for MHA, where a GPU timed it faster; version 1 for GQA); 1 or 2: forced.
 EnvSetting g_decode_version([] {
   const char* e = std::getenv("LLMQ_CUDA_DECODE_ATTN");
-  return e && std::string(e) == "2" ? 2 : 1;
+  return e && std::string(e) == "2" ? 2 : e && std::string(e) == "1" ? 1 : 0;
 });
+
+// The version a decode step's parts run: version 2 took 0.70x version 1's time on llama-2-7b's
+// MHA (head_dim 128) on an H200 and 1.07-1.15x on llama-3-8b's groups of 4, 1.02-1.05x on
+// SmolLM2's groups of 3 (dev/cuda/attn.cu; bench/RESULTS.md, fourth GPU session).
+int decode_version(int64_t G) {
+  const int v = g_decode_version.get();
+  return v != 0 ? v : G == 1 ? 2 : 1;
+}
 
 // ---------------------------------------------------------------- prefill on the tensor cores
 //
@@ -604,7 +614,7 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     check_launch("attention (prefill)");
     return;
   }
-  if (n_splits > 1 && g_decode_version.get() == 2 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup) {
+  if (n_splits > 1 && decode_version(G) == 2 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup) {
     const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(kDecWarps), 1};
     const size_t smem = decode_smem(G, hd);
     auto kernel = hd == 64 ? attention_decode_kernel<64> : hd == 128 ? attention_decode_kernel<128> : attention_decode_kernel<256>;
@@ -621,7 +631,7 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
 }
 
 void set_decode_attention_version(int version) {
-  if (version != 1 && version != 2) throw UsageError("decode attention version must be 1 or 2");
+  if (version < 0 || version > 2) throw UsageError("decode attention version must be 0 (by shape), 1 or 2");
   g_decode_version.set(version);
 }
 

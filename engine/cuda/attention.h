@@ -71,10 +71,11 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
                float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {}, const KvQ8& q8 = {}, const GqaSlice& gqa = {});
 
 /// Which kernel takes the flash-decoding parts of a decode step (n_splits > 1) over an fp16
-/// cache: 1, attention_kernel (the default); 2, attention_decode_kernel (head_dim 64, 128 or 256,
-/// GQA groups up to 8; other shapes stay on 1): a part's positions split over 4 warps, 8 lanes
-/// per scored position reading the cache directly. The environment's LLMQ_CUDA_DECODE_ATTN=2
-/// sets 2 at start-up; dev/cuda/attn.cu times both. Throws UsageError for other values.
+/// cache: 1, attention_kernel; 2, attention_decode_kernel (head_dim 64, 128 or 256, GQA groups
+/// up to 8; other shapes stay on 1): a part's positions split over 4 warps, 8 lanes per scored
+/// position reading the cache directly; 0 (the default), by shape: 2 for MHA (one query head
+/// per KV head), 1 for GQA, as an H200 timed them. The environment's LLMQ_CUDA_DECODE_ATTN=1 or
+/// 2 forces one at start-up; dev/cuda/attn.cu times both. Throws UsageError for other values.
 void set_decode_attention_version(int version);
 
 }  // namespace llmq::cuda

@@ -13,7 +13,6 @@
 #include "engine/cuda/gemv.cuh"
 #include "engine/cuda/matmul.h"
 #include "engine/cuda/raw_blocks.cuh"
-#include "base/env_setting.h"
 #include "base/error.h"
 
 namespace llmq::cuda {
@@ -840,22 +839,11 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
 
 namespace {
 
-// LLMQ_CUDA_OVERLAP=1 or set_matmul_overlap (MatmulContext::prefetch); read by each new context.
-EnvSetting g_overlap([] {
-  const char* e = std::getenv("LLMQ_CUDA_OVERLAP");
-  return e && std::string(e) == "1" ? 1 : 0;
-});
-
 // Rows per dequantized tile of w: tiles of equal height (a multiple of 128), two GEMMs of 11008
 // rows, not 11008 + 11008 - 64.
 int64_t tile_step(const DeviceWeight& w, int64_t tile_rows) {
   const int64_t n_tiles = (w.rows + tile_rows - 1) / tile_rows;
   return ((w.rows + n_tiles - 1) / n_tiles + 127) / 128 * 128;
-}
-
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  return s && cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace
@@ -876,28 +864,15 @@ MatmulContext::MatmulContext(int64_t cap_tokens, int64_t max_cols, cudaStream_t 
     cublas_ = h;
     check_cublas(cublasSetStream(h, stream), "cublasSetStream");
     check_cublas(cublasSetWorkspace(h, cublas_ws_.get(), cublas_ws_.bytes()), "cublasSetWorkspace");
-    if (g_overlap.get() && plan_.tile > 0) {
-      tile2_ = DeviceBuffer(plan_.tile);
-      check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
-      for (int i = 0; i < 2; ++i) {
-        check(cudaEventCreateWithFlags(&ready_[i], cudaEventDisableTiming), "cudaEventCreate");
-        check(cudaEventCreateWithFlags(&used_[i], cudaEventDisableTiming), "cudaEventCreate");
-      }
-    }
   }
 }
 
 MatmulContext::~MatmulContext() {
   if (cublas_) cublasDestroy(static_cast<cublasHandle_t>(cublas_));
-  for (int i = 0; i < 2; ++i) {
-    if (ready_[i]) cudaEventDestroy(ready_[i]);
-    if (used_[i]) cudaEventDestroy(used_[i]);
-  }
-  if (side_) cudaStreamDestroy(side_);
 }
 
 uint64_t MatmulContext::bytes() const {
-  return act_q_.bytes() + act_d_.bytes() + act_s_.bytes() + act_h_.bytes() + tile_.bytes() + tile2_.bytes() + cublas_ws_.bytes() +
+  return act_q_.bytes() + act_d_.bytes() + act_s_.bytes() + act_h_.bytes() + tile_.bytes() + cublas_ws_.bytes() +
          mmq_split_.bytes();
 }
 
@@ -910,12 +885,13 @@ DeviceActQ8 MatmulContext::quantized(const float* x, int64_t T, int64_t cols) {
 }
 
 // The types whose MMQ beat dequantize + cuBLAS at 16-32 tokens on an H200 (dev/cuda/mmq.cu,
-// llama-2-7b's matrices; bench/RESULTS.md, third GPU session): 0.4-0.8x its time. The others'
-// MMQ (16-bit loads instead of cp.async: IQ4_NL, Q2_K, Q3_K, Q6_K, and then Q5_0, Q5_1) took
-// 1.0-3.9x it there, so their batches dequantize until their loaders are rebuilt. (Q5_0/Q5_1 now
-// have the split layout and Q4_1's cp.async loader, not yet timed.)
+// llama-2-7b's matrices; bench/RESULTS.md, third and fourth GPU sessions): 0.4-0.96x its time,
+// Q5_0 and Q5_1 since their split layout (Q4_1's cp.async loader). The others' MMQ (16-bit
+// loads instead of cp.async: IQ4_NL, Q2_K, Q3_K, Q6_K) took 1.0-3.9x it there, so their batches
+// dequantize until their loaders are rebuilt.
 static bool mmq_wins(DType t) {
-  return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q4_K || t == DType::Q5_K;
+  return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q5_0 ||
+         t == DType::Q5_1;
 }
 
 // Batches of quantized weights (9 .. kCudaMmqMaxTokens tokens): MMQ for the weights mmq takes
@@ -978,51 +954,13 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
     return;
   }
   const int64_t step = tile_step(w, c.plan_.tile_rows);
-  const bool overlap = c.side_ && !capturing(s);
-  auto gemm = [&](int64_t r0, int64_t nr, const void* tile) {
-    check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(nr), n, k, &one, tile, CUDA_R_16F, k, xh, CUDA_R_16F, k, &zero, y + r0,
-                              CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+  for (int64_t r0 = 0; r0 < w.rows; r0 += step) {
+    const int64_t nr = std::min(step, w.rows - r0);
+    dequantize_rows_f16(w, r0, nr, c.tile_.as<uint16_t>(), s);
+    check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(nr), n, k, &one, c.tile_.get(), CUDA_R_16F, k, xh, CUDA_R_16F, k, &zero,
+                              y + r0, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "cublasGemmEx");
-  };
-  if (!overlap) {
-    for (int64_t r0 = 0; r0 < w.rows; r0 += step) {
-      const int64_t nr = std::min(step, w.rows - r0);
-      dequantize_rows_f16(w, r0, nr, c.tile_.as<uint16_t>(), s);
-      gemm(r0, nr, c.tile_.get());
-    }
-    return;
   }
-  // Tile b: filled on the side stream, its GEMM on s after that (fill_tile).
-  int b = 1 - c.last_tile_;
-  if (c.pre_.w == w.q) b = c.pre_.tile;  // prefetch() started tile 0 there
-  else c.fill_tile(w, 0, std::min(step, w.rows), b);
-  c.pre_ = {};
-  for (int64_t r0 = 0; r0 < w.rows; r0 += step, b = 1 - b) {
-    if (r0 + step < w.rows) c.fill_tile(w, r0 + step, std::min(step, w.rows - r0 - step), 1 - b);  // the next tile, while this one multiplies
-    check(cudaStreamWaitEvent(s, c.ready_[b], 0), "cudaStreamWaitEvent");
-    gemm(r0, std::min(step, w.rows - r0), c.tile_buf(b));
-    check(cudaEventRecord(c.used_[b], s), "cudaEventRecord");
-    c.last_tile_ = b;
-  }
-}
-
-uint16_t* MatmulContext::tile_buf(int b) const { return b == 0 ? tile_.as<uint16_t>() : tile2_.as<uint16_t>(); }
-
-void MatmulContext::fill_tile(const DeviceWeight& w, int64_t r0, int64_t rows, int b) {
-  check(cudaStreamWaitEvent(side_, used_[b], 0), "cudaStreamWaitEvent");  // the last GEMM that read tile b
-  dequantize_rows_f16(w, r0, rows, tile_buf(b), side_);
-  check(cudaEventRecord(ready_[b], side_), "cudaEventRecord");
-}
-
-void set_matmul_overlap(bool on) { g_overlap.set(on ? 1 : 0); }
-
-void MatmulContext::prefetch(const DeviceWeight& next, int64_t T) {
-  if (!side_ || T <= kGemvMaxTokens || T > cap_ || use_mmq(next, T) || next.cols > max_cols_ || next.type == DType::F32 ||
-      next.type == DType::F16 || next.type == DType::BF16 || capturing(stream_))
-    return;
-  const int b = 1 - last_tile_;
-  fill_tile(next, 0, std::min(tile_step(next, plan_.tile_rows), next.rows), b);
-  pre_ = {next.q, b};
 }
 
 double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps) {

@@ -82,10 +82,6 @@ struct DeviceActQ8 {
 /// Most tokens the GEMV kernels take in one call (each weight row is read once for all).
 constexpr int kGemvMaxTokens = kCudaGemvMaxTokens;
 
-/// Whether MatmulContexts made from now on overlap dequantization with cuBLAS
-/// (MatmulContext::prefetch); the environment's LLMQ_CUDA_OVERLAP=1 sets it at start-up.
-void set_matmul_overlap(bool on);
-
 /// Device scratch and the cuBLAS handle for matmul(), sized once for up to `cap_tokens` tokens
 /// and matrices of at most max_cols columns and max_rows rows (0: any), as engine/cuda_plan.h's
 /// plan_cuda_matmul says (what llmq-mem reports). The prefill path dequantizes at most tile_rows
@@ -121,16 +117,6 @@ class MatmulContext {
   /// Host-side bookkeeping at enqueue time, as note_quantized.
   void hold_input(const float* x) { held_ = x, half_ = {}; }
   void release_input() { held_ = nullptr, half_ = {}; }
-  /// With LLMQ_CUDA_OVERLAP=1 or set_matmul_overlap(true) before the context is made (an
-  /// experiment until a GPU times it: dev/README.md #16), the dequantize + cuBLAS path
-  /// dequantizes on a second stream into two alternating tiles, so the next tile's
-  /// dequantization runs while the current tile's GEMM does, and prefetch(next,
-  /// T) starts the first tile of the product that follows (the caller's next matrix) as soon as
-  /// this one's GEMMs are enqueued. Events order each tile's GEMM after its dequantization and
-  /// each dequantization after the last GEMM that read its tile. The second tile is outside
-  /// llmq-mem's plan while this is an experiment (bytes() counts it). No-op without the
-  /// setting, for products that will not dequantize at T tokens, and while the stream captures.
-  void prefetch(const DeviceWeight& next, int64_t T);
 
  private:
   friend void matmul(MatmulContext&, const DeviceWeight&, const float*, float*, int64_t, int64_t);
@@ -147,18 +133,6 @@ class MatmulContext {
     const float* x = nullptr;
     int64_t T = 0, cols = 0;
   } note_;             // what act_ holds (note_quantized)
-  // LLMQ_CUDA_OVERLAP=1: the side stream, the second tile, events per tile (ready: dequantized;
-  // used: its last GEMM), which tile the last GEMM read, and a prefetched first tile.
-  void fill_tile(const DeviceWeight& w, int64_t r0, int64_t rows, int b);  // dequantize rows into tile b on side_
-  uint16_t* tile_buf(int b) const;
-  cudaStream_t side_ = nullptr;
-  DeviceBuffer tile2_;
-  cudaEvent_t ready_[2] = {}, used_[2] = {};
-  int last_tile_ = 1;
-  struct Prefetched {
-    const uint8_t* w = nullptr;  // the weight's data (DeviceWeight::q)
-    int tile = -1;
-  } pre_;
   const float* held_ = nullptr;  // hold_input's x
   Note half_;                    // what act_h_ holds while held_ (bf16_half_: as bf16)
   bool bf16_half_ = false;

@@ -349,16 +349,11 @@ CudaSession::LayerKv CudaSession::layer_kv(int64_t l) {
   return kv;
 }
 
-// Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column;
-// `next` is the product that follows them (MatmulContext::prefetch).
-void CudaSession::matmul_cols(const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld, int64_t T,
-                              const DeviceWeight* next) {
+// Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column.
+void CudaSession::matmul_cols(const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld, int64_t T) {
   int64_t col = 0;
   mm_->hold_input(in);  // converted to 16 bits once for all of them (prefill)
-  for (size_t i = 0; i < ws.size(); ++i) {
-    matmul(*mm_, ws[i], in, y + col, T, ld), col += ws[i].rows;
-    if (const DeviceWeight* n = i + 1 < ws.size() ? &ws[i + 1] : next) mm_->prefetch(*n, T);
-  }
+  for (const DeviceWeight& w : ws) matmul(*mm_, w, in, y + col, T, ld), col += w.rows;
   mm_->release_input();
 }
 
@@ -372,7 +367,7 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   const float scale = c.softmax_scale();
   float *xb = xb_.as<float>(), *qkv = qkv_.as<float>(), *att = att_.as<float>();
   const LayerKv kv = layer_kv(l);
-  matmul_cols(w.qkv, xb, qkv, QKV, T, &w.wo);  // qkv [T, Q + 2KV]
+  matmul_cols(w.qkv, xb, qkv, QKV, T);  // qkv [T, Q + 2KV]
   mark("matmul_qkv");
   if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, stream_), mark("bias");
   if (w.q_norm) head_rmsnorm(qkv, QKV, T, c.n_heads, c.n_kv_heads, hd, w.q_norm, w.k_norm, float(c.norm_eps), stream_), mark("qk_norm");
@@ -392,7 +387,6 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
               stream_, in.pages, kv.q8, dm_.gqa());  // att [T, Q]
   mark("attention");
   matmul(*mm_, w.wo, att, xb, T);  // xb [T, D] (a partial sum under TP)
-  mm_->prefetch(w.gate_up.front(), T);
   mark("matmul_o");
   if (comm_) all_reduce(xb, T * D), mark("all_reduce");
   if (w.bo) add_bias(xb, D, w.bo, T, D, stream_), mark("bias");
@@ -405,14 +399,13 @@ void CudaSession::ffn_block(int64_t l, int64_t T) {
   const DeviceLayer& w = dm_.layers[size_t(l)];
   const int64_t D = dm_.config().dim, H = dm_.config().hidden_dim;
   float *xb = xb_.as<float>(), *h = h_.as<float>(), *hs = hs_.as<float>();
-  matmul_cols(w.gate_up, xb, h, 2 * H, T, &w.w_down);  // h [T, 2H]
+  matmul_cols(w.gate_up, xb, h, 2 * H, T);  // h [T, 2H]
   mark("matmul_gate_up");
   const DeviceActQ8* q = mm_->fusable(w.w_down, T, H);
   gated_act(dm_.config().act, hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
   if (q) mm_->note_quantized(hs, T, H);
   mark("gated_act");
   matmul(*mm_, w.w_down, hs, xb, T);  // xb [T, D] (a partial sum under TP)
-  if (size_t(l + 1) < dm_.layers.size()) mm_->prefetch(dm_.layers[size_t(l + 1)].qkv.front(), T);  // (not the output: it may take fewer rows)
   mark("matmul_down");
   if (comm_) all_reduce(xb, T * D), mark("all_reduce");
   if (w.post_ffn_norm) rmsnorm(xb, xb, w.post_ffn_norm, T, D, float(dm_.config().norm_eps), stream_), mark("norm");  // pre_post norms

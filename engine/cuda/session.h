@@ -191,7 +191,7 @@ class CudaSession : public SessionBase {
   PassInputs stage_inputs(int64_t T, bool paged);
   void norm_for(const DeviceWeight& next, float* x, const float* y, float* out, const float* w, int64_t T);
   LayerKv layer_kv(int64_t l);
-  void matmul_cols(const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld, int64_t T, const DeviceWeight* next);
+  void matmul_cols(const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld, int64_t T);
   void attention_block(int64_t l, int64_t T, const PassInputs& in);
   void ffn_block(int64_t l, int64_t T);
   void output(int64_t r0, int64_t rows, Out out, const PassInputs& in);

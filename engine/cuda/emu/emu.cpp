@@ -354,13 +354,6 @@ cudaError_t cudaEventCreate(cudaEvent_t* e) {
   *e = reinterpret_cast<cudaEvent_t>(new double(0));
   return cudaSuccess;
 }
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }  // streams run their work at once
-cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* st) {
-  const auto* stream = reinterpret_cast<const Stream*>(s);
-  *st = stream && stream->capture ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
-  return cudaSuccess;
-}
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
   delete reinterpret_cast<double*>(e);
   return cudaSuccess;
