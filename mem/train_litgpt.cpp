@@ -78,6 +78,25 @@ double norm_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
 }
 
 // One block's saved activations (bytes) for T tokens.
+// QLoRA: what bitsandbytes 0.42.0, the version LitGPT pins (litgpt/finetune/lora.py refuses
+// others), adds to a block's saved tensors. Its MatMul4Bit keeps each 4-bit Linear's input A for
+// the backward (`ctx.tensors = (A, B)` when A needs a gradient; 0.43.2 keeps only B,
+// bitsandbytes#1270), so the inputs of qkv (h), proj (q), the MLP's first Linear(s) (h; one
+// tensor with qkv's under a shared norm) and its last (H) stay alive, bytes e·T each, unless
+// LoRA already saves that input: a LoRA branch without dropout multiplies the input itself (with
+// dropout, the dropout's output). bench/litgpt_saved.py --lora-all counts e·T·(2h + q + H) on
+// LoRA with dropout on every Linear, e·T·(h + q + H) with a shared norm, 0 without dropout.
+double qlora_kept_inputs(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
+  if (!o.qlora) return 0;
+  const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
+  auto kept = [&](std::initializer_list<const char*> targets) {  // no LoRA branch that saves the Linear's own input
+    return o.lora_dropout > 0 || std::none_of(targets.begin(), targets.end(), [&](const char* t) { return lora_targets_include(o, t); });
+  };
+  const bool x1 = kept({"q", "k", "v"}), x2 = kept({"gate", "up"});
+  const double norms_out = B.shared_norm ? (x1 && x2 ? h : 0) : (x1 ? h : 0) + (x2 ? h : 0);
+  return e * T * (norms_out + (kept({"o"}) ? q : 0) + (kept({"down"}) ? H : 0));
+}
+
 Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
   const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
   const bool expand = o.litgpt_version >= 2024 ? m.kv_heads != m.heads : m.kv_heads != 1;
@@ -94,12 +113,14 @@ Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
   const double attn = e * T * h + lora_in(lq, h) + core + e * T * q + lora_in(lora_targets_include(o, "o"), q);
   const double n2 = (B.shared_norm ? 0 : norm + e * T * h) + (B.softcap ? 2 * norm : 0);  // + post-attention, post-MLP norms
   const double mlp = (B.gated ? 4 : 2) * e * T * H + (B.gated ? 2 : 1) * lora_in(lmlp, h) + lora_in(lmlp, H);
+  const double kept = qlora_kept_inputs(m, o, B, T);
   Saved s;
-  s.bytes = norm + attn + n2 + mlp;
-  s.formula = fmt::format("norm {} + attention {} (qkv input, SDPA q/k/v/out{}, proj input{}) + {}MLP {} ({}); T={} e={}",
+  s.bytes = norm + attn + n2 + mlp + kept;
+  s.formula = fmt::format("norm {} + attention {} (qkv input, SDPA q/k/v/out{}, proj input{}) + {}MLP {} ({}){}; T={} e={}",
                           format_bytes(norm), format_bytes(attn), expand && m.kv_heads != m.heads ? " with k/v expanded to the query heads" : "",
                           lq ? ", LoRA dropout" : "", B.shared_norm ? "" : fmt::format("norm_2 + MLP input {} + ", format_bytes(n2)),
-                          format_bytes(mlp), B.gated ? "4 tensors of [T, H]" : "2 tensors of [T, H]", T, e);
+                          format_bytes(mlp), B.gated ? "4 tensors of [T, H]" : "2 tensors of [T, H]",
+                          kept > 0 ? fmt::format(" + the 4-bit Linears' kept inputs {}", format_bytes(kept)) : "", T, e);
   return s;
 }
 
