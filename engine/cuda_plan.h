@@ -11,7 +11,7 @@ namespace llmq {
 /// activations for the GEMV, and for prefill (cap_tokens > 8) fp16 activations, one dequantized
 /// weight tile of at most 128 MiB (tile_rows x cols fp16, tile_rows no more than max_rows rounded
 /// up to 128), the cuBLAS workspace (32 MiB, NVIDIA's advice for Hopper) and MMQ's split-K
-/// partial sums (mmq_split: 8 MiB, or [min(cap, kCudaMmqMaxTokens), max_rows] fp32 x 8 splits if
+/// partial sums (mmq_split: 16 MiB, or [min(cap, kCudaMmqMaxTokens), max_rows] fp32 x 8 splits if
 /// less).
 struct CudaMatmulPlan {
   int64_t cols = 0;       ///< max_cols rounded up to a multiple of 32

@@ -200,7 +200,7 @@ CudaMatmulPlan plan_cuda_matmul(int64_t cap, int64_t max_cols, int64_t max_rows)
     if (max_rows > 0) p.tile_rows = std::min(p.tile_rows, (max_rows + 127) / 128 * 128);  // a small model needs no 128 MiB
     p.act_h = T * c * 2, p.tile = uint64_t(p.tile_rows) * c * 2, p.cublas_workspace = 32ull << 20;
     const uint64_t rows = max_rows > 0 ? uint64_t(max_rows) : uint64_t(1) << 20;
-    p.mmq_split = std::min<uint64_t>(8ull << 20, 8 * std::min<uint64_t>(T, kCudaMmqMaxTokens) * rows * 4);
+    p.mmq_split = std::min<uint64_t>(16ull << 20, 8 * std::min<uint64_t>(T, kCudaMmqMaxTokens) * rows * 4);
   }
   return p;
 }

@@ -268,11 +268,9 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
             }
             ref[size_t(i * s.rows + r)] = a, scale[size_t(i * s.rows + r)] = b;
           }
-        for (int tile : {16, 32, 64, 128}) {
-          if (tile > 16 * T) continue;  // a tile far wider than the batch adds nothing
+        auto run = [&](int tile, bool splitk, cuda::MmqTuning tune) {
           DeviceBuffer yd = to_device(std::vector<float>(size_t(T * ldy), 7.0f));
-          const bool splitk = tile % 32 == 0;  // half the runs with split-K scratch (splits where the grid is small)
-          cuda::mmq(w.view, xq, yd.as<float>(), T, ldy, nullptr, tile, splitk ? split.as<float>() : nullptr, split.bytes());
+          cuda::mmq(w.view, xq, yd.as<float>(), T, ldy, nullptr, tile, splitk ? split.as<float>() : nullptr, split.bytes(), tune);
           cuda::check(cudaGetLastError(), "mmq");
           const auto y = from_device<float>(yd, size_t(T * ldy));
           double e2 = 0, s2 = 0;
@@ -285,13 +283,28 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
             for (int64_t r = s.rows; r < ldy; ++r) pad_ok = pad_ok && y[size_t(i * ldy + r)] == 7.0f;
           }
           INFO(dtype_name(t) << " rows " << s.rows << " cols " << s.cols << " T " << T << " tile " << tile << " split-K "
-                             << (splitk ? cuda::mmq_splits(w.view, T, split.bytes()) : 1) << " err " << std::sqrt(e2 / s2));
+                             << (!splitk ? 1 : tune.splits ? tune.splits : cuda::mmq_splits(w.view, T, split.bytes())) << " stages "
+                             << tune.stages << " err " << std::sqrt(e2 / s2));
           CHECK(std::sqrt(e2 / s2) < 1e-5);
           CHECK(pad_ok);
+        };
+        for (int tile : {16, 32, 64, 128}) {
+          if (tile > 16 * T) continue;  // a tile far wider than the batch adds nothing
+          const bool splitk = tile % 32 == 0;  // half the runs with split-K scratch (splits where the grid is small)
+          run(tile, splitk, {});
+          // The lab's overrides (dev/cuda/mmq.cu --sweep): deeper pipelines and forced splits.
+          if ((t == DType::Q4_0 || t == DType::Q8_0) && tile <= 32)
+            for (int stages : {4, 6, 8}) run(tile, true, {int(std::min<int64_t>(3, s.cols / 64)), stages});
         }
       }
     }
   }
+  const TestWeight w(DType::Q4_0, 64, 128, rng);
+  DeviceBuffer q(size_t(16 * 128)), d(size_t(16 * 4) * 4), sm(size_t(16 * 4) * 4), y(size_t(16 * 64) * 4);
+  const cuda::DeviceActQ8 xq{q.as<int8_t>(), d.as<float>(), sm.as<float>()};
+  CHECK_THROWS_AS(cuda::mmq(w.view, xq, y.as<float>(), 16, 0, nullptr, 16, split.as<float>(), split.bytes(), {1, 5}), UsageError);
+  CHECK_THROWS_AS(cuda::mmq(w.view, xq, y.as<float>(), 16, 0, nullptr, 64, split.as<float>(), split.bytes(), {1, 4}), UsageError);
+  CHECK_THROWS_AS(cuda::mmq(w.view, xq, y.as<float>(), 16, 0, nullptr, 16, split.as<float>(), split.bytes(), {3, 0}), UsageError);  // 2 stages of columns
 }
 
 // The raw types' GEMVs need 16-byte-aligned activations (float4 loads); anything else runs the

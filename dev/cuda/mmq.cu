@@ -9,6 +9,10 @@
 //
 //   dev/cuda/build.sh && build-gpu/dev/mmq [--reps N] [--types q4_0,q4_k,...]
 // (default: every quantized type the engine's MMQ takes, Q4_0 first)
+//   build-gpu/dev/mmq --sweep [--types q4_0,q8_0]
+// The batched-decode sizes (T = 16, 32) with every K split count and pipeline depth (MmqTuning):
+// at 2 blocks per SM (128 registers at 256 threads), a grid just past 264 blocks runs a second
+// wave, and each block walks its stages at about a memory latency per stage.
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -51,6 +55,52 @@ double rel(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(e / n);
 }
 
+// --sweep: per type, matrix and T, the time of every (splits, stages) against the engine's pick.
+void sweep(const std::vector<DType>& types, const std::vector<Shape>& shapes, int reps) {
+  for (DType type : types) {
+    for (const Shape& sh : shapes) {
+      const lab::WeightCopies wc(type, sh.rows, sh.cols);
+      const int copies = int(wc.size());
+      lab::Activations act(32, sh.cols);
+      DeviceBuffer y(size_t(32) * sh.rows * 4), split(size_t(64) << 20);
+      for (int T : {16, 32}) {
+        quantize_act(act.x.as<float>(), act.xq, T, sh.cols, nullptr);
+        std::vector<float> ref(size_t(T) * sh.rows), got(ref.size());
+        mmq(wc.w[0], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), 8 << 20);  // the engine's pick (8 MiB of scratch)
+        CK(cudaDeviceSynchronize());
+        y.download(ref.data(), ref.size() * 4);
+        int i = 0;
+        const double base = best_time_ms(reps, [&] {
+                              for (int k = 0; k < copies; ++k) mmq(wc.w[(i++) % copies], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), 8 << 20);
+                            }) / copies;
+        const int blocks = (sh.rows + 127) / 128, pick = mmq_splits(wc.w[0], T, 8 << 20);
+        std::printf("%-5s %-8s %5dx%-5d T=%-3d engine: split %d (%d blocks), 3 stages %8.1f us\n", dtype_name(type), sh.what, sh.rows, sh.cols, T,
+                    pick, blocks * pick, base * 1e3);
+        double best = base;
+        MmqTuning best_t{pick, 3};
+        for (int splits : {1, 2, 3, 4, 5, 6, 8, 10, 12, 16}) {
+          if (splits > sh.cols / 64 || uint64_t(splits) * T * sh.rows * 4 > split.bytes()) continue;
+          for (int stages : {3, 4, 6, 8}) {
+            const MmqTuning tune{splits, stages};
+            mmq(wc.w[0], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), split.bytes(), tune);
+            CK(cudaDeviceSynchronize());
+            y.download(got.data(), got.size() * 4);
+            const double ms = best_time_ms(reps, [&] {
+                                for (int k = 0; k < copies; ++k)
+                                  mmq(wc.w[(i++) % copies], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), split.bytes(), tune);
+                              }) / copies;
+            std::printf("%-5s %-8s %5dx%-5d T=%-3d split %2d (%4d blocks) stages %d %8.1f us  %.2fx the engine's  diff %.1e\n", dtype_name(type),
+                        sh.what, sh.rows, sh.cols, T, splits, blocks * splits, stages, ms * 1e3, ms / base, rel(got, ref));
+            if (ms < best) best = ms, best_t = tune;
+          }
+        }
+        std::printf("%-5s %-8s %5dx%-5d T=%-3d best: split %d, %d stages %8.1f us (%.2fx the engine's)\n", dtype_name(type), sh.what, sh.rows,
+                    sh.cols, T, best_t.splits, best_t.stages, best * 1e3, best / base);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -65,8 +115,17 @@ int main(int argc, char** argv) {
     const int maxT = 512;
     std::vector<DType> types = {DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::Q5_0, DType::Q3_K,
                                 DType::Q5_K, DType::Q2_K, DType::Q5_1, DType::Q4_1, DType::IQ4_NL};
-    for (int a = 1; a + 1 < argc; a += 2)
-      if (!std::strcmp(argv[a], "--types")) types = lab::parse_types(argv[a + 1]);
+    bool do_sweep = false;
+    for (int a = 1; a < argc; ++a) {
+      if (!std::strcmp(argv[a], "--types") && a + 1 < argc) types = lab::parse_types(argv[++a]);
+      else if (!std::strcmp(argv[a], "--sweep")) do_sweep = true;
+    }
+    if (do_sweep) {
+      if (types.size() > 2) types = {DType::Q4_0, DType::Q8_0};
+      sweep(types, shapes, reps);
+      cublasDestroy(h);
+      return 0;
+    }
     for (DType type : types) {
       for (const Shape& sh : shapes) {
         const lab::WeightCopies wc(type, sh.rows, sh.cols);

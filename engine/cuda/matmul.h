@@ -174,9 +174,15 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
 /// block (16, 32, 64 or 128; 0: mmq_tile_tokens(T)). split / split_bytes: scratch for
 /// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
 /// the grid would otherwise leave most of the GPU idle (few rows, few tokens); null: no split.
-/// Throws UsageError for other weights.
+/// tune: the kernel lab's overrides (dev/cuda/mmq.cu --sweep), 0 for the engine's choice: the K
+/// splits (at most cols / 64, within split_bytes), and the pipeline depth (stages of 64 columns in
+/// flight; 3 is the engine's, 4, 6 and 8 are built for Q4_0 and Q8_0 at 16 or 32 tokens per block).
+/// Throws UsageError for other weights and for overrides that do not fit.
+struct MmqTuning {
+  int splits = 0, stages = 0;
+};
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens = 0,
-         float* split = nullptr, uint64_t split_bytes = 0);
+         float* split = nullptr, uint64_t split_bytes = 0, MmqTuning tune = {});
 /// The K splits mmq uses for w at T tokens with split_bytes of scratch (1: none).
 int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes);
 bool mmq_supported(const DeviceWeight& w);

@@ -25,6 +25,8 @@
 // while the current one is multiplied. Shared-memory rows are padded by 16 bytes, so the warp's
 // 32-bit fragment loads (8 rows x 4 words) fall in 32 distinct banks.
 #include <algorithm>
+#include <string>
+#include <type_traits>
 
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/matmul.h"
@@ -317,7 +319,7 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
   }
 }
 
-template <DType kType, int BN>
+template <DType kType, int BN, int S = kMmqStages>
 __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
   using Stage = MmqStage<kType, BN>;
   constexpr int NT = BN / 16;  // 8-token tiles per warp
@@ -335,17 +337,17 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
 
-  for (int s = 0; s < kMmqStages - 1; ++s) {
+  for (int s = 0; s < S - 1; ++s) {
     if (s < n_stages) mmq_load(st[s], p, row0, tok0, 2 * (first + s));
     cp_async_commit();
   }
   for (int k = 0; k < n_stages; ++k) {
-    cp_async_wait<kMmqStages - 2>();  // stage k has landed (for this thread's copies) ...
+    cp_async_wait<S - 2>();  // stage k has landed (for this thread's copies) ...
     __syncthreads();                  // ... and everyone's; stage k - 1 is consumed by all
-    const int kn = k + kMmqStages - 1;
-    if (kn < n_stages) mmq_load(st[kn % kMmqStages], p, row0, tok0, 2 * (first + kn));
+    const int kn = k + S - 1;
+    if (kn < n_stages) mmq_load(st[kn % S], p, row0, tok0, 2 * (first + kn));
     cp_async_commit();
-    const Stage& s = st[k % kMmqStages];
+    const Stage& s = st[k % S];
     const int pr = (first + k) % 4;  // K-quants: the stage's sub-block pair in its super-block
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -426,9 +428,9 @@ __global__ void mmq_reduce_kernel(const float* __restrict__ part, float* __restr
 
 // The kernel's shared memory beyond the default 48 KiB: allowed once per instantiation and
 // device (on first use, or by mmq_prepare before a CUDA graph is captured).
-template <DType kType, int BN>
+template <DType kType, int BN, int S = kMmqStages>
 void allow_smem() {
-  allow_dynamic_smem(reinterpret_cast<const void*>(&mmq_kernel<kType, BN>), sizeof(MmqStage<kType, BN>) * kMmqStages);
+  allow_dynamic_smem(reinterpret_cast<const void*>(&mmq_kernel<kType, BN, S>), sizeof(MmqStage<kType, BN>) * S);
 }
 
 template <DType kType>
@@ -436,13 +438,27 @@ void allow_smem_all() {
   allow_smem<kType, 16>(), allow_smem<kType, 32>(), allow_smem<kType, 64>(), allow_smem<kType, 128>();
 }
 
-template <DType kType, int BN>
+template <DType kType, int BN, int S = kMmqStages>
 void launch_mmq(const MmqArgs& a, cudaStream_t s) {
-  constexpr size_t smem = sizeof(MmqStage<kType, BN>) * kMmqStages;
-  allow_smem<kType, BN>();
+  constexpr size_t smem = sizeof(MmqStage<kType, BN>) * S;
+  allow_smem<kType, BN, S>();
   const dim3 grid{unsigned((a.rows + kMmqBM - 1) / kMmqBM), unsigned((a.T + BN - 1) / BN), unsigned(a.splits)};
-  auto* kernel = mmq_kernel<kType, BN>;  // a template name's comma would split the macro's arguments
+  auto* kernel = mmq_kernel<kType, BN, S>;  // a template name's comma would split the macro's arguments
   LLMQ_LAUNCH(kernel, grid, kMmqThreads, smem, s)(a);
+}
+
+// The lab's pipeline depths (MmqTuning::stages): Q4_0 and Q8_0 at 16 or 32 tokens per block.
+template <DType kType>
+void launch_mmq_stages(const MmqArgs& a, int bn, int stages, cudaStream_t s) {
+  auto pick = [&](auto depth) {
+    constexpr int D = decltype(depth)::value;
+    bn == 16 ? launch_mmq<kType, 16, D>(a, s) : launch_mmq<kType, 32, D>(a, s);
+  };
+  switch (stages) {
+    case 4: return pick(std::integral_constant<int, 4>{});
+    case 6: return pick(std::integral_constant<int, 6>{});
+    default: return pick(std::integral_constant<int, 8>{});
+  }
 }
 
 template <DType kType>
@@ -474,24 +490,52 @@ bool mmq_supported(const DeviceWeight& w) {
 
 int mmq_tile_tokens(int64_t T) { return T <= 16 ? 16 : T <= 32 ? 32 : T <= 64 ? 64 : 128; }
 
-// Enough CUDA blocks for two per SM of an H100/H200 (132 SMs): a 4096-row matrix at 16 tokens is
-// 32 blocks, each walking all its columns' stages one after another (latency-bound: 50 us on an
-// H200 against 3 us of weight bytes). Each split keeps at least 4 stages (256 columns).
+// Enough CUDA blocks for two per SM of an H100/H200 (132 SMs: 264 slots at 128 registers x 256
+// threads): a 4096-row matrix at 16 tokens is 32 blocks, each walking all its columns' stages
+// one after another (latency-bound: 50 us on an H200 against 3 us of weight bytes). Each split
+// keeps at least 4 stages (256 columns) and fits the scratch.
+// Tiles of 16 and 32 tokens: a grid just past a whole number of waves pays for a nearly empty
+// one (llama-2-7b's qkv, 96 row blocks x 3 splits = 288 blocks: 46.0 us; x 5 = 480: 37.7 us;
+// gate_up, 172 x 2 = 344: 71.1 us, x 3 = 516: 56.7 us; dev/cuda/mmq.cu --sweep on an H200,
+// bench/RESULTS.md), so where 8 splits would fill more than one wave the split count maximises
+// the filled share of the last wave, less 0.03 a split (the partial sums' traffic). Smaller
+// grids and wider tiles keep the first rule (wider tiles were not swept).
 int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes) {
-  const int64_t blocks = (w.rows + kMmqBM - 1) / kMmqBM * ((T + mmq_tile_tokens(T) - 1) / mmq_tile_tokens(T));
-  int64_t splits = std::min<int64_t>({8, (264 + blocks - 1) / blocks, w.cols / kMmqBK / 4});
-  while (splits > 1 && uint64_t(splits) * uint64_t(T) * uint64_t(w.rows) * 4 > split_bytes) --splits;
+  constexpr int64_t kSlots = 264;
+  const int tile = mmq_tile_tokens(T);
+  const int64_t blocks = (w.rows + kMmqBM - 1) / kMmqBM * ((T + tile - 1) / tile);
+  auto fits = [&](int64_t s) { return s <= w.cols / kMmqBK / 4 && uint64_t(s) * uint64_t(T) * uint64_t(w.rows) * 4 <= split_bytes; };
+  if (tile <= 32 && blocks * 8 > kSlots) {
+    int64_t best = 1;
+    double best_score = -1;
+    for (int64_t s = 1; s <= 8 && (s == 1 || fits(s)); ++s) {
+      const int64_t n = blocks * s, waves = (n + kSlots - 1) / kSlots;
+      const double score = double(n) / double(waves * kSlots) - 0.03 * double(s);
+      if (score > best_score) best_score = score, best = s;
+    }
+    return int(best);
+  }
+  int64_t splits = std::min<int64_t>({8, (kSlots + blocks - 1) / blocks, w.cols / kMmqBK / 4});
+  while (splits > 1 && !fits(splits)) --splits;
   return int(std::max<int64_t>(1, splits));
 }
 
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
-         uint64_t split_bytes) {
+         uint64_t split_bytes, MmqTuning tune) {
   if (!mmq_supported(w)) throw UsageError("mmq: quantized weights with columns a multiple of 64");
   if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
-  const int splits = split ? mmq_splits(w, T, split_bytes) : 1;
+  const int splits = !split ? 1 : tune.splits ? tune.splits : mmq_splits(w, T, split_bytes);
+  if (splits < 1 || splits > w.cols / kMmqBK || (splits > 1 && uint64_t(splits) * uint64_t(T) * uint64_t(w.rows) * 4 > split_bytes))
+    throw UsageError("mmq: " + std::to_string(splits) + " splits do not fit the columns or the scratch");
   if (ldy == 0) ldy = w.rows;
   const MmqArgs a{w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, int64_t(row_bytes(w.type, w.cols))};
   const int bn = tile_tokens ? tile_tokens : mmq_tile_tokens(T);
+  if (tune.stages != 0 && tune.stages != kMmqStages) {
+    const bool ok = (w.type == DType::Q4_0 || w.type == DType::Q8_0) && (bn == 16 || bn == 32) &&
+                    (tune.stages == 4 || tune.stages == 6 || tune.stages == 8);
+    if (!ok) throw UsageError("mmq: other pipeline depths are built for Q4_0 and Q8_0 at 16 or 32 tokens per block (4, 6 or 8 stages)");
+    w.type == DType::Q4_0 ? launch_mmq_stages<DType::Q4_0>(a, bn, tune.stages, s) : launch_mmq_stages<DType::Q8_0>(a, bn, tune.stages, s);
+  } else {
   switch (w.type) {
     case DType::Q8_0: launch_mmq_bn<DType::Q8_0>(a, bn, s); break;
     case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
@@ -504,6 +548,7 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
     case DType::Q5_K: launch_mmq_bn<DType::Q5_K>(a, bn, s); break;
     case DType::Q6_K: launch_mmq_bn<DType::Q6_K>(a, bn, s); break;
     default: launch_mmq_bn<DType::Q4_1>(a, bn, s); break;
+  }
   }
   check_launch("mmq");
   if (splits > 1) {
