@@ -471,6 +471,23 @@ void launch_mmq_bn(const MmqArgs& a, int bn, cudaStream_t s) {
   }
 }
 
+// The kernel for w's type at the engine's pipeline depth.
+void launch_mmq_type(DType type, const MmqArgs& a, int bn, cudaStream_t s) {
+  switch (type) {
+    case DType::Q8_0: launch_mmq_bn<DType::Q8_0>(a, bn, s); break;
+    case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
+    case DType::Q5_0: launch_mmq_bn<DType::Q5_0>(a, bn, s); break;
+    case DType::Q5_1: launch_mmq_bn<DType::Q5_1>(a, bn, s); break;
+    case DType::IQ4_NL: launch_mmq_bn<DType::IQ4_NL>(a, bn, s); break;
+    case DType::Q2_K: launch_mmq_bn<DType::Q2_K>(a, bn, s); break;
+    case DType::Q3_K: launch_mmq_bn<DType::Q3_K>(a, bn, s); break;
+    case DType::Q4_K: launch_mmq_bn<DType::Q4_K>(a, bn, s); break;
+    case DType::Q5_K: launch_mmq_bn<DType::Q5_K>(a, bn, s); break;
+    case DType::Q6_K: launch_mmq_bn<DType::Q6_K>(a, bn, s); break;
+    default: launch_mmq_bn<DType::Q4_1>(a, bn, s); break;
+  }
+}
+
 }  // namespace
 
 void mmq_prepare() {
@@ -536,19 +553,7 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
     if (!ok) throw UsageError("mmq: other pipeline depths are built for Q4_0 and Q8_0 at 16 or 32 tokens per block (4, 6 or 8 stages)");
     w.type == DType::Q4_0 ? launch_mmq_stages<DType::Q4_0>(a, bn, tune.stages, s) : launch_mmq_stages<DType::Q8_0>(a, bn, tune.stages, s);
   } else {
-  switch (w.type) {
-    case DType::Q8_0: launch_mmq_bn<DType::Q8_0>(a, bn, s); break;
-    case DType::Q4_0: launch_mmq_bn<DType::Q4_0>(a, bn, s); break;
-    case DType::Q5_0: launch_mmq_bn<DType::Q5_0>(a, bn, s); break;
-    case DType::Q5_1: launch_mmq_bn<DType::Q5_1>(a, bn, s); break;
-    case DType::IQ4_NL: launch_mmq_bn<DType::IQ4_NL>(a, bn, s); break;
-    case DType::Q2_K: launch_mmq_bn<DType::Q2_K>(a, bn, s); break;
-    case DType::Q3_K: launch_mmq_bn<DType::Q3_K>(a, bn, s); break;
-    case DType::Q4_K: launch_mmq_bn<DType::Q4_K>(a, bn, s); break;
-    case DType::Q5_K: launch_mmq_bn<DType::Q5_K>(a, bn, s); break;
-    case DType::Q6_K: launch_mmq_bn<DType::Q6_K>(a, bn, s); break;
-    default: launch_mmq_bn<DType::Q4_1>(a, bn, s); break;
-  }
+    launch_mmq_type(w.type, a, bn, s);
   }
   check_launch("mmq");
   if (splits > 1) {
