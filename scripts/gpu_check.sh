@@ -13,14 +13,16 @@
 #   bash scripts/gpu_check.sh lab bench  # named phases, in order:
 #     info       nvidia-smi
 #     kernels    the kernel parity cases alone (MMQ, matmul, norms, attention)
-#     tests      parity: every [cuda] case (kernel x type, whole models, TP, server paths)
+#     tests      parity: every [cuda] case (kernel x type, whole models, TP, server paths), and again
+#                with programmatic dependent launch (PDL=0: not again)
 #     sanitizer  compute-sanitizer memcheck over the kernel tests; racecheck over MMQ and attention
 #     lab        the kernel labs (dev/cuda): GEMV (Q4_0/Q8_0, and K-quants: gemv_k), MMQ and attention
 #                against the engine's (LABS=...)
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
 #                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-3-8b's Q4_0 (GQA) on each decode
-#                attention version forced, against the default's pick by shape)
+#                attention version forced, against the default's pick by shape; PDL=0: without the
+#                Q4_0 and Q8_0 runs with programmatic dependent launch, LLMQ_CUDA_PDL=1)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
@@ -146,6 +148,8 @@ run_phase() {
     tests)
       step cuda-tests 240 "$G/bin/llmq-tests '[cuda]' -r compact"
       step tp-process-tests 90 "$G/bin/llmq-tests '[tp_process]' -r compact"
+      # programmatic dependent launch (engine/cuda/common.cuh pdl_begin): every case again with it on
+      [ "${PDL:-1}" = 1 ] && step cuda-tests-pdl 240 "LLMQ_CUDA_PDL=1 $G/bin/llmq-tests '[cuda]' -r compact"
       ;;
     sanitizer)
       # racecheck first: its last run (MMQ on 11 types since) ran past its limit, without a verdict
@@ -167,6 +171,10 @@ run_phase() {
         step "bench-7b-$t" 90 "$G/bin/llmq-bench $B7 --type $t --profile --batch 32"
       done
       [ "${NO_MMQ:-0}" = 1 ] && step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
+      # programmatic dependent launch, end to end (decode graphs, prefill, batch 32)
+      if [ "${PDL:-1}" = 1 ]; then
+        for t in q4_0 q8_0; do step "bench-7b-$t-pdl" 90 "LLMQ_CUDA_PDL=1 $G/bin/llmq-bench $B7 --type $t --batch 32"; done
+      fi
       # decode attention by shape (engine/cuda/attention.h set_decode_attention_version): the default
       # on llama-2-7b (MHA: version 2) above; llama-3-8b (GQA: version 1) with each version forced
       if [ "${DECODE_ATTN:-1}" = 1 ]; then

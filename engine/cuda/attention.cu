@@ -141,6 +141,7 @@ __device__ __forceinline__ void attn_tile_update(const __half* Ks, const __half*
 
 template <int TQ>
 __global__ void attention_kernel(AttnArgs a) {
+  pdl_begin();
   unsigned char* smem = dynamic_smem();
   const int kvh = int(blockIdx.y), split = int(blockIdx.z);
   const int G = int(blockDim.y), g = int(threadIdx.y), z = int(threadIdx.z), lane = int(threadIdx.x);
@@ -244,6 +245,7 @@ __device__ __forceinline__ void axpy_halves(float (&dst)[VL], float w, const __h
 
 template <int HD>
 __global__ void __launch_bounds__(32 * kDecWarps) attention_decode_kernel(AttnArgs a) {
+  pdl_begin();
   constexpr int KL = HD / 8, VL = HD / 32, stride = HD + 2;
   float* sm = reinterpret_cast<float*>(dynamic_smem());  // [G][kDecWarps][HD + 2]
   const int t = int(blockIdx.x), kvh = int(blockIdx.y), split = int(blockIdx.z);
@@ -397,6 +399,7 @@ __device__ __forceinline__ void fa_load_tile(const AttnArgs& a, __half* Ks, __ha
 
 template <int HD>
 __global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
+  pdl_begin();
   constexpr int P = HD + kPad, KS = HD / 16, NS = kFaCols / 8, NO = HD / 8;
   __half* const base = reinterpret_cast<__half*>(dynamic_smem());  // stage s: K [kFaCols][P], then V
   __shared__ int warp_top[4];
@@ -523,6 +526,7 @@ bool use_prefill_kernel(int64_t T, int64_t hd, int64_t n_splits, const KvPages& 
 // token's position) weigh 0.
 __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_heads, int hd, int n_splits, float* __restrict__ out,
                                        int64_t ldo) {
+  pdl_begin();
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, stride = hd + 2;
   const float* P = partial + (int64_t(t) * n_heads + h) * n_splits * stride;
   float M = -INFINITY;

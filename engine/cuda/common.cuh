@@ -2,16 +2,72 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include <utility>
+
+namespace llmq::cuda {
+
+/// Whether kernels are launched with programmatic dependent launch (Hopper): LLMQ_CUDA_PDL=1 at
+/// start-up, or set_programmatic_launch (engine/cuda/cuda.cpp). An experiment until a GPU times it
+/// (dev/README.md #18).
+bool programmatic_launch();
+
+#ifndef LLMQ_CUDA_EMU
+/// LLMQ_LAUNCH's launcher: kernel<<<grid, block, smem, stream>>>(args...), or with
+/// programmatic_launch() the same through cudaLaunchKernelEx with programmatic stream
+/// serialization allowed, so the kernel's blocks may be scheduled before the kernel ahead of it
+/// in the stream has finished; they wait for it in pdl_begin().
+template <typename... P>
+class Launcher {
+ public:
+  Launcher(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream)
+      : kernel_(kernel), grid_(grid), block_(block), smem_(smem), stream_(stream) {}
+  template <typename... A>
+  void operator()(A&&... args) const {
+    if (!programmatic_launch()) {
+      kernel_<<<grid_, block_, smem_, stream_>>>(std::forward<A>(args)...);
+      return;
+    }
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid_, cfg.blockDim = block_, cfg.dynamicSmemBytes = smem_, cfg.stream = stream_, cfg.attrs = &attr, cfg.numAttrs = 1;
+    cudaLaunchKernelEx(&cfg, kernel_, std::forward<A>(args)...);  // an error is left for check_launch (cudaGetLastError)
+  }
+
+ private:
+  void (*kernel_)(P...);
+  dim3 grid_, block_;
+  size_t smem_;
+  cudaStream_t stream_;
+};
+#endif
+
+}  // namespace llmq::cuda
+
 // Kernel launches are written LLMQ_LAUNCH(kernel, grid, block, smem, stream)(args...): the
-// <<<...>>> launch here, a call into the CPU emulator in its build (engine/cuda/emu/emu.h).
+// launcher above here, a call into the CPU emulator in its build (engine/cuda/emu/emu.h). Every
+// kernel starts with pdl_begin().
 #ifndef LLMQ_LAUNCH
-#define LLMQ_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#define LLMQ_LAUNCH(kernel, grid, block, smem, stream) ::llmq::cuda::Launcher(kernel, grid, block, smem, stream)
 #endif
 
 namespace llmq::cuda {
+
+/// The first statement of every kernel: waits until the kernel ahead in the stream has finished
+/// and its writes are visible (griddepcontrol.wait), then lets the next kernel's blocks be
+/// scheduled (griddepcontrol.launch_dependents); they wait here in turn, so nothing a kernel reads
+/// or writes overlaps its neighbours. Without programmatic launch (the default) both are no-ops
+/// (PTX ISA, griddepcontrol; CUDA programming guide, programmatic dependent launch).
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 /// The launch's dynamic shared memory (the extern __shared__ array), 16-byte aligned.
 #ifdef LLMQ_CUDA_EMU

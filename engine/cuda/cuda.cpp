@@ -3,10 +3,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <map>
 #include <mutex>
 #include <utility>
+
+#include "base/env_setting.h"
 
 namespace llmq::cuda {
 
@@ -15,6 +18,16 @@ void check(cudaError_t e, const char* what) {
 }
 
 void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+namespace {
+EnvSetting g_pdl([] {
+  const char* e = std::getenv("LLMQ_CUDA_PDL");
+  return e && std::string(e) == "1" ? 1 : 0;
+});
+}  // namespace
+
+bool programmatic_launch() { return g_pdl.get() != 0; }
+void set_programmatic_launch(bool on) { g_pdl.set(on ? 1 : 0); }
 
 void allow_dynamic_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return;

@@ -29,6 +29,11 @@ void check_launch(const char* kernel);
 /// prepared before makes no call. Throws CudaError.
 void allow_dynamic_smem(const void* kernel, size_t bytes);
 
+/// Programmatic dependent launch for every LLMQ_LAUNCH from now on (engine/cuda/common.cuh
+/// Launcher, pdl_begin): the environment's LLMQ_CUDA_PDL=1 sets it at start-up. An experiment
+/// until a GPU times it (dev/README.md #18); CUDA graphs captured before keep what they captured.
+void set_programmatic_launch(bool on);
+
 /// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).
 int device_count();
 /// "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.1 GiB)" for device `dev`.

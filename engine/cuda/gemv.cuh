@@ -44,6 +44,7 @@ template <int R, bool kQ5>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_q45k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
                                                                    const float* __restrict__ xd, const float* __restrict__ xs,
                                                                    float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
   const int nrows = int(rows), ncols = int(cols), row0 = warp_row0<R>(nrows);
   if (row0 < 0) return;
   const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2);
@@ -87,6 +88,7 @@ template <int R>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_q6k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
                                                                   const float* __restrict__ xd, const float* __restrict__,
                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
   const int nrows = int(rows), ncols = int(cols), row0 = warp_row0<R>(nrows);
   if (row0 < 0) return;
   const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4);

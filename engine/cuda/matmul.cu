@@ -125,12 +125,14 @@ __device__ __forceinline__ uint32_t hash32(uint64_t x) {  // splitmix64's finali
 __device__ __forceinline__ float uniform01(uint64_t seed, uint64_t i) { return float(hash32(seed * 0x100000001b3ull + i) >> 8) * (1.0f / 16777216.0f); }
 
 __global__ void fill_bytes_kernel(uint8_t* p, uint64_t n, uint64_t seed) {
+  pdl_begin();
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
     p[i] = uint8_t(hash32(seed * 0x100000001b3ull + i));
 }
 
 // kind 0: fp32 values, 1: fp16 values, 2: bf16 values (all in ±amp); 3: fp16 values in amp·[0.5, 1.5).
 __global__ void fill_values_kernel(void* p, uint64_t n, uint64_t seed, int kind, float amp) {
+  pdl_begin();
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
     const float u = uniform01(seed, i);
     if (kind == 0) static_cast<float*>(p)[i] = (2.0f * u - 1.0f) * amp;
@@ -140,13 +142,15 @@ __global__ void fill_values_kernel(void* p, uint64_t n, uint64_t seed, int kind,
   }
 }
 
-__global__ void neg_scaled_kernel(uint16_t* dst, const uint16_t* src, uint64_t n, float k) {  // dst = -k * src (fp16)
+__global__ void neg_scaled_kernel(uint16_t* dst, const uint16_t* src, uint64_t n, float k) {
+  pdl_begin();  // dst = -k * src (fp16)
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
     dst[i] = __half_as_ushort(__float2half(-k * fp16_bits_to_float(src[i])));
 }
 
 // One fp16 field per block of block_bytes (at byte `off`, 2-byte aligned): amp·[0.5, 1.5).
 __global__ void fill_block_half_kernel(uint8_t* p, uint64_t n_blocks, int block_bytes, int off, uint64_t seed, float amp) {
+  pdl_begin();
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n_blocks; i += uint64_t(gridDim.x) * blockDim.x)
     *reinterpret_cast<uint16_t*>(p + i * block_bytes + off) = __half_as_ushort(__float2half((0.5f + uniform01(seed, i)) * amp));
 }
@@ -217,6 +221,7 @@ namespace {
 
 // One warp per block of 32 activations (act_q8.cuh's rule).
 __global__ void quantize_act_kernel(const float* __restrict__ x, DeviceActQ8 q, int64_t n_blocks) {
+  pdl_begin();
   const int64_t b = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (b >= n_blocks) return;  // whole warps leave together
@@ -255,6 +260,7 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
                                                            const int8_t* __restrict__ xq,
                                                            const float* __restrict__ xd, const float* __restrict__ xs,
                                                            float* __restrict__ y, int64_t ldy, int rows, int cols) {
+  pdl_begin();
   constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;  // quant bytes per block
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int row0 = (KS == 1 ? int(blockIdx.x) * W + warp : int(blockIdx.x)) * R;
@@ -401,6 +407,7 @@ __device__ __forceinline__ float load1(const E* p) {
 template <class E>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_float_kernel(const E* __restrict__ wq, const float* __restrict__ x,
                                                                     float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
   const int64_t row = int64_t(blockIdx.x) * kGemvWarps + threadIdx.y;
   if (row >= rows) return;
   constexpr int kVec = 16 / sizeof(E);
@@ -439,6 +446,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_float_kernel(const E* __
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, const uint8_t* __restrict__ wq, size_t rb,
                                                                   const float* __restrict__ x, float* __restrict__ y, int64_t ldy,
                                                                   int64_t rows, int64_t cols, int T) {
+  pdl_begin();
   const int64_t row = int64_t(blockIdx.x) * kGemvWarps + threadIdx.y;
   if (row >= rows) return;
   float acc[kGemvMaxTokens] = {};
@@ -466,6 +474,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, c
 template <int R, bool kQ5>
 __global__ void __launch_bounds__(32 * kGemvWarps, kQ5 ? 5 : 6) gemv_q45k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
                                                                              float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
   constexpr int kBlockBytes = raw_block_bytes(kQ5 ? DType::Q5_K : DType::Q4_K), kQs = kQ5 ? 48 : 16;
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
@@ -519,6 +528,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, kQ5 ? 5 : 6) gemv_q45k_kernel
 template <int R>
 __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
   const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4);
@@ -574,6 +584,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint
 template <int R, bool kQ3>
 __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q23k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
                                                                      float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
   constexpr int kBlockBytes = raw_block_bytes(kQ3 ? DType::Q3_K : DType::Q2_K), kQs = kQ3 ? 32 : 16;
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
@@ -636,6 +647,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q23k_kernel(const uin
 template <int R>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_iq4nl_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
                                                                     float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
   constexpr int kBlockBytes = raw_block_bytes(DType::IQ4_NL);
   const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
   if (row0 >= rows) return;
@@ -765,6 +777,7 @@ namespace {
 template <DType kType>
 __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd, const uint16_t* __restrict__ wm,
                                       const uint32_t* __restrict__ wh, uint4* __restrict__ out, int64_t n_quarters) {
+  pdl_begin();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_quarters) return;
   const int64_t b = i / 4;
@@ -795,6 +808,7 @@ __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint
 // Raw-layout weights: one thread per block of 32, four 16-byte stores.
 __global__ void dequantize_raw_f16_kernel(DType type, const uint8_t* __restrict__ wq, int64_t nb_row, size_t rb,
                                           uint4* __restrict__ out, int64_t n_blocks) {
+  pdl_begin();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_blocks) return;
   float f[32];
@@ -810,6 +824,7 @@ __global__ void dequantize_raw_f16_kernel(DType type, const uint8_t* __restrict_
 
 // fp32 → fp16 (bf16 = false) or bf16.
 __global__ void convert_kernel(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n, bool bf16) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16(x[i])) : __half_as_ushort(__float2half(x[i]));
 }

@@ -321,6 +321,7 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
 
 template <DType kType, int BN, int S = kMmqStages>
 __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
+  pdl_begin();
   using Stage = MmqStage<kType, BN>;
   constexpr int NT = BN / 16;  // 8-token tiles per warp
   auto* st = reinterpret_cast<Stage*>(dynamic_smem());
@@ -418,6 +419,7 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
 
 // y [T, rows] (row t at y + t · ldy) = Σ_z part [z, T, rows], z in order.
 __global__ void mmq_reduce_kernel(const float* __restrict__ part, float* __restrict__ y, int64_t ldy, int rows, int T, int splits) {
+  pdl_begin();
   const int64_t n = int64_t(T) * rows;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float v = 0.0f;

@@ -25,6 +25,7 @@ constexpr int kNormVec = 4;  // float4s per thread on the register path: rows of
 // out may be y (each thread reads y[i] before it writes out[i], for the same i): no __restrict__.
 __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(float* out, float* x, const float* y, const float* __restrict__ w,
                                                                int64_t n, float eps, DeviceActQ8 q) {
+  pdl_begin();
   __shared__ float red[32];
   float* xr = x + int64_t(blockIdx.x) * n;
   float* orow = out + int64_t(blockIdx.x) * n;
@@ -126,6 +127,7 @@ __global__ void __launch_bounds__(kRopeThreads) rope_store_kv_kernel(float* __re
                                                                      const int32_t* __restrict__ rows, int n_heads, int n_kv, int hd,
                                                                      const double* __restrict__ freqs, bool interleaved, __half* __restrict__ kc,
                                                                      __half* __restrict__ vc) {
+  pdl_begin();
   __shared__ float cs[kMaxHeadDim / 2][2];  // cos, sin of angle i
   const int64_t t = blockIdx.y;
   const int half = hd / 2, kv_dim = n_kv * hd;
@@ -180,6 +182,7 @@ namespace {
 // two blocks.
 template <bool kGelu>
 __global__ void gated_act_kernel(float* __restrict__ out, const float* __restrict__ h, int64_t T, int64_t H, DeviceActQ8 q) {
+  pdl_begin();
   const int64_t n = T * H, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x / 32 * 32; i0 < n; i0 += stride) {  // warp-uniform
     const int64_t i = i0 + threadIdx.x % 32;
@@ -196,6 +199,7 @@ __global__ void gated_act_kernel(float* __restrict__ out, const float* __restric
 }
 
 __global__ void softcap_kernel(float* __restrict__ x, int64_t n, float cap) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) x[i] = cap * tanhf(x[i] / cap);
 }
 
@@ -204,6 +208,7 @@ __global__ void softcap_kernel(float* __restrict__ x, int64_t n, float cap) {
 constexpr int kHeadNormWarps = 4;
 __global__ void head_rmsnorm_kernel(float* __restrict__ qkv, int64_t ld, int n_q, int n_k, int hd, const float* __restrict__ wq,
                                     const float* __restrict__ wk, float eps) {
+  pdl_begin();
   const int head = int(blockIdx.x) * kHeadNormWarps + int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
   if (head >= n_q + n_k) return;  // warp-uniform
   float* x = qkv + int64_t(blockIdx.y) * ld + int64_t(head) * hd;
@@ -216,10 +221,12 @@ __global__ void head_rmsnorm_kernel(float* __restrict__ qkv, int64_t ld, int n_q
 }
 
 __global__ void add_kernel(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) x[i] += y[i];
 }
 
 __global__ void add_bias_kernel(float* __restrict__ x, int64_t ld, const float* __restrict__ b, int64_t T, int64_t n) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T * n; i += int64_t(gridDim.x) * blockDim.x)
     x[(i / n) * ld + i % n] += b[i % n];
 }
@@ -252,6 +259,7 @@ __device__ __forceinline__ float weight_at(const DeviceWeight& w, int64_t r, int
 }
 
 __global__ void embedding_kernel(float* __restrict__ x, DeviceWeight table, const int32_t* __restrict__ tokens, float scale) {
+  pdl_begin();
   const int64_t t = blockIdx.y, r = tokens[t];
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < table.cols; j += int64_t(gridDim.x) * blockDim.x)
     x[t * table.cols + j] = weight_at(table, r, j) * scale;
@@ -305,6 +313,7 @@ void embedding(float* x, const DeviceWeight& table, const int32_t* tokens, int64
 namespace {
 
 __global__ void gather_rows_kernel(float* __restrict__ out, const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t n) {
+  pdl_begin();
   const float* src = x + int64_t(idx[blockIdx.y]) * n;
   float* dst = out + int64_t(blockIdx.y) * n;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) dst[i] = src[i];
@@ -326,6 +335,7 @@ namespace {
 __global__ void store_kv_q8_kernel(const float* __restrict__ qkv, int64_t ld, int64_t q_dim, const int32_t* __restrict__ pos,
                                    const int32_t* __restrict__ rows, int kv_dim, int8_t* __restrict__ kq, __half* __restrict__ kd,
                                    int8_t* __restrict__ vq, __half* __restrict__ vd) {
+  pdl_begin();
   const int t = blockIdx.x, nb = kv_dim / 32, lane = threadIdx.x;
   const bool is_v = int(blockIdx.y) >= nb;
   const int b = is_v ? int(blockIdx.y) - nb : int(blockIdx.y);

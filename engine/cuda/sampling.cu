@@ -16,6 +16,7 @@ __device__ __forceinline__ void better(float& v, int32_t& i, float v2, int32_t i
 }
 
 __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const float* __restrict__ x, int64_t n, int32_t* __restrict__ out) {
+  pdl_begin();
   __shared__ float sv[32];
   __shared__ int32_t si[32];
   float v = -INFINITY;
@@ -71,6 +72,7 @@ __device__ int block_exclusive_scan(int v, int* buf) {
 
 __global__ void __launch_bounds__(kTopKThreads) top_k_kernel(const float* __restrict__ x, int n, int k, int32_t* __restrict__ out_ids,
                                                             float* __restrict__ out_vals) {
+  pdl_begin();
   __shared__ int hist[256];
   __shared__ int scan_buf[kTopKThreads];
   __shared__ uint32_t s_prefix;
