@@ -17,7 +17,7 @@
 #                with programmatic dependent launch (PDL=0: not again)
 #     sanitizer  compute-sanitizer memcheck over the kernel tests; racecheck over MMQ and attention
 #     lab        the kernel labs (dev/cuda): GEMV (Q4_0/Q8_0, and K-quants: gemv_k), MMQ and attention
-#                against the engine's (LABS=...)
+#                against the engine's (LABS=...; LABS=sweep: MMQ's K splits x pipeline depths, 10 s)
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
 #                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-3-8b's Q4_0 (GQA) on each decode
@@ -162,6 +162,7 @@ run_phase() {
           gemv) step lab-gemv 90 "$G/dev/gemv --reps 10" ;;
           gemv_k) step lab-gemv-k 90 "$G/dev/gemv_k --reps 10" ;;
           mmq) step lab-mmq 120 "$G/dev/mmq --reps 5" ;;
+          sweep) step lab-mmq-sweep 60 "$G/dev/mmq --reps 5 --types q4_0,q8_0 --sweep" ;;
           attn) step lab-attn 60 "$G/dev/attn && LLMQ_CUDA_ATTN=0 $G/dev/attn" ;;
         esac
       done
