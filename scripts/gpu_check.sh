@@ -28,6 +28,9 @@
 #                read by both llama.cpp's llama-bench and llmq-bench (after
 #                llmq-convert), interleaved; llmq-run's GPU peak (nvidia-smi) against llmq-mem infer
 #                on each; and test-backend-ops perf on the MUL_MAT shapes of the issue (PEER_OPS=0: without)
+#     ops        the op harness's matmul on llama.cpp's test-backend-ops table (llmq-ops --perf
+#                --peer-shapes: Q4_0/Q8_0/Q4_K/Q6_K/F16, 4096 x 14336, n = 1, 8, 512; about 2 minutes,
+#                most of it quantizing the host weights), beside the peer phase's test-backend-ops
 #     tools      llmq-run (offload, --tp 2, ranks as processes), llmq-server
 #     train      bench/train_mem.py: PyTorch's peak vs llmq-mem train; bench/generate_mem.py:
 #                transformers' generate() peak vs llmq-mem generate
@@ -191,6 +194,9 @@ run_phase() {
         echo "[peer] no .gpu/peer (scripts/peer_cuda.sh builds it): skipped" | tee -a "$dir/summary.txt"
       fi
       ;;
+    ops)
+      step ops-peer-shapes 240 "$G/bin/llmq-ops --peer-shapes --op matmul --backend cuda"
+      ;;
     tools)
       need_model
       step run-gpu 60 "$G/bin/llmq-run -m $S -p Once -n 32 --temp 0 --device cuda && echo && $G/bin/llmq-run -m $S -p Once -n 32 --temp 0"
@@ -216,7 +222,7 @@ run_phase() {
         for s in '64 256 688 8' '1304 4096 11008 32'; do set -- \$s; PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda; done"
       ;;
     *)
-      echo "gpu_check.sh: unknown phase '$phase' (info tests sanitizer lab bench peer tools train)" >&2
+      echo "gpu_check.sh: unknown phase '$phase' (info tests sanitizer lab bench peer ops tools train)" >&2
       exit 1
       ;;
   esac

@@ -14,11 +14,11 @@ cd "$(dirname "$0")/.."
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B build-gpu -DLLMQ_CUDA=ON -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >/dev/null
-cmake --build build-gpu -j"$(nproc)" --target llmq-tests llmq-bench llmq-run llmq-convert llmq-mem llmq-server llmq-cuda llmq-mpi-check
+cmake --build build-gpu -j"$(nproc)" --target llmq-tests llmq-ops llmq-bench llmq-run llmq-convert llmq-mem llmq-server llmq-cuda llmq-mpi-check
 peer_keep=$(mktemp -d); [ -d .gpu/peer ] && mv .gpu/peer "$peer_keep/"  # scripts/peer_cuda.sh's output survives a repack
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib .gpu/shared/models
 [ -d "$peer_keep/peer" ] && mv "$peer_keep/peer" .gpu/; rmdir "$peer_keep" 2>/dev/null || true
-cp build-gpu/tests/llmq-tests build-gpu/llmq-bench build-gpu/llmq-run build-gpu/llmq-convert build-gpu/llmq-mem build-gpu/llmq-server build-gpu/llmq-mpi-check .gpu/bin/
+cp build-gpu/tests/llmq-tests build-gpu/tests/llmq-ops build-gpu/llmq-bench build-gpu/llmq-run build-gpu/llmq-convert build-gpu/llmq-mem build-gpu/llmq-server build-gpu/llmq-mpi-check .gpu/bin/
 cp build-gpu/libllmq-cuda.so .gpu/bin/  # the CUDA backend plugin llmq-run/-server/-mem open beside themselves
 strip .gpu/bin/* || true
 # Libraries from Debian packages (the GPU machine's image may lack them); not the CUDA ones.

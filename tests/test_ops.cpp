@@ -6,9 +6,11 @@
 // ops(). Backends that lack an op say so (SKIPPED) instead of failing.
 //
 // Built twice: as Catch2 cases ("[ops]") and as the tool `llmq-ops` (LLMQ_OPS_MAIN):
-//   llmq-ops [--perf] [--op NAME] [--backend NAME]
+//   llmq-ops [--perf [--peer-shapes]] [--op NAME] [--backend NAME]
 // prints one line per case (error and bound), or with --perf its time, GB/s moved and, for
-// matmul, tok/s, per backend.
+// matmul, tok/s, per backend; --peer-shapes: only the cases of llama.cpp's `test-backend-ops perf
+// -o MUL_MAT` table (Q4_0, Q8_0, Q4_K, Q6_K, F16 at 4096 x 14336, n = 1, 8, 512), for a
+// side-by-side on one GPU (scripts/gpu_check.sh peer runs both).
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -313,6 +315,9 @@ struct CaseRun {
   std::vector<double> ref;
   double bytes = 0;   // bytes the op must move (weights, inputs, outputs)
   double tokens = 0;  // tokens it processes (tok/s; 0: not reported)
+  /// The part of the output `ref` holds, when the reference covers only some of it (a model-sized
+  /// case too costly in fp64); null: all of it.
+  std::function<Floats(const Floats&)> checked = {};
 };
 
 /// One row of the harness: an op, the weight types it takes (F32 alone when none), its shapes,
@@ -327,6 +332,10 @@ struct Op {
   std::function<bool(DType, const Shape&)> valid = {};
   /// The shapes --perf times (model-sized); empty: `shapes`.
   std::vector<Shape> perf_shapes = {};
+  /// --perf --peer-shapes: the shapes and types llama.cpp's test-backend-ops times for this op
+  /// (empty: the op is not in that table).
+  std::vector<Shape> peer_shapes = {};
+  std::vector<DType> peer_types = {};
 };
 
 // Every weight type, for the ops that take weights.
@@ -365,17 +374,25 @@ Op matmul_op() {
             const int64_t rows = s[0], cols = s[1], T = s[2];
             auto w = std::make_shared<HostWeight>(t, rows, cols, rng);
             const Floats x = test::gaussian(size_t(T * cols), rng);
-            std::vector<double> ref(size_t(T * rows));
+            // The reference: every row, or the first 64 of a model-sized case (over 2^31 products).
+            const int64_t checked = rows * cols * T > (int64_t(1) << 31) ? std::min<int64_t>(rows, 64) : rows;
+            std::vector<double> ref(size_t(T * checked));
             Floats row(static_cast<size_t>(cols));
-            for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t r = 0; r < checked; ++r) {
               dequantize_row(t, w->w.row(r), row.data(), cols);
               for (int64_t i = 0; i < T; ++i) {
                 double a = 0;
                 for (int64_t k = 0; k < cols; ++k) a += double(row[size_t(k)]) * x[size_t(i * cols + k)];
-                ref[size_t(i * rows + r)] = a;
+                ref[size_t(i * checked + r)] = a;
               }
             }
-            CaseRun c{b.matmul(w->w, x, T), ref, double(w->bytes.size()) + double(x.size() + ref.size()) * 4, double(T)};
+            CaseRun c{b.matmul(w->w, x, T), ref, double(w->bytes.size()) + double(x.size() + T * rows) * 4, double(T)};
+            if (checked < rows)
+              c.checked = [rows, checked, T](const Floats& y) {
+                Floats part(size_t(T * checked));
+                for (int64_t i = 0; i < T; ++i) std::copy_n(y.begin() + i * rows, checked, part.begin() + i * checked);
+                return part;
+              };
             auto keep = c.prepared.run;
             c.prepared.run = [keep, w] { keep(); };  // the weight lives as long as the case
             return c;
@@ -391,7 +408,10 @@ Op matmul_op() {
             return t == DType::BF16 ? 8e-3 : 2e-3;  // the GPU's cuBLAS path rounds activations to bf16 / fp16
           },
           whole_blocks,
-          {{4096, 4096, 1}, {4096, 4096, 8}, {2048, 2048, 128}}};  // --perf: decode, a batch, a prefill chunk
+          {{4096, 4096, 1}, {4096, 4096, 8}, {2048, 2048, 128}},  // --perf: decode, a batch, a prefill chunk
+          // test-backend-ops perf -o MUL_MAT, m = 4096, k = 14336, n = 1 / 8 / 512 (scripts/gpu_check.sh peer)
+          {{4096, 14336, 1}, {4096, 14336, 8}, {4096, 14336, 512}},
+          {DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::F16}};
 }
 
 /// matmul under a process-wide CPU setting: `set(true)` before each run of a case, `set(false)`
@@ -399,7 +419,7 @@ Op matmul_op() {
 Op matmul_with(const char* name, std::vector<DType> types, std::vector<Shape> shapes, void (*set)(bool)) {
   Op m = matmul_op();
   m.name = name, m.types = std::move(types), m.shapes = std::move(shapes);
-  m.perf_shapes.clear();
+  m.perf_shapes.clear(), m.peer_shapes.clear(), m.peer_types.clear();
   auto make = m.make;
   m.make = [make, set](Backend& b, DType t, const Shape& s, std::mt19937_64& rng) {
     CaseRun c = make(b, t, s, rng);
@@ -640,14 +660,16 @@ std::string shape_str(const Shape& s) {
 }
 
 /// Runs every case of `op_filter` (all when empty) on every backend of `bs` whose name matches
-/// `backend_filter`; perf: also times each (best of runs filling about 20 ms).
+/// `backend_filter`; perf: also times each (best of runs filling about 20 ms); peer: only the
+/// ops, types and shapes of llama.cpp's test-backend-ops table (Op::peer_shapes).
 std::vector<Result> run_all(const std::vector<std::unique_ptr<Backend>>& bs, uint64_t seed, bool perf, const std::string& op_filter = "",
-                            const std::string& backend_filter = "") {
+                            const std::string& backend_filter = "", bool peer = false) {
   std::vector<Result> out;
   for (const Op& op : ops()) {
     if (!op_filter.empty() && op.name != op_filter) continue;
-    for (DType t : op.types)
-      for (const Shape& s : perf && !op.perf_shapes.empty() ? op.perf_shapes : op.shapes)
+    if (peer && op.peer_shapes.empty()) continue;
+    for (DType t : peer ? op.peer_types : op.types)
+      for (const Shape& s : peer ? op.peer_shapes : perf && !op.perf_shapes.empty() ? op.perf_shapes : op.shapes)
         for (const auto& b : bs) {
           if (op.valid && !op.valid(t, s)) continue;
           if (!backend_filter.empty() && b->name() != backend_filter) continue;
@@ -660,7 +682,7 @@ std::vector<Result> run_all(const std::vector<std::unique_ptr<Backend>>& bs, uin
             continue;
           }
           c.prepared.run();
-          r.err = rel_err(c.prepared.result(), c.ref);
+          r.err = rel_err(c.checked ? c.checked(c.prepared.result()) : c.prepared.result(), c.ref);
           r.bound = op.bound(t, *b, s);
           r.ok = r.err <= r.bound;
           if (perf) {
@@ -723,15 +745,16 @@ TEST_CASE("op harness: every op x type x CPU level (and a GPU when present) = th
 
 int main(int argc, char** argv) {
   using namespace llmq;
-  bool perf = false;
+  bool perf = false, peer = false;
   std::string op, backend;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--perf") perf = true;
+    else if (a == "--peer-shapes") peer = perf = true;
     else if (a == "--op" && i + 1 < argc) op = argv[++i];
     else if (a == "--backend" && i + 1 < argc) backend = argv[++i];
     else {
-      std::fprintf(stderr, "usage: llmq-ops [--perf] [--op NAME] [--backend NAME]\n");
+      std::fprintf(stderr, "usage: llmq-ops [--perf [--peer-shapes]] [--op NAME] [--backend NAME]\n");
       return 1;
     }
   }
@@ -740,7 +763,7 @@ int main(int argc, char** argv) {
     int failed = 0;
     std::printf("%-12s %-5s %-16s %-11s %-10s %-8s%s\n", "op", "type", "shape", "backend", "error", "bound",
                 perf ? "       us      GB/s      tok/s" : "");
-    for (const ops::Result& r : ops::run_all(bs, test::fresh_seed(), perf, op, backend)) {
+    for (const ops::Result& r : ops::run_all(bs, test::fresh_seed(), perf, op, backend, peer)) {
       if (r.skipped) {
         std::printf("%-12s %-5s %-16s %-11s SKIPPED (not on this backend)\n", r.op.c_str(), r.type.c_str(), r.shape.c_str(), r.backend.c_str());
         continue;
