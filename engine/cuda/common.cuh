@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-
 #include <utility>
 
 namespace llmq::cuda {

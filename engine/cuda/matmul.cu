@@ -142,8 +142,8 @@ __global__ void fill_values_kernel(void* p, uint64_t n, uint64_t seed, int kind,
   }
 }
 
-__global__ void neg_scaled_kernel(uint16_t* dst, const uint16_t* src, uint64_t n, float k) {
-  pdl_begin();  // dst = -k * src (fp16)
+__global__ void neg_scaled_kernel(uint16_t* dst, const uint16_t* src, uint64_t n, float k) {  // dst = -k * src (fp16)
+  pdl_begin();
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
     dst[i] = __half_as_ushort(__float2half(-k * fp16_bits_to_float(src[i])));
 }
@@ -887,8 +887,7 @@ MatmulContext::~MatmulContext() {
 }
 
 uint64_t MatmulContext::bytes() const {
-  return act_q_.bytes() + act_d_.bytes() + act_s_.bytes() + act_h_.bytes() + tile_.bytes() + cublas_ws_.bytes() +
-         mmq_split_.bytes();
+  return act_q_.bytes() + act_d_.bytes() + act_s_.bytes() + act_h_.bytes() + tile_.bytes() + cublas_ws_.bytes() + mmq_split_.bytes();
 }
 
 DeviceActQ8 MatmulContext::quantized(const float* x, int64_t T, int64_t cols) {
