@@ -22,7 +22,8 @@
 #                and --batch 32
 #                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-3-8b's Q4_0 (GQA) on each decode
 #                attention version forced, against the default's pick by shape; PDL=0: without the
-#                Q4_0 and Q8_0 runs with programmatic dependent launch, LLMQ_CUDA_PDL=1)
+#                Q4_0 and Q8_0 runs with programmatic dependent launch, LLMQ_CUDA_PDL=1, Q4_0's without the
+#                GEMVs' weight prefetch and with decode attention 3)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
@@ -156,7 +157,7 @@ run_phase() {
       ;;
     sanitizer)
       # racecheck first: the longer one (85 s on an H200), so a call cut short still brings its verdict
-      step racecheck-mmq-attn 180 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*' -r compact"
+      step racecheck-mmq-attn 180 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*,CUDA decode attention*' -r compact"
       step memcheck-kernels 150 "compute-sanitizer --tool memcheck --error-exitcode 9 $G/bin/llmq-tests '[cuda]~[model]' -r compact"
       ;;
     lab)
@@ -178,11 +179,16 @@ run_phase() {
       # programmatic dependent launch, end to end (decode graphs, prefill, batch 32)
       if [ "${PDL:-1}" = 1 ]; then
         for t in q4_0 q8_0; do step "bench-7b-$t-pdl" 90 "LLMQ_CUDA_PDL=1 $G/bin/llmq-bench $B7 --type $t --batch 32"; done
+        # the GEMVs' weight prefetch before the wait (engine/cuda/common.cuh weight_prefetch) off, and with decode attention 3
+        step bench-7b-q4_0-pdl-no-prefetch 90 "LLMQ_CUDA_PDL=1 LLMQ_CUDA_PREFETCH=0 $G/bin/llmq-bench $B7 --type q4_0"
+        step bench-7b-q4_0-pdl-attn-3 90 "LLMQ_CUDA_PDL=1 LLMQ_CUDA_DECODE_ATTN=3 $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
       fi
       # decode attention by shape (engine/cuda/attention.h set_decode_attention_version): the default
       # on llama-2-7b (MHA: version 2) above; llama-3-8b (GQA: version 1) with each version forced
       if [ "${DECODE_ATTN:-1}" = 1 ]; then
-        for v in 1 2; do step "bench-8b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/llama-2-7b/llama-3-8b} --type q4_0"; done
+        for v in 1 2 3; do step "bench-8b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/llama-2-7b/llama-3-8b} --type q4_0"; done
+        # version 3 (not yet timed) on llama-2-7b, against the default's version 2 above
+        step bench-7b-q4_0-decode-attn-3 60 "LLMQ_CUDA_DECODE_ATTN=3 $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
       fi
       ;;
     peer)

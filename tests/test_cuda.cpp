@@ -541,14 +541,18 @@ TEST_CASE("CUDA matmul: a held input is converted to fp16 once and gives the sam
   CHECK(product(w1, xd) == a1);
 }
 
-// Decode attention version 2 (attention_decode_kernel; set_decode_attention_version), and
-// version 1 on the same shapes (the default picks one by shape, so each is forced here): the
-// flash-decoding parts of decode steps against the fp64 reference, for MHA, GQA groups of 3, 4
-// and 7 and head_dim 64, 128 and 256, positions that end mid-slice, mid-part and in the first
-// part (empty parts and empty warp slices), several sequences' tokens in one launch (paged
-// cache: each token through its own block table), and a rank's uneven GQA slice. Shapes v2
-// does not take (head_dim 32) stay on version 1. Bound: 1e-4 (fp32 sums over fp16 values).
-TEST_CASE("CUDA decode attention version 2 matches the fp64 reference", "[cuda]") {
+// Decode attention versions 1, 2 and 3 (attention_kernel, attention_decode_kernel,
+// attention_decode_v3_kernel; set_decode_attention_version; the default picks by shape, so each
+// is forced here): the flash-decoding parts of decode steps against the fp64 reference, for
+// MHA, GQA groups of 3, 4 and 7 and head_dim 64, 128 and 256, positions that end mid-slice,
+// mid-part and in the first part (empty parts and empty warp slices), several sequences' tokens
+// in one launch (paged cache: each token through its own block table), and a rank's uneven GQA
+// slice. Version 3's
+// parts take ceil((pos + 1) / parts) positions rounded up to 32, so the same positions cut its
+// parts elsewhere (pos 199 of 4 parts: 64 each, two rounds a warp; pos 70: 32, 32, 7). Shapes
+// 2 and 3 do not take (head_dim 32) stay on version 1. Bound: 1e-4 (fp32 sums over fp16 values).
+// The merge's fused int8 quantization of the output (q_out) writes quantize_act's bytes.
+TEST_CASE("CUDA decode attention versions 1-3 match the fp64 reference", "[cuda]") {
   if (!have_gpu()) return;
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -560,7 +564,7 @@ TEST_CASE("CUDA decode attention version 2 matches the fp64 reference", "[cuda]"
     int64_t heads, kv, hd;
   };
   for (const Shape sh : {Shape{4, 4, 128}, Shape{8, 2, 64}, Shape{4, 1, 256}, Shape{14, 2, 64}, Shape{9, 3, 64}, Shape{4, 2, 32}}) {
-    for (int version : {1, 2}) {  // both, forced (the default picks by shape); the cases below run 2
+    for (int version : {1, 2, 3}) {  // each, forced (the default picks by shape)
       cuda::set_decode_attention_version(version);
       const int64_t ctx = 200, Q = sh.heads * sh.hd, KV = sh.kv * sh.hd, part_len = 64, splits = (ctx + part_len - 1) / part_len;
       const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);
@@ -578,53 +582,68 @@ TEST_CASE("CUDA decode attention version 2 matches the fp64 reference", "[cuda]"
         INFO("version " << version << " heads " << sh.heads << " kv " << sh.kv << " hd " << sh.hd << " first position " << pos[0]
                         << " T " << T);
         CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-4);
+        // The merge's fused quantization (q_out): the same output, and the bytes quantize_act writes for it.
+        const int64_t nb = T * Q / 32;
+        DeviceBuffer q1(size_t(T * Q)), d1(size_t(nb) * 4), s1(size_t(nb) * 4), q2(size_t(T * Q)), d2(size_t(nb) * 4), s2(size_t(nb) * 4);
+        const cuda::DeviceActQ8 fq{q1.as<int8_t>(), d1.as<float>(), s1.as<float>()}, rq{q2.as<int8_t>(), d2.as<float>(), s2.as<float>()};
+        CHECK(cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, sh.heads, sh.kv, sh.hd, scale,
+                              splits, part_len, part.as<float>(), od.as<float>(), Q, nullptr, {}, {}, {}, &fq));
+        CHECK(from_device<float>(od, size_t(T * Q)) == out);
+        cuda::quantize_act(od.as<float>(), rq, T, Q, nullptr);
+        CHECK(from_device<int8_t>(q1, size_t(T * Q)) == from_device<int8_t>(q2, size_t(T * Q)));
+        CHECK(from_device<float>(d1, size_t(nb)) == from_device<float>(d2, size_t(nb)));
+        CHECK(from_device<float>(s1, size_t(nb)) == from_device<float>(s2, size_t(nb)));
       }
     }
   }
-  // A paged cache: three sequences' decode tokens through their block tables, against each
-  // token's contiguous reference.
-  const int64_t n_heads = 8, n_kv = 2, hd = 128, Q = n_heads * hd, KV = n_kv * hd, bt = 16, ctx = 192, stride = ctx / bt;
-  const std::vector<int32_t> pos = {150, 17, 100};
-  std::vector<int32_t> seq = {0, 1, 2}, tables(size_t(3 * stride)), perm(size_t(3 * stride));
-  for (int32_t i = 0; i < int32_t(perm.size()); ++i) perm[size_t(i)] = i;
-  std::shuffle(perm.begin(), perm.end(), rng);
-  for (size_t i = 0; i < tables.size(); ++i) tables[i] = perm[i];
-  const auto [k, v, kf, vf] = fp16_cache(size_t(3 * ctx * KV), rng);  // the pool, blocks of bt rows
-  const auto q = gaussian(size_t(3 * Q), rng);
-  const float scale = float(1.0 / std::sqrt(double(hd)));
-  DeviceBuffer qd = to_device(q), kd = to_device(k), vd = to_device(v), sd = to_device(seq), pd = to_device(pos), td = to_device(tables);
-  DeviceBuffer od(size_t(3 * Q) * 4), part(size_t(3 * n_heads * 3 * (hd + 2)) * 4);
-  cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), 3, n_heads, n_kv, hd, scale, 3, 64,
-                  part.as<float>(), od.as<float>(), Q, nullptr, cuda::KvPages{sd.as<int32_t>(), td.as<int32_t>(), stride, bt});
-  const auto out = from_device<float>(od, size_t(3 * Q));
-  for (int64_t t = 0; t < 3; ++t) {
-    std::vector<float> ks(size_t(ctx * KV)), vs(ks.size());  // sequence t's positions, gathered
-    for (int64_t p = 0; p < ctx; ++p) {
-      const int64_t row = int64_t(tables[size_t(t * stride + p / bt)]) * bt + p % bt;
-      std::copy_n(kf.begin() + row * KV, KV, ks.begin() + p * KV), std::copy_n(vf.begin() + row * KV, KV, vs.begin() + p * KV);
+  for (int version : {1, 2, 3}) {
+    cuda::set_decode_attention_version(version);
+    INFO("version " << version);
+    // A paged cache: three sequences' decode tokens through their block tables, against each
+    // token's contiguous reference.
+    const int64_t n_heads = 8, n_kv = 2, hd = 128, Q = n_heads * hd, KV = n_kv * hd, bt = 16, ctx = 192, stride = ctx / bt;
+    const std::vector<int32_t> pos = {150, 17, 100};
+    std::vector<int32_t> seq = {0, 1, 2}, tables(size_t(3 * stride)), perm(size_t(3 * stride));
+    for (int32_t i = 0; i < int32_t(perm.size()); ++i) perm[size_t(i)] = i;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (size_t i = 0; i < tables.size(); ++i) tables[i] = perm[i];
+    const auto [k, v, kf, vf] = fp16_cache(size_t(3 * ctx * KV), rng);  // the pool, blocks of bt rows
+    const auto q = gaussian(size_t(3 * Q), rng);
+    const float scale = float(1.0 / std::sqrt(double(hd)));
+    DeviceBuffer qd = to_device(q), kd = to_device(k), vd = to_device(v), sd = to_device(seq), pd = to_device(pos), td = to_device(tables);
+    DeviceBuffer od(size_t(3 * Q) * 4), part(size_t(3 * n_heads * 3 * (hd + 2)) * 4);
+    cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), 3, n_heads, n_kv, hd, scale, 3, 64,
+                    part.as<float>(), od.as<float>(), Q, nullptr, cuda::KvPages{sd.as<int32_t>(), td.as<int32_t>(), stride, bt});
+    const auto out = from_device<float>(od, size_t(3 * Q));
+    for (int64_t t = 0; t < 3; ++t) {
+      std::vector<float> ks(size_t(ctx * KV)), vs(ks.size());  // sequence t's positions, gathered
+      for (int64_t p = 0; p < ctx; ++p) {
+        const int64_t row = int64_t(tables[size_t(t * stride + p / bt)]) * bt + p % bt;
+        std::copy_n(kf.begin() + row * KV, KV, ks.begin() + p * KV), std::copy_n(vf.begin() + row * KV, KV, vs.begin() + p * KV);
+      }
+      const auto ref = ref_attention(std::vector<float>(q.begin() + t * Q, q.begin() + (t + 1) * Q), {pos[size_t(t)]}, n_heads, n_kv, hd, scale,
+                                     ks, vs);
+      INFO("paged token " << t);
+      CHECK(rel_err(out.data() + t * Q, ref.data(), size_t(Q)) < 1e-4);
     }
-    const auto ref = ref_attention(std::vector<float>(q.begin() + t * Q, q.begin() + (t + 1) * Q), {pos[size_t(t)]}, n_heads, n_kv, hd, scale,
-                                   ks, vs);
-    INFO("paged token " << t);
-    CHECK(rel_err(out.data() + t * Q, ref.data(), size_t(Q)) < 1e-4);
+    // A rank's uneven GQA slice: query heads 2-4 of 6 in groups of 3 over 2 KV heads.
+    {
+      const int64_t H = 6, NKV = 2, hd2 = 64, ctx2 = 100, Q2 = H * hd2, KV2 = NKV * hd2;
+      const auto [k2, v2, kf2, vf2] = fp16_cache(size_t(ctx2 * KV2), rng);
+      const std::vector<int32_t> p2 = {99};
+      const auto q2 = gaussian(size_t(Q2), rng);
+      const auto ref2 = ref_attention(q2, p2, H, NKV, hd2, float(1.0 / 8.0), kf2, vf2);
+      const std::vector<float> qs(q2.begin() + 2 * hd2, q2.begin() + 5 * hd2), want(ref2.begin() + 2 * hd2, ref2.begin() + 5 * hd2);
+      DeviceBuffer kd2 = to_device(k2), vd2 = to_device(v2), qd2 = to_device(qs), pd2 = to_device(p2), od2(want.size() * 4),
+                   part2(size_t(3 * 4 * (hd2 + 2)) * 4);
+      cuda::attention(qd2.as<float>(), 3 * hd2, kd2.as<uint16_t>(), vd2.as<uint16_t>(), pd2.as<int32_t>(), 1, 3, NKV, hd2, float(1.0 / 8.0), 4,
+                      32, part2.as<float>(), od2.as<float>(), 3 * hd2, nullptr, {}, {}, cuda::GqaSlice{3, 2});
+      const auto out2 = from_device<float>(od2, want.size());
+      INFO("uneven GQA slice");
+      CHECK(rel_err(out2.data(), want.data(), want.size()) < 1e-4);
+    }
   }
-  // A rank's uneven GQA slice: query heads 2-4 of 6 in groups of 3 over 2 KV heads.
-  {
-    const int64_t H = 6, NKV = 2, hd2 = 64, ctx2 = 100, Q2 = H * hd2, KV2 = NKV * hd2;
-    const auto [k2, v2, kf2, vf2] = fp16_cache(size_t(ctx2 * KV2), rng);
-    const std::vector<int32_t> p2 = {99};
-    const auto q2 = gaussian(size_t(Q2), rng);
-    const auto ref2 = ref_attention(q2, p2, H, NKV, hd2, float(1.0 / 8.0), kf2, vf2);
-    const std::vector<float> qs(q2.begin() + 2 * hd2, q2.begin() + 5 * hd2), want(ref2.begin() + 2 * hd2, ref2.begin() + 5 * hd2);
-    DeviceBuffer kd2 = to_device(k2), vd2 = to_device(v2), qd2 = to_device(qs), pd2 = to_device(p2), od2(want.size() * 4),
-                 part2(size_t(3 * 4 * (hd2 + 2)) * 4);
-    cuda::attention(qd2.as<float>(), 3 * hd2, kd2.as<uint16_t>(), vd2.as<uint16_t>(), pd2.as<int32_t>(), 1, 3, NKV, hd2, float(1.0 / 8.0), 4,
-                    32, part2.as<float>(), od2.as<float>(), 3 * hd2, nullptr, {}, {}, cuda::GqaSlice{3, 2});
-    const auto out2 = from_device<float>(od2, want.size());
-    INFO("uneven GQA slice");
-    CHECK(rel_err(out2.data(), want.data(), want.size()) < 1e-4);
-  }
-  CHECK_THROWS_AS(cuda::set_decode_attention_version(3), UsageError);
+  CHECK_THROWS_AS(cuda::set_decode_attention_version(4), UsageError);
 }
 
 // A paged cache (llmq-server): the same keys and values scattered over blocks of 16 rows in a

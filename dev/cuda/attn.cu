@@ -2,7 +2,8 @@
 // random fp16 cache: a 512-token prompt (TFLOP/s of the causal products, 4 · hd per visible
 // (query, position) pair) and decode steps at 512 and 4096 cached positions (GB/s of the K and V
 // bytes read, flash-decoding parts of 64 positions plus their merge; version 1, attention_kernel,
-// and version 2, attention_decode_kernel, the second checked against the first's output).
+// version 2, attention_decode_kernel, and version 3, attention_decode_v3_kernel, the later ones
+// checked against the first's output).
 // LLMQ_CUDA_ATTN=0 in the environment puts prompts on the CUDA-core kernel instead of the
 // tensor cores, for comparison.
 //
@@ -48,8 +49,8 @@ int main() {
         const int64_t parts = ctx / 64;
         DeviceBuffer part(size_t(c.heads * parts * (c.hd + 2)) * 4), p1(4);
         p1.upload(&p, 4);
-        std::vector<float> ref1;  // version 1's output: version 2 is checked against it
-        for (int version : {1, 2}) {
+        std::vector<float> ref1;  // version 1's output: versions 2 and 3 are checked against it
+        for (int version : {1, 2, 3}) {
           set_decode_attention_version(version);
           auto step = [&] {
             attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), p1.as<int32_t>(), 1, c.heads, c.kv, c.hd, scale, parts, 64,

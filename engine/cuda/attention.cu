@@ -5,6 +5,7 @@
 #include <string>
 
 #include "engine/cuda/attention.h"
+#include "engine/cuda/act_q8.cuh"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
 #include "engine/cuda/mma.cuh"
@@ -223,10 +224,9 @@ __global__ void attention_kernel(AttnArgs a) {
 constexpr int kDecWarps = 4;
 constexpr int kDecMaxGroup = 8;
 
-// dst[i] += w · the VL halves at src (VL = 2, 4 or 8: one 4-, 8- or 16-byte load).
+// u = the VL halves at src as VL/2 words (VL = 2, 4 or 8: one 4-, 8- or 16-byte load).
 template <int VL>
-__device__ __forceinline__ void axpy_halves(float (&dst)[VL], float w, const __half* src) {
-  uint32_t u[VL / 2];
+__device__ __forceinline__ void load_halves(uint32_t (&u)[VL / 2], const __half* src) {
   if constexpr (VL == 8) {
     const uint4 x = *reinterpret_cast<const uint4*>(src);
     u[0] = x.x, u[1] = x.y, u[2] = x.z, u[3] = x.w;
@@ -236,10 +236,89 @@ __device__ __forceinline__ void axpy_halves(float (&dst)[VL], float w, const __h
   } else {
     u[0] = *reinterpret_cast<const uint32_t*>(src);
   }
+}
+
+// dst[i] += w · the VL halves packed in u.
+template <int VL>
+__device__ __forceinline__ void axpy_words(float (&dst)[VL], float w, const uint32_t (&u)[VL / 2]) {
 #pragma unroll
   for (int i = 0; i < VL / 2; ++i) {
     dst[2 * i] += w * fp16_bits_to_float(uint16_t(u[i] & 0xffffu));
     dst[2 * i + 1] += w * fp16_bits_to_float(uint16_t(u[i] >> 16));
+  }
+}
+
+// dst[i] += w · the VL halves at src.
+template <int VL>
+__device__ __forceinline__ void axpy_halves(float (&dst)[VL], float w, const __half* src) {
+  uint32_t u[VL / 2];
+  load_halves<VL>(u, src);
+  axpy_words<VL>(dst, w, u);
+}
+
+// Σ_i q[i] · the 8 halves packed in k (one 16-byte load of a K row).
+__device__ __forceinline__ float dot8(const float* q, const uint4& k) {
+  const uint32_t w4[4] = {k.x, k.y, k.z, k.w};
+  float s = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    s += q[2 * e] * fp16_bits_to_float(uint16_t(w4[e] & 0xffffu)) + q[2 * e + 1] * fp16_bits_to_float(uint16_t(w4[e] >> 16));
+  return s;
+}
+
+// The cache offset (halves) of position p's row of KV head kvh: row p, or paged through the
+// token's block table.
+__device__ __forceinline__ int64_t kv_at(const AttnArgs& a, const int32_t* table, int kvh, int p, int hd) {
+  const int64_t r = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
+  return r * int64_t(a.n_kv) * hd + int64_t(kvh) * hd;
+}
+
+// Marks the heads of an empty part (past the token's position: a graph replays every part) with
+// l = 0, which the merge skips; warp w takes heads w, w + warps, ... of the group.
+__device__ __forceinline__ void mark_empty_part(const AttnArgs& a, int t, int kvh, int split, int w, int warps, int lane, int hd) {
+  for (int g = w; g < a.group; g += warps) {
+    const int h = kvh * a.group + g - a.head_off;
+    if (lane == 0 && h >= 0 && h < a.n_heads) {
+      float* part = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * (hd + 2);
+      part[hd] = -INFINITY, part[hd + 1] = 0.0f;
+    }
+  }
+}
+
+// The warps' (o, m, l) of each head in shared memory [G][warps][HD + 2] combined into the part's
+// (o, m, l), or the output when n_splits == 1: warp w takes heads w, w + warps, ...; slices with
+// l = 0 (empty) weigh nothing. After a __syncthreads().
+template <int HD>
+__device__ __forceinline__ void combine_warps(const AttnArgs& a, const float* sm, int t, int kvh, int split, int w, int warps, int lane) {
+  constexpr int VL = HD / 32, stride = HD + 2;
+  for (int g = w; g < a.group; g += warps) {
+    const int h = kvh * a.group + g - a.head_off;
+    if (h < 0 || h >= a.n_heads) continue;
+    const float* src = sm + g * warps * stride;
+    float M = -INFINITY, L = 0.0f, acc[VL];
+#pragma unroll
+    for (int i = 0; i < VL; ++i) acc[i] = 0.0f;
+    for (int j = 0; j < warps; ++j)
+      if (src[j * stride + HD + 1] > 0.0f) M = fmaxf(M, src[j * stride + HD]);
+    for (int j = 0; j < warps; ++j) {
+      const float lj = src[j * stride + HD + 1];
+      if (lj <= 0.0f) continue;  // an empty slice
+      const float wj = expf(src[j * stride + HD] - M);
+      L += wj * lj;
+#pragma unroll
+      for (int i = 0; i < VL; ++i) acc[i] += wj * src[j * stride + lane * VL + i];
+    }
+    if (a.n_splits == 1) {
+      const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+      float* out = a.out + int64_t(t) * a.ldo + int64_t(h) * HD + lane * VL;
+#pragma unroll
+      for (int i = 0; i < VL; ++i) out[i] = acc[i] * inv;
+    } else {
+      float* part = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * stride;
+#pragma unroll
+      for (int i = 0; i < VL; ++i) part[lane * VL + i] = acc[i];
+      if (lane == 0) part[HD] = M, part[HD + 1] = L;
+    }
   }
 }
 
@@ -254,19 +333,9 @@ __global__ void __launch_bounds__(32 * kDecWarps) attention_decode_kernel(AttnAr
   const int lim = min(a.pos[t] + 1, lo + a.part_len);
   const int p_begin = lo + w * S, p_end = min(p_begin + S, lim);  // this warp's positions (warp-uniform)
   const int32_t* table = a.tables ? a.tables + int64_t(a.seq[t]) * a.table_stride : nullptr;
-  const int64_t kv_dim = int64_t(a.n_kv) * HD;
-  auto at = [&](int p) {  // the cache offset of position p's row of this KV head
-    const int64_t r = table ? int64_t(table[p / a.bt]) * a.bt + p % a.bt : p;
-    return r * kv_dim + int64_t(kvh) * HD;
-  };
-  if (lo >= lim) {  // a part past the token's position (a graph replays every part): l = 0, which the merge skips
-    for (int g = w; g < G; g += kDecWarps) {
-      const int h = kvh * G + g - a.head_off;
-      if (lane == 0 && h >= 0 && h < a.n_heads) {
-        float* part = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * stride;
-        part[HD] = -INFINITY, part[HD + 1] = 0.0f;
-      }
-    }
+  auto at = [&](int p) { return kv_at(a, table, kvh, p, HD); };
+  if (lo >= lim) {  // a part past the token's position
+    mark_empty_part(a, t, kvh, split, w, kDecWarps, lane, HD);
     return;  // block-uniform: before any barrier
   }
   for (int g = 0; g < G; ++g) {
@@ -285,14 +354,7 @@ __global__ void __launch_bounds__(32 * kDecWarps) attention_decode_kernel(AttnAr
         if (p < p_end) {
           const uint4* kr = reinterpret_cast<const uint4*>(a.kc + at(p) + sl * KL);
 #pragma unroll
-          for (int c = 0; c < KL / 8; ++c) {
-            const uint4 kk = kr[c];
-            const uint32_t w4[4] = {kk.x, kk.y, kk.z, kk.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              part += qv[8 * c + 2 * e] * fp16_bits_to_float(uint16_t(w4[e] & 0xffffu)) +
-                      qv[8 * c + 2 * e + 1] * fp16_bits_to_float(uint16_t(w4[e] >> 16));
-          }
+          for (int c = 0; c < KL / 8; ++c) part += dot8(qv + 8 * c, kr[c]);
         }
         part += __shfl_xor_sync(kFullMask, part, 1);
         part += __shfl_xor_sync(kFullMask, part, 2);
@@ -321,43 +383,148 @@ __global__ void __launch_bounds__(32 * kDecWarps) attention_decode_kernel(AttnAr
     if (lane == 0) dst[HD] = m, dst[HD + 1] = l;
   }
   __syncthreads();
-  for (int g = w; g < G; g += kDecWarps) {
-    const int h = kvh * G + g - a.head_off;
-    if (h < 0 || h >= a.n_heads) continue;
-    const float* src = sm + g * kDecWarps * stride;
-    float M = -INFINITY, L = 0.0f, acc[VL];
-#pragma unroll
-    for (int i = 0; i < VL; ++i) acc[i] = 0.0f;
-    for (int j = 0; j < kDecWarps; ++j)
-      if (src[j * stride + HD + 1] > 0.0f) M = fmaxf(M, src[j * stride + HD]);
-    for (int j = 0; j < kDecWarps; ++j) {
-      const float lj = src[j * stride + HD + 1];
-      if (lj <= 0.0f) continue;  // an empty slice
-      const float wj = expf(src[j * stride + HD] - M);
-      L += wj * lj;
-#pragma unroll
-      for (int i = 0; i < VL; ++i) acc[i] += wj * src[j * stride + lane * VL + i];
-    }
-    if (a.n_splits == 1) {
-      const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-      float* out = a.out + int64_t(t) * a.ldo + int64_t(h) * HD + lane * VL;
-#pragma unroll
-      for (int i = 0; i < VL; ++i) out[i] = acc[i] * inv;
-    } else {
-      float* part = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * stride;
-#pragma unroll
-      for (int i = 0; i < VL; ++i) part[lane * VL + i] = acc[i];
-      if (lane == 0) part[HD] = M, part[HD + 1] = L;
-    }
-  }
+  combine_warps<HD>(a, sm, t, kvh, split, w, kDecWarps, lane);
 }
 
 size_t decode_smem(int64_t G, int64_t hd) { return size_t(G) * kDecWarps * size_t(hd + 2) * 4; }
 
-// 0: by shape (version 2 for MHA, where a GPU timed it faster; version 1 for GQA); 1 or 2: forced.
+// ---------------------------------------------------------------- decode, version 3
+//
+// Built for the next GPU session (emulator parity only; LLMQ_CUDA_DECODE_ATTN=3 or
+// set_decode_attention_version(3) forces it; dev/cuda/attn.cu times it against 1 and 2).
+// Version 2 took 19.3 us a layer at 512 cached positions on an H200, where llama-2-7b's 8.4 MB
+// of K and V take 2 us at the copy rate: latency, not bytes. Three changes:
+//  - The step's positions are spread over all n_splits parts: part c takes a chunk of
+//    ceil(n / n_splits) positions rounded up to 32 (n = pos + 1) instead of the fixed part_len,
+//    so a step at 512 positions keeps 16 parts of a head busy, not 8 (chunk <= part_len, so
+//    n_splits chunks cover every position; parts past the last one are empty, l = 0).
+//  - A warp takes its slice (chunk / 4 positions) in rounds of 8 and issues all of a round's K
+//    and V loads before the first use: one memory round trip a round, where version 2 paid one
+//    for K and then one per V row.
+//  - Every query head of a GQA group is scored against the K/V rows the warp read once: the
+//    group's queries wait in shared memory, the accumulators o [GM][HD / 32] in registers (GM
+//    the group's bucket 1, 2, 4 or 8). Version 2 re-read the rows per head.
+// grid (T, n_kv, n_splits), block (32, kV3Warps); shared memory: the queries [G][HD] fp32, then
+// the warps' (o, m, l) [G][kV3Warps][HD + 2], combined as version 2 does.
+constexpr int kV3Warps = 4;
+constexpr int kV3Round = 8;  // positions a warp scores per round: 2 passes of 4 positions x 8 lanes
+
+// The positions part c of a decode step takes, version 3: n = pos + 1 over n_splits parts,
+// rounded up to 32 (a whole round for each of the 4 warps).
+__host__ __device__ __forceinline__ int v3_chunk(int n, int n_splits) { return ((n + n_splits - 1) / n_splits + 31) / 32 * 32; }
+
+size_t decode_v3_smem(int64_t G, int64_t hd) { return size_t(G) * size_t(hd) * 4 + size_t(G) * kV3Warps * size_t(hd + 2) * 4; }
+
+// One round of head g's online softmax: the 8 positions' scores from this lane's K pieces
+// (kr[pass]: position p0 + 4 pass + sub, dims sl · HD/8 ..), masked past nv, folded into (m, l)
+// and o with the round's V rows (vr[k]: position p0 + k, dims lane · HD/32 ..).
+template <int HD>
+__device__ __forceinline__ void v3_round(const float* qg, const uint4 (&kr)[2][HD / 64], const uint32_t (&vr)[kV3Round][HD / 64], int nv,
+                                         float& m, float& l, float (&o)[HD / 32]) {
+  constexpr int VL = HD / 32;
+  const int lane = int(threadIdx.x), sl = lane & 7;
+  float part[2];
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    part[pass] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < HD / 64; ++c) part[pass] += dot8(qg + sl * (HD / 8) + 8 * c, kr[pass][c]);
+#pragma unroll
+    for (int x = 1; x < 8; x <<= 1) part[pass] += __shfl_xor_sync(kFullMask, part[pass], x);
+  }
+  float sc[kV3Round], mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kV3Round; ++k) {
+    sc[k] = __shfl_sync(kFullMask, part[k / 4], 8 * (k % 4));
+    sc[k] = k < nv ? sc[k] : -INFINITY;
+    mx = fmaxf(mx, sc[k]);
+  }
+  const float m_new = fmaxf(m, mx), corr = expf(m - m_new);  // corr 0 on the first round (m = -inf)
+  l *= corr;
+#pragma unroll
+  for (int i = 0; i < VL; ++i) o[i] *= corr;
+#pragma unroll
+  for (int k = 0; k < kV3Round; ++k) {
+    const float pk = expf(sc[k] - m_new);  // 0 past nv
+    l += pk;
+    axpy_words<VL>(o, pk, vr[k]);
+  }
+  m = m_new;
+}
+
+template <int HD, int GM>
+__global__ void __launch_bounds__(32 * kV3Warps) attention_decode_v3_kernel(AttnArgs a) {
+  pdl_begin();
+  constexpr int KL = HD / 8, VL = HD / 32, stride = HD + 2;
+  const int G = a.group;  // <= GM
+  float* qs = reinterpret_cast<float*>(dynamic_smem());  // [G][HD]
+  float* sm = qs + G * HD;                                // [G][kV3Warps][HD + 2]
+  const int t = int(blockIdx.x), kvh = int(blockIdx.y), split = int(blockIdx.z);
+  const int w = int(threadIdx.y), lane = int(threadIdx.x), sub = lane >> 3, sl = lane & 7;
+  const int n = a.pos[t] + 1, chunk = v3_chunk(n, a.n_splits), lo = split * chunk, hi = min(lo + chunk, n);
+  const int S = chunk / kV3Warps, p_begin = lo + w * S, p_end = min(p_begin + S, hi);  // this warp's slice (warp-uniform)
+  if (lo >= hi) {  // a part past the token's position
+    mark_empty_part(a, t, kvh, split, w, kV3Warps, lane, HD);
+    return;  // block-uniform: before any barrier
+  }
+  const int32_t* table = a.tables ? a.tables + int64_t(a.seq[t]) * a.table_stride : nullptr;
+  for (int i = w * 32 + lane; i < G * HD; i += 32 * kV3Warps) {
+    const int h = kvh * G + i / HD - a.head_off;
+    qs[i] = h >= 0 && h < a.n_heads ? a.q[int64_t(t) * a.ldq + int64_t(h) * HD + i % HD] * a.scale : 0.0f;
+  }
+  __syncthreads();
+  float m[GM], l[GM], o[GM][VL];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    m[g] = -INFINITY, l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VL; ++i) o[g][i] = 0.0f;
+  }
+  for (int p0 = p_begin; p0 < p_end; p0 += kV3Round) {
+    uint4 kr[2][KL / 8];
+    uint32_t vr[kV3Round][VL / 2];
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {  // positions past the slice read its last row, and weigh 0
+      const uint4* src = reinterpret_cast<const uint4*>(a.kc + kv_at(a, table, kvh, min(p0 + 4 * pass + sub, p_end - 1), HD) + sl * KL);
+#pragma unroll
+      for (int c = 0; c < KL / 8; ++c) kr[pass][c] = src[c];
+    }
+#pragma unroll
+    for (int k = 0; k < kV3Round; ++k) load_halves<VL>(vr[k], a.vc + kv_at(a, table, kvh, min(p0 + k, p_end - 1), HD) + lane * VL);
+    const int nv = min(kV3Round, p_end - p0);
+#pragma unroll
+    for (int g = 0; g < GM; ++g)
+      if (g < G) v3_round<HD>(qs + g * HD, kr, vr, nv, m[g], l[g], o[g]);
+  }
+#pragma unroll
+  for (int g = 0; g < GM; ++g)
+    if (g < G) {
+      float* dst = sm + (g * kV3Warps + w) * stride;
+#pragma unroll
+      for (int i = 0; i < VL; ++i) dst[lane * VL + i] = o[g][i];
+      if (lane == 0) dst[HD] = m[g], dst[HD + 1] = l[g];  // an empty slice: -inf, 0
+    }
+  __syncthreads();
+  combine_warps<HD>(a, sm, t, kvh, split, w, kV3Warps, lane);
+}
+
+// Version 3's launch: the kernel for head_dim HD and the group's bucket.
+template <int HD>
+void launch_v3(const AttnArgs& args, int64_t T, int64_t n_kv, int64_t n_splits, int64_t G, cudaStream_t s) {
+  auto kernel = G <= 1   ? attention_decode_v3_kernel<HD, 1>
+                : G <= 2 ? attention_decode_v3_kernel<HD, 2>
+                : G <= 4 ? attention_decode_v3_kernel<HD, 4>
+                         : attention_decode_v3_kernel<HD, 8>;
+  const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(kV3Warps), 1};
+  LLMQ_LAUNCH(kernel, grid, block, decode_v3_smem(G, HD), s)(args);
+  check_launch("attention (decode v3)");
+}
+
+// 0: by shape (version 2 for MHA, where a GPU timed it faster; version 1 for GQA); 1-3: forced.
 EnvSetting g_decode_version([] {
   const char* e = std::getenv("LLMQ_CUDA_DECODE_ATTN");
-  return e && std::string(e) == "2" ? 2 : e && std::string(e) == "1" ? 1 : 0;
+  const std::string v = e ? e : "";
+  return v == "1" || v == "2" || v == "3" ? v[0] - '0' : 0;
 });
 
 // The version a decode step's parts run: version 2 took 0.70x version 1's time on llama-2-7b's
@@ -523,9 +690,11 @@ bool use_prefill_kernel(int64_t T, int64_t hd, int64_t n_splits, const KvPages& 
 // part c's (m, l) (32 parts at a time), so the maximum and the weights cost one round of loads,
 // not one per part (a loop over the parts' m, then l, then o had a chain of 3 x n_splits
 // dependent loads: ~25 us of a decode step's layer on an H200); parts with l = 0 (past the
-// token's position) weigh 0.
+// token's position) weigh 0. With q.q (attention()'s q_out; hd a multiple of 32, ldo =
+// n_heads · hd) out is also quantized for the product that reads it: lane j holds element j of
+// each 32-block (quantize_act_block, the rule of quantize_act).
 __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_heads, int hd, int n_splits, float* __restrict__ out,
-                                       int64_t ldo) {
+                                       int64_t ldo, DeviceActQ8 q) {
   pdl_begin();
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, stride = hd + 2;
   const float* P = partial + (int64_t(t) * n_heads + h) * n_splits * stride;
@@ -557,6 +726,13 @@ __global__ void attention_merge_kernel(const float* __restrict__ partial, int n_
 #pragma unroll
   for (int i = 0; i < kOut; ++i)
     if (lane + 32 * i < hd) out[int64_t(t) * ldo + int64_t(h) * hd + lane + 32 * i] = acc[i] * inv;
+  if (!q.q) return;
+#pragma unroll
+  for (int i = 0; i < kOut; ++i)
+    if (32 * i < hd) {  // warp-uniform
+      const float v[1] = {acc[i] * inv};
+      quantize_act_block<1>(v, (int64_t(t) * ldo + int64_t(h) * hd) / 32 + i, lane, true, q);
+    }
 }
 
 // Version 1: attention_kernel, tq tokens of one sequence per block.
@@ -588,9 +764,9 @@ void attention_prepare(int64_t n_heads, int64_t n_kv, int64_t hd) {
   for (auto k : {attention_kernel<1>, attention_kernel<2>, attention_kernel<4>}) allow_dynamic_smem(reinterpret_cast<const void*>(k), parts);
 }
 
-void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T, int64_t n_heads,
+bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T, int64_t n_heads,
                int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial, float* out, int64_t ldo,
-               cudaStream_t s, const KvPages& pages, const KvQ8& q8, const GqaSlice& gqa) {
+               cudaStream_t s, const KvPages& pages, const KvQ8& q8, const GqaSlice& gqa, const DeviceActQ8* q_out) {
   if (hd > kMaxHeadDim || hd % 2 != 0) throw UsageError("CUDA attention: head_dim " + std::to_string(hd) + " (even, at most 256)");
   if (n_kv <= 0 || n_heads <= 0) throw UsageError("CUDA attention: no heads");
   if (gqa.group == 0 && n_heads % n_kv != 0) throw UsageError("CUDA attention: n_heads must be a multiple of n_kv_heads");
@@ -603,7 +779,7 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   if (n_splits > 1 && part_len % kTile != 0) throw UsageError("CUDA attention: part_len must be a multiple of 32");
   if (pages.tables && (pages.block_tokens <= 0 || !pages.seq)) throw UsageError("CUDA attention: paged cache without block size or sequences");
   if (q8.kq && hd % 32 != 0) throw UsageError("CUDA attention: a Q8_0 KV cache needs head_dim a multiple of 32");
-  if (T == 0) return;
+  if (T == 0) return false;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
   const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, pages.seq, pages.tables,
                       pages.table_stride, int(pages.block_tokens), q8.kq, reinterpret_cast<const __half*>(q8.kd), q8.vq,
@@ -616,9 +792,14 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     const dim3 grid{unsigned((T + kFaRows - 1) / kFaRows), unsigned(n_heads), 1};
     LLMQ_LAUNCH(kernel, grid, 128, smem, s)(args);
     check_launch("attention (prefill)");
-    return;
+    return false;
   }
-  if (n_splits > 1 && decode_version(G) == 2 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup) {
+  const int version = n_splits > 1 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup ? decode_version(G) : 1;
+  if (version == 3) {
+    if (hd == 64) launch_v3<64>(args, T, n_kv, n_splits, G, s);
+    else if (hd == 128) launch_v3<128>(args, T, n_kv, n_splits, G, s);
+    else launch_v3<256>(args, T, n_kv, n_splits, G, s);
+  } else if (version == 2) {
     const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(kDecWarps), 1};
     const size_t smem = decode_smem(G, hd);
     auto kernel = hd == 64 ? attention_decode_kernel<64> : hd == 128 ? attention_decode_kernel<128> : attention_decode_kernel<256>;
@@ -629,13 +810,17 @@ void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   }
   if (n_splits > 1) {
     const dim3 merge_grid{unsigned(T), unsigned(n_heads), 1};
-    LLMQ_LAUNCH(attention_merge_kernel, merge_grid, 32, 0, s)(partial, int(n_heads), int(hd), int(n_splits), out, ldo);
+    const bool quantize = q_out && hd % 32 == 0 && ldo == n_heads * hd;
+    LLMQ_LAUNCH(attention_merge_kernel, merge_grid, 32, 0, s)(partial, int(n_heads), int(hd), int(n_splits), out, ldo,
+                                                              quantize ? *q_out : DeviceActQ8{});
     check_launch("attention_merge");
+    return quantize;
   }
+  return false;
 }
 
 void set_decode_attention_version(int version) {
-  if (version < 0 || version > 2) throw UsageError("decode attention version must be 0 (by shape), 1 or 2");
+  if (version < 0 || version > 3) throw UsageError("decode attention version must be 0 (by shape), 1, 2 or 3");
   g_decode_version.set(version);
 }
 

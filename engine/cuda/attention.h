@@ -18,6 +18,8 @@
 
 namespace llmq::cuda {
 
+struct DeviceActQ8;  // engine/cuda/matmul.h
+
 /// Largest head_dim the kernel takes (each lane holds head_dim / 32 outputs in registers).
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -63,19 +65,26 @@ void attention_prepare(int64_t n_heads, int64_t n_kv, int64_t hd);
 /// parts of part_len positions (a multiple of 32) written to `partial`
 /// [T, n_heads, n_splits, hd + 2] (o unnormalized, then m, l), then merged into out.
 /// scale: the score factor, 1/sqrt(hd). gqa: the heads of a rank's uneven slice (see GqaSlice).
+/// q_out: when n_splits > 1, hd is a multiple of 32 and ldo = n_heads · hd, the merge also writes
+/// out quantized into *q_out (quantize_act's layout, for the product that reads out:
+/// MatmulContext::fusable) and attention() returns true; otherwise false and q_out untouched.
 /// Throws UsageError for hd > kMaxHeadDim, odd hd, n_heads not a multiple of n_kv (without
 /// gqa) or query heads that do not map onto the n_kv KV heads (with it), tables without a
 /// positive block size, or a Q8_0 cache whose head_dim is not a multiple of 32.
-void attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T,
+bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T,
                int64_t n_heads, int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial,
-               float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {}, const KvQ8& q8 = {}, const GqaSlice& gqa = {});
+               float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {}, const KvQ8& q8 = {}, const GqaSlice& gqa = {},
+               const DeviceActQ8* q_out = nullptr);
 
 /// Which kernel takes the flash-decoding parts of a decode step (n_splits > 1) over an fp16
 /// cache: 1, attention_kernel; 2, attention_decode_kernel (head_dim 64, 128 or 256, GQA groups
 /// up to 8; other shapes stay on 1): a part's positions split over 4 warps, 8 lanes per scored
-/// position reading the cache directly; 0 (the default), by shape: 2 for MHA (one query head
-/// per KV head), 1 for GQA, as an H200 timed them. The environment's LLMQ_CUDA_DECODE_ATTN=1 or
-/// 2 forces one at start-up; dev/cuda/attn.cu times both. Throws UsageError for other values.
+/// position reading the cache directly; 3, attention_decode_v3_kernel (the shapes of 2; not yet
+/// timed on a GPU): the step's positions spread over every part, each warp's K and V loads
+/// issued a round of 8 positions at a time, a GQA group's heads scored on rows read once;
+/// 0 (the default), by shape: 2 for MHA (one query head per KV head), 1 for GQA, as an H200
+/// timed them. The environment's LLMQ_CUDA_DECODE_ATTN=1, 2 or 3 forces one at start-up;
+/// dev/cuda/attn.cu times all three. Throws UsageError for other values.
 void set_decode_attention_version(int version);
 
 }  // namespace llmq::cuda

@@ -29,6 +29,16 @@ EnvSetting g_pdl([] {
 bool programmatic_launch() { return g_pdl.get() != 0; }
 void set_programmatic_launch(bool on) { g_pdl.set(on ? 1 : 0); }
 
+namespace {
+EnvSetting g_prefetch([] {
+  const char* e = std::getenv("LLMQ_CUDA_PREFETCH");
+  return e && std::string(e) == "0" ? 0 : 1;
+});
+}  // namespace
+
+bool weight_prefetch() { return programmatic_launch() && g_prefetch.get() != 0; }
+void set_weight_prefetch(bool on) { g_prefetch.set(on ? 1 : 0); }
+
 void allow_dynamic_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return;
   static std::mutex mu;

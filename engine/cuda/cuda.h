@@ -33,6 +33,10 @@ void allow_dynamic_smem(const void* kernel, size_t bytes);
 /// Launcher, pdl_begin): the environment's LLMQ_CUDA_PDL=1 sets it at start-up. An experiment
 /// until a GPU times it (dev/README.md #18); CUDA graphs captured before keep what they captured.
 void set_programmatic_launch(bool on);
+/// The decode GEMV kernels' weight prefetch into L2 before they wait on the kernel ahead
+/// (engine/cuda/common.cuh weight_prefetch; in effect with programmatic launch only): on by
+/// default, LLMQ_CUDA_PREFETCH=0 at start-up turns it off. An experiment until a GPU times it.
+void set_weight_prefetch(bool on);
 
 /// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).
 int device_count();

@@ -259,14 +259,21 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
                                                            const uint16_t* __restrict__ wm, const uint32_t* __restrict__ wh,
                                                            const int8_t* __restrict__ xq,
                                                            const float* __restrict__ xd, const float* __restrict__ xs,
-                                                           float* __restrict__ y, int64_t ldy, int rows, int cols) {
-  pdl_begin();
+                                                           float* __restrict__ y, int64_t ldy, int rows, int cols, int prefetch) {
   constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;  // quant bytes per block
+  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType);
+  const int nb = cols / 32;
+  if (prefetch && threadIdx.x == 0) {  // the block's rows (weight_prefetch), before waiting on the kernel ahead
+    const int64_t r0 = int64_t(blockIdx.x) * (KS == 1 ? W * R : R), r1 = min(r0 + (KS == 1 ? W * R : R), int64_t(rows));
+    prefetch_rows_l2(wq, r0, r1, int64_t(nb) * kQB), prefetch_rows_l2(wd, r0, r1, int64_t(nb) * 2);
+    if constexpr (kMin) prefetch_rows_l2(wm, r0, r1, int64_t(nb) * 2);
+    if constexpr (kQ5) prefetch_rows_l2(wh, r0, r1, int64_t(nb) * 4);
+  }
+  pdl_begin();
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int row0 = (KS == 1 ? int(blockIdx.x) * W + warp : int(blockIdx.x)) * R;
   if (row0 >= rows) return;  // whole warps (KS == 1) or whole blocks (KS > 1: row0 is the block's)
-  const int ks = KS == 1 ? 0 : warp, nb = cols / 32;
-  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType);
+  const int ks = KS == 1 ? 0 : warp;
   const uint4* w[R];
   const uint16_t* d[R];
   const uint16_t* m[R];
@@ -354,7 +361,7 @@ void launch_gemv_block(const DeviceWeight& w, const DeviceActQ8& xq, float* y, i
   const int64_t groups = (w.rows + R - 1) / R;
   const unsigned grid = unsigned(KS == 1 ? (groups + W - 1) / W : groups);
   auto* kernel = gemv_block_kernel<kType, R, W, T, KS>;  // a template name's commas would split the macro's arguments
-  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols));
+  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols), int(weight_prefetch()));
 }
 
 // The version per type and token count, from the lab's timings on an H200 (bench/RESULTS.md):
@@ -709,7 +716,7 @@ RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
 
 // The raw types' GEMVs on int8 activations (one signature) with their rows per warp, or
 // nullptr where t has none or the weights at wq are not aligned as its loads need.
-using RawGemvQ8Kernel = void (*)(const uint8_t*, size_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
+using RawGemvQ8Kernel = void (*)(const uint8_t*, size_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t, int, int);
 struct RawGemvQ8 {
   RawGemvQ8Kernel kernel = nullptr;
   int rows_per_warp = 1;
@@ -751,7 +758,7 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
       if (const RawGemvQ8 k = raw_gemv_q8_kernel(w.type, w.q); k.kernel && xq.q) {
         const int per_block = kGemvWarps * k.rows_per_warp;
         LLMQ_LAUNCH(k.kernel, unsigned((w.rows + per_block - 1) / per_block), block, 0, s)(w.q, row_bytes(w.type, w.cols), xq.q, xq.d, xq.s, y,
-                                                                                          ldy, w.rows, w.cols, nt);
+                                                                                          ldy, w.rows, w.cols, nt, int(weight_prefetch()));
         break;
       }
       if (RawGemvKernel k = raw_gemv_kernel(w.type, w.q, x)) {

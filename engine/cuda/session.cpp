@@ -378,13 +378,17 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
                 const_cast<int8_t*>(kv.q8.vq), const_cast<uint16_t*>(kv.q8.vd), stream_);
   mark("rope_kv");
   // Decode (one token, or one per sequence of a paged batch): flash-decoding parts, a fixed
-  // count (graph-safe); else every position in one part.
-  if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1)
-    attention(qkv, QKV, kv.kc, kv.vc, in.pos, T, c.n_heads, c.n_kv_heads, hd, scale, plan_.decode_parts, plan_.decode_part_len,
-              partial_.as<float>(), att, Q, stream_, in.pages, kv.q8, dm_.gqa());
-  else
+  // count (graph-safe), whose merge also quantizes att for W_o when it takes int8 inputs; else
+  // every position in one part.
+  if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1) {
+    const DeviceActQ8* q = mm_->fusable(w.wo, T, Q);
+    if (attention(qkv, QKV, kv.kc, kv.vc, in.pos, T, c.n_heads, c.n_kv_heads, hd, scale, plan_.decode_parts, plan_.decode_part_len,
+                  partial_.as<float>(), att, Q, stream_, in.pages, kv.q8, dm_.gqa(), q))
+      mm_->note_quantized(att, T, Q);
+  } else {
     attention(qkv, QKV, kv.kc, kv.vc, in.pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (plan_.ctx + 31) / 32 * 32, nullptr, att, Q,
               stream_, in.pages, kv.q8, dm_.gqa());  // att [T, Q]
+  }
   mark("attention");
   matmul(*mm_, w.wo, att, xb, T);  // xb [T, D] (a partial sum under TP)
   mark("matmul_o");
