@@ -284,7 +284,7 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
           }
           INFO(dtype_name(t) << " rows " << s.rows << " cols " << s.cols << " T " << T << " tile " << tile << " split-K "
                              << (!splitk ? 1 : tune.splits ? tune.splits : cuda::mmq_splits(w.view, T, split.bytes())) << " stages "
-                             << tune.stages << " err " << std::sqrt(e2 / s2));
+                             << tune.stages << " min blocks " << tune.min_blocks << " err " << std::sqrt(e2 / s2));
           CHECK(std::sqrt(e2 / s2) < 1e-5);
           CHECK(pad_ok);
         };
@@ -293,8 +293,11 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
           const bool splitk = tile % 32 == 0;  // half the runs with split-K scratch (splits where the grid is small)
           run(tile, splitk, {});
           // The lab's overrides (dev/cuda/mmq.cu --sweep): deeper pipelines and forced splits.
-          if ((t == DType::Q4_0 || t == DType::Q8_0) && tile <= 32)
-            for (int stages : {4, 6, 8}) run(tile, true, {int(std::min<int64_t>(3, s.cols / 64)), stages});
+          if ((t == DType::Q4_0 || t == DType::Q8_0) && tile <= 32) {
+            const int splits = int(std::min<int64_t>(3, s.cols / 64));
+            for (int stages : {4, 6, 8}) run(tile, true, {splits, stages});
+            for (int min_blocks : {3, 4}) run(tile, true, {splits, 0, min_blocks});  // registers for 3 or 4 blocks per SM
+          }
         }
       }
     }

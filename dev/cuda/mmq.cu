@@ -10,9 +10,11 @@
 //   dev/cuda/build.sh && build-gpu/dev/mmq [--reps N] [--types q4_0,q4_k,...]
 // (default: every quantized type the engine's MMQ takes, Q4_0 first)
 //   build-gpu/dev/mmq --sweep [--types q4_0,q8_0]
-// The batched-decode sizes (T = 16, 32) with every K split count and pipeline depth (MmqTuning):
-// at 2 blocks per SM (128 registers at 256 threads), a grid just past 264 blocks runs a second
-// wave, and each block walks its stages at about a memory latency per stage.
+// The batched-decode sizes (T = 16, 32) with every K split count and pipeline depth, and at 3
+// stages with registers for 3 or 4 blocks per SM (MmqTuning): at 2 blocks per SM (128 registers
+// at 256 threads), a grid just past 264 blocks runs a second wave; the depth moved nothing by more
+// than 3% on an H200, so a block's stage costs its warps' dependent instructions more than a
+// memory latency, and more resident warps are the next lever.
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -84,19 +86,22 @@ void sweep(const std::vector<DType>& types, const std::vector<Shape>& shapes, in
         std::printf("%-5s %-8s %5dx%-5d T=%-3d engine: split %d (%d blocks), 3 stages %8.1f us\n", dtype_name(type), sh.what, sh.rows, sh.cols, T,
                     pick, blocks * pick, base * 1e3);
         double best = base;
-        MmqTuning best_t{pick, 3};
+        MmqTuning best_t{pick, 3, 0};
         for (int splits : {1, 2, 3, 4, 5, 6, 8, 10, 12, 16}) {
           if (splits > sh.cols / 64 || uint64_t(splits) * T * sh.rows * 4 > split.bytes()) continue;
-          for (int stages : {3, 4, 6, 8}) {
-            const MmqTuning tune{splits, stages};
+          for (int variant : {3, 4, 6, 8, -3, -4}) {  // stages, or (negative) 3 stages at 3 or 4 blocks per SM
+            const MmqTuning tune{splits, variant > 0 ? variant : 0, variant < 0 ? -variant : 0};
+            const int stages = variant > 0 ? variant : 3;
             const double ms = run(tune, split.bytes(), got);
-            std::printf("%-5s %-8s %5dx%-5d T=%-3d split %2d (%4d blocks) stages %d %8.1f us  %.2fx the engine's  diff %.1e\n", dtype_name(type),
-                        sh.what, sh.rows, sh.cols, T, splits, blocks * splits, stages, ms * 1e3, ms / base, rel(got, ref));
+            std::printf("%-5s %-8s %5dx%-5d T=%-3d split %2d (%4d blocks) stages %d, %s %8.1f us  %.2fx the engine's  diff %.1e\n",
+                        dtype_name(type), sh.what, sh.rows, sh.cols, T, splits, blocks * splits, stages,
+                        variant == -3 ? "3 per SM" : variant == -4 ? "4 per SM" : "default ", ms * 1e3, ms / base, rel(got, ref));
             if (ms < best) best = ms, best_t = tune;
           }
         }
-        std::printf("%-5s %-8s %5dx%-5d T=%-3d best: split %d, %d stages %8.1f us (%.2fx the engine's)\n", dtype_name(type), sh.what, sh.rows,
-                    sh.cols, T, best_t.splits, best_t.stages, best * 1e3, best / base);
+        std::printf("%-5s %-8s %5dx%-5d T=%-3d best: split %d, %d stages, blocks per SM %s %8.1f us (%.2fx the engine's)\n", dtype_name(type),
+                    sh.what, sh.rows, sh.cols, T, best_t.splits, best_t.stages ? best_t.stages : 3,
+                    best_t.min_blocks ? std::to_string(best_t.min_blocks).c_str() : "default", best * 1e3, best / base);
       }
     }
   }

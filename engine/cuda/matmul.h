@@ -175,11 +175,13 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
 /// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
 /// the grid would otherwise leave most of the GPU idle (few rows, few tokens); null: no split.
 /// tune: the kernel lab's overrides (dev/cuda/mmq.cu --sweep), 0 for the engine's choice: the K
-/// splits (at most cols / 64, within split_bytes), and the pipeline depth (stages of 64 columns in
-/// flight; 3 is the engine's, 4, 6 and 8 are built for Q4_0 and Q8_0 at 16 or 32 tokens per block).
+/// splits (at most cols / 64, within split_bytes), the pipeline depth (stages of 64 columns in
+/// flight; 3 is the engine's, 4, 6 and 8 are built for Q4_0 and Q8_0 at 16 or 32 tokens per block)
+/// or, at 3 stages, the blocks per SM the kernel's registers must allow (min_blocks 3 or 4, built
+/// for the same; the engine's kernel takes 128 registers there, 2 blocks per SM).
 /// Throws UsageError for other weights and for overrides that do not fit.
 struct MmqTuning {
-  int splits = 0, stages = 0;
+  int splits = 0, stages = 0, min_blocks = 0;
 };
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens = 0,
          float* split = nullptr, uint64_t split_bytes = 0, MmqTuning tune = {});

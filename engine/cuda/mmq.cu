@@ -319,8 +319,12 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
   }
 }
 
-template <DType kType, int BN, int S = kMmqStages>
-__global__ void __launch_bounds__(kMmqThreads) mmq_kernel(MmqArgs p) {
+// MinB: the blocks per SM the registers must allow (__launch_bounds__'s second argument; 0: the
+// compiler's choice, as the engine runs it: Q4_0 100 / 128 registers at 16 / 32 tokens, Q8_0 64 /
+// 86, so 2 blocks per SM at 32). The lab's occupancy variants (MmqTuning::min_blocks) build 3
+// (80 registers, no spills) and 4 (64; 60-68 bytes spilled at 32 tokens) for Q4_0 and Q8_0.
+template <DType kType, int BN, int S = kMmqStages, int MinB = 0>
+__global__ void __launch_bounds__(kMmqThreads, MinB) mmq_kernel(MmqArgs p) {
   pdl_begin();
   using Stage = MmqStage<kType, BN>;
   constexpr int NT = BN / 16;  // 8-token tiles per warp
@@ -430,9 +434,9 @@ __global__ void mmq_reduce_kernel(const float* __restrict__ part, float* __restr
 
 // The kernel's shared memory beyond the default 48 KiB: allowed once per instantiation and
 // device (on first use, or by mmq_prepare before a CUDA graph is captured).
-template <DType kType, int BN, int S = kMmqStages>
+template <DType kType, int BN, int S = kMmqStages, int MinB = 0>
 void allow_smem() {
-  allow_dynamic_smem(reinterpret_cast<const void*>(&mmq_kernel<kType, BN, S>), sizeof(MmqStage<kType, BN>) * S);
+  allow_dynamic_smem(reinterpret_cast<const void*>(&mmq_kernel<kType, BN, S, MinB>), sizeof(MmqStage<kType, BN>) * S);
 }
 
 template <DType kType>
@@ -440,26 +444,30 @@ void allow_smem_all() {
   allow_smem<kType, 16>(), allow_smem<kType, 32>(), allow_smem<kType, 64>(), allow_smem<kType, 128>();
 }
 
-template <DType kType, int BN, int S = kMmqStages>
+template <DType kType, int BN, int S = kMmqStages, int MinB = 0>
 void launch_mmq(const MmqArgs& a, cudaStream_t s) {
   constexpr size_t smem = sizeof(MmqStage<kType, BN>) * S;
-  allow_smem<kType, BN, S>();
+  allow_smem<kType, BN, S, MinB>();
   const dim3 grid{unsigned((a.rows + kMmqBM - 1) / kMmqBM), unsigned((a.T + BN - 1) / BN), unsigned(a.splits)};
-  auto* kernel = mmq_kernel<kType, BN, S>;  // a template name's comma would split the macro's arguments
+  auto* kernel = mmq_kernel<kType, BN, S, MinB>;  // a template name's comma would split the macro's arguments
   LLMQ_LAUNCH(kernel, grid, kMmqThreads, smem, s)(a);
 }
 
-// The lab's pipeline depths (MmqTuning::stages): Q4_0 and Q8_0 at 16 or 32 tokens per block.
+// The lab's variants (MmqTuning): pipeline depths 4, 6, 8, or 3 stages with registers for 3 or 4
+// blocks per SM; Q4_0 and Q8_0 at 16 or 32 tokens per block.
 template <DType kType>
-void launch_mmq_stages(const MmqArgs& a, int bn, int stages, cudaStream_t s) {
-  auto pick = [&](auto depth) {
-    constexpr int D = decltype(depth)::value;
-    bn == 16 ? launch_mmq<kType, 16, D>(a, s) : launch_mmq<kType, 32, D>(a, s);
+void launch_mmq_tuned(const MmqArgs& a, int bn, MmqTuning tune, cudaStream_t s) {
+  auto pick = [&](auto depth, auto min_blocks) {
+    constexpr int D = decltype(depth)::value, B = decltype(min_blocks)::value;
+    bn == 16 ? launch_mmq<kType, 16, D, B>(a, s) : launch_mmq<kType, 32, D, B>(a, s);
   };
-  switch (stages) {
-    case 4: return pick(std::integral_constant<int, 4>{});
-    case 6: return pick(std::integral_constant<int, 6>{});
-    default: return pick(std::integral_constant<int, 8>{});
+  using I = std::integral_constant<int, 0>;
+  if (tune.min_blocks == 3) return pick(std::integral_constant<int, kMmqStages>{}, std::integral_constant<int, 3>{});
+  if (tune.min_blocks == 4) return pick(std::integral_constant<int, kMmqStages>{}, std::integral_constant<int, 4>{});
+  switch (tune.stages) {
+    case 4: return pick(std::integral_constant<int, 4>{}, I{});
+    case 6: return pick(std::integral_constant<int, 6>{}, I{});
+    default: return pick(std::integral_constant<int, 8>{}, I{});
   }
 }
 
@@ -549,11 +557,14 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
   if (ldy == 0) ldy = w.rows;
   const MmqArgs a{w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, int64_t(row_bytes(w.type, w.cols))};
   const int bn = tile_tokens ? tile_tokens : mmq_tile_tokens(T);
-  if (tune.stages != 0 && tune.stages != kMmqStages) {
+  const bool deeper = tune.stages != 0 && tune.stages != kMmqStages, denser = tune.min_blocks > 1;
+  if (deeper || denser) {
     const bool ok = (w.type == DType::Q4_0 || w.type == DType::Q8_0) && (bn == 16 || bn == 32) &&
-                    (tune.stages == 4 || tune.stages == 6 || tune.stages == 8);
-    if (!ok) throw UsageError("mmq: other pipeline depths are built for Q4_0 and Q8_0 at 16 or 32 tokens per block (4, 6 or 8 stages)");
-    w.type == DType::Q4_0 ? launch_mmq_stages<DType::Q4_0>(a, bn, tune.stages, s) : launch_mmq_stages<DType::Q8_0>(a, bn, tune.stages, s);
+                    (deeper ? !denser && (tune.stages == 4 || tune.stages == 6 || tune.stages == 8) : tune.min_blocks <= 4);
+    if (!ok)
+      throw UsageError("mmq: the lab's variants are built for Q4_0 and Q8_0 at 16 or 32 tokens per block (4, 6 or 8 stages, or 3 stages "
+                       "at 3 or 4 blocks per SM)");
+    w.type == DType::Q4_0 ? launch_mmq_tuned<DType::Q4_0>(a, bn, tune, s) : launch_mmq_tuned<DType::Q8_0>(a, bn, tune, s);
   } else {
     launch_mmq_type(w.type, a, bn, s);
   }
