@@ -32,79 +32,43 @@ std::unique_ptr<Model> Model::open(const std::string& path, bool verify, int64_t
   return model;
 }
 
-std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack, int64_t gpu_layers, int tp, int64_t ctx) {
-  std::unique_ptr<Model> model = open(path, verify, ctx);
-  const LlmqFile& f = *model->file;
-  const ModelConfig& c = model->config;
+namespace {
 
+// The tensors the model's table names (tensor_table), each checked against the file's directory:
+// present, the table's shape, 1-D ones F32. Throws FileError naming the first that is not.
+std::map<std::string, const TensorInfo*> expected_tensors(const LlmqFile& f, const ModelConfig& c, const std::string& path) {
+  auto dims = [](const std::vector<int64_t>& shape) {
+    std::string s;
+    for (auto d : shape) s += (s.empty() ? "" : ", ") + std::to_string(d);
+    return "[" + s + "]";
+  };
   std::map<std::string, const TensorInfo*> expected;
   for (const TensorSpec& spec : tensor_table(c)) {
     const TensorInfo* t = f.find(spec.name);
     if (!t) throw FileError(path, "missing tensor '" + spec.name + "'");
-    if (t->shape != spec.shape) {
-      std::string want, got;
-      for (auto d : spec.shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
-      for (auto d : t->shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
-      throw FileError(path, "tensor '" + spec.name + "' has shape [" + got + "], expected [" + want + "]");
-    }
+    if (t->shape != spec.shape) throw FileError(path, "tensor '" + spec.name + "' has shape " + dims(t->shape) + ", expected " + dims(spec.shape));
     if (spec.shape.size() == 1 && t->type != DType::F32)
       throw FileError(path, "tensor '" + spec.name + "' must be f32 (1-D tensors are not quantized)");
     expected[spec.name] = t;
   }
-  auto mat = [&](const std::string& name) {
-    const TensorInfo* t = expected.at(name);
-    return Weight{t->type, f.data(*t), t->shape[0], t->shape[1]};
-  };
-  // The 1-D tensors are copied out of the mapping (Model::vectors; its pages go with the rest below).
-  std::map<std::string, size_t> at;
-  size_t n_floats = 0;
-  for (const auto& [name, t] : expected)
-    if (t->shape.size() == 1) at[name] = n_floats, n_floats += size_t(t->shape[0]);
-  model->vectors.resize(n_floats);
-  for (const auto& [name, off] : at) {
-    const TensorInfo& t = *expected.at(name);
-    std::memcpy(model->vectors.data() + off, f.data(t), size_t(t.shape[0]) * sizeof(float));
-  }
-  auto vec = [&](const std::string& name) { return static_cast<const float*>(model->vectors.data() + at.at(name)); };
+  return expected;
+}
 
-  model->token_embd = mat("token_embd.weight");
-  auto opt = [&](const std::string& name) { return expected.count(name) ? vec(name) : nullptr; };  // in the table or not
-  for (int64_t i = 0; i < c.n_layers; ++i) {
-    LayerWeights l;
-    l.attn_norm = vec(layer_tensor(i, "attn_norm"));
-    l.wq = mat(layer_tensor(i, "attn_q"));
-    l.wk = mat(layer_tensor(i, "attn_k"));
-    l.wv = mat(layer_tensor(i, "attn_v"));
-    l.wo = mat(layer_tensor(i, "attn_output"));
-    l.bq = opt(layer_bias(i, "attn_q"));
-    l.bk = opt(layer_bias(i, "attn_k"));
-    l.bv = opt(layer_bias(i, "attn_v"));
-    l.bo = opt(layer_bias(i, "attn_output"));
-    l.q_norm = opt(layer_tensor(i, "attn_q_norm"));
-    l.k_norm = opt(layer_tensor(i, "attn_k_norm"));
-    l.post_attn_norm = opt(layer_tensor(i, "post_attention_norm"));
-    l.ffn_norm = vec(layer_tensor(i, "ffn_norm"));
-    l.w_gate = mat(layer_tensor(i, "ffn_gate"));
-    l.w_up = mat(layer_tensor(i, "ffn_up"));
-    l.w_down = mat(layer_tensor(i, "ffn_down"));
-    l.post_ffn_norm = opt(layer_tensor(i, "post_ffw_norm"));
-    model->layers.push_back(l);
-  }
-  model->rope_freqs = c.rope_freq_tables();
-  model->output_norm = vec("output_norm.weight");
-  model->output = c.tied_embeddings ? model->token_embd : mat("output.weight");
-
-  // Repack the matmul weights for the CPU kernels and drop the file's copy of them from memory
-  // (the embedding rows are still read from the file: a tied output is packed separately).
-  if (!pack) return model;
+// Repacks the matmul weights of the CPU's layers (all but the last gpu_layers; wo and w_down
+// only without TP, whose ranks take their own slices) and the output for the CPU kernels, and
+// drops the file's copy of them from memory (the embedding rows are still read from the file: a
+// tied output is packed separately).
+void pack_cpu_weights(Model& model, int64_t gpu_layers, int tp) {
+  const LlmqFile& f = *model.file;
+  const ModelConfig& c = model.config;
   std::vector<Weight*> mats;
   const int64_t n_pack = c.n_layers - std::clamp<int64_t>(gpu_layers, 0, c.n_layers);
   for (int64_t i = 0; i < n_pack; ++i) {
-    LayerWeights& l = model->layers[size_t(i)];
+    LayerWeights& l = model.layers[size_t(i)];
     for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.w_gate, &l.w_up}) mats.push_back(w);
     if (tp <= 1) mats.push_back(&l.wo), mats.push_back(&l.w_down);
   }
-  if (gpu_layers <= 0) mats.push_back(&model->output);
+  if (gpu_layers <= 0) mats.push_back(&model.output);
   // Each chunk's pages of the file are dropped as soon as its copy is written, so a matrix's
   // file pages and its copy are never resident together (the checksum pass dropped its own).
   // The 2 MiB before the chunk go too: the page cache holds the file in large folios (up to 2
@@ -113,11 +77,54 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pa
   // Q2_K: 30-60 MiB resident until the end of the load, its peak RSS 2.9% over llmq-mem's; seen
   // with /proc/PID/pagemap on Linux 6.x: the runs left started on 1 MiB boundaries).
   constexpr uint64_t kFolioMax = 2 << 20;
-  model->packed = pack_weights(mats, [&f](const Weight& w) { f.release(w.data, uint64_t(w.rows) * w.row_stride(), kFolioMax); });
+  model.packed = pack_weights(mats, [&f](const Weight& w) { f.release(w.data, uint64_t(w.rows) * w.row_stride(), kFolioMax); });
   // The rest of what the checksums read (header, tokenizer, an untied embedding table, the
   // matrices left unpacked) goes too: the runs fault back in only what they read, and what they
   // read every token (the unpacked matrices) stays.
   f.release_all();
+}
+
+}  // namespace
+
+std::unique_ptr<Model> Model::load(const std::string& path, bool verify, bool pack, int64_t gpu_layers, int tp, int64_t ctx) {
+  std::unique_ptr<Model> model = open(path, verify, ctx);
+  const LlmqFile& f = *model->file;
+  const ModelConfig& c = model->config;
+  const std::map<std::string, const TensorInfo*> expected = expected_tensors(f, c, path);
+  auto mat = [&](const std::string& name) {
+    const TensorInfo* t = expected.at(name);
+    return Weight{t->type, f.data(*t), t->shape[0], t->shape[1]};
+  };
+  // The 1-D tensors are copied out of the mapping (Model::vectors; its pages go with the rest in
+  // pack_cpu_weights).
+  std::map<std::string, size_t> at;
+  size_t n_floats = 0;
+  for (const auto& [name, t] : expected)
+    if (t->shape.size() == 1) at[name] = n_floats, n_floats += size_t(t->shape[0]);
+  model->vectors.resize(n_floats);
+  for (const auto& [name, off] : at) std::memcpy(model->vectors.data() + off, f.data(*expected.at(name)), size_t(expected.at(name)->shape[0]) * 4);
+  auto vec = [&](const std::string& name) { return static_cast<const float*>(model->vectors.data() + at.at(name)); };
+  auto opt = [&](const std::string& name) { return expected.count(name) ? vec(name) : nullptr; };  // in the table or not
+
+  model->token_embd = mat("token_embd.weight");
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    LayerWeights l;
+    l.attn_norm = vec(layer_tensor(i, "attn_norm"));
+    l.wq = mat(layer_tensor(i, "attn_q")), l.wk = mat(layer_tensor(i, "attn_k")), l.wv = mat(layer_tensor(i, "attn_v"));
+    l.wo = mat(layer_tensor(i, "attn_output"));
+    l.bq = opt(layer_bias(i, "attn_q")), l.bk = opt(layer_bias(i, "attn_k")), l.bv = opt(layer_bias(i, "attn_v"));
+    l.bo = opt(layer_bias(i, "attn_output"));
+    l.q_norm = opt(layer_tensor(i, "attn_q_norm")), l.k_norm = opt(layer_tensor(i, "attn_k_norm"));
+    l.post_attn_norm = opt(layer_tensor(i, "post_attention_norm"));
+    l.ffn_norm = vec(layer_tensor(i, "ffn_norm"));
+    l.w_gate = mat(layer_tensor(i, "ffn_gate")), l.w_up = mat(layer_tensor(i, "ffn_up")), l.w_down = mat(layer_tensor(i, "ffn_down"));
+    l.post_ffn_norm = opt(layer_tensor(i, "post_ffw_norm"));
+    model->layers.push_back(l);
+  }
+  model->rope_freqs = c.rope_freq_tables();
+  model->output_norm = vec("output_norm.weight");
+  model->output = c.tied_embeddings ? model->token_embd : mat("output.weight");
+  if (pack) pack_cpu_weights(*model, gpu_layers, tp);
   return model;
 }
 
@@ -269,6 +276,22 @@ class ShardPass {
     pool_.parallel_for(n, [&](int64_t t0, int64_t t1, int) { fn(t0, t1); });
   }
   void attend(int64_t l, int64_t To, bool last);  // ws.att_out [To, Q] = causal attention of the To query rows
+  // One layer's attention work (attend): items are (output row i, G query heads from h0), each
+  // over parts of part_len positions with part_floats floats of (o, m, l) per part.
+  struct AttnLayout {
+    int64_t l, To, G, part_len, part_floats;
+    bool last;  // the last layer: rows are the flagged tokens (plan_.out)
+    int64_t row(int64_t pair) const;  // item pair's row: 0, To-1, 1, To-2, ... within each head group
+  };
+  AttnLayout attn_layout(int64_t l, int64_t To, bool last) const;
+  int64_t attn_token(const AttnLayout& a, int64_t i) const { return a.last ? plan_.out[size_t(i)] : i; }
+  int64_t attn_window_start(const AttnLayout& a, int64_t i) const { return c_.window_start(a.l, pos_[attn_token(a, i)]); }
+  int64_t attn_parts(const AttnLayout& a, int64_t i) const { return (pos_[attn_token(a, i)] + a.part_len) / a.part_len; }  // ceil((pos + 1) / part_len)
+  int64_t attn_first_part(const AttnLayout& a, int64_t i) const { return attn_window_start(a, i) / a.part_len; }  // before a window: skipped
+  size_t attn_bf16_floats(const AttnLayout& a) const { return size_t(a.G * (hd + a.part_len) + 1) / 2; }
+  void attend_part(const AttnLayout& a, int64_t i, int64_t h0, int64_t c, float* scores, float* dst);
+  void merge_parts(const AttnLayout& a, const float* parts, int64_t n, float* out) const;
+  float* attn_scratch(const AttnLayout& a, int thread, int64_t max_parts);
   void head_norms(const LayerWeights& w, int64_t To);  // QK-norm: RMSNorm over each head of q [To, Q] and k [T, KV]
   void norm_rows(float* x, const float* w, int64_t n);  // x [n, D] = RMSNorm(x) in place (post norms)
   const float* gather_logits(int64_t n_logits);  // vocab-parallel output: rank 0 assembles [n_logits, V]
@@ -401,10 +424,93 @@ int64_t ShardPass::attention_block(int64_t l, bool last) {
   return To;
 }
 
+ShardPass::AttnLayout ShardPass::attn_layout(int64_t l, int64_t To, bool last) const {
+  const bool aligned = R.head0 % group_ == 0 && R.n_heads % group_ == 0;
+  const int64_t G = aligned ? group_ : 1, part_len = std::max<int64_t>(1, kAttnPartTokens / bt_) * bt_;
+  return {l, To, G, part_len, G * (hd + 2), last};
+}
+
+int64_t ShardPass::AttnLayout::row(int64_t pair) const {
+  const int64_t j = pair % To;
+  return j % 2 == 0 ? j / 2 : To - 1 - j / 2;
+}
+
+// Part c of (row i, heads h0 ...): o [G, hd], m [G], l [G] at dst (o normalized by l). `scores`
+// holds [G, part_len], then (bf16 cache) the bf16 copies of q [G, hd] and of the softmax weights
+// [G, part_len].
+void ShardPass::attend_part(const AttnLayout& a, int64_t i, int64_t h0, int64_t c, float* scores, float* dst) {
+  const int64_t G = a.G, part_len = a.part_len, l = a.l;
+  const int64_t kvh = (R.head0 + h0) / group_ - R.kv_head0, t = attn_token(a, i);
+  const int32_t seq = batch_[t].seq;
+  const int64_t lo = c * part_len, hi = std::min(pos_[t] + 1, lo + part_len);
+  const int64_t off = std::max<int64_t>(0, attn_window_start(a, i) - lo);  // positions of the part before the window: weight 0
+  const float* q = ws_.q_.data() + i * Q + h0 * hd;               // [G, hd]
+  auto* qb = reinterpret_cast<uint16_t*>(scores + G * part_len);  // bf16 only: [G, hd]
+  uint16_t* ab = qb + G * hd;                                      // bf16 only: [G, part_len]
+  if (bf16_) to_bf16(qb, q, G * hd);
+  for (int64_t p0 = lo; p0 < hi; p0 += bt_) {
+    const int64_t n = std::min(bt_, hi - p0);
+    if (bf16_)
+      attn_scores_bf16(scores + p0 - lo, part_len, qb, G, cache_.key_block_bf16(l, seq, p0 / bt_, kvh, pool_id_), n, bt_, hd, att_scale_);
+    else
+      attn_scores(scores + p0 - lo, part_len, q, G, cache_.key_block(l, seq, p0 / bt_, kvh, pool_id_), n, bt_, hd, att_scale_);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    dst[G * hd + G + g] = softmax(scores + g * part_len + off, hi - lo - off, &dst[G * hd + g]);
+    std::fill(scores + g * part_len, scores + g * part_len + off, 0.0f);
+  }
+  std::fill(dst, dst + G * hd, 0.0f);
+  if (bf16_)
+    for (int64_t g = 0; g < G; ++g) {
+      to_bf16(ab + g * part_len, scores + g * part_len, hi - lo);
+      if ((hi - lo) % 2) ab[g * part_len + hi - lo] = 0;  // the odd last position's pair partner
+    }
+  for (int64_t p0 = lo; p0 < hi; p0 += bt_) {
+    const int64_t n = std::min(bt_, hi - p0);
+    if (bf16_)
+      attn_accumulate_bf16(dst, ab + p0 - lo, part_len, G, cache_.value_block_bf16(l, seq, p0 / bt_, kvh, pool_id_), n, hd);
+    else
+      attn_accumulate(dst, scores + p0 - lo, part_len, G, cache_.value_block(l, seq, p0 / bt_, kvh, pool_id_), n, hd, hd);
+  }
+}
+
+// out [G, hd] from n parts [n, part_floats]: Σ_c l_c e^(m_c - M) o_c / Σ_c l_c e^(m_c - M).
+void ShardPass::merge_parts(const AttnLayout& a, const float* parts, int64_t n, float* out) const {
+  const int64_t G = a.G;
+  if (n == 1) {
+    std::copy(parts, parts + G * hd, out);
+    return;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float M = -INFINITY;
+    for (int64_t c = 0; c < n; ++c) M = std::max(M, parts[c * a.part_floats + G * hd + g]);
+    float* o = out + g * hd;
+    std::fill(o, o + hd, 0.0f);
+    float denom = 0.0f;
+    for (int64_t c = 0; c < n; ++c) {
+      const float* pc = parts + c * a.part_floats;
+      const float wgt = pc[G * hd + G + g] * std::exp(pc[G * hd + g] - M);  // l_c e^(m_c - M)
+      denom += wgt;
+      axpy_f32(o, wgt, pc + g * hd, hd);
+    }
+    const float inv = 1.0f / denom;
+    for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+  }
+}
+
+// A thread's attention scratch: [G, part_len] scores, the bf16 copies (always planned), then
+// max_parts parts [max_parts, part_floats].
+float* ShardPass::attn_scratch(const AttnLayout& a, int thread, int64_t max_parts) {
+  std::vector<float>& buf = ws_.att_[size_t(thread)];
+  const size_t need = size_t(a.G * a.part_len + max_parts * a.part_floats) + attn_bf16_floats(a);
+  if (buf.size() < need) buf.resize(need);
+  return buf.data();
+}
+
 // Causal attention: the token at position p sees its sequence's positions 0..p (a sliding-window
 // layer: window_start(l, p)..p; parts wholly before the window are skipped, the rest of a part
-// before it gets softmax weight 0 exactly). A work item is
-// one output row i (batch token tok(i)) and G query heads: G = group, the heads that share a KV
+// before it gets softmax weight 0 exactly). A work item is one output row i (batch token
+// attn_token(i)) and G query heads (AttnLayout): G = group, the heads that share a KV
 // head, so each K/V block is read once for all of them (a rank whose heads do not start and end
 // on KV-group boundaries, in uneven TP splits, uses G = 1). Positions are taken in parts of
 // kAttnPartTokens; each part keeps its softmax max m and sum l and its normalized output o, and
@@ -417,114 +523,35 @@ int64_t ShardPass::attention_block(int64_t l, bool last) {
 // is an item of its own and the merge follows. Local head h is global head R.head0 + h; its KV
 // head is (R.head0 + h) / group, local index that minus R.kv_head0.
 void ShardPass::attend(int64_t l, int64_t To, bool last) {
-  const int64_t group = group_, bt = bt_;
-  const bool bf16 = bf16_;
-  const int64_t* pos = pos_;
-  auto tok = [&](int64_t i) { return last ? plan_.out[size_t(i)] : i; };
-  const bool aligned = R.head0 % group == 0 && R.n_heads % group == 0;
-  const int64_t G = aligned ? group : 1, n_groups = R.n_heads / G, pair_count = To * n_groups;
-  const int64_t part_blocks = std::max<int64_t>(1, kAttnPartTokens / bt), part_len = part_blocks * bt;
-  const int64_t part_floats = G * (hd + 2);  // per part: o [G, hd], then m [G], then l [G]
-  auto parts_of = [&](int64_t i) { return (pos[tok(i)] + part_len) / part_len; };  // ceil((pos + 1) / part_len)
-  auto first_of = [&](int64_t i) { return c_.window_start(l, pos[tok(i)]); };      // a sliding window's first position
-  auto part0_of = [&](int64_t i) { return first_of(i) / part_len; };              // parts before it are skipped
-  auto row_of = [&](int64_t pair) {
-    const int64_t j = pair % To;
-    return j % 2 == 0 ? j / 2 : To - 1 - j / 2;
-  };
-  // Part c of (row i, heads h0 ...): o, m, l at dst; `scores` holds [G, part_len], then (bf16
-  // cache) the bf16 copies of q [G, hd] and of the softmax weights [G, part_len].
-  auto attend_part = [&](int64_t i, int64_t h0, int64_t c, float* scores, float* dst) {
-    const int64_t kvh = (R.head0 + h0) / group - R.kv_head0, t = tok(i);
-    const int32_t seq = batch_[t].seq;
-    const int64_t lo = c * part_len, hi = std::min(pos[t] + 1, lo + part_len);
-    const int64_t off = std::max<int64_t>(0, first_of(i) - lo);  // positions of the part before the window: weight 0
-    const float* q = ws_.q_.data() + i * Q + h0 * hd;  // [G, hd]
-    auto* qb = reinterpret_cast<uint16_t*>(scores + G * part_len);  // bf16 only: [G, hd]
-    uint16_t* ab = qb + G * hd;                                      // bf16 only: [G, part_len]
-    if (bf16) to_bf16(qb, q, G * hd);
-    for (int64_t p0 = lo; p0 < hi; p0 += bt) {
-      const int64_t n = std::min(bt, hi - p0);
-      if (bf16)
-        attn_scores_bf16(scores + p0 - lo, part_len, qb, G, cache_.key_block_bf16(l, seq, p0 / bt, kvh, pool_id_), n, bt, hd,
-                         att_scale_);
-      else
-        attn_scores(scores + p0 - lo, part_len, q, G, cache_.key_block(l, seq, p0 / bt, kvh, pool_id_), n, bt, hd, att_scale_);
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      dst[G * hd + G + g] = softmax(scores + g * part_len + off, hi - lo - off, &dst[G * hd + g]);
-      std::fill(scores + g * part_len, scores + g * part_len + off, 0.0f);
-    }
-    std::fill(dst, dst + G * hd, 0.0f);
-    if (bf16)
-      for (int64_t g = 0; g < G; ++g) {
-        to_bf16(ab + g * part_len, scores + g * part_len, hi - lo);
-        if ((hi - lo) % 2) ab[g * part_len + hi - lo] = 0;  // the odd last position's pair partner
-      }
-    for (int64_t p0 = lo; p0 < hi; p0 += bt) {
-      const int64_t n = std::min(bt, hi - p0);
-      if (bf16)
-        attn_accumulate_bf16(dst, ab + p0 - lo, part_len, G, cache_.value_block_bf16(l, seq, p0 / bt, kvh, pool_id_), n, hd);
-      else
-        attn_accumulate(dst, scores + p0 - lo, part_len, G, cache_.value_block(l, seq, p0 / bt, kvh, pool_id_), n, hd, hd);
-    }
-  };
-  // out [G, hd] from n parts [n, part_floats].
-  auto merge = [&](const float* parts, int64_t n, float* out) {
-    if (n == 1) {
-      std::copy(parts, parts + G * hd, out);
-      return;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float M = -INFINITY;
-      for (int64_t c = 0; c < n; ++c) M = std::max(M, parts[c * part_floats + G * hd + g]);
-      float* o = out + g * hd;
-      std::fill(o, o + hd, 0.0f);
-      float denom = 0.0f;
-      for (int64_t c = 0; c < n; ++c) {
-        const float* pc = parts + c * part_floats;
-        const float wgt = pc[G * hd + G + g] * std::exp(pc[G * hd + g] - M);  // l_c e^(m_c - M)
-        denom += wgt;
-        axpy_f32(o, wgt, pc + g * hd, hd);
-      }
-      const float inv = 1.0f / denom;
-      for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
-    }
-  };
+  const AttnLayout a = attn_layout(l, To, last);
+  const int64_t pair_count = To * (R.n_heads / a.G);
   int64_t max_parts = 1;
-  for (int64_t i = 0; i < To; ++i) max_parts = std::max(max_parts, parts_of(i));
-  const size_t bf16_floats = size_t(G * (hd + part_len) + 1) / 2;  // room for the bf16 copies (always planned)
-  const int64_t threads = pool_.size();
-  const bool split = pair_count < 2 * threads && max_parts > 1 && ws_.att_part_.size() >= size_t(pair_count * max_parts * part_floats);
-  auto thread_buf = [&](int thread) {  // [G, part_len] scores, bf16 [G, hd + part_len], then [max_parts, part_floats]
-    std::vector<float>& a = ws_.att_[size_t(thread)];
-    const size_t need = size_t(G * part_len + max_parts * part_floats) + bf16_floats;
-    if (a.size() < need) a.resize(need);
-    return a.data();
-  };
-  if (!split) {
+  for (int64_t i = 0; i < To; ++i) max_parts = std::max(max_parts, attn_parts(a, i));
+  const bool split = pair_count < 2 * pool_.size() && max_parts > 1 && ws_.att_part_.size() >= size_t(pair_count * max_parts * a.part_floats);
+  if (!split) {  // an item's parts in turn, then their merge
     pool_.parallel_for(pair_count, [&](int64_t i0, int64_t i1, int thread) {
-      float* scores = thread_buf(thread);
-      float* parts = scores + G * part_len + bf16_floats;
+      float* scores = attn_scratch(a, thread, max_parts);
+      float* parts = scores + a.G * a.part_len + attn_bf16_floats(a);
       for (int64_t pair = i0; pair < i1; ++pair) {
-        const int64_t i = row_of(pair), h0 = (pair / To) * G, c0 = part0_of(i), n = parts_of(i);
-        for (int64_t c = c0; c < n; ++c) attend_part(i, h0, c, scores, parts + (c - c0) * part_floats);
-        merge(parts, n - c0, ws_.att_out_.data() + i * Q + h0 * hd);
+        const int64_t i = a.row(pair), h0 = (pair / To) * a.G, c0 = attn_first_part(a, i), n = attn_parts(a, i);
+        for (int64_t c = c0; c < n; ++c) attend_part(a, i, h0, c, scores, parts + (c - c0) * a.part_floats);
+        merge_parts(a, parts, n - c0, ws_.att_out_.data() + i * Q + h0 * hd);
       }
     });
     return;
   }
-  pool_.parallel_for(pair_count * max_parts, [&](int64_t i0, int64_t i1, int thread) {
-    float* scores = thread_buf(thread);
+  pool_.parallel_for(pair_count * max_parts, [&](int64_t i0, int64_t i1, int thread) {  // every part an item
+    float* scores = attn_scratch(a, thread, max_parts);
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t pair = it / max_parts, c = it % max_parts, i = row_of(pair);
-      if (c >= part0_of(i) && c < parts_of(i)) attend_part(i, (pair / To) * G, c, scores, ws_.att_part_.data() + it * part_floats);
+      const int64_t pair = it / max_parts, c = it % max_parts, i = a.row(pair);
+      if (c >= attn_first_part(a, i) && c < attn_parts(a, i))
+        attend_part(a, i, (pair / To) * a.G, c, scores, ws_.att_part_.data() + it * a.part_floats);
     }
   });
   for (int64_t pair = 0; pair < pair_count; ++pair) {
-    const int64_t i = row_of(pair), h0 = (pair / To) * G;
-    const int64_t c0 = part0_of(i);
-    merge(ws_.att_part_.data() + (pair * max_parts + c0) * part_floats, parts_of(i) - c0, ws_.att_out_.data() + i * Q + h0 * hd);
+    const int64_t i = a.row(pair), h0 = (pair / To) * a.G, c0 = attn_first_part(a, i);
+    merge_parts(a, ws_.att_part_.data() + (pair * max_parts + c0) * a.part_floats, attn_parts(a, i) - c0,
+                ws_.att_out_.data() + i * Q + h0 * hd);
   }
 }
 
