@@ -994,68 +994,214 @@ static void add_http_flags(CLI::App& app, HttpLimits& http) {
   app.add_option("--max-headers", http.max_header_lines, "header fields of a request at most (400 beyond)")->check(CLI::Range(8, 10000));
 }
 
-int main(int argc, char** argv) {
-  CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
-  std::string model_path, host = "127.0.0.1", api_key, device = "cpu", template_name;
+// Every flag of llmq-server but the connection limits (add_http_flags).
+struct ServerFlags {
+  std::string model_path, host = "127.0.0.1", api_key, device = "cpu", template_name, kv_type = "f32", alias, cors_origin = "*";
+  std::string gpu_layers = "all", pooling, mem_budget;
   int port = 8080, threads = 0, parallel = 4, tp = 1;
-  int64_t ctx = 0, max_queue = 64, kv_tokens = 0, n_batch = 512;
+  int64_t ctx = 0, max_queue = 64, kv_tokens = 0, n_batch = 512, grammar_cache_mib = 64;
   double drain_s = 30;
-  bool no_verify = false;
-  app.add_option("-m,--model", model_path, "model file (.llmq)")->required();
-  app.add_option("--host", host, "address to bind (default 127.0.0.1: this machine only)");
-  app.add_option("--port", port, "TCP port");
-  app.add_option("--device", device, "cpu | cuda | auto (auto: the GPU when one is present)");
-  app.add_option("-c,--ctx", ctx, "most tokens per sequence (default: the model's context, at most 4096)");
-  auto* par_opt = app.add_option("--parallel", parallel, "most sequences generated at once (continuous batching)");
-  app.add_option("--max-queue", max_queue, "most requests waiting; more get HTTP 429");
-  app.add_option("--kv-tokens", kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
-  app.add_option("-b,--batch", n_batch, "most tokens per forward pass");
-  std::string kv_type = "f32";
-  app.add_option("--kv-type", kv_type, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands); "
-                                    "--device cuda: f16 (default) or q8_0 (17/32 of f16's bytes)")
+  bool no_verify = false, no_prefix_cache = false, fit = false, parallel_given = false;
+  HttpLimits http;
+};
+
+static void add_server_flags(CLI::App& app, ServerFlags& f) {
+  app.add_option("-m,--model", f.model_path, "model file (.llmq)")->required();
+  app.add_option("--host", f.host, "address to bind (default 127.0.0.1: this machine only)");
+  app.add_option("--port", f.port, "TCP port");
+  app.add_option("--device", f.device, "cpu | cuda | auto (auto: the GPU when one is present)");
+  app.add_option("-c,--ctx", f.ctx, "most tokens per sequence (default: the model's context, at most 4096)");
+  app.add_option("--parallel", f.parallel, "most sequences generated at once (continuous batching)")
+      ->each([&f](const std::string&) { f.parallel_given = true; });
+  app.add_option("--max-queue", f.max_queue, "most requests waiting; more get HTTP 429");
+  app.add_option("--kv-tokens", f.kv_tokens, "KV-cache size in tokens over all sequences (default: parallel x min(ctx, 2048))");
+  app.add_option("-b,--batch", f.n_batch, "most tokens per forward pass");
+  app.add_option("--kv-type", f.kv_type, "KV cache element type: f32, or bf16 (half the memory; attention on bf16 operands); "
+                                      "--device cuda: f16 (default) or q8_0 (17/32 of f16's bytes)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "q8_0"}));
-  app.add_option("--api-key", api_key, "require 'Authorization: Bearer KEY' (except /health)");
-  std::string alias, cors_origin = "*";
-  app.add_option("--alias", alias, "the model id clients name (default: the model file's name without .llmq)");
-  app.add_option("--cors-origin", cors_origin,
+  app.add_option("--api-key", f.api_key, "require 'Authorization: Bearer KEY' (except /health)");
+  app.add_option("--alias", f.alias, "the model id clients name (default: the model file's name without .llmq)");
+  app.add_option("--cors-origin", f.cors_origin,
                  "Access-Control-Allow-Origin for browser apps (default *: any page may call the API, as with vLLM and "
                  "llama.cpp; an API key still applies); empty: no CORS headers");
-  app.add_option("-t,--threads", threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
-  std::string gpu_layers_s = "all";
-  app.add_option("--gpu-layers,--n-gpu-layers", gpu_layers_s,
+  app.add_option("-t,--threads", f.threads, "CPU threads in all (default: all cores); with --tp they are shared by the ranks");
+  app.add_option("--gpu-layers,--n-gpu-layers", f.gpu_layers,
                  "with --device cuda: the last N layers (and the output) on the GPU, the others on the CPU (partial offload); "
                  "'auto': as many as fit the GPU's free memory (or --mem); default: all");
-  app.add_option("--tp", tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0). "
-                          "Under `mpirun -np N` (one machine or several): one rank per process, --tp N; rank 0 serves HTTP, the others serve it");
-  app.add_option("--chat-template", template_name, "chat template name, overriding the model's");
-  HttpLimits http;
-  add_http_flags(app, http);
-  app.add_option("--drain-timeout", drain_s,
+  app.add_option("--tp", f.tp, "tensor-parallel ranks: split every layer over N ranks (CPU: rank threads in this process; --device cuda: one rank per GPU over NCCL when N GPUs are present, else N ranks on GPU 0). "
+                               "Under `mpirun -np N` (one machine or several): one rank per process, --tp N; rank 0 serves HTTP, the others serve it");
+  app.add_option("--chat-template", f.template_name, "chat template name, overriding the model's");
+  add_http_flags(app, f.http);
+  app.add_option("--drain-timeout", f.drain_s,
                  "on SIGTERM/SIGINT: seconds the running requests may take to finish (new ones get 503) before they are ended "
                  "with an error; a second signal stops at once")
       ->check(CLI::Range(0.0, 3600.0));
-  app.add_flag("--no-verify", no_verify, "skip tensor checksum verification at load");
-  std::string pooling;
-  app.add_option("--pooling", pooling, "/v1/embeddings: how an input's hidden states are pooled: last, mean or cls (default: the model's "
-                                       "pooling_type, else last)")
+  app.add_flag("--no-verify", f.no_verify, "skip tensor checksum verification at load");
+  app.add_option("--pooling", f.pooling, "/v1/embeddings: how an input's hidden states are pooled: last, mean or cls (default: the model's "
+                                         "pooling_type, else last)")
       ->check(CLI::IsMember({"last", "mean", "cls"}));
-  int64_t grammar_cache_mib = 64;
-  app.add_option("--grammar-cache-mib", grammar_cache_mib,
+  app.add_option("--grammar-cache-mib", f.grammar_cache_mib,
                  "MiB of compiled grammars (response_format, grammar, forced tool calls) kept for reuse, least recently used "
                  "dropped first; 0: no cache")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
-  bool no_prefix_cache = false;
-  app.add_flag("--no-prefix-cache", no_prefix_cache,
+  app.add_flag("--no-prefix-cache", f.no_prefix_cache,
                "compute every prompt afresh (by default, on the CPU, the KV blocks of prompt prefixes seen before are reused)");
-  bool fit = false;
-  std::string mem_budget;
-  app.add_flag("--fit", fit,
+  app.add_flag("--fit", f.fit,
                "before loading, pick the largest context (multiple of 16), then the most parallel sequences, that fit --mem, "
                "with a KV cache of parallel x ctx tokens; print the plan as JSON on stderr (--ctx / --parallel given are kept). "
                "With --device cuda the GPU's plan within --mem or the GPU's free memory (all layers on the GPU)");
-  app.add_option("--mem", mem_budget, "memory budget for --fit, e.g. 8GiB (default: MemAvailable)");
-  LLMQ_CLI_PARSE(app, argc, argv);
+  app.add_option("--mem", f.mem_budget, "memory budget for --fit, e.g. 8GiB (default: MemAvailable)");
+}
 
+// --fit: the context, parallel sequences and KV tokens that fit --mem (or the host's available
+// memory, or the GPU's free memory with --device cuda), from the file's metadata and tensor
+// directory only (llmq-mem infer --fit); the plan printed as JSON on stderr. Throws UsageError
+// when nothing fits.
+static void fit_flags(ServerFlags& f, bool gpu) {
+  const double budget = !f.mem_budget.empty() ? mem::parse_size(f.mem_budget) : gpu ? double(cuda_free_bytes()) : double(mem::available_memory());
+  auto file = LlmqFile::open(f.model_path, false);
+  const ModelConfig c = mem::file_config(*file);
+  mem::InferOptions o;
+  o.ctx = f.ctx, o.parallel = f.parallel, o.server = true, o.n_batch = f.n_batch, o.threads = f.threads, o.kv_type = f.kv_type;
+  o.device = gpu ? "cuda" : "cpu";
+  const mem::FitResult r = mem::fit_inference(*file, c, o, budget, f.ctx > 0, f.parallel_given);
+  std::fprintf(stderr, "llmq-server: fit plan: %s\n", mem::fit_json(r, budget).dump().c_str());
+  if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)));
+  f.ctx = r.options.ctx, f.parallel = int(r.options.parallel), f.kv_tokens = r.options.kv_tokens;
+}
+
+// The loader thread's work: the model, the runner (one rank of `group` under mpirun), the chat
+// template, the scheduler and the structured-output engine into st, then st.ready; the memory
+// lines on stderr. Throws what loading throws.
+static void load_state(ServerState& st, const ServerFlags& f, const RunnerOptions& ro, MpiComm* group, bool gpu) {
+  st.model = load_model(f.model_path, !f.no_verify, ro.place);  // with -ngl N the CPU runs the first layers: load_model packs those
+  // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
+  // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
+  for (const std::string& piece : st.model->vocab.tokens) st.max_token_bytes = std::max(st.max_token_bytes, piece.size());
+  const int64_t seq_ctx = f.ctx > 0 ? f.ctx : std::min(st.model->config.context_length, kDefaultMaxCtx);
+  RunnerOptions rs = ro;
+  rs.ctx = seq_ctx;
+  cli::join_tp_group(group, *st.model, rs);
+  st.runner = cli::make_tool_runner("llmq-server", *st.model, rs);
+  if (!f.template_name.empty()) st.tmpl = ChatTemplate::by_name(f.template_name);
+  else if (!st.model->chat_template.empty()) st.tmpl = ChatTemplate::for_vocab(st.model->chat_template, st.model->vocab);
+  SchedulerOptions so;
+  so.parallel = f.parallel, so.ctx = seq_ctx, so.max_queue = f.max_queue, so.kv_tokens = f.kv_tokens, so.n_batch = f.n_batch;
+  so.kv_type = ro.kv_type;  // the CPU's pools (partial offload: f32)
+  // The GPU's paged attention has not yet run with shared blocks on a real device: the CPU only.
+  so.prefix_cache = !f.no_prefix_cache && !gpu;
+  st.scheduler = std::make_unique<Scheduler>(st.runner->batch(), so);
+  st.structured = std::make_unique<StructuredOutputs>(*st.model->tokenizer, default_stop_ids(st.model->vocab), size_t(f.grammar_cache_mib) << 20);
+  st.ready = true;
+  const uint64_t file_bytes = st.model->file->file_size() + st.model->packed.bytes(), kv_b = st.scheduler->kv_bytes(),
+                 ws_b = st.scheduler->workspace_bytes();
+  std::fprintf(stderr,
+               "llmq-server: %s ready on http://%s:%d (%s, parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n"
+               "llmq-server: memory: model file and repacked weights %s, KV cache %s, workspace %s; total %llu bytes (%s)%s\n",
+               st.model_id.c_str(), f.host.c_str(), f.port, device_name(gpu ? Device::Cuda : Device::Cpu), f.parallel, (long long)so.ctx,
+               cli::human_bytes(kv_b).c_str(), f.tp, cli::human_bytes(cli::peak_rss_bytes()).c_str(), cli::human_bytes(file_bytes).c_str(),
+               cli::human_bytes(kv_b).c_str(), cli::human_bytes(ws_b).c_str(), (unsigned long long)(file_bytes + kv_b + ws_b),
+               cli::human_bytes(file_bytes + kv_b + ws_b).c_str(),
+               gpu ? " (KV cache and workspace on the GPU, the weights uploaded beside them: see the GPU memory line)" : "");
+}
+
+// Rank 0 (or the only process): listens at once, loads in the background (/health answers 503
+// until the model is ready), serves until a signal in `sigs` drains it. 2 when loading failed.
+static int serve_http(ServerFlags& f, const RunnerOptions& ro, MpiComm* group, bool gpu, const sigset_t& sigs) {
+  auto st = std::make_shared<ServerState>();
+  st->model_id = f.alias.empty() ? std::filesystem::path(f.model_path).stem().string() : f.alias;
+  if (!f.pooling.empty()) st->pooling = pooling_from_name(f.pooling);
+  // Defaults roomy enough for a burst through one reverse proxy (every running and queued
+  // request, and as many again waiting for their 429), with a quarter kept for other addresses.
+  HttpLimits& http = f.http;
+  if (http.max_connections <= 0) http.max_connections = std::max(128, 4 * (f.parallel + int(f.max_queue)) + 16);
+  if (http.max_per_ip <= 0) http.max_per_ip = std::max(1, http.max_connections * 3 / 4);
+  GuardedServer svr(http);
+  // Workers beyond max_connections answer the connections over the limits (503) at once.
+  const int http_threads = http.max_connections + 16;
+  svr.new_task_queue = [http_threads] { return new httplib::ThreadPool(size_t(http_threads)); };
+  svr.set_payload_max_length(st->max_body + 1);
+  int listen_fd = -1;
+  svr.set_socket_options([&listen_fd](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);  // not SO_REUSEPORT: a port in use is an error
+    listen_fd = sock;
+  });
+  add_guards(svr, *st, f.api_key);
+  add_routes(svr, *st, f.cors_origin);
+  if (!svr.bind_to_port(f.host, f.port))
+    throw UsageError("cannot listen on " + f.host + ":" + std::to_string(f.port) + " (in use, or not allowed)");
+  ::listen(listen_fd, SOMAXCONN);  // httplib listened with a backlog of 5: bursts of clients got resets
+  std::thread loader([&] {
+    try {
+      load_state(*st, f, ro, group, gpu);
+    } catch (const std::exception& e) {
+      if (*st->stopping) return;  // a signal stopped the server while it loaded
+      st->load_error = e.what();
+      std::fprintf(stderr, "llmq-server: error: %s\n", e.what());
+      stop_server(svr);
+    }
+  });
+  std::thread([&svr, sigs, drain_s = f.drain_s, weak = std::weak_ptr<ServerState>(st)] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    if (auto state = weak.lock()) drain(*state, sigs, sig, drain_s);
+    if (auto state = weak.lock()) *state->stopping = true;
+    stop_server(svr);
+  }).detach();
+  std::fprintf(stderr, "llmq-server: listening on http://%s:%d, loading %s\n", f.host.c_str(), f.port, f.model_path.c_str());
+  svr.listen_after_bind();
+  loader.join();
+  return st->load_error.empty() ? 0 : 2;
+}
+
+// Checks the flags, plans (--fit), blocks the stop signals, joins an MPI group under mpirun, then
+// serves HTTP (rank 0) or rank 0's forward passes (the other ranks).
+static int run_server(ServerFlags& f) {
+  const bool gpu = pick_device(f.device) == Device::Cuda;
+  if (gpu && f.kv_type != "f32" && f.kv_type != "f16" && f.kv_type != "q8_0") throw UsageError("--kv-type with --device cuda: f16 (the default) or q8_0");
+  if (!gpu) kv_type_from_name(f.kv_type);  // f32 or bf16 on the CPU: the error before listening
+  if (f.parallel < 1 || f.max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
+  if (f.fit && gpu && f.gpu_layers != "all") throw UsageError("--fit with --device cuda plans every layer on the GPU; leave --gpu-layers out");
+  if (f.fit) fit_flags(f, gpu);
+  mem::InferOptions lo;
+  lo.ctx = f.ctx, lo.n_batch = f.n_batch, lo.parallel = f.parallel, lo.server = true, lo.kv_tokens = f.kv_tokens;
+  const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", f.gpu_layers, gpu, f.model_path, lo, f.mem_budget);
+  const bool partial = gpu && gpu_layers >= 0;
+  // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter. Blocked
+  // before MPI starts its own threads, which would otherwise take them (and die of them).
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  // Under mpirun: MPI initialised here, on the main thread (which finalises it when this body
+  // ends, after the state below and its runner are gone), this process one rank of the job.
+  const std::unique_ptr<MpiComm> group = cli::start_mpi_group(f.tp, partial);
+  // Under mpirun: this process's rank of a group over processes (engine/parallel/tp_process.h), the
+  // same runner on every rank, built from rank 0's sizes: the CPU's TensorParallel for one rank, or
+  // a GPU rank.
+  RunnerOptions ro;
+  ro.place = Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, f.tp, false, f.ctx};
+  ro.threads = f.threads, ro.ctx = f.ctx, ro.n_batch = f.n_batch, ro.parallel = f.parallel, ro.kv_tokens = f.kv_tokens;
+  ro.capacity = std::max<int64_t>(f.n_batch, f.parallel);  // tokens per forward pass
+  ro.gpu_kv_q8 = gpu && f.kv_type == "q8_0", ro.kv_type = gpu ? KvType::F32 : kv_type_from_name(f.kv_type);
+  if (group && group->rank() > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
+    pthread_sigmask(SIG_UNBLOCK, &sigs, nullptr);  // a signal (mpirun ending the job) ends this rank at once
+    ro.place.gpu_layers = -1;
+    auto model = load_model(f.model_path, !f.no_verify, ro.place);
+    cli::join_tp_group(group.get(), *model, ro);
+    auto runner = cli::make_tool_runner("llmq-server", *model, ro);
+    return runner->serve();  // rank 0's forward passes until it stops; only rank 0 prints
+  }
+  return serve_http(f, ro, group.get(), gpu, sigs);
+}
+
+int main(int argc, char** argv) {
+  CLI::App app{"llmq-server: OpenAI-compatible completions over HTTP"};
+  ServerFlags flags;
+  add_server_flags(app, flags);
+  LLMQ_CLI_PARSE(app, argc, argv);
 #ifdef __GLIBC__
   // glibc gives threads up to 8 malloc arenas per core and each arena keeps the memory freed in
   // it. With 50+ HTTP threads, scripts/soak.py saw RSS climb from 89 to 110 MB in two minutes
@@ -1065,139 +1211,5 @@ int main(int argc, char** argv) {
   mallopt(M_ARENA_MAX, 2);
   mallopt(M_MMAP_THRESHOLD, 128 * 1024);
 #endif
-  return cli::run_guarded("llmq-server", [&] {
-    const bool gpu = pick_device(device) == Device::Cuda;
-    if (gpu && kv_type != "f32" && kv_type != "f16" && kv_type != "q8_0") throw UsageError("--kv-type with --device cuda: f16 (the default) or q8_0");
-    const bool gpu_kv_q8 = gpu && kv_type == "q8_0";
-    if (!gpu) kv_type_from_name(kv_type);  // f32 or bf16 on the CPU: the error before listening
-    if (parallel < 1 || max_queue < 0) throw UsageError("--parallel must be >= 1 and --max-queue >= 0");
-    if (fit && gpu && gpu_layers_s != "all") throw UsageError("--fit with --device cuda plans every layer on the GPU; leave --gpu-layers out");
-    if (fit) {  // plan first, from the file's metadata and tensor directory only (llmq-mem infer --fit)
-      // The budget: --mem, else the host's available memory, or the GPU's free memory (after
-      // the CUDA context is made) with --device cuda.
-      const double budget = !mem_budget.empty() ? mem::parse_size(mem_budget)
-                            : gpu               ? double(cuda_free_bytes())
-                                                : double(mem::available_memory());
-      auto f = LlmqFile::open(model_path, false);
-      const ModelConfig c = mem::file_config(*f);
-      mem::InferOptions o;
-      o.ctx = ctx, o.parallel = parallel, o.server = true, o.n_batch = n_batch, o.threads = threads, o.kv_type = kv_type;
-      o.device = gpu ? "cuda" : "cpu";
-      const mem::FitResult r = mem::fit_inference(*f, c, o, budget, ctx > 0, par_opt->count() > 0);
-      std::fprintf(stderr, "llmq-server: fit plan: %s\n", mem::fit_json(r, budget).dump().c_str());
-      if (!r.fits) throw UsageError("the model does not fit in " + cli::human_bytes(uint64_t(budget)));
-      ctx = r.options.ctx, parallel = int(r.options.parallel), kv_tokens = r.options.kv_tokens;
-    }
-    mem::InferOptions lo;
-    lo.ctx = ctx, lo.n_batch = n_batch, lo.parallel = parallel, lo.server = true, lo.kv_tokens = kv_tokens;
-    const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", gpu_layers_s, gpu, model_path, lo, mem_budget);
-    const bool partial = gpu && gpu_layers >= 0;
-    // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter. Blocked
-    // before MPI starts its own threads, which would otherwise take them (and die of them).
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
-    // Under mpirun: MPI initialised here, on the main thread (which finalises it when this body
-    // ends, after the state below and its runner are gone), this process one rank of the job.
-    const std::unique_ptr<MpiComm> group = cli::start_mpi_group(tp, partial);
-    const int64_t tp_cap = std::max<int64_t>(n_batch, parallel);  // tokens per forward pass
-    // Under mpirun: this process's rank of a group over processes (engine/parallel/tp_process.h), the
-    // same runner on every rank, built from rank 0's sizes: the CPU's TensorParallel for one rank, or
-    // a GPU rank.
-    RunnerOptions ro;
-    ro.place = Placement{gpu ? Device::Cuda : Device::Cpu, gpu_layers, tp, false, ctx};
-    ro.threads = threads, ro.ctx = ctx, ro.n_batch = n_batch, ro.parallel = parallel, ro.kv_tokens = kv_tokens;
-    ro.capacity = tp_cap, ro.gpu_kv_q8 = gpu_kv_q8, ro.kv_type = gpu ? KvType::F32 : kv_type_from_name(kv_type);
-    if (group && group->rank() > 0) {  // a rank of a process group: no HTTP, rank 0's forward passes until it stops
-      pthread_sigmask(SIG_UNBLOCK, &sigs, nullptr);  // a signal (mpirun ending the job) ends this rank at once
-      ro.place.gpu_layers = -1;
-      auto model = load_model(model_path, !no_verify, ro.place);
-      cli::join_tp_group(group.get(), *model, ro);
-      auto runner = cli::make_tool_runner("llmq-server", *model, ro);
-      return runner->serve();  // rank 0's forward passes until it stops; only rank 0 prints
-    }
-    auto st = std::make_shared<ServerState>();
-    st->model_id = alias.empty() ? std::filesystem::path(model_path).stem().string() : alias;
-    if (!pooling.empty()) st->pooling = pooling_from_name(pooling);
-    // Defaults roomy enough for a burst through one reverse proxy (every running and queued
-    // request, and as many again waiting for their 429), with a quarter kept for other addresses.
-    if (http.max_connections <= 0) http.max_connections = std::max(128, 4 * (parallel + int(max_queue)) + 16);
-    if (http.max_per_ip <= 0) http.max_per_ip = std::max(1, http.max_connections * 3 / 4);
-    GuardedServer svr(http);
-    // Workers beyond max_connections answer the connections over the limits (503) at once.
-    const int http_threads = http.max_connections + 16;
-    svr.new_task_queue = [http_threads] { return new httplib::ThreadPool(size_t(http_threads)); };
-    svr.set_payload_max_length(st->max_body + 1);
-    int listen_fd = -1;
-    svr.set_socket_options([&listen_fd](socket_t sock) {
-      int yes = 1;
-      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);  // not SO_REUSEPORT: a port in use is an error
-      listen_fd = sock;
-    });
-
-    add_guards(svr, *st, api_key);
-    add_routes(svr, *st, cors_origin);
-
-    if (!svr.bind_to_port(host, port))
-      throw UsageError("cannot listen on " + host + ":" + std::to_string(port) + " (in use, or not allowed)");
-    ::listen(listen_fd, SOMAXCONN);  // httplib listened with a backlog of 5: bursts of clients got resets
-    // Load in the background: /health answers 503 until the model is ready.
-    std::thread loader([&] {
-      try {
-        st->model = load_model(model_path, !no_verify, ro.place);  // with -ngl N the CPU runs the first layers: load_model packs those
-        // A token stands for at most its piece's bytes (SentencePiece's "▁" and byte-level BPE's
-        // byte characters only lengthen the text), or one character (<unk>, <0xNN>): 4 bytes.
-        for (const std::string& piece : st->model->vocab.tokens) st->max_token_bytes = std::max(st->max_token_bytes, piece.size());
-        const int64_t seq_ctx = ctx > 0 ? ctx : std::min(st->model->config.context_length, kDefaultMaxCtx);
-        RunnerOptions rs = ro;
-        rs.ctx = seq_ctx;
-        cli::join_tp_group(group.get(), *st->model, rs);
-        st->runner = cli::make_tool_runner("llmq-server", *st->model, rs);
-        if (!template_name.empty()) st->tmpl = ChatTemplate::by_name(template_name);
-        else if (!st->model->chat_template.empty()) st->tmpl = ChatTemplate::for_vocab(st->model->chat_template, st->model->vocab);
-        SchedulerOptions so;
-        so.parallel = parallel;
-        so.ctx = seq_ctx;
-        so.max_queue = max_queue;
-        so.kv_tokens = kv_tokens;
-        so.n_batch = n_batch;
-        so.kv_type = ro.kv_type;  // the CPU's pools (partial offload: f32)
-        // The GPU's paged attention has not yet run with shared blocks on a real device: the CPU only.
-        so.prefix_cache = !no_prefix_cache && !gpu;
-        st->scheduler = std::make_unique<Scheduler>(st->runner->batch(), so);
-        st->structured = std::make_unique<StructuredOutputs>(*st->model->tokenizer, default_stop_ids(st->model->vocab),
-                                                             size_t(grammar_cache_mib) << 20);
-        st->ready = true;
-        const uint64_t file_bytes = st->model->file->file_size() + st->model->packed.bytes(), kv_b = st->scheduler->kv_bytes(),
-                       ws_b = st->scheduler->workspace_bytes();
-        std::fprintf(stderr,
-                     "llmq-server: %s ready on http://%s:%d (%s, parallel %d, ctx %lld, KV cache %s, tp %d, peak memory %s)\n"
-                     "llmq-server: memory: model file and repacked weights %s, KV cache %s, workspace %s; total %llu bytes (%s)%s\n",
-                     st->model_id.c_str(), host.c_str(), port, device_name(gpu ? Device::Cuda : Device::Cpu), parallel, (long long)so.ctx, cli::human_bytes(kv_b).c_str(), tp,
-                     cli::human_bytes(cli::peak_rss_bytes()).c_str(), cli::human_bytes(file_bytes).c_str(),
-                     cli::human_bytes(kv_b).c_str(), cli::human_bytes(ws_b).c_str(),
-                     (unsigned long long)(file_bytes + kv_b + ws_b), cli::human_bytes(file_bytes + kv_b + ws_b).c_str(),
-                     gpu ? " (KV cache and workspace on the GPU, the weights uploaded beside them: see the GPU memory line)" : "");
-      } catch (const std::exception& e) {
-        if (*st->stopping) return;  // a signal stopped the server while it loaded
-        st->load_error = e.what();
-        std::fprintf(stderr, "llmq-server: error: %s\n", e.what());
-        stop_server(svr);
-      }
-    });
-    std::thread([&svr, sigs, drain_s, weak = std::weak_ptr<ServerState>(st)] {
-      int sig = 0;
-      sigwait(&sigs, &sig);
-      if (auto state = weak.lock()) drain(*state, sigs, sig, drain_s);
-      if (auto state = weak.lock()) *state->stopping = true;
-      stop_server(svr);
-    }).detach();
-    std::fprintf(stderr, "llmq-server: listening on http://%s:%d, loading %s\n", host.c_str(), port, model_path.c_str());
-    svr.listen_after_bind();
-    loader.join();
-    if (!st->load_error.empty()) return 2;
-    return 0;
-  });
+  return cli::run_guarded("llmq-server", [&] { return run_server(flags); });
 }
