@@ -99,7 +99,7 @@ template <int R>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_q6k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
                                                                   const float* __restrict__ xd, const float* __restrict__,
                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T,
-                                                                   int prefetch) {
+                                                                  int prefetch) {
   prefetch_block_rows<R>(prefetch, wq, rb, rows);
   pdl_begin();
   const int nrows = int(rows), ncols = int(cols), row0 = warp_row0<R>(nrows);

@@ -284,8 +284,12 @@ Vocab read_hf_tokenizer_json(const std::string& path) {
   }
 }
 
-HfTokenizer read_hf_tokenizer(const std::string& dir, const json& config_json, int64_t vocab_size) {
-  HfTokenizer out;
+namespace {
+
+// The vocabulary of dir: tokenizer.json when it is byte-level BPE, else tokenizer.model
+// (SentencePiece); none found leaves out.found false. Throws FileError for a tokenizer.json
+// that is neither with no tokenizer.model beside it, and for unreadable files.
+void read_vocab_files(const std::string& dir, HfTokenizer& out) {
   const std::string tj = dir + "/tokenizer.json", tm = dir + "/tokenizer.model";
   std::error_code ec;
   const bool has_tj = fs::exists(tj, ec), has_tm = fs::exists(tm, ec);
@@ -307,125 +311,130 @@ HfTokenizer read_hf_tokenizer(const std::string& dir, const json& config_json, i
     out.source = tm;
   }
   out.found = !out.source.empty();
-  Vocab& v = out.vocab;
+}
 
+// id, checked to lie in v (key and file name the error).
+int32_t vocab_id(const Vocab& v, const std::string& file, const char* key, int64_t id) {
+  if (id < 0 || id >= int64_t(v.tokens.size()))
+    throw FileError(file, std::string(key) + " " + std::to_string(id) + " is outside the vocabulary (" + std::to_string(v.tokens.size()) +
+                              " tokens)");
+  return int32_t(id);
+}
+
+// A config's bos_token_id and eos_token_id (config.json, generation_config.json: a number or a
+// list) into v, the first of each; returns every eos id, in order.
+std::vector<int32_t> config_ids(Vocab& v, const std::string& file, const json& cfg) {
+  for (int64_t id : id_list(file, cfg, "bos_token_id")) {
+    v.bos_id = vocab_id(v, file, "bos_token_id", id);
+    break;
+  }
+  std::vector<int32_t> eos;
+  for (int64_t id : id_list(file, cfg, "eos_token_id")) eos.push_back(vocab_id(v, file, "eos_token_id", id));
+  if (!eos.empty()) v.eos_id = eos[0];
+  return eos;
+}
+
+// tokenizer_config.json's chat template (a string, or the "default" of a list of {name,
+// template}); with a vocabulary, its special tokens (by their text), which go before config.json's,
+// and add_bos_token. Throws FileError for content of the wrong kind.
+void apply_tokenizer_config(const std::string& tc, HfTokenizer& out, std::vector<int32_t>& eos_candidates) {
+  const json cfg = read_json_file(tc);
+  if (!cfg.is_object()) throw FileError(tc, "not a JSON object");
+  Vocab& v = out.vocab;
+  try {
+    auto ct = cfg.find("chat_template");
+    if (ct != cfg.end() && !ct->is_null()) {
+      if (ct->is_string()) {
+        out.chat_template = ct->get<std::string>();
+      } else if (ct->is_array()) {
+        for (const json& t : *ct)
+          if (t.is_object() && t.value("name", std::string()) == "default" && t.contains("template") && t["template"].is_string())
+            out.chat_template = t["template"].get<std::string>();
+      } else {
+        throw FileError(tc, "chat_template is neither a string nor a list of {name, template}");
+      }
+    }
+    if (!out.found) return;
+    std::unordered_map<std::string, int32_t> ids;
+    for (size_t i = 0; i < v.tokens.size(); ++i) ids.emplace(v.tokens[i], int32_t(i));
+    auto lookup = [&](const char* key) -> int32_t {
+      const std::string text = special_text(tc, cfg, key);
+      if (text.empty()) return -1;
+      auto f = ids.find(text);
+      return f == ids.end() ? -1 : f->second;
+    };
+    if (int32_t id = lookup("bos_token"); id >= 0) v.bos_id = id;
+    if (int32_t id = lookup("eos_token"); id >= 0) {
+      v.eos_id = id;
+      eos_candidates.insert(eos_candidates.begin(), id);
+    }
+    if (int32_t id = lookup("unk_token"); id >= 0) v.unk_id = id;
+    if (int32_t id = lookup("pad_token"); id >= 0) v.pad_id = id;
+    auto ab = cfg.find("add_bos_token");
+    if (ab != cfg.end() && !ab->is_null()) {
+      if (!ab->is_boolean()) throw FileError(tc, "add_bos_token is not true or false");
+      v.add_bos = ab->get<bool>();
+    }
+  } catch (const json::exception& e) {
+    throw FileError(tc, std::string("unexpected content: ") + e.what());
+  }
+}
+
+// A chat_template.jinja file's text (newer checkpoints keep the template there). Throws
+// FileError when it cannot be read or is over 64 MiB.
+std::string read_template_file(const std::string& path) {
+  std::error_code ec;
+  std::ifstream in = open_regular_file(path);
+  const uint64_t size = fs::file_size(path, ec);
+  if (ec || size > (uint64_t(64) << 20)) throw FileError(path, "cannot read (or larger than 64 MiB)");
+  std::string text(size_t(size), '\0');
+  if (size > 0 && !in.read(text.data(), std::streamsize(size))) throw FileError(path, "read error");
+  return text;
+}
+
+// The end-of-turn token: the first candidate (the eos id, then the candidates in the files'
+// order of strength) whose text is one of kEndOfTurn; -1 when none is.
+int32_t end_of_turn(const Vocab& v, const std::vector<int32_t>& candidates) {
+  for (int32_t id : candidates) {
+    if (id < 0 || id >= int32_t(v.tokens.size())) continue;
+    for (const char* name : kEndOfTurn)
+      if (v.tokens[size_t(id)] == name) return id;
+  }
+  return -1;
+}
+
+}  // namespace
+
+HfTokenizer read_hf_tokenizer(const std::string& dir, const json& config_json, int64_t vocab_size) {
+  HfTokenizer out;
+  read_vocab_files(dir, out);
+  Vocab& v = out.vocab;
   if (out.found) {
     if (int64_t(v.tokens.size()) > vocab_size)
-      throw FileError(out.source, "the tokenizer has " + std::to_string(v.tokens.size()) +
-                                      " tokens, more than config.json's vocab_size " + std::to_string(vocab_size));
+      throw FileError(out.source, "the tokenizer has " + std::to_string(v.tokens.size()) + " tokens, more than config.json's vocab_size " +
+                                      std::to_string(vocab_size));
     while (int64_t(v.tokens.size()) < vocab_size) {  // HF pads embedding matrices past the tokenizer
       v.tokens.push_back("[PAD" + std::to_string(v.tokens.size()) + "]");
       v.scores.push_back(0.0f);
       v.types.push_back(int32_t(TokenType::Unused));
     }
   }
-  std::unordered_map<std::string, int32_t> ids;
-  if (out.found)
-    for (size_t i = 0; i < v.tokens.size(); ++i) ids.emplace(v.tokens[i], int32_t(i));
-  auto check_id = [&](const std::string& file, const char* key, int64_t id) {
-    if (id < 0 || id >= int64_t(v.tokens.size()))
-      throw FileError(file, std::string(key) + " " + std::to_string(id) + " is outside the vocabulary (" +
-                                std::to_string(v.tokens.size()) + " tokens)");
-    return int32_t(id);
-  };
+  // The special ids, weakest first: config.json, tokenizer_config.json, generation_config.json.
   std::vector<int32_t> eos_candidates;
-
-  // config.json's ids (weakest).
-  if (out.found) {
-    const std::string cp = dir + "/config.json";
-    for (int64_t id : id_list(cp, config_json, "bos_token_id")) {
-      v.bos_id = check_id(cp, "bos_token_id", id);
-      break;
-    }
-    const auto e = id_list(cp, config_json, "eos_token_id");
-    for (size_t i = 0; i < e.size(); ++i) {
-      const int32_t id = check_id(cp, "eos_token_id", e[i]);
-      if (i == 0) v.eos_id = id;
-      eos_candidates.push_back(id);
-    }
-  }
-
-  // tokenizer_config.json: special tokens, add_bos_token, chat template.
-  const std::string tc = dir + "/tokenizer_config.json";
-  if (fs::exists(tc, ec)) {
-    const json cfg = read_json_file(tc);
-    if (!cfg.is_object()) throw FileError(tc, "not a JSON object");
-    try {
-      auto ct = cfg.find("chat_template");
-      if (ct != cfg.end() && !ct->is_null()) {
-        if (ct->is_string()) {
-          out.chat_template = ct->get<std::string>();
-        } else if (ct->is_array()) {
-          for (const json& t : *ct)
-            if (t.is_object() && t.value("name", std::string()) == "default" && t.contains("template") &&
-                t["template"].is_string())
-              out.chat_template = t["template"].get<std::string>();
-        } else {
-          throw FileError(tc, "chat_template is neither a string nor a list of {name, template}");
-        }
-      }
-      if (out.found) {
-        auto lookup = [&](const char* key) -> int32_t {
-          const std::string text = special_text(tc, cfg, key);
-          if (text.empty()) return -1;
-          auto f = ids.find(text);
-          return f == ids.end() ? -1 : f->second;
-        };
-        if (int32_t id = lookup("bos_token"); id >= 0) v.bos_id = id;
-        if (int32_t id = lookup("eos_token"); id >= 0) {
-          v.eos_id = id;
-          eos_candidates.insert(eos_candidates.begin(), id);
-        }
-        if (int32_t id = lookup("unk_token"); id >= 0) v.unk_id = id;
-        if (int32_t id = lookup("pad_token"); id >= 0) v.pad_id = id;
-        auto ab = cfg.find("add_bos_token");
-        if (ab != cfg.end() && !ab->is_null()) {
-          if (!ab->is_boolean()) throw FileError(tc, "add_bos_token is not true or false");
-          v.add_bos = ab->get<bool>();
-        }
-      }
-    } catch (const json::exception& e) {
-      throw FileError(tc, std::string("unexpected content: ") + e.what());
-    }
-  }
-  const std::string jinja = dir + "/chat_template.jinja";
-  if (out.chat_template.empty() && fs::is_regular_file(jinja, ec)) {
-    std::ifstream in = open_regular_file(jinja);
-    const uint64_t size = fs::file_size(jinja, ec);
-    if (ec || size > (uint64_t(64) << 20)) throw FileError(jinja, "cannot read (or larger than 64 MiB)");
-    out.chat_template.assign(size_t(size), '\0');
-    if (size > 0 && !in.read(out.chat_template.data(), std::streamsize(size))) throw FileError(jinja, "read error");
-  }
-
-  // generation_config.json (strongest).
-  const std::string gc = dir + "/generation_config.json";
-  if (out.found && fs::exists(gc, ec)) {
+  if (out.found) eos_candidates = config_ids(v, dir + "/config.json", config_json);
+  std::error_code ec;
+  if (const std::string tc = dir + "/tokenizer_config.json"; fs::exists(tc, ec)) apply_tokenizer_config(tc, out, eos_candidates);
+  if (const std::string jinja = dir + "/chat_template.jinja"; out.chat_template.empty() && fs::is_regular_file(jinja, ec))
+    out.chat_template = read_template_file(jinja);
+  if (const std::string gc = dir + "/generation_config.json"; out.found && fs::exists(gc, ec)) {
     const json cfg = read_json_file(gc);
     if (!cfg.is_object()) throw FileError(gc, "not a JSON object");
-    for (int64_t id : id_list(gc, cfg, "bos_token_id")) {
-      v.bos_id = check_id(gc, "bos_token_id", id);
-      break;
-    }
-    const auto e = id_list(gc, cfg, "eos_token_id");
-    for (size_t i = 0; i < e.size(); ++i) {
-      const int32_t id = check_id(gc, "eos_token_id", e[i]);
-      if (i == 0) v.eos_id = id;
-    }
-    std::vector<int32_t> g;
-    for (int64_t id : e) g.push_back(int32_t(id));
+    const std::vector<int32_t> g = config_ids(v, gc, cfg);
     eos_candidates.insert(eos_candidates.begin(), g.begin(), g.end());
   }
   if (out.found) {
     eos_candidates.insert(eos_candidates.begin(), v.eos_id);
-    for (int32_t id : eos_candidates) {
-      if (id < 0 || id >= int32_t(v.tokens.size())) continue;
-      bool eot = false;
-      for (const char* name : kEndOfTurn) eot = eot || v.tokens[size_t(id)] == name;
-      if (eot) {
-        v.eot_id = id;
-        break;
-      }
-    }
+    if (const int32_t eot = end_of_turn(v, eos_candidates); eot >= 0) v.eot_id = eot;
   }
   return out;
 }
