@@ -93,46 +93,37 @@ std::vector<int64_t> id_list(const std::string& path, const json& cfg, const cha
   return out;
 }
 
-Vocab vocab_from_tokenizer_json(const std::string& path, const json& j) {
-  if (!j.is_object()) throw FileError(path, "tokenizer.json is not a JSON object");
-  auto mi = j.find("model");
-  if (mi == j.end() || !mi->is_object()) throw FileError(path, "tokenizer.json has no \"model\" object");
-  const json& model = *mi;
-  const std::string mtype = type_of(model);
-  if (!mtype.empty() && mtype != "BPE")
-    throw FileError(path, "tokenizer model type '" + mtype + "' is not supported (only BPE)");
-  if (!hf_tokenizer_is_byte_level(j)) throw FileError(path, "tokenizer.json is not a byte-level BPE tokenizer");
-  auto vi = model.find("vocab");
-  if (vi == model.end() || !vi->is_object() || vi->empty())
-    throw FileError(path, "tokenizer.json model.vocab is missing, empty or not an object");
-
+// The token table of a tokenizer.json: model.vocab's entries (Normal) and added_tokens (Control
+// when special, else UserDefined) by id; ids no entry names become "[PADi]" (Unused). Throws
+// FileError for an id out of range or given to two texts.
+struct TokenTable {
   std::vector<std::string> tokens;
   std::vector<int32_t> types;
   std::vector<bool> have;
+};
+TokenTable token_table(const std::string& path, const json& j, const json& vocab) {
+  TokenTable t;
   // Ids are dense in real vocabularies (0 .. entries-1, added tokens just past them): an id far
   // beyond the entries the file has would make us allocate for it (issue 22 item 9: one entry
   // with id 16M cost 2 GB and 30 s). Allowed: below twice the entries plus 64K, and below 16M.
   const size_t added = j.contains("added_tokens") && j["added_tokens"].is_array() ? j["added_tokens"].size() : 0;
-  const int64_t max_id = std::min<int64_t>(kMaxVocab, 2 * int64_t(vi->size() + added) + 65536);
+  const int64_t max_id = std::min<int64_t>(kMaxVocab, 2 * int64_t(vocab.size() + added) + 65536);
   auto place = [&](int64_t id, const std::string& text, TokenType type, bool may_repeat) {
     if (id < 0 || id >= max_id)
       throw FileError(path, "token '" + text + "' has id " + std::to_string(id) + ", outside 0.." + std::to_string(max_id - 1) +
-                                " (the file lists " + std::to_string(vi->size() + added) + " tokens)");
-    if (size_t(id) >= tokens.size()) {
-      tokens.resize(size_t(id) + 1);
-      types.resize(size_t(id) + 1, int32_t(TokenType::Unused));
-      have.resize(size_t(id) + 1, false);
+                                " (the file lists " + std::to_string(vocab.size() + added) + " tokens)");
+    if (size_t(id) >= t.tokens.size()) {
+      t.tokens.resize(size_t(id) + 1);
+      t.types.resize(size_t(id) + 1, int32_t(TokenType::Unused));
+      t.have.resize(size_t(id) + 1, false);
     }
-    if (have[size_t(id)]) {
-      if (!may_repeat || tokens[size_t(id)] != text)
-        throw FileError(path, "id " + std::to_string(id) + " is given to both '" + tokens[size_t(id)] + "' and '" +
-                                  text + "'");
-    }
-    tokens[size_t(id)] = text;
-    types[size_t(id)] = int32_t(type);
-    have[size_t(id)] = true;
+    if (t.have[size_t(id)] && (!may_repeat || t.tokens[size_t(id)] != text))
+      throw FileError(path, "id " + std::to_string(id) + " is given to both '" + t.tokens[size_t(id)] + "' and '" + text + "'");
+    t.tokens[size_t(id)] = text;
+    t.types[size_t(id)] = int32_t(type);
+    t.have[size_t(id)] = true;
   };
-  for (auto it = vi->begin(); it != vi->end(); ++it) {
+  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
     if (!it.value().is_number_integer()) throw FileError(path, "vocab entry '" + it.key() + "' has no integer id");
     place(it.value().get<int64_t>(), it.key(), TokenType::Normal, false);
   }
@@ -140,45 +131,82 @@ Vocab vocab_from_tokenizer_json(const std::string& path, const json& j) {
   if (ai != j.end() && !ai->is_null()) {
     if (!ai->is_array()) throw FileError(path, "added_tokens is not a list");
     for (const json& a : *ai) {
-      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
-          !a["content"].is_string())
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") || !a["content"].is_string())
         throw FileError(path, "an added_tokens entry lacks an integer id or a string content");
       const bool special = flag(a, "special", false);
-      place(a["id"].get<int64_t>(), a["content"].get<std::string>(),
-            special ? TokenType::Control : TokenType::UserDefined, true);
+      place(a["id"].get<int64_t>(), a["content"].get<std::string>(), special ? TokenType::Control : TokenType::UserDefined, true);
     }
   }
+  for (size_t i = 0; i < t.tokens.size(); ++i)
+    if (!t.have[i]) t.tokens[i] = "[PAD" + std::to_string(i) + "]";
+  return t;
+}
+
+// model.merges as "a b" strings (the file has "a b" or ["a", "b"]). Throws FileError for others.
+std::vector<std::string> read_merges(const std::string& path, const json& model) {
+  std::vector<std::string> merges;
+  auto mg = model.find("merges");
+  if (mg == model.end() || mg->is_null()) return merges;
+  if (!mg->is_array()) throw FileError(path, "model.merges is not a list");
+  merges.reserve(mg->size());
+  for (const json& m : *mg) {
+    std::string a, b;
+    if (m.is_string()) {
+      const std::string s = m.get<std::string>();
+      const size_t sp = s.find(' ');
+      if (sp == std::string::npos) throw FileError(path, "merge '" + s + "' is not two pieces separated by a space");
+      a = s.substr(0, sp);
+      b = s.substr(sp + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      a = m[0].get<std::string>();
+      b = m[1].get<std::string>();
+    } else {
+      throw FileError(path, "merge " + m.dump() + " is neither \"a b\" nor [\"a\", \"b\"]");
+    }
+    if (a.empty() || b.empty()) throw FileError(path, "merge " + m.dump() + " has an empty piece");
+    merges.push_back(a + " " + b);
+  }
+  return merges;
+}
+
+// BOS added by the post-processor: TemplateProcessing (possibly inside a Sequence) whose
+// "single" template starts with {"SpecialToken": {"id": "<bos text>", ...}} sets v.add_bos and,
+// when the text is a token, v.bos_id.
+void post_processor_bos(const json& j, const std::unordered_map<std::string, int32_t>& ids, Vocab& v) {
+  v.add_bos = false;
+  if (!j.contains("post_processor")) return;
+  for (const json& p : members(j["post_processor"], "processors")) {
+    if (type_of(p) != "TemplateProcessing") continue;
+    auto si = p.find("single");
+    if (si == p.end() || !si->is_array() || si->empty()) continue;
+    const json& first = (*si)[0];
+    if (!first.is_object() || !first.contains("SpecialToken")) continue;
+    v.add_bos = true;
+    const json& st = first["SpecialToken"];
+    if (st.is_object() && st.contains("id") && st["id"].is_string()) {
+      auto f = ids.find(st["id"].get<std::string>());
+      if (f != ids.end()) v.bos_id = f->second;
+    }
+  }
+}
+
+Vocab vocab_from_tokenizer_json(const std::string& path, const json& j) {
+  if (!j.is_object()) throw FileError(path, "tokenizer.json is not a JSON object");
+  auto mi = j.find("model");
+  if (mi == j.end() || !mi->is_object()) throw FileError(path, "tokenizer.json has no \"model\" object");
+  const json& model = *mi;
+  const std::string mtype = type_of(model);
+  if (!mtype.empty() && mtype != "BPE") throw FileError(path, "tokenizer model type '" + mtype + "' is not supported (only BPE)");
+  if (!hf_tokenizer_is_byte_level(j)) throw FileError(path, "tokenizer.json is not a byte-level BPE tokenizer");
+  auto vi = model.find("vocab");
+  if (vi == model.end() || !vi->is_object() || vi->empty()) throw FileError(path, "tokenizer.json model.vocab is missing, empty or not an object");
+  TokenTable t = token_table(path, j, *vi);
   Vocab v;
   v.model = "gpt2";
-  for (size_t i = 0; i < tokens.size(); ++i)
-    if (!have[i]) tokens[i] = "[PAD" + std::to_string(i) + "]";
-  v.tokens = std::move(tokens);
-  v.types = std::move(types);
+  v.tokens = std::move(t.tokens);
+  v.types = std::move(t.types);
   v.scores.assign(v.tokens.size(), 0.0f);
-
-  auto mg = model.find("merges");
-  if (mg != model.end() && !mg->is_null()) {
-    if (!mg->is_array()) throw FileError(path, "model.merges is not a list");
-    v.merges.reserve(mg->size());
-    for (const json& m : *mg) {
-      std::string a, b;
-      if (m.is_string()) {
-        const std::string s = m.get<std::string>();
-        const size_t sp = s.find(' ');
-        if (sp == std::string::npos) throw FileError(path, "merge '" + s + "' is not two pieces separated by a space");
-        a = s.substr(0, sp);
-        b = s.substr(sp + 1);
-      } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-        a = m[0].get<std::string>();
-        b = m[1].get<std::string>();
-      } else {
-        throw FileError(path, "merge " + m.dump() + " is neither \"a b\" nor [\"a\", \"b\"]");
-      }
-      if (a.empty() || b.empty()) throw FileError(path, "merge " + m.dump() + " has an empty piece");
-      v.merges.push_back(a + " " + b);
-    }
-  }
-
+  v.merges = read_merges(path, model);
   std::unordered_map<std::string, int32_t> ids;
   for (size_t i = 0; i < v.tokens.size(); ++i) ids.emplace(v.tokens[i], int32_t(i));
   auto ui = model.find("unk_token");
@@ -186,28 +214,10 @@ Vocab vocab_from_tokenizer_json(const std::string& path, const json& j) {
     auto f = ids.find(ui->get<std::string>());
     if (f != ids.end()) v.unk_id = f->second;
   }
-
   const json pre = j.contains("pre_tokenizer") ? j["pre_tokenizer"] : json();
   v.pre = hf_pre_tokenizer_name(pre);
   v.add_space_prefix = flag(find_bytelevel(pre), "add_prefix_space", false);
-
-  // BOS added by the post-processor: TemplateProcessing (possibly inside a Sequence) whose
-  // "single" template starts with {"SpecialToken": {"id": "<bos text>", ...}}.
-  v.add_bos = false;
-  if (j.contains("post_processor"))
-    for (const json& p : members(j["post_processor"], "processors")) {
-      if (type_of(p) != "TemplateProcessing") continue;
-      auto si = p.find("single");
-      if (si == p.end() || !si->is_array() || si->empty()) continue;
-      const json& first = (*si)[0];
-      if (!first.is_object() || !first.contains("SpecialToken")) continue;
-      v.add_bos = true;
-      const json& st = first["SpecialToken"];
-      if (st.is_object() && st.contains("id") && st["id"].is_string()) {
-        auto f = ids.find(st["id"].get<std::string>());
-        if (f != ids.end()) v.bos_id = f->second;
-      }
-    }
+  post_processor_bos(j, ids, v);
   return v;
 }
 
