@@ -127,13 +127,9 @@ void draw_progress(size_t done, size_t total, const std::string& name) {
   std::fflush(stderr);
 }
 
-}  // namespace
-
-ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const std::string& out, const ConvertOptions& opts) {
-  if (int64_t(vocab.size()) != src.config.vocab_size)
-    throw UsageError("the tokenizer has " + std::to_string(vocab.size()) + " tokens but the model's vocabulary is " +
-                     std::to_string(src.config.vocab_size));
-  LlmqWriter w(out, opts.overwrite);
+// The file's metadata: the model's hyper-parameters, the vocabulary, the chat template, where
+// it came from (format, file, its xxh64) and how it was converted.
+void write_metadata(LlmqWriter& w, const SourceModel& src, const Vocab& vocab, const ConvertOptions& opts) {
   src.config.to_metadata(w.meta);
   vocab_to_metadata(vocab, w.meta);
   if (!opts.chat_template.empty()) w.meta.set("tokenizer.chat_template", opts.chat_template);
@@ -141,82 +137,103 @@ ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const 
   if (!opts.source_path.empty()) {
     w.meta.set("general.source.file", opts.source_path);
     // A Hugging Face checkpoint is a directory: hash its checkpoint files (formats/readers/hf_model.h).
-    w.meta.set("general.source.xxh64", std::filesystem::is_directory(opts.source_path)
-                                           ? hf_checkpoint_xxh64(opts.source_path)
-                                           : file_xxh64(opts.source_path));
+    w.meta.set("general.source.xxh64", std::filesystem::is_directory(opts.source_path) ? hf_checkpoint_xxh64(opts.source_path)
+                                                                                       : file_xxh64(opts.source_path));
   }
   w.meta.set("general.converter", std::string("llmq-convert ") + LLMQ_VERSION);
-  w.meta.set("general.file_type",
-             std::string(opts.type ? dtype_name(*opts.type) : opts.mix ? opts.mix->name.c_str() : "as source"));
+  w.meta.set("general.file_type", std::string(opts.type ? dtype_name(*opts.type) : opts.mix ? opts.mix->name.c_str() : "as source"));
+}
 
-  ConvertReport rep;
-  std::vector<bool> fallback;
+// Declares every tensor with the type choose_type gives it (a mix's per-tensor types resolved
+// here); returns per tensor whether that type is a fallback from the one asked for.
+std::vector<bool> declare_tensors(LlmqWriter& w, const SourceModel& src, const ConvertOptions& opts) {
   ConvertOptions o = opts;
   if (o.mix) o.mix_types = mix_tensor_types(*o.mix, src.tensors, src.config.n_heads / std::max<int64_t>(1, src.config.n_kv_heads));
   o.tied_output = true;
   for (const SourceTensor& t : src.tensors) o.tied_output = o.tied_output && t.name != "output.weight";
+  std::vector<bool> fallback;
   for (const SourceTensor& t : src.tensors) {
     bool fb = false;
-    const DType type = choose_type(t, o, &fb);
-    w.declare(t.name, type, t.shape);
+    w.declare(t.name, choose_type(t, o, &fb), t.shape);
     fallback.push_back(fb);
   }
+  return fallback;
+}
+
+std::string source_name(const ConvertOptions& opts) { return opts.source_path.empty() ? "source" : opts.source_path; }
+
+// Tensor i's stored bytes written as they are (a lossless repack), after checking every row's
+// weights and scales are finite. Throws FileError naming the first row that is not.
+void repack_tensor(LlmqWriter& w, size_t i, const SourceTensor& t, const ConvertOptions& opts) {
+  const TensorInfo& info = w.tensors()[i];
+  const int64_t cols = t.shape.back(), rows = t.numel() / cols;
+  const size_t rb = row_bytes(info.type, cols);
+  for (int64_t r = 0; r < rows; ++r)
+    if (const int64_t j = first_nonfinite(info.type, t.raw + size_t(r) * rb, cols); j >= 0)
+      throw FileError(source_name(opts), "tensor '" + t.name + "' row " + std::to_string(r) + ": weight " + std::to_string(j) +
+                                             " is not finite (NaN or infinite value or scale)");
+  w.write_tensor(i, t.raw, info.nbytes);
+  if (t.release) t.release();
+}
+
+// Tensor i read as fp32, quantized row by row to its declared type and written; returns the
+// relative RMS error of the round trip. data, packed, back: reused buffers. Throws FileError
+// for a row the type cannot hold (NaN, Inf, overflow).
+double quantize_tensor(LlmqWriter& w, size_t i, const SourceTensor& t, const ConvertOptions& opts, std::vector<float>& data,
+                       std::vector<uint8_t>& packed, std::vector<float>& back) {
+  const TensorInfo& info = w.tensors()[i];
+  const int64_t n = t.numel(), cols = t.shape.back(), rows = n / cols;
+  data.resize(size_t(n));
+  t.read(data.data());
+  if (t.release) t.release();
+  packed.resize(info.nbytes);
+  back.resize(size_t(cols));
+  const size_t rb = row_bytes(info.type, cols);
+  double err2 = 0.0, ref2 = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = data.data() + r * cols;
+    try {
+      quantize_row(info.type, x, packed.data() + size_t(r) * rb, cols);
+    } catch (const UsageError& e) {  // NaN/Inf/overflow: the source file is at fault
+      throw FileError(source_name(opts), "tensor '" + t.name + "' row " + std::to_string(r) + ": " + e.what());
+    }
+    dequantize_row(info.type, packed.data() + size_t(r) * rb, back.data(), cols);
+    for (int64_t j = 0; j < cols; ++j) {
+      const double d = double(back[size_t(j)]) - double(x[j]);
+      err2 += d * d;
+      ref2 += double(x[j]) * double(x[j]);
+    }
+  }
+  w.write_tensor(i, packed.data(), packed.size());
+  return ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+}
+
+}  // namespace
+
+ConvertReport convert_to_llmq(const SourceModel& src, const Vocab& vocab, const std::string& out, const ConvertOptions& opts) {
+  if (int64_t(vocab.size()) != src.config.vocab_size)
+    throw UsageError("the tokenizer has " + std::to_string(vocab.size()) + " tokens but the model's vocabulary is " +
+                     std::to_string(src.config.vocab_size));
+  LlmqWriter w(out, opts.overwrite);
+  write_metadata(w, src, vocab, opts);
+  const std::vector<bool> fallback = declare_tensors(w, src, opts);
   // Filled in as tensors are written (same encoded size, so it may change after begin()).
   w.meta.set("llmq.quantization.rel_rms_error", std::vector<float>(src.tensors.size(), 0.0f));
   w.begin();
-
-  std::vector<float> data, back;
+  ConvertReport rep;
+  std::vector<float> data, back, errors;
   std::vector<uint8_t> packed;
-  std::vector<float> errors;
   for (size_t i = 0; i < src.tensors.size(); ++i) {
     const SourceTensor& t = src.tensors[i];
     const TensorInfo& info = w.tensors()[i];
     if (opts.progress) draw_progress(i, src.tensors.size(), t.name);
-    const int64_t n = t.numel(), cols = t.shape.back(), rows = n / cols;
-    if (t.raw && t.raw_type == info.type) {  // lossless repack: the stored bytes
-      const uint8_t* bytes = t.raw;
-      const size_t rb = row_bytes(info.type, cols);
-      for (int64_t r = 0; r < rows; ++r)
-        if (const int64_t j = first_nonfinite(info.type, bytes + size_t(r) * rb, cols); j >= 0)
-          throw FileError(opts.source_path.empty() ? "source" : opts.source_path,
-                          "tensor '" + t.name + "' row " + std::to_string(r) + ": weight " + std::to_string(j) +
-                              " is not finite (NaN or infinite value or scale)");
-      w.write_tensor(i, bytes, info.nbytes);
-      if (t.release) t.release();
-      errors.push_back(0.0f);
-      rep.tensors.push_back({t.name, info.type, fallback[i], 0.0, info.nbytes, n});
-      rep.weight_bytes += info.nbytes;
-      rep.weights += n;
-      continue;
-    }
-    data.resize(size_t(n));
-    t.read(data.data());
-    if (t.release) t.release();
-    packed.resize(info.nbytes);
-    back.resize(size_t(cols));
-    const size_t rb = row_bytes(info.type, cols);
-    double err2 = 0.0, ref2 = 0.0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* x = data.data() + r * cols;
-      try {
-        quantize_row(info.type, x, packed.data() + size_t(r) * rb, cols);
-      } catch (const UsageError& e) {  // NaN/Inf/overflow: the source file is at fault
-        throw FileError(opts.source_path.empty() ? "source" : opts.source_path,
-                        "tensor '" + t.name + "' row " + std::to_string(r) + ": " + e.what());
-      }
-      dequantize_row(info.type, packed.data() + size_t(r) * rb, back.data(), cols);
-      for (int64_t j = 0; j < cols; ++j) {
-        const double d = double(back[size_t(j)]) - double(x[j]);
-        err2 += d * d;
-        ref2 += double(x[j]) * double(x[j]);
-      }
-    }
-    w.write_tensor(i, packed.data(), packed.size());
-    const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+    double rel = 0.0;
+    if (t.raw && t.raw_type == info.type) repack_tensor(w, i, t, opts);  // lossless repack: the stored bytes
+    else rel = quantize_tensor(w, i, t, opts, data, packed, back);
     errors.push_back(float(rel));
-    rep.tensors.push_back({t.name, info.type, fallback[i], rel, info.nbytes, n});
+    rep.tensors.push_back({t.name, info.type, fallback[i], rel, info.nbytes, t.numel()});
     rep.weight_bytes += info.nbytes;
-    rep.weights += n;
+    rep.weights += t.numel();
   }
   if (opts.progress) draw_progress(src.tensors.size(), src.tensors.size(), "done");
   w.meta.set("llmq.quantization.rel_rms_error", errors);
