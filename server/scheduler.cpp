@@ -158,71 +158,90 @@ SchedulerStats Scheduler::stats() const {
   return s;
 }
 
+// Ends a queued request without running it (its client went away, or the server stops).
+void Scheduler::cancel_queued(GenRequest& r) {
+  r.finish_reason = "cancelled";
+  r.push({}, true);
+}
+
+// When nothing runs, hands the allocator's free pages back to the system (at most every 5 s):
+// memory freed by a burst of requests is otherwise kept, scattered through the arenas, and RSS
+// creeps up under mixed traffic (scripts/soak.py) though the live heap does not grow.
+void Scheduler::trim_when_idle(bool active, double& last_trim) {
+#ifdef __GLIBC__
+  if (active || now_seconds() - last_trim <= 5.0) return;
+  bool idle;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    idle = queue_.empty();
+  }
+  if (idle) {
+    malloc_trim(0);
+    last_trim = now_seconds();
+  }
+#else
+  (void)active, (void)last_trim;
+#endif
+}
+
+// A sequence for admitted request r: a cached prefix (whole blocks) is taken as it is, unless
+// every position is wanted; then want positions are reserved (admit checked the blocks).
+std::unique_ptr<Scheduler::Seq> Scheduler::start_seq(const std::shared_ptr<GenRequest>& r, int64_t want) {
+  auto s = std::make_unique<Seq>(r->params.sampling);
+  s->req = r;
+  s->kv = cache_.add_sequence();
+  const bool whole = r->params.embed || r->params.prompt_logprobs;
+  s->fed = whole ? 0 : size_t(cache_.attach_prefix(s->kv, r->params.prompt.data(), int64_t(r->params.prompt.size())));
+  r->cached_tokens = int64_t(s->fed);
+  cached_tokens_ += r->cached_tokens;
+  cache_.reserve(s->kv, want);
+  s->tokens = r->params.prompt;
+  s->prev = s->tokens.back();  // the first piece continues the prompt: keep its leading space
+  if (r->params.prompt_logprobs)  // the first token has no logprob (nothing before it)
+    s->prompt_info.push_back({s->tokens[0], m_.tokenizer->decode_piece(-1, s->tokens[0]), NAN, {}, -1});
+  r->prompt_tokens = int64_t(s->tokens.size());
+  return s;
+}
+
+// Under mu_: drops the waiting requests whose clients went away (they must not hold places in
+// the queue), then admits waiting requests, first come first served, while a slot and the KV
+// blocks for their prompt and max_tokens are free.
+void Scheduler::admit(std::vector<std::unique_ptr<Seq>>& active) {
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (!(*it)->cancelled()) {
+      ++it;
+      continue;
+    }
+    cancel_queued(**it);
+    it = queue_.erase(it);
+  }
+  while (!queue_.empty() && int(active.size()) < opt_.parallel) {
+    std::shared_ptr<GenRequest> r = queue_.front();
+    if (r->cancelled()) {
+      queue_.pop_front();
+      cancel_queued(*r);
+      continue;
+    }
+    if (r->params.after && !r->params.after->prefilled()) break;  // its leader's prompt first (first come, first served)
+    const int64_t want = std::min<int64_t>(int64_t(r->params.prompt.size()) + (r->params.embed ? 0 : r->params.max_tokens), opt_.ctx);
+    if (cache_.blocks_for(want) > cache_.free_blocks()) break;
+    queue_.pop_front();
+    active.push_back(start_seq(r, want));
+  }
+}
+
+// The scheduler's thread: waits for work, admits, runs a step of every active sequence, retires
+// the finished ones; at stop, cancels what runs and what waits.
 void Scheduler::loop() {
   std::vector<std::unique_ptr<Seq>> active;
   double last_trim = 0;
   for (;;) {
-#ifdef __GLIBC__
-    // When nothing runs, hand the allocator's free pages back to the system (at most every 5 s):
-    // memory freed by a burst of requests is otherwise kept, scattered through the arenas, and
-    // RSS creeps up under mixed traffic (scripts/soak.py) though the live heap does not grow.
-    if (active.empty() && now_seconds() - last_trim > 5.0) {
-      bool idle;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        idle = queue_.empty();
-      }
-      if (idle) {
-        malloc_trim(0);
-        last_trim = now_seconds();
-      }
-    }
-#endif
+    trim_when_idle(!active.empty(), last_trim);
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return stop_ || !queue_.empty() || !active.empty(); });
       if (stop_) break;
-      // Drop waiting requests whose clients went away: they must not hold places in the queue.
-      for (auto it = queue_.begin(); it != queue_.end();) {
-        if (!(*it)->cancelled()) {
-          ++it;
-          continue;
-        }
-        (*it)->finish_reason = "cancelled";
-        (*it)->push({}, true);
-        it = queue_.erase(it);
-      }
-      // Admit waiting requests, first come first served, while a slot and KV blocks are free.
-      while (!queue_.empty() && int(active.size()) < opt_.parallel) {
-        std::shared_ptr<GenRequest> r = queue_.front();
-        if (r->cancelled()) {
-          queue_.pop_front();
-          r->finish_reason = "cancelled";
-          r->push({}, true);
-          continue;
-        }
-        if (r->params.after && !r->params.after->prefilled()) break;  // its leader's prompt first (first come, first served)
-        const int64_t want =
-            std::min<int64_t>(int64_t(r->params.prompt.size()) + (r->params.embed ? 0 : r->params.max_tokens), opt_.ctx);
-        if (cache_.blocks_for(want) > cache_.free_blocks()) break;
-        queue_.pop_front();
-        auto s = std::make_unique<Seq>(r->params.sampling);
-        s->req = r;
-        s->kv = cache_.add_sequence();
-        // A cached prefix (whole blocks) is taken as it is, unless every position is wanted; then
-        // the rest is reserved (the check above counted every block, so this cannot fail).
-        const bool whole = r->params.embed || r->params.prompt_logprobs;
-        s->fed = whole ? 0 : size_t(cache_.attach_prefix(s->kv, r->params.prompt.data(), int64_t(r->params.prompt.size())));
-        r->cached_tokens = int64_t(s->fed);
-        cached_tokens_ += r->cached_tokens;
-        cache_.reserve(s->kv, want);
-        s->tokens = r->params.prompt;
-        s->prev = s->tokens.back();  // the first piece continues the prompt: keep its leading space
-        if (r->params.prompt_logprobs)  // the first token has no logprob (nothing before it)
-          s->prompt_info.push_back({s->tokens[0], m_.tokenizer->decode_piece(-1, s->tokens[0]), NAN, {}, -1});
-        r->prompt_tokens = int64_t(s->tokens.size());
-        active.push_back(std::move(s));
-      }
+      admit(active);
     }
     try {
       step(active);
@@ -243,10 +262,7 @@ void Scheduler::loop() {
     finish(*s, nullptr);
   }
   std::lock_guard<std::mutex> lk(mu_);
-  for (auto& r : queue_) {
-    r->finish_reason = "cancelled";
-    r->push({}, true);
-  }
+  for (auto& r : queue_) cancel_queued(*r);
 }
 
 void Scheduler::step(std::vector<std::unique_ptr<Seq>>& active) {

@@ -142,6 +142,10 @@ class Scheduler {
  private:
   struct Seq;
   void loop();
+  static void cancel_queued(GenRequest& r);  // a queued request ended without running
+  void trim_when_idle(bool active, double& last_trim);
+  void admit(std::vector<std::unique_ptr<Seq>>& active);  // under mu_
+  std::unique_ptr<Seq> start_seq(const std::shared_ptr<GenRequest>& r, int64_t want);
   void step(std::vector<std::unique_ptr<Seq>>& active);
   void pool_hidden(const std::vector<std::pair<Seq*, int64_t>>& fed, const float* rows);
   void end_embedding(Seq& s);
