@@ -465,200 +465,230 @@ std::vector<json> stream_end(const Reply& rp, StreamChoice& c) {
   return out;
 }
 
-// A streamed response: Server-Sent Events, one chunk per step's output of each choice (its
-// index says which), each choice's last chunk when it ends, then [DONE].
+// A streamed completion in progress: Server-Sent Events, one chunk per step's output of each
+// choice (its index says which), each choice's last chunk when it ends, then [DONE]. provide()
+// is the content provider's body: true to be called again or at the end, false when the client
+// went away (its sequences freed).
+class CompletionStream {
+ public:
+  explicit CompletionStream(std::shared_ptr<Reply> rp) : rp_(std::move(rp)), st_(rp_->st) {
+    for (size_t i = 0; i < rp_->gs.size(); ++i) choices_.push_back(StreamChoice{rp_->gs[i], i, {}, false});
+  }
+  bool finished() const { return finished_; }
+  void cancel() { rp_->cancel(); }
+
+  bool provide(httplib::DataSink& sink) {
+    if (!started_ && !open(sink)) return gone();
+    if (st_.aborting) return abort(sink);  // shutting down past the drain timeout
+    bool waited = false, alive = false;
+    for (StreamChoice& c : choices_) {
+      if (c.ended) continue;
+      std::vector<GenEvent> events;
+      const bool running = c.g->wait(&events, waited ? 0 : 200);  // block on the first running choice only
+      waited = true;
+      for (const GenEvent& e : events)
+        if (const json d = stream_delta(*rp_, c, e); !d.is_null() && !send(sink, chunk(d))) return gone();
+      if (running) {
+        alive = true;
+        continue;
+      }
+      c.ended = true;
+      for (const json& d : stream_end(*rp_, c))
+        if (!send(sink, chunk(d))) return gone();
+    }
+    if (alive) return sink.is_writable() ? true : gone();
+    bool ok = true;
+    if (rp_->r.include_usage) {
+      json u = chunk(nullptr);
+      u["usage"] = rp_->usage();
+      ok = send(sink, u);
+    }
+    return end(sink, ok, 200);
+  }
+
+ private:
+  json chunk(const json& choice) const {
+    return json{{"id", rp_->id},
+                {"object", rp_->chat ? "chat.completion.chunk" : "text_completion"},
+                {"system_fingerprint", kSystemFingerprint},
+                {"created", rp_->created},
+                {"model", st_.model_id},
+                {"choices", choice.is_null() ? json::array() : json::array({choice})}};
+  }
+  static bool send(httplib::DataSink& sink, const json& c) {
+    const std::string s = "data: " + dump(c) + "\n\n";
+    return sink.write(s.data(), s.size());
+  }
+  bool gone() {  // the client went away: free the sequences now
+    rp_->cancel();
+    return false;
+  }
+  // The first chunks: the assistant role (chat), the echoed prompt (completions with echo).
+  bool open(httplib::DataSink& sink) {
+    started_ = true;
+    for (const StreamChoice& c : choices_) {
+      if (rp_->chat && !send(sink, chunk({{"index", c.index}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"finish_reason", nullptr}})))
+        return false;
+      if (rp_->r.echo && !send(sink, chunk({{"index", c.index}, {"text", echo_text(st_, rp_->r.with_prompt(c.index / size_t(rp_->r.n)))},
+                                             {"finish_reason", nullptr}, {"logprobs", nullptr}})))
+        return false;
+    }
+    return true;
+  }
+  // Shutting down: an error event, each open choice's true finish_reason (cancelled), [DONE].
+  bool abort(httplib::DataSink& sink) {
+    rp_->cancel();
+    bool ok = send(sink, ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body());
+    for (const StreamChoice& c : choices_) {
+      json last = {{"index", c.index}, {"finish_reason", "cancelled"}, {"logprobs", nullptr}};
+      if (rp_->chat) last["delta"] = json::object();
+      else last["text"] = "";
+      ok = ok && (c.ended || send(sink, chunk(last)));
+    }
+    return end(sink, ok, 503);
+  }
+  bool end(httplib::DataSink& sink, bool ok, int status) {  // [DONE] when the client is still there
+    if (ok) {
+      const std::string d = "data: [DONE]\n\n";
+      sink.write(d.data(), d.size());
+    }
+    sink.done();
+    finished_ = true;
+    rp_->record(status);
+    return true;
+  }
+
+  std::shared_ptr<Reply> rp_;
+  ServerState& st_;
+  std::vector<StreamChoice> choices_;
+  bool started_ = false, finished_ = false;
+};
+
 void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
-  ServerState& st = rp->st;
   res.set_header("Cache-Control", "no-cache");
-  auto started = std::make_shared<bool>(false);
-  auto finished = std::make_shared<bool>(false);
-  auto choices = std::make_shared<std::vector<StreamChoice>>();
-  for (size_t i = 0; i < rp->gs.size(); ++i) choices->push_back(StreamChoice{rp->gs[i], i, {}, false});
+  auto stream = std::make_shared<CompletionStream>(rp);
   res.set_chunked_content_provider(
-      "text/event-stream",
-      [&st, rp, started, finished, choices](size_t, httplib::DataSink& sink) {
-        const bool chat = rp->chat;
-        auto chunk = [&](const json& choice) {
-          return json{{"id", rp->id},
-                      {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                      {"system_fingerprint", kSystemFingerprint},
-                      {"created", rp->created},
-                      {"model", st.model_id},
-                      {"choices", choice.is_null() ? json::array() : json::array({choice})}};
-        };
-        auto send = [&](const json& c) {
-          const std::string s = "data: " + dump(c) + "\n\n";
-          return sink.write(s.data(), s.size());
-        };
-        auto gone = [&] {  // the client went away: free the sequences now
-          rp->cancel();
-          return false;
-        };
-        auto done = [&] {
-          const std::string d = "data: [DONE]\n\n";
-          sink.write(d.data(), d.size());
-        };
-        if (!*started) {
-          *started = true;
-          for (const StreamChoice& c : *choices) {
-            if (chat && !send(chunk({{"index", c.index}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"finish_reason", nullptr}})))
-              return gone();
-            if (rp->r.echo && !send(chunk({{"index", c.index}, {"text", echo_text(st, rp->r.with_prompt(c.index / size_t(rp->r.n)))},
-                                           {"finish_reason", nullptr}, {"logprobs", nullptr}})))
-              return gone();
-          }
-        }
-        if (st.aborting) {  // shutting down past the drain timeout: an error event, the true finish_reason, [DONE]
-          rp->cancel();
-          bool ok = send(ApiError(503, "the server is shutting down: the completion was cancelled", "", "", "server_error").body());
-          for (const StreamChoice& c : *choices) {
-            json last = {{"index", c.index}, {"finish_reason", "cancelled"}, {"logprobs", nullptr}};
-            if (chat) last["delta"] = json::object();
-            else last["text"] = "";
-            ok = ok && (c.ended || send(chunk(last)));
-          }
-          if (ok) done();
-          sink.done();
-          *finished = true;
-          rp->record(503);
-          return true;
-        }
-        bool waited = false, alive = false;
-        for (StreamChoice& c : *choices) {
-          if (c.ended) continue;
-          std::vector<GenEvent> events;
-          const bool running = c.g->wait(&events, waited ? 0 : 200);  // block on the first running choice only
-          waited = true;
-          for (const GenEvent& e : events)
-            if (const json d = stream_delta(*rp, c, e); !d.is_null() && !send(chunk(d))) return gone();
-          if (running) {
-            alive = true;
-            continue;
-          }
-          c.ended = true;
-          for (const json& d : stream_end(*rp, c))
-            if (!send(chunk(d))) return gone();
-        }
-        if (alive) return sink.is_writable() ? true : gone();
-        bool ok = true;
-        if (rp->r.include_usage) {
-          json u = chunk(nullptr);
-          u["usage"] = rp->usage();
-          ok = send(u);
-        }
-        if (ok) done();
-        sink.done();
-        *finished = true;
-        rp->record(200);
-        return true;
-      },
-      [rp, finished](bool) {
-        if (!*finished) rp->cancel();  // connection closed before the end
+      "text/event-stream", [stream](size_t, httplib::DataSink& sink) { return stream->provide(sink); },
+      [stream](bool) {
+        if (!stream->finished()) stream->cancel();  // connection closed before the end
       });
 }
 
-// A /v1/responses stream in progress: its choice, the events' sequence number, the message
-// item (opened at the first text) and the text sent so far.
-struct ResponsesStream {
-  StreamChoice c;
-  int64_t seq = 0;
-  bool item_open = false;
-  std::string text;
+// A /v1/responses stream in progress (OpenAI API reference, "Streaming events"):
+// response.created, then per text piece response.output_text.delta inside a message item (opened
+// at the first text), the items' done events, function_call items, and response.completed with
+// the whole Response. provide() is the content provider's body, as CompletionStream's.
+class ResponsesStream {
+ public:
+  explicit ResponsesStream(std::shared_ptr<Reply> rp) : rp_(std::move(rp)), st_(rp_->st), msg_id_("msg_" + rp_->id.substr(5)) {
+    c_ = StreamChoice{rp_->g(), 0, {}, false};
+  }
+  bool finished() const { return finished_; }
+  void cancel() { rp_->cancel(); }
+
+  bool provide(httplib::DataSink& sink) {
+    if (seq_ == 0) {
+      json created = response_object(rp_->id, rp_->created, st_.model_id, "", json::array(), "stop", nullptr, rp_->responses_request);
+      created["status"] = "in_progress", created["output"] = json::array();
+      if (!send(sink, "response.created", {{"response", created}}) || !send(sink, "response.in_progress", {{"response", created}}))
+        return gone();
+    }
+    if (st_.aborting) {  // shutting down past the drain timeout
+      rp_->cancel();
+      send(sink, "error", {{"code", "server_error"}, {"message", "the server is shutting down: the response was cancelled"}, {"param", nullptr}});
+      return end(sink, 503);
+    }
+    std::vector<GenEvent> events;
+    const bool alive = c_.g->wait(&events, 200);
+    for (const GenEvent& e : events)
+      if (const json d = stream_delta(*rp_, c_, e); !d.is_null() && !piece(sink, d["delta"].value("content", ""))) return gone();
+    if (alive) return sink.is_writable() ? true : gone();
+    json calls = json::array(), finish = Reply::finish_reason(*c_.g);
+    for (const json& d : stream_end(*rp_, c_)) {
+      if (d.contains("finish_reason") && !d["finish_reason"].is_null()) finish = d["finish_reason"];
+      if (!d.contains("delta")) continue;
+      if (d["delta"].contains("content") && d["delta"]["content"].is_string() && !piece(sink, d["delta"]["content"].get<std::string>()))
+        return gone();
+      for (const json& tc : d["delta"].value("tool_calls", json::array()))
+        calls.push_back({{"id", tc["id"]}, {"type", "function"}, {"function", tc["function"]}});
+    }
+    const bool ok = close_message(sink) && send_calls(sink, calls);
+    const json done = response_object(rp_->id, rp_->created, st_.model_id, text_, calls, finish, rp_->usage(), rp_->responses_request);
+    if (ok) send(sink, done["status"] == "completed" ? "response.completed" : "response.incomplete", {{"response", done}});
+    return end(sink, 200);
+  }
+
+ private:
+  bool send(httplib::DataSink& sink, const char* type, json e) {
+    e["type"] = type, e["sequence_number"] = seq_++;
+    const std::string line = std::string("event: ") + type + "\ndata: " + dump(e) + "\n\n";
+    return sink.write(line.data(), line.size());
+  }
+  bool gone() {
+    rp_->cancel();
+    return false;
+  }
+  json message_item(const char* status) const {
+    return json{{"type", "message"}, {"id", msg_id_}, {"status", status}, {"role", "assistant"},
+                {"content", item_open_ && std::string(status) == "completed"
+                                ? json::array({{{"type", "output_text"}, {"text", text_}, {"annotations", json::array()}}})
+                                : json::array()}};
+  }
+  bool piece(httplib::DataSink& sink, const std::string& text) {  // one text delta, opening the message item first
+    if (text.empty()) return true;
+    if (!item_open_) {
+      item_open_ = true;
+      if (!send(sink, "response.output_item.added", {{"output_index", 0}, {"item", message_item("in_progress")}}) ||
+          !send(sink, "response.content_part.added", {{"item_id", msg_id_}, {"output_index", 0}, {"content_index", 0},
+                                                       {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", json::array()}}}}))
+        return false;
+    }
+    text_ += text;
+    return send(sink, "response.output_text.delta",
+                {{"item_id", msg_id_}, {"output_index", 0}, {"content_index", 0}, {"delta", text}, {"logprobs", json::array()}});
+  }
+  bool close_message(httplib::DataSink& sink) {  // the message item's done events, when it was opened
+    if (!item_open_) return true;
+    const json part = {{"type", "output_text"}, {"text", text_}, {"annotations", json::array()}};
+    return send(sink, "response.output_text.done",
+                {{"item_id", msg_id_}, {"output_index", 0}, {"content_index", 0}, {"text", text_}, {"logprobs", json::array()}}) &&
+           send(sink, "response.content_part.done", {{"item_id", msg_id_}, {"output_index", 0}, {"content_index", 0}, {"part", part}}) &&
+           send(sink, "response.output_item.done", {{"output_index", 0}, {"item", message_item("completed")}});
+  }
+  bool send_calls(httplib::DataSink& sink, const json& calls) {  // a function_call item per call, after the message
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const json item = function_call_item(calls[i]);
+      const int64_t index = int64_t(i) + (item_open_ ? 1 : 0);
+      if (!send(sink, "response.output_item.added", {{"output_index", index}, {"item", item}}) ||
+          !send(sink, "response.function_call_arguments.done", {{"item_id", item["id"]}, {"output_index", index}, {"arguments", item["arguments"]}}) ||
+          !send(sink, "response.output_item.done", {{"output_index", index}, {"item", item}}))
+        return false;
+    }
+    return true;
+  }
+  bool end(httplib::DataSink& sink, int status) {
+    sink.done();
+    finished_ = true;
+    rp_->record(status);
+    return true;
+  }
+
+  std::shared_ptr<Reply> rp_;
+  ServerState& st_;
+  const std::string msg_id_;
+  StreamChoice c_;
+  int64_t seq_ = 0;
+  bool item_open_ = false, finished_ = false;
+  std::string text_;
 };
 
-// Responses streaming (OpenAI API reference, "Streaming events"): response.created, then per
-// text piece response.output_text.delta inside a message item, the items' done events,
-// function_call items, and response.completed with the whole Response.
 void respond_stream_responses(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
-  ServerState& st = rp->st;
   res.set_header("Cache-Control", "no-cache");
-  auto state = std::make_shared<ResponsesStream>();
-  state->c = StreamChoice{rp->g(), 0, {}, false};
-  auto finished = std::make_shared<bool>(false);
+  auto stream = std::make_shared<ResponsesStream>(rp);
   res.set_chunked_content_provider(
-      "text/event-stream",
-      [&st, rp, state, finished](size_t, httplib::DataSink& sink) {
-        ResponsesStream& s = *state;
-        const std::string msg_id = "msg_" + rp->id.substr(5);
-        auto send = [&](const char* type, json e) {
-          e["type"] = type, e["sequence_number"] = s.seq++;
-          const std::string line = std::string("event: ") + type + "\ndata: " + dump(e) + "\n\n";
-          return sink.write(line.data(), line.size());
-        };
-        auto gone = [&] {
-          rp->cancel();
-          return false;
-        };
-        auto message_item = [&](const char* status) {
-          return json{{"type", "message"}, {"id", msg_id}, {"status", status}, {"role", "assistant"},
-                      {"content", s.item_open && std::string(status) == "completed"
-                                      ? json::array({{{"type", "output_text"}, {"text", s.text}, {"annotations", json::array()}}})
-                                      : json::array()}};
-        };
-        auto piece = [&](const std::string& text) {  // one text delta, opening the message item first
-          if (text.empty()) return true;
-          if (!s.item_open) {
-            s.item_open = true;
-            if (!send("response.output_item.added", {{"output_index", 0}, {"item", message_item("in_progress")}}) ||
-                !send("response.content_part.added", {{"item_id", msg_id}, {"output_index", 0}, {"content_index", 0},
-                                                      {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", json::array()}}}}))
-              return false;
-          }
-          s.text += text;
-          return send("response.output_text.delta",
-                      {{"item_id", msg_id}, {"output_index", 0}, {"content_index", 0}, {"delta", text}, {"logprobs", json::array()}});
-        };
-        if (s.seq == 0) {
-          json created = response_object(rp->id, rp->created, st.model_id, "", json::array(), "stop", nullptr, rp->responses_request);
-          created["status"] = "in_progress", created["output"] = json::array();
-          if (!send("response.created", {{"response", created}}) || !send("response.in_progress", {{"response", created}}))
-            return gone();
-        }
-        if (st.aborting) {  // shutting down past the drain timeout
-          rp->cancel();
-          send("error", {{"code", "server_error"}, {"message", "the server is shutting down: the response was cancelled"}, {"param", nullptr}});
-          sink.done();
-          *finished = true;
-          rp->record(503);
-          return true;
-        }
-        std::vector<GenEvent> events;
-        const bool alive = s.c.g->wait(&events, 200);
-        for (const GenEvent& e : events)
-          if (const json d = stream_delta(*rp, s.c, e); !d.is_null() && !piece(d["delta"].value("content", ""))) return gone();
-        if (alive) return sink.is_writable() ? true : gone();
-        json calls = json::array(), finish = Reply::finish_reason(*s.c.g);
-        for (const json& d : stream_end(*rp, s.c)) {
-          if (d.contains("finish_reason") && !d["finish_reason"].is_null()) finish = d["finish_reason"];
-          if (!d.contains("delta")) continue;
-          if (d["delta"].contains("content") && d["delta"]["content"].is_string() && !piece(d["delta"]["content"].get<std::string>()))
-            return gone();
-          for (const json& tc : d["delta"].value("tool_calls", json::array()))
-            calls.push_back({{"id", tc["id"]}, {"type", "function"}, {"function", tc["function"]}});
-        }
-        bool ok = true;
-        if (s.item_open) {
-          const json part = {{"type", "output_text"}, {"text", s.text}, {"annotations", json::array()}};
-          ok = send("response.output_text.done", {{"item_id", msg_id}, {"output_index", 0}, {"content_index", 0}, {"text", s.text}, {"logprobs", json::array()}}) &&
-               send("response.content_part.done", {{"item_id", msg_id}, {"output_index", 0}, {"content_index", 0}, {"part", part}}) &&
-               send("response.output_item.done", {{"output_index", 0}, {"item", message_item("completed")}});
-        }
-        for (size_t i = 0; ok && i < calls.size(); ++i) {
-          const json item = function_call_item(calls[i]);
-          const int64_t index = int64_t(i) + (s.item_open ? 1 : 0);
-          ok = send("response.output_item.added", {{"output_index", index}, {"item", item}}) &&
-               send("response.function_call_arguments.done", {{"item_id", item["id"]}, {"output_index", index}, {"arguments", item["arguments"]}}) &&
-               send("response.output_item.done", {{"output_index", index}, {"item", item}});
-        }
-        const json done = response_object(rp->id, rp->created, st.model_id, s.text, calls, finish, rp->usage(), rp->responses_request);
-        if (ok) send(done["status"] == "completed" ? "response.completed" : "response.incomplete", {{"response", done}});
-        sink.done();
-        *finished = true;
-        rp->record(200);
-        return true;
-      },
-      [rp, finished](bool) {
-        if (!*finished) rp->cancel();
+      "text/event-stream", [stream](size_t, httplib::DataSink& sink) { return stream->provide(sink); },
+      [stream](bool) {
+        if (!stream->finished()) stream->cancel();
       });
 }
 
