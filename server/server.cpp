@@ -465,17 +465,51 @@ std::vector<json> stream_end(const Reply& rp, StreamChoice& c) {
   return out;
 }
 
-// A streamed completion in progress: Server-Sent Events, one chunk per step's output of each
-// choice (its index says which), each choice's last chunk when it ends, then [DONE]. provide()
-// is the content provider's body: true to be called again or at the end, false when the client
-// went away (its sequences freed).
-class CompletionStream {
+// What a Server-Sent Events reply keeps between calls of its content provider: the reply, and
+// whether it ended (else closing the connection cancels its sequences).
+class SseStream {
  public:
-  explicit CompletionStream(std::shared_ptr<Reply> rp) : rp_(std::move(rp)), st_(rp_->st) {
-    for (size_t i = 0; i < rp_->gs.size(); ++i) choices_.push_back(StreamChoice{rp_->gs[i], i, {}, false});
-  }
+  explicit SseStream(std::shared_ptr<Reply> rp) : rp_(std::move(rp)), st_(rp_->st) {}
   bool finished() const { return finished_; }
   void cancel() { rp_->cancel(); }
+
+ protected:
+  bool gone() {  // the client went away: free the sequences now
+    rp_->cancel();
+    return false;
+  }
+  bool finish(httplib::DataSink& sink, int status) {  // the stream's end, recorded with its HTTP status
+    sink.done();
+    finished_ = true;
+    rp_->record(status);
+    return true;
+  }
+
+  std::shared_ptr<Reply> rp_;
+  ServerState& st_;
+  bool finished_ = false;
+};
+
+// Serves rp as a stream of Stream (an SseStream with provide(sink): the content provider's body,
+// true to be called again or at the end, false when the client went away).
+template <class Stream>
+void respond_sse(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
+  res.set_header("Cache-Control", "no-cache");
+  auto stream = std::make_shared<Stream>(rp);
+  res.set_chunked_content_provider(
+      "text/event-stream", [stream](size_t, httplib::DataSink& sink) { return stream->provide(sink); },
+      [stream](bool) {
+        if (!stream->finished()) stream->cancel();  // connection closed before the end
+      });
+}
+
+// A streamed completion in progress: Server-Sent Events, one chunk per step's output of each
+// choice (its index says which), each choice's last chunk when it ends, then [DONE].
+class CompletionStream : public SseStream {
+ public:
+  explicit CompletionStream(std::shared_ptr<Reply> rp) : SseStream(std::move(rp)) {
+    for (size_t i = 0; i < rp_->gs.size(); ++i) choices_.push_back(StreamChoice{rp_->gs[i], i, {}, false});
+  }
 
   bool provide(httplib::DataSink& sink) {
     if (!started_ && !open(sink)) return gone();
@@ -519,10 +553,6 @@ class CompletionStream {
     const std::string s = "data: " + dump(c) + "\n\n";
     return sink.write(s.data(), s.size());
   }
-  bool gone() {  // the client went away: free the sequences now
-    rp_->cancel();
-    return false;
-  }
   // The first chunks: the assistant role (chat), the echoed prompt (completions with echo).
   bool open(httplib::DataSink& sink) {
     started_ = true;
@@ -552,39 +582,22 @@ class CompletionStream {
       const std::string d = "data: [DONE]\n\n";
       sink.write(d.data(), d.size());
     }
-    sink.done();
-    finished_ = true;
-    rp_->record(status);
-    return true;
+    return finish(sink, status);
   }
 
-  std::shared_ptr<Reply> rp_;
-  ServerState& st_;
   std::vector<StreamChoice> choices_;
-  bool started_ = false, finished_ = false;
+  bool started_ = false;
 };
-
-void respond_stream(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
-  res.set_header("Cache-Control", "no-cache");
-  auto stream = std::make_shared<CompletionStream>(rp);
-  res.set_chunked_content_provider(
-      "text/event-stream", [stream](size_t, httplib::DataSink& sink) { return stream->provide(sink); },
-      [stream](bool) {
-        if (!stream->finished()) stream->cancel();  // connection closed before the end
-      });
-}
 
 // A /v1/responses stream in progress (OpenAI API reference, "Streaming events"):
 // response.created, then per text piece response.output_text.delta inside a message item (opened
 // at the first text), the items' done events, function_call items, and response.completed with
-// the whole Response. provide() is the content provider's body, as CompletionStream's.
-class ResponsesStream {
+// the whole Response.
+class ResponsesStream : public SseStream {
  public:
-  explicit ResponsesStream(std::shared_ptr<Reply> rp) : rp_(std::move(rp)), st_(rp_->st), msg_id_("msg_" + rp_->id.substr(5)) {
+  explicit ResponsesStream(std::shared_ptr<Reply> rp) : SseStream(std::move(rp)), msg_id_("msg_" + rp_->id.substr(5)) {
     c_ = StreamChoice{rp_->g(), 0, {}, false};
   }
-  bool finished() const { return finished_; }
-  void cancel() { rp_->cancel(); }
 
   bool provide(httplib::DataSink& sink) {
     if (seq_ == 0) {
@@ -596,16 +609,16 @@ class ResponsesStream {
     if (st_.aborting) {  // shutting down past the drain timeout
       rp_->cancel();
       send(sink, "error", {{"code", "server_error"}, {"message", "the server is shutting down: the response was cancelled"}, {"param", nullptr}});
-      return end(sink, 503);
+      return finish(sink, 503);
     }
     std::vector<GenEvent> events;
     const bool alive = c_.g->wait(&events, 200);
     for (const GenEvent& e : events)
       if (const json d = stream_delta(*rp_, c_, e); !d.is_null() && !piece(sink, d["delta"].value("content", ""))) return gone();
     if (alive) return sink.is_writable() ? true : gone();
-    json calls = json::array(), finish = Reply::finish_reason(*c_.g);
+    json calls = json::array(), reason = Reply::finish_reason(*c_.g);
     for (const json& d : stream_end(*rp_, c_)) {
-      if (d.contains("finish_reason") && !d["finish_reason"].is_null()) finish = d["finish_reason"];
+      if (d.contains("finish_reason") && !d["finish_reason"].is_null()) reason = d["finish_reason"];
       if (!d.contains("delta")) continue;
       if (d["delta"].contains("content") && d["delta"]["content"].is_string() && !piece(sink, d["delta"]["content"].get<std::string>()))
         return gone();
@@ -613,9 +626,9 @@ class ResponsesStream {
         calls.push_back({{"id", tc["id"]}, {"type", "function"}, {"function", tc["function"]}});
     }
     const bool ok = close_message(sink) && send_calls(sink, calls);
-    const json done = response_object(rp_->id, rp_->created, st_.model_id, text_, calls, finish, rp_->usage(), rp_->responses_request);
+    const json done = response_object(rp_->id, rp_->created, st_.model_id, text_, calls, reason, rp_->usage(), rp_->responses_request);
     if (ok) send(sink, done["status"] == "completed" ? "response.completed" : "response.incomplete", {{"response", done}});
-    return end(sink, 200);
+    return finish(sink, 200);
   }
 
  private:
@@ -623,10 +636,6 @@ class ResponsesStream {
     e["type"] = type, e["sequence_number"] = seq_++;
     const std::string line = std::string("event: ") + type + "\ndata: " + dump(e) + "\n\n";
     return sink.write(line.data(), line.size());
-  }
-  bool gone() {
-    rp_->cancel();
-    return false;
   }
   json message_item(const char* status) const {
     return json{{"type", "message"}, {"id", msg_id_}, {"status", status}, {"role", "assistant"},
@@ -666,31 +675,12 @@ class ResponsesStream {
     }
     return true;
   }
-  bool end(httplib::DataSink& sink, int status) {
-    sink.done();
-    finished_ = true;
-    rp_->record(status);
-    return true;
-  }
-
-  std::shared_ptr<Reply> rp_;
-  ServerState& st_;
   const std::string msg_id_;
   StreamChoice c_;
   int64_t seq_ = 0;
-  bool item_open_ = false, finished_ = false;
+  bool item_open_ = false;
   std::string text_;
 };
-
-void respond_stream_responses(const std::shared_ptr<Reply>& rp, httplib::Response& res) {
-  res.set_header("Cache-Control", "no-cache");
-  auto stream = std::make_shared<ResponsesStream>(rp);
-  res.set_chunked_content_provider(
-      "text/event-stream", [stream](size_t, httplib::DataSink& sink) { return stream->provide(sink); },
-      [stream](bool) {
-        if (!stream->finished()) stream->cancel();
-      });
-}
 
 // The generation parameters of every choice of r, in index order (prompt i's sample k at
 // i · n + k): each its own prompt tokens, seed (seed + k) and constraint; a sample after the
@@ -780,8 +770,8 @@ void handle_generation(ServerState& st, const std::string& body, httplib::Respon
   auto in_flight = std::shared_ptr<void>(nullptr, [&st](void*) { --st.active; });
   auto reply = std::make_shared<Reply>(Reply{st, std::move(gs), std::move(r), chat, std::move(id), int64_t(std::time(nullptr)),
                                              endpoint, std::move(in_flight), responses_request, http10});
-  if (reply->r.stream && responses) respond_stream_responses(reply, res);
-  else if (reply->r.stream) respond_stream(reply, res);
+  if (reply->r.stream && responses) respond_sse<ResponsesStream>(reply, res);
+  else if (reply->r.stream) respond_sse<CompletionStream>(reply, res);
   else respond_whole(reply, res);
 }
 
