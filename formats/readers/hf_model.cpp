@@ -455,6 +455,69 @@ void split_fused(std::map<std::string, Piece>& ours, const ModelConfig& c) {
   }
 }
 
+// Every checkpoint tensor under our name (rotary buffers and a tied output's copy dropped), fused
+// ones split (split_fused). Throws FileError for a name with no place in the model.
+std::map<std::string, Piece> our_tensors(const std::map<std::string, Found>& hf, const ModelConfig& c, const std::string& family) {
+  std::map<std::string, Piece> ours;
+  for (const auto& [name, f] : hf) {
+    const auto to = our_name(name, c.n_layers, family);
+    if (!to)
+      throw FileError(f.file->path(), "tensor '" + name + "' has no place in a " + family + " model with " + std::to_string(c.n_layers) + " layers");
+    if (to->empty()) continue;                                  // rotary buffer
+    if (*to == "output.weight" && c.tied_embeddings) continue;  // a tied copy of the embedding
+    ours[*to] = Piece{&f};
+  }
+  split_fused(ours, c);
+  return ours;
+}
+
+// Attention biases (Qwen2: q/k/v; Llama with attention_bias: q/k/v/o) are part of the table when
+// the checkpoint has any of them; the table then asks for every layer's.
+void mark_biases(const std::map<std::string, Piece>& ours, ModelConfig& c) {
+  for (const auto& entry : ours) {
+    const std::string& name = entry.first;  // (clang 14 cannot capture a structured binding)
+    const auto ends = [&](const std::string& suffix) {
+      return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    if (ends(".attn_q.bias") || ends(".attn_k.bias") || ends(".attn_v.bias")) c.attn_qkv_bias = true;
+    if (ends(".attn_output.bias")) c.attn_out_bias = true;
+  }
+}
+
+// The source tensors in the table's order, each taken out of ours after checking its dtype
+// (F32, F16, BF16) and its shape against the config's (a split piece: its row length); Gemma 3's
+// norms get + 1 (plus_one). dtypes collects the checkpoint's types. Throws FileError for a
+// missing tensor, a wrong shape or dtype, and anything left unplaced.
+std::vector<SourceTensor> place_tensors(std::map<std::string, Piece>& ours, const ModelConfig& c, const std::string& family,
+                                        const std::string& config_path, const std::string& weights_path, std::set<std::string>& dtypes) {
+  std::vector<SourceTensor> out;
+  const bool gemma_norms = family == "gemma3_text";
+  for (const TensorSpec& spec : tensor_table(c)) {
+    const std::string& name = spec.name;
+    const std::vector<int64_t>& shape = spec.shape;
+    auto it = ours.find(name);
+    if (it == ours.end())
+      throw FileError(weights_path, "tensor '" + hf_name_of(name, family) + "' (" + name + " " + dims_text(shape) + ") is missing");
+    const Piece& p = it->second;
+    const Found& f = *p.f;
+    if (f.t->dtype != "F32" && f.t->dtype != "F16" && f.t->dtype != "BF16")
+      throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has dtype " + f.t->dtype + "; only F32, F16 and BF16 are read");
+    if (p.rows < 0 && f.t->shape != shape)
+      throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has shape " + dims_text(f.t->shape) + " but " + config_path + " implies " +
+                                          dims_text(shape));
+    if (p.rows >= 0 && f.t->shape.back() != shape.back())
+      throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has rows of " + std::to_string(f.t->shape.back()) + " but " + config_path +
+                                          " implies " + std::to_string(shape.back()));
+    const bool norm = name.find("norm.weight") != std::string::npos;
+    out.push_back(make_tensor(name, shape, p, gemma_norms && norm));
+    dtypes.insert(f.t->dtype);
+    ours.erase(it);
+  }
+  // Every checkpoint name was mapped (unknown ones are errors above), so nothing is left over.
+  if (!ours.empty()) throw FileError(ours.begin()->second.f->file->path(), "internal: unplaced tensor " + ours.begin()->first);
+  return out;
+}
+
 }  // namespace
 
 SourceModel read_hf_model(const std::string& dir) {
@@ -471,75 +534,21 @@ SourceModel read_hf_model(const std::string& dir) {
   } catch (const json::exception& e) {
     throw FileError(config_path, std::string("unexpected content: ") + e.what());
   }
-  const ModelConfig& c = sm.config;
-
   std::string weights_path;
   int n_files = 0;
   const std::map<std::string, Found> hf = open_weights(dir, &weights_path, &n_files);
-
-  // Map every checkpoint tensor to our name; anything unknown is an error.
-  std::map<std::string, Piece> ours;
-  for (const auto& [name, f] : hf) {
-    const auto to = our_name(name, c.n_layers, family);
-    if (!to)
-      throw FileError(f.file->path(), "tensor '" + name + "' has no place in a " + family + " model with " +
-                                          std::to_string(c.n_layers) + " layers");
-    if (to->empty()) continue;                                     // rotary buffer
-    if (*to == "output.weight" && c.tied_embeddings) continue;     // a tied copy of the embedding
-    ours[*to] = Piece{&f};
-  }
-  split_fused(ours, c);
-  const bool gemma_norms = family == "gemma3_text";
-
+  std::map<std::string, Piece> ours = our_tensors(hf, sm.config, family);
+  mark_biases(ours, sm.config);
   std::set<std::string> dtypes;
-  auto take = [&](const std::string& name, const std::vector<int64_t>& shape) {
-    auto it = ours.find(name);
-    if (it == ours.end()) return false;
-    const Piece& p = it->second;
-    const Found& f = *p.f;
-    if (f.t->dtype != "F32" && f.t->dtype != "F16" && f.t->dtype != "BF16")
-      throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has dtype " + f.t->dtype +
-                                          "; only F32, F16 and BF16 are read");
-    if (p.rows < 0 && f.t->shape != shape)
-      throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has shape " + dims_text(f.t->shape) + " but " +
-                                          config_path + " implies " + dims_text(shape));
-    if (p.rows >= 0 && f.t->shape.back() != shape.back())
-      throw FileError(f.file->path(), "tensor '" + f.hf_name + "' has rows of " + std::to_string(f.t->shape.back()) +
-                                          " but " + config_path + " implies " + std::to_string(shape.back()));
-    const bool norm = name.find("norm.weight") != std::string::npos;
-    sm.tensors.push_back(make_tensor(name, shape, p, gemma_norms && norm));
-    dtypes.insert(f.t->dtype);
-    ours.erase(it);
-    return true;
-  };
-  // Attention biases (Qwen2: q/k/v; Llama with attention_bias: q/k/v/o) are part of the
-  // table when the checkpoint has any of them; the table then asks for every layer's.
-  for (const auto& entry : ours) {
-    const std::string& name = entry.first;  // (clang 14 cannot capture a structured binding)
-    const auto ends = [&](const std::string& suffix) {
-      return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-    };
-    if (ends(".attn_q.bias") || ends(".attn_k.bias") || ends(".attn_v.bias")) sm.config.attn_qkv_bias = true;
-    if (ends(".attn_output.bias")) sm.config.attn_out_bias = true;
-  }
-  for (const TensorSpec& spec : tensor_table(c)) {
-    if (!take(spec.name, spec.shape))
-      throw FileError(weights_path, "tensor '" + hf_name_of(spec.name, family) + "' (" + spec.name + " " + dims_text(spec.shape) +
-                                        ") is missing");
-  }
-  // Every checkpoint name was mapped (unknown ones are errors above), so nothing is left over.
-  if (!ours.empty()) throw FileError(ours.begin()->second.f->file->path(), "internal: unplaced tensor " + ours.begin()->first);
-
+  sm.tensors = place_tensors(ours, sm.config, family, config_path, weights_path, dtypes);
   std::string dt;
   for (const auto& d : dtypes) dt += (dt.empty() ? "" : "+") + d;
-  sm.format = "Hugging Face safetensors (" + family + ", " + dt + ", " + std::to_string(n_files) +
-              (n_files == 1 ? " file)" : " shards)");
+  sm.format = "Hugging Face safetensors (" + family + ", " + dt + ", " + std::to_string(n_files) + (n_files == 1 ? " file)" : " shards)");
 
-  const HfTokenizer tok = read_hf_tokenizer(dir, cj, c.vocab_size);
+  const HfTokenizer tok = read_hf_tokenizer(dir, cj, sm.config.vocab_size);
   sm.has_vocab = tok.found;
   sm.vocab = tok.vocab;
   sm.chat_template = tok.chat_template;
-
   auto files = std::make_shared<std::set<std::shared_ptr<SafetensorsFile>>>();
   for (const auto& [name, f] : hf) files->insert(f.file);
   sm.keepalive = files;
