@@ -646,6 +646,24 @@ TEST_CASE("CUDA decode attention versions 1-3 match the fp64 reference", "[cuda]
       CHECK(rel_err(out2.data(), want.data(), want.size()) < 1e-4);
     }
   }
+  // Version 3 with many tokens: fewer parts than n_splits (v3_parts: 200 tokens x 4 KV heads
+  // take 3 of the 4), and one part (512 tokens: the kernel writes the output, no merge).
+  for (const int64_t T : {int64_t(200), int64_t(512)}) {
+    cuda::set_decode_attention_version(3);
+    const int64_t heads = 4, kv = 4, hd = 64, ctx = 200, Q = heads * hd, KV = kv * hd;
+    const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);
+    std::vector<int32_t> pos(static_cast<size_t>(T));
+    for (auto& p : pos) p = int32_t(rng() % ctx);
+    const auto q = gaussian(size_t(T * Q), rng);
+    const float scale = float(1.0 / std::sqrt(double(hd)));
+    const std::vector<float> ref = ref_attention(q, pos, heads, kv, hd, scale, kf, vf);
+    DeviceBuffer qd = to_device(q), kd = to_device(k), vd = to_device(v), pd = to_device(pos), od(size_t(T * Q) * 4),
+                 part(size_t(T * heads * 4 * (hd + 2)) * 4);
+    cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, heads, kv, hd, scale, 4, 64,
+                    part.as<float>(), od.as<float>(), Q, nullptr);
+    INFO("version 3, " << T << " tokens");
+    CHECK(rel_err(from_device<float>(od, size_t(T * Q)).data(), ref.data(), ref.size()) < 1e-4);
+  }
   CHECK_THROWS_AS(cuda::set_decode_attention_version(4), UsageError);
 }
 

@@ -394,10 +394,10 @@ size_t decode_smem(int64_t G, int64_t hd) { return size_t(G) * kDecWarps * size_
 // set_decode_attention_version(3) forces it; dev/cuda/attn.cu times it against 1 and 2).
 // Version 2 took 19.3 us a layer at 512 cached positions on an H200, where llama-2-7b's 8.4 MB
 // of K and V take 2 us at the copy rate: latency, not bytes. Three changes:
-//  - The step's positions are spread over all n_splits parts: part c takes a chunk of
-//    ceil(n / n_splits) positions rounded up to 32 (n = pos + 1) instead of the fixed part_len,
-//    so a step at 512 positions keeps 16 parts of a head busy, not 8 (chunk <= part_len, so
-//    n_splits chunks cover every position; parts past the last one are empty, l = 0).
+//  - The step's positions are spread over all its parts: part c takes a chunk of
+//    ceil(n / parts) positions rounded up to 32 (n = pos + 1) instead of the fixed part_len, so
+//    a step at 512 positions keeps 16 parts of a head busy, not 8 (parts past the last chunk
+//    are empty, l = 0). The parts are n_splits, fewer for many tokens (v3_parts).
 //  - A warp takes its slice (chunk / 4 positions) in rounds of 8 and issues all of a round's K
 //    and V loads before the first use: one memory round trip a round, where version 2 paid one
 //    for K and then one per V row.
@@ -412,6 +412,16 @@ constexpr int kV3Round = 8;  // positions a warp scores per round: 2 passes of 4
 // The positions part c of a decode step takes, version 3: n = pos + 1 over n_splits parts,
 // rounded up to 32 (a whole round for each of the 4 warps).
 __host__ __device__ __forceinline__ int v3_chunk(int n, int n_splits) { return ((n + n_splits - 1) / n_splits + 31) / 32 * 32; }
+
+// Version 3's part count for T tokens over n_kv KV heads: enough blocks for about a wave of the
+// GPU (kV3Blocks: 16 blocks of 4 warps on each of 128 SMs), at most n_splits. A batch of many
+// sequences takes fewer, longer parts: with n_splits fixed by the context, a 32-sequence step at
+// 600 positions launched 64 parts per (token, KV head), 45 of them empty; at one part the kernel
+// writes the output and no merge runs.
+constexpr int64_t kV3Blocks = 2048;
+int64_t v3_parts(int64_t T, int64_t n_kv, int64_t n_splits) {
+  return std::clamp<int64_t>((kV3Blocks + T * n_kv - 1) / (T * n_kv), 1, n_splits);
+}
 
 size_t decode_v3_smem(int64_t G, int64_t hd) { return size_t(G) * size_t(hd) * 4 + size_t(G) * kV3Warps * size_t(hd + 2) * 4; }
 
@@ -781,9 +791,11 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   if (q8.kq && hd % 32 != 0) throw UsageError("CUDA attention: a Q8_0 KV cache needs head_dim a multiple of 32");
   if (T == 0) return false;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
+  const int version = n_splits > 1 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup ? decode_version(G) : 1;
+  const int64_t parts = version == 3 ? v3_parts(T, n_kv, n_splits) : n_splits;  // version 3: fewer for many tokens
   const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, pages.seq, pages.tables,
                       pages.table_stride, int(pages.block_tokens), q8.kq, reinterpret_cast<const __half*>(q8.kd), q8.vq,
-                      reinterpret_cast<const __half*>(q8.vd), int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, int(n_splits),
+                      reinterpret_cast<const __half*>(q8.vd), int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, int(parts),
                       int(part_len), partial, out, ldo};
   if (use_prefill_kernel(T, hd, n_splits, pages, q8, ldo)) {  // one sequence, fp16 cache, one part: the tensor cores
     const size_t smem = prefill_smem(hd);
@@ -794,11 +806,10 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     check_launch("attention (prefill)");
     return false;
   }
-  const int version = n_splits > 1 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup ? decode_version(G) : 1;
   if (version == 3) {
-    if (hd == 64) launch_v3<64>(args, T, n_kv, n_splits, G, s);
-    else if (hd == 128) launch_v3<128>(args, T, n_kv, n_splits, G, s);
-    else launch_v3<256>(args, T, n_kv, n_splits, G, s);
+    if (hd == 64) launch_v3<64>(args, T, n_kv, parts, G, s);
+    else if (hd == 128) launch_v3<128>(args, T, n_kv, parts, G, s);
+    else launch_v3<256>(args, T, n_kv, parts, G, s);
   } else if (version == 2) {
     const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(kDecWarps), 1};
     const size_t smem = decode_smem(G, hd);
@@ -808,10 +819,10 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   } else {
     launch_v1(args, T, n_kv, n_splits, G, hd, pages, s);
   }
-  if (n_splits > 1) {
+  if (parts > 1) {
     const dim3 merge_grid{unsigned(T), unsigned(n_heads), 1};
     const bool quantize = q_out && hd % 32 == 0 && ldo == n_heads * hd;
-    LLMQ_LAUNCH(attention_merge_kernel, merge_grid, 32, 0, s)(partial, int(n_heads), int(hd), int(n_splits), out, ldo,
+    LLMQ_LAUNCH(attention_merge_kernel, merge_grid, 32, 0, s)(partial, int(n_heads), int(hd), int(parts), out, ldo,
                                                               quantize ? *q_out : DeviceActQ8{});
     check_launch("attention_merge");
     return quantize;
