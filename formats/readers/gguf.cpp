@@ -210,6 +210,74 @@ const GgufTensor* GgufFile::find_tensor(const std::string& name) const {
   return it == by_name_.end() ? nullptr : &tensors_[it->second];
 }
 
+namespace {
+
+// Tensor k's directory entry at c: name, 1-4 dimensions (GGUF lists the innermost first; shape
+// is stored outermost first), ggml type, data offset; nbytes from the type's block size. Throws
+// FileError (Cursor::fail) for an empty name, bad dimensions, an unknown type, a row length not
+// a whole number of blocks, or an absurd size.
+GgufTensor read_tensor_info(Cursor& c, uint64_t k) {
+  GgufTensor t;
+  t.name = c.str("a tensor name");
+  if (t.name.empty()) c.fail("tensor " + std::to_string(k) + " has an empty name");
+  const std::string who = "tensor '" + t.name + "'";
+  const uint32_t nd = c.get<uint32_t>("a tensor's dimension count");
+  if (nd < 1 || nd > 4) c.fail(who + ": " + std::to_string(nd) + " dimensions (1 to 4 allowed)");
+  std::vector<int64_t> ne(nd);
+  for (uint32_t d = 0; d < nd; ++d) {
+    const uint64_t x = c.get<uint64_t>("a tensor dimension");
+    if (x < 1 || x > (uint64_t(1) << 40)) c.fail(who + ": dimension " + std::to_string(x) + " out of range");
+    ne[d] = int64_t(x);
+  }
+  t.shape.assign(ne.rbegin(), ne.rend());
+  t.type = c.get<uint32_t>("a tensor type");
+  const GgmlTypeSize ts = ggml_type_size(t.type);
+  if (!ts.block) c.fail(who + ": unknown ggml type " + std::to_string(t.type));
+  t.offset = c.get<uint64_t>("a tensor offset");
+  if (ne[0] % ts.block != 0)
+    c.fail(who + ": row length " + std::to_string(ne[0]) + " is not a multiple of the " + ts.name + " block (" + std::to_string(ts.block) + ")");
+  unsigned __int128 bytes = (unsigned __int128)(uint64_t(ne[0]) / uint64_t(ts.block)) * ts.bytes;
+  for (uint32_t d = 1; d < nd; ++d) bytes *= uint64_t(ne[d]);
+  if (bytes > ((unsigned __int128)1 << 50)) c.fail(who + ": absurdly large");
+  t.nbytes = uint64_t(bytes);
+  return t;
+}
+
+// general.alignment when the file sets it (an integer power of two up to 65536), else 32.
+uint64_t read_alignment(Cursor& c, const std::map<std::string, GgufValue>& kv) {
+  auto it = kv.find("general.alignment");
+  if (it == kv.end()) return 32;
+  const GgufValue& a = it->second;
+  if (a.type != GgufType::U32 && a.type != GgufType::U64 && a.type != GgufType::I32) c.fail("general.alignment must be an integer");
+  const int64_t al = a.as_int("general.alignment");
+  if (al <= 0 || al > 65536 || (al & (al - 1)) != 0) c.fail("general.alignment " + std::to_string(al) + " is not a power of two");
+  return uint64_t(al);
+}
+
+// Points each tensor at its data: the data section starts at the first alignment boundary after
+// the header (header_end); every tensor must be aligned, inside the file, and overlap no other.
+void place_tensor_data(Cursor& c, std::vector<GgufTensor>& tensors, const uint8_t* base, uint64_t size, uint64_t header_end,
+                       uint64_t alignment) {
+  const uint64_t data_start = (header_end + alignment - 1) / alignment * alignment;
+  if (!tensors.empty() && data_start > size) c.fail("the tensor data section lies past the end of the file");
+  const uint64_t data_size = data_start <= size ? size - data_start : 0;
+  std::vector<const GgufTensor*> order;
+  for (GgufTensor& t : tensors) {
+    const std::string who = "tensor '" + t.name + "'";
+    if (t.offset % alignment != 0) c.fail(who + ": offset " + std::to_string(t.offset) + " is not aligned");
+    if (t.offset > data_size || t.nbytes > data_size - t.offset)
+      c.fail(who + ": data [" + std::to_string(t.offset) + ", +" + std::to_string(t.nbytes) + ") lies past the end of the file");
+    t.data = base + data_start + t.offset;
+    order.push_back(&t);
+  }
+  std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
+  for (size_t i = 1; i < order.size(); ++i)
+    if (order[i - 1]->offset + order[i - 1]->nbytes > order[i]->offset)
+      c.fail("tensors '" + order[i - 1]->name + "' and '" + order[i]->name + "' overlap");
+}
+
+}  // namespace
+
 std::unique_ptr<GgufFile> GgufFile::open(const std::string& path) {
   std::unique_ptr<GgufFile> g(new GgufFile());
   g->map_ = MappedFile::open(path);
@@ -218,13 +286,11 @@ std::unique_ptr<GgufFile> GgufFile::open(const std::string& path) {
   if (g->map_->size() < 4 || std::memcmp(g->map_->data(), "GGUF", 4) != 0) throw FileError(path, "not a GGUF file (bad magic)");
   c.p += 4;
   g->version_ = c.get<uint32_t>("the version");
-  if (g->version_ != 2 && g->version_ != 3)
-    throw FileError(path, "GGUF version " + std::to_string(g->version_) + " is not supported (2 and 3 are)");
+  if (g->version_ != 2 && g->version_ != 3) throw FileError(path, "GGUF version " + std::to_string(g->version_) + " is not supported (2 and 3 are)");
   const uint64_t n_tensors = c.get<uint64_t>("the tensor count");
   const uint64_t n_kv = c.get<uint64_t>("the key/value count");
   if (n_kv > c.left() / 12) c.fail("key/value count " + std::to_string(n_kv) + " exceeds the bytes in the file");
   if (n_tensors > c.left() / 24) c.fail("tensor count " + std::to_string(n_tensors) + " exceeds the bytes in the file");
-
   for (uint64_t k = 0; k < n_kv; ++k) {
     std::string key = c.str("a key");
     if (key.empty()) c.fail("empty key");
@@ -233,62 +299,14 @@ std::unique_ptr<GgufFile> GgufFile::open(const std::string& path) {
     GgufValue v = read_value(c, GgufType(t), key, 0);
     if (!g->kv_.emplace(key, std::move(v)).second) c.fail("duplicate key '" + key + "'");
   }
-  if (const GgufValue* a = g->find("general.alignment")) {
-    if (a->type != GgufType::U32 && a->type != GgufType::U64 && a->type != GgufType::I32)
-      c.fail("general.alignment must be an integer");
-    const int64_t al = a->as_int("general.alignment");
-    if (al <= 0 || al > 65536 || (al & (al - 1)) != 0) c.fail("general.alignment " + std::to_string(al) + " is not a power of two");
-    g->alignment_ = uint64_t(al);
-  }
-
+  g->alignment_ = read_alignment(c, g->kv_);
   for (uint64_t k = 0; k < n_tensors; ++k) {
-    GgufTensor t;
-    t.name = c.str("a tensor name");
-    if (t.name.empty()) c.fail("tensor " + std::to_string(k) + " has an empty name");
-    const std::string who = "tensor '" + t.name + "'";
-    const uint32_t nd = c.get<uint32_t>("a tensor's dimension count");
-    if (nd < 1 || nd > 4) c.fail(who + ": " + std::to_string(nd) + " dimensions (1 to 4 allowed)");
-    std::vector<int64_t> ne(nd);
-    for (uint32_t d = 0; d < nd; ++d) {
-      const uint64_t x = c.get<uint64_t>("a tensor dimension");
-      if (x < 1 || x > (uint64_t(1) << 40)) c.fail(who + ": dimension " + std::to_string(x) + " out of range");
-      ne[d] = int64_t(x);
-    }
-    t.shape.assign(ne.rbegin(), ne.rend());
-    t.type = c.get<uint32_t>("a tensor type");
-    const GgmlTypeSize ts = ggml_type_size(t.type);
-    if (!ts.block) c.fail(who + ": unknown ggml type " + std::to_string(t.type));
-    t.offset = c.get<uint64_t>("a tensor offset");
-    if (ne[0] % ts.block != 0)
-      c.fail(who + ": row length " + std::to_string(ne[0]) + " is not a multiple of the " + ts.name + " block (" +
-             std::to_string(ts.block) + ")");
-    unsigned __int128 bytes = (unsigned __int128)(uint64_t(ne[0]) / uint64_t(ts.block)) * ts.bytes;
-    for (uint32_t d = 1; d < nd; ++d) bytes *= uint64_t(ne[d]);
-    if (bytes > ((unsigned __int128)1 << 50)) c.fail(who + ": absurdly large");
-    t.nbytes = uint64_t(bytes);
+    GgufTensor t = read_tensor_info(c, k);
     if (g->by_name_.count(t.name)) c.fail("duplicate tensor name '" + t.name + "'");
     g->by_name_[t.name] = g->tensors_.size();
     g->tensors_.push_back(std::move(t));
   }
-
-  const uint64_t header_end = uint64_t(c.p - g->map_->data());
-  const uint64_t data_start = (header_end + g->alignment_ - 1) / g->alignment_ * g->alignment_;
-  const uint64_t size = g->map_->size();
-  if (!g->tensors_.empty() && data_start > size) c.fail("the tensor data section lies past the end of the file");
-  const uint64_t data_size = data_start <= size ? size - data_start : 0;
-  std::vector<const GgufTensor*> order;
-  for (GgufTensor& t : g->tensors_) {
-    const std::string who = "tensor '" + t.name + "'";
-    if (t.offset % g->alignment_ != 0) c.fail(who + ": offset " + std::to_string(t.offset) + " is not aligned");
-    if (t.offset > data_size || t.nbytes > data_size - t.offset)
-      c.fail(who + ": data [" + std::to_string(t.offset) + ", +" + std::to_string(t.nbytes) + ") lies past the end of the file");
-    t.data = g->map_->data() + data_start + t.offset;
-    order.push_back(&t);
-  }
-  std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
-  for (size_t i = 1; i < order.size(); ++i)
-    if (order[i - 1]->offset + order[i - 1]->nbytes > order[i]->offset)
-      c.fail("tensors '" + order[i - 1]->name + "' and '" + order[i]->name + "' overlap");
+  place_tensor_data(c, g->tensors_, g->map_->data(), g->map_->size(), uint64_t(c.p - g->map_->data()), g->alignment_);
   return g;
 }
 
