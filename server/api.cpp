@@ -298,6 +298,79 @@ EmbeddingRequest parse_embedding_request(const std::string& body, const std::str
   return r;
 }
 
+namespace {
+
+// The sampling fields: temperature, top_p, top_k, min_p, the penalties, logit_bias and seed, from
+// OpenAI's defaults (temperature 1, top_p 1, no top_k or min_p; a random seed). Throws ApiError.
+void parse_sampling(const json& j, SamplerParams& s) {
+  s.temperature = 1.0f, s.top_k = 0, s.top_p = 1.0f, s.min_p = 0.0f;  // OpenAI defaults
+  if (has(j, "temperature")) s.temperature = float(number(j, "temperature", 0, 2));
+  if (has(j, "top_p")) s.top_p = float(number(j, "top_p", 0, 1));
+  if (has(j, "top_k")) s.top_k = int32_t(integer(j, "top_k", 0, 1 << 20));
+  if (has(j, "min_p")) s.min_p = float(number(j, "min_p", 0, 1));
+  if (has(j, "presence_penalty")) s.presence_penalty = float(number(j, "presence_penalty", -2, 2));
+  if (has(j, "frequency_penalty")) s.frequency_penalty = float(number(j, "frequency_penalty", -2, 2));
+  if (has(j, "repetition_penalty")) s.repeat_penalty = float(number(j, "repetition_penalty", 0.01, 10));
+  if (has(j, "logit_bias")) {
+    const json& lb = j["logit_bias"];
+    if (!lb.is_object() || lb.size() > 1024) bad("'logit_bias' must be an object of at most 1024 token ids", "logit_bias");
+    for (const auto& [key, v] : lb.items()) {
+      char* end = nullptr;
+      const long long id = std::strtoll(key.c_str(), &end, 10);
+      if (key.empty() || *end || id < 0 || id > INT32_MAX || !v.is_number() || v.get<double>() < -100 || v.get<double>() > 100)
+        bad("'logit_bias' maps token ids (\"123\") to numbers in [-100, 100]", "logit_bias");
+      s.logit_bias.emplace_back(int32_t(id), v.get<float>());
+    }
+  }
+  s.seed = has(j, "seed") ? uint64_t(integer(j, "seed", INT64_MIN, INT64_MAX)) : uint64_t(std::random_device{}());
+}
+
+// stop (a string or up to 4 non-empty strings), stream and stream_options.include_usage.
+void parse_stop_and_stream(const json& j, CompletionRequest& r) {
+  if (has(j, "stop")) {
+    const json& st = j["stop"];
+    if (st.is_string()) r.stop.push_back(st.get<std::string>());
+    else if (st.is_array() && st.size() <= 4) {
+      for (const json& x : st) {
+        if (!x.is_string() || x.get<std::string>().empty()) bad("'stop' entries must be non-empty strings", "stop");
+        r.stop.push_back(x.get<std::string>());
+      }
+    } else bad("'stop' must be a string or an array of at most 4 strings", "stop");
+  }
+  if (has(j, "stream")) {
+    if (!j["stream"].is_boolean()) bad("'stream' must be a boolean", "stream");
+    r.stream = j["stream"].get<bool>();
+  }
+  if (has(j, "stream_options")) {
+    const json& so = j["stream_options"];
+    if (!so.is_object()) bad("'stream_options' must be an object", "stream_options");
+    if (so.contains("include_usage")) {
+      if (!so["include_usage"].is_boolean()) bad("'include_usage' must be a boolean", "stream_options.include_usage");
+      r.include_usage = so["include_usage"].get<bool>();
+    }
+  }
+}
+
+// Log probabilities: chat's logprobs (a boolean) and top_logprobs (0-20, with logprobs: true);
+// completions' logprobs (0-5 alternatives).
+void parse_logprobs(const json& j, bool chat, CompletionRequest& r) {
+  if (!chat) {
+    if (has(j, "logprobs")) r.top_logprobs = int(integer(j, "logprobs", 0, 5));
+    return;
+  }
+  if (has(j, "logprobs")) {
+    if (!j["logprobs"].is_boolean()) bad("'logprobs' must be a boolean", "logprobs");
+    if (j["logprobs"].get<bool>()) r.top_logprobs = 0;
+  }
+  if (has(j, "top_logprobs")) {
+    const int64_t k = integer(j, "top_logprobs", 0, 20);
+    if (r.top_logprobs < 0) bad("'top_logprobs' needs 'logprobs': true", "top_logprobs");
+    r.top_logprobs = int(k);
+  }
+}
+
+}  // namespace
+
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const std::string& model_id, int64_t ctx,
                                            size_t max_body) {
   CompletionRequest r;
@@ -305,8 +378,7 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
   r.chat = chat;
   try {
     if (chat) {
-      if (!has(j, "messages") || !j["messages"].is_array() || j["messages"].empty())
-        bad("'messages' must be a non-empty array", "messages");
+      if (!has(j, "messages") || !j["messages"].is_array() || j["messages"].empty()) bad("'messages' must be a non-empty array", "messages");
       for (size_t i = 0; i < j["messages"].size(); ++i) r.messages.push_back(parse_message(j["messages"][i], i));
       parse_tools(j, r);
     } else {
@@ -320,64 +392,11 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
           "n");
     const char* mt = has(j, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
     if (has(j, mt)) r.max_tokens = std::min<int64_t>(integer(j, mt, chat ? 1 : 0, INT64_MAX), ctx);  // clamped, as OpenAI-compatible servers do
-    SamplerParams& s = r.sampling;
-    s.temperature = 1.0f, s.top_k = 0, s.top_p = 1.0f, s.min_p = 0.0f;  // OpenAI defaults
-    if (has(j, "temperature")) s.temperature = float(number(j, "temperature", 0, 2));
-    if (has(j, "top_p")) s.top_p = float(number(j, "top_p", 0, 1));
-    if (has(j, "top_k")) s.top_k = int32_t(integer(j, "top_k", 0, 1 << 20));
-    if (has(j, "min_p")) s.min_p = float(number(j, "min_p", 0, 1));
-    if (has(j, "presence_penalty")) s.presence_penalty = float(number(j, "presence_penalty", -2, 2));
-    if (has(j, "frequency_penalty")) s.frequency_penalty = float(number(j, "frequency_penalty", -2, 2));
-    if (has(j, "repetition_penalty")) s.repeat_penalty = float(number(j, "repetition_penalty", 0.01, 10));
-    if (has(j, "logit_bias")) {
-      const json& lb = j["logit_bias"];
-      if (!lb.is_object() || lb.size() > 1024) bad("'logit_bias' must be an object of at most 1024 token ids", "logit_bias");
-      for (const auto& [key, v] : lb.items()) {
-        char* end = nullptr;
-        const long long id = std::strtoll(key.c_str(), &end, 10);
-        if (key.empty() || *end || id < 0 || id > INT32_MAX || !v.is_number() || v.get<double>() < -100 || v.get<double>() > 100)
-          bad("'logit_bias' maps token ids (\"123\") to numbers in [-100, 100]", "logit_bias");
-        s.logit_bias.emplace_back(int32_t(id), v.get<float>());
-      }
-    }
-    s.seed = has(j, "seed") ? uint64_t(integer(j, "seed", INT64_MIN, INT64_MAX)) : uint64_t(std::random_device{}());
-    if (has(j, "stop")) {
-      const json& st = j["stop"];
-      if (st.is_string()) r.stop.push_back(st.get<std::string>());
-      else if (st.is_array() && st.size() <= 4) {
-        for (const json& x : st) {
-          if (!x.is_string() || x.get<std::string>().empty()) bad("'stop' entries must be non-empty strings", "stop");
-          r.stop.push_back(x.get<std::string>());
-        }
-      } else bad("'stop' must be a string or an array of at most 4 strings", "stop");
-    }
-    if (has(j, "stream")) {
-      if (!j["stream"].is_boolean()) bad("'stream' must be a boolean", "stream");
-      r.stream = j["stream"].get<bool>();
-    }
-    if (has(j, "stream_options")) {
-      const json& so = j["stream_options"];
-      if (!so.is_object()) bad("'stream_options' must be an object", "stream_options");
-      if (so.contains("include_usage")) {
-        if (!so["include_usage"].is_boolean()) bad("'include_usage' must be a boolean", "stream_options.include_usage");
-        r.include_usage = so["include_usage"].get<bool>();
-      }
-    }
+    parse_sampling(j, r.sampling);
+    parse_stop_and_stream(j, r);
     parse_output_format(j, body, r);
-    if (chat) {
-      if (has(j, "logprobs")) {
-        if (!j["logprobs"].is_boolean()) bad("'logprobs' must be a boolean", "logprobs");
-        if (j["logprobs"].get<bool>()) r.top_logprobs = 0;
-      }
-      if (has(j, "top_logprobs")) {
-        const int64_t k = integer(j, "top_logprobs", 0, 20);
-        if (r.top_logprobs < 0) bad("'top_logprobs' needs 'logprobs': true", "top_logprobs");
-        r.top_logprobs = int(k);
-      }
-    } else {
-      if (has(j, "logprobs")) r.top_logprobs = int(integer(j, "logprobs", 0, 5));
-      parse_echo_suffix(j, r);
-    }
+    parse_logprobs(j, chat, r);
+    if (!chat) parse_echo_suffix(j, r);
   } catch (const json::exception& e) {
     bad(std::string("invalid request: ") + e.what(), "");
   }
