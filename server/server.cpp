@@ -915,6 +915,52 @@ static void add_guards(httplib::Server& svr, ServerState& st, const std::string&
 
 // The routes: CORS preflights, /health, the chat page, /v1/models, the completions endpoints,
 // /tokenize, /detokenize and /metrics.
+// A small JSON endpoint of llmq's own: 503 while the model loads, else reply(st, body) as 200;
+// an ApiError or malformed JSON answers 400.
+template <class Reply>
+static void handle_json(const ServerState& st, const httplib::Request& req, httplib::Response& res, Reply reply) {
+  if (!st.ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
+  try {
+    send_json(res, 200, reply(st, parse_json_body(req.body)));
+  } catch (const ApiError& e) {
+    send_error(res, e);
+  } catch (const json::exception& e) {
+    send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
+  }
+}
+
+// /tokenize (llama.cpp's server): {"content", "add_special"?, "parse_special"?} -> {"tokens"}.
+static json tokenize_reply(const ServerState& st, const json& j) {
+  if (!j.is_object() || !j.contains("content") || !j["content"].is_string()) throw ApiError(400, "'content' must be a string", "content");
+  const bool add_special = j.value("add_special", false), parse_special = j.value("parse_special", false);
+  return {{"tokens", st.model->tokenizer->encode(j["content"].get<std::string>(), add_special, parse_special)}};
+}
+
+// /detokenize: {"tokens": [ids in the vocabulary]} -> {"content"}.
+static json detokenize_reply(const ServerState& st, const json& j) {
+  if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array()) throw ApiError(400, "'tokens' must be an array", "tokens");
+  std::vector<int32_t> ids;
+  for (const json& t : j["tokens"]) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= int64_t(st.model->vocab.size()))
+      throw ApiError(400, "token ids must be integers in [0, vocab)", "tokens");
+    ids.push_back(t.get<int32_t>());
+  }
+  return {{"content", st.model->tokenizer->decode(ids)}};
+}
+
+// /metrics (Prometheus text): the server's counters, then the connection guard's.
+static std::string metrics_text(ServerState& st, const HttpGuardStats& h) {
+  SchedulerStats s;
+  if (st.ready) s = st.scheduler->stats();
+  return st.metrics.render(s) +
+         "# HELP llmq_http_refused_connections_total Connections answered 503 over --max-connections or --max-connections-per-ip.\n"
+         "# TYPE llmq_http_refused_connections_total counter\nllmq_http_refused_connections_total " +
+         std::to_string(h.refused_connections.load()) +
+         "\n# HELP llmq_http_dropped_requests_total Requests dropped at --request-timeout, a stalled read or a header limit.\n"
+         "# TYPE llmq_http_dropped_requests_total counter\nllmq_http_dropped_requests_total " +
+         std::to_string(h.deadline_drops.load()) + "\n";
+}
+
 static void add_routes(GuardedServer& svr, ServerState& st, const std::string& cors_origin) {
   if (!cors_origin.empty()) {  // CORS: every response names the allowed origin; preflights are answered here
     svr.set_default_headers({{"Access-Control-Allow-Origin", cors_origin}});
@@ -947,51 +993,10 @@ static void add_routes(GuardedServer& svr, ServerState& st, const std::string& c
   svr.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) { handle_completion(st, req, res, true); });
   svr.Post("/v1/responses", [&](const httplib::Request& req, httplib::Response& res) { handle_responses(st, req, res); });
   svr.Post("/v1/embeddings", [&](const httplib::Request& req, httplib::Response& res) { handle_embeddings(st, req, res); });
-  svr.Post("/tokenize", [&](const httplib::Request& req, httplib::Response& res) {
-    if (!st.ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
-    try {
-      const json j = parse_json_body(req.body);
-      if (!j.is_object() || !j.contains("content") || !j["content"].is_string()) throw ApiError(400, "'content' must be a string", "content");
-      const bool add_special = j.value("add_special", false), parse_special = j.value("parse_special", false);
-      send_json(res, 200, {{"tokens", st.model->tokenizer->encode(j["content"].get<std::string>(), add_special, parse_special)}});
-    } catch (const ApiError& e) {
-      send_error(res, e);
-    } catch (const json::exception& e) {
-      send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
-    }
-  });
-  svr.Post("/detokenize", [&](const httplib::Request& req, httplib::Response& res) {
-    if (!st.ready) return send_json(res, 503, ApiError(503, "the model is loading").body());
-    try {
-      const json j = parse_json_body(req.body);
-      if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array()) throw ApiError(400, "'tokens' must be an array", "tokens");
-      std::vector<int32_t> ids;
-      for (const json& t : j["tokens"]) {
-        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= int64_t(st.model->vocab.size()))
-          throw ApiError(400, "token ids must be integers in [0, vocab)", "tokens");
-        ids.push_back(t.get<int32_t>());
-      }
-      send_json(res, 200, {{"content", st.model->tokenizer->decode(ids)}});
-    } catch (const ApiError& e) {
-      send_error(res, e);
-    } catch (const json::exception& e) {
-      send_error(res, ApiError(400, std::string("malformed request: ") + e.what()));
-    }
-  });
+  svr.Post("/tokenize", [&](const httplib::Request& req, httplib::Response& res) { handle_json(st, req, res, tokenize_reply); });
+  svr.Post("/detokenize", [&](const httplib::Request& req, httplib::Response& res) { handle_json(st, req, res, detokenize_reply); });
   svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
-    SchedulerStats s;
-    if (st.ready) s = st.scheduler->stats();
-    std::string text = st.metrics.render(s);
-    {
-      const HttpGuardStats& h = svr.guard_stats();
-      text += "# HELP llmq_http_refused_connections_total Connections answered 503 over --max-connections or --max-connections-per-ip.\n"
-              "# TYPE llmq_http_refused_connections_total counter\nllmq_http_refused_connections_total " +
-              std::to_string(h.refused_connections.load()) +
-              "\n# HELP llmq_http_dropped_requests_total Requests dropped at --request-timeout, a stalled read or a header limit.\n"
-              "# TYPE llmq_http_dropped_requests_total counter\nllmq_http_dropped_requests_total " +
-              std::to_string(h.deadline_drops.load()) + "\n";
-    }
-    res.set_content(text, "text/plain; version=0.0.4");
+    res.set_content(metrics_text(st, svr.guard_stats()), "text/plain; version=0.0.4");
   });
 }
 
