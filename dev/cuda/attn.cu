@@ -4,6 +4,7 @@
 // bytes read, flash-decoding parts of 64 positions plus their merge; version 1, attention_kernel,
 // version 2, attention_decode_kernel, and version 3, attention_decode_v3_kernel, the later ones
 // checked against the first's output).
+// Then a batched decode step of 32 sequences through block tables (llmq-server's; batched_step).
 // LLMQ_CUDA_ATTN=0 in the environment puts prompts on the CUDA-core kernel instead of the
 // tensor cores, for comparison.
 //
@@ -22,6 +23,45 @@
 
 using namespace llmq;
 using namespace llmq::cuda;
+
+// A batched decode step as llmq-server runs it: 32 sequences, one token each at 600-662 cached
+// positions, through block tables of 16 positions (a shuffled pool), 16 flash-decoding parts
+// (a 1024-token context's plan); each version against version 1's output, GB/s of K and V.
+void batched_step(const char* name, int64_t heads, int64_t kv, int64_t hd) {
+  const int64_t T = 32, ctx = 1024, bt = 16, stride = ctx / bt, parts = ctx / 64, Q = heads * hd, KV = kv * hd;
+  std::vector<int32_t> pos(T), seq(T), tables(size_t(T * stride));
+  for (int64_t t = 0; t < T; ++t) pos[size_t(t)] = int32_t(600 + 2 * t), seq[size_t(t)] = int32_t(t);
+  for (size_t i = 0; i < tables.size(); ++i) tables[i] = int32_t((i * 7919) % tables.size());  // a permutation (7919 is prime)
+  DeviceBuffer k(size_t(T * ctx * KV) * 2), v(k.bytes()), q(size_t(T * Q) * 4), out(size_t(T * Q) * 4), part(size_t(T * heads * parts * (hd + 2)) * 4);
+  fill_random(split_weight_view(DType::F16, T * ctx, KV, k.as<uint8_t>()), 4, nullptr);
+  fill_random(split_weight_view(DType::F16, T * ctx, KV, v.as<uint8_t>()), 5, nullptr);
+  fill_random(split_weight_view(DType::F32, T, Q, q.as<uint8_t>()), 6, nullptr);
+  DeviceBuffer pd(size_t(T) * 4), sd(size_t(T) * 4), td(tables.size() * 4);
+  pd.upload(pos.data(), pos.size() * 4), sd.upload(seq.data(), seq.size() * 4), td.upload(tables.data(), tables.size() * 4);
+  const KvPages pages{sd.as<int32_t>(), td.as<int32_t>(), stride, bt};
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  double bytes = 0;
+  for (int32_t p : pos) bytes += 2.0 * double(p + 1) * double(KV) * 2.0;
+  std::vector<float> ref1;
+  for (int version : {1, 2, 3}) {
+    set_decode_attention_version(version);
+    auto step = [&] {
+      attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), pd.as<int32_t>(), T, heads, kv, hd, scale, parts, 64, part.as<float>(),
+                out.as<float>(), Q, nullptr, pages);
+    };
+    step();
+    check(cudaDeviceSynchronize(), "batched decode");
+    std::vector<float> got(size_t(T * Q));
+    check(cudaMemcpy(got.data(), out.as<float>(), got.size() * 4, cudaMemcpyDeviceToHost), "copy");
+    if (ref1.empty()) ref1 = got;
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < got.size(); ++i) err += (got[i] - ref1[i]) * (got[i] - ref1[i]), norm += ref1[i] * ref1[i];
+    const double ms = best_time_ms(30, step);
+    std::printf("%-13s batched decode, 32 sequences at 600-662 (paged, %lld parts) v%d %7.1f us  %7.0f GB/s of K+V  (rel. diff from v1 %.1e)\n",
+                name, (long long)parts, version, ms * 1e3, bytes / (ms * 1e-3) / 1e9, std::sqrt(err / std::max(norm, 1e-30)));
+  }
+  set_decode_attention_version(0);
+}
 
 int main() {
   try {
@@ -70,6 +110,7 @@ int main() {
         }
         set_decode_attention_version(0);
       }
+      batched_step(c.name, c.heads, c.kv, c.hd);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "attention lab: %s\n", e.what());
