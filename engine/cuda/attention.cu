@@ -411,7 +411,7 @@ constexpr int kV3Round = 8;  // positions a warp scores per round: 2 passes of 4
 
 // The positions part c of a decode step takes, version 3: n = pos + 1 over n_splits parts,
 // rounded up to 32 (a whole round for each of the 4 warps).
-__host__ __device__ __forceinline__ int v3_chunk(int n, int n_splits) { return ((n + n_splits - 1) / n_splits + 31) / 32 * 32; }
+__device__ __forceinline__ int v3_chunk(int n, int n_splits) { return ((n + n_splits - 1) / n_splits + 31) / 32 * 32; }
 
 // Version 3's part count for T tokens over n_kv KV heads: enough blocks for about a wave of the
 // GPU (kV3Blocks: 16 blocks of 4 warps on each of 128 SMs), at most n_splits. A batch of many
