@@ -25,14 +25,48 @@ double linear_bytes(const std::string& format, double params, double rows) {
   throw UsageError("unknown --weights '" + format + "' (bf16, fp16, int8, nf4, nf4-dq, fp4)");
 }
 
+// UsageError unless the framework is known and the batch, prompt and lengths are in range.
+void check_generate_options(const GenerateOptions& o) {
+  if (o.framework != "transformers" && o.framework != "litgpt" && o.framework != "torchtune")
+    throw UsageError("--framework must be transformers, litgpt or torchtune for generate");
+  if (o.batch < 1 || o.prompt < 1 || o.new_tokens < 0 || o.kv_len < 0) throw UsageError("batch and prompt must be >= 1");
+}
+
+// The line "prefill transients" (bytes): the peak of the prefill beyond the weights and the KV cache.
+void add_prefill_transients(MemReport& r, const ModelShape& m, const GenerateOptions& o, bool quant, bool head_quant) {
+  const double h = double(m.dim), V = double(m.vocab), b = double(o.batch), P = double(o.prompt);
+  // The prefill's transients: fp32 logits of every prompt position (transformers) or eager
+  // attention's scores of one layer, whichever is larger (a layer's scores are freed before the
+  // next layer, so never live with the logits), a dequantized matrix.
+  double t = o.framework == "transformers" ? b * P * V * (2 + 4) : b * V * 4;
+  std::string tf = o.framework == "transformers" ? "logits [b, prompt, V] in 16 bits and their fp32 copy" : "the last position's logits, fp32";
+  if (!o.flash) {
+    const double scores = b * double(m.heads) * P * P * (2 + 4);
+    tf = fmt::format("the larger of {} ({}) and one layer's eager attention scores [b, heads, prompt, prompt], 16-bit and the fp32 "
+                     "softmax ({})", tf, format_bytes(t), format_bytes(scores));
+    t = std::max(t, scores);
+  }
+  if (quant && o.weights != "int8") {
+    const double big = std::max({h * double(m.hidden), h * double(m.q_dim() + 2 * m.kv_dim()), head_quant ? V * h : 0.0});
+    // LitGPT (Lightning's BitsandbytesPrecision) creates each Linear on the GPU in the default dtype and
+    // quantizes it there from a .half() copy: two 16-bit copies of the largest matrix at once. In the
+    // forward, MatMul4Bit dequantizes one matrix at a time (transformers: in the compute dtype).
+    const double copies = o.framework == "litgpt" ? 2 : 1;
+    t += copies * o.compute_bytes * big;
+    tf += fmt::format(" + the largest Linear in {} B x {}{}", o.compute_bytes, num_str(big),
+                      copies > 1 ? " twice (quantized on load: the checkpoint's tensor and its copy)" : " (dequantized)");
+  }
+  t += b * P * (2 * h + 2 * double(m.hidden)) * 2;
+  tf += " + the prefill's activations of one layer";
+  r.lines.push_back({"prefill transients", t, tf, kHf, Place::Device, Basis::Formula});
+}
+
 }  // namespace
 
 MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
   m.validate();
-  if (o.framework != "transformers" && o.framework != "litgpt" && o.framework != "torchtune")
-    throw UsageError("--framework must be transformers, litgpt or torchtune for generate");
-  if (o.batch < 1 || o.prompt < 1 || o.new_tokens < 0 || o.kv_len < 0) throw UsageError("batch and prompt must be >= 1");
-  const double h = double(m.dim), V = double(m.vocab), b = double(o.batch), P = double(o.prompt);
+  check_generate_options(o);
+  const double h = double(m.dim), V = double(m.vocab), b = double(o.batch);
   const bool quant = o.weights != "bf16" && o.weights != "fp16";
   // Linear layers of the blocks, and the output layer: bitsandbytes in LitGPT converts every Linear
   // (Lightning's BitsandbytesPrecision), transformers keeps the output embedding in 16 bits.
@@ -58,30 +92,7 @@ MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
   r.lines.push_back({"KV cache", 2 * double(m.layers) * b * kv_len * kv_dim * 2,
                      fmt::format("2 (K,V) x {} layers x b {} x {} positions x {} x 2 B", m.layers, o.batch, kv_len, kv_dim), kHf, Place::Device,
                      Basis::Formula});
-  // The prefill's transients: fp32 logits of every prompt position (transformers) or eager
-  // attention's scores of one layer, whichever is larger (a layer's scores are freed before the
-  // next layer, so never live with the logits), a dequantized matrix.
-  double t = o.framework == "transformers" ? b * P * V * (2 + 4) : b * V * 4;
-  std::string tf = o.framework == "transformers" ? "logits [b, prompt, V] in 16 bits and their fp32 copy" : "the last position's logits, fp32";
-  if (!o.flash) {
-    const double scores = b * double(m.heads) * P * P * (2 + 4);
-    tf = fmt::format("the larger of {} ({}) and one layer's eager attention scores [b, heads, prompt, prompt], 16-bit and the fp32 "
-                     "softmax ({})", tf, format_bytes(t), format_bytes(scores));
-    t = std::max(t, scores);
-  }
-  if (quant && o.weights != "int8") {
-    const double big = std::max({h * double(m.hidden), h * double(m.q_dim() + 2 * m.kv_dim()), head_quant ? V * h : 0.0});
-    // LitGPT (Lightning's BitsandbytesPrecision) creates each Linear on the GPU in the default dtype and
-    // quantizes it there from a .half() copy: two 16-bit copies of the largest matrix at once. In the
-    // forward, MatMul4Bit dequantizes one matrix at a time (transformers: in the compute dtype).
-    const double copies = o.framework == "litgpt" ? 2 : 1;
-    t += copies * o.compute_bytes * big;
-    tf += fmt::format(" + the largest Linear in {} B x {}{}", o.compute_bytes, num_str(big),
-                      copies > 1 ? " twice (quantized on load: the checkpoint's tensor and its copy)" : " (dequantized)");
-  }
-  t += b * P * (2 * h + 2 * double(m.hidden)) * 2;
-  tf += " + the prefill's activations of one layer";
-  r.lines.push_back({"prefill transients", t, tf, kHf, Place::Device, Basis::Formula});
+  add_prefill_transients(r, m, o, quant, head_quant);
   add_torch_cuda_lines(r, o.gpu, 1, 512.0 * (1 << 20));  // generation: one thread, one cuBLAS handle
   r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
   return r;

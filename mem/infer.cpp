@@ -91,6 +91,25 @@ void add_cpu_lines(MemReport& r, const InferencePlan& p, const ResidentPeak& pea
                        "", Place::Device, Basis::Exact});
 }
 
+// --gpu-layers N below the model's layers: the CPU's part (CudaOffloadSession, CudaOffloadBatchRunner) in host memory,
+// bytes of the first layers' KV cache (f32) and of the CPU engine's workspace.
+void add_cuda_offload_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, const InferOptions& o, const CudaPlan& p) {
+  ModelConfig ck = c;
+  ck.n_layers = p.first_layer;
+  const KVPlan kv = plan_kv(ck, p.kv_rows);  // a session's ctx, or the server's paged blocks
+  const WorkspacePlan ws =
+      plan_workspace(c, llama_matmuls(c, f.tensors(), p.n_batch, 1), p.n_batch, p.ctx, 1, resolve_threads(o.threads));
+  r.lines.push_back({"CPU: KV cache (partial offload)", double(kv.bytes()),
+                     fmt::format("2 (K,V) x {} layers x {} kv_dim x 4 B (f32) x {} tokens", ck.n_layers, c.kv_dim(), kv.tokens()), kPlan,
+                     Place::Cpu, Basis::Exact});
+  r.lines.push_back({"CPU: workspace (partial offload)", double(ws.bytes()),
+                     fmt::format("the CPU engine's workspace for {} tokens, {} threads", p.n_batch, ws.threads), kPlan, Place::Cpu,
+                     Basis::Exact});
+  r.notes.push_back(fmt::format("partial offload: layers 0-{} run on the CPU from the mapped file ({} of it), their matrices "
+                                "repacked for the CPU kernels at load; the GPU takes the residual stream after them",
+                                p.first_layer - 1, format_bytes(double(f.file_size()))));
+}
+
 // llmq-run --device cuda (one sequence) or llmq-server --device cuda (server: a paged cache):
 // every device buffer of the backend, from the plan it allocates from (engine/mem_plan.h
 // plan_cuda, plan_cuda_server); the CUDA context is measured at load, not predicted here.
@@ -145,22 +164,8 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, const
                      "rounding (67.6-73.3 MiB)", "bench/RESULTS.md (GPU memory)", Place::GpuOther, Basis::Measured});
   r.notes.push_back("exact: CudaModel and CudaSession allocate these sizes (tests/test_cuda.cpp checks); cudaMalloc rounds each "
                     "allocation up (2 MiB pages for large ones), which the measured line printed at load includes");
-  if (p.first_layer > 0) {  // partial offload: the CPU's part (CudaOffloadSession, CudaOffloadBatchRunner), in host memory
-    ModelConfig ck = c;
-    ck.n_layers = p.first_layer;
-    const KVPlan kv = plan_kv(ck, p.kv_rows);  // a session's ctx, or the server's paged blocks
-    const WorkspacePlan ws =
-        plan_workspace(c, llama_matmuls(c, f.tensors(), p.n_batch, 1), p.n_batch, p.ctx, 1, resolve_threads(o.threads));
-    r.lines.push_back({"CPU: KV cache (partial offload)", double(kv.bytes()),
-                       fmt::format("2 (K,V) x {} layers x {} kv_dim x 4 B (f32) x {} tokens", ck.n_layers, c.kv_dim(), kv.tokens()), kPlan,
-                       Place::Cpu, Basis::Exact});
-    r.lines.push_back({"CPU: workspace (partial offload)", double(ws.bytes()),
-                       fmt::format("the CPU engine's workspace for {} tokens, {} threads", p.n_batch, ws.threads), kPlan, Place::Cpu,
-                       Basis::Exact});
-    r.notes.push_back(fmt::format("partial offload: layers 0-{} run on the CPU from the mapped file ({} of it), their matrices "
-                                  "repacked for the CPU kernels at load; the GPU takes the residual stream after them",
-                                  p.first_layer - 1, format_bytes(double(f.file_size()))));
-  }
+  if (p.first_layer > 0)  // partial offload: the CPU's part (CudaOffloadSession, CudaOffloadBatchRunner), in host memory
+    add_cuda_offload_lines(r, f, c, o, p);
 }
 
 // llmq-run/llmq-server --tp N on the CPU: per rank, the weights of its slices, its pool of the
@@ -217,6 +222,56 @@ void add_cpu_tp_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, con
                     "one process sharing one mapping of the file, so the process maps the file once and adds the row-parallel copies");
 }
 
+// CUDA with --tp N, per rank (bytes): its weights, KV cache and workspace on the GPU, its all-reduce staging in host memory.
+void add_cuda_tp_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, const InferencePlan& p, const InferOptions& o,
+                       bool server) {
+  TpOptions topt;
+  topt.vocab_parallel = false;
+  const std::vector<ShardRanges> ranges = plan_shards(c, f.tensors(), o.tp, topt);
+  r.device = fmt::format("cuda, {} ranks", o.tp);
+  r.title = fmt::format("{}: {} --device cuda --tp {}, ctx {}, batch {}", f.path(), server ? "llmq-server" : "llmq-run", o.tp, p.ctx,
+                        p.n_batch);
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (const ShardRanges& R : ranges) {
+    const CudaPlan rp = plan_cuda_rank(c, f.tensors(), R, o.ctx, o.n_batch, 1, server ? o.parallel : 0, o.kv_tokens, o.kv_type == "q8_0");
+    const std::string k = fmt::format("rank {}: ", R.rank);
+    r.lines.push_back({k + "weights", double(rp.weights),
+                       fmt::format("heads {}-{}, KV heads {}-{}, FFN {}-{} (Megatron split), embedding whole{}; 256-byte aligned pieces",
+                                   R.head0, R.head0 + R.n_heads - 1, R.kv_head0, R.kv_head0 + R.n_kv_heads - 1, R.ffn0,
+                                   R.ffn0 + R.ffn_dim - 1, R.n_vocab > 0 ? ", output" : ""),
+                       kPlan, Place::Device, Basis::Exact});
+    r.lines.push_back({k + "KV cache", double(rp.kv),
+                       fmt::format("2 (K,V) x {} layers x {} kv heads x {} head_dim x {} x {} tokens", c.n_layers, R.n_kv_heads,
+                                   c.head_dim, o.kv_type == "q8_0" ? "(1 + 2/32) B (q8_0)" : "2 B (f16)", rp.kv_rows),
+                       kPlan, Place::Device, Basis::Exact});
+    r.lines.push_back({k + "workspace (cuBLAS's included)", double(rp.workspace()),
+                       fmt::format("activations for {} tokens at the rank's widths, logits {}, matmul scratch", rp.n_batch,
+                                   R.n_vocab > 0 ? "here" : "on rank 0"),
+                       kPlan, Place::Device, Basis::Exact});
+    r.lines.push_back({k + "all-reduce staging (pinned host)", double(rp.n_batch * c.dim * 4),
+                       fmt::format("[{} tokens, {} dim] fp32, ranks on one GPU (with one GPU per rank NCCL keeps its own buffers)",
+                                   rp.n_batch, c.dim),
+                       kPlan, Place::Cpu, Basis::Exact});
+    per_rank.push_back({{"rank", R.rank}, {"weights", rp.weights}, {"kv_cache", rp.kv}, {"workspace", rp.workspace()}});
+  }
+  r.extra["ranks"] = per_rank;
+  r.lines.push_back({"CUDA context (per GPU)", 0, "not predicted: measured at load", "", Place::GpuOther, Basis::NotMeasured});
+  r.lines.push_back({"NCCL buffers (one GPU per rank)", 0, "not measured: NCCL allocates its own", "", Place::GpuOther,
+                     Basis::NotMeasured});
+  r.notes.push_back("exact: CudaRanks allocates these sizes per rank (tests/test_cuda.cpp checks); with every rank on one GPU their "
+                    "sum is that GPU's; lines marked 'not measured' are not in the total");
+}
+
+// UsageError unless --device, --kv-type (for that device) and --tp are valid.
+void check_infer_options(const InferOptions& o) {
+  if (o.device != "cpu" && o.device != "cuda") throw UsageError("--device must be cpu or cuda");
+  if (o.kv_type != "f32" && o.kv_type != "bf16" && o.kv_type != "f16" && o.kv_type != "q8_0")
+    throw UsageError("--kv-type must be f32, bf16, f16 or q8_0");
+  if (o.device == "cpu" && (o.kv_type == "f16" || o.kv_type == "q8_0"))
+    throw UsageError("the CPU engine stores the KV cache as f32 or bf16 (--kv-type)");
+  if (o.tp < 1) throw UsageError("--tp must be >= 1");
+}
+
 uint64_t heap_in_use() {
   const struct mallinfo2 m = ::mallinfo2();
   return uint64_t(m.uordblks + m.hblkhd);
@@ -249,12 +304,7 @@ InferencePlan infer_plan(const LlmqFile& f, const ModelConfig& c, const InferOpt
 }
 
 MemReport infer_report(const std::string& path, const InferOptions& o) {
-  if (o.device != "cpu" && o.device != "cuda") throw UsageError("--device must be cpu or cuda");
-  if (o.kv_type != "f32" && o.kv_type != "bf16" && o.kv_type != "f16" && o.kv_type != "q8_0")
-    throw UsageError("--kv-type must be f32, bf16, f16 or q8_0");
-  if (o.device == "cpu" && (o.kv_type == "f16" || o.kv_type == "q8_0"))
-    throw UsageError("the CPU engine stores the KV cache as f32 or bf16 (--kv-type)");
-  if (o.tp < 1) throw UsageError("--tp must be >= 1");
+  check_infer_options(o);
   auto f = LlmqFile::open(path, /*verify=*/false);
   const ModelConfig c = file_config(*f);
   const InferencePlan p = infer_plan(*f, c, o);
@@ -293,41 +343,7 @@ MemReport infer_report(const std::string& path, const InferOptions& o) {
   // widths' workspace; ranks on one GPU stage each all-reduce through pinned host memory.
   if (o.kv_type == "bf16") throw UsageError("the CUDA backend's KV cache is f16 or q8_0 (--kv-type)");
   if (o.gpu_layers >= 0) throw UsageError("--gpu-layers with --tp: partial offload runs one rank, so far");
-  TpOptions topt;
-  topt.vocab_parallel = false;
-  const std::vector<ShardRanges> ranges = plan_shards(c, f->tensors(), o.tp, topt);
-  r.device = fmt::format("cuda, {} ranks", o.tp);
-  r.title = fmt::format("{}: {} --device cuda --tp {}, ctx {}, batch {}", f->path(), server ? "llmq-server" : "llmq-run", o.tp, p.ctx,
-                        p.n_batch);
-  nlohmann::json per_rank = nlohmann::json::array();
-  for (const ShardRanges& R : ranges) {
-    const CudaPlan rp = plan_cuda_rank(c, f->tensors(), R, o.ctx, o.n_batch, 1, server ? o.parallel : 0, o.kv_tokens, o.kv_type == "q8_0");
-    const std::string k = fmt::format("rank {}: ", R.rank);
-    r.lines.push_back({k + "weights", double(rp.weights),
-                       fmt::format("heads {}-{}, KV heads {}-{}, FFN {}-{} (Megatron split), embedding whole{}; 256-byte aligned pieces",
-                                   R.head0, R.head0 + R.n_heads - 1, R.kv_head0, R.kv_head0 + R.n_kv_heads - 1, R.ffn0,
-                                   R.ffn0 + R.ffn_dim - 1, R.n_vocab > 0 ? ", output" : ""),
-                       kPlan, Place::Device, Basis::Exact});
-    r.lines.push_back({k + "KV cache", double(rp.kv),
-                       fmt::format("2 (K,V) x {} layers x {} kv heads x {} head_dim x {} x {} tokens", c.n_layers, R.n_kv_heads,
-                                   c.head_dim, o.kv_type == "q8_0" ? "(1 + 2/32) B (q8_0)" : "2 B (f16)", rp.kv_rows),
-                       kPlan, Place::Device, Basis::Exact});
-    r.lines.push_back({k + "workspace (cuBLAS's included)", double(rp.workspace()),
-                       fmt::format("activations for {} tokens at the rank's widths, logits {}, matmul scratch", rp.n_batch,
-                                   R.n_vocab > 0 ? "here" : "on rank 0"),
-                       kPlan, Place::Device, Basis::Exact});
-    r.lines.push_back({k + "all-reduce staging (pinned host)", double(rp.n_batch * c.dim * 4),
-                       fmt::format("[{} tokens, {} dim] fp32, ranks on one GPU (with one GPU per rank NCCL keeps its own buffers)",
-                                   rp.n_batch, c.dim),
-                       kPlan, Place::Cpu, Basis::Exact});
-    per_rank.push_back({{"rank", R.rank}, {"weights", rp.weights}, {"kv_cache", rp.kv}, {"workspace", rp.workspace()}});
-  }
-  r.extra["ranks"] = per_rank;
-  r.lines.push_back({"CUDA context (per GPU)", 0, "not predicted: measured at load", "", Place::GpuOther, Basis::NotMeasured});
-  r.lines.push_back({"NCCL buffers (one GPU per rank)", 0, "not measured: NCCL allocates its own", "", Place::GpuOther,
-                     Basis::NotMeasured});
-  r.notes.push_back("exact: CudaRanks allocates these sizes per rank (tests/test_cuda.cpp checks); with every rank on one GPU their "
-                    "sum is that GPU's; lines marked 'not measured' are not in the total");
+  add_cuda_tp_lines(r, *f, c, p, o, server);
   return r;
 }
 

@@ -111,67 +111,83 @@ std::string xml_escape(const std::string& s) {
 constexpr const char* kColors[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
                                    "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#2f4b7c", "#a05195"};
 
+// Layout: bars 80 px wide side by side, 400 px tall for the largest total (or budget), legend below.
+struct SvgLayout {
+  double bar_h = 400, bar_w = 80, gap = 60, left = 90, top = 40;
+  double scale_max = 1;  // bytes at the top of the axis
+  double width = 0;      // px
+};
+
+// The axis: five ticks from 0 to scale_max, in GiB.
+std::string svg_axis(const SvgLayout& L) {
+  std::string s;
+  for (int i = 0; i <= 4; ++i) {  // axis ticks
+    const double y = L.top + L.bar_h - L.bar_h * i / 4.0;
+    s += fmt::format("<line x1=\"{}\" x2=\"{:.0f}\" y1=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>\n", L.left - 5, L.width - 20, y, y);
+    s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:.2f} GiB</text>\n", L.left - 8, y + 4,
+                     L.scale_max * i / 4.0 / double(1ull << 30));
+  }
+  return s;
+}
+
+// Report b's stacked bar (its device and GPU lines), its legend from row ly on (ly advances), its budget line.
+std::string svg_bar(const SvgLayout& L, const MemReport& r, size_t b, double& ly) {
+  const double bar_h = L.bar_h, bar_w = L.bar_w, top = L.top, scale_max = L.scale_max;
+  const double x = L.left + double(b) * (bar_w + L.gap);
+  double y = top + bar_h;
+  std::string s = fmt::format("<text x=\"{:.0f}\" y=\"{:.0f}\" text-anchor=\"middle\">{}</text>\n", x + bar_w / 2, top + bar_h + 18,
+                              xml_escape(r.device));
+  s += fmt::format("<text x=\"20\" y=\"{:.0f}\" font-weight=\"bold\">{}: total {}</text>\n", ly, xml_escape(r.device),
+                   xml_escape(format_bytes(r.device_total())));
+  ly += 16;
+  for (size_t i = 0; i < r.lines.size(); ++i) {
+    const MemLine& l = r.lines[i];
+    const char* color = kColors[i % (sizeof kColors / sizeof kColors[0])];
+    const bool drawn = (l.place == Place::Device || l.place == Place::GpuOther) && l.basis != Basis::NotMeasured && l.bytes > 0;
+    if (drawn) {
+      const double h = bar_h * l.bytes / scale_max;
+      y -= h;
+      s += fmt::format("<rect x=\"{:.1f}\" y=\"{:.2f}\" width=\"{}\" height=\"{:.2f}\" fill=\"{}\"><title>{}: {}</title></rect>\n",
+                       x, y, bar_w, h, color, xml_escape(l.name), xml_escape(format_bytes(l.bytes)));
+    }
+    s += fmt::format("<rect x=\"20\" y=\"{:.0f}\" width=\"10\" height=\"10\" fill=\"{}\"/>", ly - 9, drawn ? color : "#fff");
+    s += fmt::format("<text x=\"36\" y=\"{:.0f}\">{} — {} ({}, {})</text>\n", ly, xml_escape(l.name),
+                     l.basis == Basis::NotMeasured ? "not measured" : xml_escape(format_bytes(l.bytes)), place_name(l.place),
+                     basis_name(l.basis));
+    ly += 16;
+  }
+  if (r.budget) {
+    const double by = top + bar_h - bar_h * *r.budget / scale_max;
+    s += fmt::format("<line x1=\"{:.1f}\" x2=\"{:.1f}\" y1=\"{:.2f}\" y2=\"{:.2f}\" stroke=\"black\" stroke-dasharray=\"4 3\"/>\n",
+                     x - 10, x + bar_w + 10, by, by);
+    s += fmt::format("<text x=\"{:.1f}\" y=\"{:.2f}\">budget</text>\n", x + bar_w + 12, by + 4);
+  }
+  ly += 16;
+  return s;
+}
+
 }  // namespace
 
 std::string render_svg(const std::vector<MemReport>& reports) {
-  // Layout: bars 80 px wide side by side, 400 px tall for the largest total (or budget), legend below.
-  const double bar_h = 400, bar_w = 80, gap = 60, left = 90, top = 40;
-  double scale_max = 1;
+  SvgLayout L;
   size_t legend_rows = 0;
   for (const auto& r : reports) {
-    scale_max = std::max(scale_max, r.device_total());
-    if (r.budget) scale_max = std::max(scale_max, *r.budget);
+    L.scale_max = std::max(L.scale_max, r.device_total());
+    if (r.budget) L.scale_max = std::max(L.scale_max, *r.budget);
     legend_rows += r.lines.size() + 2;
   }
-  const double width = std::max(720.0, left + double(reports.size()) * (bar_w + gap) + 40);
-  const double legend_top = top + bar_h + 50;
+  L.width = std::max(720.0, L.left + double(reports.size()) * (L.bar_w + L.gap) + 40);
+  const double legend_top = L.top + L.bar_h + 50;
   const double height = legend_top + double(legend_rows) * 16 + 20;
   std::string s = fmt::format(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" font-family=\"sans-serif\" "
       "font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n",
-      width, height);
-  s += fmt::format("<text x=\"{}\" y=\"20\" font-size=\"14\">{}</text>\n", left,
+      L.width, height);
+  s += fmt::format("<text x=\"{}\" y=\"20\" font-size=\"14\">{}</text>\n", L.left,
                    xml_escape(reports.empty() ? "" : reports[0].title));
-  for (int i = 0; i <= 4; ++i) {  // axis ticks
-    const double y = top + bar_h - bar_h * i / 4.0;
-    s += fmt::format("<line x1=\"{}\" x2=\"{:.0f}\" y1=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>\n", left - 5, width - 20, y, y);
-    s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:.2f} GiB</text>\n", left - 8, y + 4,
-                     scale_max * i / 4.0 / double(1ull << 30));
-  }
+  s += svg_axis(L);
   double ly = legend_top;
-  for (size_t b = 0; b < reports.size(); ++b) {
-    const MemReport& r = reports[b];
-    const double x = left + double(b) * (bar_w + gap);
-    double y = top + bar_h;
-    s += fmt::format("<text x=\"{:.0f}\" y=\"{:.0f}\" text-anchor=\"middle\">{}</text>\n", x + bar_w / 2, top + bar_h + 18,
-                     xml_escape(r.device));
-    s += fmt::format("<text x=\"20\" y=\"{:.0f}\" font-weight=\"bold\">{}: total {}</text>\n", ly, xml_escape(r.device),
-                     xml_escape(format_bytes(r.device_total())));
-    ly += 16;
-    for (size_t i = 0; i < r.lines.size(); ++i) {
-      const MemLine& l = r.lines[i];
-      const char* color = kColors[i % (sizeof kColors / sizeof kColors[0])];
-      const bool drawn = (l.place == Place::Device || l.place == Place::GpuOther) && l.basis != Basis::NotMeasured && l.bytes > 0;
-      if (drawn) {
-        const double h = bar_h * l.bytes / scale_max;
-        y -= h;
-        s += fmt::format("<rect x=\"{:.1f}\" y=\"{:.2f}\" width=\"{}\" height=\"{:.2f}\" fill=\"{}\"><title>{}: {}</title></rect>\n",
-                         x, y, bar_w, h, color, xml_escape(l.name), xml_escape(format_bytes(l.bytes)));
-      }
-      s += fmt::format("<rect x=\"20\" y=\"{:.0f}\" width=\"10\" height=\"10\" fill=\"{}\"/>", ly - 9, drawn ? color : "#fff");
-      s += fmt::format("<text x=\"36\" y=\"{:.0f}\">{} — {} ({}, {})</text>\n", ly, xml_escape(l.name),
-                       l.basis == Basis::NotMeasured ? "not measured" : xml_escape(format_bytes(l.bytes)), place_name(l.place),
-                       basis_name(l.basis));
-      ly += 16;
-    }
-    if (r.budget) {
-      const double by = top + bar_h - bar_h * *r.budget / scale_max;
-      s += fmt::format("<line x1=\"{:.1f}\" x2=\"{:.1f}\" y1=\"{:.2f}\" y2=\"{:.2f}\" stroke=\"black\" stroke-dasharray=\"4 3\"/>\n",
-                       x - 10, x + bar_w + 10, by, by);
-      s += fmt::format("<text x=\"{:.1f}\" y=\"{:.2f}\">budget</text>\n", x + bar_w + 12, by + 4);
-    }
-    ly += 16;
-  }
+  for (size_t b = 0; b < reports.size(); ++b) s += svg_bar(L, reports[b], b, ly);
   s += "</svg>\n";
   return s;
 }

@@ -105,33 +105,25 @@ namespace {
 
 // ------------------------------------------------------------------ analytic / DeepSpeed
 
-void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) {
-  const GpuParams gp = gpu_params(m, o);
-  const StateBytes sb = state_bytes(o.precision, o.optimizer, o.framework);
-  const double N = o.dp;
-  const bool lora = o.lora_rank > 0;
-  const double trainable = lora ? double(gp.layers) * lora_layer_params_of(m, o) / o.tp : gp.all;
+// DeepSpeed's estimate_zero2/zero3_model_states_mem_needs for this GPU's Ψ: bytes on the GPU and on the CPU.
+void add_ds_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o, const GpuParams& gp) {
+  const bool off = o.offload_optimizer != Offload::None;
+  const CpuGpu ds = o.zero == 2 ? ds_zero2_model_states(gp.all, o.dp, 1, off)
+                                : ds_zero3_model_states(gp.all, double(m.largest_layer_params()) / o.tp, o.dp, 1, off,
+                                                        o.offload_params != Offload::None);
+  r.lines.push_back({"model states (DeepSpeed estimator)", ds.gpu,
+                     o.zero == 2 ? (off ? "2P" : "4P + 16P/N") : (off ? (o.offload_params != Offload::None ? "4·largest_layer" : "4·largest_layer + 2P/N") : "4·largest_layer + 18P/N"),
+                     kDs, Place::Device, Basis::Formula});
+  r.lines.push_back({"model states on CPU (DeepSpeed estimator, buffer factor 1.5)", ds.cpu, "see DeepSpeed estimator", kDs, Place::Cpu,
+                     Basis::Formula});
+}
+
+// The parameter lines (bytes per GPU, / p_div under ZeRO-3): the frozen base and the LoRA
+// adapters, or every parameter; with ZeRO-3 parameter offload, the gathered layer on the GPU.
+void add_parameter_lines(MemReport& r, const ModelShape& m, const TrainOptions& o, const GpuParams& gp, const StateBytes& sb,
+                         double trainable, Place par_place, double p_div) {
   const std::string psi = fmt::format("Ψ = {} params on this GPU (stage of {} layers / tp {})", num(gp.all), gp.layers, o.tp);
-  const Place opt_place = offload_place(o.offload_optimizer);
-  const Place par_place = o.zero >= 3 ? offload_place(o.offload_params) : Place::Device;
-  const double p_div = o.zero >= 3 ? N : 1, g_div = o.zero >= 2 ? N : 1, s_div = o.zero >= 1 ? N : 1;
-
-  if (o.framework == Framework::DeepSpeed && !lora && o.precision == Precision::Mixed && o.optimizer == Optimizer::Adam &&
-      o.zero >= 2) {
-    // DeepSpeed's own estimator, model states as one line pair (GPU and CPU).
-    const bool off = o.offload_optimizer != Offload::None;
-    const CpuGpu ds = o.zero == 2 ? ds_zero2_model_states(gp.all, o.dp, 1, off)
-                                  : ds_zero3_model_states(gp.all, double(m.largest_layer_params()) / o.tp, o.dp, 1, off,
-                                                          o.offload_params != Offload::None);
-    r.lines.push_back({"model states (DeepSpeed estimator)", ds.gpu,
-                       o.zero == 2 ? (off ? "2P" : "4P + 16P/N") : (off ? (o.offload_params != Offload::None ? "4·largest_layer" : "4·largest_layer + 2P/N") : "4·largest_layer + 18P/N"),
-                       kDs, Place::Device, Basis::Formula});
-    r.lines.push_back({"model states on CPU (DeepSpeed estimator, buffer factor 1.5)", ds.cpu, "see DeepSpeed estimator", kDs, Place::Cpu,
-                       Basis::Formula});
-    return;
-  }
-
-  if (lora) {
+  if (o.lora_rank > 0) {
     const int frozen_b = o.precision == Precision::FP32 || o.precision == Precision::Amp ? 4 : 2;
     double frozen_bytes = frozen_b * gp.all;
     std::string f = fmt::format("{} B x Ψ", frozen_b);
@@ -156,15 +148,17 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
                        fmt::format("({} + {}) B x largest layer {} (DeepSpeed's 4·largest_layer)", sb.weights, sb.grads, num(ll)), kDs,
                        Place::Device, Basis::Formula});
   }
-  const Place grad_place = o.offload_optimizer != Offload::None ? opt_place : Place::Device;
-  r.lines.push_back({"gradients", sb.grads * trainable / g_div,
-                     fmt::format("{} B x Ψ_trainable {}{}", sb.grads, num(trainable), g_div > 1 ? " / N_d" : ""), kZero, grad_place,
-                     Basis::Formula});
+}
+
+// The optimizer's lines (bytes per GPU, / s_div from ZeRO-1 on): fp32 master weights, Adafactor's
+// factored states, the other optimizers' states.
+void add_optimizer_lines(MemReport& r, const ModelShape& m, const TrainOptions& o, const GpuParams& gp, const StateBytes& sb,
+                         double trainable, Place opt_place, double s_div) {
   if (sb.master > 0)
     r.lines.push_back({"master weights (fp32)", sb.master * trainable / s_div,
                        fmt::format("4 B x Ψ_trainable{}", s_div > 1 ? " / N_d" : ""), kZero, opt_place, Basis::Formula});
   if (o.optimizer == Optimizer::Adafactor) {
-    if (lora) throw UsageError("Adafactor with LoRA is not modelled (its factored states follow each adapter's shape)");
+    if (o.lora_rank > 0) throw UsageError("Adafactor with LoRA is not modelled (its factored states follow each adapter's shape)");
     const double elems = adafactor_state_elements(m) * gp.all / double(m.params()), bytes = o.precision == Precision::BF16 ? 2 : 4;
     r.lines.push_back({"optimizer states (Adafactor, factored)", bytes * elems / s_div,
                        fmt::format("{} B x (Σ matrices rows + cols + vectors) = {} x {} elements{}", bytes, bytes, num(elems),
@@ -176,6 +170,33 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
                        fmt::format("{} B x Ψ_trainable{} ({}; K = {} with the master copy)", num(sb.optim), s_div > 1 ? " / N_d" : "",
                                    optimizer_label(o.optimizer), num(sb.k())),
                        o.optimizer == Optimizer::Adam8bit ? k8bit : kZero, opt_place, Basis::Formula});
+}
+
+// Model states per GPU: parameters, gradients, master weights and optimizer states, each divided
+// by N_d from the ZeRO stage that shards it, and placed where the offload options put them.
+void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) {
+  const GpuParams gp = gpu_params(m, o);
+  const StateBytes sb = state_bytes(o.precision, o.optimizer, o.framework);
+  const double N = o.dp;
+  const bool lora = o.lora_rank > 0;
+  const double trainable = lora ? double(gp.layers) * lora_layer_params_of(m, o) / o.tp : gp.all;
+  const Place opt_place = offload_place(o.offload_optimizer);
+  const Place par_place = o.zero >= 3 ? offload_place(o.offload_params) : Place::Device;
+  const double p_div = o.zero >= 3 ? N : 1, g_div = o.zero >= 2 ? N : 1, s_div = o.zero >= 1 ? N : 1;
+
+  if (o.framework == Framework::DeepSpeed && !lora && o.precision == Precision::Mixed && o.optimizer == Optimizer::Adam &&
+      o.zero >= 2) {
+    // DeepSpeed's own estimator, model states as one line pair (GPU and CPU).
+    add_ds_model_states(r, m, o, gp);
+    return;
+  }
+
+  add_parameter_lines(r, m, o, gp, sb, trainable, par_place, p_div);
+  const Place grad_place = o.offload_optimizer != Offload::None ? opt_place : Place::Device;
+  r.lines.push_back({"gradients", sb.grads * trainable / g_div,
+                     fmt::format("{} B x Ψ_trainable {}{}", sb.grads, num(trainable), g_div > 1 ? " / N_d" : ""), kZero, grad_place,
+                     Basis::Formula});
+  add_optimizer_lines(r, m, o, gp, sb, trainable, opt_place, s_div);
 }
 
 void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
@@ -339,104 +360,147 @@ MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, c
   return r;
 }
 
+// Bytes per value and widths of one step of bench/train_mem.py's Llama.
+struct TorchStep {
+  bool autocast = false, full = false;  // Linear layers under autocast; full checkpointing
+  double p = 0, c = 0, res = 0;         // parameter, compute and residual stream bytes
+  double s = 0, b = 0, sb = 0;          // sequence length, micro-batch, tokens
+  double h = 0, q = 0, kv = 0, H = 0, V = 0, a = 0;  // width, query, key/value and MLP widths, vocabulary, heads
+  std::vector<std::pair<double, double>> layer_shapes, other_shapes;  // parameter tensors [rows, cols]; cols 0: a vector
+  std::vector<double> layer_mats, layer_vecs, other;                  // their numel
+};
+
+// TorchStep for m and o: byte sizes from the precision, the step's widths and the parameter tensors.
+TorchStep torch_step(const ModelShape& m, const TrainOptions& o) {
+  TorchStep t;
+  const bool autocast = llmq::mem::autocast(o.precision, o.framework), bf16 = o.precision == Precision::BF16;
+  t.autocast = autocast, t.full = o.checkpointing == Checkpointing::Full;
+  t.p = bf16 ? 2 : 4;         // parameter (and gradient, state) bytes
+  t.c = autocast || bf16 ? 2 : 4;  // compute (matmul output) bytes
+  t.res = bf16 ? 2 : 4;       // residual stream bytes (fp32 under autocast: fp32 embedding + promotion)
+  t.s = double(o.seq_len), t.b = double(o.micro_batch), t.sb = t.s * t.b;
+  const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden), V = double(m.vocab);
+  t.h = h, t.q = q, t.kv = kv, t.H = H, t.V = V, t.a = double(m.heads);
+
+  // Parameter tensors (numel), in bench/train_mem.py's module order.
+  t.layer_shapes = {{q, h}, {kv, h}, {kv, h}, {h, q}, {H, h}, {H, h}, {h, H}};  // [rows, cols]
+  for (const auto& [rows, cols] : t.layer_shapes) t.layer_mats.push_back(rows * cols);
+  t.layer_vecs = {h, h};
+  t.other_shapes = {{V, h}, {h, 0}};  // embedding, final norm (cols 0: a vector)
+  if (!m.tied) t.other_shapes.push_back({V, h});
+  for (const auto& [rows, cols] : t.other_shapes) t.other.push_back(cols > 0 ? rows * cols : rows);
+  return t;
+}
+
+// Σ f(n) over the numels v.
+double sum_over(const std::function<double(double)>& f, const std::vector<double>& v) {
+  double t = 0;
+  for (double n : v) t += f(n);
+  return t;
+}
+
+// Σ over all parameter tensors of R(bytes_per · numel)
+double torch_per_param(const ModelShape& m, const TorchStep& t, const std::function<double(double)>& R, double bytes_per) {
+  auto f = [&](double n) { return R(bytes_per * n); };
+  return double(m.layers) * (sum_over(f, t.layer_mats) + sum_over(f, t.layer_vecs)) + sum_over(f, t.other);
+}
+
+// Σ over one layer's parameter tensors of R(bytes_per · numel)
+double torch_layer_param(const TorchStep& t, const std::function<double(double)>& R, double bytes_per) {
+  auto f = [&](double n) { return R(bytes_per * n); };
+  return sum_over(f, t.layer_mats) + sum_over(f, t.layer_vecs);
+}
+
+// The optimizer's bytes under R: its states S and the temporaries T_opt of its step.
+struct TorchOptimizer {
+  double S = 0, T_opt = 0;
+};
+
+TorchOptimizer torch_optimizer(const ModelShape& m, const TrainOptions& o, const TorchStep& t, const std::function<double(double)>& R) {
+  const double p = t.p;
+  auto per_param = [&](double bytes_per) { return torch_per_param(m, t, R, bytes_per); };
+  double S = 0, T_opt = 0;
+  switch (o.optimizer) {
+    case Optimizer::Adam: S = 2 * per_param(p), T_opt = per_param(p); break;  // foreach: sqrt(exp_avg_sq) copy
+    case Optimizer::SGDMomentum: S = per_param(p); break;
+    case Optimizer::Adam8bit: {  // bitsandbytes: 8-bit states for tensors >= 4096 elements, fp32 absmax per 2048
+      auto f = [&](double n) { return n >= 4096 ? 2 * R(n) + 2 * R(4 * std::ceil(n / 2048)) : 2 * R(4 * n); };
+      S = double(m.layers) * (sum_over(f, t.layer_mats) + sum_over(f, t.layer_vecs)) + sum_over(f, t.other);
+      break;
+    }
+    case Optimizer::SGD: break;
+    case Optimizer::Adafactor: {
+      // torch.optim.Adafactor (foreach): row and column variances per matrix, a full variance
+      // per vector, a step scalar per tensor; the step's var_estimates are a full-size copy of
+      // every matrix at once (_multi_tensor_adafactor), the vectors' a clone.
+      auto f = [&](const std::pair<double, double>& rc) { return R(p * rc.first) + R(p * rc.second) + R(4); };
+      auto vec = [&](double n) { return R(p * n) + R(4); };
+      double st = sum_over(vec, t.layer_vecs), st_other = 0;
+      for (const auto& rc : t.layer_shapes) st += f(rc);
+      for (const auto& rc : t.other_shapes) st_other += rc.second == 0 ? vec(rc.first) : f(rc);
+      S = double(m.layers) * st + st_other;
+      T_opt = per_param(p);
+      break;
+    }
+  }
+  return {S, T_opt};
+}
+
+// One block's saved activations under R (bytes): residual, norm and matmul outputs, attention's lse or probabilities.
+double torch_layer_saved(const TrainOptions& o, const TorchStep& t, const std::function<double(double)>& R) {
+  const double c = t.c, res = t.res, s = t.s, b = t.b, sb = t.sb, h = t.h, q = t.q, kv = t.kv, H = t.H, a = t.a;
+  const double lse = 4 * b * a * (c == 4 ? std::ceil(s / 32) * 32 : s);
+  const double attn_extra = o.flash_attention ? R(lse) : R(c * b * a * s * s);
+  return 2 * (R(res * sb * h) + R(4 * sb) + R(c * sb * h)) + 2 * R(c * sb * q) + 2 * R(c * sb * kv) + attn_extra + 4 * R(c * sb * H);
+}
+
+// The phases of one training step (bytes under R: raw, or the allocator's blocks): the forward's
+// end, the loss backward, each layer's backward from the last, the optimizer step.
+std::vector<Phase> torch_phases(const ModelShape& m, const TrainOptions& o, const TorchStep& t, const std::function<double(double)>& R) {
+  const bool autocast = t.autocast, full = t.full;
+  const double p = t.p, c = t.c, res = t.res, sb = t.sb, h = t.h, H = t.H, V = t.V;
+  const double W = torch_per_param(m, t, R, p), G = torch_per_param(m, t, R, p);
+  const TorchOptimizer opt = torch_optimizer(m, o, t, R);
+  const double S = opt.S, T_opt = opt.T_opt;
+  // Autocast's bf16 copies of the Linear weights (cached until autocast exits; saved by the linears).
+  const double cw_layer = autocast ? sum_over([&](double n) { return R(2 * n); }, t.layer_mats) : 0;
+  const double cw_head = autocast ? R(2 * V * h) : 0;
+  // Saved activations of one block (bench/train_mem.py's Block; FlashAttention SDPA).
+  const double A_layer = torch_layer_saved(o, t, R);
+  const double A_saved_layer = full ? R(res * sb * h) : A_layer;
+  const double logsm = R(4 * sb * V);
+  const double A_head = R(res * sb * h) + R(4 * sb) + R(c * sb * h) + logsm;
+  const double A_all = double(m.layers) * A_saved_layer + A_head;
+  const double comm = o.dp > 1 ? G : 0;  // DDP buckets
+  const double G0 = o.grad_accum > 1 ? G : 0;  // grads persist across micro-batches
+
+  std::vector<Phase> ph;
+  ph.push_back({"forward end (loss)", W, G0, S, A_all, double(m.layers) * cw_layer + cw_head + logsm, comm});
+  const double cw_saved = (full ? 0 : double(m.layers) * cw_layer) + cw_head;
+  ph.push_back({"backward start (loss gradient)", W, G0, S, A_all, cw_saved + 2 * logsm, comm});
+  double g_done = G0 + (G0 > 0 ? 0 : R(p * V * h) * (m.tied ? 0 : 1) + R(p * h));  // head grads
+  double cw_rem = cw_saved - cw_head, a_rem = A_all - A_head;
+  const double T_layer = R(res * sb * h) + 3 * R(c * sb * H) + (autocast ? R(2 * h * H) : 0);
+  for (int64_t l = m.layers - 1; l >= 0; --l) {
+    const double recompute = full ? A_layer + cw_layer : 0;
+    ph.push_back({fmt::format("backward of layer {}", l), W, g_done, S, a_rem + recompute, cw_rem + T_layer, comm});
+    if (G0 == 0) g_done += torch_layer_param(t, R, p);
+    cw_rem -= full ? 0 : cw_layer;
+    a_rem -= A_saved_layer;
+  }
+  ph.push_back({"optimizer step", W, G, S, 0, T_opt, comm});
+  return ph;
+}
+
 MemReport pytorch_estimate(const ModelShape& m, const TrainOptions& o) {
   if (o.tp != 1 || o.pp != 1 || o.zero != 0 || o.lora_rank > 0 || o.offload_optimizer != Offload::None ||
       o.offload_params != Offload::None || o.checkpointing == Checkpointing::Selective || m.gpt)
     throw UsageError("--framework pytorch models one process of bench/train_mem.py's Llama (optionally DDP): no TP/PP, ZeRO, "
                      "LoRA, offload or selective checkpointing; use --framework analytic for those");
-  const bool autocast = llmq::mem::autocast(o.precision, o.framework), bf16 = o.precision == Precision::BF16;
-  const double p = bf16 ? 2 : 4;         // parameter (and gradient, state) bytes
-  const double c = autocast || bf16 ? 2 : 4;  // compute (matmul output) bytes
-  const double res = bf16 ? 2 : 4;       // residual stream bytes (fp32 under autocast: fp32 embedding + promotion)
-  const double s = double(o.seq_len), b = double(o.micro_batch), sb = s * b;
-  const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden), V = double(m.vocab),
-               a = double(m.heads);
-
-  // Parameter tensors (numel), in bench/train_mem.py's module order.
-  const std::vector<std::pair<double, double>> layer_shapes = {{q, h}, {kv, h}, {kv, h}, {h, q}, {H, h}, {H, h}, {h, H}};  // [rows, cols]
-  std::vector<double> layer_mats;
-  for (const auto& [rows, cols] : layer_shapes) layer_mats.push_back(rows * cols);
-  std::vector<double> layer_vecs = {h, h};
-  std::vector<std::pair<double, double>> other_shapes = {{V, h}, {h, 0}};  // embedding, final norm (cols 0: a vector)
-  if (!m.tied) other_shapes.push_back({V, h});
-  std::vector<double> other;
-  for (const auto& [rows, cols] : other_shapes) other.push_back(cols > 0 ? rows * cols : rows);
-  auto sum_over = [&](const std::function<double(double)>& f, const std::vector<double>& v) {
-    double t = 0;
-    for (double n : v) t += f(n);
-    return t;
-  };
-
+  const TorchStep t = torch_step(m, o);
   // Everything is computed twice: raw bytes and allocator blocks; the difference is a line.
-  auto phases = [&](const std::function<double(double)>& R) {
-    auto per_param = [&](double bytes_per) {  // Σ over all parameter tensors of R(bytes_per · numel)
-      auto f = [&](double n) { return R(bytes_per * n); };
-      return double(m.layers) * (sum_over(f, layer_mats) + sum_over(f, layer_vecs)) + sum_over(f, other);
-    };
-    auto layer_param = [&](double bytes_per) {
-      auto f = [&](double n) { return R(bytes_per * n); };
-      return sum_over(f, layer_mats) + sum_over(f, layer_vecs);
-    };
-    const double W = per_param(p), G = per_param(p);
-    double S = 0, T_opt = 0;
-    switch (o.optimizer) {
-      case Optimizer::Adam: S = 2 * per_param(p), T_opt = per_param(p); break;  // foreach: sqrt(exp_avg_sq) copy
-      case Optimizer::SGDMomentum: S = per_param(p); break;
-      case Optimizer::Adam8bit: {  // bitsandbytes: 8-bit states for tensors >= 4096 elements, fp32 absmax per 2048
-        auto f = [&](double n) { return n >= 4096 ? 2 * R(n) + 2 * R(4 * std::ceil(n / 2048)) : 2 * R(4 * n); };
-        S = double(m.layers) * (sum_over(f, layer_mats) + sum_over(f, layer_vecs)) + sum_over(f, other);
-        break;
-      }
-      case Optimizer::SGD: break;
-      case Optimizer::Adafactor: {
-        // torch.optim.Adafactor (foreach): row and column variances per matrix, a full variance
-        // per vector, a step scalar per tensor; the step's var_estimates are a full-size copy of
-        // every matrix at once (_multi_tensor_adafactor), the vectors' a clone.
-        auto f = [&](const std::pair<double, double>& rc) { return R(p * rc.first) + R(p * rc.second) + R(4); };
-        auto vec = [&](double n) { return R(p * n) + R(4); };
-        double st = sum_over(vec, layer_vecs), st_other = 0;
-        for (const auto& rc : layer_shapes) st += f(rc);
-        for (const auto& rc : other_shapes) st_other += rc.second == 0 ? vec(rc.first) : f(rc);
-        S = double(m.layers) * st + st_other;
-        T_opt = per_param(p);
-        break;
-      }
-    }
-    // Autocast's bf16 copies of the Linear weights (cached until autocast exits; saved by the linears).
-    const double cw_layer = autocast ? sum_over([&](double n) { return R(2 * n); }, layer_mats) : 0;
-    const double cw_head = autocast ? R(2 * V * h) : 0;
-    // Saved activations of one block (bench/train_mem.py's Block; FlashAttention SDPA).
-    const double lse = 4 * b * a * (c == 4 ? std::ceil(s / 32) * 32 : s);
-    const double attn_extra = o.flash_attention ? R(lse) : R(c * b * a * s * s);
-    const double A_layer = 2 * (R(res * sb * h) + R(4 * sb) + R(c * sb * h)) + 2 * R(c * sb * q) + 2 * R(c * sb * kv) + attn_extra +
-                           4 * R(c * sb * H);
-    const bool full = o.checkpointing == Checkpointing::Full;
-    const double A_saved_layer = full ? R(res * sb * h) : A_layer;
-    const double logsm = R(4 * sb * V);
-    const double A_head = R(res * sb * h) + R(4 * sb) + R(c * sb * h) + logsm;
-    const double A_all = double(m.layers) * A_saved_layer + A_head;
-    const double comm = o.dp > 1 ? G : 0;  // DDP buckets
-    const double G0 = o.grad_accum > 1 ? G : 0;  // grads persist across micro-batches
-
-    std::vector<Phase> ph;
-    ph.push_back({"forward end (loss)", W, G0, S, A_all, double(m.layers) * cw_layer + cw_head + logsm, comm});
-    const double cw_saved = (full ? 0 : double(m.layers) * cw_layer) + cw_head;
-    ph.push_back({"backward start (loss gradient)", W, G0, S, A_all, cw_saved + 2 * logsm, comm});
-    double g_done = G0 + (G0 > 0 ? 0 : R(p * V * h) * (m.tied ? 0 : 1) + R(p * h));  // head grads
-    double cw_rem = cw_saved - cw_head, a_rem = A_all - A_head;
-    const double T_layer = R(res * sb * h) + 3 * R(c * sb * H) + (autocast ? R(2 * h * H) : 0);
-    for (int64_t l = m.layers - 1; l >= 0; --l) {
-      const double recompute = full ? A_layer + cw_layer : 0;
-      ph.push_back({fmt::format("backward of layer {}", l), W, g_done, S, a_rem + recompute, cw_rem + T_layer, comm});
-      if (G0 == 0) g_done += layer_param(p);
-      cw_rem -= full ? 0 : cw_layer;
-      a_rem -= A_saved_layer;
-    }
-    ph.push_back({"optimizer step", W, G, S, 0, T_opt, comm});
-    return ph;
-  };
-  const std::vector<Phase> raw = phases([](double n) { return n; });
-  const std::vector<Phase> blk = phases(torch_block);
+  const std::vector<Phase> raw = torch_phases(m, o, t, [](double n) { return n; });
+  const std::vector<Phase> blk = torch_phases(m, o, t, torch_block);
   size_t peak = 0;
   for (size_t i = 0; i < blk.size(); ++i)
     if (blk[i].total() > blk[peak].total()) peak = i;

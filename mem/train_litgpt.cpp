@@ -136,31 +136,38 @@ double block_params_of(const ModelShape& m) { return double(m.layers) * double(m
 // of each block of 64 (fp32; double quantization: 8 bits + an fp32 per 256 of them).
 double nf4_bytes(bool double_quant) { return double_quant ? 0.5 + 1.0 / 64 + 4.0 / (64 * 256) : 0.5 + 4.0 / 64; }
 
-}  // namespace
+// The sizes litgpt_estimate's lines share.
+struct LitSizes {
+  double e = 2, T = 0;             // bytes per value; tokens per micro-batch
+  double h = 0, V = 0, P = 0;      // width, vocabulary, parameters (lm_head never tied)
+  double N = 1, shard = 1;         // ranks; N under FSDP, else 1
+  double trainable = 0;            // LoRA adapters, or every parameter
+  bool lora = false, fsdp = false;
+};
 
-MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
-  if (o.tp != 1 || o.pp != 1 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None ||
-      o.checkpointing == Checkpointing::Selective || o.precision == Precision::Mixed || o.precision == Precision::Amp)
-    throw UsageError("--framework litgpt models LitGPT's finetune scripts with bf16-true or 32-true precision on one GPU or FSDP "
-                     "(--fsdp full): no TP/PP, offload, selective checkpointing or mixed precision");
-  if (o.optimizer == Optimizer::Adafactor || o.optimizer == Optimizer::SGDMomentum)
-    throw UsageError("--framework litgpt models AdamW, 8-bit AdamW and SGD (the optimizers of LitGPT's recipes)");
-  const Block B = block_of(o.block);
-  const double e = o.precision == Precision::FP32 ? 4 : 2, T = double(o.micro_batch) * double(o.seq_len);
+// LitSizes for m and o (the trainable count throws UsageError for an unknown LoRA target).
+LitSizes lit_sizes(const ModelShape& m, const TrainOptions& o) {
+  LitSizes z;
+  z.e = o.precision == Precision::FP32 ? 4 : 2, z.T = double(o.micro_batch) * double(o.seq_len);
   // LitGPT never ties the output layer to the embedding: its converter copies a tied model's
   // embedding into lm_head.weight (litgpt/scripts/convert_hf_checkpoint.py) and GPT keeps both
   // (litgpt/model.py: an nn.Embedding and an nn.Linear), so a tied model holds V·h more.
   const double h = double(m.dim), V = double(m.vocab), P = double(m.params()) + (m.tied ? V * h : 0), N = o.dp;
-  const bool lora = o.lora_rank > 0, fsdp = o.dp > 1;
-  MemReport r;
-  r.device = "gpu 0";
+  z.h = h, z.V = V, z.P = P, z.N = N;
+  z.lora = o.lora_rank > 0, z.fsdp = o.dp > 1;
+  const double head_lora = z.lora && std::count(o.lora_targets.begin(), o.lora_targets.end(), "head") ? double(o.lora_rank) * (h + V) : 0;
+  z.trainable = z.lora ? double(m.layers) * lora_layer_params_of(m, o) + head_lora : P;
+  z.shard = z.fsdp ? N : 1;
+  return z;
+}
 
-  // Model states. LoRA adapters (trainable), or every parameter (full fine-tuning).
+// The parameter lines (bytes per GPU, / N under FSDP): the frozen base (NF4 Linear layers under
+// QLoRA) and the LoRA adapters, or every parameter.
+void add_lit_parameters(MemReport& r, const ModelShape& m, const TrainOptions& o, const LitSizes& z) {
+  const double e = z.e, h = z.h, V = z.V, P = z.P, shard = z.shard, trainable = z.trainable;
+  const bool lora = z.lora, fsdp = z.fsdp;
   const double linear = double(m.layers) * double(m.layer_linear_params()) + V * h;  // the blocks' and lm_head
-  const double head_lora = lora && std::count(o.lora_targets.begin(), o.lora_targets.end(), "head") ? double(o.lora_rank) * (h + V) : 0;
-  const double trainable = lora ? double(m.layers) * lora_layer_params_of(m, o) + head_lora : P;
   const double frozen = lora ? (o.qlora ? nf4_bytes(o.double_quant) * linear + e * (P - linear) : e * P) : 0;
-  const double shard = fsdp ? N : 1;
   if (lora)
     r.lines.push_back({o.qlora ? "parameters (frozen base, NF4 Linear layers)" : "parameters (frozen base)", frozen / shard,
                        o.qlora ? fmt::format("{:.4f} B x {} Linear params + {} B x {} others", nf4_bytes(o.double_quant), num_str(linear), e,
@@ -169,6 +176,13 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                        o.qlora ? kBnb : kLit, Place::Device, Basis::Formula});
   r.lines.push_back({lora ? "parameters (LoRA adapters)" : "parameters", e * trainable / shard,
                      fmt::format("{} B x {}{}", e, num_str(trainable), fsdp ? " / N (FSDP shard)" : ""), kLit, Place::Device, Basis::Formula});
+}
+
+// The gradient lines (bytes per GPU): kept across micro-batches, FSDP's unsharded or sharded
+// ones, and FSDP's root unit (its parameters and a trained root's gradient, unsharded).
+void add_lit_gradients(MemReport& r, const ModelShape& m, const TrainOptions& o, const LitSizes& z) {
+  const double e = z.e, h = z.h, V = z.V, P = z.P, N = z.N, shard = z.shard, trainable = z.trainable;
+  const bool lora = z.lora, fsdp = z.fsdp;
   // Gradients exist at the forward's end when gradient accumulation keeps them between micro-batches.
   // FSDP accumulating: LitGPT's backward runs under fabric.no_backward_sync, i.e. FSDP.no_sync,
   // which keeps full (unsharded) gradients until the synchronizing micro-batch; and with
@@ -202,14 +216,24 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
       r.lines.push_back({"FSDP root unit's unsharded gradient", e * root, fmt::format("{} B x {}", e, num_str(root)), kFsdpRoot, Place::Device,
                          Basis::Formula});
   }
+}
+
+// The optimizer states line (bytes per GPU, / N under FSDP): AdamW's two moments or 8-bit AdamW's
+// states in torch's count, or bitsandbytes' paged states outside it (QLoRA).
+void add_lit_optimizer(MemReport& r, const TrainOptions& o, const LitSizes& z) {
+  const double e = z.e, shard = z.shard, trainable = z.trainable;
   const bool paged = o.qlora;  // lit-gpt uses bnb.optim.PagedAdamW with --quantize: managed memory, not torch's
   const double state = o.optimizer == Optimizer::Adam8bit ? 2 + 8.0 / 2048 : o.optimizer == Optimizer::SGD ? 0 : 2 * e;
   r.lines.push_back({paged ? "optimizer states (paged: CUDA managed memory, outside torch's count)" : "optimizer states",
                      paged ? 0 : state * trainable / shard,
                      paged ? "bnb.optim.PagedAdamW allocates its states with cudaMallocManaged" : fmt::format("AdamW exp_avg + exp_avg_sq in the parameters' dtype: {} B x trainable", state),
                      paged ? kBnb : kLit, Place::Device, Basis::Formula});
+}
 
-  // Activations.
+// The activation lines (bytes): the blocks' saved tensors (or the checkpointed inputs and one
+// recomputed block), the head's, and the temporaries of a trained lm_head and of QLoRA.
+void add_lit_activations(MemReport& r, const ModelShape& m, const TrainOptions& o, const Block& B, const LitSizes& z) {
+  const double e = z.e, T = z.T, h = z.h, V = z.V;
   const Saved blk = block_saved(m, o, B, T);
   const bool ckpt = o.checkpointing == Checkpointing::Full;
   const double norm_f = norm_saved(m, o, B, T);
@@ -226,7 +250,7 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                      fmt::format("norm + e·T·h + {}·e·T·V (lm_head in chunks of 128 tokens, cross-entropy per chunk{}), V = {}", logit_copies,
                                  B.softcap ? ", tanh's softcapped logits" : "", m.vocab),
                      kLit, Place::Device, Basis::Formula});
-  if (!lora && T > 128)  // a trained lm_head: each chunk's V x h gradient added to the sum of the ones before
+  if (!z.lora && T > 128)  // a trained lm_head: each chunk's V x h gradient added to the sum of the ones before
     r.lines.push_back({"temporary: lm_head's gradient summed over its chunks", 2 * e * V * h,
                        "2 x e·V·h: the running sum and the next chunk's (autograd adds a leaf's gradients as they come)", kLit,
                        Place::Device, Basis::Formula});
@@ -238,10 +262,16 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                        fmt::format("2 x 2 B x the largest Linear ({}): the fp16 dequantized weight and its bf16 cast", num_str(mat)), kBnb,
                        Place::Device, Basis::Formula});
   }
-  if (fsdp)  // FULL_SHARD: the unit being recomputed and run backward, and the next one prefetched (BACKWARD_PRE)
+}
+
+// FSDP's lines after everything else (bytes): two Blocks all-gathered, and the load's peak above
+// the device lines so far.
+void add_lit_fsdp(MemReport& r, const ModelShape& m, const LitSizes& z) {
+  const double e = z.e, P = z.P, N = z.N;
+  if (z.fsdp)  // FULL_SHARD: the unit being recomputed and run backward, and the next one prefetched (BACKWARD_PRE)
     r.lines.push_back({"FSDP: two Blocks' parameters all-gathered", 2 * e * double(m.layer_params()),
                        fmt::format("2 x {} B x {} (one Block)", e, num_str(double(m.layer_params()))), kFsdpSync, Place::Device, Basis::Formula});
-  if (fsdp) {  // the load: the checkpoint as a full state dict on every rank beside the shards
+  if (z.fsdp) {  // the load: the checkpoint as a full state dict on every rank beside the shards
     const double states = r.total(Place::Device);
     const double load = e * P + e * P / N;
     if (load > states)
@@ -249,6 +279,30 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
                          fmt::format("e·Ψ (unsharded checkpoint) + e·Ψ/N (the shards) = {}", format_bytes(load)), kFsdp, Place::Device,
                          Basis::Formula});
   }
+}
+
+}  // namespace
+
+MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
+  if (o.tp != 1 || o.pp != 1 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None ||
+      o.checkpointing == Checkpointing::Selective || o.precision == Precision::Mixed || o.precision == Precision::Amp)
+    throw UsageError("--framework litgpt models LitGPT's finetune scripts with bf16-true or 32-true precision on one GPU or FSDP "
+                     "(--fsdp full): no TP/PP, offload, selective checkpointing or mixed precision");
+  if (o.optimizer == Optimizer::Adafactor || o.optimizer == Optimizer::SGDMomentum)
+    throw UsageError("--framework litgpt models AdamW, 8-bit AdamW and SGD (the optimizers of LitGPT's recipes)");
+  const Block B = block_of(o.block);
+  const LitSizes z = lit_sizes(m, o);
+  MemReport r;
+  r.device = "gpu 0";
+
+  // Model states. LoRA adapters (trainable), or every parameter (full fine-tuning).
+  add_lit_parameters(r, m, o, z);
+  add_lit_gradients(r, m, o, z);
+  add_lit_optimizer(r, o, z);
+
+  // Activations.
+  add_lit_activations(r, m, o, B, z);
+  add_lit_fsdp(r, m, z);
   add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes, o.cuda_context_given);
   r.notes.push_back(fmt::format("LitGPT block '{}' ({}, {} MLP, {} residual{}), code of {}", o.block, B.rms ? "RMSNorm" : "LayerNorm",
                                 B.gated ? "gated" : "GELU", B.parallel ? "parallel" : "sequential", B.shared_norm ? ", shared norm" : "",

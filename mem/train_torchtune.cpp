@@ -50,59 +50,77 @@ double layer_saved_per_token(const ModelShape& m, const TrainOptions& o) {
 // NF4 bytes per parameter as torchao stores them (double-quantized scalers).
 constexpr double kNf4 = 0.5 + 1.0 / 64 + 4.0 / (64 * 256);
 
-}  // namespace
+// The sizes torchtune_estimate's lines share.
+struct TuneSizes {
+  double e = 2, T = 0, h = 0, V = 0, P = 0, L = 0;  // bytes per activation, tokens, width, vocabulary, parameters, layers
+  double head_lora = 0, trainable = 0;              // params: a LoRA adapter on the output; every trained one
+  bool lora = false, ckpt = false;
+};
 
-MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
-  if (o.tp != 1 || o.pp != 1 || o.dp != 1 || o.zero != 0 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None)
-    throw UsageError("--framework torchtune models the single-device recipes: no --dp/--zero/--tp/--pp or optimizer offload");
-  if (o.precision != Precision::BF16 || o.checkpointing == Checkpointing::Selective)
-    throw UsageError("--framework torchtune models dtype bf16 (--precision pure-bf16) with --checkpointing none or full");
-  if (o.optimizer != Optimizer::Adam && o.optimizer != Optimizer::Adam8bit)
-    throw UsageError("--framework torchtune models AdamW and 8-bit AdamW");
-  if (o.optimizer_in_backward && o.grad_accum > 1) throw UsageError("--optimizer-in-backward needs --grad-accum 1 (as the recipe)");
+// TuneSizes for m and o (the trainable count throws UsageError for an unknown LoRA target).
+TuneSizes tune_sizes(const ModelShape& m, const TrainOptions& o) {
+  TuneSizes z;
   const double e = 2, T = double(o.micro_batch) * double(o.seq_len), h = double(m.dim), V = double(m.vocab);
   const double P = double(m.params()), L = double(m.layers);
   const bool lora = o.lora_rank > 0, ckpt = o.checkpointing == Checkpointing::Full;
-  MemReport r;
-  r.device = "gpu 0";
-  auto add = [&](std::string label, double bytes, std::string formula, const char* src = kTune) {
-    r.lines.push_back({std::move(label), bytes, std::move(formula), src, Place::Device, Basis::Formula});
-  };
+  z.e = e, z.T = T, z.h = h, z.V = V, z.P = P, z.L = L, z.lora = lora, z.ckpt = ckpt;
+  z.head_lora = lora && lora_targets_include(o, "head") ? double(o.lora_rank) * (h + V) : 0;
+  z.trainable = lora ? L * lora_layer_params_of(m, o) + z.head_lora : P;
+  return z;
+}
 
-  // Model states. torchtune trains in bf16 throughout: weights, gradients and AdamW's moments.
-  const double head_lora = lora && lora_targets_include(o, "head") ? double(o.lora_rank) * (h + V) : 0;
-  const double trainable = lora ? L * lora_layer_params_of(m, o) + head_lora : P;
+// One line of the recipes' device memory (bytes), from a formula.
+void add_tune(MemReport& r, std::string label, double bytes, std::string formula, const char* src = kTune) {
+  r.lines.push_back({std::move(label), bytes, std::move(formula), src, Place::Device, Basis::Formula});
+}
+
+// The model states (bytes): the frozen base (NF4 block matrices under QLoRA) and the adapters,
+// or every parameter, and the optimizer's states (paged ones outside torch's count).
+void add_tune_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o, const TuneSizes& z) {
+  const double e = z.e, P = z.P, L = z.L, trainable = z.trainable;
+  const bool lora = z.lora;
   if (lora) {
     const double linear = L * double(m.layer_linear_params());
-    add(o.qlora ? "parameters (frozen base, NF4 block matrices)" : "parameters (frozen base)", o.qlora ? kNf4 * linear + e * (P - linear) : e * P,
-        o.qlora ? fmt::format("{:.4f} B x {} block-matrix params + {} B x {} others (embedding, output, norms in bf16)", kNf4, num_str(linear), e,
-                              num_str(P - linear))
-                : fmt::format("{} B x {}", e, num_str(P)),
-        o.qlora ? kTorchao : kTune);
+    add_tune(r, o.qlora ? "parameters (frozen base, NF4 block matrices)" : "parameters (frozen base)",
+             o.qlora ? kNf4 * linear + e * (P - linear) : e * P,
+             o.qlora ? fmt::format("{:.4f} B x {} block-matrix params + {} B x {} others (embedding, output, norms in bf16)", kNf4,
+                                   num_str(linear), e, num_str(P - linear))
+                     : fmt::format("{} B x {}", e, num_str(P)),
+             o.qlora ? kTorchao : kTune);
   }
-  add(lora ? "parameters (LoRA adapters)" : "parameters", e * trainable, fmt::format("{} B x {}", e, num_str(trainable)));
+  add_tune(r, lora ? "parameters (LoRA adapters)" : "parameters", e * trainable, fmt::format("{} B x {}", e, num_str(trainable)));
   const bool paged = o.paged_optimizer;
   const double moment = o.optimizer == Optimizer::Adam8bit ? 2 + 8.0 / 2048 : 2 * e;
-  add(paged ? "optimizer states (paged: CUDA managed memory, outside torch's count)" : "optimizer states", paged ? 0 : moment * trainable,
-      paged ? "bitsandbytes PagedAdamW8bit allocates its states with cudaMallocManaged"
-            : fmt::format("exp_avg + exp_avg_sq: {} B x trainable", moment),
-      paged ? kTorchao : kTune);
-  const double grads = e * trainable;
+  add_tune(r, paged ? "optimizer states (paged: CUDA managed memory, outside torch's count)" : "optimizer states", paged ? 0 : moment * trainable,
+           paged ? "bitsandbytes PagedAdamW8bit allocates its states with cudaMallocManaged"
+                 : fmt::format("exp_avg + exp_avg_sq: {} B x trainable", moment),
+           paged ? kTorchao : kTune);
+}
 
-  // Activations at the start of the backward (added below if that is the peak).
-  const double per_token = layer_saved_per_token(m, o), per_layer = per_token * T;
+// The layers' saved activations (bytes, per_token bytes per layer and token), or under
+// checkpointing their kept inputs (none on the GPU when offloaded).
+MemLine tune_activations_line(const ModelShape& m, const TrainOptions& o, const TuneSizes& z, double per_token) {
+  const double e = z.e, T = z.T, h = z.h, L = z.L, per_layer = per_token * T;
   MemLine acts_line{"activations (layers)", L * per_layer,
                     fmt::format("{} layers x {} B per token{} x T = {}", m.layers, per_token, o.compile ? " (compiled: no fp32 copies)" : "",
                                 num_str(T)),
                     kTune, Place::Device, Basis::Formula};
-  if (ckpt)
+  if (z.ckpt)
     acts_line = {o.offload_activations ? "activations (checkpointed layer inputs: offloaded to the CPU)" : "activations (checkpointed layer inputs)",
                  o.offload_activations ? 0 : L * e * T * h,
                  fmt::format("{} layers x e·T·h{}", m.layers, o.offload_activations ? ", moved to pinned CPU memory in the forward" : ""),
                  o.offload_activations ? kTuneOffload : kTune, Place::Device, Basis::Formula};
+  return acts_line;
+}
 
-  // The head at the loss's backward.
-  const bool out_trained = !lora || head_lora > 0;
+// The loss's bytes at its backward, and their formula.
+struct TuneHead {
+  double bytes = 0;
+  std::string formula;
+};
+
+TuneHead tune_head(const TrainOptions& o, const TuneSizes& z, bool out_trained) {
+  const double e = z.e, T = z.T, h = z.h, V = z.V;
   double head = 0;
   std::string head_formula;
   if (o.ce_chunks <= 0) {
@@ -114,23 +132,63 @@ MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
     head_formula = out_trained ? fmt::format("2·T·V bf16 logits + 4·T·V/{} one chunk in fp32 + 2 x e·V·h the output gradient accumulating over the chunks", o.ce_chunks)
                                : "2·T·V: every chunk's bf16 logits (the output matrix is frozen)";
   }
+  return {head, head_formula};
+}
+
+// The lines of the step's peak (bytes): the loss's backward (activations, the loss, accumulated
+// gradients) or the backward's end (gradients, a recomputed layer or the embedding's gradient).
+void add_tune_peak(MemReport& r, const TrainOptions& o, const TuneSizes& z, const MemLine& acts_line, const TuneHead& head, double per_layer,
+                   bool out_trained) {
+  const double e = z.e, h = z.h, V = z.V;
+  const double grads = e * z.trainable;
   const double accum_grads = o.grad_accum > 1 ? grads : 0;  // kept between micro-batches
-  const double loss_phase = acts_line.bytes + head + accum_grads;
+  const double loss_phase = acts_line.bytes + head.bytes + accum_grads;
 
   // The end of the backward: every gradient (unless each is stepped and freed as it is made), the
   // embedding's dense gradient before it is added, a recomputed layer under checkpointing.
-  const double embed_grad = out_trained && !lora ? e * V * h : 0;
-  const double recompute = ckpt ? per_layer : 0;
+  const double embed_grad = out_trained && !z.lora ? e * V * h : 0;
+  const double recompute = z.ckpt ? per_layer : 0;
   const double end_phase = o.optimizer_in_backward ? recompute : grads + std::max(embed_grad, recompute);
   if (loss_phase >= end_phase) {
     r.lines.push_back(acts_line);
-    add("loss (at its backward)", head, head_formula);
-    if (accum_grads > 0) add("gradients (accumulated)", accum_grads, fmt::format("e x trainable, kept across {} micro-batches", o.grad_accum));
+    add_tune(r, "loss (at its backward)", head.bytes, head.formula);
+    if (accum_grads > 0)
+      add_tune(r, "gradients (accumulated)", accum_grads, fmt::format("e x trainable, kept across {} micro-batches", o.grad_accum));
   } else {
-    add("gradients", grads, "e x trainable, all present when the backward ends");
-    if (recompute > 0) add("activations (one layer recomputed)", recompute, "the layer's saved tensors during its backward");
-    else if (embed_grad > 0) add("temporary: the embedding's dense gradient", embed_grad, "e·V·h before it is added to the weight's gradient");
+    add_tune(r, "gradients", grads, "e x trainable, all present when the backward ends");
+    if (recompute > 0) add_tune(r, "activations (one layer recomputed)", recompute, "the layer's saved tensors during its backward");
+    else if (embed_grad > 0)
+      add_tune(r, "temporary: the embedding's dense gradient", embed_grad, "e·V·h before it is added to the weight's gradient");
   }
+}
+
+}  // namespace
+
+MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
+  if (o.tp != 1 || o.pp != 1 || o.dp != 1 || o.zero != 0 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None)
+    throw UsageError("--framework torchtune models the single-device recipes: no --dp/--zero/--tp/--pp or optimizer offload");
+  if (o.precision != Precision::BF16 || o.checkpointing == Checkpointing::Selective)
+    throw UsageError("--framework torchtune models dtype bf16 (--precision pure-bf16) with --checkpointing none or full");
+  if (o.optimizer != Optimizer::Adam && o.optimizer != Optimizer::Adam8bit)
+    throw UsageError("--framework torchtune models AdamW and 8-bit AdamW");
+  if (o.optimizer_in_backward && o.grad_accum > 1) throw UsageError("--optimizer-in-backward needs --grad-accum 1 (as the recipe)");
+  const TuneSizes z = tune_sizes(m, o);
+  MemReport r;
+  r.device = "gpu 0";
+
+  // Model states. torchtune trains in bf16 throughout: weights, gradients and AdamW's moments.
+  add_tune_model_states(r, m, o, z);
+
+  // Activations at the start of the backward (added below if that is the peak).
+  const double per_token = layer_saved_per_token(m, o), per_layer = per_token * z.T;
+  const MemLine acts_line = tune_activations_line(m, o, z, per_token);
+
+  // The head at the loss's backward.
+  const bool out_trained = !z.lora || z.head_lora > 0;
+  const TuneHead head = tune_head(o, z, out_trained);
+
+  // The peak: the loss's backward or the backward's end, whichever holds more.
+  add_tune_peak(r, o, z, acts_line, head, per_layer, out_trained);
   if (o.optimizer_in_backward) r.notes.push_back("optimizer step fused into the backward: each gradient is freed once its parameter is stepped");
   r.notes.push_back("AdamW steps without parameter-sized temporaries (the recipes' fused / per-parameter steps)");
   add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes, o.cuda_context_given);

@@ -143,15 +143,15 @@ int run_generate(GenerateCli& a) {
   return 0;
 }
 
-}  // namespace
+// The infer subcommand, and the options whose presence --fit keeps (--ctx, --parallel).
+struct InferCommand {
+  CLI::App* app = nullptr;
+  CLI::Option* ctx = nullptr;
+  CLI::Option* parallel = nullptr;
+};
 
-int main(int argc, char** argv) {
-  CLI::App app{"llmq-mem: memory of inference (the engine's allocation plan) and of training (per GPU), before loading"};
-  app.require_subcommand(1);
-  InferCli ia;
-  TrainCli ta;
-
-  // ---- infer
+// llmq-mem infer's flags, into ia.
+InferCommand add_infer_command(CLI::App& app, InferCli& ia) {
   auto* inf = app.add_subcommand("infer", "memory of llmq-run / llmq-server for a .llmq model (exact on the CPU)");
   InferOptions& io = ia.io;
   inf->add_option("-m,--model", ia.model_path, "model file (.llmq, or a GGUF: converted once into the cache, as llmq-run does)")->required();
@@ -171,8 +171,11 @@ int main(int argc, char** argv) {
                 "as JSON. --ctx / --parallel given are kept. GPU layer offload (--gpu-layers) needs the CUDA backend: not available yet");
   inf->add_flag("--json", ia.json, "JSON output");
   inf->add_option("--svg", ia.svg, "also write a stacked bar chart to this SVG file");
+  return {inf, ctx_opt, par_opt};
+}
 
-  // ---- train
+// llmq-mem train's flags, into ta.
+void add_train_command(CLI::App& app, TrainCli& ta) {
   auto* tr = app.add_subcommand("train", "peak memory per GPU of training / fine-tuning, line by line with formulas and sources");
   TrainOptions& to = ta.to;
   tr->add_option("model", ta.model_spec,
@@ -221,9 +224,10 @@ int main(int argc, char** argv) {
   tr->add_flag("--rule-of-thumb", ta.rule, "add the '6x the weights' rule of thumb beside the estimate, with the difference explained");
   tr->add_flag("--json", ta.json, "JSON output");
   tr->add_option("--svg", ta.svg, "also write a stacked bar chart to this SVG file");
+}
 
-  // ---- generate
-  GenerateCli ga;
+// llmq-mem generate's flags, into ga.
+CLI::App* add_generate_command(CLI::App& app, GenerateCli& ga) {
   auto* gen = app.add_subcommand("generate", "GPU memory of generation with transformers, LitGPT or torchtune (bf16, int8, 4-bit)");
   gen->add_option("model", ga.model_spec, "a preset, a .llmq or .gguf file, a config.json or a directory holding one")->required();
   gen->add_option("--framework", ga.go.framework, "transformers | litgpt | torchtune");
@@ -237,6 +241,26 @@ int main(int argc, char** argv) {
   gen->add_option("--gpu", ga.go.gpu, "GPU model, e.g. H100 (sizes PyTorch's cuBLAS workspace; the H100's context is measured)");
   gen->add_flag("--json", ga.json, "JSON output");
   gen->add_option("--svg", ga.svg, "also write a stacked bar chart to this SVG file");
+  return gen;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"llmq-mem: memory of inference (the engine's allocation plan) and of training (per GPU), before loading"};
+  app.require_subcommand(1);
+  InferCli ia;
+  TrainCli ta;
+  GenerateCli ga;
+
+  // ---- infer
+  const auto [inf, ctx_opt, par_opt] = add_infer_command(app, ia);
+
+  // ---- train
+  add_train_command(app, ta);
+
+  // ---- generate
+  CLI::App* gen = add_generate_command(app, ga);
 
   LLMQ_CLI_PARSE(app, argc, argv);
 
