@@ -76,12 +76,13 @@ def run_one(cfg):
             "transformers": transformers.__version__, "gpu": torch.cuda.get_device_name()}
 
 
-def predict(llmq_mem, cfg, workdir, gpu):
+def predict(llmq_mem, cfg, workdir, gpu, transformers_version):
     path = os.path.join(workdir, cfg["model"] + ".json")
     with open(path, "w") as f:
         json.dump(MODELS[cfg["model"]], f)
     cmd = [llmq_mem, "generate", path, "--framework", "transformers", "--weights", "bf16", "-b", str(cfg["b"]), "--prompt",
-           str(cfg["prompt"]), "--new-tokens", str(cfg["new"]), "--gpu", gpu, "--json"]
+           str(cfg["prompt"]), "--new-tokens", str(cfg["new"]), "--gpu", gpu, "--json",
+           "--transformers-version", ".".join(transformers_version.split(".")[:2])]  # which prompt positions' logits
     j = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     return j["totals"]["device"]
 
@@ -107,7 +108,7 @@ def main():
                 rows.append({"index": i, **cfg, "error": child.stderr.strip().splitlines()[-1:]})
                 continue
             m = json.loads(child.stdout.strip().splitlines()[-1])
-            pred = predict(args.llmq_mem, cfg, work, m["gpu"])
+            pred = predict(args.llmq_mem, cfg, work, m["gpu"], m["transformers"])
             err = 100.0 * (pred - m["max_memory_allocated"]) / m["max_memory_allocated"]
             rows.append({"index": i, **cfg, **m, "predicted": pred, "error_pct": err})
             print(f"[{i}] {cfg} measured {m['max_memory_allocated'] / 2**20:.1f} MiB, predicted {pred / 2**20:.1f} MiB, "

@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <map>
+#include <set>
 
 #include "base/error.h"
 #include "mem/train.h"
@@ -13,8 +16,43 @@ namespace {
 
 constexpr const char* kBnb = "bitsandbytes: LLM.int8 (Dettmers et al. 2022, arXiv 2208.07339: int8 rows + an fp32 scale per row), "
                              "Linear4bit (NF4/FP4 blocks of 64, fp32 absmax; double quantization 8-bit absmax + fp32 per 256)";
-constexpr const char* kHf = "transformers generate (logits of every prompt position in fp32), LitGPT generate/base.py, torchtune "
+constexpr const char* kHf = "transformers generate (before 4.45: logits of every prompt position in fp32), LitGPT generate/base.py, torchtune "
                             "generate.py (a static KV cache of max_seq_len)";
+constexpr const char* kHfLogits = "transformers generation/utils.py (4.45: num_logits_to_keep = 1 when the model's forward takes it) and "
+                                  "models/*/modeling_*.py of the released wheels 4.44.2-5.0.0";
+
+// transformers' "MAJOR.MINOR[.PATCH]" as MAJOR·1000 + MINOR; UsageError for anything else.
+int version_code(const std::string& v) {
+  int major = 0, minor = 0, used = 0;
+  if (std::sscanf(v.c_str(), "%d.%d%n", &major, &minor, &used) != 2 || major < 0 || minor < 0 || minor > 999 ||
+      (v[size_t(used)] != '\0' && v[size_t(used)] != '.'))
+    throw UsageError("--transformers-version '" + v + "': expected MAJOR.MINOR (e.g. 4.44 or 5.13)");
+  return major * 1000 + minor;
+}
+
+// The first release whose forward for `model_type` takes num_logits_to_keep / logits_to_keep
+// (read in the wheels' models/*/modeling_*.py): 4.45 for the families listed first, later for a
+// few, 5.0 for every other model.
+int last_logits_since(const std::string& model_type) {
+  static const std::map<std::string, int> since = {
+      {"llama", 4045}, {"mistral", 4045}, {"mixtral", 4045},  {"qwen2", 4045},  {"qwen2_moe", 4045},   {"gemma", 4045},
+      {"gemma2", 4045}, {"phi", 4045},    {"phi3", 4045},     {"stablelm", 4045}, {"starcoder2", 4045}, {"cohere", 4045},
+      {"olmo", 4045},  {"olmoe", 4045},   {"falcon", 4047},   {"gpt_neox", 4049}, {"gemma3", 4050},     {"gemma3_text", 4050},
+      {"qwen3", 4051}, {"gpt2", 4053}};
+  const auto it = since.find(model_type);
+  return it == since.end() ? 5000 : it->second;
+}
+
+// Bytes per logit value when the prefill computes every prompt position's logits (measured on the
+// CPU with the 4.44.2, 4.45.0 and 5.17.0 wheels, bench/RESULTS.md): the 16-bit lm_head output; before
+// 4.45 the Llama-family forwards (the families below) also upcast it to fp32; in 4.45-4.46 generate
+// copies the whole tensor before taking the last position (outputs.logits.clone()[:, -1, :]).
+double all_logits_bytes(int version, const std::string& model_type) {
+  static const std::set<std::string> upcast = {"llama", "mistral", "mixtral", "qwen2",      "qwen2_moe", "gemma",
+                                               "gemma2", "phi",    "phi3",    "starcoder2", "cohere",    "olmo"};
+  if (version < 4045) return upcast.count(model_type) ? 2 + 4 : 2;
+  return version < 4047 ? 2 + 2 : 2;
+}
 
 // Bytes per parameter of a Linear layer's weight in `format`, with `rows` output rows.
 double linear_bytes(const std::string& format, double params, double rows) {
@@ -30,16 +68,28 @@ void check_generate_options(const GenerateOptions& o) {
   if (o.framework != "transformers" && o.framework != "litgpt" && o.framework != "torchtune")
     throw UsageError("--framework must be transformers, litgpt or torchtune for generate");
   if (o.batch < 1 || o.prompt < 1 || o.new_tokens < 0 || o.kv_len < 0) throw UsageError("batch and prompt must be >= 1");
+  version_code(o.transformers_version);  // throws for a malformed --transformers-version
 }
 
 // The line "prefill transients" (bytes): the peak of the prefill beyond the weights and the KV cache.
 void add_prefill_transients(MemReport& r, const ModelShape& m, const GenerateOptions& o, bool quant, bool head_quant) {
   const double h = double(m.dim), V = double(m.vocab), b = double(o.batch), P = double(o.prompt);
-  // The prefill's transients: fp32 logits of every prompt position (transformers) or eager
-  // attention's scores of one layer, whichever is larger (a layer's scores are freed before the
-  // next layer, so never live with the logits), a dequantized matrix.
-  double t = o.framework == "transformers" ? b * P * V * (2 + 4) : b * V * 4;
-  std::string tf = o.framework == "transformers" ? "logits [b, prompt, V] in 16 bits and their fp32 copy" : "the last position's logits, fp32";
+  // The prefill's transients: the logits (transformers before 4.45, and for some models until 5.0:
+  // every prompt position's, 16-bit and fp32; else the last position's) or eager attention's
+  // scores of one layer, whichever is larger (a layer's scores are freed before the next layer,
+  // so never live with the logits), a dequantized matrix.
+  double t = b * V * 4;
+  std::string tf = "the last position's logits, fp32";
+  if (o.framework == "transformers" && !last_position_logits(o.transformers_version, m.model_type)) {
+    const double e = all_logits_bytes(version_code(o.transformers_version), m.model_type);
+    t = b * P * V * e;
+    tf = fmt::format("logits [b, prompt, V], {} B a value (transformers {}, model_type '{}': {})", e, o.transformers_version, m.model_type,
+                     e == 6 ? "16-bit and the forward's fp32 upcast" : e == 4 ? "16-bit and generate's copy of the whole tensor" : "16-bit");
+  } else if (o.framework == "transformers") {
+    t = b * V * (2 + 4 + 4);
+    tf = fmt::format("the last position's logits in 16 bits, fp32 and generate's fp32 copy (transformers {}, model_type '{}')",
+                     o.transformers_version, m.model_type);
+  }
   if (!o.flash) {
     const double scores = b * double(m.heads) * P * P * (2 + 4);
     tf = fmt::format("the larger of {} ({}) and one layer's eager attention scores [b, heads, prompt, prompt], 16-bit and the fp32 "
@@ -58,10 +108,14 @@ void add_prefill_transients(MemReport& r, const ModelShape& m, const GenerateOpt
   }
   t += b * P * (2 * h + 2 * double(m.hidden)) * 2;
   tf += " + the prefill's activations of one layer";
-  r.lines.push_back({"prefill transients", t, tf, kHf, Place::Device, Basis::Formula});
+  r.lines.push_back({"prefill transients", t, tf, o.framework == "transformers" ? kHfLogits : kHf, Place::Device, Basis::Formula});
 }
 
 }  // namespace
+
+bool last_position_logits(const std::string& version, const std::string& model_type) {
+  return version_code(version) >= last_logits_since(model_type);
+}
 
 MemReport estimate_generate(const ModelShape& m, const GenerateOptions& o) {
   m.validate();

@@ -21,7 +21,16 @@ struct GenerateOptions {
   bool flash = true;        ///< false: eager attention keeps [b, heads, prompt, prompt] scores during the prefill
   int compute_bytes = 2;    ///< bitsandbytes 4-bit compute dtype (4: float32, transformers' old default)
   std::string gpu;          ///< GPU model (--gpu): PyTorch's cuBLAS workspace is 32 MiB on sm_90, 8 MiB elsewhere
+  /// transformers' release, "MAJOR.MINOR[.PATCH]": from 4.45 (some model types) and 5.0 (all),
+  /// generate() computes the prefill's logits for the last prompt position only.
+  std::string transformers_version = "5.0";
 };
+
+/// Whether transformers `version` ("MAJOR.MINOR[.PATCH]") computes only the last prompt position's
+/// logits in generate()'s prefill for `model_type` (transformers' model_type): generate() passes
+/// num_logits_to_keep = 1 (later logits_to_keep) from 4.45 to the models whose forward takes it.
+/// Throws UsageError for a malformed version.
+bool last_position_logits(const std::string& version, const std::string& model_type);
 
 /// The report: weights (Linear layers in the weight format, the rest in 16 bits; the output
 /// layer quantized or not as the framework does), the KV cache, and the prefill's largest

@@ -55,6 +55,7 @@ ModelShape llama(const char* name, int64_t dim, int64_t hidden, int64_t layers, 
   ModelShape s;
   s.name = name, s.dim = dim, s.hidden = hidden, s.layers = layers, s.heads = heads, s.kv_heads = kv;
   s.head_dim = dim / heads, s.vocab = vocab, s.context = ctx, s.tied = tied;
+  s.model_type = std::string(name).rfind("mistral", 0) == 0 ? "mistral" : "llama";
   return s;
 }
 
@@ -72,7 +73,7 @@ const std::vector<ModelShape>& presets() {
         llama("smollm2-135m", 576, 1536, 30, 9, 3, 49152, 8192, true),
     };
     ModelShape g = llama("gpt-3-175b", 12288, 4 * 12288, 96, 96, 96, 50257, 2048, true);
-    g.mlp = Mlp::Gelu, g.gpt = true, g.positions = g.context;
+    g.mlp = Mlp::Gelu, g.gpt = true, g.positions = g.context, g.model_type = "";  // not a transformers model
     v.push_back(g);
     return v;
   }();
@@ -132,6 +133,7 @@ ModelShape from_hf_config(const std::string& path) {
     s.vocab = get({"vocab_size"});
     s.context = type == "bloom" && !has("max_position_embeddings") ? j.value("seq_length", int64_t(2048)) : get({"max_position_embeddings"});
     s.tied = j.value("tie_word_embeddings", false);
+    s.model_type = type;
     apply_family(s, j, type);
     if (s.name.empty()) s.name = "config.json";
     return s;
@@ -160,7 +162,7 @@ ModelShape shape_from_config(const ModelConfig& c, const std::string& name) {
   ModelShape s;
   s.name = name, s.dim = c.dim, s.hidden = c.hidden_dim, s.layers = c.n_layers, s.heads = c.n_heads;
   s.kv_heads = c.n_kv_heads, s.head_dim = c.head_dim, s.vocab = c.vocab_size, s.context = c.context_length;
-  s.tied = c.tied_embeddings;
+  s.tied = c.tied_embeddings, s.model_type = c.arch;
   return s;
 }
 

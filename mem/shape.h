@@ -25,6 +25,7 @@ enum class Head {
 /// Dimensions of a transformer (decoder-only, or a BERT-style encoder).
 struct ModelShape {
   std::string name;
+  std::string model_type;   ///< transformers' model_type (config.json; a GGUF's architecture; presets: llama, mistral), "" unknown
   int64_t dim = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, context = 0;
   bool tied = false;        ///< output matrix = token embedding
   Mlp mlp = Mlp::SwiGLU;

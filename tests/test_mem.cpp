@@ -742,7 +742,7 @@ TEST_CASE("llmq-mem generate: transformers and LitGPT generation as published", 
   CHECK(estimate_generate(preset("llama-2-70b"), o).total(Place::Device) == Approx(37.21 * GB).epsilon(0.03));
   // int8 halves and 4-bit quarters the Linear layers; eager attention's scores of one layer
   // replace the logits when larger (a layer's scores are freed before the logits exist).
-  o.framework = "transformers", o.prompt = 4000;
+  o.framework = "transformers", o.prompt = 4000, o.transformers_version = "4.44";  // every prompt position's logits
   o.weights = "bf16";
   const double bf16 = estimate_generate(preset("llama-2-7b"), o).total(Place::Device);
   const double lin16 = lines_sum(estimate_generate(preset("llama-2-7b"), o), {"weights: Linear layers"});
@@ -763,4 +763,46 @@ TEST_CASE("llmq-mem generate: transformers and LitGPT generation as published", 
   CHECK(estimate_generate(preset("llama-2-7b"), o).total(Place::Device) == Approx(bf16 + 32.0 * MiB - 8.125 * MiB));
   o.weights = "q4";
   CHECK_THROWS_AS(estimate_generate(preset("llama-2-7b"), o), UsageError);
+}
+
+TEST_CASE("llmq-mem generate: the prefill's logits by transformers release and model type", "[mem]") {
+  // Measured on the CPU (bench/generate_logits_cpu.py; bench/RESULTS.md): a Llama with a 128k
+  // vocabulary, batch 4, 512-token prompt grows by 1508 MiB with 4.44.2 (every position, 16-bit
+  // and fp32: 1503 MiB), by 23 MiB with 4.45.0 and 5.17; a gpt_bigcode model by 519 MiB with
+  // 4.44.2 (16-bit only: 501 MiB), 1013 MiB with 4.45.0 (plus generate's copy of the whole tensor)
+  // and 6 MiB with 5.17.
+  GenerateOptions o;
+  o.framework = "transformers", o.batch = 4, o.prompt = 512;
+  auto logits = [&](ModelShape m, const std::string& version) {
+    o.transformers_version = version;
+    const double act = 4.0 * 512 * (2 * double(m.dim) + 2 * double(m.hidden)) * 2;  // the prefill's activations of one layer
+    return lines_sum(estimate_generate(m, o), {"prefill transients"}) - act;
+  };
+  ModelShape llama = preset("llama-3-8b");
+  const double all = 4.0 * 512 * double(llama.vocab), last = 4.0 * double(llama.vocab);
+  CHECK(llama.model_type == "llama");
+  CHECK(logits(llama, "4.44.2") == Approx(6 * all));
+  CHECK(logits(llama, "4.45.0") == Approx(10 * last));
+  CHECK(logits(llama, "5.17") == Approx(10 * last));
+  ModelShape bigcode = llama;
+  bigcode.model_type = "gpt_bigcode";
+  CHECK(logits(bigcode, "4.34") == Approx(2 * all));
+  CHECK(logits(bigcode, "4.45") == Approx(4 * all));
+  CHECK(logits(bigcode, "4.56.1") == Approx(2 * all));
+  CHECK(logits(bigcode, "5.0") == Approx(10 * last));
+  ModelShape falcon = llama;
+  falcon.model_type = "falcon";  // took logits_to_keep in 4.47
+  CHECK(logits(falcon, "4.46") == Approx(4 * all));
+  CHECK(logits(falcon, "4.47") == Approx(10 * last));
+  CHECK(last_position_logits("4.45.2", "qwen2"));
+  CHECK_FALSE(last_position_logits("4.50", "qwen3"));  // Qwen3 arrived in 4.51
+  CHECK(last_position_logits("4.51", "qwen3"));
+  CHECK_FALSE(last_position_logits("4.99", ""));  // unknown model types: every position until 5.0
+  for (const char* bad : {"4", "4.x", "", "v4.45", "4.45x", "4.1000"}) {
+    o.transformers_version = bad;
+    CHECK_THROWS_AS(estimate_generate(llama, o), UsageError);
+  }
+  // LitGPT and torchtune are not transformers: the last position's fp32 logits whatever the flag.
+  o.framework = "litgpt", o.transformers_version = "4.44";
+  CHECK(logits(llama, "4.44") == Approx(4 * last));
 }

@@ -238,6 +238,9 @@ CLI::App* add_generate_command(CLI::App& app, GenerateCli& ga) {
   gen->add_option("--kv-len", ga.go.kv_len, "KV-cache positions (default: prompt + new tokens; torchtune: the model's max_seq_len)");
   gen->add_option("--compute-bytes", ga.go.compute_bytes, "bitsandbytes 4-bit compute dtype bytes (2: bf16, 4: float32)");
   gen->add_flag("--no-flash", ga.no_flash, "eager attention (the prefill keeps the score matrices)");
+  gen->add_option("--transformers-version", ga.go.transformers_version,
+                  "transformers release (default 5.0): before 4.45 (and for some model types until 5.0) the prefill computes every "
+                  "prompt position's logits");
   gen->add_option("--gpu", ga.go.gpu, "GPU model, e.g. H100 (sizes PyTorch's cuBLAS workspace; the H100's context is measured)");
   gen->add_flag("--json", ga.json, "JSON output");
   gen->add_option("--svg", ga.svg, "also write a stacked bar chart to this SVG file");

@@ -174,6 +174,8 @@ def generate_flags(case: dict) -> list[str]:
         out += ["--prompt", str(max(1, r["seq"] - new)), "--new-tokens", str(new)]
     if fw == "transformers" and weights == "fp4":
         out += ["--compute-bytes", "4"]
+    if fw == "transformers" and r.get("transformers_version"):  # which prompt positions' logits the prefill computes
+        out += ["--transformers-version", r["transformers_version"]]
     if not r.get("flash_attention"):
         out.append("--no-flash")
     return out
