@@ -23,56 +23,55 @@ constexpr int kNormVec = 4;  // float4s per thread on the register path: rows of
 // a block of 32 outputs is 8 consecutive threads' float4s. (A row per 256 threads walking it
 // twice cost ~20 us at T = 1: 32 dependent round trips to memory.) Other rows: plain loops.
 // out may be y (each thread reads y[i] before it writes out[i], for the same i): no __restrict__.
-__global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(float* out, float* x, const float* y, const float* __restrict__ w,
-                                                               int64_t n, float eps, DeviceActQ8 q) {
-  pdl_begin();
-  __shared__ float red[32];
-  float* xr = x + int64_t(blockIdx.x) * n;
-  float* orow = out + int64_t(blockIdx.x) * n;
-  const float* yr = y ? y + int64_t(blockIdx.x) * n : nullptr;
+// rmsnorm_kernel's register path for one row (n % 4 == 0, n <= 4 · blockDim.x · kNormVec).
+__device__ __forceinline__ void rmsnorm_row_in_registers(float* orow, float* xr, const float* yr, const float* __restrict__ w, int64_t n,
+                                                         float eps, const DeviceActQ8& q, float* red) {
   const int tid = int(threadIdx.x), nt = int(blockDim.x);
-  if (n % 4 == 0 && n <= int64_t(4) * nt * kNormVec) {
-    const int n4 = int(n / 4);
-    float4 v[kNormVec];
-    float ss = 0.0f;
+  const int n4 = int(n / 4);
+  float4 v[kNormVec];
+  float ss = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kNormVec; ++k) {
-      const int i = tid + k * nt;
-      if (i < n4) {
-        v[k] = reinterpret_cast<const float4*>(xr)[i];
-        if (yr) {
-          const float4 b = reinterpret_cast<const float4*>(yr)[i];
-          v[k].x += b.x, v[k].y += b.y, v[k].z += b.z, v[k].w += b.w;
-        }
+  for (int k = 0; k < kNormVec; ++k) {
+    const int i = tid + k * nt;
+    if (i < n4) {
+      v[k] = reinterpret_cast<const float4*>(xr)[i];
+      if (yr) {
+        const float4 b = reinterpret_cast<const float4*>(yr)[i];
+        v[k].x += b.x, v[k].y += b.y, v[k].z += b.z, v[k].w += b.w;
       }
     }
-#pragma unroll
-    for (int k = 0; k < kNormVec; ++k) {
-      const int i = tid + k * nt;
-      if (i < n4) {
-        if (yr) reinterpret_cast<float4*>(xr)[i] = v[k];
-        ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
-      }
-    }
-    ss = block_sum(ss, red);
-    const float scale = rsqrtf(ss / float(n) + eps);
-#pragma unroll
-    for (int k = 0; k < kNormVec; ++k) {
-      // 8 consecutive threads hold a block of 32: all in range or none (n4 % 8 == 0 with q); the
-      // whole warp takes part in the quantization's shuffles (groups out of range store nothing).
-      const int i = tid + k * nt;
-      const bool in = i < n4;
-      float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (in) {
-        const float4 g = reinterpret_cast<const float4*>(w)[i];
-        o = make_float4(v[k].x * scale * g.x, v[k].y * scale * g.y, v[k].z * scale * g.z, v[k].w * scale * g.w);
-        reinterpret_cast<float4*>(orow)[i] = o;
-      }
-      const float ov[4] = {o.x, o.y, o.z, o.w};
-      if (q.q && k * nt < n4) quantize_act_block<4>(ov, int64_t(blockIdx.x) * (n / 32) + i / 8, i % 8, in, q);
-    }
-    return;
   }
+#pragma unroll
+  for (int k = 0; k < kNormVec; ++k) {
+    const int i = tid + k * nt;
+    if (i < n4) {
+      if (yr) reinterpret_cast<float4*>(xr)[i] = v[k];
+      ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+    }
+  }
+  ss = block_sum(ss, red);
+  const float scale = rsqrtf(ss / float(n) + eps);
+#pragma unroll
+  for (int k = 0; k < kNormVec; ++k) {
+    // 8 consecutive threads hold a block of 32: all in range or none (n4 % 8 == 0 with q); the
+    // whole warp takes part in the quantization's shuffles (groups out of range store nothing).
+    const int i = tid + k * nt;
+    const bool in = i < n4;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (in) {
+      const float4 g = reinterpret_cast<const float4*>(w)[i];
+      o = make_float4(v[k].x * scale * g.x, v[k].y * scale * g.y, v[k].z * scale * g.z, v[k].w * scale * g.w);
+      reinterpret_cast<float4*>(orow)[i] = o;
+    }
+    const float ov[4] = {o.x, o.y, o.z, o.w};
+    if (q.q && k * nt < n4) quantize_act_block<4>(ov, int64_t(blockIdx.x) * (n / 32) + i / 8, i % 8, in, q);
+  }
+}
+
+// rmsnorm_kernel's plain path for one row (any n): two passes over memory.
+__device__ __forceinline__ void rmsnorm_row_in_loops(float* orow, float* xr, const float* yr, const float* __restrict__ w, int64_t n,
+                                                     float eps, const DeviceActQ8& q, float* red) {
+  const int tid = int(threadIdx.x), nt = int(blockDim.x);
   float ss = 0.0f;
   for (int64_t i = tid; i < n; i += nt) {
     float v = xr[i];
@@ -93,6 +92,17 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(float* out, float
     const float vv[1] = {v};
     quantize_act_block<1>(vv, int64_t(blockIdx.x) * (n / 32) + b, lane, true, q);
   }
+}
+
+__global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(float* out, float* x, const float* y, const float* __restrict__ w,
+                                                               int64_t n, float eps, DeviceActQ8 q) {
+  pdl_begin();
+  __shared__ float red[32];
+  float* xr = x + int64_t(blockIdx.x) * n;
+  float* orow = out + int64_t(blockIdx.x) * n;
+  const float* yr = y ? y + int64_t(blockIdx.x) * n : nullptr;
+  if (n % 4 == 0 && n <= int64_t(4) * int(blockDim.x) * kNormVec) rmsnorm_row_in_registers(orow, xr, yr, w, n, eps, q, red);
+  else rmsnorm_row_in_loops(orow, xr, yr, w, n, eps, q, red);
 }
 
 void check_quantizable(int64_t n, const DeviceActQ8* q, const char* what) {
