@@ -1161,6 +1161,66 @@ inline void block_corr(int32_t c, int32_t& lo, int32_t& hi) {
   }
 }
 
+// Integer accumulators per token of packed_tile: with one token, two chains (even and odd quant
+// vectors) halve the vpdpbusd dependency chain; with 8 tokens there are 8 chains already (and
+// more accumulators would spill). Q6_K keeps its halves apart.
+template <DType D, int C>
+constexpr int kChains = C >= 4 && !Pk<D>::kTwoScales ? 1 : 2;
+
+// Block b's float scales of 16 packed rows from its scale bytes sc: dw (and dw2, Q6_K's second
+// half), mw (and mw2, Q2_K's second half) the minimums' factors; unused ones stay zero.
+template <DType D>
+inline void block_scales(const uint8_t* sc, __m512& dw, __m512& dw2, __m512& mw, __m512& mw2) {
+  using P = Pk<D>;
+  if constexpr (P::kF32Scales) {
+    dw = _mm512_load_ps(reinterpret_cast<const float*>(sc));
+    (P::kTwoScales ? dw2 : mw) = _mm512_load_ps(reinterpret_cast<const float*>(sc + 64));
+  } else if constexpr (D == DType::Q2_K) {  // d · sc and −dmin · m: exact in fp32, as decode_quant_block's
+    const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+    const __m512 nmin = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 64)));
+    const __m512i s = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m512i s2 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16)));
+    const __m512i low4 = _mm512_set1_epi32(15);
+    dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(s, low4)));
+    dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(s2, low4)));
+    mw = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(s, 4)));
+    mw2 = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(s2, 4)));
+  } else if constexpr (D == DType::Q3_K) {  // d · (s − 32): exact in fp32, as decode_quant_block's
+    const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+    const __m128i s = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m128i s2 = _mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16));
+    dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+    dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s2)));
+  } else {
+    dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
+    if constexpr (P::kMin) mw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+  }
+}
+
+// acc plus token c's share of block b: its integer dots s (one or two chains, or Q6_K's halves)
+// times d_w·d_x, and the minimums' terms (m·s_x; Q2_K's two half minimums times d_x·Σ_h q_x).
+template <DType D, int C, int NS>
+inline __m512 scale_block(__m512 acc, const __m512i (&s)[NS], __m512 dw, __m512 dw2, __m512 mw, __m512 mw2, const BlockQ8Act* xq,
+                          const int32_t* corr, int64_t nb, int c, int64_t b) {
+  using P = Pk<D>;
+  const BlockQ8Act& xa = tile_act<C>(xq, nb, c, b);
+  const __m512 dx = _mm512_set1_ps(xa.d);
+  if constexpr (P::kTwoScales) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(dw, dx), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1]), _mm512_mul_ps(dw2, dx), acc);
+  } else {
+    const __m512i dot = NS > 1 ? _mm512_add_epi32(s[0], s[NS - 1]) : s[0];
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc);
+  }
+  if constexpr (P::kMin) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.s), acc);
+  if constexpr (P::kHalfMins) {  // Q2_K: −dmin·m_h · d_x·Σ_h q_x, the half sums from corr
+    const auto k = uint32_t(tile_corr<C>(xq, corr, nb, c, b));
+    acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.d * float(int16_t(k & 0xffffu))), acc);
+    acc = _mm512_fmadd_ps(mw2, _mm512_set1_ps(xa.d * float(int16_t(k >> 16))), acc);
+  }
+  return acc;
+}
+
 // 16 packed rows × C tokens: the integer dot of every block (two accumulators per token, summed
 // exactly, or scaled apart for Q6_K's two half-block scales), then acc = fma(float(dot),
 // d_w·d_x, acc) (+ fma(m, s_x, acc)) over the blocks in order: the same instructions for an
@@ -1170,10 +1230,7 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
                  __mmask16 rmask) {
   using P = Pk<D>;
   static_assert(C == 1 || C == kTile, "tiles of one token or kTile tokens");
-  // Integer accumulators per token: with one token, two chains (even and odd quant vectors)
-  // halve the vpdpbusd dependency chain; with 8 tokens there are 8 chains already (and more
-  // accumulators would spill). Q6_K keeps its halves apart.
-  constexpr int NS = C >= 4 && !P::kTwoScales ? 1 : 2;
+  constexpr int NS = kChains<D, C>;
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -1212,46 +1269,8 @@ void packed_tile(float* y, int64_t M, const uint8_t* panel, int64_t nb, const Bl
       }
     }
     __m512 dw, dw2 = _mm512_setzero_ps(), mw = _mm512_setzero_ps(), mw2 = _mm512_setzero_ps();
-    if constexpr (P::kF32Scales) {
-      dw = _mm512_load_ps(reinterpret_cast<const float*>(sc));
-      (P::kTwoScales ? dw2 : mw) = _mm512_load_ps(reinterpret_cast<const float*>(sc + 64));
-    } else if constexpr (D == DType::Q2_K) {  // d · sc and −dmin · m: exact in fp32, as decode_quant_block's
-      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
-      const __m512 nmin = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 64)));
-      const __m512i s = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
-      const __m512i s2 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16)));
-      const __m512i low4 = _mm512_set1_epi32(15);
-      dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(s, low4)));
-      dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(s2, low4)));
-      mw = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(s, 4)));
-      mw2 = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(s2, 4)));
-    } else if constexpr (D == DType::Q3_K) {  // d · (s − 32): exact in fp32, as decode_quant_block's
-      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
-      const __m128i s = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
-      const __m128i s2 = _mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16));
-      dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
-      dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s2)));
-    } else {
-      dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc)));
-      if constexpr (P::kMin) mw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + 32)));
-    }
-    for (int c = 0; c < C; ++c) {
-      const BlockQ8Act& xa = tile_act<C>(xq, nb, c, b);
-      const __m512 dx = _mm512_set1_ps(xa.d);
-      if constexpr (P::kTwoScales) {
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[c][0]), _mm512_mul_ps(dw, dx), acc[c]);
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[c][1]), _mm512_mul_ps(dw2, dx), acc[c]);
-      } else {
-        const __m512i dot = NS > 1 ? _mm512_add_epi32(s[c][0], s[c][NS - 1]) : s[c][0];
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[c]);
-      }
-      if constexpr (P::kMin) acc[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.s), acc[c]);
-      if constexpr (P::kHalfMins) {  // Q2_K: −dmin·m_h · d_x·Σ_h q_x, the half sums from corr
-        const auto k = uint32_t(tile_corr<C>(xq, corr, nb, c, b));
-        acc[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xa.d * float(int16_t(k & 0xffffu))), acc[c]);
-        acc[c] = _mm512_fmadd_ps(mw2, _mm512_set1_ps(xa.d * float(int16_t(k >> 16))), acc[c]);
-      }
-    }
+    block_scales<D>(sc, dw, dw2, mw, mw2);
+    for (int c = 0; c < C; ++c) acc[c] = scale_block<D, C, NS>(acc[c], s[c], dw, dw2, mw, mw2, xq, corr, nb, c, b);
   }
   for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * M, rmask, acc[c]);
 }
