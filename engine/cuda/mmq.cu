@@ -319,6 +319,59 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
   }
 }
 
+// The scales of rows r and r + 8 for half j of a stage (the K-quants: sub-block 2 pr + j of the
+// super-block): dw0 / dw1, and mw0 / mw1 for the types with a minimum.
+template <DType kType, typename Stage>
+__device__ __forceinline__ void mmq_row_scales(const Stage& s, int r, int j, int pr, float& dw0, float& dw1, float& mw0, float& mw1) {
+  if constexpr (kKQuant<kType>) {
+    k_sub_scale(s.hdr + 16 * r, 2 * pr + j, dw0, mw0), k_sub_scale(s.hdr + 16 * (r + 8), 2 * pr + j, dw1, mw1);
+  } else {
+    dw0 = fp16_bits_to_float(s.dw[2 * r + j]), dw1 = fp16_bits_to_float(s.dw[2 * (r + 8) + j]);
+    if constexpr (kMin<kType>)
+      mw0 = fp16_bits_to_float(s.mw[2 * r + j]), mw1 = fp16_bits_to_float(s.mw[2 * (r + 8) + j]);
+  }
+}
+
+// One mma tile's integer dots d (rows r, r + 8 × tokens t, t + 1) scaled into o: Q8_0 / IQ4_NL
+// d_w d_x Σ; Q4_0 / Q5_0 d_w (d_x Σ - 8 s_x / - 16 s_x); the others d_w d_x Σ + m_w s_x.
+template <DType kType, typename Stage>
+__device__ __forceinline__ void mmq_scale_add(float* o, const int (&d)[4], float dw0, float dw1, float mw0, float mw1, const Stage& s, int t,
+                                              int j) {
+  const float dx0 = s.dx[2 * t + j], dx1 = s.dx[2 * (t + 1) + j];
+  if constexpr (kType == DType::Q8_0 || kType == DType::IQ4_NL) {
+    o[0] += dw0 * dx0 * float(d[0]), o[1] += dw0 * dx1 * float(d[1]);
+    o[2] += dw1 * dx0 * float(d[2]), o[3] += dw1 * dx1 * float(d[3]);
+  } else {
+    const float sx0 = s.sx[2 * t + j], sx1 = s.sx[2 * (t + 1) + j];
+    if constexpr (kType == DType::Q4_0 || kType == DType::Q5_0) {
+      constexpr float off = kType == DType::Q4_0 ? 8.0f : 16.0f;
+      o[0] += dw0 * (dx0 * float(d[0]) - off * sx0), o[1] += dw0 * (dx1 * float(d[1]) - off * sx1);
+      o[2] += dw1 * (dx0 * float(d[2]) - off * sx0), o[3] += dw1 * (dx1 * float(d[3]) - off * sx1);
+    } else {
+      o[0] += dw0 * dx0 * float(d[0]) + mw0 * sx0, o[1] += dw0 * dx1 * float(d[1]) + mw0 * sx1;
+      o[2] += dw1 * dx0 * float(d[2]) + mw1 * sx0, o[3] += dw1 * dx1 * float(d[3]) + mw1 * sx1;
+    }
+  }
+}
+
+// mmq_kernel's end: the warp's accumulators (2 × NT mma tiles of 16 rows × 8 tokens, lane (g, c)
+// holding rows g and g + 8, tokens 2c and 2c + 1) into y, or into split z's part of p.y.
+template <int NT>
+__device__ __forceinline__ void mmq_store(const float (&acc)[2][NT][4], const MmqArgs& p, int row0, int tok0, int wr, int wc, int g, int c,
+                                          int z) {
+  float* y = p.splits == 1 ? p.y : p.y + int64_t(z) * p.T * p.rows;
+  const int64_t ldy = p.splits == 1 ? p.ldy : p.rows;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + wr + 16 * mi + g + (i >= 2 ? 8 : 0), tok = tok0 + wc + 8 * ni + 2 * c + (i & 1);
+        if (row < p.rows && tok < p.T) y[int64_t(tok) * ldy + row] = acc[mi][ni][i];
+      }
+}
+
 // MinB: the blocks per SM the registers must allow (__launch_bounds__'s second argument; 0: the
 // compiler's choice, as the engine runs it: Q4_0 100 / 128 registers at 16 / 32 tokens, Q8_0 64 /
 // 86, so 2 blocks per SM at 32). The lab's occupancy variants (MmqTuning::min_blocks) build 3
@@ -374,51 +427,19 @@ __global__ void __launch_bounds__(kMmqThreads, MinB) mmq_kernel(MmqArgs p) {
           continue;
         }
         float dw0, dw1, mw0 = 0.0f, mw1 = 0.0f;
-        if constexpr (kKQuant<kType>) {
-          k_sub_scale(s.hdr + 16 * r, 2 * pr + j, dw0, mw0), k_sub_scale(s.hdr + 16 * (r + 8), 2 * pr + j, dw1, mw1);
-        } else {
-          dw0 = fp16_bits_to_float(s.dw[2 * r + j]), dw1 = fp16_bits_to_float(s.dw[2 * (r + 8) + j]);
-          if constexpr (kMin<kType>)
-            mw0 = fp16_bits_to_float(s.mw[2 * r + j]), mw1 = fp16_bits_to_float(s.mw[2 * (r + 8) + j]);
-        }
+        mmq_row_scales<kType>(s, r, j, pr, dw0, dw1, mw0, mw1);
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {
           int d[4] = {0, 0, 0, 0};
           if constexpr (kType == DType::Q8_0 || kType == DType::IQ4_NL) mma_s8(d, a[mi], b[ni]);
           else mma_u8s8(d, a[mi], b[ni]);
-          const int t = wc + 8 * ni + 2 * c;
-          const float dx0 = s.dx[2 * t + j], dx1 = s.dx[2 * (t + 1) + j];
-          float* o = acc[mi][ni];
-          if constexpr (kType == DType::Q8_0 || kType == DType::IQ4_NL) {
-            o[0] += dw0 * dx0 * float(d[0]), o[1] += dw0 * dx1 * float(d[1]);
-            o[2] += dw1 * dx0 * float(d[2]), o[3] += dw1 * dx1 * float(d[3]);
-          } else {
-            const float sx0 = s.sx[2 * t + j], sx1 = s.sx[2 * (t + 1) + j];
-            if constexpr (kType == DType::Q4_0 || kType == DType::Q5_0) {
-              constexpr float off = kType == DType::Q4_0 ? 8.0f : 16.0f;
-              o[0] += dw0 * (dx0 * float(d[0]) - off * sx0), o[1] += dw0 * (dx1 * float(d[1]) - off * sx1);
-              o[2] += dw1 * (dx0 * float(d[2]) - off * sx0), o[3] += dw1 * (dx1 * float(d[3]) - off * sx1);
-            } else {
-              o[0] += dw0 * dx0 * float(d[0]) + mw0 * sx0, o[1] += dw0 * dx1 * float(d[1]) + mw0 * sx1;
-              o[2] += dw1 * dx0 * float(d[2]) + mw1 * sx0, o[3] += dw1 * dx1 * float(d[3]) + mw1 * sx1;
-            }
-          }
+          mmq_scale_add<kType>(acc[mi][ni], d, dw0, dw1, mw0, mw1, s, wc + 8 * ni + 2 * c, j);
         }
       }
     }
   }
   cp_async_wait<0>();
-  float* y = p.splits == 1 ? p.y : p.y + int64_t(z) * p.T * p.rows;
-  const int64_t ldy = p.splits == 1 ? p.ldy : p.rows;
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = row0 + wr + 16 * mi + g + (i >= 2 ? 8 : 0), tok = tok0 + wc + 8 * ni + 2 * c + (i & 1);
-        if (row < p.rows && tok < p.T) y[int64_t(tok) * ldy + row] = acc[mi][ni][i];
-      }
+  mmq_store<NT>(acc, p, row0, tok0, wr, wc, g, c, z);
 }
 
 // y [T, rows] (row t at y + t · ldy) = Σ_z part [z, T, rows], z in order.
