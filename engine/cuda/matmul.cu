@@ -245,6 +245,76 @@ void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t col
 namespace {
 
 
+// gemv_block_kernel's weight prefetch (weight_prefetch): the CUDA block's rows of every weight
+// array into L2, before the kernel waits on the one ahead.
+template <DType kType, int R, int W, int KS>
+__device__ __forceinline__ void gemv_block_prefetch(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
+                                                    const uint16_t* __restrict__ wm, const uint32_t* __restrict__ wh, int rows, int nb) {
+  constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;
+  const int64_t r0 = int64_t(blockIdx.x) * (KS == 1 ? W * R : R), r1 = min(r0 + (KS == 1 ? W * R : R), int64_t(rows));
+  prefetch_rows_l2(wq, r0, r1, int64_t(nb) * kQB), prefetch_rows_l2(wd, r0, r1, int64_t(nb) * 2);
+  if constexpr (split_has_m(kType)) prefetch_rows_l2(wm, r0, r1, int64_t(nb) * 2);
+  if constexpr (split_has_h(kType)) prefetch_rows_l2(wh, r0, r1, int64_t(nb) * 4);
+}
+
+// acc += row r's dot with one token over one quant block (the formulas above gemv_block_kernel):
+// w0 (and w1, Q8_0) the block's quant bytes, dw / mw its scale and minimum, hw its fifth bits;
+// x0, x1 the token's 32 int8 activations, dx their scale, sx d_x Σ q_x.
+template <DType kType, int R>
+__device__ __forceinline__ void gemv_block_dot(float& acc, const uint4 (&w0)[R], const uint4 (&w1)[R], const float (&dw)[R],
+                                               const float (&mw)[R], const uint32_t (&hw)[R], int r, int4 x0, int4 x1, float dx,
+                                               float sx) {
+  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType);
+  if constexpr (kType == DType::Q8_0) {
+    acc += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
+  } else {
+    const uint4 v = w0[r];
+    uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
+    uint4 hi = make_uint4((v.x >> 4) & 0x0f0f0f0fu, (v.y >> 4) & 0x0f0f0f0fu, (v.z >> 4) & 0x0f0f0f0fu, (v.w >> 4) & 0x0f0f0f0fu);
+    if constexpr (kQ5) {  // weight j's fifth bit is bit j of the block's word
+      const uint32_t e = hw[r];
+      lo.x |= fifth_bit_bytes(e), lo.y |= fifth_bit_bytes(e >> 4), lo.z |= fifth_bit_bytes(e >> 8), lo.w |= fifth_bit_bytes(e >> 12);
+      hi.x |= fifth_bit_bytes(e >> 16), hi.y |= fifth_bit_bytes(e >> 20), hi.z |= fifth_bit_bytes(e >> 24), hi.w |= fifth_bit_bytes(e >> 28);
+    }
+    const float s = float(dp4a4(hi, x1, dp4a4(lo, x0, 0)));
+    if constexpr (kMin) acc += dw[r] * dx * s + mw[r] * sx;
+    else acc += dw[r] * (dx * s - (kQ5 ? 16.0f : 8.0f) * sx);
+  }
+}
+
+// gemv_block_kernel's end: each warp's sums of R rows x T tokens added over its lanes; KS = 1
+// writes them, KS > 1 adds the KS warps' sums through shared memory in a fixed order.
+template <int R, int T, int KS>
+__device__ __forceinline__ void gemv_block_store(float (&acc)[R][T], float* __restrict__ y, int64_t ldy, int row0, int rows, int lane,
+                                                 int warp) {
+  if constexpr (KS == 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float v = warp_sum(acc[r][t]);
+        if (lane == 0 && row0 + r < rows) y[t * ldy + row0 + r] = v;
+      }
+  } else {
+    __shared__ float part[KS][R * T];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float v = warp_sum(acc[r][t]);
+        if (lane == 0) part[warp][r * T + t] = v;
+      }
+    __syncthreads();
+    if (int(threadIdx.x) < R * T) {
+      const int r = int(threadIdx.x) / T, t = int(threadIdx.x) % T;
+      float v = 0.0f;
+#pragma unroll
+      for (int i = 0; i < KS; ++i) v += part[i][threadIdx.x];
+      if (row0 + r < rows) y[t * ldy + row0 + r] = v;
+    }
+  }
+}
+
 // Block-quantized weights (dev/cuda/gemv.cu's versions 2 and 3; dev/README.md has their
 // timings). R rows per group; each lane takes whole quant blocks b = lane, lane + 32 KS, ...:
 // Q8_0 two 16-byte loads, Q4 and Q5 one (low nibbles = weights 0..15 of the block, high =
@@ -263,12 +333,7 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
   constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;  // quant bytes per block
   constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType);
   const int nb = cols / 32;
-  if (prefetch && threadIdx.x == 0) {  // the block's rows (weight_prefetch), before waiting on the kernel ahead
-    const int64_t r0 = int64_t(blockIdx.x) * (KS == 1 ? W * R : R), r1 = min(r0 + (KS == 1 ? W * R : R), int64_t(rows));
-    prefetch_rows_l2(wq, r0, r1, int64_t(nb) * kQB), prefetch_rows_l2(wd, r0, r1, int64_t(nb) * 2);
-    if constexpr (kMin) prefetch_rows_l2(wm, r0, r1, int64_t(nb) * 2);
-    if constexpr (kQ5) prefetch_rows_l2(wh, r0, r1, int64_t(nb) * 4);
-  }
+  if (prefetch && threadIdx.x == 0) gemv_block_prefetch<kType, R, W, KS>(wq, wd, wm, wh, rows, nb);
   pdl_begin();
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int row0 = (KS == 1 ? int(blockIdx.x) * W + warp : int(blockIdx.x)) * R;
@@ -309,51 +374,10 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
       const float dx = __ldg(xd + int64_t(t) * nb + b);
       const float sx = kType == DType::Q8_0 ? 0.0f : __ldg(xs + int64_t(t) * nb + b);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if constexpr (kType == DType::Q8_0) {
-          acc[r][t] += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
-        } else {
-          const uint4 v = w0[r];
-          uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
-          uint4 hi = make_uint4((v.x >> 4) & 0x0f0f0f0fu, (v.y >> 4) & 0x0f0f0f0fu, (v.z >> 4) & 0x0f0f0f0fu, (v.w >> 4) & 0x0f0f0f0fu);
-          if constexpr (kQ5) {  // weight j's fifth bit is bit j of the block's word
-            const uint32_t e = hw[r];
-            lo.x |= fifth_bit_bytes(e), lo.y |= fifth_bit_bytes(e >> 4), lo.z |= fifth_bit_bytes(e >> 8), lo.w |= fifth_bit_bytes(e >> 12);
-            hi.x |= fifth_bit_bytes(e >> 16), hi.y |= fifth_bit_bytes(e >> 20), hi.z |= fifth_bit_bytes(e >> 24), hi.w |= fifth_bit_bytes(e >> 28);
-          }
-          const float s = float(dp4a4(hi, x1, dp4a4(lo, x0, 0)));
-          if constexpr (kMin) acc[r][t] += dw[r] * dx * s + mw[r] * sx;
-          else acc[r][t] += dw[r] * (dx * s - (kQ5 ? 16.0f : 8.0f) * sx);
-        }
-      }
+      for (int r = 0; r < R; ++r) gemv_block_dot<kType, R>(acc[r][t], w0, w1, dw, mw, hw, r, x0, x1, dx, sx);
     }
   }
-  if constexpr (KS == 1) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = warp_sum(acc[r][t]);
-        if (lane == 0 && row0 + r < rows) y[t * ldy + row0 + r] = v;
-      }
-  } else {
-    __shared__ float part[KS][R * T];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = warp_sum(acc[r][t]);
-        if (lane == 0) part[warp][r * T + t] = v;
-      }
-    __syncthreads();
-    if (int(threadIdx.x) < R * T) {
-      const int r = int(threadIdx.x) / T, t = int(threadIdx.x) % T;
-      float v = 0.0f;
-#pragma unroll
-      for (int i = 0; i < KS; ++i) v += part[i][threadIdx.x];
-      if (row0 + r < rows) y[t * ldy + row0 + r] = v;
-    }
-  }
+  gemv_block_store<R, T, KS>(acc, y, ldy, row0, rows, lane, warp);
 }
 
 template <DType kType, int R, int W, int T, int KS>
