@@ -218,11 +218,20 @@ struct BpeCandidateAfter {
 }  // namespace
 
 Tokenizer::Tokenizer(Vocab v) : vocab_(std::move(v)) {
+  check_vocab();
+  byte_level_ = vocab_.model == "gpt2";
+  index_pieces();
+  if (byte_level_)
+    init_bpe();
+  else
+    init_spm();
+}
+
+void Tokenizer::check_vocab() const {
   if (vocab_.model != "llama" && vocab_.model != "gpt2")
     throw UsageError(fmt::format("tokenizer model '{}' is not supported (supported: \"llama\", SentencePiece "
                                  "BPE; \"gpt2\", byte-level BPE)",
                                  vocab_.model));
-  byte_level_ = vocab_.model == "gpt2";
   const size_t n = vocab_.tokens.size();
   if (n == 0) throw UsageError("tokenizer: the vocabulary is empty");
   if (n > static_cast<size_t>(INT32_MAX)) throw UsageError("tokenizer: vocabulary too large");
@@ -239,7 +248,10 @@ Tokenizer::Tokenizer(Vocab v) : vocab_(std::move(v)) {
   check_id(vocab_.unk_id, "unknown-token");
   check_id(vocab_.pad_id, "padding");
   check_id(vocab_.eot_id, "end-of-turn");
+}
 
+void Tokenizer::index_pieces() {
+  const size_t n = vocab_.tokens.size();
   byte_id_.fill(-1);
   byte_value_.assign(n, -1);
   all_.reserve(n);
@@ -280,10 +292,6 @@ Tokenizer::Tokenizer(Vocab v) : vocab_(std::move(v)) {
   };
   longest_first(user_defined_);
   longest_first(special_);
-  if (byte_level_)
-    init_bpe();
-  else
-    init_spm();
 }
 
 void Tokenizer::init_spm() {
@@ -318,7 +326,11 @@ void Tokenizer::init_bpe() {
   }
   for (const char* re : pre->regexes) pre_regex_.emplace_back(re);
   ignore_merges_ = pre->ignore_merges;
+  init_bpe_merges();
+  init_bpe_bytes();
+}
 
+void Tokenizer::init_bpe_merges() {
   // Merges "left right" by rank; llama.cpp splits at the first space after the first byte.
   merges_.reserve(vocab_.merges.size());
   std::string joined;
@@ -335,14 +347,14 @@ void Tokenizer::init_bpe() {
     const uint64_t key = (uint64_t(uint32_t(l)) << 32) | uint32_t(rr);
     merges_.emplace(key, Merge{static_cast<int32_t>(std::min<size_t>(r, INT32_MAX)), res});  // first rank wins
   }
+}
 
+void Tokenizer::init_bpe_bytes() {
   std::string ch;
   for (int b = 0; b < 256; ++b) {
     ch.clear();
     unicode::append_utf8(ch, unicode::byte_to_unicode(static_cast<uint8_t>(b)));
     bpe_byte_piece_[static_cast<size_t>(b)] = token_id(ch);
-    // Every byte must have its piece, or some text could not be encoded at all (byte-level BPE
-    // starts every word from its bytes): refused here, at load or conversion, not at run time.
     // Printable ASCII, tab, newline and CR must have their pieces, or ordinary text could not be
     // encoded (a vocabulary without byte pieces is refused here, at load or conversion, not at
     // run time). Real vocabularies lack some control bytes and bytes that valid UTF-8 never
@@ -442,10 +454,18 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos, bool
   return out;
 }
 
-void Tokenizer::spm_encode(std::string_view text, bool space_prefix, std::vector<int32_t>& out) const {
-  if (text.empty()) return;
+// Working text and symbols of one spm_encode call.
+struct Tokenizer::SpmScratch {
+  std::string s;                  // the normalized text
+  std::vector<Symbol> sym;        // its characters (user-defined pieces whole), merged in place
+  std::vector<int32_t> seg_start; // first symbol of each merge segment, then sym.size()
+};
 
-  // 1. Normalize: dummy prefix, spaces as "▁".
+namespace {
+
+// SentencePiece's normalization: the dummy prefix (when asked) and every space as "▁".
+// Throws UsageError for text too long for 32-bit symbol offsets.
+std::string spm_normalize(std::string_view text, bool space_prefix) {
   const size_t n_spaces = static_cast<size_t>(std::count(text.begin(), text.end(), ' '));
   std::string s;
   s.reserve(text.size() + 2 * n_spaces + kSpaceMark.size());
@@ -458,13 +478,26 @@ void Tokenizer::spm_encode(std::string_view text, bool space_prefix, std::vector
   }
   if (s.size() >= static_cast<size_t>(INT32_MAX))
     throw UsageError(fmt::format("tokenizer: text of {} bytes is too long to encode at once", text.size()));
+  return s;
+}
 
-  // 2. Split into characters (user-defined pieces whole), and cut the list into segments
-  //    wherever no merge can ever join the neighbours (see inner_pairs_).
-  std::vector<Symbol> sym;
-  sym.reserve(s.size());
-  std::vector<int32_t> seg_start;  // first symbol of each segment
-  const std::string_view sv(s);
+}  // namespace
+
+void Tokenizer::spm_encode(std::string_view text, bool space_prefix, std::vector<int32_t>& out) const {
+  if (text.empty()) return;
+  SpmScratch w;
+  w.s = spm_normalize(text, space_prefix);  // 1. dummy prefix, spaces as "▁"
+  spm_split(w);                             // 2. characters, in segments no merge crosses
+  spm_merge(w);                             // 3. best-scoring merges in each segment
+  spm_emit(w, out);                         // 4. symbols to ids, with byte fallback
+}
+
+// Split into characters (user-defined pieces whole), and cut the list into segments wherever
+// no merge can ever join the neighbours (see inner_pairs_).
+void Tokenizer::spm_split(SpmScratch& w) const {
+  std::vector<Symbol>& sym = w.sym;
+  sym.reserve(w.s.size());
+  const std::string_view sv(w.s);
   for (size_t pos = 0; pos < sv.size();) {
     Symbol x;
     size_t len = has_user_defined_ ? match_user_defined(sv, pos) : 0;
@@ -483,13 +516,17 @@ void Tokenizer::spm_encode(std::string_view text, bool space_prefix, std::vector
         p.next = idx;
       }
     }
-    if (cut) seg_start.push_back(idx);
+    if (cut) w.seg_start.push_back(idx);
     sym.push_back(x);
     pos += len;
   }
-  seg_start.push_back(static_cast<int32_t>(sym.size()));
+  w.seg_start.push_back(static_cast<int32_t>(sym.size()));
+}
 
-  // 3. In each segment, merge the best-scoring adjacent pair until none is a piece.
+// In each segment, merge the best-scoring adjacent pair until none is a piece.
+void Tokenizer::spm_merge(SpmScratch& w) const {
+  std::vector<Symbol>& sym = w.sym;
+  const std::string_view sv(w.s);
   std::vector<Candidate> heap;  // max-heap under CandidateLess, reused across segments
   const CandidateLess less;
   auto try_pair = [&](int32_t l, int32_t r) {
@@ -502,8 +539,8 @@ void Tokenizer::spm_encode(std::string_view text, bool space_prefix, std::vector
     heap.push_back(Candidate{vocab_.scores[static_cast<size_t>(it->second)], l, r, a.len + b.len});
     std::push_heap(heap.begin(), heap.end(), less);
   };
-  for (size_t k = 0; k + 1 < seg_start.size(); ++k) {
-    const int32_t first = seg_start[k], last = seg_start[k + 1];
+  for (size_t k = 0; k + 1 < w.seg_start.size(); ++k) {
+    const int32_t first = w.seg_start[k], last = w.seg_start[k + 1];
     if (last - first < 2) continue;
     heap.clear();
     for (int32_t i = first + 1; i < last; ++i) try_pair(i - 1, i);
@@ -523,11 +560,14 @@ void Tokenizer::spm_encode(std::string_view text, bool space_prefix, std::vector
       try_pair(c.left, a.next);
     }
   }
+}
 
-  // 4. Symbols (those not merged away, in text order) to ids, with byte fallback.
-  for (size_t i = 0; i < sym.size(); ++i) {
-    if (sym[i].len == 0) continue;
-    const Symbol& x = sym[i];
+// Symbols (those not merged away, in text order) to ids, with byte fallback. Throws UsageError
+// for a character the vocabulary cannot express (no byte pieces and no unknown token).
+void Tokenizer::spm_emit(const SpmScratch& w, std::vector<int32_t>& out) const {
+  const std::string_view sv(w.s);
+  for (const Symbol& x : w.sym) {
+    if (x.len == 0) continue;
     const std::string_view piece = sv.substr(x.off, x.len);
     const auto it = mergeable_.find(piece);
     if (it != mergeable_.end()) {

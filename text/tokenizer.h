@@ -139,14 +139,24 @@ class Tokenizer {
     int32_t result;
   };
 
+  void check_vocab() const;  // UsageError for an unsupported model, inconsistent arrays or ids out of range
+  void index_pieces();       // all_, byte pieces, user-defined and special pieces' first-byte indexes
   void init_spm();
   void init_bpe();
+  void init_bpe_merges();    // merges_: "left right" by rank
+  void init_bpe_bytes();     // bpe_byte_piece_ and bpe_text_ (the bytes each Normal piece stands for)
   // Longest piece of `index` whose text starts at text[pos], as {id, length}; {-1, 0} if none.
   std::pair<int32_t, size_t> match_piece(const FirstByteIndex& index, std::string_view text, size_t pos) const;
   // Longest user-defined piece starting at text[pos], or 0 if none.
   size_t match_user_defined(std::string_view text, size_t pos) const;
   // Appends the SentencePiece encoding of `text` (no special-token parsing).
   void spm_encode(std::string_view text, bool space_prefix, std::vector<int32_t>& out) const;
+  // spm_encode's steps on its working text and symbols: characters into merge segments, the
+  // merges of each segment, the surviving symbols to ids (byte fallback).
+  struct SpmScratch;
+  void spm_split(SpmScratch& w) const;
+  void spm_merge(SpmScratch& w) const;
+  void spm_emit(const SpmScratch& w, std::vector<int32_t>& out) const;
   // Appends the byte-level BPE encoding of `text` (no special-token parsing).
   void bpe_encode(std::string_view text, std::vector<int32_t>& out) const;
   // Appends the ids of one pre-tokenized word (bytes of the original text).
