@@ -300,6 +300,39 @@ void encode_header(uint8_t* out, const Header& h) {
 
 uint64_t align_up(uint64_t x) { return (x + kLlmqAlign - 1) / kLlmqAlign * kLlmqAlign; }
 
+// The header of a mapped file of `size` bytes at b (at least kLlmqHeaderSize), checked: magic, version,
+// checksum, alignment, the file size, the sections' offsets and sizes, and the index checksum.
+Header read_header(const uint8_t* b, uint64_t size, const std::string& path) {
+  if (std::memcmp(b, kLlmqMagic, 8) != 0) throw FileError(path, "not a .llmq file (bad magic)");
+  In hin{b + 8, b + kLlmqHeaderSize, path, "header"};
+  Header h{};
+  h.version = hin.get<uint32_t>();
+  h.alignment = hin.get<uint32_t>();
+  h.file_size = hin.get<uint64_t>();
+  h.meta_offset = hin.get<uint64_t>();
+  h.meta_size = hin.get<uint64_t>();
+  h.dir_offset = hin.get<uint64_t>();
+  h.dir_size = hin.get<uint64_t>();
+  h.data_offset = hin.get<uint64_t>();
+  h.index_xxh64 = hin.get<uint64_t>();
+  h.header_xxh64 = hin.get<uint64_t>();
+  if (h.version != kLlmqVersion)
+    throw FileError(path, "unsupported format version " + std::to_string(h.version) + " (this build reads " +
+                              std::to_string(kLlmqVersion) + ")");
+  if (XXH64(b, kLlmqHeaderSize - 8, 0) != h.header_xxh64) throw FileError(path, "header checksum mismatch (corrupt header)");
+  if (h.alignment != kLlmqAlign) throw FileError(path, "header: alignment " + std::to_string(h.alignment) + " (expected 64)");
+  if (h.file_size != size)
+    throw FileError(path, "file is " + std::to_string(size) + " bytes but its header says " +
+                              std::to_string(h.file_size) + " (truncated or appended to)");
+  if (h.meta_offset != kLlmqHeaderSize || h.meta_size > size - h.meta_offset ||
+      h.dir_offset != h.meta_offset + h.meta_size || h.dir_size > size - h.dir_offset ||
+      h.data_offset != align_up(h.dir_offset + h.dir_size) || h.data_offset > size)
+    throw FileError(path, "header: section offsets and sizes are inconsistent with each other or the file size");
+  if (XXH64(b + h.meta_offset, h.meta_size + h.dir_size, 0) != h.index_xxh64)
+    throw FileError(path, "metadata/directory checksum mismatch (corrupt index)");
+  return h;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- reader
@@ -321,33 +354,7 @@ std::unique_ptr<LlmqFile> LlmqFile::open(const std::string& path, bool verify) {
     throw FileError(path, "not a .llmq file: " + std::to_string(f->size_) + " bytes is shorter than the header");
   const uint8_t* b = f->base_;
 
-  if (std::memcmp(b, kLlmqMagic, 8) != 0) throw FileError(path, "not a .llmq file (bad magic)");
-  In hin{b + 8, b + kLlmqHeaderSize, path, "header"};
-  Header h{};
-  h.version = hin.get<uint32_t>();
-  h.alignment = hin.get<uint32_t>();
-  h.file_size = hin.get<uint64_t>();
-  h.meta_offset = hin.get<uint64_t>();
-  h.meta_size = hin.get<uint64_t>();
-  h.dir_offset = hin.get<uint64_t>();
-  h.dir_size = hin.get<uint64_t>();
-  h.data_offset = hin.get<uint64_t>();
-  h.index_xxh64 = hin.get<uint64_t>();
-  h.header_xxh64 = hin.get<uint64_t>();
-  if (h.version != kLlmqVersion)
-    throw FileError(path, "unsupported format version " + std::to_string(h.version) + " (this build reads " +
-                              std::to_string(kLlmqVersion) + ")");
-  if (XXH64(b, kLlmqHeaderSize - 8, 0) != h.header_xxh64) throw FileError(path, "header checksum mismatch (corrupt header)");
-  if (h.alignment != kLlmqAlign) throw FileError(path, "header: alignment " + std::to_string(h.alignment) + " (expected 64)");
-  if (h.file_size != f->size_)
-    throw FileError(path, "file is " + std::to_string(f->size_) + " bytes but its header says " +
-                              std::to_string(h.file_size) + " (truncated or appended to)");
-  if (h.meta_offset != kLlmqHeaderSize || h.meta_size > f->size_ - h.meta_offset ||
-      h.dir_offset != h.meta_offset + h.meta_size || h.dir_size > f->size_ - h.dir_offset ||
-      h.data_offset != align_up(h.dir_offset + h.dir_size) || h.data_offset > f->size_)
-    throw FileError(path, "header: section offsets and sizes are inconsistent with each other or the file size");
-  if (XXH64(b + h.meta_offset, h.meta_size + h.dir_size, 0) != h.index_xxh64)
-    throw FileError(path, "metadata/directory checksum mismatch (corrupt index)");
+  const Header h = read_header(b, f->size_, path);
 
   In min{b + h.meta_offset, b + h.meta_offset + h.meta_size, path, "metadata"};
   f->meta_ = decode_meta(min);

@@ -502,6 +502,89 @@ void unpack_q4_q5(const uint8_t* qs, const uint8_t* qh, uint8_t* q) {
   }
 }
 
+// Q8_0 block b of `row`: q = w + 128 (int8 stored, sign bit flipped), one scale for all 32.
+inline void decode_q8_0(const uint8_t* row, int64_t b, QuantBlock& o) {
+  const uint8_t* blk = row + size_t(b) * sizeof(BlockQ8_0);
+  o.a[0] = o.a[1] = half_at(blk), o.offset = 128;
+  for (int i = 0; i < QK; ++i) o.q[i] = uint8_t(blk[2 + i] ^ 0x80);
+}
+
+// Q4_0 / Q5_0 (five) block b of `row`: 4- or 5-bit codes, offset 8 or 16, one scale.
+inline void decode_q4_q5_0(const uint8_t* row, int64_t b, bool five, QuantBlock& o) {
+  const uint8_t* blk = row + size_t(b) * (five ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0));
+  o.a[0] = o.a[1] = half_at(blk), o.offset = five ? 16 : 8;
+  unpack_q4_q5(blk + (five ? 6 : 2), five ? blk + 2 : nullptr, o.q);
+}
+
+// IQ4_NL block b of `row`: q = level + 128 (kIQ4NLValues of each nibble), one scale.
+inline void decode_iq4_nl(const uint8_t* row, int64_t b, QuantBlock& o) {
+  const uint8_t* blk = row + size_t(b) * sizeof(BlockIQ4_NL);
+  o.a[0] = o.a[1] = half_at(blk), o.offset = 128;
+  for (int j = 0; j < 16; ++j) {
+    o.q[j] = uint8_t(kIQ4NLValues[blk[2 + j] & 15] + 128);
+    o.q[j + 16] = uint8_t(kIQ4NLValues[blk[2 + j] >> 4] + 128);
+  }
+}
+
+// Q4_1 / Q5_1 (five) block b of `row`: 4- or 5-bit codes, scale d and minimum −m (the file stores m).
+inline void decode_q4_q5_1(const uint8_t* row, int64_t b, bool five, QuantBlock& o) {
+  const uint8_t* blk = row + size_t(b) * (five ? sizeof(BlockQ5_1) : sizeof(BlockQ4_1));
+  o.a[0] = o.a[1] = half_at(blk), o.m[0] = o.m[1] = -half_at(blk + 2);
+  unpack_q4_q5(blk + (five ? 8 : 4), five ? blk + 4 : nullptr, o.q);
+}
+
+// Q4_K / Q5_K (five) sub-block b (of 32 weights; 8 per super-block) of `row`: d·sc and dmin·m.
+inline void decode_q45_k(const uint8_t* row, int64_t b, bool five, QuantBlock& o) {
+  const uint8_t* blk = row + size_t(b / 8) * (five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K));
+  const int j = int(b % 8);
+  int sc, m;
+  k_quant_scale_min(j, blk + 4, &sc, &m);
+  o.a[0] = o.a[1] = half_at(blk) * float(sc), o.m[0] = o.m[1] = half_at(blk + 2) * float(m);
+  const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
+  for (int l = 0; l < 32; ++l) {
+    int v = (qs[l] >> (4 * (j % 2))) & 15;
+    if (five) v |= ((blk[16 + l] >> j) & 1) << 4;
+    o.q[l] = uint8_t(v);
+  }
+}
+
+// Q2_K sub-block b (of 32 weights; 8 per super-block) of `row`: 2-bit codes, a scale and a minimum per 16.
+inline void decode_q2_k(const uint8_t* row, int64_t b, QuantBlock& o) {  // formats/quant.h has the layout
+  const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ2_K);
+  const int j = int(b % 8);
+  const float d = half_at(blk + 80), dmin = half_at(blk + 82);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t sc = blk[2 * j + half];
+    o.a[half] = d * float(sc & 15), o.m[half] = dmin * float(sc >> 4);
+  }
+  for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(k_crumb(blk + 16, j, l));
+}
+
+// Q3_K sub-block b (of 32 weights; 8 per super-block) of `row`: 3-bit codes, offset 4, a scale per 16.
+inline void decode_q3_k(const uint8_t* row, int64_t b, QuantBlock& o) {  // formats/quant.h has the layout
+  const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ3_K);
+  const int j = int(b % 8);
+  const float d = half_at(blk + 108);
+  for (int half = 0; half < 2; ++half) o.a[half] = d * float(q3_k_scale(blk + 96, 2 * j + half) - 32);
+  o.offset = 4;
+  for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(k_crumb(blk + 32, j, l) | ((blk[l] >> j) & 1) << 2);
+}
+
+// Q6_K sub-block b (of 32 weights; 8 per super-block) of `row`: 6-bit codes, offset 32, an int8 scale per 16.
+inline void decode_q6_k(const uint8_t* row, int64_t b, QuantBlock& o) {
+  const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ6_K);
+  const int j = int(b % 8);
+  const float d = half_at(blk + 208);
+  const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+  o.a[0] = d * float(scales[2 * j]), o.a[1] = d * float(scales[2 * j + 1]), o.offset = 32;
+  for (int l = 0; l < 32; ++l) {
+    const int w = 32 * j + l, h = w / 128, r = w % 128;
+    const int lo = (blk[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+    const int hi = (blk[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
+    o.q[l] = uint8_t(lo | hi << 4);
+  }
+}
+
 }  // namespace
 
 bool is_quantized(DType t) { return t != DType::F32 && t != DType::F16 && t != DType::BF16; }
@@ -510,84 +593,14 @@ void decode_quant_block(DType t, const uint8_t* row, int64_t b, QuantBlock& o) {
   o.m[0] = o.m[1] = 0.0f;
   o.offset = 0;
   switch (t) {
-    case DType::Q8_0: {
-      const uint8_t* blk = row + size_t(b) * sizeof(BlockQ8_0);
-      o.a[0] = o.a[1] = half_at(blk), o.offset = 128;
-      for (int i = 0; i < QK; ++i) o.q[i] = uint8_t(blk[2 + i] ^ 0x80);
-      return;
-    }
-    case DType::Q4_0: case DType::Q5_0: {
-      const bool five = t == DType::Q5_0;
-      const uint8_t* blk = row + size_t(b) * (five ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0));
-      o.a[0] = o.a[1] = half_at(blk), o.offset = five ? 16 : 8;
-      unpack_q4_q5(blk + (five ? 6 : 2), five ? blk + 2 : nullptr, o.q);
-      return;
-    }
-    case DType::IQ4_NL: {
-      const uint8_t* blk = row + size_t(b) * sizeof(BlockIQ4_NL);
-      o.a[0] = o.a[1] = half_at(blk), o.offset = 128;
-      for (int j = 0; j < 16; ++j) {
-        o.q[j] = uint8_t(kIQ4NLValues[blk[2 + j] & 15] + 128);
-        o.q[j + 16] = uint8_t(kIQ4NLValues[blk[2 + j] >> 4] + 128);
-      }
-      return;
-    }
-    case DType::Q4_1: case DType::Q5_1: {
-      const bool five = t == DType::Q5_1;
-      const uint8_t* blk = row + size_t(b) * (five ? sizeof(BlockQ5_1) : sizeof(BlockQ4_1));
-      o.a[0] = o.a[1] = half_at(blk), o.m[0] = o.m[1] = -half_at(blk + 2);
-      unpack_q4_q5(blk + (five ? 8 : 4), five ? blk + 4 : nullptr, o.q);
-      return;
-    }
-    case DType::Q4_K: case DType::Q5_K: {
-      const bool five = t == DType::Q5_K;
-      const uint8_t* blk = row + size_t(b / 8) * (five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K));
-      const int j = int(b % 8);
-      int sc, m;
-      k_quant_scale_min(j, blk + 4, &sc, &m);
-      o.a[0] = o.a[1] = half_at(blk) * float(sc), o.m[0] = o.m[1] = half_at(blk + 2) * float(m);
-      const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
-      for (int l = 0; l < 32; ++l) {
-        int v = (qs[l] >> (4 * (j % 2))) & 15;
-        if (five) v |= ((blk[16 + l] >> j) & 1) << 4;
-        o.q[l] = uint8_t(v);
-      }
-      return;
-    }
-    case DType::Q2_K: {  // formats/quant.h has the layout
-      const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ2_K);
-      const int j = int(b % 8);
-      const float d = half_at(blk + 80), dmin = half_at(blk + 82);
-      for (int half = 0; half < 2; ++half) {
-        const uint8_t sc = blk[2 * j + half];
-        o.a[half] = d * float(sc & 15), o.m[half] = dmin * float(sc >> 4);
-      }
-      for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(k_crumb(blk + 16, j, l));
-      return;
-    }
-    case DType::Q3_K: {  // formats/quant.h has the layout
-      const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ3_K);
-      const int j = int(b % 8);
-      const float d = half_at(blk + 108);
-      for (int half = 0; half < 2; ++half) o.a[half] = d * float(q3_k_scale(blk + 96, 2 * j + half) - 32);
-      o.offset = 4;
-      for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(k_crumb(blk + 32, j, l) | ((blk[l] >> j) & 1) << 2);
-      return;
-    }
-    case DType::Q6_K: {
-      const uint8_t* blk = row + size_t(b / 8) * sizeof(BlockQ6_K);
-      const int j = int(b % 8);
-      const float d = half_at(blk + 208);
-      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
-      o.a[0] = d * float(scales[2 * j]), o.a[1] = d * float(scales[2 * j + 1]), o.offset = 32;
-      for (int l = 0; l < 32; ++l) {
-        const int w = 32 * j + l, h = w / 128, r = w % 128;
-        const int lo = (blk[64 * h + r % 64] >> (4 * (r / 64))) & 15;
-        const int hi = (blk[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
-        o.q[l] = uint8_t(lo | hi << 4);
-      }
-      return;
-    }
+    case DType::Q8_0: decode_q8_0(row, b, o); return;
+    case DType::Q4_0: case DType::Q5_0: decode_q4_q5_0(row, b, t == DType::Q5_0, o); return;
+    case DType::IQ4_NL: decode_iq4_nl(row, b, o); return;
+    case DType::Q4_1: case DType::Q5_1: decode_q4_q5_1(row, b, t == DType::Q5_1, o); return;
+    case DType::Q4_K: case DType::Q5_K: decode_q45_k(row, b, t == DType::Q5_K, o); return;
+    case DType::Q2_K: decode_q2_k(row, b, o); return;
+    case DType::Q3_K: decode_q3_k(row, b, o); return;
+    case DType::Q6_K: decode_q6_k(row, b, o); return;
     default: return;
   }
 }

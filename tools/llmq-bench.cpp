@@ -75,6 +75,15 @@ void measure(SessionBase& s, const std::vector<int32_t>& prompt, int64_t n_gen, 
   best.decode_s = std::min(best.decode_s, std::chrono::duration<double>(clock::now() - t0).count());
 }
 
+// n token ids drawn uniformly from [0, vocab) by a generator seeded with 1234: the same prompt every run.
+std::vector<int32_t> random_prompt(int64_t n, int64_t vocab) {
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int32_t> pick(0, int32_t(vocab - 1));
+  std::vector<int32_t> prompt(static_cast<size_t>(n));
+  for (auto& t : prompt) t = pick(rng);
+  return prompt;
+}
+
 #ifdef LLMQ_HAVE_CUDA
 // --device cuda: the model (`model`, or random weights of `type` with config c) on GPU 0.
 // --profile: one prefill of `prompt` and n_gen greedy steps, timed per op class with CUDA events
@@ -148,18 +157,11 @@ nlohmann::json bench_cuda_batch(const cuda::CudaModel& dm, int64_t batch, int64_
   return j;
 }
 
-nlohmann::json bench_cuda(const Model* model, const ModelConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps,
-                          bool profile, int64_t batch) {
+// Best prefill and decode times (s) of `reps` rounds after a warm-up: prefill of `prompt`, then n_gen greedy steps.
+Speed time_cuda(cuda::CudaSession& s, const std::vector<int32_t>& prompt, int64_t n_gen, int reps) {
   using clock = std::chrono::steady_clock;
-  cuda::check(cudaSetDevice(0), "cudaSetDevice");
-  std::unique_ptr<cuda::CudaModel> dm =
-      model ? std::make_unique<cuda::CudaModel>(*model, true) : std::make_unique<cuda::CudaModel>(c, type, 1234);
-  cuda::CudaSession s(*dm, model, n_prompt + n_gen, n_prompt, 1);
-  std::mt19937 rng(1234);
-  std::uniform_int_distribution<int32_t> pick(0, int32_t(c.vocab_size - 1));
-  std::vector<int32_t> prompt(static_cast<size_t>(n_prompt));
-  for (auto& t : prompt) t = pick(rng);
-  double prefill_s = 1e30, decode_s = 1e30;
+  const auto n_prompt = int64_t(prompt.size());
+  Speed best;
   for (int r = 0; r < reps + 1; ++r) {  // the first is a warm-up (graph capture, cuBLAS heuristics)
     s.reset();
     auto t0 = clock::now();
@@ -169,21 +171,43 @@ nlohmann::json bench_cuda(const Model* model, const ModelConfig& c, DType type, 
     int32_t tok = prompt.back();
     for (int64_t i = 0; i < n_gen; ++i) tok = s.decode_greedy(tok);
     const double td = std::chrono::duration<double>(clock::now() - t0).count();
-    if (r > 0) prefill_s = std::min(prefill_s, tp), decode_s = std::min(decode_s, td);
+    if (r > 0) best.prefill_s = std::min(best.prefill_s, tp), best.decode_s = std::min(best.decode_s, td);
   }
+  return best;
+}
+
+// The mean bytes a decode step reads over n_gen steps after an n_prompt-token prompt on the GPU model dm.
+double cuda_decode_bytes(const cuda::CudaModel& dm, const ModelConfig& c, int64_t n_prompt, int64_t n_gen) {
   // Bytes a decode step reads: every weight but the embedding table (one row of it, unless the
   // output is the table), and K and V of positions 0 .. p in every layer (fp16).
-  const auto& e = dm->token_embd;
+  const auto& e = dm.token_embd;
   const uint64_t embd = cuda::split_weight_bytes(e.type, e.rows, e.cols);
-  const double weights = double(dm->weight_bytes()) - (c.tied_embeddings ? 0.0 : double(embd) - double(embd / uint64_t(e.rows)));
+  const double weights = double(dm.weight_bytes()) - (c.tied_embeddings ? 0.0 : double(embd) - double(embd / uint64_t(e.rows)));
   double kv = 0;
   for (int64_t i = 0; i < n_gen; ++i) kv += double(c.n_layers) * 2.0 * double(n_prompt + i + 1) * double(c.kv_dim()) * 2.0;
-  const double decode_bytes = weights + kv / double(n_gen);
+  return weights + kv / double(n_gen);
+}
+
+// The FLOPs of one prefill of n_prompt tokens (matrices and attention).
+double cuda_prefill_flops(const ModelConfig& c, int64_t n_prompt) {
   // Prefill arithmetic: 2 FLOP per matrix weight and token, attention 4 (p + 1) q_dim per layer and token.
   const double matrix_weights = double(c.n_layers) * double(c.dim) * double(2 * c.q_dim() + 2 * c.kv_dim() + 3 * c.hidden_dim) +
                                 double(c.vocab_size) * double(c.dim) / double(n_prompt);  // output: the last token only
-  const double prefill_flops = 2.0 * matrix_weights * double(n_prompt) +
-                               4.0 * double(c.q_dim()) * double(c.n_layers) * double(n_prompt) * double(n_prompt + 1) / 2.0;
+  return 2.0 * matrix_weights * double(n_prompt) +
+         4.0 * double(c.q_dim()) * double(c.n_layers) * double(n_prompt) * double(n_prompt + 1) / 2.0;
+}
+
+nlohmann::json bench_cuda(const Model* model, const ModelConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps,
+                          bool profile, int64_t batch) {
+  cuda::check(cudaSetDevice(0), "cudaSetDevice");
+  std::unique_ptr<cuda::CudaModel> dm =
+      model ? std::make_unique<cuda::CudaModel>(*model, true) : std::make_unique<cuda::CudaModel>(c, type, 1234);
+  cuda::CudaSession s(*dm, model, n_prompt + n_gen, n_prompt, 1);
+  const std::vector<int32_t> prompt = random_prompt(n_prompt, c.vocab_size);
+  const Speed best = time_cuda(s, prompt, n_gen, reps);
+  const double prefill_s = best.prefill_s, decode_s = best.decode_s;
+  const double decode_bytes = cuda_decode_bytes(*dm, c, n_prompt, n_gen);
+  const double prefill_flops = cuda_prefill_flops(c, n_prompt);
   const double copy_bw = cuda::measure_copy_bandwidth();
   const double gemm = cuda::measure_cublas_bf16_flops(c.hidden_dim, n_prompt, c.dim);
   nlohmann::json j;
@@ -389,6 +413,32 @@ nlohmann::json bench_all_reduce(MpiComm& c) {
   return out;
 }
 
+// The CPU run's model, weight type and bytes, threads, kernels, --tp, KV type and the best prefill and decode tok/s as JSON;
+// all_reduce: the group's all-reduce figures (bench_all_reduce) under mpirun, else null.
+nlohmann::json cpu_speed_report(const Model& model, const BenchOptions& o, int total_threads, const nlohmann::json* all_reduce,
+                                KvType kv_type, const Speed& best) {
+  nlohmann::json j;
+  j["model"] = o.model_path;
+  j["type"] = model.weight_type();
+  j["weight_bytes"] = model.weight_bytes();
+  j["threads"] = total_threads;
+  j["device"] = "cpu";
+  j["cpu_kernels"] = cpu_kernels_name();  // scalar | avx2 | avx512 (LLMQ_CPU overrides)
+  j["tp"] = o.tp;
+  if (all_reduce) {
+    j["tp_processes"] = true;  // the ranks below: this process's (rank 0) only
+    j["all_reduce"] = *all_reduce;
+    j["all_reduce_algorithm"] = "MPI, rank-order sum: MPI_Allgather up to " + std::to_string(kAllgatherBytes) +
+                                " bytes, else MPI_Alltoallv + MPI_Allgatherv (engine/parallel/comm_mpi.h)";
+  }
+  j["kv_type"] = kv_type_name(kv_type);
+  j["prompt_tokens"] = o.n_prompt;
+  j["gen_tokens"] = o.n_gen;
+  j["prefill_tok_s"] = double(o.n_prompt) / best.prefill_s;
+  j["decode_tok_s"] = double(o.n_gen) / best.decode_s;
+  return j;
+}
+
 // --device cpu: TP=1, N rank threads, or (under mpirun, `group`) this process's rank of an MPI
 // job; with N > 1 also TP=1 at the same total thread count, interleaved.
 int run_cpu(const BenchOptions& o, MpiComm* group) {
@@ -418,35 +468,14 @@ int run_cpu(const BenchOptions& o, MpiComm* group) {
   const KvType kv_type = ro.kv_type;
   SessionBase& s = runner->session();
   SessionBase* bs = base ? &base->session() : nullptr;
-  std::mt19937 rng(1234);
-  std::uniform_int_distribution<int32_t> pick(0, int32_t(model->config.vocab_size - 1));
-  std::vector<int32_t> prompt(static_cast<size_t>(o.n_prompt));
-  for (auto& t : prompt) t = pick(rng);
+  const std::vector<int32_t> prompt = random_prompt(o.n_prompt, model->config.vocab_size);
 
   Speed best, best_base;
   for (int r = 0; r < o.reps; ++r) {  // interleaved, so a busy spell of a shared machine hits both
     if (bs) measure(*bs, prompt, o.n_gen, best_base);
     measure(s, prompt, o.n_gen, best);
   }
-  nlohmann::json j;
-  j["model"] = o.model_path;
-  j["type"] = model->weight_type();
-  j["weight_bytes"] = model->weight_bytes();
-  j["threads"] = total_threads;
-  j["device"] = "cpu";
-  j["cpu_kernels"] = cpu_kernels_name();  // scalar | avx2 | avx512 (LLMQ_CPU overrides)
-  j["tp"] = o.tp;
-  if (group) {
-    j["tp_processes"] = true;  // the ranks below: this process's (rank 0) only
-    j["all_reduce"] = all_reduce;
-    j["all_reduce_algorithm"] = "MPI, rank-order sum: MPI_Allgather up to " + std::to_string(kAllgatherBytes) +
-                                " bytes, else MPI_Alltoallv + MPI_Allgatherv (engine/parallel/comm_mpi.h)";
-  }
-  j["kv_type"] = kv_type_name(kv_type);
-  j["prompt_tokens"] = o.n_prompt;
-  j["gen_tokens"] = o.n_gen;
-  j["prefill_tok_s"] = double(o.n_prompt) / best.prefill_s;
-  j["decode_tok_s"] = double(o.n_gen) / best.decode_s;
+  nlohmann::json j = cpu_speed_report(*model, o, total_threads, group ? &all_reduce : nullptr, kv_type, best);
   if (o.tp > 1 && ranks) tp_report(j, *ranks, s, bs ? &best_base : nullptr, best, o);
   j["cpu_model"] = cpu_model_name();
   j["peak_rss_bytes"] = cli::peak_rss_bytes();  // before the bandwidth buffer

@@ -15,6 +15,46 @@
 
 using namespace llmq;
 
+namespace {
+
+// --type (a dtype or a K-quant mix; empty: as in the source) and the --tensor-type PATTERN=TYPE overrides as options.
+ConvertOptions type_options(const std::string& type_name, const std::vector<std::string>& overrides) {
+  ConvertOptions opts;
+  if (!type_name.empty()) {
+    opts.mix = quant_mix_from_name(type_name);
+    if (!opts.mix) opts.type = dtype_from_name(type_name);
+  }
+  for (const std::string& o : overrides) {
+    const size_t eq = o.rfind('=');
+    if (eq == std::string::npos || eq == 0) throw UsageError("--tensor-type expects PATTERN=TYPE, got '" + o + "'");
+    opts.overrides.emplace_back(o.substr(0, eq), dtype_from_name(o.substr(eq + 1)));
+  }
+  return opts;
+}
+
+// The report of convert_to_llmq on stderr (written to `output`): a table of tensors (type, bytes, relative RMS error), then a closing line.
+void print_summary(const ConvertReport& rep, const std::string& output) {
+  // Summary: per tensor, then per type, then totals.
+  std::map<std::string, int> per_type;
+  std::fprintf(stderr, "%-28s %-6s %12s %10s\n", "tensor", "type", "bytes", "rel.rms");
+  for (const auto& t : rep.tensors) {
+    std::fprintf(stderr, "%-28s %-6s %12llu %10.3g%s\n", t.name.c_str(), dtype_name(t.type), (unsigned long long)t.bytes,
+                 t.rel_rms_error, t.fell_back ? "  (row length not a multiple of 32: stored as f16)" : "");
+    ++per_type[dtype_name(t.type)];
+  }
+  std::string types;
+  for (const auto& [name, n] : per_type) types += (types.empty() ? "" : ", ") + std::to_string(n) + " " + name;
+  int fallbacks = 0;
+  for (const auto& t : rep.tensors) fallbacks += t.fell_back;
+  std::fprintf(stderr, "wrote %s: %zu tensors (%s), %s, %.3f bits per weight", output.c_str(), rep.tensors.size(),
+               types.c_str(), cli::human_bytes(rep.file_bytes).c_str(),
+               8.0 * double(rep.weight_bytes) / double(rep.weights));
+  if (fallbacks) std::fprintf(stderr, "; %d tensor(s) fell back to f16", fallbacks);
+  std::fprintf(stderr, "\n");
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"llmq-convert: convert a checkpoint to the .llmq format"};
   std::string input, output, tokenizer, type_name;
@@ -35,16 +75,7 @@ int main(int argc, char** argv) {
   LLMQ_CLI_PARSE(app, argc, argv);
 
   return cli::run_guarded("llmq-convert", [&] {
-    ConvertOptions opts;
-    if (!type_name.empty()) {
-      opts.mix = quant_mix_from_name(type_name);
-      if (!opts.mix) opts.type = dtype_from_name(type_name);
-    }
-    for (const std::string& o : overrides) {
-      const size_t eq = o.rfind('=');
-      if (eq == std::string::npos || eq == 0) throw UsageError("--tensor-type expects PATTERN=TYPE, got '" + o + "'");
-      opts.overrides.emplace_back(o.substr(0, eq), dtype_from_name(o.substr(eq + 1)));
-    }
+    ConvertOptions opts = type_options(type_name, overrides);
     opts.overwrite = force;
     opts.progress = !no_progress && isatty(STDERR_FILENO);
     opts.source_path = input;
@@ -62,24 +93,7 @@ int main(int argc, char** argv) {
                  src.format.c_str(), (long long)src.config.dim, (long long)src.config.n_layers,
                  (long long)src.config.n_heads, (long long)src.config.n_kv_heads, (long long)src.config.vocab_size);
     const ConvertReport rep = convert_to_llmq(src, src.vocab, output, opts);
-
-    // Summary: per tensor, then per type, then totals.
-    std::map<std::string, int> per_type;
-    std::fprintf(stderr, "%-28s %-6s %12s %10s\n", "tensor", "type", "bytes", "rel.rms");
-    for (const auto& t : rep.tensors) {
-      std::fprintf(stderr, "%-28s %-6s %12llu %10.3g%s\n", t.name.c_str(), dtype_name(t.type), (unsigned long long)t.bytes,
-                   t.rel_rms_error, t.fell_back ? "  (row length not a multiple of 32: stored as f16)" : "");
-      ++per_type[dtype_name(t.type)];
-    }
-    std::string types;
-    for (const auto& [name, n] : per_type) types += (types.empty() ? "" : ", ") + std::to_string(n) + " " + name;
-    int fallbacks = 0;
-    for (const auto& t : rep.tensors) fallbacks += t.fell_back;
-    std::fprintf(stderr, "wrote %s: %zu tensors (%s), %s, %.3f bits per weight", output.c_str(), rep.tensors.size(),
-                 types.c_str(), cli::human_bytes(rep.file_bytes).c_str(),
-                 8.0 * double(rep.weight_bytes) / double(rep.weights));
-    if (fallbacks) std::fprintf(stderr, "; %d tensor(s) fell back to f16", fallbacks);
-    std::fprintf(stderr, "\n");
+    print_summary(rep, output);
     return 0;
   });
 }

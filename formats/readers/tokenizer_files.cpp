@@ -207,6 +207,62 @@ ProtoSummary summarize_model_proto(const std::string& path, std::string_view pro
   return s;
 }
 
+// One llama2.c token record at the cursor (f32 score, i32 length, the bytes) appended to v:
+// the piece with spaces as U+2581, its score; the length checked against the header's max_len.
+void read_llama2c_token(Cursor& cur, const std::string& path, int32_t max_len, Vocab& v) {
+  const size_t id = v.tokens.size();
+  const size_t at = cur.pos();
+  const float score = cur.f32("token score");
+  const int32_t len = cur.i32("token length");
+  if (len < 0)
+    throw FileError(path, fmt::format("token {} (offset {}) has a negative length {}", id, at, len));
+  if (len > kMaxPieceBytes)
+    throw FileError(path, fmt::format("token {} (offset {}) has an absurd length {} (over 1 MiB)",
+                                      id, at, len));
+  if (static_cast<size_t>(len) > cur.left())
+    throw FileError(path, fmt::format("truncated: token {} (offset {}) has length {}, but only {} "
+                                      "bytes are left", id, at, len, cur.left()));
+  if (len > max_len)
+    throw FileError(path, fmt::format("token {} (offset {}) has length {}, above the header's "
+                                      "max_token_length {}", id, at, len, max_len));
+  if (std::isnan(score)) throw FileError(path, fmt::format("token {} has a NaN score", id));
+  const std::string_view raw = cur.bytes(static_cast<size_t>(len), "token bytes");
+  v.tokens.push_back(spaces_to_mark(raw));
+  v.scores.push_back(score);
+}
+
+// v.types for a llama2.c vocabulary: id 0 unknown, 1 and 2 control, "<0xNN>" pieces byte, the rest normal.
+void set_llama2c_types(Vocab& v) {
+  v.types.resize(v.tokens.size());
+  for (size_t i = 0; i < v.tokens.size(); ++i) {
+    TokenType t = TokenType::Normal;
+    if (i == 0)
+      t = TokenType::Unknown;
+    else if (i == 1 || i == 2)
+      t = TokenType::Control;
+    else if (is_byte_piece(v.tokens[i]))
+      t = TokenType::Byte;
+    v.types[i] = static_cast<int32_t>(t);
+  }
+}
+
+// Piece i's type: the library's unknown / control / byte / unused flags, else the ModelProto's
+// USER_DEFINED, else normal.
+TokenType sentencepiece_piece_type(const sentencepiece::SentencePieceProcessor& sp, const ProtoSummary& proto, int i) {
+  TokenType t = TokenType::Normal;
+  if (sp.IsUnknown(i))
+    t = TokenType::Unknown;
+  else if (sp.IsControl(i))
+    t = TokenType::Control;
+  else if (sp.IsByte(i))
+    t = TokenType::Byte;
+  else if (sp.IsUnused(i))
+    t = TokenType::Unused;
+  else if (proto.piece_types[static_cast<size_t>(i)] == static_cast<int32_t>(TokenType::UserDefined))
+    t = TokenType::UserDefined;
+  return t;
+}
+
 }  // namespace
 
 Vocab read_llama2c_tokenizer(const std::string& path, int32_t expected_vocab) {
@@ -230,27 +286,8 @@ Vocab read_llama2c_tokenizer(const std::string& path, int32_t expected_vocab) {
     v.scores.reserve(static_cast<size_t>(expected_vocab));
   }
 
-  while (expected_vocab < 0 ? !cur.at_end() : v.tokens.size() < static_cast<size_t>(expected_vocab)) {
-    const size_t id = v.tokens.size();
-    const size_t at = cur.pos();
-    const float score = cur.f32("token score");
-    const int32_t len = cur.i32("token length");
-    if (len < 0)
-      throw FileError(path, fmt::format("token {} (offset {}) has a negative length {}", id, at, len));
-    if (len > kMaxPieceBytes)
-      throw FileError(path, fmt::format("token {} (offset {}) has an absurd length {} (over 1 MiB)",
-                                        id, at, len));
-    if (static_cast<size_t>(len) > cur.left())
-      throw FileError(path, fmt::format("truncated: token {} (offset {}) has length {}, but only {} "
-                                        "bytes are left", id, at, len, cur.left()));
-    if (len > max_len)
-      throw FileError(path, fmt::format("token {} (offset {}) has length {}, above the header's "
-                                        "max_token_length {}", id, at, len, max_len));
-    if (std::isnan(score)) throw FileError(path, fmt::format("token {} has a NaN score", id));
-    const std::string_view raw = cur.bytes(static_cast<size_t>(len), "token bytes");
-    v.tokens.push_back(spaces_to_mark(raw));
-    v.scores.push_back(score);
-  }
+  while (expected_vocab < 0 ? !cur.at_end() : v.tokens.size() < static_cast<size_t>(expected_vocab))
+    read_llama2c_token(cur, path, max_len, v);
 
   if (expected_vocab >= 0 && !cur.at_end())
     throw FileError(path, fmt::format("{} bytes left after the expected {} tokens: the file holds more "
@@ -264,17 +301,7 @@ Vocab read_llama2c_tokenizer(const std::string& path, int32_t expected_vocab) {
   if (v.tokens[1] == "\n<s>\n") v.tokens[1] = "<s>";
   if (v.tokens[2] == "\n</s>\n") v.tokens[2] = "</s>";
 
-  v.types.resize(v.tokens.size());
-  for (size_t i = 0; i < v.tokens.size(); ++i) {
-    TokenType t = TokenType::Normal;
-    if (i == 0)
-      t = TokenType::Unknown;
-    else if (i == 1 || i == 2)
-      t = TokenType::Control;
-    else if (is_byte_piece(v.tokens[i]))
-      t = TokenType::Byte;
-    v.types[i] = static_cast<int32_t>(t);
-  }
+  set_llama2c_types(v);
   v.unk_id = 0;
   v.bos_id = 1;
   v.eos_id = 2;
@@ -316,17 +343,7 @@ Vocab read_sentencepiece_model(const std::string& path) {
   v.scores.reserve(static_cast<size_t>(n));
   v.types.reserve(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
-    TokenType t = TokenType::Normal;
-    if (sp.IsUnknown(i))
-      t = TokenType::Unknown;
-    else if (sp.IsControl(i))
-      t = TokenType::Control;
-    else if (sp.IsByte(i))
-      t = TokenType::Byte;
-    else if (sp.IsUnused(i))
-      t = TokenType::Unused;
-    else if (proto.piece_types[static_cast<size_t>(i)] == static_cast<int32_t>(TokenType::UserDefined))
-      t = TokenType::UserDefined;
+    const TokenType t = sentencepiece_piece_type(sp, proto, i);
     const float score = sp.GetScore(i);
     if (std::isnan(score)) throw FileError(path, fmt::format("piece {} has a NaN score", i));
     v.tokens.push_back(sp.IdToPiece(i));
