@@ -85,9 +85,6 @@ std::vector<int32_t> random_prompt(int64_t n, int64_t vocab) {
 }
 
 #ifdef LLMQ_HAVE_CUDA
-// --device cuda: the model (`model`, or random weights of `type` with config c) on GPU 0.
-// --profile: one prefill of `prompt` and n_gen greedy steps, timed per op class with CUDA events
-// (ungraphed); milliseconds for the prefill, microseconds per decode step.
 // A profile's time per op class, each times `scale` (1: ms; 1e3 / n: us per step of n), and their "total".
 nlohmann::json op_times(const cuda::OpProfile& prof, double scale) {
   nlohmann::json j = nlohmann::json::object();
@@ -197,6 +194,9 @@ double cuda_prefill_flops(const ModelConfig& c, int64_t n_prompt) {
          4.0 * double(c.q_dim()) * double(c.n_layers) * double(n_prompt) * double(n_prompt + 1) / 2.0;
 }
 
+// --device cuda: the model (`model`, or random weights of `type` with config c) on GPU 0.
+// --profile: one prefill of `prompt` and n_gen greedy steps, timed per op class with CUDA events
+// (ungraphed); milliseconds for the prefill, microseconds per decode step.
 nlohmann::json bench_cuda(const Model* model, const ModelConfig& c, DType type, int64_t n_prompt, int64_t n_gen, int reps,
                           bool profile, int64_t batch) {
   cuda::check(cudaSetDevice(0), "cudaSetDevice");

@@ -574,6 +574,52 @@ __device__ __forceinline__ void fa_load_tile(const AttnArgs& a, __half* Ks, __ha
   }
 }
 
+// Q's mma fragments for query tokens r0 and r1 (rows g and g + 8 of the warp's 16) of head h,
+// scaled into log2 units (scale · log2 e) and rounded to fp16; rows past a.T are zero.
+template <int HD>
+__device__ __forceinline__ void fa_load_q(uint32_t (&qf)[HD / 16][4], const AttnArgs& a, int h, int r0, int r1, int c) {
+  const float qs = a.scale * 1.44269504088896340736f;
+  auto qv = [&](int r, int k) { return r < a.T ? a.q[int64_t(r) * a.ldq + int64_t(h) * HD + k] * qs : 0.0f; };
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const int k = 16 * kk + 2 * c;
+    qf[kk][0] = pack_half2(qv(r0, k), qv(r0, k + 1)), qf[kk][1] = pack_half2(qv(r1, k), qv(r1, k + 1));
+    qf[kk][2] = pack_half2(qv(r0, k + 8), qv(r0, k + 9)), qf[kk][3] = pack_half2(qv(r1, k + 8), qv(r1, k + 9));
+  }
+}
+
+// The causal mask (positions after a token's own are -inf) on a tile starting at position p0,
+// and the two rows' maxima over the tile, shared across the 4 lanes of a row.
+__device__ __forceinline__ void fa_causal_max(float (&sc)[kFaCols / 8][4], int p0, int pos0, int pos1, int c, float& mx0, float& mx1) {
+#pragma unroll
+  for (int n = 0; n < kFaCols / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int p = p0 + 8 * n + 2 * c + e;
+      if (p > pos0) sc[n][e] = -INFINITY;
+      if (p > pos1) sc[n][2 + e] = -INFINITY;
+      mx0 = fmaxf(mx0, sc[n][e]), mx1 = fmaxf(mx1, sc[n][2 + e]);
+    }
+#pragma unroll
+  for (int o2 = 1; o2 <= 2; o2 <<= 1)
+    mx0 = fmaxf(mx0, __shfl_xor_sync(kFullMask, mx0, o2)), mx1 = fmaxf(mx1, __shfl_xor_sync(kFullMask, mx1, o2));
+}
+
+// The rows' sums l0 / l1 shared across the row's 4 lanes, and O / l written for query tokens r0
+// and r1 (those below a.T) of head h.
+template <int HD>
+__device__ __forceinline__ void fa_store(const AttnArgs& a, const float (&o)[HD / 8][4], float l0, float l1, int h, int r0, int r1, int c) {
+#pragma unroll
+  for (int o2 = 1; o2 <= 2; o2 <<= 1) l0 += __shfl_xor_sync(kFullMask, l0, o2), l1 += __shfl_xor_sync(kFullMask, l1, o2);
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    const int col = h * HD + 8 * n + 2 * c;
+    if (r0 < a.T) *reinterpret_cast<float2*>(a.out + int64_t(r0) * a.ldo + col) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
+    if (r1 < a.T) *reinterpret_cast<float2*>(a.out + int64_t(r1) * a.ldo + col) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
+  }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
   pdl_begin();
@@ -588,16 +634,8 @@ __global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) wtop = max(wtop, __shfl_xor_sync(kFullMask, wtop, o));
   if (lane == 0) warp_top[warp] = wtop;
-  // Q's fragments, scaled into log2 units.
-  const float qs = a.scale * 1.44269504088896340736f;
-  auto qv = [&](int r, int k) { return r < a.T ? a.q[int64_t(r) * a.ldq + int64_t(h) * HD + k] * qs : 0.0f; };
   uint32_t qf[KS][4];
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-    const int k = 16 * kk + 2 * c;
-    qf[kk][0] = pack_half2(qv(r0, k), qv(r0, k + 1)), qf[kk][1] = pack_half2(qv(r1, k), qv(r1, k + 1));
-    qf[kk][2] = pack_half2(qv(r0, k + 8), qv(r0, k + 9)), qf[kk][3] = pack_half2(qv(r1, k + 8), qv(r1, k + 9));
-  }
+  fa_load_q<HD>(qf, a, h, r0, r1, c);
   __syncthreads();
   const int top = max(max(warp_top[0], warp_top[1]), max(warp_top[2], warp_top[3])) + 1;  // positions 0 .. top-1
   float o[NO][4];
@@ -631,18 +669,7 @@ __global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
           mma_f16(sc[n], qf[kk], b);
         }
       float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < NS; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int p = p0 + 8 * n + 2 * c + e;
-          if (p > pos0) sc[n][e] = -INFINITY;
-          if (p > pos1) sc[n][2 + e] = -INFINITY;
-          mx0 = fmaxf(mx0, sc[n][e]), mx1 = fmaxf(mx1, sc[n][2 + e]);
-        }
-#pragma unroll
-      for (int o2 = 1; o2 <= 2; o2 <<= 1)
-        mx0 = fmaxf(mx0, __shfl_xor_sync(kFullMask, mx0, o2)), mx1 = fmaxf(mx1, __shfl_xor_sync(kFullMask, mx1, o2));
+      fa_causal_max(sc, p0, pos0, pos1, c, mx0, mx1);
       const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       const float mu0 = mn0 == -INFINITY ? 0.0f : mn0, mu1 = mn1 == -INFINITY ? 0.0f : mn1;  // a row with nothing visible yet
       const float cr0 = exp2f(m0 - mu0), cr1 = exp2f(m1 - mu1);
@@ -674,15 +701,7 @@ __global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
     __syncthreads();  // everyone is done with this stage before it is filled again
   }
   cp_async_wait<0>();
-#pragma unroll
-  for (int o2 = 1; o2 <= 2; o2 <<= 1) l0 += __shfl_xor_sync(kFullMask, l0, o2), l1 += __shfl_xor_sync(kFullMask, l1, o2);
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-#pragma unroll
-  for (int n = 0; n < NO; ++n) {
-    const int col = h * HD + 8 * n + 2 * c;
-    if (r0 < a.T) *reinterpret_cast<float2*>(a.out + int64_t(r0) * a.ldo + col) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
-    if (r1 < a.T) *reinterpret_cast<float2*>(a.out + int64_t(r1) * a.ldo + col) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
-  }
+  fa_store<HD>(a, o, l0, l1, h, r0, r1, c);
 }
 
 size_t prefill_smem(int64_t hd) { return size_t(4) * kFaCols * size_t(hd + kPad) * 2; }
