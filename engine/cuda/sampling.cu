@@ -70,20 +70,12 @@ __device__ int block_exclusive_scan(int v, int* buf) {
   return inclusive - v;
 }
 
-__global__ void __launch_bounds__(kTopKThreads) top_k_kernel(const float* __restrict__ x, int n, int k, int32_t* __restrict__ out_ids,
-                                                            float* __restrict__ out_vals) {
-  pdl_begin();
-  __shared__ int hist[256];
-  __shared__ int scan_buf[kTopKThreads];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_need;
-  __shared__ int cand_id[kMaxTopK];
-  __shared__ float cand_val[kMaxTopK];
+// Radix select over this thread's elements x[lo, hi), most significant digit first: the order key
+// of the block's k-th largest element (prefix) and how many of the elements equal to it belong to
+// the top k (need). hist, s_prefix and s_need are the block's shared memory.
+__device__ __forceinline__ void top_k_threshold(const float* __restrict__ x, int lo, int hi, int k, int* hist, uint32_t& s_prefix,
+                                                int& s_need, uint32_t& prefix_out, int& need_out) {
   const int tid = threadIdx.x, T = blockDim.x;
-  const int per = (n + T - 1) / T, lo = min(n, tid * per), hi = min(n, lo + per);  // contiguous: index order across threads
-
-  // Radix select, most significant digit first: the key of the k-th largest, and how many of the
-  // elements equal to it belong to the top k (need).
   uint32_t prefix = 0, mask = 0;
   int need = k;
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -106,8 +98,13 @@ __global__ void __launch_bounds__(kTopKThreads) top_k_kernel(const float* __rest
     __syncthreads();
     prefix = s_prefix, need = s_need, mask |= 255u << shift;
   }
-  // Gather: every element above the threshold (k - need of them), then the `need` lowest-index
-  // elements equal to it, each thread writing its own in index order after its prefix sums.
+  prefix_out = prefix, need_out = need;
+}
+
+// Gather: every element above the threshold (k - need of them), then the `need` lowest-index
+// elements equal to it, each thread writing its own in index order after its prefix sums.
+__device__ __forceinline__ void top_k_gather(const float* __restrict__ x, int lo, int hi, int k, uint32_t prefix, int need, int* scan_buf,
+                                             int* cand_id, float* cand_val) {
   int gt = 0, eq = 0;
   for (int i = lo; i < hi; ++i) {
     const uint32_t key = order_key(x[i]);
@@ -125,7 +122,11 @@ __global__ void __launch_bounds__(kTopKThreads) top_k_kernel(const float* __rest
       ++at_eq;
     }
   }
-  // Bitonic sort of the k candidates, padded to a power of two, into (value desc, index asc).
+}
+
+// Bitonic sort of the k candidates, padded to a power of two, into (value desc, index asc).
+__device__ __forceinline__ void top_k_sort(int k, int* cand_id, float* cand_val) {
+  const int tid = threadIdx.x, T = blockDim.x;
   int P = 1;
   while (P < k) P <<= 1;
   __syncthreads();
@@ -146,6 +147,24 @@ __global__ void __launch_bounds__(kTopKThreads) top_k_kernel(const float* __rest
       }
     }
   __syncthreads();
+}
+
+__global__ void __launch_bounds__(kTopKThreads) top_k_kernel(const float* __restrict__ x, int n, int k, int32_t* __restrict__ out_ids,
+                                                            float* __restrict__ out_vals) {
+  pdl_begin();
+  __shared__ int hist[256];
+  __shared__ int scan_buf[kTopKThreads];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_need;
+  __shared__ int cand_id[kMaxTopK];
+  __shared__ float cand_val[kMaxTopK];
+  const int tid = threadIdx.x, T = blockDim.x;
+  const int per = (n + T - 1) / T, lo = min(n, tid * per), hi = min(n, lo + per);  // contiguous: index order across threads
+  uint32_t prefix;
+  int need;
+  top_k_threshold(x, lo, hi, k, hist, s_prefix, s_need, prefix, need);
+  top_k_gather(x, lo, hi, k, prefix, need, scan_buf, cand_id, cand_val);
+  top_k_sort(k, cand_id, cand_val);
   for (int i = tid; i < k; i += T) out_ids[i] = cand_id[i], out_vals[i] = cand_val[i];
 }
 
