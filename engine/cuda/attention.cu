@@ -140,6 +140,25 @@ __device__ __forceinline__ void attn_tile_update(const __half* Ks, const __half*
   }
 }
 
+// A warp's result for token t, query head h: O / l into a.out when the positions are not split,
+// else O, m and l into split's slot of a.partial for the merge.
+__device__ __forceinline__ void attn_store_part(const AttnArgs& a, const float (&o)[kOut], float m, float l, int t, int h, int split, int lane,
+                                                int hd) {
+  if (a.n_splits == 1) {
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float* dst = a.out + int64_t(t) * a.ldo + int64_t(h) * hd;
+#pragma unroll
+    for (int i = 0; i < kOut; ++i)
+      if (lane + 32 * i < hd) dst[lane + 32 * i] = o[i] * inv;
+  } else {
+    float* dst = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * (hd + 2);
+#pragma unroll
+    for (int i = 0; i < kOut; ++i)
+      if (lane + 32 * i < hd) dst[lane + 32 * i] = o[i];
+    if (lane == 0) dst[hd] = m, dst[hd + 1] = l;
+  }
+}
+
 template <int TQ>
 __global__ void attention_kernel(AttnArgs a) {
   pdl_begin();
@@ -190,19 +209,7 @@ __global__ void attention_kernel(AttnArgs a) {
   }
   cp_async_wait<0>();
   if (!mine) return;  // after the last barrier
-  if (a.n_splits == 1) {
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    float* dst = a.out + int64_t(t) * a.ldo + int64_t(h) * hd;
-#pragma unroll
-    for (int i = 0; i < kOut; ++i)
-      if (lane + 32 * i < hd) dst[lane + 32 * i] = o[i] * inv;
-  } else {
-    float* dst = a.partial + ((int64_t(t) * a.n_heads + h) * a.n_splits + split) * (hd + 2);
-#pragma unroll
-    for (int i = 0; i < kOut; ++i)
-      if (lane + 32 * i < hd) dst[lane + 32 * i] = o[i];
-    if (lane == 0) dst[hd] = m, dst[hd + 1] = l;
-  }
+  attn_store_part(a, o, m, l, t, h, split, lane, hd);
 }
 
 // ---------------------------------------------------------------- decode, version 2
