@@ -26,6 +26,7 @@
 
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/cuda.h"
+#include "engine/cuda/gemv.cuh"
 #include "engine/cuda/matmul.h"
 #include "dev/cuda/lab.h"
 
@@ -44,39 +45,6 @@ __device__ __forceinline__ uint4 ldw(const uint4* p) {
     return v;
   } else {
     return __ldg(p);
-  }
-}
-
-// y rows row0 .. row0 + R - 1 for T tokens from each lane's partial sums: KS = 1, a warp sum;
-// else the W warps' sums added through shared memory.
-template <int R, int W, int T, int KS>
-__device__ __forceinline__ void store_rows(float (&acc)[R][T], float* __restrict__ y, int rows, int row0) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if constexpr (KS == 1) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = warp_sum(acc[r][t]);
-        if (lane == 0 && row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
-      }
-  } else {
-    __shared__ float part[W][R * T];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = warp_sum(acc[r][t]);
-        if (lane == 0) part[warp][r * T + t] = v;
-      }
-    __syncthreads();
-    if (threadIdx.x < R * T) {
-      float v = 0;
-#pragma unroll
-      for (int i = 0; i < W; ++i) v += part[i][threadIdx.x];
-      const int r = threadIdx.x / T, t = threadIdx.x % T;
-      if (row0 + r < rows) y[size_t(t) * rows + row0 + r] = v;
-    }
   }
 }
 
@@ -130,7 +98,7 @@ __global__ void __launch_bounds__(32 * W) gemv_lab(const uint8_t* __restrict__ w
       }
     }
   }
-  store_rows<R, W, T, KS>(acc, y, rows, row0);
+  gemv_block_store<R, T, KS>(acc, y, rows, row0, rows, lane, warp);  // the engine's store, ldy = rows
 }
 
 struct Shape {

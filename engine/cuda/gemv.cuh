@@ -1,5 +1,5 @@
 // Decode GEMV pieces shared by engine/cuda/matmul.cu and the kernel lab (dev/cuda/gemv_k.cu):
-// the warp layout, the row store, and the K-quant kernels on int8 activations, which the lab
+// the warp layout, the row stores, and the K-quant kernels on int8 activations, which the lab
 // times at other rows per warp than the engine launches.
 //
 // Q4_K / Q5_K and Q6_K against int8 activations (quantize_act: per 32 values q_x, d_x and
@@ -28,6 +28,40 @@ __device__ __forceinline__ void store_rows(float (&acc)[kGemvMaxTokens], float* 
       const float v = warp_sum(acc[t]);
       if (threadIdx.x == 0) y[t * ldy + row] = v;
     }
+}
+
+// The end of matmul.cu's gemv_block_kernel and of dev/cuda/gemv.cu's versions: each warp's sums
+// of R rows x T tokens added over its lanes; KS = 1 writes them, KS > 1 adds the KS warps' sums
+// through shared memory in a fixed order.
+template <int R, int T, int KS>
+__device__ __forceinline__ void gemv_block_store(float (&acc)[R][T], float* __restrict__ y, int64_t ldy, int row0, int rows, int lane,
+                                                 int warp) {
+  if constexpr (KS == 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float v = warp_sum(acc[r][t]);
+        if (lane == 0 && row0 + r < rows) y[t * ldy + row0 + r] = v;
+      }
+  } else {
+    __shared__ float part[KS][R * T];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float v = warp_sum(acc[r][t]);
+        if (lane == 0) part[warp][r * T + t] = v;
+      }
+    __syncthreads();
+    if (int(threadIdx.x) < R * T) {
+      const int r = int(threadIdx.x) / T, t = int(threadIdx.x) % T;
+      float v = 0.0f;
+#pragma unroll
+      for (int i = 0; i < KS; ++i) v += part[i][threadIdx.x];
+      if (row0 + r < rows) y[t * ldy + row0 + r] = v;
+    }
+  }
 }
 
 // The block's R · kGemvWarps rows of rb bytes into L2 when `prefetch` (weight_prefetch), by one

@@ -282,39 +282,6 @@ __device__ __forceinline__ void gemv_block_dot(float& acc, const uint4 (&w0)[R],
   }
 }
 
-// gemv_block_kernel's end: each warp's sums of R rows x T tokens added over its lanes; KS = 1
-// writes them, KS > 1 adds the KS warps' sums through shared memory in a fixed order.
-template <int R, int T, int KS>
-__device__ __forceinline__ void gemv_block_store(float (&acc)[R][T], float* __restrict__ y, int64_t ldy, int row0, int rows, int lane,
-                                                 int warp) {
-  if constexpr (KS == 1) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = warp_sum(acc[r][t]);
-        if (lane == 0 && row0 + r < rows) y[t * ldy + row0 + r] = v;
-      }
-  } else {
-    __shared__ float part[KS][R * T];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float v = warp_sum(acc[r][t]);
-        if (lane == 0) part[warp][r * T + t] = v;
-      }
-    __syncthreads();
-    if (int(threadIdx.x) < R * T) {
-      const int r = int(threadIdx.x) / T, t = int(threadIdx.x) % T;
-      float v = 0.0f;
-#pragma unroll
-      for (int i = 0; i < KS; ++i) v += part[i][threadIdx.x];
-      if (row0 + r < rows) y[t * ldy + row0 + r] = v;
-    }
-  }
-}
-
 // Block-quantized weights (dev/cuda/gemv.cu's versions 2 and 3; dev/README.md has their
 // timings). R rows per group; each lane takes whole quant blocks b = lane, lane + 32 KS, ...:
 // Q8_0 two 16-byte loads, Q4 and Q5 one (low nibbles = weights 0..15 of the block, high =
