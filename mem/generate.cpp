@@ -75,13 +75,14 @@ void check_generate_options(const GenerateOptions& o) {
 void add_prefill_transients(MemReport& r, const ModelShape& m, const GenerateOptions& o, bool quant, bool head_quant) {
   const double h = double(m.dim), V = double(m.vocab), b = double(o.batch), P = double(o.prompt);
   // The prefill's transients: the logits (transformers before 4.45, and for some models until 5.0:
-  // every prompt position's, 16-bit and fp32; else the last position's) or eager attention's
+  // every prompt position's, all_logits_bytes a value; else the last position's) or eager attention's
   // scores of one layer, whichever is larger (a layer's scores are freed before the next layer,
   // so never live with the logits), a dequantized matrix.
   double t = b * V * 4;
   std::string tf = "the last position's logits, fp32";
-  if (o.framework == "transformers" && !last_position_logits(o.transformers_version, m.model_type)) {
-    const double e = all_logits_bytes(version_code(o.transformers_version), m.model_type);
+  const int version = version_code(o.transformers_version);
+  if (o.framework == "transformers" && version < last_logits_since(m.model_type)) {
+    const double e = all_logits_bytes(version, m.model_type);
     t = b * P * V * e;
     tf = fmt::format("logits [b, prompt, V], {} B a value (transformers {}, model_type '{}': {})", e, o.transformers_version, m.model_type,
                      e == 6 ? "16-bit and the forward's fp32 upcast" : e == 4 ? "16-bit and generate's copy of the whole tensor" : "16-bit");

@@ -51,11 +51,11 @@ void ModelShape::validate() const {
 namespace {
 
 ModelShape llama(const char* name, int64_t dim, int64_t hidden, int64_t layers, int64_t heads, int64_t kv, int64_t vocab,
-                 int64_t ctx, bool tied = false) {
+                 int64_t ctx, bool tied = false, const char* model_type = "llama") {
   ModelShape s;
   s.name = name, s.dim = dim, s.hidden = hidden, s.layers = layers, s.heads = heads, s.kv_heads = kv;
   s.head_dim = dim / heads, s.vocab = vocab, s.context = ctx, s.tied = tied;
-  s.model_type = std::string(name).rfind("mistral", 0) == 0 ? "mistral" : "llama";
+  s.model_type = model_type;
   return s;
 }
 
@@ -68,7 +68,7 @@ const std::vector<ModelShape>& presets() {
         llama("llama-3-8b", 4096, 14336, 32, 32, 8, 128256, 8192),
         llama("llama-3-70b", 8192, 28672, 80, 64, 8, 128256, 8192),
         llama("llama-3.2-1b", 2048, 8192, 16, 32, 8, 128256, 131072, true),
-        llama("mistral-7b", 4096, 14336, 32, 32, 8, 32000, 32768),
+        llama("mistral-7b", 4096, 14336, 32, 32, 8, 32000, 32768, false, "mistral"),
         llama("tinyllama-1.1b", 2048, 5632, 22, 32, 4, 32000, 2048),
         llama("smollm2-135m", 576, 1536, 30, 9, 3, 49152, 8192, true),
     };
