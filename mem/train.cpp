@@ -399,16 +399,15 @@ double sum_over(const std::function<double(double)>& f, const std::vector<double
   return t;
 }
 
-// Σ over all parameter tensors of R(bytes_per · numel)
-double torch_per_param(const ModelShape& m, const TorchStep& t, const std::function<double(double)>& R, double bytes_per) {
-  auto f = [&](double n) { return R(bytes_per * n); };
-  return double(m.layers) * (sum_over(f, t.layer_mats) + sum_over(f, t.layer_vecs)) + sum_over(f, t.other);
-}
-
 // Σ over one layer's parameter tensors of R(bytes_per · numel)
 double torch_layer_param(const TorchStep& t, const std::function<double(double)>& R, double bytes_per) {
   auto f = [&](double n) { return R(bytes_per * n); };
   return sum_over(f, t.layer_mats) + sum_over(f, t.layer_vecs);
+}
+
+// Σ over all parameter tensors of R(bytes_per · numel)
+double torch_per_param(const ModelShape& m, const TorchStep& t, const std::function<double(double)>& R, double bytes_per) {
+  return double(m.layers) * torch_layer_param(t, R, bytes_per) + sum_over([&](double n) { return R(bytes_per * n); }, t.other);
 }
 
 // The optimizer's bytes under R: its states S and the temporaries T_opt of its step.
