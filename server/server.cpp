@@ -1180,9 +1180,18 @@ static int serve_http(ServerFlags& f, const RunnerOptions& ro, MpiComm* group, b
   return st->load_error.empty() ? 0 : 2;
 }
 
-// Checks the flags, plans (--fit), blocks the stop signals, joins an MPI group under mpirun, then
+// Blocks the stop signals, checks the flags, plans (--fit), joins an MPI group under mpirun, then
 // serves HTTP (rank 0) or rank 0's forward passes (the other ranks).
 static int run_server(ServerFlags& f) {
+  // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter. Blocked
+  // first, before the CUDA runtime (the device pick, the GPU plan) or MPI start threads of their
+  // own, which would inherit an open mask, take the signal and die of it (an H200 run's server
+  // exited 143 on SIGTERM instead of draining).
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   const bool gpu = pick_device(f.device) == Device::Cuda;
   if (gpu && f.kv_type != "f32" && f.kv_type != "f16" && f.kv_type != "q8_0") throw UsageError("--kv-type with --device cuda: f16 (the default) or q8_0");
   if (!gpu) kv_type_from_name(f.kv_type);  // f32 or bf16 on the CPU: the error before listening
@@ -1193,13 +1202,6 @@ static int run_server(ServerFlags& f) {
   lo.ctx = f.ctx, lo.n_batch = f.n_batch, lo.parallel = f.parallel, lo.server = true, lo.kv_tokens = f.kv_tokens;
   const int64_t gpu_layers = cli::resolve_gpu_layers("llmq-server", f.gpu_layers, gpu, f.model_path, lo, f.mem_budget);
   const bool partial = gpu && gpu_layers >= 0;
-  // SIGINT/SIGTERM stop the server cleanly: blocked in every thread, taken by one waiter. Blocked
-  // before MPI starts its own threads, which would otherwise take them (and die of them).
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   // Under mpirun: MPI initialised here, on the main thread (which finalises it when this body
   // ends, after the state below and its runner are gone), this process one rank of the job.
   const std::unique_ptr<MpiComm> group = cli::start_mpi_group(f.tp, partial);
