@@ -14,16 +14,16 @@
 #     info       nvidia-smi
 #     kernels    the kernel parity cases alone (MMQ, matmul, norms, attention)
 #     tests      parity: every [cuda] case (kernel x type, whole models, TP, server paths), and again
-#                with programmatic dependent launch (PDL=0: not again)
+#                without programmatic dependent launch, the default on Hopper (PDL=0: not again)
 #     sanitizer  compute-sanitizer memcheck over the kernel tests; racecheck over MMQ and attention
 #     lab        the kernel labs (dev/cuda): GEMV (Q4_0/Q8_0, and K-quants: gemv_k), MMQ and attention
 #                against the engine's (LABS=...; LABS=sweep: MMQ's K splits x pipeline depths, 10 s)
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
-#                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-3-8b's Q4_0 (GQA) on each decode
-#                attention version forced, against the default's pick by shape; PDL=0: without the
-#                Q4_0 and Q8_0 runs with programmatic dependent launch, LLMQ_CUDA_PDL=1, Q4_0's without the
-#                GEMVs' weight prefetch and with decode attention 3)
+#                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-2-7b's and llama-3-8b's
+#                Q4_0 on decode attention versions 1 and 2 forced, against the default's version 3;
+#                PDL=0: without the Q4_0 and Q8_0 runs without programmatic dependent launch,
+#                LLMQ_CUDA_PDL=0, and Q4_0's with the GEMVs' weight prefetch, LLMQ_CUDA_PREFETCH=1)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
@@ -152,8 +152,9 @@ run_phase() {
     tests)
       step cuda-tests 240 "$G/bin/llmq-tests '[cuda]' -r compact"
       step tp-process-tests 90 "$G/bin/llmq-tests '[tp_process]' -r compact"
-      # programmatic dependent launch (engine/cuda/common.cuh pdl_begin): every case again with it on
-      [ "${PDL:-1}" = 1 ] && step cuda-tests-pdl 240 "LLMQ_CUDA_PDL=1 $G/bin/llmq-tests '[cuda]' -r compact"
+      # programmatic dependent launch (engine/cuda/common.cuh pdl_begin), on by default on Hopper:
+      # every case again with it off
+      [ "${PDL:-1}" = 1 ] && step cuda-tests-no-pdl 240 "LLMQ_CUDA_PDL=0 $G/bin/llmq-tests '[cuda]' -r compact"
       ;;
     sanitizer)
       # racecheck first: the longer one (85 s on an H200), so a call cut short still brings its verdict
@@ -176,19 +177,18 @@ run_phase() {
         step "bench-7b-$t" 90 "$G/bin/llmq-bench $B7 --type $t --profile --batch 32"
       done
       [ "${NO_MMQ:-0}" = 1 ] && step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
-      # programmatic dependent launch, end to end (decode graphs, prefill, batch 32)
+      # programmatic dependent launch (the default on Hopper) off, end to end (decode graphs,
+      # prefill, batch 32); and the GEMVs' weight prefetch before the wait (engine/cuda/common.cuh
+      # weight_prefetch) on
       if [ "${PDL:-1}" = 1 ]; then
-        for t in q4_0 q8_0; do step "bench-7b-$t-pdl" 90 "LLMQ_CUDA_PDL=1 $G/bin/llmq-bench $B7 --type $t --batch 32"; done
-        # the GEMVs' weight prefetch before the wait (engine/cuda/common.cuh weight_prefetch) off, and with decode attention 3
-        step bench-7b-q4_0-pdl-no-prefetch 90 "LLMQ_CUDA_PDL=1 LLMQ_CUDA_PREFETCH=0 $G/bin/llmq-bench $B7 --type q4_0"
-        step bench-7b-q4_0-pdl-attn-3 90 "LLMQ_CUDA_PDL=1 LLMQ_CUDA_DECODE_ATTN=3 $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
+        for t in q4_0 q8_0; do step "bench-7b-$t-no-pdl" 90 "LLMQ_CUDA_PDL=0 $G/bin/llmq-bench $B7 --type $t --batch 32"; done
+        step bench-7b-q4_0-prefetch 90 "LLMQ_CUDA_PREFETCH=1 $G/bin/llmq-bench $B7 --type q4_0"
       fi
-      # decode attention by shape (engine/cuda/attention.h set_decode_attention_version): the default
-      # on llama-2-7b (MHA: version 2) above; llama-3-8b (GQA: version 1) with each version forced
+      # decode attention (engine/cuda/attention.h set_decode_attention_version): the default's
+      # version 3 above; versions 1 and 2 forced on llama-2-7b (MHA) and llama-3-8b (GQA), and 3 on llama-3-8b
       if [ "${DECODE_ATTN:-1}" = 1 ]; then
         for v in 1 2 3; do step "bench-8b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/llama-2-7b/llama-3-8b} --type q4_0"; done
-        # version 3 (not yet timed) on llama-2-7b, against the default's version 2 above
-        step bench-7b-q4_0-decode-attn-3 60 "LLMQ_CUDA_DECODE_ATTN=3 $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
+        for v in 1 2; do step "bench-7b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench $B7 --type q4_0 --batch 32"; done
       fi
       ;;
     peer)

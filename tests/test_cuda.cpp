@@ -545,8 +545,8 @@ TEST_CASE("CUDA matmul: a held input is converted to fp16 once and gives the sam
 }
 
 // Decode attention versions 1, 2 and 3 (attention_kernel, attention_decode_kernel,
-// attention_decode_v3_kernel; set_decode_attention_version; the default picks by shape, so each
-// is forced here): the flash-decoding parts of decode steps against the fp64 reference, for
+// attention_decode_v3_kernel; set_decode_attention_version; the default runs 3 where the shape
+// allows it, so each is forced here): the flash-decoding parts of decode steps against the fp64 reference, for
 // MHA, GQA groups of 3, 4 and 7 and head_dim 64, 128 and 256, positions that end mid-slice,
 // mid-part and in the first part (empty parts and empty warp slices), several sequences' tokens
 // in one launch (paged cache: each token through its own block table), and a rank's uneven GQA
@@ -567,7 +567,7 @@ TEST_CASE("CUDA decode attention versions 1-3 match the fp64 reference", "[cuda]
     int64_t heads, kv, hd;
   };
   for (const Shape sh : {Shape{4, 4, 128}, Shape{8, 2, 64}, Shape{4, 1, 256}, Shape{14, 2, 64}, Shape{9, 3, 64}, Shape{4, 2, 32}}) {
-    for (int version : {1, 2, 3}) {  // each, forced (the default picks by shape)
+    for (int version : {1, 2, 3}) {  // each, forced (the default is 3 where the shape allows it)
       cuda::set_decode_attention_version(version);
       const int64_t ctx = 200, Q = sh.heads * sh.hd, KV = sh.kv * sh.hd, part_len = 64, splits = (ctx + part_len - 1) / part_len;
       const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);

@@ -214,9 +214,9 @@ __global__ void attention_kernel(AttnArgs a) {
 
 // ---------------------------------------------------------------- decode, version 2
 //
-// The default for MHA (decode_version below; LLMQ_CUDA_DECODE_ATTN=2 or
-// set_decode_attention_version(2) forces it); dev/cuda/attn.cu times it against
-// attention_kernel (version 1, the default for GQA, where it was faster on an H200). For the
+// Forced by LLMQ_CUDA_DECODE_ATTN=2 or set_decode_attention_version(2) (since the fifth GPU
+// session the default is version 3; before, version 2 was MHA's); dev/cuda/attn.cu times it against
+// attention_kernel (version 1) and version 3. For the
 // flash-decoding parts of a decode step (n_splits > 1) over an fp16 cache, head_dim 64, 128 or
 // 256, GQA groups up to 8: grid (T, n_kv, n_splits), block (32, kDecWarps). Version 1 gives a
 // part one warp per query head (for MHA, one warp per block) and stages 32-position tiles in
@@ -397,9 +397,8 @@ size_t decode_smem(int64_t G, int64_t hd) { return size_t(G) * kDecWarps * size_
 
 // ---------------------------------------------------------------- decode, version 3
 //
-// Built for the next GPU session (emulator parity only; LLMQ_CUDA_DECODE_ATTN=3 or
-// set_decode_attention_version(3) forces it; dev/cuda/attn.cu times it against 1 and 2).
-// Version 2 took 19.3 us a layer at 512 cached positions on an H200, where llama-2-7b's 8.4 MB
+// The default (decode_version) wherever the shape allows it; dev/cuda/attn.cu times it against
+// versions 1 and 2 (H200: 0.48-0.93x version 1's time, dev/README.md #19). Version 2 took 19.3 us a layer at 512 cached positions on an H200, where llama-2-7b's 8.4 MB
 // of K and V take 2 us at the copy rate: latency, not bytes. Three changes:
 //  - The step's positions are spread over all its parts: part c takes a chunk of
 //    ceil(n / parts) positions rounded up to 32 (n = pos + 1) instead of the fixed part_len, so
@@ -537,19 +536,20 @@ void launch_v3(const AttnArgs& args, int64_t T, int64_t n_kv, int64_t n_splits, 
   check_launch("attention (decode v3)");
 }
 
-// 0: by shape (version 2 for MHA, where a GPU timed it faster; version 1 for GQA); 1-3: forced.
+// 0: the default, version 3 (where the shape allows it, else 1); 1-3: forced.
 EnvSetting g_decode_version([] {
   const char* e = std::getenv("LLMQ_CUDA_DECODE_ATTN");
   const std::string v = e ? e : "";
   return v == "1" || v == "2" || v == "3" ? v[0] - '0' : 0;
 });
 
-// The version a decode step's parts run: version 2 took 0.70x version 1's time on llama-2-7b's
-// MHA (head_dim 128) on an H200 and 1.07-1.15x on llama-3-8b's groups of 4, 1.02-1.05x on
-// SmolLM2's groups of 3 (dev/cuda/attn.cu; bench/RESULTS.md, fourth GPU session).
-int decode_version(int64_t G) {
+// The version a decode step's parts run: on an H200 version 3 took 0.48-0.93x version 1's time on
+// llama-2-7b (MHA), llama-3-8b (groups of 4) and SmolLM2 (groups of 3), at 512 and 4096 positions
+// and in a batched step of 32 (version 2: 0.66-1.75x); whole Q4_0 decode 455.9 → 500.0 tok/s on
+// llama-2-7b, 421.4 → 451.0 on llama-3-8b (dev/cuda/attn.cu; bench/RESULTS.md, fifth GPU session).
+int decode_version() {
   const int v = g_decode_version.get();
-  return v != 0 ? v : G == 1 ? 2 : 1;
+  return v != 0 ? v : 3;
 }
 
 // ---------------------------------------------------------------- prefill on the tensor cores
@@ -817,7 +817,7 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   if (q8.kq && hd % 32 != 0) throw UsageError("CUDA attention: a Q8_0 KV cache needs head_dim a multiple of 32");
   if (T == 0) return false;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
-  const int version = n_splits > 1 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup ? decode_version(G) : 1;
+  const int version = n_splits > 1 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup ? decode_version() : 1;
   const int64_t parts = version == 3 ? v3_parts(T, n_kv, n_splits) : n_splits;  // version 3: fewer for many tokens
   const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, pages.seq, pages.tables,
                       pages.table_stride, int(pages.block_tokens), q8.kq, reinterpret_cast<const __half*>(q8.kd), q8.vq,
@@ -857,7 +857,7 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
 }
 
 void set_decode_attention_version(int version) {
-  if (version < 0 || version > 3) throw UsageError("decode attention version must be 0 (by shape), 1, 2 or 3");
+  if (version < 0 || version > 3) throw UsageError("decode attention version must be 0 (the default: 3 where the shape allows it), 1, 2 or 3");
   g_decode_version.set(version);
 }
 

@@ -79,11 +79,11 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
 /// Which kernel takes the flash-decoding parts of a decode step (n_splits > 1) over an fp16
 /// cache: 1, attention_kernel; 2, attention_decode_kernel (head_dim 64, 128 or 256, GQA groups
 /// up to 8; other shapes stay on 1): a part's positions split over 4 warps, 8 lanes per scored
-/// position reading the cache directly; 3, attention_decode_v3_kernel (the shapes of 2; not yet
-/// timed on a GPU): the step's positions spread over every part, each warp's K and V loads
-/// issued a round of 8 positions at a time, a GQA group's heads scored on rows read once;
-/// 0 (the default), by shape: 2 for MHA (one query head per KV head), 1 for GQA, as an H200
-/// timed them. The environment's LLMQ_CUDA_DECODE_ATTN=1, 2 or 3 forces one at start-up;
+/// position reading the cache directly; 3, attention_decode_v3_kernel (the shapes of 2): the
+/// step's positions spread over every part, each warp's K and V loads issued a round of 8
+/// positions at a time, a GQA group's heads scored on rows read once; 0 (the default): 3 where
+/// the shape allows it, else 1, the fastest on an H200 for MHA and GQA alike (dev/README.md #19).
+/// The environment's LLMQ_CUDA_DECODE_ATTN=1, 2 or 3 forces one at start-up;
 /// dev/cuda/attn.cu times all three. Throws UsageError for other values.
 void set_decode_attention_version(int version);
 

@@ -30,12 +30,13 @@ void check_launch(const char* kernel);
 void allow_dynamic_smem(const void* kernel, size_t bytes);
 
 /// Programmatic dependent launch for every LLMQ_LAUNCH from now on (engine/cuda/common.cuh
-/// Launcher, pdl_begin): the environment's LLMQ_CUDA_PDL=1 sets it at start-up. An experiment
-/// until a GPU times it (dev/README.md #18); CUDA graphs captured before keep what they captured.
+/// Launcher, pdl_begin), or ordinary launches. The default is on where the device at start-up has
+/// compute capability 9.0 or more; the environment's LLMQ_CUDA_PDL=0 or 1 decides at start-up
+/// (dev/README.md #18). CUDA graphs captured before keep what they captured.
 void set_programmatic_launch(bool on);
 /// The decode GEMV kernels' weight prefetch into L2 before they wait on the kernel ahead
-/// (engine/cuda/common.cuh weight_prefetch; in effect with programmatic launch only): on by
-/// default, LLMQ_CUDA_PREFETCH=0 at start-up turns it off. An experiment until a GPU times it.
+/// (engine/cuda/common.cuh weight_prefetch; in effect with programmatic launch only): off by
+/// default (slower on an H200, dev/README.md #20), LLMQ_CUDA_PREFETCH=1 at start-up turns it on.
 void set_weight_prefetch(bool on);
 
 /// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).

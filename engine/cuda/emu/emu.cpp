@@ -246,7 +246,8 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int) {
-  *v = attr == cudaDevAttrMultiProcessorCount ? 132 : 0;
+  // The device cudaGetDeviceProperties describes: 132 SMs, compute capability 9.0.
+  *v = attr == cudaDevAttrMultiProcessorCount ? 132 : attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError() { return std::exchange(g_last, cudaSuccess); }
