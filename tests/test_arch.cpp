@@ -90,76 +90,107 @@ void rope(double* v, int64_t hd, double pos, const Vec& f, RopeLayout layout) {
   }
 }
 
-// Logits [T, vocab] of every position of `ids` (fp64).
-std::vector<Vec> ref_forward(const RefWeights& r, const std::vector<int32_t>& ids) {
+// The reference forward below, one step at a time; x [T][dim] is the residual stream (fp64).
+using Rows = std::vector<Vec>;
+
+Rows ref_embed(const RefWeights& r, const std::vector<int32_t>& ids) {
+  const int64_t D = r.c.dim;
+  const Vec& E = r["token_embd.weight"];  // [vocab, dim]
+  Rows x;
+  for (int32_t id : ids) {
+    x.emplace_back(E.begin() + id * D, E.begin() + (id + 1) * D);
+    if (r.c.embed_scale)
+      for (double& v : x.back()) v *= std::sqrt(double(D));
+  }
+  return x;
+}
+
+// The n heads of `v` ([n, hd]) QK-normed (if the model has it) and rotated to position pos.
+void ref_heads(double* v, int64_t n, const RefWeights& r, const std::string& norm, double pos, const Vec& f) {
   const ModelConfig& c = r.c;
-  const int64_t T = int64_t(ids.size()), D = c.dim, hd = c.head_dim, G = c.n_heads / c.n_kv_heads;
-  const double eps = c.norm_eps, scale = c.attn_scale > 0 ? c.attn_scale : 1.0 / std::sqrt(double(hd));
-  std::vector<Vec> x(static_cast<size_t>(T));
-  for (int64_t t = 0; t < T; ++t) {
-    const Vec& E = r["token_embd.weight"];
-    x[size_t(t)] = Vec(E.begin() + ids[size_t(t)] * D, E.begin() + (ids[size_t(t)] + 1) * D);
-    if (c.embed_scale)
-      for (double& v : x[size_t(t)]) v *= std::sqrt(double(D));
+  for (int64_t hh = 0; hh < n; ++hh) {
+    double* h = v + hh * c.head_dim;
+    if (c.qk_norm) std::copy_n(rmsnorm(h, r[norm], c.head_dim, c.norm_eps).begin(), c.head_dim, h);
+    rope(h, c.head_dim, pos, f, c.rope_layout);
   }
+}
+
+// Causal (optionally sliding-window) softmax attention of token t over positions first..t:
+// att [q_dim] from q [T][q_dim], k, v [T][kv_dim].
+Vec ref_attend(const ModelConfig& c, const Rows& q, const Rows& k, const Rows& v, int64_t t, int64_t first) {
+  const int64_t hd = c.head_dim, G = c.n_heads / c.n_kv_heads;
+  const double scale = c.attn_scale > 0 ? c.attn_scale : 1.0 / std::sqrt(double(hd));
+  Vec att(static_cast<size_t>(c.q_dim()), 0.0);
+  for (int64_t hh = 0; hh < c.n_heads; ++hh) {
+    const int64_t kvh = hh / G;
+    Vec s;
+    for (int64_t p = first; p <= t; ++p) {
+      double d = 0;
+      for (int64_t i = 0; i < hd; ++i) d += q[size_t(t)][size_t(hh * hd + i)] * k[size_t(p)][size_t(kvh * hd + i)];
+      s.push_back(d * scale);
+    }
+    const double m = *std::max_element(s.begin(), s.end());
+    double sum = 0;
+    for (double& e : s) sum += (e = std::exp(e - m));
+    for (int64_t p = first; p <= t; ++p)
+      for (int64_t i = 0; i < hd; ++i) att[size_t(hh * hd + i)] += s[size_t(p - first)] / sum * v[size_t(p)][size_t(kvh * hd + i)];
+  }
+  return att;
+}
+
+// Layer l's attention block added into x (pre-norm; Gemma's post-norm on the output).
+void ref_attention_block(const RefWeights& r, int64_t l, Rows& x) {
+  const ModelConfig& c = r.c;
+  const int64_t T = int64_t(x.size()), D = c.dim;
+  auto name = [&](const char* what) { return "blk." + std::to_string(l) + "." + what; };
+  const bool sliding = c.sliding_window > 0 && (c.swa_period == 0 || (l + 1) % c.swa_period != 0);
+  const Vec f = ref_freqs(c, sliding);
+  Rows q(static_cast<size_t>(T)), k(q), v(q);
+  for (int64_t t = 0; t < T; ++t) {
+    const Vec h = rmsnorm(x[size_t(t)].data(), r[name("attn_norm.weight")], D, c.norm_eps);
+    q[size_t(t)] = linear(h, r, name("attn_q"), c.q_dim());
+    k[size_t(t)] = linear(h, r, name("attn_k"), c.kv_dim());
+    v[size_t(t)] = linear(h, r, name("attn_v"), c.kv_dim());
+    ref_heads(q[size_t(t)].data(), c.n_heads, r, name("attn_q_norm.weight"), double(t), f);
+    ref_heads(k[size_t(t)].data(), c.n_kv_heads, r, name("attn_k_norm.weight"), double(t), f);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t first = sliding ? std::max<int64_t>(0, t - c.sliding_window + 1) : 0;
+    Vec o = linear(ref_attend(c, q, k, v, t, first), r, name("attn_output"), D);
+    if (c.norms == NormPlacement::PrePost) o = rmsnorm(o.data(), r[name("post_attention_norm.weight")], D, c.norm_eps);
+    for (int64_t i = 0; i < D; ++i) x[size_t(t)][size_t(i)] += o[size_t(i)];
+  }
+}
+
+// Layer l's gated feed-forward block (SwiGLU, or GeGLU with the tanh approximation) added into x.
+void ref_ffn_block(const RefWeights& r, int64_t l, Rows& x) {
+  const ModelConfig& c = r.c;
+  auto name = [&](const char* what) { return "blk." + std::to_string(l) + "." + what; };
+  for (Vec& xt : x) {
+    const Vec h = rmsnorm(xt.data(), r[name("ffn_norm.weight")], c.dim, c.norm_eps);
+    Vec g = linear(h, r, name("ffn_gate"), c.hidden_dim);
+    const Vec u = linear(h, r, name("ffn_up"), c.hidden_dim);
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double a = g[i];
+      g[i] = (c.act == Activation::GeGLU ? 0.5 * a * (1 + std::tanh(std::sqrt(2 / M_PI) * (a + 0.044715 * a * a * a))) : a / (1 + std::exp(-a))) * u[i];
+    }
+    Vec d = linear(g, r, name("ffn_down"), c.dim);
+    if (c.norms == NormPlacement::PrePost) d = rmsnorm(d.data(), r[name("post_ffw_norm.weight")], c.dim, c.norm_eps);
+    for (int64_t i = 0; i < c.dim; ++i) xt[size_t(i)] += d[size_t(i)];
+  }
+}
+
+// Logits [T, vocab] of every position of `ids` (fp64).
+Rows ref_forward(const RefWeights& r, const std::vector<int32_t>& ids) {
+  const ModelConfig& c = r.c;
+  Rows x = ref_embed(r, ids);
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    auto name = [&](const char* what) { return "blk." + std::to_string(l) + "." + what; };
-    const bool sliding = c.sliding_window > 0 && (c.swa_period == 0 || (l + 1) % c.swa_period != 0);
-    const Vec f = ref_freqs(c, sliding);
-    std::vector<Vec> q(static_cast<size_t>(T)), k(q), v(q);
-    for (int64_t t = 0; t < T; ++t) {
-      const Vec h = rmsnorm(x[size_t(t)].data(), r[name("attn_norm.weight")], D, eps);
-      q[size_t(t)] = linear(h, r, name("attn_q"), c.q_dim());
-      k[size_t(t)] = linear(h, r, name("attn_k"), c.kv_dim());
-      v[size_t(t)] = linear(h, r, name("attn_v"), c.kv_dim());
-      for (int64_t hh = 0; hh < c.n_heads; ++hh) {
-        double* qh = q[size_t(t)].data() + hh * hd;
-        if (c.qk_norm) std::copy_n(rmsnorm(qh, r[name("attn_q_norm.weight")], hd, eps).begin(), hd, qh);
-        rope(qh, hd, double(t), f, c.rope_layout);
-      }
-      for (int64_t hh = 0; hh < c.n_kv_heads; ++hh) {
-        double* kh = k[size_t(t)].data() + hh * hd;
-        if (c.qk_norm) std::copy_n(rmsnorm(kh, r[name("attn_k_norm.weight")], hd, eps).begin(), hd, kh);
-        rope(kh, hd, double(t), f, c.rope_layout);
-      }
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      Vec att(static_cast<size_t>(c.q_dim()), 0.0);
-      const int64_t first = sliding ? std::max<int64_t>(0, t - c.sliding_window + 1) : 0;
-      for (int64_t hh = 0; hh < c.n_heads; ++hh) {
-        const int64_t kvh = hh / G;
-        Vec s;
-        for (int64_t p = first; p <= t; ++p) {
-          double d = 0;
-          for (int64_t i = 0; i < hd; ++i) d += q[size_t(t)][size_t(hh * hd + i)] * k[size_t(p)][size_t(kvh * hd + i)];
-          s.push_back(d * scale);
-        }
-        const double m = *std::max_element(s.begin(), s.end());
-        double sum = 0;
-        for (double& e : s) sum += (e = std::exp(e - m));
-        for (int64_t p = first; p <= t; ++p)
-          for (int64_t i = 0; i < hd; ++i) att[size_t(hh * hd + i)] += s[size_t(p - first)] / sum * v[size_t(p)][size_t(kvh * hd + i)];
-      }
-      Vec o = linear(att, r, name("attn_output"), D);
-      if (c.norms == NormPlacement::PrePost) o = rmsnorm(o.data(), r[name("post_attention_norm.weight")], D, eps);
-      for (int64_t i = 0; i < D; ++i) x[size_t(t)][size_t(i)] += o[size_t(i)];
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      const Vec h = rmsnorm(x[size_t(t)].data(), r[name("ffn_norm.weight")], D, eps);
-      Vec g = linear(h, r, name("ffn_gate"), c.hidden_dim);
-      const Vec u = linear(h, r, name("ffn_up"), c.hidden_dim);
-      for (size_t i = 0; i < g.size(); ++i) {
-        const double a = g[i];
-        g[i] = (c.act == Activation::GeGLU ? 0.5 * a * (1 + std::tanh(std::sqrt(2 / M_PI) * (a + 0.044715 * a * a * a))) : a / (1 + std::exp(-a))) * u[i];
-      }
-      Vec d = linear(g, r, name("ffn_down"), D);
-      if (c.norms == NormPlacement::PrePost) d = rmsnorm(d.data(), r[name("post_ffw_norm.weight")], D, eps);
-      for (int64_t i = 0; i < D; ++i) x[size_t(t)][size_t(i)] += d[size_t(i)];
-    }
+    ref_attention_block(r, l, x);
+    ref_ffn_block(r, l, x);
   }
-  std::vector<Vec> logits;
-  for (int64_t t = 0; t < T; ++t) {
-    const Vec h = rmsnorm(x[size_t(t)].data(), r["output_norm.weight"], D, eps);
+  Rows logits;
+  for (const Vec& xt : x) {
+    const Vec h = rmsnorm(xt.data(), r["output_norm.weight"], c.dim, c.norm_eps);
     Vec y = linear(h, r, c.tied_embeddings ? "token_embd" : "output", c.vocab_size);
     if (c.logit_softcap > 0)
       for (double& e : y) e = c.logit_softcap * std::tanh(e / c.logit_softcap);
