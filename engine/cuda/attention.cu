@@ -612,6 +612,66 @@ __device__ __forceinline__ void fa_causal_max(float (&sc)[kFaCols / 8][4], int p
     mx0 = fmaxf(mx0, __shfl_xor_sync(kFullMask, mx0, o2)), mx1 = fmaxf(mx1, __shfl_xor_sync(kFullMask, mx1, o2));
 }
 
+// S = Q Kᵀ for one tile (kFaCols positions from Ks) on the tensor cores: sc [kFaCols/8][4], the
+// mma accumulators of the warp's 16 query rows.
+template <int HD>
+__device__ __forceinline__ void fa_scores(float (&sc)[kFaCols / 8][4], const uint32_t (&qf)[HD / 16][4], const __half* Ks, int g, int c) {
+  constexpr int P = HD + kPad;
+#pragma unroll
+  for (int n = 0; n < kFaCols / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk)
+#pragma unroll
+    for (int n = 0; n < kFaCols / 8; ++n) {
+      const __half* kr = Ks + (8 * n + g) * P + 16 * kk + 2 * c;
+      const uint32_t b[2] = {lds32(kr), lds32(kr + 8)};
+      mma_f16(sc[n], qf[kk], b);
+    }
+}
+
+// The online softmax's step (FlashAttention-2): the rows' new maxima m0 / m1 from the tile's
+// mx0 / mx1, l and O rescaled by 2^(m_old - m_new); mu0 / mu1 are the maxima the tile's
+// probabilities are taken against (0 for a row with nothing visible yet).
+template <int NO>
+__device__ __forceinline__ void fa_rescale(float (&o)[NO][4], float mx0, float mx1, float& m0, float& m1, float& l0, float& l1,
+                                           float& mu0, float& mu1) {
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  mu0 = mn0 == -INFINITY ? 0.0f : mn0, mu1 = mn1 == -INFINITY ? 0.0f : mn1;
+  const float cr0 = exp2f(m0 - mu0), cr1 = exp2f(m1 - mu1);
+  m0 = mn0, m1 = mn1, l0 *= cr0, l1 *= cr1;
+#pragma unroll
+  for (int n = 0; n < NO; ++n) o[n][0] *= cr0, o[n][1] *= cr0, o[n][2] *= cr1, o[n][3] *= cr1;
+}
+
+// O += P V for one tile: P = 2^(S - mu) rounded to fp16 (its row sums added to l0 / l1), two
+// 8-position S tiles making one 16-position A fragment; V's B fragments through ldmatrix.trans.
+template <int HD>
+__device__ __forceinline__ void fa_pv(float (&o)[HD / 8][4], const float (&sc)[kFaCols / 8][4], const __half* Vs, float mu0, float mu1,
+                                      float& l0, float& l1, int lane) {
+  constexpr int P = HD + kPad;
+#pragma unroll
+  for (int kk = 0; kk < kFaCols / 16; ++kk) {
+    float pr[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      pr[j][0] = exp2f(sc[2 * kk + j][0] - mu0), pr[j][1] = exp2f(sc[2 * kk + j][1] - mu0);
+      pr[j][2] = exp2f(sc[2 * kk + j][2] - mu1), pr[j][3] = exp2f(sc[2 * kk + j][3] - mu1);
+      l0 += pr[j][0] + pr[j][1], l1 += pr[j][2] + pr[j][3];
+    }
+    const uint32_t pa[4] = {pack_half2(pr[0][0], pr[0][1]), pack_half2(pr[0][2], pr[0][3]), pack_half2(pr[1][0], pr[1][1]),
+                            pack_half2(pr[1][2], pr[1][3])};
+    const int lrow = 16 * kk + lane % 8 + (lane / 8) % 2 * 8, lcol = (lane / 16) * 8;
+#pragma unroll
+    for (int np = 0; np < HD / 16; ++np) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, Vs + lrow * P + 16 * np + lcol);
+      const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+      mma_f16(o[2 * np], pa, b0);
+      mma_f16(o[2 * np + 1], pa, b1);
+    }
+  }
+}
+
 // The rows' sums l0 / l1 shared across the row's 4 lanes, and O / l written for query tokens r0
 // and r1 (those below a.T) of head h.
 template <int HD>
@@ -665,45 +725,12 @@ __global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
     const int p0 = it * kFaCols;
     if (p0 <= wtop) {  // warp-uniform: some of this warp's tokens see this tile
       float sc[NS][4];
-#pragma unroll
-      for (int n = 0; n < NS; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-          const __half* kr = Ks + (8 * n + g) * P + 16 * kk + 2 * c;
-          const uint32_t b[2] = {lds32(kr), lds32(kr + 8)};
-          mma_f16(sc[n], qf[kk], b);
-        }
+      fa_scores<HD>(sc, qf, Ks, g, c);
       float mx0 = -INFINITY, mx1 = -INFINITY;
       fa_causal_max(sc, p0, pos0, pos1, c, mx0, mx1);
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float mu0 = mn0 == -INFINITY ? 0.0f : mn0, mu1 = mn1 == -INFINITY ? 0.0f : mn1;  // a row with nothing visible yet
-      const float cr0 = exp2f(m0 - mu0), cr1 = exp2f(m1 - mu1);
-      m0 = mn0, m1 = mn1, l0 *= cr0, l1 *= cr1;
-#pragma unroll
-      for (int n = 0; n < NO; ++n) o[n][0] *= cr0, o[n][1] *= cr0, o[n][2] *= cr1, o[n][3] *= cr1;
-#pragma unroll
-      for (int kk = 0; kk < kFaCols / 16; ++kk) {
-        float pr[2][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          pr[j][0] = exp2f(sc[2 * kk + j][0] - mu0), pr[j][1] = exp2f(sc[2 * kk + j][1] - mu0);
-          pr[j][2] = exp2f(sc[2 * kk + j][2] - mu1), pr[j][3] = exp2f(sc[2 * kk + j][3] - mu1);
-          l0 += pr[j][0] + pr[j][1], l1 += pr[j][2] + pr[j][3];
-        }
-        const uint32_t pa[4] = {pack_half2(pr[0][0], pr[0][1]), pack_half2(pr[0][2], pr[0][3]), pack_half2(pr[1][0], pr[1][1]),
-                                pack_half2(pr[1][2], pr[1][3])};
-        const int lrow = 16 * kk + lane % 8 + (lane / 8) % 2 * 8, lcol = (lane / 16) * 8;
-#pragma unroll
-        for (int np = 0; np < NO / 2; ++np) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, Vs + lrow * P + 16 * np + lcol);
-          const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-          mma_f16(o[2 * np], pa, b0);
-          mma_f16(o[2 * np + 1], pa, b1);
-        }
-      }
+      float mu0, mu1;
+      fa_rescale<NO>(o, mx0, mx1, m0, m1, l0, l1, mu0, mu1);
+      fa_pv<HD>(o, sc, Vs, mu0, mu1, l0, l1, lane);
     }
     __syncthreads();  // everyone is done with this stage before it is filled again
   }
