@@ -21,7 +21,7 @@
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
 #                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-2-7b's and llama-3-8b's
-#                Q4_0 on decode attention versions 1 and 2 forced, against the default's version 3;
+#                Q4_0 on decode attention version 1 forced, against the default's version 3;
 #                PDL=0: without the Q4_0 and Q8_0 runs without programmatic dependent launch,
 #                LLMQ_CUDA_PDL=0, and Q4_0's with the GEMVs' weight prefetch, LLMQ_CUDA_PREFETCH=1)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
@@ -185,10 +185,10 @@ run_phase() {
         step bench-7b-q4_0-prefetch 90 "LLMQ_CUDA_PREFETCH=1 $G/bin/llmq-bench $B7 --type q4_0"
       fi
       # decode attention (engine/cuda/attention.h set_decode_attention_version): the default's
-      # version 3 above; versions 1 and 2 forced on llama-2-7b (MHA) and llama-3-8b (GQA), and 3 on llama-3-8b
+      # version 3 above against version 1 forced, on llama-2-7b (MHA) and llama-3-8b (GQA)
       if [ "${DECODE_ATTN:-1}" = 1 ]; then
-        for v in 1 2 3; do step "bench-8b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/llama-2-7b/llama-3-8b} --type q4_0"; done
-        for v in 1 2; do step "bench-7b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench $B7 --type q4_0 --batch 32"; done
+        for v in 1 3; do step "bench-8b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/llama-2-7b/llama-3-8b} --type q4_0"; done
+        step bench-7b-q4_0-decode-attn-1 60 "LLMQ_CUDA_DECODE_ATTN=1 $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
       fi
       ;;
     peer)

@@ -2,8 +2,8 @@
 // random fp16 cache: a 512-token prompt (TFLOP/s of the causal products, 4 · hd per visible
 // (query, position) pair) and decode steps at 512 and 4096 cached positions (GB/s of the K and V
 // bytes read, flash-decoding parts of 64 positions plus their merge; version 1, attention_kernel,
-// version 2, attention_decode_kernel, and version 3, attention_decode_v3_kernel, the later ones
-// checked against the first's output).
+// and version 3, attention_decode_v3_kernel, checked against the first's output; version 2 was
+// removed after the fifth GPU session, dev/README.md #15).
 // Then a batched decode step of 32 sequences through block tables (llmq-server's; batched_step).
 // LLMQ_CUDA_ATTN=0 in the environment puts prompts on the CUDA-core kernel instead of the
 // tensor cores, for comparison.
@@ -43,7 +43,7 @@ void batched_step(const char* name, int64_t heads, int64_t kv, int64_t hd) {
   double bytes = 0;
   for (int32_t p : pos) bytes += 2.0 * double(p + 1) * double(KV) * 2.0;
   std::vector<float> ref1;
-  for (int version : {1, 2, 3}) {
+  for (int version : {1, 3}) {
     set_decode_attention_version(version);
     auto step = [&] {
       attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), pd.as<int32_t>(), T, heads, kv, hd, scale, parts, 64, part.as<float>(),
@@ -90,7 +90,7 @@ int main() {
         DeviceBuffer part(size_t(c.heads * parts * (c.hd + 2)) * 4), p1(4);
         p1.upload(&p, 4);
         std::vector<float> ref1;  // version 1's output: versions 2 and 3 are checked against it
-        for (int version : {1, 2, 3}) {
+        for (int version : {1, 3}) {
           set_decode_attention_version(version);
           auto step = [&] {
             attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), p1.as<int32_t>(), 1, c.heads, c.kv, c.hd, scale, parts, 64,

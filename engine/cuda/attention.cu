@@ -212,23 +212,20 @@ __global__ void attention_kernel(AttnArgs a) {
   attn_store_part(a, o, m, l, t, h, split, lane, hd);
 }
 
-// ---------------------------------------------------------------- decode, version 2
+// ---------------------------------------------------------------- decode: pieces of version 3
 //
-// Forced by LLMQ_CUDA_DECODE_ATTN=2 or set_decode_attention_version(2) (since the fifth GPU
-// session the default is version 3; before, version 2 was MHA's); dev/cuda/attn.cu times it against
-// attention_kernel (version 1) and version 3. For the
-// flash-decoding parts of a decode step (n_splits > 1) over an fp16 cache, head_dim 64, 128 or
-// 256, GQA groups up to 8: grid (T, n_kv, n_splits), block (32, kDecWarps). Version 1 gives a
-// part one warp per query head (for MHA, one warp per block) and stages 32-position tiles in
-// shared memory (35 KiB per block at head_dim 128), so few warps share an SM and each walks a
-// long dependent chain. Here the part's positions are cut into kDecWarps contiguous slices, one
-// per warp; a warp scores 4 positions at a time, 8 lanes per position (each lane's HD/8 dims
-// read as 16-byte loads straight from the cache), keeps the softmax online, and accumulates V
-// with a lane per HD/32 dims (a position's row read by the whole warp, coalesced). Shared memory
-// holds only the warps' (o, m, l) per head [G][kDecWarps][HD + 2], which warp w combines for
-// heads w, w + kDecWarps, ... into the part's (o, m, l) (or the output when n_splits == 1).
-// A GQA group's later heads read the same K/V rows again, from L1/L2.
-constexpr int kDecWarps = 4;
+// The flash-decoding parts of a decode step (n_splits > 1) over an fp16 cache, head_dim 64, 128
+// or 256, GQA groups up to 8, split over a block's warps: each warp takes a contiguous slice of
+// the part's positions, scores them with 8 lanes per position (each lane's HD/8 dims read as
+// 16-byte loads straight from the cache), keeps the softmax online, and accumulates V with a
+// lane per HD/32 dims (a position's row read by the whole warp, coalesced). Shared memory holds
+// only the warps' (o, m, l) per head [G][warps][HD + 2], which warp w combines for heads w,
+// w + warps, ... into the part's (o, m, l) (or the output when n_splits == 1). Version 1
+// (attention_kernel) gives a part one warp per query head and stages 32-position tiles in shared
+// memory (35 KiB per block at head_dim 128), so few warps share an SM and each walks a long
+// dependent chain; it stays for the shapes version 3 does not take. (A version 2 between them,
+// one round trip per V row and a GQA group's rows re-read per head, lost to version 3 on an H200
+// and was removed: dev/README.md #15.)
 constexpr int kDecMaxGroup = 8;
 
 // u = the VL halves at src as VL/2 words (VL = 2, 4 or 8: one 4-, 8- or 16-byte load).
@@ -253,14 +250,6 @@ __device__ __forceinline__ void axpy_words(float (&dst)[VL], float w, const uint
     dst[2 * i] += w * fp16_bits_to_float(uint16_t(u[i] & 0xffffu));
     dst[2 * i + 1] += w * fp16_bits_to_float(uint16_t(u[i] >> 16));
   }
-}
-
-// dst[i] += w · the VL halves at src.
-template <int VL>
-__device__ __forceinline__ void axpy_halves(float (&dst)[VL], float w, const __half* src) {
-  uint32_t u[VL / 2];
-  load_halves<VL>(u, src);
-  axpy_words<VL>(dst, w, u);
 }
 
 // Σ_i q[i] · the 8 halves packed in k (one 16-byte load of a K row).
@@ -329,77 +318,12 @@ __device__ __forceinline__ void combine_warps(const AttnArgs& a, const float* sm
   }
 }
 
-template <int HD>
-__global__ void __launch_bounds__(32 * kDecWarps) attention_decode_kernel(AttnArgs a) {
-  pdl_begin();
-  constexpr int KL = HD / 8, VL = HD / 32, stride = HD + 2;
-  float* sm = reinterpret_cast<float*>(dynamic_smem());  // [G][kDecWarps][HD + 2]
-  const int t = int(blockIdx.x), kvh = int(blockIdx.y), split = int(blockIdx.z);
-  const int w = int(threadIdx.y), lane = int(threadIdx.x), sub = lane >> 3, sl = lane & 7;
-  const int G = a.group, lo = split * a.part_len, S = a.part_len / kDecWarps;
-  const int lim = min(a.pos[t] + 1, lo + a.part_len);
-  const int p_begin = lo + w * S, p_end = min(p_begin + S, lim);  // this warp's positions (warp-uniform)
-  const int32_t* table = a.tables ? a.tables + int64_t(a.seq[t]) * a.table_stride : nullptr;
-  auto at = [&](int p) { return kv_at(a, table, kvh, p, HD); };
-  if (lo >= lim) {  // a part past the token's position
-    mark_empty_part(a, t, kvh, split, w, kDecWarps, lane, HD);
-    return;  // block-uniform: before any barrier
-  }
-  for (int g = 0; g < G; ++g) {
-    const int h = kvh * G + g - a.head_off;
-    float m = -INFINITY, l = 0.0f, o[VL];
-#pragma unroll
-    for (int i = 0; i < VL; ++i) o[i] = 0.0f;
-    if (h >= 0 && h < a.n_heads) {  // block-uniform
-      float qv[KL];
-      const float* qh = a.q + int64_t(t) * a.ldq + int64_t(h) * HD + sl * KL;
-#pragma unroll
-      for (int i = 0; i < KL; ++i) qv[i] = qh[i] * a.scale;
-      for (int p0 = p_begin; p0 < p_end; p0 += 4) {
-        const int p = p0 + sub;
-        float part = 0.0f;
-        if (p < p_end) {
-          const uint4* kr = reinterpret_cast<const uint4*>(a.kc + at(p) + sl * KL);
-#pragma unroll
-          for (int c = 0; c < KL / 8; ++c) part += dot8(qv + 8 * c, kr[c]);
-        }
-        part += __shfl_xor_sync(kFullMask, part, 1);
-        part += __shfl_xor_sync(kFullMask, part, 2);
-        part += __shfl_xor_sync(kFullMask, part, 4);
-        float sc[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) sc[k] = __shfl_sync(kFullMask, part, 8 * k);
-        const int n = min(4, p_end - p0);  // >= 1
-        float mx = sc[0];
-        for (int k = 1; k < n; ++k) mx = fmaxf(mx, sc[k]);
-        const float m_new = fmaxf(m, mx), corr = expf(m - m_new);  // corr 0 on the first step (m = -inf)
-        l *= corr;
-#pragma unroll
-        for (int i = 0; i < VL; ++i) o[i] *= corr;
-        for (int k = 0; k < n; ++k) {
-          const float pk = expf(sc[k] - m_new);
-          l += pk;
-          axpy_halves<VL>(o, pk, a.vc + at(p0 + k) + lane * VL);
-        }
-        m = m_new;
-      }
-    }
-    float* dst = sm + (g * kDecWarps + w) * stride;
-#pragma unroll
-    for (int i = 0; i < VL; ++i) dst[lane * VL + i] = o[i];
-    if (lane == 0) dst[HD] = m, dst[HD + 1] = l;
-  }
-  __syncthreads();
-  combine_warps<HD>(a, sm, t, kvh, split, w, kDecWarps, lane);
-}
-
-size_t decode_smem(int64_t G, int64_t hd) { return size_t(G) * kDecWarps * size_t(hd + 2) * 4; }
-
 // ---------------------------------------------------------------- decode, version 3
 //
 // The default (decode_version) wherever the shape allows it; dev/cuda/attn.cu times it against
-// versions 1 and 2 (H200: 0.48-0.93x version 1's time, dev/README.md #19). Version 2 took 19.3 us a layer at 512 cached positions on an H200, where llama-2-7b's 8.4 MB
-// of K and V take 2 us at the copy rate: latency, not bytes. Three changes:
+// version 1 (H200: 0.48-0.93x its time, dev/README.md #19). The removed version 2 took 19.3 us a
+// layer at 512 cached positions on an H200, where llama-2-7b's 8.4 MB of K and V take 2 us at
+// the copy rate: latency, not bytes. Three changes from it:
 //  - The step's positions are spread over all its parts: part c takes a chunk of
 //    ceil(n / parts) positions rounded up to 32 (n = pos + 1) instead of the fixed part_len, so
 //    a step at 512 positions keeps 16 parts of a head busy, not 8 (parts past the last chunk
@@ -411,7 +335,7 @@ size_t decode_smem(int64_t G, int64_t hd) { return size_t(G) * kDecWarps * size_
 //    group's queries wait in shared memory, the accumulators o [GM][HD / 32] in registers (GM
 //    the group's bucket 1, 2, 4 or 8). Version 2 re-read the rows per head.
 // grid (T, n_kv, n_splits), block (32, kV3Warps); shared memory: the queries [G][HD] fp32, then
-// the warps' (o, m, l) [G][kV3Warps][HD + 2], combined as version 2 does.
+// the warps' (o, m, l) [G][kV3Warps][HD + 2], combined by combine_warps.
 constexpr int kV3Warps = 4;
 constexpr int kV3Round = 8;  // positions a warp scores per round: 2 passes of 4 positions x 8 lanes
 
@@ -536,11 +460,11 @@ void launch_v3(const AttnArgs& args, int64_t T, int64_t n_kv, int64_t n_splits, 
   check_launch("attention (decode v3)");
 }
 
-// 0: the default, version 3 (where the shape allows it, else 1); 1-3: forced.
+// 0: the default, version 3 (where the shape allows it, else 1); 1 or 3: forced.
 EnvSetting g_decode_version([] {
   const char* e = std::getenv("LLMQ_CUDA_DECODE_ATTN");
   const std::string v = e ? e : "";
-  return v == "1" || v == "2" || v == "3" ? v[0] - '0' : 0;
+  return v == "1" || v == "3" ? v[0] - '0' : 0;
 });
 
 // The version a decode step's parts run: on an H200 version 3 took 0.48-0.93x version 1's time on
@@ -863,12 +787,6 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     if (hd == 64) launch_v3<64>(args, T, n_kv, parts, G, s);
     else if (hd == 128) launch_v3<128>(args, T, n_kv, parts, G, s);
     else launch_v3<256>(args, T, n_kv, parts, G, s);
-  } else if (version == 2) {
-    const dim3 grid{unsigned(T), unsigned(n_kv), unsigned(n_splits)}, block{32, unsigned(kDecWarps), 1};
-    const size_t smem = decode_smem(G, hd);
-    auto kernel = hd == 64 ? attention_decode_kernel<64> : hd == 128 ? attention_decode_kernel<128> : attention_decode_kernel<256>;
-    LLMQ_LAUNCH(kernel, grid, block, smem, s)(args);
-    check_launch("attention (decode v2)");
   } else {
     launch_v1(args, T, n_kv, n_splits, G, hd, pages, s);
   }
@@ -884,7 +802,8 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
 }
 
 void set_decode_attention_version(int version) {
-  if (version < 0 || version > 3) throw UsageError("decode attention version must be 0 (the default: 3 where the shape allows it), 1, 2 or 3");
+  if (version != 0 && version != 1 && version != 3)
+    throw UsageError("decode attention version must be 0 (the default: 3 where the shape allows it), 1 or 3 (2 was removed)");
   g_decode_version.set(version);
 }
 

@@ -77,14 +77,13 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
                const DeviceActQ8* q_out = nullptr);
 
 /// Which kernel takes the flash-decoding parts of a decode step (n_splits > 1) over an fp16
-/// cache: 1, attention_kernel; 2, attention_decode_kernel (head_dim 64, 128 or 256, GQA groups
-/// up to 8; other shapes stay on 1): a part's positions split over 4 warps, 8 lanes per scored
-/// position reading the cache directly; 3, attention_decode_v3_kernel (the shapes of 2): the
-/// step's positions spread over every part, each warp's K and V loads issued a round of 8
-/// positions at a time, a GQA group's heads scored on rows read once; 0 (the default): 3 where
-/// the shape allows it, else 1, the fastest on an H200 for MHA and GQA alike (dev/README.md #19).
-/// The environment's LLMQ_CUDA_DECODE_ATTN=1, 2 or 3 forces one at start-up;
-/// dev/cuda/attn.cu times all three. Throws UsageError for other values.
+/// cache: 1, attention_kernel; 3, attention_decode_v3_kernel (head_dim 64, 128 or 256, GQA
+/// groups up to 8; other shapes stay on 1): the step's positions spread over every part, a
+/// part's positions split over 4 warps, each warp's K and V loads issued a round of 8 positions
+/// at a time, a GQA group's heads scored on rows read once; 0 (the default): 3 where the shape
+/// allows it, else 1, the faster on an H200 for MHA and GQA alike (dev/README.md #19). Version 2
+/// lost to 3 and was removed (#15). The environment's LLMQ_CUDA_DECODE_ATTN=1 or 3 forces one at
+/// start-up; dev/cuda/attn.cu times both. Throws UsageError for other values.
 void set_decode_attention_version(int version);
 
 }  // namespace llmq::cuda
