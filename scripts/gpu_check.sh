@@ -23,7 +23,7 @@
 #                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-2-7b's and llama-3-8b's
 #                Q4_0 on decode attention version 1 forced, against the default's version 3;
 #                PDL=0: without the Q4_0 and Q8_0 runs without programmatic dependent launch,
-#                LLMQ_CUDA_PDL=0, and Q4_0's with the GEMVs' weight prefetch, LLMQ_CUDA_PREFETCH=1)
+#                LLMQ_CUDA_PDL=0)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
@@ -178,11 +178,9 @@ run_phase() {
       done
       [ "${NO_MMQ:-0}" = 1 ] && step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
       # programmatic dependent launch (the default on Hopper) off, end to end (decode graphs,
-      # prefill, batch 32); and the GEMVs' weight prefetch before the wait (engine/cuda/common.cuh
-      # weight_prefetch) on
+      # prefill, batch 32)
       if [ "${PDL:-1}" = 1 ]; then
         for t in q4_0 q8_0; do step "bench-7b-$t-no-pdl" 90 "LLMQ_CUDA_PDL=0 $G/bin/llmq-bench $B7 --type $t --batch 32"; done
-        step bench-7b-q4_0-prefetch 90 "LLMQ_CUDA_PREFETCH=1 $G/bin/llmq-bench $B7 --type q4_0"
       fi
       # decode attention (engine/cuda/attention.h set_decode_attention_version): the default's
       # version 3 above against version 1 forced, on llama-2-7b (MHA) and llama-3-8b (GQA)

@@ -101,9 +101,9 @@ Case v2_case(DType type, const char* name) {
             const size_t rb = row_bytes(type, w.cols);
             const int rows = int(w.rows), cols = int(w.cols);
             switch (type) {
-              case DType::Q4_K: gemv_q45k_q8_kernel<R, false><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T, 0); break;
-              case DType::Q5_K: gemv_q45k_q8_kernel<R, true><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T, 0); break;
-              case DType::Q6_K: gemv_q6k_q8_kernel<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T, 0); break;
+              case DType::Q4_K: gemv_q45k_q8_kernel<R, false><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T); break;
+              case DType::Q5_K: gemv_q45k_q8_kernel<R, true><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T); break;
+              case DType::Q6_K: gemv_q6k_q8_kernel<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T); break;
               default: iq4nl_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
             }
           }};

@@ -14,12 +14,6 @@ namespace llmq::cuda {
 /// set_programmatic_launch (engine/cuda/cuda.cpp) decide instead. An H200 decoded llama-2-7b Q4_0
 /// 1.12x and Q8_0 1.09x as fast with it (dev/README.md #18).
 bool programmatic_launch();
-/// Whether the decode GEMV kernels prefetch their weight rows into L2 before pdl_begin(), so the
-/// bytes stream while the kernel ahead finishes (weights never depend on it): with
-/// programmatic_launch() only (without it the prefetch would come right before the loads), and
-/// only when LLMQ_CUDA_PREFETCH=1 at start-up or set_weight_prefetch(true): an H200 decoded
-/// llama-2-7b Q4_0 at 0.92x the rate with it (dev/README.md #20), so it is off by default.
-bool weight_prefetch();
 
 #ifndef LLMQ_CUDA_EMU
 /// LLMQ_LAUNCH's launcher: kernel<<<grid, block, smem, stream>>>(args...), or with
@@ -57,7 +51,7 @@ class Launcher {
 
 // Kernel launches are written LLMQ_LAUNCH(kernel, grid, block, smem, stream)(args...): the
 // launcher above here, a call into the CPU emulator in its build (engine/cuda/emu/emu.h). Every
-// kernel starts with pdl_begin(); the decode GEMVs first prefetch their weights (weight_prefetch).
+// kernel starts with pdl_begin().
 #ifndef LLMQ_LAUNCH
 #define LLMQ_LAUNCH(kernel, grid, block, smem, stream) ::llmq::cuda::Launcher(kernel, grid, block, smem, stream)
 #endif
@@ -72,20 +66,6 @@ namespace llmq::cuda {
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-/// Rows [r0, r1) of a matrix of rb-byte rows at base into L2 (Hopper's cp.async.bulk.prefetch.L2,
-/// one instruction for the range, widened to 16-byte bounds: the weight pieces are 256-byte
-/// aligned, so the widening stays inside them). A hint: nothing before sm_90 and in the emulator.
-__device__ __forceinline__ void prefetch_rows_l2(const void* base, int64_t r0, int64_t r1, int64_t rb) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (r1 <= r0) return;
-  const uintptr_t b = reinterpret_cast<uintptr_t>(base), lo = (b + uintptr_t(r0 * rb)) & ~uintptr_t(15);
-  const uintptr_t hi = (b + uintptr_t(r1 * rb) + 15) & ~uintptr_t(15);
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(lo), "r"(uint32_t(hi - lo)) : "memory");
-#else
-  (void)base, (void)r0, (void)r1, (void)rb;
 #endif
 }
 

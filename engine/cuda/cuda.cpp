@@ -38,17 +38,6 @@ EnvSetting g_pdl([] {
 bool programmatic_launch() { return g_pdl.get() != 0; }
 void set_programmatic_launch(bool on) { g_pdl.set(on ? 1 : 0); }
 
-namespace {
-// Off by default: an H200 decoded llama-2-7b Q4_0 at 472 tok/s with it, 506 without (dev/README.md #20).
-EnvSetting g_prefetch([] {
-  const char* e = std::getenv("LLMQ_CUDA_PREFETCH");
-  return e && std::string(e) == "1" ? 1 : 0;
-});
-}  // namespace
-
-bool weight_prefetch() { return programmatic_launch() && g_prefetch.get() != 0; }
-void set_weight_prefetch(bool on) { g_prefetch.set(on ? 1 : 0); }
-
 void allow_dynamic_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return;
   static std::mutex mu;

@@ -34,10 +34,6 @@ void allow_dynamic_smem(const void* kernel, size_t bytes);
 /// compute capability 9.0 or more; the environment's LLMQ_CUDA_PDL=0 or 1 decides at start-up
 /// (dev/README.md #18). CUDA graphs captured before keep what they captured.
 void set_programmatic_launch(bool on);
-/// The decode GEMV kernels' weight prefetch into L2 before they wait on the kernel ahead
-/// (engine/cuda/common.cuh weight_prefetch; in effect with programmatic launch only): off by
-/// default (slower on an H200, dev/README.md #20), LLMQ_CUDA_PREFETCH=1 at start-up turns it on.
-void set_weight_prefetch(bool on);
 
 /// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).
 int device_count();

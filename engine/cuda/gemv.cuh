@@ -64,15 +64,6 @@ __device__ __forceinline__ void gemv_block_store(float (&acc)[R][T], float* __re
   }
 }
 
-// The block's R · kGemvWarps rows of rb bytes into L2 when `prefetch` (weight_prefetch), by one
-// thread, before pdl_begin(): the weights do not depend on the kernel ahead.
-template <int R>
-__device__ __forceinline__ void prefetch_block_rows(int prefetch, const uint8_t* wq, size_t rb, int64_t rows) {
-  if (!prefetch || threadIdx.x != 0 || threadIdx.y != 0) return;
-  const int64_t r0 = int64_t(blockIdx.x) * kGemvWarps * R;
-  prefetch_rows_l2(wq, r0, r0 + kGemvWarps * R < rows ? r0 + kGemvWarps * R : rows, int64_t(rb));
-}
-
 // The first of the R rows of this warp, or -1 past the last row.
 template <int R>
 __device__ __forceinline__ int warp_row0(int rows) {
@@ -86,9 +77,7 @@ __device__ __forceinline__ int warp_row0(int rows) {
 template <int R, bool kQ5>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_q45k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
                                                                    const float* __restrict__ xd, const float* __restrict__ xs,
-                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T,
-                                                                   int prefetch) {
-  prefetch_block_rows<R>(prefetch, wq, rb, rows);
+                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
   pdl_begin();
   const int nrows = int(rows), ncols = int(cols), row0 = warp_row0<R>(nrows);
   if (row0 < 0) return;
@@ -132,9 +121,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_q45k_q8_kernel(const uin
 template <int R>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_q6k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
                                                                   const float* __restrict__ xd, const float* __restrict__,
-                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T,
-                                                                  int prefetch) {
-  prefetch_block_rows<R>(prefetch, wq, rb, rows);
+                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
   pdl_begin();
   const int nrows = int(rows), ncols = int(cols), row0 = warp_row0<R>(nrows);
   if (row0 < 0) return;

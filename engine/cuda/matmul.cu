@@ -245,18 +245,6 @@ void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t col
 namespace {
 
 
-// gemv_block_kernel's weight prefetch (weight_prefetch): the CUDA block's rows of every weight
-// array into L2, before the kernel waits on the one ahead.
-template <DType kType, int R, int W, int KS>
-__device__ __forceinline__ void gemv_block_prefetch(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
-                                                    const uint16_t* __restrict__ wm, const uint32_t* __restrict__ wh, int rows, int nb) {
-  constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;
-  const int64_t r0 = int64_t(blockIdx.x) * (KS == 1 ? W * R : R), r1 = min(r0 + (KS == 1 ? W * R : R), int64_t(rows));
-  prefetch_rows_l2(wq, r0, r1, int64_t(nb) * kQB), prefetch_rows_l2(wd, r0, r1, int64_t(nb) * 2);
-  if constexpr (split_has_m(kType)) prefetch_rows_l2(wm, r0, r1, int64_t(nb) * 2);
-  if constexpr (split_has_h(kType)) prefetch_rows_l2(wh, r0, r1, int64_t(nb) * 4);
-}
-
 // acc += row r's dot with one token over one quant block (the formulas above gemv_block_kernel):
 // w0 (and w1, Q8_0) the block's quant bytes, dw / mw its scale and minimum, hw its fifth bits;
 // x0, x1 the token's 32 int8 activations, dx their scale, sx d_x Σ q_x.
@@ -296,11 +284,10 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
                                                            const uint16_t* __restrict__ wm, const uint32_t* __restrict__ wh,
                                                            const int8_t* __restrict__ xq,
                                                            const float* __restrict__ xd, const float* __restrict__ xs,
-                                                           float* __restrict__ y, int64_t ldy, int rows, int cols, int prefetch) {
+                                                           float* __restrict__ y, int64_t ldy, int rows, int cols) {
   constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;  // quant bytes per block
   constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType);
   const int nb = cols / 32;
-  if (prefetch && threadIdx.x == 0) gemv_block_prefetch<kType, R, W, KS>(wq, wd, wm, wh, rows, nb);
   pdl_begin();
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int row0 = (KS == 1 ? int(blockIdx.x) * W + warp : int(blockIdx.x)) * R;
@@ -352,7 +339,7 @@ void launch_gemv_block(const DeviceWeight& w, const DeviceActQ8& xq, float* y, i
   const int64_t groups = (w.rows + R - 1) / R;
   const unsigned grid = unsigned(KS == 1 ? (groups + W - 1) / W : groups);
   auto* kernel = gemv_block_kernel<kType, R, W, T, KS>;  // a template name's commas would split the macro's arguments
-  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols), int(weight_prefetch()));
+  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols));
 }
 
 // The version per type and token count, from the lab's timings on an H200 (bench/RESULTS.md):
@@ -707,7 +694,7 @@ RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
 
 // The raw types' GEMVs on int8 activations (one signature) with their rows per warp, or
 // nullptr where t has none or the weights at wq are not aligned as its loads need.
-using RawGemvQ8Kernel = void (*)(const uint8_t*, size_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t, int, int);
+using RawGemvQ8Kernel = void (*)(const uint8_t*, size_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
 struct RawGemvQ8 {
   RawGemvQ8Kernel kernel = nullptr;
   int rows_per_warp = 1;
@@ -749,7 +736,7 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
       if (const RawGemvQ8 k = raw_gemv_q8_kernel(w.type, w.q); k.kernel && xq.q) {
         const int per_block = kGemvWarps * k.rows_per_warp;
         LLMQ_LAUNCH(k.kernel, unsigned((w.rows + per_block - 1) / per_block), block, 0, s)(w.q, row_bytes(w.type, w.cols), xq.q, xq.d, xq.s, y,
-                                                                                          ldy, w.rows, w.cols, nt, int(weight_prefetch()));
+                                                                                          ldy, w.rows, w.cols, nt);
         break;
       }
       if (RawGemvKernel k = raw_gemv_kernel(w.type, w.q, x)) {
