@@ -28,7 +28,7 @@ EnvSetting g_pdl([] {
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error so the next check does not report it
+    cudaGetLastError();  // clear the error, so the next check_launch does not report it
     return 0;
   }
   return major >= 9 ? 1 : 0;
