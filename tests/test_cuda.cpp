@@ -561,7 +561,7 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
   struct Restore {
-    ~Restore() { cuda::set_decode_attention_version(0); }
+    ~Restore() { cuda::set_decode_attention_version(0), cuda::set_decode_v3_blocks(0); }
   } restore;
   struct Shape {
     int64_t heads, kv, hd;
@@ -647,9 +647,12 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
     }
   }
   // Version 3 with many tokens: fewer parts than n_splits (v3_parts: 200 tokens x 4 KV heads
-  // take 3 of the 4), and one part (512 tokens: the kernel writes the output, no merge).
-  for (const int64_t T : {int64_t(200), int64_t(512)}) {
+  // take 3 of the 4), and one part (512 tokens: the kernel writes the output, no merge); and 3
+  // tokens with block targets of 30 (3 parts) and 5 (1 part) instead of the default's 4.
+  const std::pair<int64_t, int64_t> cases[] = {{200, 0}, {512, 0}, {3, 30}, {3, 5}};
+  for (const auto& [T, blocks] : cases) {
     cuda::set_decode_attention_version(3);
+    cuda::set_decode_v3_blocks(blocks);
     const int64_t heads = 4, kv = 4, hd = 64, ctx = 200, Q = heads * hd, KV = kv * hd;
     const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);
     std::vector<int32_t> pos(static_cast<size_t>(T));
@@ -661,11 +664,12 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
                  part(size_t(T * heads * 4 * (hd + 2)) * 4);
     cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, heads, kv, hd, scale, 4, 64,
                     part.as<float>(), od.as<float>(), Q, nullptr);
-    INFO("version 3, " << T << " tokens");
+    INFO("version 3, " << T << " tokens, block target " << blocks);
     CHECK(rel_err(from_device<float>(od, size_t(T * Q)).data(), ref.data(), ref.size()) < 1e-4);
   }
   CHECK_THROWS_AS(cuda::set_decode_attention_version(4), UsageError);
   CHECK_THROWS_AS(cuda::set_decode_attention_version(2), UsageError);  // removed
+  CHECK_THROWS_AS(cuda::set_decode_v3_blocks(-1), UsageError);
 }
 
 // A paged cache (llmq-server): the same keys and values scattered over blocks of 16 rows in a

@@ -3,7 +3,8 @@
 // (query, position) pair) and decode steps at 512 and 4096 cached positions (GB/s of the K and V
 // bytes read, flash-decoding parts of 64 positions plus their merge; version 1, attention_kernel,
 // and version 3, attention_decode_v3_kernel, checked against the first's output; version 2 was
-// removed after the fifth GPU session, dev/README.md #15).
+// removed after the fifth GPU session, dev/README.md #15). Version 3 also at block targets of
+// 264, 528 and 1056 besides its default 2048 (set_decode_v3_blocks: fewer, longer parts).
 // Then a batched decode step of 32 sequences through block tables (llmq-server's; batched_step).
 // LLMQ_CUDA_ATTN=0 in the environment puts prompts on the CUDA-core kernel instead of the
 // tensor cores, for comparison.
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "engine/cuda/attention.h"
@@ -23,6 +25,20 @@
 
 using namespace llmq;
 using namespace llmq::cuda;
+
+// The decode variants timed: version 1, then version 3 at its default block target (2048) and at
+// fewer blocks: 132 SMs x 2, 4 and 8.
+struct Variant {
+  int version;
+  int64_t v3_blocks;  // 0: the default
+};
+constexpr Variant kVariants[] = {{1, 0}, {3, 0}, {3, 264}, {3, 528}, {3, 1056}};
+
+void use(const Variant& v) { set_decode_attention_version(v.version), set_decode_v3_blocks(v.v3_blocks); }
+void use_defaults() { set_decode_attention_version(0), set_decode_v3_blocks(0); }
+
+// "v1", "v3", "v3 b528": a variant's label.
+std::string label(const Variant& v) { return "v" + std::to_string(v.version) + (v.v3_blocks ? " b" + std::to_string(v.v3_blocks) : ""); }
 
 // A batched decode step as llmq-server runs it: 32 sequences, one token each at 600-662 cached
 // positions, through block tables of 16 positions (a shuffled pool), 16 flash-decoding parts
@@ -43,8 +59,8 @@ void batched_step(const char* name, int64_t heads, int64_t kv, int64_t hd) {
   double bytes = 0;
   for (int32_t p : pos) bytes += 2.0 * double(p + 1) * double(KV) * 2.0;
   std::vector<float> ref1;
-  for (int version : {1, 3}) {
-    set_decode_attention_version(version);
+  for (const Variant& var : kVariants) {
+    use(var);
     auto step = [&] {
       attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), pd.as<int32_t>(), T, heads, kv, hd, scale, parts, 64, part.as<float>(),
                 out.as<float>(), Q, nullptr, pages);
@@ -57,10 +73,10 @@ void batched_step(const char* name, int64_t heads, int64_t kv, int64_t hd) {
     double err = 0, norm = 0;
     for (size_t i = 0; i < got.size(); ++i) err += (got[i] - ref1[i]) * (got[i] - ref1[i]), norm += ref1[i] * ref1[i];
     const double ms = best_time_ms(30, step);
-    std::printf("%-13s batched decode, 32 sequences at 600-662 (paged, %lld parts) v%d %7.1f us  %7.0f GB/s of K+V  (rel. diff from v1 %.1e)\n",
-                name, (long long)parts, version, ms * 1e3, bytes / (ms * 1e-3) / 1e9, std::sqrt(err / std::max(norm, 1e-30)));
+    std::printf("%-13s batched decode, 32 sequences at 600-662 (paged, %lld parts) %-8s %7.1f us  %7.0f GB/s of K+V  (rel. diff from v1 %.1e)\n",
+                name, (long long)parts, label(var).c_str(), ms * 1e3, bytes / (ms * 1e-3) / 1e9, std::sqrt(err / std::max(norm, 1e-30)));
   }
-  set_decode_attention_version(0);
+  use_defaults();
 }
 
 int main() {
@@ -89,9 +105,9 @@ int main() {
         const int64_t parts = ctx / 64;
         DeviceBuffer part(size_t(c.heads * parts * (c.hd + 2)) * 4), p1(4);
         p1.upload(&p, 4);
-        std::vector<float> ref1;  // version 1's output: versions 2 and 3 are checked against it
-        for (int version : {1, 3}) {
-          set_decode_attention_version(version);
+        std::vector<float> ref1;  // version 1's output: version 3 is checked against it
+        for (const Variant& var : kVariants) {
+          use(var);
           auto step = [&] {
             attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), p1.as<int32_t>(), 1, c.heads, c.kv, c.hd, scale, parts, 64,
                       part.as<float>(), out.as<float>(), Q, nullptr);
@@ -105,10 +121,10 @@ int main() {
           for (size_t i = 0; i < got.size(); ++i) err += (got[i] - ref1[i]) * (got[i] - ref1[i]), norm += ref1[i] * ref1[i];
           const double dms = best_time_ms(50, step);
           const double bytes = 2.0 * double(p + 1) * double(KV) * 2.0;
-          std::printf("%-13s decode at %4d (64 parts) v%d %7.1f us  %7.0f GB/s of K+V  (rel. diff from v1 %.1e)\n", c.name, p, version,
-                      dms * 1e3, bytes / (dms * 1e-3) / 1e9, std::sqrt(err / std::max(norm, 1e-30)));
+          std::printf("%-13s decode at %4d (64 parts) %-8s %7.1f us  %7.0f GB/s of K+V  (rel. diff from v1 %.1e)\n", c.name, p,
+                      label(var).c_str(), dms * 1e3, bytes / (dms * 1e-3) / 1e9, std::sqrt(err / std::max(norm, 1e-30)));
         }
-        set_decode_attention_version(0);
+        use_defaults();
       }
       batched_step(c.name, c.heads, c.kv, c.hd);
     }

@@ -1,5 +1,6 @@
 // Causal attention over the fp16 KV cache (engine/cuda/attention.h).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -349,8 +350,10 @@ __device__ __forceinline__ int v3_chunk(int n, int n_splits) { return ((n + n_sp
 // 600 positions launched 64 parts per (token, KV head), 45 of them empty; at one part the kernel
 // writes the output and no merge runs.
 constexpr int64_t kV3Blocks = 2048;
+std::atomic<int64_t> g_v3_blocks{0};  // set_decode_v3_blocks: 0 = kV3Blocks
 int64_t v3_parts(int64_t T, int64_t n_kv, int64_t n_splits) {
-  return std::clamp<int64_t>((kV3Blocks + T * n_kv - 1) / (T * n_kv), 1, n_splits);
+  const int64_t set = g_v3_blocks.load(std::memory_order_relaxed), target = set > 0 ? set : kV3Blocks;
+  return std::clamp<int64_t>((target + T * n_kv - 1) / (T * n_kv), 1, n_splits);
 }
 
 size_t decode_v3_smem(int64_t G, int64_t hd) { return size_t(G) * size_t(hd) * 4 + size_t(G) * kV3Warps * size_t(hd + 2) * 4; }
@@ -799,6 +802,11 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
     return quantize;
   }
   return false;
+}
+
+void set_decode_v3_blocks(int64_t blocks) {
+  if (blocks < 0) throw UsageError("decode attention version 3: the block target must be >= 0 (0: the default)");
+  g_v3_blocks.store(blocks, std::memory_order_relaxed);
 }
 
 void set_decode_attention_version(int version) {
