@@ -21,7 +21,8 @@
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
 #                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-2-7b's and llama-3-8b's
-#                Q4_0 on decode attention version 1 forced, against the default's version 3;
+#                Q4_0 on decode attention version 1 forced, against the default's version 3, at
+#                640 and at 4,096 positions;
 #                PDL=0: without the Q4_0 and Q8_0 runs without programmatic dependent launch,
 #                LLMQ_CUDA_PDL=0)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
@@ -187,6 +188,8 @@ run_phase() {
       if [ "${DECODE_ATTN:-1}" = 1 ]; then
         for v in 1 3; do step "bench-8b-q4_0-decode-attn-$v" 60 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/llama-2-7b/llama-3-8b} --type q4_0"; done
         step bench-7b-q4_0-decode-attn-1 60 "LLMQ_CUDA_DECODE_ATTN=1 $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
+        # a long context: decode attention reads 2.1 GB of K and V a token there, 0.56x the Q4_0 weights' 3.8 GB
+        for v in 1 3; do step "bench-7b-q4_0-ctx4k-decode-attn-$v" 90 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/-p 512/-p 3968} --type q4_0"; done
       fi
       ;;
     peer)
