@@ -9,6 +9,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "engine/cuda/attention.h"
 #include "engine/cuda/ops.h"
@@ -301,6 +304,23 @@ void CudaSession::mark(const char* op) {  // --profile: the time since the last 
   if (prof_) prof_->mark(op);
 }
 
+// LLMQ_CUDA_SKIP=norm,rope_kv,attention,gated_act,matmul: a timing experiment only, the output is
+// wrong. The layers' ops of the named classes are not launched (matmul: the layers' products, not
+// the output's), and what a skipped op would have quantized for the next product counts as
+// quantized, so a graphed decode step's time without them tells what each costs inside the graph
+// with programmatic launch, where --profile's events (ungraphed) cannot look.
+namespace {
+bool skip_op(const char* op) {
+  static const std::vector<std::string> skipped = [] {
+    std::vector<std::string> v;
+    std::stringstream list(std::getenv("LLMQ_CUDA_SKIP") ? std::getenv("LLMQ_CUDA_SKIP") : "");
+    for (std::string item; std::getline(list, item, ',');) v.push_back(item);
+    return v;
+  }();
+  return std::find(skipped.begin(), skipped.end(), op) != skipped.end();
+}
+}  // namespace
+
 // The pass's inputs to the device: token ids and positions; paged: per token its cache row and
 // its sequence's row of the block tables, and the logits rows.
 CudaSession::PassInputs CudaSession::stage_inputs(int64_t T, bool paged) {
@@ -326,6 +346,10 @@ void CudaSession::norm_for(const DeviceWeight& next, float* x, const float* y, f
   const int64_t D = dm_.config().dim;
   const float eps = float(dm_.config().norm_eps);
   const DeviceActQ8* q = mm_->fusable(next, T, D);
+  if (skip_op("norm")) {
+    if (q) mm_->note_quantized(out, T, D);
+    return;
+  }
   if (y) add_rmsnorm(x, y, out, w, T, D, eps, stream_, q);
   else rmsnorm(out, x, w, T, D, eps, stream_, q);
   if (q) mm_->note_quantized(out, T, D);
@@ -352,6 +376,7 @@ CudaSession::LayerKv CudaSession::layer_kv(int64_t l) {
 // Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column.
 void CudaSession::matmul_cols(const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld, int64_t T) {
   int64_t col = 0;
+  if (skip_op("matmul")) return;
   mm_->hold_input(in);  // converted to 16 bits once for all of them (prefill)
   for (const DeviceWeight& w : ws) matmul(*mm_, w, in, y + col, T, ld), col += w.rows;
   mm_->release_input();
@@ -372,7 +397,8 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, stream_), mark("bias");
   if (w.q_norm) head_rmsnorm(qkv, QKV, T, c.n_heads, c.n_kv_heads, hd, w.q_norm, w.k_norm, float(c.norm_eps), stream_), mark("qk_norm");
   const double* freqs = dm_.rope_freqs(dm_.first_layer() + l);  // by the model's layer index (offload holds the last ones)
-  rope_store_kv(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, freqs, c.rope_layout, kv.kc, kv.vc, stream_);
+  if (!skip_op("rope_kv"))
+    rope_store_kv(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, freqs, c.rope_layout, kv.kc, kv.vc, stream_);
   if (kv.q8.kq)
     store_kv_q8(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, const_cast<int8_t*>(kv.q8.kq), const_cast<uint16_t*>(kv.q8.kd),
                 const_cast<int8_t*>(kv.q8.vq), const_cast<uint16_t*>(kv.q8.vd), stream_);
@@ -380,7 +406,9 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   // Decode (one token, or one per sequence of a paged batch): flash-decoding parts, a fixed
   // count (graph-safe), whose merge also quantizes att for W_o when it takes int8 inputs; else
   // every position in one part.
-  if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1) {
+  if (skip_op("attention")) {
+    if (mm_->fusable(w.wo, T, Q)) mm_->note_quantized(att, T, Q);
+  } else if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1) {
     const DeviceActQ8* q = mm_->fusable(w.wo, T, Q);
     if (attention(qkv, QKV, kv.kc, kv.vc, in.pos, T, c.n_heads, c.n_kv_heads, hd, scale, plan_.decode_parts, plan_.decode_part_len,
                   partial_.as<float>(), att, Q, stream_, in.pages, kv.q8, dm_.gqa(), q))
@@ -390,7 +418,7 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
               stream_, in.pages, kv.q8, dm_.gqa());  // att [T, Q]
   }
   mark("attention");
-  matmul(*mm_, w.wo, att, xb, T);  // xb [T, D] (a partial sum under TP)
+  if (!skip_op("matmul")) matmul(*mm_, w.wo, att, xb, T);  // xb [T, D] (a partial sum under TP)
   mark("matmul_o");
   if (comm_) all_reduce(xb, T * D), mark("all_reduce");
   if (w.bo) add_bias(xb, D, w.bo, T, D, stream_), mark("bias");
@@ -406,10 +434,10 @@ void CudaSession::ffn_block(int64_t l, int64_t T) {
   matmul_cols(w.gate_up, xb, h, 2 * H, T);  // h [T, 2H]
   mark("matmul_gate_up");
   const DeviceActQ8* q = mm_->fusable(w.w_down, T, H);
-  gated_act(dm_.config().act, hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
+  if (!skip_op("gated_act")) gated_act(dm_.config().act, hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
   if (q) mm_->note_quantized(hs, T, H);
   mark("gated_act");
-  matmul(*mm_, w.w_down, hs, xb, T);  // xb [T, D] (a partial sum under TP)
+  if (!skip_op("matmul")) matmul(*mm_, w.w_down, hs, xb, T);  // xb [T, D] (a partial sum under TP)
   mark("matmul_down");
   if (comm_) all_reduce(xb, T * D), mark("all_reduce");
   if (w.post_ffn_norm) rmsnorm(xb, xb, w.post_ffn_norm, T, D, float(dm_.config().norm_eps), stream_), mark("norm");  // pre_post norms
