@@ -25,6 +25,13 @@
 #                640 and at 4,096 positions;
 #                PDL=0: without the Q4_0 and Q8_0 runs without programmatic dependent launch,
 #                LLMQ_CUDA_PDL=0)
+#     where      a graphed Q4_0 decode step's split: llmq-bench on llama-2-7b with each op class of the
+#                layers not launched (LLMQ_CUDA_SKIP, engine/cuda/session.cpp skip_op; the output is
+#                wrong, the time is what the class costs inside the graph), then all but the products
+#                and the products alone (WHERE_TYPES=...: other types; WHERE_BATCH=1: a batch of 32 too)
+#     blocks     decode attention version 3's block target end to end (LLMQ_CUDA_V3_BLOCKS; the attn
+#                lab times it alone): llama-2-7b Q4_0 at 640 and 4,096 positions, llama-3-8b, and a
+#                batch of 32, the targets interleaved twice
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
@@ -190,6 +197,31 @@ run_phase() {
         step bench-7b-q4_0-decode-attn-1 60 "LLMQ_CUDA_DECODE_ATTN=1 $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
         # a long context: decode attention reads 2.1 GB of K and V a token there, 0.56x the Q4_0 weights' 3.8 GB
         for v in 1 3; do step "bench-7b-q4_0-ctx4k-decode-attn-$v" 90 "LLMQ_CUDA_DECODE_ATTN=$v $G/bin/llmq-bench ${B7/-p 512/-p 3968} --type q4_0"; done
+      fi
+      ;;
+    blocks)
+      local b r
+      for r in 1 2; do
+        for b in 2048 264 528 1056; do
+          step "blocks-7b-q4_0-b$b-r$r" 60 "LLMQ_CUDA_V3_BLOCKS=$b $G/bin/llmq-bench $B7 --type q4_0"
+          step "blocks-7b-q4_0-ctx4k-b$b-r$r" 90 "LLMQ_CUDA_V3_BLOCKS=$b $G/bin/llmq-bench ${B7/-p 512/-p 3968} --type q4_0"
+          step "blocks-8b-q4_0-b$b-r$r" 60 "LLMQ_CUDA_V3_BLOCKS=$b $G/bin/llmq-bench ${B7/llama-2-7b/llama-3-8b} --type q4_0"
+          step "blocks-7b-q4_0-batch32-b$b-r$r" 60 "LLMQ_CUDA_V3_BLOCKS=$b $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
+        done
+      done
+      ;;
+    where)
+      local t sk
+      for t in ${WHERE_TYPES:-q4_0}; do
+        for sk in none norm rope_kv attention gated_act norm,rope_kv,attention,gated_act matmul; do
+          step "where-7b-$t-skip-${sk//,/+}" 60 "LLMQ_CUDA_SKIP=$sk $G/bin/llmq-bench $B7 --type $t"
+        done
+      done
+      # a batch of 32 (WHERE_BATCH=1): its step without attention, without the products, with only them
+      if [ "${WHERE_BATCH:-0}" = 1 ]; then
+        for sk in none attention matmul norm,rope_kv,attention,gated_act; do
+          step "where-7b-q4_0-batch32-skip-${sk//,/+}" 60 "LLMQ_CUDA_SKIP=$sk $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
+        done
       fi
       ;;
     peer)
