@@ -646,10 +646,11 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
       CHECK(rel_err(out2.data(), want.data(), want.size()) < 1e-4);
     }
   }
-  // Version 3 with many tokens: fewer parts than n_splits (v3_parts: 200 tokens x 4 KV heads
-  // take 3 of the 4), and one part (512 tokens: the kernel writes the output, no merge); and 3
-  // tokens with block targets of 30 (3 parts) and 5 (1 part) instead of the default's 4.
-  const std::pair<int64_t, int64_t> cases[] = {{200, 0}, {512, 0}, {3, 30}, {3, 5}};
+  // Version 3 with many tokens: fewer parts than n_splits (v3_parts: 200 tokens x 4 KV heads at
+  // a block target of 2048 take 3 of the 4), and one part (512 tokens at the default 528: the
+  // kernel writes the output, no merge); and 3 tokens with block targets of 30 (3 parts) and 5
+  // (1 part) instead of the default's 4.
+  const std::pair<int64_t, int64_t> cases[] = {{200, 2048}, {512, 0}, {3, 30}, {3, 5}};
   for (const auto& [T, blocks] : cases) {
     cuda::set_decode_attention_version(3);
     cuda::set_decode_v3_blocks(blocks);
@@ -670,6 +671,7 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
   CHECK_THROWS_AS(cuda::set_decode_attention_version(4), UsageError);
   CHECK_THROWS_AS(cuda::set_decode_attention_version(2), UsageError);  // removed
   CHECK_THROWS_AS(cuda::set_decode_v3_blocks(-1), UsageError);
+  CHECK_THROWS_AS(cuda::set_decode_v3_blocks(int64_t(1) << 40), UsageError);
 }
 
 // A paged cache (llmq-server): the same keys and values scattered over blocks of 16 rows in a

@@ -1,10 +1,13 @@
 // Attention lab: the engine's attention() (engine/cuda/attention.h) timed on Llama shapes with a
 // random fp16 cache: a 512-token prompt (TFLOP/s of the causal products, 4 · hd per visible
 // (query, position) pair) and decode steps at 512 and 4096 cached positions (GB/s of the K and V
-// bytes read, flash-decoding parts of 64 positions plus their merge; version 1, attention_kernel,
-// and version 3, attention_decode_v3_kernel, checked against the first's output; version 2 was
-// removed after the fifth GPU session, dev/README.md #15). Version 3 also at block targets of
-// 264, 528 and 1056 besides its default 2048 (set_decode_v3_blocks: fewer, longer parts).
+// bytes read, from copies of the cache in turn so that they come cold from HBM; flash-decoding
+// parts of 64 positions plus their merge; version 1, attention_kernel, and version 3,
+// attention_decode_v3_kernel, checked against the first's output; version 2 was removed after
+// the fifth GPU session, dev/README.md #15). Version 3 also at block targets of 264, 1056 and
+// 2048 besides its default 528 (set_decode_v3_blocks: fewer or more parts). What the lab times
+// alone moves far more than whole decode does (dev/README.md #22): confirm a winner end to end
+// (scripts/gpu_check.sh blocks).
 // Then a batched decode step of 32 sequences through block tables (llmq-server's; batched_step).
 // LLMQ_CUDA_ATTN=0 in the environment puts prompts on the CUDA-core kernel instead of the
 // tensor cores, for comparison.
@@ -26,13 +29,13 @@
 using namespace llmq;
 using namespace llmq::cuda;
 
-// The decode variants timed: version 1, then version 3 at its default block target (2048) and at
-// fewer blocks: 132 SMs x 2, 4 and 8.
+// The decode variants timed: version 1, then version 3 at its default block target (528: 132 SMs
+// x 4) and at 132 x 2 and x 8 blocks and 2048 (the default until the sixth GPU session).
 struct Variant {
   int version;
   int64_t v3_blocks;  // 0: the default
 };
-constexpr Variant kVariants[] = {{1, 0}, {3, 0}, {3, 264}, {3, 528}, {3, 1056}};
+constexpr Variant kVariants[] = {{1, 0}, {3, 0}, {3, 264}, {3, 1056}, {3, 2048}};
 
 void use(const Variant& v) { set_decode_attention_version(v.version), set_decode_v3_blocks(v.v3_blocks); }
 void use_defaults() { set_decode_attention_version(0), set_decode_v3_blocks(0); }
@@ -101,6 +104,14 @@ int main() {
       });
       const double flop = 4.0 * double(c.hd) * double(c.heads) * double(T) * double(T + 1) / 2.0;
       std::printf("%-13s prefill T=512        %9.1f us  %7.1f TFLOP/s\n", c.name, ms * 1e3, flop / (ms * 1e-3) / 1e12);
+      // Decode steps read K and V cold, as a model's layers do (each layer's cache once a token):
+      // copies of the cache, a step's rows at 512 positions past 256 MiB in all (the H200's L2
+      // holds 50 MB), the next copy each step. (Until the sixth GPU session the lab read one
+      // cache over and over, hot in L2 at 512 positions; the cold times came out within 10%.)
+      const int64_t copies = std::min<int64_t>(512, (int64_t(256) << 20) / (512 * KV * 4) + 1);
+      DeviceBuffer kr(size_t(copies * ctx * KV) * 2), vr(kr.bytes());
+      fill_random(split_weight_view(DType::F16, copies * ctx, KV, kr.as<uint8_t>()), 7, nullptr);
+      fill_random(split_weight_view(DType::F16, copies * ctx, KV, vr.as<uint8_t>()), 8, nullptr);
       for (int32_t p : {511, 4095}) {
         const int64_t parts = ctx / 64;
         DeviceBuffer part(size_t(c.heads * parts * (c.hd + 2)) * 4), p1(4);
@@ -108,11 +119,14 @@ int main() {
         std::vector<float> ref1;  // version 1's output: version 3 is checked against it
         for (const Variant& var : kVariants) {
           use(var);
+          int64_t next = 0;  // the copy the next step reads
           auto step = [&] {
-            attention(q.as<float>(), Q, k.as<uint16_t>(), v.as<uint16_t>(), p1.as<int32_t>(), 1, c.heads, c.kv, c.hd, scale, parts, 64,
-                      part.as<float>(), out.as<float>(), Q, nullptr);
+            const size_t off = size_t(next++ % copies) * size_t(ctx * KV);
+            attention(q.as<float>(), Q, kr.as<uint16_t>() + off, vr.as<uint16_t>() + off, p1.as<int32_t>(), 1, c.heads, c.kv, c.hd, scale,
+                      parts, 64, part.as<float>(), out.as<float>(), Q, nullptr);
           };
           step();
+          next = 0;
           check(cudaDeviceSynchronize(), "decode");
           std::vector<float> got(static_cast<size_t>(Q));
           check(cudaMemcpy(got.data(), out.as<float>(), size_t(Q) * 4, cudaMemcpyDeviceToHost), "copy");

@@ -87,10 +87,11 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
 void set_decode_attention_version(int version);
 
 /// Version 3's block target for a decode step: its parts per (token, KV head) are about
-/// blocks / (T · n_kv), at least 1 and at most the caller's n_splits (0, the default: 2048, about
-/// a wave at 16 blocks per SM). For dev/cuda/attn.cu's sweep: with fewer parts each block walks
-/// more rounds of K and V and fewer blocks pay the prologue, the warps' combine and the merge.
-/// Throws UsageError for a negative value.
+/// blocks / (T · n_kv), at least 1 and at most the caller's n_splits (0, the default: 528, four
+/// blocks per SM of an H100/H200; 2048 before the sixth GPU session, dev/README.md #22). With
+/// fewer parts each block walks more rounds of K and V and fewer blocks pay the prologue, the
+/// warps' combine and the merge.
+/// LLMQ_CUDA_V3_BLOCKS=N at start-up sets it for benchmarks. Throws UsageError outside 0 .. 2^20.
 void set_decode_v3_blocks(int64_t blocks);
 
 }  // namespace llmq::cuda
