@@ -8,6 +8,7 @@ test: needs `pip install litgpt` (it pulls torch) in a venv of its own.
 
     python bench/litgpt_saved.py [--T 64] [--h 256] [--H 688] [--heads 8] [--device cuda]
     python bench/litgpt_saved.py --lora-all   # LoRA on every Linear, then QLoRA as bitsandbytes 0.42 runs it
+    python bench/litgpt_saved.py --list       # and every saved storage, to tell the CPU's list from the GPU's
 
 --lora-all: LoRA on q, k, v, proj, MLP and head (the config hub's tiny-llama recipe), and the same
 model with each frozen Linear keeping its input for the backward as bitsandbytes 0.42.0's
@@ -56,15 +57,21 @@ def saved_bytes(n_layer: int, lora: bool, a, every: bool = False, bnb042: bool =
         keep_frozen_inputs(m)
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
     seen: dict[int, int] = {}
+    what: dict[int, str] = {}  # --list: each storage's first saved view
 
     def pack(t):
         p = t.untyped_storage().data_ptr()
         if p not in params:
             seen[p] = max(seen.get(p, 0), t.untyped_storage().nbytes())
+            what.setdefault(p, f"{str(t.dtype):<15} {tuple(t.shape)} via {type(t.grad_fn).__name__ if t.grad_fn else 'leaf'}")
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         m(torch.randint(0, 512, (1, a.T), device=a.device))
+    if getattr(a, "list", False):
+        print(f"-- {n_layer} block(s), LoRA {lora}, every {every}, bnb 0.42 {bnb042}: {len(seen)} storages, {sum(seen.values())} B")
+        for p, n in seen.items():
+            print(f"   {n:>12} B  {what[p]}")
     return sum(seen.values())
 
 
@@ -84,6 +91,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (FlashAttention's saved tensors on a GPU)")
     ap.add_argument("--lora-all", action="store_true", help="LoRA on every Linear, and QLoRA with bitsandbytes 0.42's kept inputs")
+    ap.add_argument("--list", action="store_true", help="print every saved storage (bytes, dtype, shape, the op that made it)")
     a = ap.parse_args()
     if a.lora_all:
         lora = saved_bytes(2, True, a, every=True) - saved_bytes(1, True, a, every=True)

@@ -257,8 +257,12 @@ run_phase() {
       step generate-mem ${GENERATE_SECS:-150} "python3 bench/generate_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/generate_mem.json"
       # LitGPT's saved tensors per block on the GPU (FlashAttention), beside the CPU's count
       # (bench/RESULTS.md "LitGPT's saved tensors counted on the CPU").
-      step litgpt-saved ${LITGPT_SECS:-120} "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && \
-        for s in '64 256 688 8' '1304 4096 11008 32'; do set -- \$s; PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda; done"
+      # --list: every saved storage, on the CPU and on the GPU, to find the GPU-only term; --lora-all:
+      # QLoRA's kept inputs on a TinyLlama-shaped block (the config hub's recipe: 8 x 512 tokens)
+      step litgpt-saved ${LITGPT_SECS:-150} "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && \
+        for d in cpu cuda; do PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --device \$d --list; done && \
+        for s in '1304 4096 11008 32' '4096 2048 5632 32'; do set -- \$s; PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda; \
+          PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda --lora-all; done"
       ;;
     *)
       echo "gpu_check.sh: unknown phase '$phase' (info tests sanitizer lab bench peer ops tools train)" >&2
