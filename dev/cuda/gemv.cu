@@ -134,6 +134,11 @@ std::vector<Case> cases(DType type) {
   c.push_back(make_case<1, 4, T, 4, false>(type, "v3 R1 KS4"));
   c.push_back(make_case<2, 4, T, 4, false>(type, "v3 R2 KS4"));
   c.push_back(make_case<4, 4, T, 4, false>(type, "v3 R4 KS4"));
+  // After the sixth GPU session: inside the decode graph Q4_0's products ran at 0.81 of the copy
+  // rate and Q8_0's at 0.95 (bench/RESULTS.md); a Q4_0 lane's iteration moves half Q8_0's bytes,
+  // so these give each lane more rows (R8) or each row more warps (KS8: 8 warps, 256 threads).
+  c.push_back(make_case<8, 4, T, 4, false>(type, "v3 R8 KS4"));
+  c.push_back(make_case<4, 8, T, 8, false>(type, "v3 R4 KS8"));
   c.push_back(make_case<2, 4, T, 1, true>(type, "v4 R2 W4 nc"));
   c.push_back(make_case<2, 4, T, 4, true>(type, "v4 R2 KS4 nc"));
   return c;
