@@ -1,6 +1,5 @@
 // Causal attention over the fp16 KV cache (engine/cuda/attention.h).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
