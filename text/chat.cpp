@@ -9,12 +9,112 @@ namespace llmq {
 
 namespace {
 
-const std::vector<std::string> kNames = {"chatml", "llama2", "llama3", "mistral", "zephyr", "gemma", "phi3"};
+// Collects segments; `+=` appends template markup, content() appends message text.
+struct Out {
+  std::vector<ChatTemplate::Segment> segs;
+  Out& operator+=(const std::string& markup) {
+    if (!markup.empty()) segs.push_back({markup, true});
+    return *this;
+  }
+  void content(const std::string& text) {
+    if (!text.empty()) segs.push_back({text, false});
+  }
+};
+
+// What a built-in template renders: the system text (a leading system message, else the
+// template's default), the other turns, and whether to open the assistant's turn.
+struct Conversation {
+  std::string system;
+  std::vector<ChatMessage> turns;
+  bool gen = false;
+};
+
+void render_chatml(Out& out, const Conversation& c) {
+  if (!c.system.empty()) out += "<|im_start|>system\n", out.content(c.system), out += "<|im_end|>\n";
+  for (const auto& m : c.turns) out += "<|im_start|>" + m.role + "\n", out.content(m.content), out += "<|im_end|>\n";
+  if (c.gen) out += "<|im_start|>assistant\n";
+}
+
+void render_llama3(Out& out, const Conversation& c) {
+  out += "<|begin_of_text|>";
+  auto turn = [&](const std::string& role, const std::string& text) {
+    out += "<|start_header_id|>" + role + "<|end_header_id|>\n\n";
+    out.content(text);
+    out += "<|eot_id|>";
+  };
+  if (!c.system.empty()) turn("system", c.system);
+  for (const auto& m : c.turns) turn(m.role, m.content);
+  if (c.gen) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+}
+
+// <s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s>  (Llama-2)
+// <s>[INST] {system}\n\n{user} [/INST] {assistant}</s>                       (Mistral)
+void render_inst(Out& out, const Conversation& c, bool llama2) {
+  bool first = true;
+  for (const auto& m : c.turns) {
+    if (m.role == "user") {
+      out += (llama2 || first ? "<s>" : "") + std::string("[INST] ");
+      if (first && !c.system.empty()) {
+        if (llama2) out += "<<SYS>>\n", out.content(c.system), out += "\n<</SYS>>\n\n";
+        else out.content(c.system + "\n\n");
+      }
+      out.content(m.content);
+      out += " [/INST]";
+      first = false;
+    } else {
+      out += " ";
+      out.content(m.content);
+      out += llama2 ? " </s>" : "</s>";
+    }
+  }
+}
+
+// <|system|>, <|user|>, <|assistant|> headers, each turn closed by `end` (Zephyr: </s>, Phi-3: <|end|>).
+void render_tagged(Out& out, const Conversation& c, const std::string& end) {
+  if (!c.system.empty()) out += "<|system|>\n", out.content(c.system), out += end + "\n";
+  for (const auto& m : c.turns) out += "<|" + m.role + "|>\n", out.content(m.content), out += end + "\n";
+  if (c.gen) out += "<|assistant|>\n";
+}
+
+// Gemma has no system role: the system text opens the first user turn.
+void render_gemma(Out& out, const Conversation& c) {
+  bool first = true;
+  for (const auto& m : c.turns) {
+    out += "<start_of_turn>" + std::string(m.role == "assistant" ? "model" : "user") + "\n";
+    if (first && m.role == "user" && !c.system.empty()) out.content(c.system + "\n\n");
+    first = false;
+    out.content(m.content);
+    out += "<end_of_turn>\n";
+  }
+  if (c.gen) out += "<start_of_turn>model\n";
+}
+
+// The built-in templates (--chat-template NAME), in the order `names()` lists them.
+struct Builtin {
+  const char* name;
+  void (*render)(Out&, const Conversation&);
+};
+const Builtin kBuiltins[] = {
+    {"chatml", render_chatml},
+    {"llama2", [](Out& o, const Conversation& c) { render_inst(o, c, true); }},
+    {"llama3", render_llama3},
+    {"mistral", [](Out& o, const Conversation& c) { render_inst(o, c, false); }},
+    {"zephyr", [](Out& o, const Conversation& c) { render_tagged(o, c, "</s>"); }},
+    {"gemma", render_gemma},
+    {"phi3", [](Out& o, const Conversation& c) { render_tagged(o, c, "<|end|>"); }},
+};
 
 std::string known_names() {
   std::string s;
-  for (const auto& n : kNames) s += (s.empty() ? "" : ", ") + n;
+  for (const Builtin& b : kBuiltins) s += (s.empty() ? "" : ", ") + std::string(b.name);
   return s;
+}
+
+// The built-in template called `name`; throws UsageError listing the known ones.
+const Builtin& builtin(const std::string& name) {
+  for (const Builtin& b : kBuiltins)
+    if (name == b.name) return b;
+  throw UsageError("unknown chat template '" + name + "' (known: " + known_names() + ")");
 }
 
 bool has(const std::string& s, const char* needle) { return s.find(needle) != std::string::npos; }
@@ -37,16 +137,16 @@ std::vector<ChatMessage> split_system(const std::vector<ChatMessage>& in, std::s
 
 }  // namespace
 
-std::vector<std::string> ChatTemplate::names() { return kNames; }
+std::vector<std::string> ChatTemplate::names() {
+  std::vector<std::string> v;
+  for (const Builtin& b : kBuiltins) v.push_back(b.name);
+  return v;
+}
 
 ChatTemplate ChatTemplate::by_name(const std::string& name) {
-  for (const auto& n : kNames)
-    if (n == name) {
-      ChatTemplate t;
-      t.name_ = name;
-      return t;
-    }
-  throw UsageError("unknown chat template '" + name + "' (known: " + known_names() + ")");
+  ChatTemplate t;
+  t.name_ = builtin(name).name;
+  return t;
 }
 
 struct ChatTemplate::Jinja {
@@ -100,19 +200,6 @@ std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool g
   return out;
 }
 
-namespace {
-// Collects segments; `+=` appends template markup, content() appends message text.
-struct Out {
-  std::vector<ChatTemplate::Segment> segs;
-  Out& operator+=(const std::string& markup) {
-    if (!markup.empty()) segs.push_back({markup, true});
-    return *this;
-  }
-  void content(const std::string& text) {
-    if (!text.empty()) segs.push_back({text, false});
-  }
-};
-}  // namespace
 
 namespace {
 
@@ -219,61 +306,12 @@ std::vector<ChatTemplate::Segment> ChatTemplate::apply_segments(const std::vecto
                                                                 const std::string& tools) const {
   if (jinja_) return jinja_segments(messages, gen, tools);
   if (!tools.empty()) throw UsageError("the built-in chat template '" + name_ + "' cannot render tools");
-  std::string system;
-  std::vector<ChatMessage> turns = split_system(messages, &system);
-  if (system.empty()) system = default_system_;
+  Conversation c;
+  c.turns = split_system(messages, &c.system);
+  if (c.system.empty()) c.system = default_system_;
+  c.gen = gen;
   Out out;
-  if (name_ == "chatml") {
-    if (!system.empty()) out += "<|im_start|>system\n", out.content(system), out += "<|im_end|>\n";
-    for (const auto& m : turns) out += "<|im_start|>" + m.role + "\n", out.content(m.content), out += "<|im_end|>\n";
-    if (gen) out += "<|im_start|>assistant\n";
-  } else if (name_ == "llama3") {
-    out += "<|begin_of_text|>";
-    auto turn = [&](const std::string& role, const std::string& text) {
-      out += "<|start_header_id|>" + role + "<|end_header_id|>\n\n";
-      out.content(text);
-      out += "<|eot_id|>";
-    };
-    if (!system.empty()) turn("system", system);
-    for (const auto& m : turns) turn(m.role, m.content);
-    if (gen) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
-  } else if (name_ == "llama2" || name_ == "mistral") {
-    // <s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s>  (Llama-2)
-    // <s>[INST] {system}\n\n{user} [/INST] {assistant}</s>                       (Mistral)
-    bool first = true;
-    for (const auto& m : turns) {
-      if (m.role == "user") {
-        out += (name_ == "llama2" || first ? "<s>" : "") + std::string("[INST] ");
-        if (first && !system.empty()) {
-          if (name_ == "llama2") out += "<<SYS>>\n", out.content(system), out += "\n<</SYS>>\n\n";
-          else out.content(system + "\n\n");
-        }
-        out.content(m.content);
-        out += " [/INST]";
-        first = false;
-      } else {
-        out += " ";
-        out.content(m.content);
-        out += name_ == "llama2" ? " </s>" : "</s>";
-      }
-    }
-  } else if (name_ == "zephyr" || name_ == "phi3") {
-    const std::string end = name_ == "zephyr" ? "</s>" : "<|end|>";
-    if (!system.empty()) out += "<|system|>\n", out.content(system), out += end + "\n";
-    for (const auto& m : turns) out += "<|" + m.role + "|>\n", out.content(m.content), out += end + "\n";
-    if (gen) out += "<|assistant|>\n";
-  } else if (name_ == "gemma") {
-    // Gemma has no system role: the system text opens the first user turn.
-    bool first = true;
-    for (const auto& m : turns) {
-      out += "<start_of_turn>" + std::string(m.role == "assistant" ? "model" : "user") + "\n";
-      if (first && m.role == "user" && !system.empty()) out.content(system + "\n\n");
-      first = false;
-      out.content(m.content);
-      out += "<end_of_turn>\n";
-    }
-    if (gen) out += "<start_of_turn>model\n";
-  }
+  builtin(name_).render(out, c);
   return out.segs;
 }
 
