@@ -265,7 +265,7 @@ run_phase() {
           PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda --lora-all; done"
       ;;
     *)
-      echo "gpu_check.sh: unknown phase '$phase' (info tests sanitizer lab bench peer ops tools train)" >&2
+      echo "gpu_check.sh: unknown phase '$phase' (info kernels tests sanitizer lab bench where blocks peer ops tools train)" >&2
       exit 1
       ;;
   esac
