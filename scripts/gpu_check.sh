@@ -26,7 +26,7 @@
 #                PDL=0: without the Q4_0 and Q8_0 runs without programmatic dependent launch,
 #                LLMQ_CUDA_PDL=0)
 #     where      a graphed Q4_0 decode step's split: llmq-bench on llama-2-7b with each op class of the
-#                layers not launched (LLMQ_CUDA_SKIP, engine/cuda/session.cpp skip_op; the output is
+#                layers not launched (LLMQ_CUDA_SKIP, engine/cuda/session.cpp parse_skip; the output is
 #                wrong, the time is what the class costs inside the graph), then all but the products
 #                and the products alone (WHERE_TYPES=...: other types; WHERE_BATCH=1: a batch of 32 too)
 #     blocks     decode attention version 3's block target end to end (LLMQ_CUDA_V3_BLOCKS; the attn

@@ -1217,6 +1217,29 @@ TEST_CASE("CUDA graphs replay the decode step exactly", "[cuda]") {
   CHECK(rows[0] == rows[1]);
 }
 
+// LLMQ_CUDA_SKIP (gpu_check.sh where: the timing experiment that leaves op classes unlaunched):
+// read once per session; an unknown name is refused, and a skipped class really is not run (the
+// logits change), while an empty list changes nothing.
+TEST_CASE("CUDA LLMQ_CUDA_SKIP leaves the named op classes out and refuses unknown names", "[cuda]") {
+  if (!have_gpu()) return;
+  auto m = Model::load(test::stories("q8_0"));
+  cuda::CudaModel dm(*m);
+  auto logits = [&](const char* skip) {
+    if (skip) setenv("LLMQ_CUDA_SKIP", skip, 1);
+    else unsetenv("LLMQ_CUDA_SKIP");
+    cuda::CudaSession s(dm, m.get(), 64);
+    const int32_t t[3] = {1, 5, 9};
+    const float* l = s.forward(t, 3);
+    return std::vector<float>(l, l + m->config.vocab_size);
+  };
+  const auto plain = logits(nullptr);
+  CHECK(logits("") == plain);
+  CHECK(logits("attention,norm") != plain);
+  setenv("LLMQ_CUDA_SKIP", "norm,softmax", 1);
+  CHECK_THROWS_WITH(cuda::CudaSession(dm, m.get(), 64), Catch::Contains("unknown op class 'softmax'"));
+  unsetenv("LLMQ_CUDA_SKIP");
+}
+
 // llmq-server's decode steps (every token flagged, T <= 8) replay a graph captured per T; the
 // tables, positions and tokens change between steps and sequences come and go, so the replayed
 // steps must read each step's inputs: the logits equal those of the same batches enqueued

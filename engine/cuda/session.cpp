@@ -9,9 +9,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <sstream>
 #include <string>
-#include <vector>
 
 #include "engine/cuda/attention.h"
 #include "engine/cuda/ops.h"
@@ -230,6 +230,7 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p)
     throw UsageError("CUDA: n_heads must be a multiple of n_kv_heads, at most 32 times it");
   const char* g = std::getenv("LLMQ_CUDA_GRAPH");
   use_graphs_ = !(g && std::string(g) == "0");
+  skip_ = parse_skip(std::getenv("LLMQ_CUDA_SKIP"));
 
   const uint64_t free0 = mem_info().free;
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -308,18 +309,19 @@ void CudaSession::mark(const char* op) {  // --profile: the time since the last 
 // wrong. The layers' ops of the named classes are not launched (matmul: the layers' products, not
 // the output's), and what a skipped op would have quantized for the next product counts as
 // quantized, so a graphed decode step's time without them tells what each costs inside the graph
-// with programmatic launch, where --profile's events (ungraphed) cannot look.
-namespace {
-bool skip_op(const char* op) {
-  static const std::vector<std::string> skipped = [] {
-    std::vector<std::string> v;
-    std::stringstream list(std::getenv("LLMQ_CUDA_SKIP") ? std::getenv("LLMQ_CUDA_SKIP") : "");
-    for (std::string item; std::getline(list, item, ',');) v.push_back(item);
-    return v;
-  }();
-  return std::find(skipped.begin(), skipped.end(), op) != skipped.end();
+// with programmatic launch, where --profile's events (ungraphed) cannot look. Bits of SkipOp;
+// throws UsageError for a name not in the list.
+unsigned CudaSession::parse_skip(const char* list) {
+  static const char* const kNames[] = {"norm", "rope_kv", "attention", "gated_act", "matmul"};  // bit i: SkipOp 1 << i
+  unsigned mask = 0;
+  std::stringstream ss(list ? list : "");
+  for (std::string item; std::getline(ss, item, ',');) {
+    const auto* it = std::find_if(std::begin(kNames), std::end(kNames), [&](const char* n) { return item == n; });
+    if (it == std::end(kNames)) throw UsageError("LLMQ_CUDA_SKIP: unknown op class '" + item + "' (norm, rope_kv, attention, gated_act, matmul)");
+    mask |= 1u << (it - std::begin(kNames));
+  }
+  return mask;
 }
-}  // namespace
 
 // The pass's inputs to the device: token ids and positions; paged: per token its cache row and
 // its sequence's row of the block tables, and the logits rows.
@@ -346,7 +348,7 @@ void CudaSession::norm_for(const DeviceWeight& next, float* x, const float* y, f
   const int64_t D = dm_.config().dim;
   const float eps = float(dm_.config().norm_eps);
   const DeviceActQ8* q = mm_->fusable(next, T, D);
-  if (skip_op("norm")) {
+  if (skip(kSkipNorm)) {
     if (q) mm_->note_quantized(out, T, D);
     return;
   }
@@ -375,8 +377,8 @@ CudaSession::LayerKv CudaSession::layer_kv(int64_t l) {
 
 // Matrices written side by side into one output [T, ld] (Q/K/V, gate/up), each at its column.
 void CudaSession::matmul_cols(const std::vector<DeviceWeight>& ws, const float* in, float* y, int64_t ld, int64_t T) {
+  if (skip(kSkipMatmul)) return;
   int64_t col = 0;
-  if (skip_op("matmul")) return;
   mm_->hold_input(in);  // converted to 16 bits once for all of them (prefill)
   for (const DeviceWeight& w : ws) matmul(*mm_, w, in, y + col, T, ld), col += w.rows;
   mm_->release_input();
@@ -397,7 +399,7 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, stream_), mark("bias");
   if (w.q_norm) head_rmsnorm(qkv, QKV, T, c.n_heads, c.n_kv_heads, hd, w.q_norm, w.k_norm, float(c.norm_eps), stream_), mark("qk_norm");
   const double* freqs = dm_.rope_freqs(dm_.first_layer() + l);  // by the model's layer index (offload holds the last ones)
-  if (!skip_op("rope_kv"))
+  if (!skip(kSkipRopeKv))
     rope_store_kv(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, freqs, c.rope_layout, kv.kc, kv.vc, stream_);
   if (kv.q8.kq)
     store_kv_q8(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, const_cast<int8_t*>(kv.q8.kq), const_cast<uint16_t*>(kv.q8.kd),
@@ -406,7 +408,7 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   // Decode (one token, or one per sequence of a paged batch): flash-decoding parts, a fixed
   // count (graph-safe), whose merge also quantizes att for W_o when it takes int8 inputs; else
   // every position in one part.
-  if (skip_op("attention")) {
+  if (skip(kSkipAttention)) {
     if (mm_->fusable(w.wo, T, Q)) mm_->note_quantized(att, T, Q);
   } else if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1) {
     const DeviceActQ8* q = mm_->fusable(w.wo, T, Q);
@@ -418,7 +420,7 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
               stream_, in.pages, kv.q8, dm_.gqa());  // att [T, Q]
   }
   mark("attention");
-  if (!skip_op("matmul")) matmul(*mm_, w.wo, att, xb, T);  // xb [T, D] (a partial sum under TP)
+  if (!skip(kSkipMatmul)) matmul(*mm_, w.wo, att, xb, T);  // xb [T, D] (a partial sum under TP)
   mark("matmul_o");
   if (comm_) all_reduce(xb, T * D), mark("all_reduce");
   if (w.bo) add_bias(xb, D, w.bo, T, D, stream_), mark("bias");
@@ -434,10 +436,10 @@ void CudaSession::ffn_block(int64_t l, int64_t T) {
   matmul_cols(w.gate_up, xb, h, 2 * H, T);  // h [T, 2H]
   mark("matmul_gate_up");
   const DeviceActQ8* q = mm_->fusable(w.w_down, T, H);
-  if (!skip_op("gated_act")) gated_act(dm_.config().act, hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
+  if (!skip(kSkipGatedAct)) gated_act(dm_.config().act, hs, h, T, H, stream_, q);  // hs [T, H], quantized for W_down when it takes int8 inputs
   if (q) mm_->note_quantized(hs, T, H);
   mark("gated_act");
-  if (!skip_op("matmul")) matmul(*mm_, w.w_down, hs, xb, T);  // xb [T, D] (a partial sum under TP)
+  if (!skip(kSkipMatmul)) matmul(*mm_, w.w_down, hs, xb, T);  // xb [T, D] (a partial sum under TP)
   mark("matmul_down");
   if (comm_) all_reduce(xb, T * D), mark("all_reduce");
   if (w.post_ffn_norm) rmsnorm(xb, xb, w.post_ffn_norm, T, D, float(dm_.config().norm_eps), stream_), mark("norm");  // pre_post norms

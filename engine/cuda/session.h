@@ -208,6 +208,11 @@ class CudaSession : public SessionBase {
   BatchPlan bplan_;          // paged: forward_batch's positions
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
+  // LLMQ_CUDA_SKIP (a timing experiment, session.cpp parse_skip): op classes of the layers not launched
+  enum SkipOp : unsigned { kSkipNorm = 1, kSkipRopeKv = 2, kSkipAttention = 4, kSkipGatedAct = 8, kSkipMatmul = 16 };
+  static unsigned parse_skip(const char* list);
+  bool skip(SkipOp op) const { return (skip_ & op) != 0; }
+  unsigned skip_ = 0;
   cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr, graph_topk_ = nullptr;
   std::vector<cudaGraphExec_t> batch_graphs_;  // forward_batch decode steps of T tokens at [T] (T <= kCudaMmqMaxTokens)
   int top_k_ = 0;                           // k of graph_topk_
