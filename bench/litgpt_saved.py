@@ -68,7 +68,7 @@ def saved_bytes(n_layer: int, lora: bool, a, every: bool = False, bnb042: bool =
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         m(torch.randint(0, 512, (1, a.T), device=a.device))
-    if getattr(a, "list", False):
+    if a.list:
         print(f"-- {n_layer} block(s), LoRA {lora}, every {every}, bnb 0.42 {bnb042}: {len(seen)} storages, {sum(seen.values())} B")
         for p, n in seen.items():
             print(f"   {n:>12} B  {what[p]}")

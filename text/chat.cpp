@@ -200,7 +200,6 @@ std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool g
   return out;
 }
 
-
 namespace {
 
 // The template's variables: messages (role, content), add_generation_prompt, bos/eos_token.
