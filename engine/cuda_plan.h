@@ -4,7 +4,17 @@
 #pragma once
 #include <cstdint>
 
+#include "formats/quant.h"
+
 namespace llmq {
+
+/// Bytes of one row of `cols` weights of type t as the CUDA backend stores it (engine/cuda/
+/// matmul.h DeviceWeight, the split layout): the file's row bytes, except Q4_K's 148 per 256
+/// weights (its packed 6-bit scales and minimums unpacked to a byte each: 4.625 bits a weight,
+/// against 4.5 in the file). llmq-mem's CUDA plan counts weights with it.
+inline uint64_t cuda_row_bytes(DType t, int64_t cols) {
+  return t == DType::Q4_K ? uint64_t(cols / 256) * 148 : uint64_t(row_bytes(t, cols));
+}
 
 /// The CUDA backend's matmul scratch (engine/cuda/matmul.h, MatmulContext) for up to
 /// cap_tokens tokens and matrices of at most max_cols columns and max_rows rows (0: any): int8

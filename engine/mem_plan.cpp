@@ -211,10 +211,11 @@ int64_t cuda_matmul_max_rows(const ModelConfig& c) {
 
 namespace {
 
-// Weights as CudaModel uploads them (engine/cuda/session.cpp): 256-byte aligned pieces, Q/K/V
-// and gate/up stacked when of one type; rank R's rows of the column-parallel matrices and
-// columns of the row-parallel ones (R whole: the model), layers from first_layer on, the
-// embedding when all layers are there or it is tied, the output rows R.n_vocab when untied.
+// Weights as CudaModel uploads them (engine/cuda/session.cpp): rows of cuda_row_bytes (Q4_K's
+// split layout: 148 bytes a super-block), 256-byte aligned pieces, Q/K/V and gate/up stacked
+// when of one type; rank R's rows of the column-parallel matrices and columns of the
+// row-parallel ones (R whole: the model), layers from first_layer on, the embedding when all
+// layers are there or it is tied, the output rows R.n_vocab when untied.
 uint64_t cuda_weight_bytes(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t first_layer) {
   std::map<std::string, const TensorInfo*> by_name;
   for (const TensorInfo& t : tensors) by_name[t.name] = &t;
@@ -227,11 +228,11 @@ uint64_t cuda_weight_bytes(const ModelConfig& c, const std::vector<TensorInfo>& 
   struct Piece { DType type; uint64_t bytes; };
   auto rows = [&](const std::string& name, int64_t n) {  // n rows of [rows, cols]
     const TensorInfo& t = find(name);
-    return Piece{t.type, uint64_t(n) * uint64_t(row_bytes(t.type, t.shape.back()))};
+    return Piece{t.type, uint64_t(n) * cuda_row_bytes(t.type, t.shape.back())};
   };
   auto cols = [&](const std::string& name, int64_t n) {  // n columns of [rows, cols]
     const TensorInfo& t = find(name);
-    return Piece{t.type, uint64_t(t.shape.front()) * uint64_t(row_bytes(t.type, n))};
+    return Piece{t.type, uint64_t(t.shape.front()) * cuda_row_bytes(t.type, n)};
   };
   auto stacked = [&](std::initializer_list<Piece> ps) {
     bool same = true;

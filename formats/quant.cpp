@@ -300,12 +300,7 @@ void quantize_k45(const float* x, uint8_t* out, int64_t nsb, bool five_bit) {
     const float d = fp16_to_fp32(dh), dmin = fp16_to_fp32(mh);
     int sc[8], m[8];
     for (int j = 0; j < 8; ++j) sc[j] = round_clamp(scale[j], d, 0, 63), m[j] = round_clamp(mn[j], dmin, 0, 63);
-    uint8_t* s = out + 4;
-    for (int j = 0; j < 4; ++j) {
-      s[j] = uint8_t((sc[j] & 63) | (sc[j + 4] >> 4) << 6);
-      s[j + 4] = uint8_t((m[j] & 63) | (m[j + 4] >> 4) << 6);
-      s[j + 8] = uint8_t((sc[j + 4] & 15) | (m[j + 4] & 15) << 4);
-    }
+    k_quant_pack_scale_min(sc, m, out + 4);
     uint8_t* qh = out + 16;
     uint8_t* qs = five_bit ? out + 48 : out + 16;
     for (int j = 0; j < 8; ++j) {

@@ -197,6 +197,15 @@ inline void k_quant_scale_min(int j, const uint8_t* s, int* sc, int* m) {
     *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
+/// The inverse of k_quant_scale_min: packs the eight 6-bit scales sc[8] and minimums m[8]
+/// (0..63) of a Q4_K / Q5_K super-block into its 12 scale bytes `s`.
+inline void k_quant_pack_scale_min(const int* sc, const int* m, uint8_t* s) {
+  for (int j = 0; j < 4; ++j) {
+    s[j] = uint8_t((sc[j] & 63) | (sc[j + 4] >> 4) << 6);
+    s[j + 4] = uint8_t((m[j] & 63) | (m[j + 4] >> 4) << 6);
+    s[j + 8] = uint8_t((sc[j + 4] & 15) | (m[j + 4] & 15) << 4);
+  }
+}
 // The helpers below are also compiled for the device (engine/cuda/raw_blocks.cuh).
 #if defined(__CUDACC__)
 #define LLMQ_HOST_DEVICE __host__ __device__

@@ -916,7 +916,8 @@ constexpr int kSteps = 24;
 constexpr int kSteps = 64;
 #endif
 
-void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_layers = -1) {
+// flips: the teacher-forced steps whose argmax may differ for block types (default 1 in 16).
+void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_layers = -1, int flips = kSteps / 16) {
   auto probe = Model::load(path, false, false);
   const bool partial = gpu_layers >= 0 && gpu_layers < probe->config.n_layers;
   probe.reset();
@@ -960,7 +961,7 @@ void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_l
   }
   INFO("decode logits worst rel err " << worst << ", argmax agreed in " << agree << " of " << kSteps << " steps");
   CHECK(worst < bound);
-  CHECK(agree >= (block ? kSteps - kSteps / 16 : kSteps));
+  CHECK(agree >= (block ? kSteps - flips : kSteps));
   // The GPU on its own from the prompt: forward + argmax on the host, then greedy sampling
   // through forward_sample (CudaSession: decode_greedy, argmax on the GPU, graph replayed).
   gpu.reset();
@@ -1033,6 +1034,25 @@ TEST_CASE("CUDA runs a declared architecture: the test-only sandwich variant = t
   const std::vector<float> want(lc, lc + 7 * 512);
   const float* lg = sg.forward(ids.data(), 7, true);
   CHECK(rel_err(lg, want.data(), want.size()) < 1e-2);
+}
+
+// Q4_K lives on the device in its own split layout (matmul.h DeviceWeight: 148 bytes a
+// super-block, not the file's 144), which stories260K's 64-wide rows cannot take: a synthetic
+// model with every matrix Q4_K (256 columns) runs the embedding, GEMV and MMQ on it against the
+// CPU (the op harness covers cuBLAS's dequantization), and the backend allocates what plan_cuda (llmq-mem) predicts.
+TEST_CASE("CUDA whole model: every matrix Q4_K (split layout) = the CPU; plan_cuda = the allocation", "[cuda][model][mem]") {
+  if (!have_gpu()) return;
+  const std::string path = test::synthetic("cuda-q4k", 4, 2, 64, 256, DType::Q4_K, 11);
+  // Random weights give flat logits (top-2 gaps of a few hundredths against int8 roundings that
+  // move the logits by ~2% of their norm: 2 flips in 24 steps here), so up to 1 step in 6 may
+  // flip; the logits' bound is the check.
+  compare_model(path, 512, -1, kSteps / 6);  // the prompt (MMQ), the decode steps (GEMV), greedy on the GPU
+  auto m = Model::load(path);
+  cuda::CudaModel dm(*m);
+  cuda::CudaSession s(dm, m.get(), 300, 64, 1);
+  const CudaPlan p = plan_cuda(m->config, m->file->tensors(), 300, 64, 1);
+  CHECK(dm.weight_bytes() == p.weights);
+  CHECK(dm.weight_bytes() > m->weight_bytes());  // 148 / 144 of the matrices' file bytes
 }
 
 TEST_CASE("CUDA whole model: stories260K logits and 64 greedy tokens equal the CPU's", "[cuda][model]") {
@@ -1285,7 +1305,7 @@ TEST_CASE("CUDA graphs replay llmq-server's batched decode steps exactly", "[cud
 // graphed and not, bit for bit.
 TEST_CASE("CUDA graphs replay batched MMQ decode steps exactly", "[cuda][batch]") {
   if (!have_gpu()) return;
-  for (DType t : {DType::Q4_0, DType::Q4_K, DType::Q5_K}) {  // the split layout; raw rows by cp.async (Q6_K's MMQ is off by default)
+  for (DType t : {DType::Q4_0, DType::Q4_K, DType::Q5_K}) {  // the split layout (Q4_0, Q4_K); raw rows by cp.async (Q6_K's MMQ is off by default)
     INFO(dtype_name(t));
     const bool k = dtype_info(t).block == 256;  // K-quants: widths of whole super-blocks
     ModelConfig c;

@@ -1,7 +1,9 @@
-// K-quant GEMV lab (decode matmuls of the Q4_K_M mix): Q4_K and Q6_K rows in the file's layout
-// (engine/cuda/raw_blocks.cuh), llama-2-7b's matrices, T = 1 and 2. Each version is checked
-// against version 1 (the engine's gemv) and timed with CUDA events over copies of the matrix
-// larger than the L2, as dev/cuda/gemv.cu does for Q4_0 / Q8_0.
+// K-quant GEMV lab (decode matmuls of the Q4_K_M mix): Q4_K, Q6_K, Q5_K and IQ4_NL,
+// llama-2-7b's matrices, T = 1 and 2. Each version is checked against version 1 (the engine's
+// gemv) and timed with CUDA events over copies of the matrix larger than the L2, as
+// dev/cuda/gemv.cu does for Q4_0 / Q8_0. Q6_K, Q5_K and IQ4_NL rows are in the file's layout
+// (engine/cuda/raw_blocks.cuh); Q4_K's engine rows in its split layout (engine/cuda/matmul.h),
+// its v2 rows in the file's (the split copy taken back with unsplit_weight).
 //
 //   dev/cuda/build.sh && build-gpu/dev/gemv_k [--reps N]
 //
@@ -18,7 +20,10 @@
 //   v2 for IQ4_NL (this file: the engine's gemv_iq4nl_kernel lanes, one lane per block, 16-bit
 //       loads; the 32 levels as int8, dp4a'd against the block's int8 activations: d d_x Σ l q_x),
 //       not yet run on a GPU
-//   v1  engine (what gemv runs: v2 for Q4_K and Q6_K, v0 for the others)
+//   v3  Q4_K in the split layout (Q4_0-ordered nibbles, sc | mn bytes per sub-block, d | dmin
+//       per super-block: 4.625 bits a weight) through Q4_1's gemv_block_kernel: what the
+//       engine runs since the twenty-seventh session; not yet timed on a GPU
+//   v1  engine (what gemv runs: v3 for Q4_K, v2 for Q6_K, v0 for the others)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -44,6 +49,51 @@ using namespace llmq::cuda;
 #define CK(x) check((x), #x)
 
 namespace {
+
+// Lane k of a group of eight: quant bytes qs[16k, 16k + 16) = positions l0 .. l0 + 15 (l0 =
+// 16 (k % 2)) of sub-blocks 2p (low nibbles) and 2p + 1 (high), p = k / 2; Q5_K's qh[l0, l0 + 16)
+// holds their fifth bits, bit 2p and 2p + 1.
+template <int R, bool kQ5>
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q45k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
+                                                                   const float* __restrict__ xd, const float* __restrict__ xs,
+                                                                   float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
+  const int nrows = int(rows), ncols = int(cols), row0 = warp_row0<R>(nrows);
+  if (row0 < 0) return;
+  const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2);
+  const int nb = ncols / 32;
+  float acc[R][kGemvMaxTokens] = {};
+  for (int sb = int(threadIdx.x) / 8; sb < ncols / 256; sb += 4) {
+    uint4 lo[R], hi[R];  // positions l0 .. l0 + 15 of sub-blocks 2p (low nibbles) and 2p + 1 (high), as bytes
+    float a[R][2], m[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + size_t(min(row0 + r, nrows - 1)) * rb + size_t(sb) * raw_block_bytes(kQ5 ? DType::Q5_K : DType::Q4_K);
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(blk + (kQ5 ? 48 : 16) + 16 * k));
+      const uint4 h = kQ5 ? __ldg(reinterpret_cast<const uint4*>(blk + 16 + l0)) : make_uint4(0, 0, 0, 0);
+      auto low = [&](uint32_t qw, uint32_t hw) { return (qw & 0x0f0f0f0fu) | ((hw >> (2 * p)) & 0x01010101u) << 4; };
+      auto high = [&](uint32_t qw, uint32_t hw) { return ((qw >> 4) & 0x0f0f0f0fu) | ((hw >> (2 * p + 1)) & 0x01010101u) << 4; };
+      lo[r] = make_uint4(low(q.x, h.x), low(q.y, h.y), low(q.z, h.z), low(q.w, h.w));
+      hi[r] = make_uint4(high(q.x, h.x), high(q.y, h.y), high(q.z, h.z), high(q.w, h.w));
+      q4k_pair_scales(blk, p, a[r], m[r]);  // the same header in Q4_K and Q5_K
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+        const int8_t* xr = xq + t * ncols + sb * 256 + 64 * p + l0;
+        const int4 x0 = __ldg(reinterpret_cast<const int4*>(xr)), x1 = __ldg(reinterpret_cast<const int4*>(xr + 32));
+        const int b = t * nb + sb * 8 + 2 * p;
+        const float d0 = __ldg(xd + b), d1 = __ldg(xd + b + 1);
+        const float s0 = l0 == 0 ? __ldg(xs + b) : 0.0f, s1 = l0 == 0 ? __ldg(xs + b + 1) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          acc[r][t] += (a[r][0] * d0 * float(dp4a4(lo[r], x0, 0)) - m[r][0] * s0) + (a[r][1] * d1 * float(dp4a4(hi[r], x1, 0)) - m[r][1] * s1);
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < nrows) store_rows(acc[r], y, ldy, row0 + r, T);
+}
 
 // v2, IQ4_NL: lane = block (b = lane, lane + 32, ...), R rows per warp.
 template <int R>
@@ -91,6 +141,7 @@ struct Case {
   std::string name;
   bool int8;  // compared with v1 at the int8 activations' tolerance
   std::function<void(const DeviceWeight&, const DeviceActQ8&, const float*, float*, int)> run;
+  bool file_layout = false;  // reads Q4_K in the file's layout (run_type's raw copies)
 };
 
 template <int R>
@@ -106,20 +157,46 @@ Case v2_case(DType type, const char* name) {
               case DType::Q6_K: gemv_q6k_q8_kernel<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, xq.s, y, rows, rows, cols, T); break;
               default: iq4nl_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
             }
-          }};
+          },
+          type == DType::Q4_K};
 }
 
 std::vector<Case> cases(DType type) {
-  return {{"v1 engine", false, [](const DeviceWeight& w, const DeviceActQ8& xq, const float* x, float* y, int T) { gemv(w, x, xq, y, T, 0, nullptr); }},
-          {"v0 fp32 act", true, [](const DeviceWeight& w, const DeviceActQ8&, const float* x, float* y, int T) { gemv(w, x, DeviceActQ8{}, y, T, 0, nullptr); }},
-          v2_case<1>(type, "v2 R1"), v2_case<2>(type, "v2 R2"), v2_case<4>(type, "v2 R4")};
+  std::vector<Case> cs = {
+      {"v1 engine", false, [](const DeviceWeight& w, const DeviceActQ8& xq, const float* x, float* y, int T) { gemv(w, x, xq, y, T, 0, nullptr); }}};
+  if (type != DType::Q4_K)  // the split Q4_K has no fp32-activation kernel
+    cs.push_back({"v0 fp32 act", true, [](const DeviceWeight& w, const DeviceActQ8&, const float* x, float* y, int T) { gemv(w, x, DeviceActQ8{}, y, T, 0, nullptr); }});
+  for (Case c : {v2_case<1>(type, "v2 R1"), v2_case<2>(type, "v2 R2"), v2_case<4>(type, "v2 R4")}) cs.push_back(c);
+  return cs;
 }
+
+// Q4_K's file layout in copies like wc's: the first split copy taken back with unsplit_weight,
+// then copied device to device (the addresses, not the values, defeat the L2).
+struct FileCopies {
+  DeviceBuffer buf;
+  std::vector<DeviceWeight> w;
+  FileCopies() = default;
+  FileCopies(const lab::WeightCopies& wc, DType t, int64_t rows, int64_t cols) {
+    std::vector<uint8_t> split(split_weight_bytes(t, rows, cols)), file(size_t(rows) * row_bytes(t, cols));
+    CK(cudaMemcpy(split.data(), wc.w[0].q, split.size(), cudaMemcpyDeviceToHost));
+    unsplit_weight(t, split.data(), rows, cols, file.data());
+    buf = DeviceBuffer(file.size() * wc.size());
+    for (size_t i = 0; i < wc.size(); ++i) {
+      uint8_t* at = buf.as<uint8_t>() + file.size() * i;
+      CK(cudaMemcpy(at, file.data(), file.size(), cudaMemcpyHostToDevice));
+      DeviceWeight v;
+      v.type = t, v.rows = rows, v.cols = cols, v.q = at;
+      w.push_back(v);
+    }
+  }
+};
 
 void run_type(DType type, const std::vector<Shape>& shapes, int T, int reps, double copy_gbs) {
   const std::vector<Case> cs = cases(type);
   for (const Shape& sh : shapes) {
-    const lab::WeightCopies wc(type, sh.rows, sh.cols);  // fill_random: the file's blocks, sane fp16 scales
-    const double bytes = double(row_bytes(type, sh.cols)) * sh.rows;
+    const lab::WeightCopies wc(type, sh.rows, sh.cols);  // fill_random: the device's layout, sane fp16 scales
+    const FileCopies fc = type == DType::Q4_K ? FileCopies(wc, type, sh.rows, sh.cols) : FileCopies{};
+    const double bytes = double(row_bytes(type, sh.cols)) * sh.rows;  // the file's bytes (Q4_K's split layout reads 148/144 of them)
     const lab::Activations act(T, sh.cols);
     const DeviceBuffer& x = act.x;
     const DeviceActQ8 xq = act.xq;
@@ -128,15 +205,16 @@ void run_type(DType type, const std::vector<Shape>& shapes, int T, int reps, dou
     std::vector<float> ref(size_t(T) * sh.rows), got(ref.size());
     for (size_t ci = 0; ci < cs.size(); ++ci) {
       CK(cudaMemset(y.get(), 0xff, y.bytes()));  // NaN: every element must be written
-      cs[ci].run(wc.w[0], xq, x.as<float>(), y.as<float>(), T);
+      const std::vector<DeviceWeight>& ws = cs[ci].file_layout ? fc.w : wc.w;
+      cs[ci].run(ws[0], xq, x.as<float>(), y.as<float>(), T);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       y.download(ci == 0 ? ref.data() : got.data(), ref.size() * 4);
       const double err = ci == 0 ? 0.0 : lab::max_rel_err(got, ref), tol = cs[ci].int8 ? 2e-2 : 1e-4;
       size_t i = 0;
       const double ms = best_time_ms(reps, [&] {
-        for (size_t c = 0; c < wc.w.size(); ++c) cs[ci].run(wc.w[(i++) % wc.w.size()], xq, x.as<float>(), y.as<float>(), T);
-      }) / double(wc.w.size());
+        for (size_t c = 0; c < ws.size(); ++c) cs[ci].run(ws[(i++) % ws.size()], xq, x.as<float>(), y.as<float>(), T);
+      }) / double(ws.size());
       const double gbs = bytes / (ms * 1e-3) / 1e9;
       std::printf("%-5s T=%d %-8s %5dx%-5d  %-10s %8.2f us  %7.0f GB/s  %5.1f%% of copy  err %.1e%s\n", dtype_name(type), T, sh.what,
                   sh.rows, sh.cols, cs[ci].name.c_str(), ms * 1e3, gbs, 100.0 * gbs / copy_gbs, err, err > tol ? "  MISMATCH" : "");

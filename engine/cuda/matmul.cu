@@ -19,7 +19,7 @@ namespace llmq::cuda {
 
 namespace {
 
-bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K
 
 // Bytes of one row of the q array.
 size_t q_row_bytes(DType t, int64_t cols) {
@@ -28,7 +28,8 @@ size_t q_row_bytes(DType t, int64_t cols) {
     case DType::Q4_0:
     case DType::Q4_1:
     case DType::Q5_0:
-    case DType::Q5_1: return size_t(cols / 2);
+    case DType::Q5_1:
+    case DType::Q4_K: return size_t(cols / 2);
     case DType::F32: return size_t(cols) * 4;
     case DType::F16:
     case DType::BF16: return size_t(cols) * 2;
@@ -44,14 +45,46 @@ void check_cublas(cublasStatus_t st, const char* what) {
 
 // ---------------------------------------------------------------- layout
 
-uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols) { return uint64_t(rows) * row_bytes(t, cols); }
+uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols) { return uint64_t(rows) * cuda_row_bytes(t, cols); }
 
 namespace {
+
+// Q4_K's super-blocks (formats/quant.h BlockQ4_K) between the file layout and the split one
+// (matmul.h DeviceWeight): q in Q4_0's nibble order per sub-block (the file's sub-block j is
+// the nibble j % 2 of qs[32 (j / 2), + 32)), d the sub-blocks' sc | mn << 8, k d | dmin << 16.
+void move_q4k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
+  const int64_t nsb = cols / 256, nb = cols / 32;
+  auto* d = reinterpret_cast<uint16_t*>(split + size_t(rows) * size_t(cols / 2));
+  auto* k = reinterpret_cast<uint32_t*>(d + size_t(rows * nb));
+  for (int64_t i = 0; i < rows * nsb; ++i) {  // super-block i: row i / nsb
+    auto* blk = reinterpret_cast<BlockQ4_K*>(file + size_t(i) * sizeof(BlockQ4_K));
+    uint16_t* sm = d + 8 * i;
+    uint8_t* nib = split + 128 * size_t(i);  // rows are whole super-blocks: q's offset is 128 i
+    int sc[8], mn[8];
+    if (to_split) {
+      k[i] = uint32_t(blk->d) | uint32_t(blk->dmin) << 16;
+      for (int j = 0; j < 8; ++j) k_quant_scale_min(j, blk->scales, &sc[j], &mn[j]), sm[j] = uint16_t(sc[j] | mn[j] << 8);
+    } else {
+      blk->d = uint16_t(k[i]), blk->dmin = uint16_t(k[i] >> 16);
+      for (int j = 0; j < 8; ++j) sc[j] = sm[j] & 63, mn[j] = (sm[j] >> 8) & 63;
+      k_quant_pack_scale_min(sc, mn, blk->scales);
+      std::memset(blk->qs, 0, sizeof(blk->qs));
+    }
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 16; ++l) {  // split byte 16 j + l: weights l (low nibble) and l + 16 of sub-block j
+        uint8_t* pair = blk->qs + 32 * (j / 2) + l;
+        const int sh = 4 * (j % 2);
+        if (to_split) nib[16 * j + l] = uint8_t(((pair[0] >> sh) & 15) | ((pair[16] >> sh) & 15) << 4);
+        else pair[0] |= uint8_t((nib[16 * j + l] & 15) << sh), pair[16] |= uint8_t((nib[16 * j + l] >> 4) << sh);
+      }
+  }
+}
 
 // Moves every block of a [rows, cols] matrix between the file layout (`file`) and the split one
 // (`split`): to_split true copies file -> split, false split -> file.
 void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
   const size_t rb = row_bytes(t, cols);
+  if (split_has_k(t)) return move_q4k(file, rows, cols, split, to_split);
   if (!is_block_type(t)) {
     if (to_split) std::memcpy(split, file, size_t(rows) * rb);
     else std::memcpy(file, split, size_t(rows) * rb);
@@ -98,6 +131,7 @@ DeviceWeight split_weight_view(DType t, int64_t rows, int64_t cols, const uint8_
     if (split_has_h(t)) w.h = reinterpret_cast<const uint32_t*>(after_q);
     w.d = reinterpret_cast<const uint16_t*>(after_q + (split_has_h(t) ? 4 * nb : 0));
     if (split_has_m(t)) w.m = w.d + nb;
+    if (split_has_k(t)) w.k = reinterpret_cast<const uint32_t*>(w.d + nb);
   }
   return w;
 }
@@ -109,6 +143,7 @@ DeviceWeight weight_rows(const DeviceWeight& w, int64_t r0, int64_t n) {
   if (w.d) v.d = w.d + r0 * (w.cols / QK);
   if (w.m) v.m = w.m + r0 * (w.cols / QK);
   if (w.h) v.h = w.h + r0 * (w.cols / QK);
+  if (w.k) v.k = w.k + r0 * (w.cols / 256);
   return v;
 }
 
@@ -155,6 +190,18 @@ __global__ void fill_block_half_kernel(uint8_t* p, uint64_t n_blocks, int block_
     *reinterpret_cast<uint16_t*>(p + i * block_bytes + off) = __half_as_ushort(__float2half((0.5f + uniform01(seed, i)) * amp));
 }
 
+// Q4_K's scales (split layout): each sub-block's sc and mn uniform in 0..63, each super-block's
+// d and dmin fp16 in d_amp·[0.5, 1.5) and m_amp·[0.5, 1.5).
+__global__ void fill_q4k_scales_kernel(uint16_t* sm, uint32_t* k, uint64_t n_blocks, uint64_t seed, float d_amp, float m_amp) {
+  pdl_begin();
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n_blocks; i += uint64_t(gridDim.x) * blockDim.x) {
+    sm[i] = uint16_t(hash32(seed * 0x100000001b3ull + i) & 0x3f3fu);
+    if (i % 8 == 0)
+      k[i / 8] = uint32_t(__half_as_ushort(__float2half((0.5f + uniform01(seed + 1, i)) * d_amp))) |
+                 uint32_t(__half_as_ushort(__float2half((0.5f + uniform01(seed + 2, i)) * m_amp))) << 16;
+  }
+}
+
 constexpr int kFillBlocks = 1024, kFillThreads = 256;
 
 // The fp16 fields of a raw type's block (formats/quant.h layouts) and their scale of values, for
@@ -170,7 +217,6 @@ RawHalves raw_halves(DType t) {
     case DType::IQ4_NL: return {0, 1.5e-4f, -1, 0};
     case DType::Q2_K: return {80, 1.5e-3f, 82, 1.5e-3f};
     case DType::Q3_K: return {108, 2e-4f, -1, 0};
-    case DType::Q4_K: return {0, 5e-5f, 2, 2.5e-4f};
     case DType::Q5_K: return {0, 2.5e-5f, 2, 2.5e-4f};
     default: return {208, 1e-5f, -1, 0};  // Q6_K
   }
@@ -210,6 +256,10 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
         LLMQ_LAUNCH(neg_scaled_kernel, kFillBlocks, kFillThreads, 0, s)(const_cast<uint16_t*>(w.m), w.d, nb, w.h ? 16.0f : 8.0f);
       break;
     }
+    case DType::Q4_K:  // sc ~ 32 and q ~ 7.5 against d 5e-5, mn ~ 32 against dmin 2.5e-4: weights of about 0.01
+      LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, n / 2, seed);
+      LLMQ_LAUNCH(fill_q4k_scales_kernel, kFillBlocks, kFillThreads, 0, s)(d, const_cast<uint32_t*>(w.k), nb, seed + 1, 5e-5f, 2.5e-4f);
+      break;
     default: break;  // raw types above
   }
   check_launch("fill_random");
@@ -252,7 +302,7 @@ template <DType kType, int R>
 __device__ __forceinline__ void gemv_block_dot(float& acc, const uint4 (&w0)[R], const uint4 (&w1)[R], const float (&dw)[R],
                                                const float (&mw)[R], const uint32_t (&hw)[R], int r, int4 x0, int4 x1, float dx,
                                                float sx) {
-  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType);
+  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType) || split_has_k(kType);
   if constexpr (kType == DType::Q8_0) {
     acc += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
   } else {
@@ -278,11 +328,12 @@ __device__ __forceinline__ void gemv_block_dot(float& acc, const uint4 (&w0)[R],
 // W: the block's W warps split the row's blocks between them (more loads in flight for matrices
 // with few rows; partial sums added through shared memory in a fixed order). Per block:
 // Q8_0  d_w d_x Σ q_w q_x;  Q4_0 / Q5_0  d_w (d_x Σ q_w q_x - 8 s_x / - 16 s_x);
-// Q4_1 / Q5_1  d_w d_x Σ q_w q_x + m_w s_x  (s_x = d_x Σ q_x, from quantize_act).
+// Q4_1 / Q5_1  d_w d_x Σ q_w q_x + m_w s_x  (s_x = d_x Σ q_x, from quantize_act);
+// Q4_K  the same with d_w = d sc, m_w = -dmin mn (d, dmin: the super-block's, from wk).
 template <DType kType, int R, int W, int T, int KS>
 __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
                                                            const uint16_t* __restrict__ wm, const uint32_t* __restrict__ wh,
-                                                           const int8_t* __restrict__ xq,
+                                                           const uint32_t* __restrict__ wk, const int8_t* __restrict__ xq,
                                                            const float* __restrict__ xd, const float* __restrict__ xs,
                                                            float* __restrict__ y, int64_t ldy, int rows, int cols) {
   constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;  // quant bytes per block
@@ -297,11 +348,13 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
   const uint16_t* d[R];
   const uint16_t* m[R];
   const uint32_t* h[R];
+  const uint32_t* k[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int64_t row = min(row0 + r, rows - 1);
     w[r] = reinterpret_cast<const uint4*>(wq + row * nb * kQB), d[r] = wd + row * nb, m[r] = kMin ? wm + row * nb : nullptr;
     h[r] = kQ5 ? wh + row * nb : nullptr;
+    k[r] = split_has_k(kType) ? wk + row * (nb / 8) : nullptr;
   }
   float acc[R][T];
 #pragma unroll
@@ -317,8 +370,14 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
     for (int r = 0; r < R; ++r) {
       w0[r] = __ldg(w[r] + (kQB / 16) * b);
       if constexpr (kType == DType::Q8_0) w1[r] = __ldg(w[r] + 2 * b + 1);
-      dw[r] = fp16_bits_to_float(__ldg(d[r] + b));
-      if constexpr (kMin) mw[r] = fp16_bits_to_float(__ldg(m[r] + b));
+      if constexpr (split_has_k(kType)) {  // sc | mn << 8, and the super-block's d | dmin << 16
+        const uint32_t sm = __ldg(d[r] + b), dk = __ldg(k[r] + b / 8);
+        dw[r] = fp16_bits_to_float(uint16_t(dk & 0xffff)) * float(sm & 0xff);
+        mw[r] = -fp16_bits_to_float(uint16_t(dk >> 16)) * float(sm >> 8);
+      } else {
+        dw[r] = fp16_bits_to_float(__ldg(d[r] + b));
+        if constexpr (kMin) mw[r] = fp16_bits_to_float(__ldg(m[r] + b));
+      }
       if constexpr (kQ5) hw[r] = __ldg(h[r] + b);
     }
 #pragma unroll
@@ -339,7 +398,7 @@ void launch_gemv_block(const DeviceWeight& w, const DeviceActQ8& xq, float* y, i
   const int64_t groups = (w.rows + R - 1) / R;
   const unsigned grid = unsigned(KS == 1 ? (groups + W - 1) / W : groups);
   auto* kernel = gemv_block_kernel<kType, R, W, T, KS>;  // a template name's commas would split the macro's arguments
-  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols));
+  LLMQ_LAUNCH(kernel, grid, 32 * W, 0, s)(w.q, w.d, w.m, w.h, w.k, xq.q, xq.d, xq.s, y, ldy, int(w.rows), int(w.cols));
 }
 
 // The version per type and token count, from the lab's timings on an H200 (bench/RESULTS.md):
@@ -448,7 +507,8 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, c
   store_rows(acc, y, ldy, row, T);
 }
 
-// Q4_K and Q5_K (the Q4_K_M / Q5_K_M mixes) against fp32 activations. gemv_raw_kernel gave each
+// Q5_K (the Q5_K_M mix; Q4_K's was the kQ5 = false instance until its split layout) against
+// fp32 activations. gemv_raw_kernel gave each
 // lane a 32-weight block and read it a byte at a time (Q4_K_M llama-2-7b: 33 tok/s on an H100, 5%
 // of the copy rate); here eight lanes share a 256-weight super-block, each with one wide load of
 // its quants, and a warp computes R rows so every activation load serves R of them. The sums
@@ -679,12 +739,11 @@ using RawGemvKernel = void (*)(const uint8_t*, size_t, const float*, float*, int
 // need (every row then is: a row's bytes are a multiple of that alignment) or the activations at x
 // are not 16-byte aligned; gemv_raw_kernel runs then.
 RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
-  const int align = t == DType::Q4_K || t == DType::Q5_K ? 16 : t == DType::Q2_K ? 4 : 2;
+  const int align = t == DType::Q5_K ? 16 : t == DType::Q2_K ? 4 : 2;
   if (reinterpret_cast<uintptr_t>(wq) % align != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return nullptr;
   switch (t) {
     case DType::Q2_K: return gemv_q23k_kernel<kGemvKRows, false>;
     case DType::Q3_K: return gemv_q23k_kernel<kGemvKRows, true>;
-    case DType::Q4_K: return gemv_q45k_kernel<kGemvKRows, false>;
     case DType::Q5_K: return gemv_q45k_kernel<kGemvKRows, true>;
     case DType::Q6_K: return gemv_q6k_kernel<kGemvKRows>;
     case DType::IQ4_NL: return gemv_iq4nl_kernel<kGemvKRows>;
@@ -701,7 +760,6 @@ struct RawGemvQ8 {
 };
 RawGemvQ8 raw_gemv_q8_kernel(DType t, const void* wq) {
   const auto at = reinterpret_cast<uintptr_t>(wq);
-  if (t == DType::Q4_K && at % 16 == 0) return {gemv_q45k_q8_kernel<1, false>, 1};
   if (t == DType::Q6_K && at % 2 == 0) return {gemv_q6k_q8_kernel<2>, 2};
   return {};
 }
@@ -723,6 +781,7 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
     case DType::Q4_1: gemv_block<DType::Q4_1>(w, xq, y, ldy, nt, s); break;
     case DType::Q5_0: gemv_block<DType::Q5_0>(w, xq, y, ldy, nt, s); break;
     case DType::Q5_1: gemv_block<DType::Q5_1>(w, xq, y, ldy, nt, s); break;
+    case DType::Q4_K: gemv_block<DType::Q4_K>(w, xq, y, ldy, nt, s); break;
     case DType::F32:
       LLMQ_LAUNCH(gemv_float_kernel<float>, grid, block, 0, s)(reinterpret_cast<const float*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
@@ -759,22 +818,27 @@ namespace {
 // on an H200; dev/cuda/mmq.cu times this kernel as "dequant + cublas".) Quarter k of a block:
 // Q8_0 quants 8k..8k+7; Q4 / Q5 nibbles of bytes 8 (k % 2) .. +7, low ones for k < 2 (weights
 // 0..15), high ones for k >= 2, so weights 8k .. 8k + 7 (Q5: with bits 8k .. of the block's word).
+// Q4_K: Q4_1's with d = d_sb sc and m = -dmin_sb mn.
 template <DType kType>
 __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd, const uint16_t* __restrict__ wm,
-                                      const uint32_t* __restrict__ wh, uint4* __restrict__ out, int64_t n_quarters) {
+                                      const uint32_t* __restrict__ wh, const uint32_t* __restrict__ wk, uint4* __restrict__ out,
+                                      int64_t n_quarters) {
   pdl_begin();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_quarters) return;
   const int64_t b = i / 4;
   const int k = int(i % 4);
-  const float d = fp16_bits_to_float(wd[b]);
+  const uint32_t dk = split_has_k(kType) ? wk[b / 8] : 0u;
+  const float d = split_has_k(kType) ? fp16_bits_to_float(uint16_t(dk & 0xffff)) * float(wd[b] & 0xff) : fp16_bits_to_float(wd[b]);
   float f[8];
   if constexpr (kType == DType::Q8_0) {
     const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 32 + 8 * k);
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[j] = d * float(int8_t(raw.x >> (8 * j))), f[4 + j] = d * float(int8_t(raw.y >> (8 * j)));
   } else {
-    const float m = split_has_m(kType) ? fp16_bits_to_float(wm[b]) : (split_has_h(kType) ? -16.0f : -8.0f) * d;
+    const float m = split_has_k(kType)   ? -fp16_bits_to_float(uint16_t(dk >> 16)) * float(wd[b] >> 8)
+                    : split_has_m(kType) ? fp16_bits_to_float(wm[b])
+                                         : (split_has_h(kType) ? -16.0f : -8.0f) * d;
     const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 16 + 8 * (k % 2));
     const uint32_t e = split_has_h(kType) ? wh[b] >> (8 * k) : 0u;  // fifth bits of weights 8k ..
     const int sh = k < 2 ? 0 : 4;
@@ -823,11 +887,12 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
   const unsigned grid = unsigned((4 * n_blocks + 255) / 256);
   auto* o = reinterpret_cast<uint4*>(out);
   switch (w.type) {
-    case DType::Q8_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q8_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
-    case DType::Q4_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
-    case DType::Q4_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_1>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
-    case DType::Q5_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
-    case DType::Q5_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_1>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, o, 4 * n_blocks); break;
+    case DType::Q8_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q8_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
+    case DType::Q4_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
+    case DType::Q4_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_1>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
+    case DType::Q5_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
+    case DType::Q5_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_1>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
+    case DType::Q4_K: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_K>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
     default:
       if (!is_raw_type(w.type)) throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));
       LLMQ_LAUNCH(dequantize_raw_f16_kernel, unsigned((n_blocks + 127) / 128), 128, 0, s)(w.type, v.q, w.cols / QK,

@@ -1,9 +1,9 @@
 // Matrix products on the GPU: y [T, rows] = x [T, cols] · Wᵀ for weights in every stored type.
 //   decode (T <= kGemvMaxTokens): our GEMV kernels, dequantization fused in registers, wide
 //     loads; Q8_0/Q4_0/Q4_1: int8 dot products (dp4a) against activations quantized per block
-//     of 32 (as the CPU path and llama.cpp's MMVQ do), as are Q5_0/Q5_1 and Q4_K/Q6_K; the
-//     other raw types (K-quants, IQ4_NL): fp32 activations, one kernel family each (eight lanes
-//     per 256-weight super-block, or a lane per 32-weight block);
+//     of 32 (as the CPU path and llama.cpp's MMVQ do), as are Q5_0/Q5_1/Q4_K (split layouts)
+//     and Q6_K; the other raw types (K-quants, IQ4_NL): fp32 activations, one kernel family each
+//     (eight lanes per 256-weight super-block, or a lane per 32-weight block);
 //   batches (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8 tensor cores on the quant blocks,
 //     split-K when the grid would be small, for the types where it beat dequantize + cuBLAS;
 //   prefill (larger T, or weights MMQ does not take): the weight dequantized to fp16 tiles of
@@ -22,26 +22,37 @@
 namespace llmq::cuda {
 
 /// True for the types the device keeps in the file's own block layout ("raw": IQ4_NL and the
-/// K-quants; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 are split.
+/// K-quants but Q4_K; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and
+/// Q4_K are split.
 __host__ __device__ constexpr bool is_raw_type(DType t) {
-  return t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
+  return t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q5_K || t == DType::Q6_K;
 }
 /// Split types with an h array of fifth bits (Q5_0, Q5_1), and with an m array of minimums (Q4_1,
 /// Q5_1): see DeviceWeight.
 __host__ __device__ constexpr bool split_has_h(DType t) { return t == DType::Q5_0 || t == DType::Q5_1; }
 __host__ __device__ constexpr bool split_has_m(DType t) { return t == DType::Q4_1 || t == DType::Q5_1; }
+/// Split types whose block scales come in two levels (Q4_K): the k array of super-block scales
+/// and, in d, each 32-weight block's 6-bit scale and minimum: see DeviceWeight.
+__host__ __device__ constexpr bool split_has_k(DType t) { return t == DType::Q4_K; }
 
 /// A weight matrix [rows, cols] on the device in the split layout the kernels read with aligned
 /// 16-byte loads: the file's blocks (formats/quant.h) taken apart into arrays. Same bytes in
-/// all as the file's tensor (row_bytes(type, cols) · rows), only rearranged:
+/// all as the file's tensor (row_bytes(type, cols) · rows), only rearranged (Q4_K: 4 more per
+/// 256 weights):
 ///   Q8_0: q = int8 quants [rows, cols], d = fp16 scales [rows, cols/32]
 ///   Q4_0: q = nibbles [rows, cols/2] (per block of 32: 16 bytes, weight j in the low nibble of
 ///         byte j, weight j+16 in the high one, as in the file), d = fp16 scales [rows, cols/32]
 ///   Q4_1: as Q4_0, plus m = fp16 minimums [rows, cols/32]
 ///   Q5_0, Q5_1: as Q4_0 / Q4_1, plus h = the fifth bits [rows, cols/32] (bit j of a block's word:
 ///         weight j, the file's qh), stored between q and d
-///   F32, F16, BF16: q = the elements [rows, cols] (d, m, h null)
-///   raw types (is_raw_type): q = the file's rows as they are (d, m, h null)
+///   Q4_K: q = nibbles [rows, cols/2] in Q4_0's order per 32-weight sub-block (the file pairs
+///         sub-blocks 2c and 2c+1 in the low and high nibbles of 32 bytes), d = each sub-block's
+///         6-bit scale sc and minimum mn as bytes [rows, cols/32] (sc | mn << 8, unpacked from the
+///         file's 12 scale bytes), k = each super-block's fp16 d and dmin [rows, cols/256]
+///         (d | dmin << 16): w = (d sc) q - dmin mn, as Q4_1 with d_w = d sc, m_w = -dmin mn.
+///         4.625 bits a weight (cuda_row_bytes), exact; Q4_1's GEMV, MMQ and dequantization read it
+///   F32, F16, BF16: q = the elements [rows, cols] (d, m, h, k null)
+///   raw types (is_raw_type): q = the file's rows as they are (d, m, h, k null)
 struct DeviceWeight {
   DType type = DType::F32;
   int64_t rows = 0, cols = 0;
@@ -49,12 +60,14 @@ struct DeviceWeight {
   const uint16_t* d = nullptr;
   const uint16_t* m = nullptr;
   const uint32_t* h = nullptr;
+  const uint32_t* k = nullptr;
 };
 
-/// Bytes of the split layout of a [rows, cols] matrix of type t: the file's bytes.
+/// Bytes of the split layout of a [rows, cols] matrix of type t: rows · cuda_row_bytes (the
+/// file's bytes, Q4_K's 148 per 256 weights).
 uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols);
 /// Rearranges a matrix from the file layout (host memory, rows · row_bytes(t, cols) bytes at
-/// src) into the split layout at dst (host memory, split_weight_bytes): q, then h, d and m.
+/// src) into the split layout at dst (host memory, split_weight_bytes): q, then h, d, m and k.
 void split_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst);
 /// The inverse of split_weight: the split layout at src (host memory) back into the file layout
 /// at dst (for tests and tools that read device weights back).
@@ -152,8 +165,8 @@ void matmul(MatmulContext& ctx, const DeviceWeight& w, const float* x, float* y,
 /// names on the GEMV path (T <= kGemvMaxTokens), and those it sends to MMQ. Producers of that input can then quantize
 /// it themselves (MatmulContext::note_quantized).
 bool matmul_quantizes(const DeviceWeight& w, int64_t T);
-/// Whether gemv reads w's activations as int8 (xq): Q8_0/Q4_0/Q4_1, and Q4_K (16-byte-aligned
-/// weights) and Q6_K, whose int8 kernels beat their fp32 ones on an H200 (dev/cuda/gemv_k.cu).
+/// Whether gemv reads w's activations as int8 (xq): the split types (Q8_0, Q4_0, Q4_1, Q5_0,
+/// Q5_1, Q4_K), and Q6_K, whose int8 kernel beat its fp32 one on an H200 (dev/cuda/gemv_k.cu).
 bool gemv_reads_int8(const DeviceWeight& w);
 
 /// cuBLAS's bf16 GEMM rate on this GPU (FLOP/s, best of `reps`): C [m, n] fp32 = A [m, k] ·
@@ -163,13 +176,13 @@ double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps = 10)
 /// The kernels behind matmul, exposed for the parity tests and the dev lab.
 void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t cols, cudaStream_t s);
 /// GEMV: y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = x [T, w.cols] · wᵀ, 1 <= T <=
-/// kGemvMaxTokens. Weights for which gemv_reads_int8 holds read xq (quantize_act of x; Q4_K/Q6_K
-/// read x instead when xq.q is null), every other type reads x (fp32; the raw types' tuned kernels
+/// kGemvMaxTokens. Weights for which gemv_reads_int8 holds read xq (quantize_act of x; Q6_K
+/// reads x instead when xq.q is null), every other type reads x (fp32; the raw types' tuned kernels
 /// want x 16-byte aligned, else a byte-wise kernel runs).
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
 /// MMQ (engine/cuda/mmq.cu): y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = the
 /// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for weights whose
-/// column count is a multiple of 64: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, Q4_K/Q5_K at 16-byte-aligned
+/// column count is a multiple of 64: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K, Q5_K at 16-byte-aligned
 /// addresses, IQ4_NL/Q2_K/Q3_K/Q6_K (mmq_supported). tile_tokens: tokens per CUDA
 /// block (16, 32, 64 or 128; 0: mmq_tile_tokens(T)). split / split_bytes: scratch for
 /// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
@@ -194,8 +207,8 @@ void mmq_prepare();
 /// The tile width mmq picks for T tokens.
 int mmq_tile_tokens(int64_t T);
 
-/// Rows [r0, r0 + n) of a Q8_0/Q4_0/Q4_1 matrix w dequantized to fp16 [n, w.cols] at out
-/// (F16 and BF16 weights go to cuBLAS as they are; other types: UsageError).
+/// Rows [r0, r0 + n) of a quantized matrix w (split or raw layout) dequantized to fp16
+/// [n, w.cols] at out (F16 and BF16 weights go to cuBLAS as they are; other types: UsageError).
 void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t* out, cudaStream_t s);
 
 }  // namespace llmq::cuda

@@ -1,15 +1,16 @@
 // MMQ: matrix products of block-quantized weights and int8 activations on the tensor cores
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
-// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 in the split layout or
-// IQ4_NL / Q2_K ... Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by
+// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K in the split layout
+// or IQ4_NL / Q2_K / Q3_K / Q5_K / Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by
 // quantize_act (q, d, s = d·Σq). Per block of 32 columns, an integer product on the tensor cores
 // (mma.m16n8k32, int32 sums), then scaled in fp32 as the GEMV does:
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
 //   Q4_0:  w = d_w (q_w - 8):   Σ w x = d_w (d_x Σ q_w q_x - 8 s_x)       (q_w as uint8 0..15)
 //   Q4_1:  w = d_w q_w + m_w:   Σ w x = d_w d_x Σ q_w q_x + m_w s_x
 //   Q4_K, Q5_K: per 32-weight sub-block w = a q_w - m (a = d·sc, m = dmin·mn, k4_scale_min):
-//          Q4_1's sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31).
+//          Q4_1's sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31); Q4_K's split layout loads
+//          as Q4_1's, its sc | mn words as d_w and the super-block's d | dmin word as m_w.
 //   Q5_0:  as Q4_0 with q_w 0..31 (the fifth bit from qh) and -16 s_x;  Q5_1: as Q4_1, q_w 0..31
 //   IQ4_NL: as Q8_0 with q_w = the level of each nibble (iq4_nl_level)
 //   Q6_K, Q3_K, Q2_K: a scale per 16 weights, so two products per block, each on one half of k
@@ -47,11 +48,13 @@ constexpr int kMmqPad = 16;     // bytes after each shared-memory row
 template <DType kType>
 constexpr bool kSplit16 = kType == DType::Q2_K || kType == DType::Q3_K || kType == DType::Q6_K;  // a scale per 16 weights
 template <DType kType>
-constexpr bool kKQuant = kType == DType::Q4_K || kType == DType::Q5_K || kSplit16<kType>;  // raw rows, a header per row and stage
+constexpr bool kKQuant = kType == DType::Q5_K || kSplit16<kType>;  // raw rows, a header per row and stage
 template <DType kType>
 constexpr bool kQ5 = split_has_h(kType);  // split: Q4's nibbles and the h words
 template <DType kType>
 constexpr bool kMin = split_has_m(kType);  // split, with minimums
+template <DType kType>
+constexpr bool kSplitK = split_has_k(kType);  // split, two-level scales (Q4_K)
 template <DType kType>
 constexpr bool kB32 = kType == DType::IQ4_NL;  // raw 32-weight blocks, read by 16-bit loads
 // Bytes of one 32-column block's quants as loaded from the q array (Q5_K, Q3_K: 16 of quants and
@@ -63,7 +66,8 @@ template <DType kType>
 constexpr int kAPitch = kB32<kType> || kQ5<kType> ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // Q5, IQ4_NL: 12 words, so 8 rows x 4 words hit 32 banks
 constexpr int kBPitch = kMmqBK + kMmqPad;
 
-// One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K / Q5_K:
+// One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K (split):
+// dw holds the two blocks' sc | mn words and mw, as one word, the super-block's d | dmin. Q5_K:
 // the stage is sub-blocks 2p, 2p + 1 of a super-block (p = stage % 4), a holds its 32 qs bytes
 // (byte i: column i in the low nibble, 32 + i in the high; Q5_K then the super-block's 32 qh
 // bytes), hdr the super-block's d, dmin and 12 scale bytes. Q6_K: a holds ql[64h, 64h + 64) and
@@ -77,7 +81,7 @@ struct MmqStage {
   alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad]
   alignas(16) int8_t b[BN * kBPitch];                // activation quants [BN][64 + pad]
   alignas(16) uint16_t dw[kMmqBM * 2];               // weight scales [BM][2] fp16
-  alignas(16) uint16_t mw[kMin<kType> ? kMmqBM * 2 : 8];  // Q4_1 / Q5_1 minimums [BM][2] fp16
+  alignas(16) uint16_t mw[kMin<kType> || kSplitK<kType> ? kMmqBM * 2 : 8];  // Q4_1 / Q5_1 minimums [BM][2] fp16
   alignas(16) float dx[BN * 2];                      // activation scales [BN][2]
   alignas(16) float sx[BN * 2];                      // d·Σq [BN][2] (the types with an offset or a minimum)
   alignas(16) uint8_t hdr[kKQuant<kType> ? kMmqBM * 16 : 16];  // K-quant super-block headers [BM][16]
@@ -87,6 +91,7 @@ struct MmqArgs {
   const uint8_t* wq;
   const uint16_t *wd, *wm;
   const uint32_t* wh;  // Q5_0 / Q5_1: the fifth bits [rows, cols/32]
+  const uint32_t* wk;  // Q4_K: the super-blocks' d | dmin << 16 [rows, cols/256]
   const int8_t* xq;
   const float *xd, *xs;
   float* y;       // splits == 1: the output, row t at y + t · ldy; else the partial sums [splits, T, rows]
@@ -187,6 +192,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
       } else {
         cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
         if constexpr (kMin<kType>) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
+        if constexpr (kSplitK<kType>) cp_async4(st.mw + 2 * i, p.wk + row * (nb / 8) + kb / 8);  // kb, kb + 1: one super-block
       }
     }
   }
@@ -325,6 +331,11 @@ template <DType kType, typename Stage>
 __device__ __forceinline__ void mmq_row_scales(const Stage& s, int r, int j, int pr, float& dw0, float& dw1, float& mw0, float& mw1) {
   if constexpr (kKQuant<kType>) {
     k_sub_scale(s.hdr + 16 * r, 2 * pr + j, dw0, mw0), k_sub_scale(s.hdr + 16 * (r + 8), 2 * pr + j, dw1, mw1);
+  } else if constexpr (kSplitK<kType>) {  // a = d sc, -m = -dmin mn
+    const uint32_t sm0 = s.dw[2 * r + j], sm1 = s.dw[2 * (r + 8) + j];
+    const uint32_t k0 = lds32(s.mw + 2 * r), k1 = lds32(s.mw + 2 * (r + 8));
+    dw0 = fp16_bits_to_float(uint16_t(k0 & 0xffff)) * float(sm0 & 0xff), mw0 = -fp16_bits_to_float(uint16_t(k0 >> 16)) * float(sm0 >> 8);
+    dw1 = fp16_bits_to_float(uint16_t(k1 & 0xffff)) * float(sm1 & 0xff), mw1 = -fp16_bits_to_float(uint16_t(k1 >> 16)) * float(sm1 >> 8);
   } else {
     dw0 = fp16_bits_to_float(s.dw[2 * r + j]), dw1 = fp16_bits_to_float(s.dw[2 * (r + 8) + j]);
     if constexpr (kMin<kType>)
@@ -530,7 +541,7 @@ void mmq_prepare() {
 
 bool mmq_supported(const DeviceWeight& w) {
   const bool split = is_quantized(w.type) && !is_raw_type(w.type);                              // the split layout
-  const bool async = w.type == DType::Q4_K || w.type == DType::Q5_K;                              // raw rows by cp.async: 16-byte aligned
+  const bool async = w.type == DType::Q5_K;                                                      // raw rows by cp.async: 16-byte aligned
   const bool words = is_raw_type(w.type) && !async;                                              // raw rows by 16-bit loads
   const auto at = reinterpret_cast<uintptr_t>(w.q);
   return (split || (async && at % 16 == 0) || (words && at % 2 == 0)) && w.cols % 64 == 0 && w.rows > 0;
@@ -576,7 +587,7 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
   if (splits < 1 || splits > w.cols / kMmqBK || (splits > 1 && uint64_t(splits) * uint64_t(T) * uint64_t(w.rows) * 4 > split_bytes))
     throw UsageError("mmq: " + std::to_string(splits) + " splits do not fit the columns or the scratch");
   if (ldy == 0) ldy = w.rows;
-  const MmqArgs a{w.q, w.d, w.m, w.h, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, int64_t(row_bytes(w.type, w.cols))};
+  const MmqArgs a{w.q, w.d, w.m, w.h, w.k, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, int64_t(row_bytes(w.type, w.cols))};
   const int bn = tile_tokens ? tile_tokens : mmq_tile_tokens(T);
   const bool deeper = tune.stages != 0 && tune.stages != kMmqStages, denser = tune.min_blocks > 1;
   if (deeper || denser) {

@@ -113,10 +113,10 @@ uint64_t upload_matrix(const UploadPlan::MatJob& j, uint8_t* base, std::vector<u
     std::memcpy(file_rows.data() + at, w.data, size_t(w.rows) * rb);
     at += size_t(w.rows) * rb;
   }
-  split.resize(bytes);
+  split.resize(split_weight_bytes(j.type, j.rows, j.cols));
   split_weight(j.type, file_rows.data(), j.rows, j.cols, split.data());
-  check(cudaMemcpy(base + j.off, split.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy (weights)");
-  return bytes;
+  check(cudaMemcpy(base + j.off, split.data(), split.size(), cudaMemcpyHostToDevice), "cudaMemcpy (weights)");
+  return split.size();
 }
 
 }  // namespace
