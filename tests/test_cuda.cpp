@@ -1036,23 +1036,26 @@ TEST_CASE("CUDA runs a declared architecture: the test-only sandwich variant = t
   CHECK(rel_err(lg, want.data(), want.size()) < 1e-2);
 }
 
-// Q4_K lives on the device in its own split layout (matmul.h DeviceWeight: 148 bytes a
-// super-block, not the file's 144), which stories260K's 64-wide rows cannot take: a synthetic
-// model with every matrix Q4_K (256 columns) runs the embedding, GEMV and MMQ on it against the
-// CPU (the op harness covers cuBLAS's dequantization), and the backend allocates what plan_cuda (llmq-mem) predicts.
-TEST_CASE("CUDA whole model: every matrix Q4_K (split layout) = the CPU; plan_cuda = the allocation", "[cuda][model][mem]") {
+// Q4_K and Q6_K live on the device in split layouts of their own (matmul.h DeviceWeight: 148
+// and 212 bytes a super-block, not the file's 144 and 210), which stories260K's 64-wide rows
+// cannot take: a synthetic model with every matrix of the type (256 columns) runs the
+// embedding, GEMV and MMQ on it against the CPU (the op harness covers cuBLAS's
+// dequantization), and the backend allocates what plan_cuda (llmq-mem) predicts.
+TEST_CASE("CUDA whole model: every matrix Q4_K or Q6_K (split layouts) = the CPU; plan_cuda = the allocation", "[cuda][model][mem]") {
   if (!have_gpu()) return;
-  const std::string path = test::synthetic("cuda-q4k", 4, 2, 64, 256, DType::Q4_K, 11);
-  // Random weights give flat logits (top-2 gaps of a few hundredths against int8 roundings that
-  // move the logits by ~2% of their norm: 2 flips in 24 steps here), so up to 1 step in 6 may
-  // flip; the logits' bound is the check.
-  compare_model(path, 512, -1, kSteps / 6);  // the prompt (MMQ), the decode steps (GEMV), greedy on the GPU
-  auto m = Model::load(path);
-  cuda::CudaModel dm(*m);
-  cuda::CudaSession s(dm, m.get(), 300, 64, 1);
-  const CudaPlan p = plan_cuda(m->config, m->file->tensors(), 300, 64, 1);
-  CHECK(dm.weight_bytes() == p.weights);
-  CHECK(dm.weight_bytes() > m->weight_bytes());  // 148 / 144 of the matrices' file bytes
+  for (DType t : {DType::Q4_K, DType::Q6_K}) {
+    const std::string path = test::synthetic(std::string("cuda-") + dtype_name(t), 4, 2, 64, 256, t, 11);
+    // Random weights give flat logits (top-2 gaps of a few hundredths against int8 roundings
+    // that move the logits by ~2% of their norm: 2 flips in 24 steps for Q4_K), so up to 1
+    // step in 6 may flip; the logits' bound is the check.
+    compare_model(path, 512, -1, kSteps / 6);  // the prompt (MMQ), the decode steps (GEMV), greedy on the GPU
+    auto m = Model::load(path);
+    cuda::CudaModel dm(*m);
+    cuda::CudaSession s(dm, m.get(), 300, 64, 1);
+    const CudaPlan p = plan_cuda(m->config, m->file->tensors(), 300, 64, 1);
+    INFO(dtype_name(t));
+    CHECK(dm.weight_bytes() == p.weights);
+  }
 }
 
 TEST_CASE("CUDA whole model: stories260K logits and 64 greedy tokens equal the CPU's", "[cuda][model]") {

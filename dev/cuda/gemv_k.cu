@@ -1,29 +1,33 @@
 // K-quant GEMV lab (decode matmuls of the Q4_K_M mix): Q4_K, Q6_K, Q5_K and IQ4_NL,
 // llama-2-7b's matrices, T = 1 and 2. Each version is checked against version 1 (the engine's
 // gemv) and timed with CUDA events over copies of the matrix larger than the L2, as
-// dev/cuda/gemv.cu does for Q4_0 / Q8_0. Q6_K, Q5_K and IQ4_NL rows are in the file's layout
-// (engine/cuda/raw_blocks.cuh); Q4_K's engine rows in its split layout (engine/cuda/matmul.h),
-// its v2 rows in the file's (the split copy taken back with unsplit_weight).
+// dev/cuda/gemv.cu does for Q4_0 / Q8_0. Q5_K and IQ4_NL rows are in the file's layout
+// (engine/cuda/raw_blocks.cuh); Q4_K's and Q6_K's engine rows in their split layouts
+// (engine/cuda/matmul.h), their v2 rows in the file's (the split copy taken back with
+// unsplit_weight).
 //
 //   dev/cuda/build.sh && build-gpu/dev/gemv_k [--reps N]
 //
 // Versions:
-//   v0  the engine's fp32-activation kernels (gemv_q45k_kernel / gemv_q6k_kernel, what gemv runs
-//       when xq.q is null): eight lanes per 256-weight super-block, two rows per warp; H100: 30%
-//       of the copy rate over a 7B Q4_K_M decode
+//   v0  the engine's fp32-activation kernels (gemv_q45k_kernel; Q6_K's gemv_q6k_kernel until
+//       its split layout: git history), what gemv runs for the raw types when xq.q is null:
+//       eight lanes per 256-weight super-block, two rows per warp; H100: 30% of the copy rate
+//       over a 7B Q4_K_M decode
 //   v2  the same lanes on int8 activations (quantize_act's per-32 blocks, which the engine's
 //       Q4_0 / Q8_0 GEMV already uses): dp4a on the quant nibbles (Q4_K, Q5_K with their fifth
 //       bits) or the rebuilt 6-bit values (Q6_K), a quarter of v0's activation bytes; R rows per
-//       warp. The engine's templates (engine/cuda/gemv.cuh: gemv_q45k_q8_kernel,
-//       gemv_q6k_q8_kernel) at R = 1, 2, 4. H200: faster than v0 on every matrix at T = 1 and 2
+//       warp. Their templates (gemv_q45k_q8_kernel, gemv_q6k_q8_kernel: this file since the
+//       split layouts took over in the engine) at R = 1, 2, 4. H200: faster than v0 on every matrix at T = 1 and 2
 //       (Q4_K R1 1.35x, Q6_K R2 1.3x) -> graduated for Q4_K (R1) and Q6_K (R2); Q5_K not yet run
 //   v2 for IQ4_NL (this file: the engine's gemv_iq4nl_kernel lanes, one lane per block, 16-bit
 //       loads; the 32 levels as int8, dp4a'd against the block's int8 activations: d d_x Σ l q_x),
 //       not yet run on a GPU
-//   v3  Q4_K in the split layout (Q4_0-ordered nibbles, sc | mn bytes per sub-block, d | dmin
-//       per super-block: 4.625 bits a weight) through Q4_1's gemv_block_kernel: what the
+//   v3  Q4_K and Q6_K in split layouts (Q4_0-ordered nibbles; Q4_K's sc | mn bytes per
+//       sub-block and d, dmin per super-block: 4.625 bits a weight; Q6_K's high crumbs as two
+//       words a block, its two int8 scales as one, d per super-block: the file's 6.5625) through
+//       the engine's gemv_block_kernel (Q4_1's form; Q6_K with a scale per half block): what the
 //       engine runs since the twenty-seventh session; not yet timed on a GPU
-//   v1  engine (what gemv runs: v3 for Q4_K, v2 for Q6_K, v0 for the others)
+//   v1  engine (what gemv runs: v3 for Q4_K and Q6_K, v0 for the others)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -95,6 +99,52 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_q45k_q8_kernel(const uin
     if (row0 + r < nrows) store_rows(acc[r], y, ldy, row0 + r, T);
 }
 
+// Lane k: half h = k / 4 of the super-block, positions l0 .. l0 + 7 (l0 = 8 (k % 4)) of its four
+// 32-weight quarters (xs unused: the -32 offset takes Σ q_x from the activations themselves).
+template <int R>
+__global__ void __launch_bounds__(32 * kGemvWarps) gemv_q6k_q8_kernel(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
+                                                                  const float* __restrict__ xd, const float* __restrict__,
+                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
+  pdl_begin();
+  const int nrows = int(rows), ncols = int(cols), row0 = warp_row0<R>(nrows);
+  if (row0 < 0) return;
+  const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4);
+  const int nb = ncols / 32;
+  float acc[R][kGemvMaxTokens] = {};
+  for (int sb = int(threadIdx.x) / 8; sb < ncols / 256; sb += 4) {
+    uint32_t v[R][4][2];  // quarter g's eight 6-bit values at positions l0 .. l0 + 7, two words
+    float sc[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = wq + size_t(min(row0 + r, nrows - 1)) * rb + size_t(sb) * raw_block_bytes(DType::Q6_K);
+      uint32_t la[2], lb[2], hb[2];
+      ld_words2<2>(blk + 64 * h + l0, la), ld_words2<2>(blk + 64 * h + 32 + l0, lb), ld_words2<2>(blk + 128 + 32 * h + l0, hb);
+#pragma unroll
+      for (int g = 0; g < 4; ++g)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          v[r][g][c] = (((g % 2 == 0 ? la[c] : lb[c]) >> (4 * (g / 2))) & 0x0f0f0f0fu) | ((hb[c] >> (2 * g)) & 0x03030303u) << 4;
+      q6k_lane_scales(blk, h, l0, sc[r]);
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvMaxTokens; ++t)
+      if (t < T) {
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const int2 x = __ldg(reinterpret_cast<const int2*>(xq + t * ncols + sb * 256 + 128 * h + 32 * g + l0));
+          const float dx = __ldg(xd + t * nb + sb * 8 + 4 * h + g);
+          const int sx = __dp4a(0x01010101, x.x, __dp4a(0x01010101, x.y, 0));
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            acc[r][t] += sc[r][g] * dx * float(__dp4a(int(v[r][g][0]), x.x, __dp4a(int(v[r][g][1]), x.y, 0)) - 32 * sx);
+        }
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row0 + r < nrows) store_rows(acc[r], y, ldy, row0 + r, T);
+}
+
 // v2, IQ4_NL: lane = block (b = lane, lane + 32, ...), R rows per warp.
 template <int R>
 __global__ void __launch_bounds__(128) iq4nl_v2(const uint8_t* __restrict__ wq, size_t rb, const int8_t* __restrict__ xq,
@@ -141,7 +191,7 @@ struct Case {
   std::string name;
   bool int8;  // compared with v1 at the int8 activations' tolerance
   std::function<void(const DeviceWeight&, const DeviceActQ8&, const float*, float*, int)> run;
-  bool file_layout = false;  // reads Q4_K in the file's layout (run_type's raw copies)
+  bool file_layout = false;  // reads a split type in the file's layout (run_type's FileCopies)
 };
 
 template <int R>
@@ -158,19 +208,19 @@ Case v2_case(DType type, const char* name) {
               default: iq4nl_v2<R><<<grid, block>>>(w.q, rb, xq.q, xq.d, y, rows, cols, T); break;
             }
           },
-          type == DType::Q4_K};
+          !is_raw_type(type)};
 }
 
 std::vector<Case> cases(DType type) {
   std::vector<Case> cs = {
       {"v1 engine", false, [](const DeviceWeight& w, const DeviceActQ8& xq, const float* x, float* y, int T) { gemv(w, x, xq, y, T, 0, nullptr); }}};
-  if (type != DType::Q4_K)  // the split Q4_K has no fp32-activation kernel
+  if (is_raw_type(type))  // the split types have no fp32-activation kernel
     cs.push_back({"v0 fp32 act", true, [](const DeviceWeight& w, const DeviceActQ8&, const float* x, float* y, int T) { gemv(w, x, DeviceActQ8{}, y, T, 0, nullptr); }});
   for (Case c : {v2_case<1>(type, "v2 R1"), v2_case<2>(type, "v2 R2"), v2_case<4>(type, "v2 R4")}) cs.push_back(c);
   return cs;
 }
 
-// Q4_K's file layout in copies like wc's: the first split copy taken back with unsplit_weight,
+// A split type's file layout in copies like wc's: the first split copy taken back with unsplit_weight,
 // then copied device to device (the addresses, not the values, defeat the L2).
 struct FileCopies {
   DeviceBuffer buf;
@@ -195,7 +245,7 @@ void run_type(DType type, const std::vector<Shape>& shapes, int T, int reps, dou
   const std::vector<Case> cs = cases(type);
   for (const Shape& sh : shapes) {
     const lab::WeightCopies wc(type, sh.rows, sh.cols);  // fill_random: the device's layout, sane fp16 scales
-    const FileCopies fc = type == DType::Q4_K ? FileCopies(wc, type, sh.rows, sh.cols) : FileCopies{};
+    const FileCopies fc = is_raw_type(type) ? FileCopies{} : FileCopies(wc, type, sh.rows, sh.cols);
     const double bytes = double(row_bytes(type, sh.cols)) * sh.rows;  // the file's bytes (Q4_K's split layout reads 148/144 of them)
     const lab::Activations act(T, sh.cols);
     const DeviceBuffer& x = act.x;

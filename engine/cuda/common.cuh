@@ -116,6 +116,13 @@ __device__ __forceinline__ uint32_t fifth_bit_bytes(uint32_t bits) {
   return (bits & 1u) << 4 | (bits & 2u) << 11 | (bits & 4u) << 18 | (bits & 8u) << 25;
 }
 
+/// Four Q6_K weights as int8 q - 32: the low nibbles in `nib` (bytes 0..15) and the high
+/// crumbs in bits 0-1 of each byte of `crumbs` (other bits ignored). The bytes of q | 0x80 less
+/// 32 cannot borrow across bytes (q is 0..63).
+__device__ __forceinline__ uint32_t q6_bytes(uint32_t nib, uint32_t crumbs) {
+  return (((nib | (crumbs & 0x03030303u) << 4) | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+}
+
 /// Σ of the 16 int8 products of a and b (four __dp4a; a's bytes may be unsigned below 128).
 __device__ __forceinline__ int dp4a4(uint4 a, int4 b, int acc) {
   acc = __dp4a(int(a.x), b.x, acc);

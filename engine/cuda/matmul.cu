@@ -19,7 +19,7 @@ namespace llmq::cuda {
 
 namespace {
 
-bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K
+bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K
 
 // Bytes of one row of the q array.
 size_t q_row_bytes(DType t, int64_t cols) {
@@ -29,7 +29,8 @@ size_t q_row_bytes(DType t, int64_t cols) {
     case DType::Q4_1:
     case DType::Q5_0:
     case DType::Q5_1:
-    case DType::Q4_K: return size_t(cols / 2);
+    case DType::Q4_K:
+    case DType::Q6_K: return size_t(cols / 2);
     case DType::F32: return size_t(cols) * 4;
     case DType::F16:
     case DType::BF16: return size_t(cols) * 2;
@@ -51,21 +52,21 @@ namespace {
 
 // Q4_K's super-blocks (formats/quant.h BlockQ4_K) between the file layout and the split one
 // (matmul.h DeviceWeight): q in Q4_0's nibble order per sub-block (the file's sub-block j is
-// the nibble j % 2 of qs[32 (j / 2), + 32)), d the sub-blocks' sc | mn << 8, k d | dmin << 16.
+// the nibble j % 2 of qs[32 (j / 2), + 32)), d the sub-blocks' sc | mn << 8, k d and dmin.
 void move_q4k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
   const int64_t nsb = cols / 256, nb = cols / 32;
   auto* d = reinterpret_cast<uint16_t*>(split + size_t(rows) * size_t(cols / 2));
-  auto* k = reinterpret_cast<uint32_t*>(d + size_t(rows * nb));
+  uint16_t* k = d + size_t(rows * nb);
   for (int64_t i = 0; i < rows * nsb; ++i) {  // super-block i: row i / nsb
     auto* blk = reinterpret_cast<BlockQ4_K*>(file + size_t(i) * sizeof(BlockQ4_K));
     uint16_t* sm = d + 8 * i;
     uint8_t* nib = split + 128 * size_t(i);  // rows are whole super-blocks: q's offset is 128 i
     int sc[8], mn[8];
     if (to_split) {
-      k[i] = uint32_t(blk->d) | uint32_t(blk->dmin) << 16;
+      k[2 * i] = blk->d, k[2 * i + 1] = blk->dmin;
       for (int j = 0; j < 8; ++j) k_quant_scale_min(j, blk->scales, &sc[j], &mn[j]), sm[j] = uint16_t(sc[j] | mn[j] << 8);
     } else {
-      blk->d = uint16_t(k[i]), blk->dmin = uint16_t(k[i] >> 16);
+      blk->d = k[2 * i], blk->dmin = k[2 * i + 1];
       for (int j = 0; j < 8; ++j) sc[j] = sm[j] & 63, mn[j] = (sm[j] >> 8) & 63;
       k_quant_pack_scale_min(sc, mn, blk->scales);
       std::memset(blk->qs, 0, sizeof(blk->qs));
@@ -80,11 +81,49 @@ void move_q4k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to
   }
 }
 
+// Q6_K's super-blocks (formats/quant.h BlockQ6_K) between the file layout and the split one:
+// weight w's 6-bit quant (the file's ql nibble and qh crumb) to q's nibble in Q4_0's order and
+// h's crumb (byte w % 8 of its block's 8, bits 2 (w / 8) within the block), the two int8 scales
+// of each 32-weight block to one d word, the super-block's d to k (then a zero half).
+void move_q6k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
+  const int64_t nsb = cols / 256, nb = cols / 32;
+  uint8_t* h = split + size_t(rows) * size_t(cols / 2);
+  auto* d = reinterpret_cast<uint16_t*>(h + size_t(rows * nb) * 8);
+  uint16_t* k = d + size_t(rows * nb);
+  for (int64_t i = 0; i < rows * nsb; ++i) {  // super-block i: q bytes 128 i.., h bytes 64 i.., d words 8 i..
+    auto* blk = reinterpret_cast<BlockQ6_K*>(file + size_t(i) * sizeof(BlockQ6_K));
+    uint8_t *nib = split + 128 * size_t(i), *hi = h + 64 * size_t(i);
+    uint16_t* sc = d + 8 * i;
+    if (to_split) {
+      k[2 * i] = blk->d, k[2 * i + 1] = 0, std::memset(nib, 0, 128), std::memset(hi, 0, 64);
+      for (int b = 0; b < 8; ++b) sc[b] = uint16_t(uint8_t(blk->scales[2 * b]) | uint8_t(blk->scales[2 * b + 1]) << 8);
+    } else {
+      blk->d = k[2 * i], std::memset(blk->ql, 0, sizeof(blk->ql)), std::memset(blk->qh, 0, sizeof(blk->qh));
+      for (int b = 0; b < 8; ++b) blk->scales[2 * b] = int8_t(sc[b] & 0xff), blk->scales[2 * b + 1] = int8_t(sc[b] >> 8);
+    }
+    for (int w = 0; w < 256; ++w) {
+      const int n = w / 128, g = w % 128 / 32, l = w % 32, b = w / 32;  // formats/quant.h: half n, quarter g
+      uint8_t& ql = blk->ql[64 * n + 32 * (g % 2) + l];
+      uint8_t& qh = blk->qh[32 * n + l];
+      uint8_t& sq = nib[16 * b + l % 16];
+      uint8_t& sh = hi[8 * b + l % 8];
+      if (to_split) {
+        sq |= uint8_t(((ql >> (4 * (g / 2))) & 15) << (4 * (l / 16)));
+        sh |= uint8_t(((qh >> (2 * g)) & 3) << (2 * (l / 8)));
+      } else {
+        ql |= uint8_t(((sq >> (4 * (l / 16))) & 15) << (4 * (g / 2)));
+        qh |= uint8_t(((sh >> (2 * (l / 8))) & 3) << (2 * g));
+      }
+    }
+  }
+}
+
 // Moves every block of a [rows, cols] matrix between the file layout (`file`) and the split one
 // (`split`): to_split true copies file -> split, false split -> file.
 void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
   const size_t rb = row_bytes(t, cols);
-  if (split_has_k(t)) return move_q4k(file, rows, cols, split, to_split);
+  if (t == DType::Q4_K) return move_q4k(file, rows, cols, split, to_split);
+  if (t == DType::Q6_K) return move_q6k(file, rows, cols, split, to_split);
   if (!is_block_type(t)) {
     if (to_split) std::memcpy(split, file, size_t(rows) * rb);
     else std::memcpy(file, split, size_t(rows) * rb);
@@ -128,10 +167,10 @@ DeviceWeight split_weight_view(DType t, int64_t rows, int64_t cols, const uint8_
   if (is_block_type(t)) {
     const int64_t nb = rows * (cols / QK);
     const uint8_t* after_q = base + size_t(rows) * q_row_bytes(t, cols);
-    if (split_has_h(t)) w.h = reinterpret_cast<const uint32_t*>(after_q);
-    w.d = reinterpret_cast<const uint16_t*>(after_q + (split_has_h(t) ? 4 * nb : 0));
+    if (split_h_words(t)) w.h = reinterpret_cast<const uint32_t*>(after_q);
+    w.d = reinterpret_cast<const uint16_t*>(after_q + 4 * split_h_words(t) * nb);
     if (split_has_m(t)) w.m = w.d + nb;
-    if (split_has_k(t)) w.k = reinterpret_cast<const uint32_t*>(w.d + nb);
+    if (split_has_k(t)) w.k = w.d + nb;
   }
   return w;
 }
@@ -142,8 +181,8 @@ DeviceWeight weight_rows(const DeviceWeight& w, int64_t r0, int64_t n) {
   v.q = w.q + size_t(r0) * q_row_bytes(w.type, w.cols);
   if (w.d) v.d = w.d + r0 * (w.cols / QK);
   if (w.m) v.m = w.m + r0 * (w.cols / QK);
-  if (w.h) v.h = w.h + r0 * (w.cols / QK);
-  if (w.k) v.k = w.k + r0 * (w.cols / 256);
+  if (w.h) v.h = w.h + r0 * (w.cols / QK) * split_h_words(w.type);
+  if (w.k) v.k = w.k + r0 * (w.cols / 256) * 2;
   return v;
 }
 
@@ -190,15 +229,15 @@ __global__ void fill_block_half_kernel(uint8_t* p, uint64_t n_blocks, int block_
     *reinterpret_cast<uint16_t*>(p + i * block_bytes + off) = __half_as_ushort(__float2half((0.5f + uniform01(seed, i)) * amp));
 }
 
-// Q4_K's scales (split layout): each sub-block's sc and mn uniform in 0..63, each super-block's
-// d and dmin fp16 in d_amp·[0.5, 1.5) and m_amp·[0.5, 1.5).
-__global__ void fill_q4k_scales_kernel(uint16_t* sm, uint32_t* k, uint64_t n_blocks, uint64_t seed, float d_amp, float m_amp) {
+// The two-level scales of the split K-quants: each 32-weight block's word of small scales
+// (hash bits & mask: Q4_K's sc and mn in 0..63, Q6_K's two int8), each super-block's fp16
+// halves (Q4_K d and dmin, Q6_K d) in amp[h]·[0.5, 1.5).
+__global__ void fill_k_scales_kernel(uint16_t* sc, uint16_t* k, uint64_t n_blocks, uint64_t seed, uint16_t mask, float amp0, float amp1) {
   pdl_begin();
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n_blocks; i += uint64_t(gridDim.x) * blockDim.x) {
-    sm[i] = uint16_t(hash32(seed * 0x100000001b3ull + i) & 0x3f3fu);
-    if (i % 8 == 0)
-      k[i / 8] = uint32_t(__half_as_ushort(__float2half((0.5f + uniform01(seed + 1, i)) * d_amp))) |
-                 uint32_t(__half_as_ushort(__float2half((0.5f + uniform01(seed + 2, i)) * m_amp))) << 16;
+    sc[i] = uint16_t(hash32(seed * 0x100000001b3ull + i) & mask);
+    for (int h = 0; h < 2 && i % 8 == 0; ++h)  // amp 0: a zero half (Q6_K's padding)
+      k[i / 8 * 2 + h] = __half_as_ushort(__float2half((0.5f + uniform01(seed + 1 + h, i)) * (h ? amp1 : amp0)));
   }
 }
 
@@ -217,8 +256,7 @@ RawHalves raw_halves(DType t) {
     case DType::IQ4_NL: return {0, 1.5e-4f, -1, 0};
     case DType::Q2_K: return {80, 1.5e-3f, 82, 1.5e-3f};
     case DType::Q3_K: return {108, 2e-4f, -1, 0};
-    case DType::Q5_K: return {0, 2.5e-5f, 2, 2.5e-4f};
-    default: return {208, 1e-5f, -1, 0};  // Q6_K
+    default: return {0, 2.5e-5f, 2, 2.5e-4f};  // Q5_K
   }
 }
 
@@ -258,7 +296,13 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
     }
     case DType::Q4_K:  // sc ~ 32 and q ~ 7.5 against d 5e-5, mn ~ 32 against dmin 2.5e-4: weights of about 0.01
       LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, n / 2, seed);
-      LLMQ_LAUNCH(fill_q4k_scales_kernel, kFillBlocks, kFillThreads, 0, s)(d, const_cast<uint32_t*>(w.k), nb, seed + 1, 5e-5f, 2.5e-4f);
+      LLMQ_LAUNCH(fill_k_scales_kernel, kFillBlocks, kFillThreads, 0, s)(d, const_cast<uint16_t*>(w.k), nb, seed + 1, uint16_t(0x3f3f), 5e-5f,
+                                                                         2.5e-4f);
+      break;
+    case DType::Q6_K:  // |sc| ~ 64 and |q - 32| ~ 16 against d 1e-5: weights of about 0.01
+      LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, n / 2 + n / 4, seed);  // q and h, back to back
+      LLMQ_LAUNCH(fill_k_scales_kernel, kFillBlocks, kFillThreads, 0, s)(d, const_cast<uint16_t*>(w.k), nb, seed + 1, uint16_t(0xffff), 1e-5f,
+                                                                         0.0f);
       break;
     default: break;  // raw types above
   }
@@ -302,9 +346,17 @@ template <DType kType, int R>
 __device__ __forceinline__ void gemv_block_dot(float& acc, const uint4 (&w0)[R], const uint4 (&w1)[R], const float (&dw)[R],
                                                const float (&mw)[R], const uint32_t (&hw)[R], int r, int4 x0, int4 x1, float dx,
                                                float sx) {
-  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType) || split_has_k(kType);
+  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType) || kType == DType::Q4_K;
   if constexpr (kType == DType::Q8_0) {
     acc += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
+  } else if constexpr (kType == DType::Q6_K) {  // w1.x / .y: the crumbs of weights j, j + 8, j + 16, j + 24 in byte j % 8
+    const uint4 v = w0[r];
+    const uint32_t c0 = w1[r].x, c1 = w1[r].y;
+    const uint4 lo = make_uint4(q6_bytes(v.x & 0x0f0f0f0fu, c0), q6_bytes(v.y & 0x0f0f0f0fu, c1), q6_bytes(v.z & 0x0f0f0f0fu, c0 >> 2),
+                                q6_bytes(v.w & 0x0f0f0f0fu, c1 >> 2));
+    const uint4 hi = make_uint4(q6_bytes((v.x >> 4) & 0x0f0f0f0fu, c0 >> 4), q6_bytes((v.y >> 4) & 0x0f0f0f0fu, c1 >> 4),
+                                q6_bytes((v.z >> 4) & 0x0f0f0f0fu, c0 >> 6), q6_bytes((v.w >> 4) & 0x0f0f0f0fu, c1 >> 6));
+    acc += dx * (dw[r] * float(dp4a4(lo, x0, 0)) + mw[r] * float(dp4a4(hi, x1, 0)));  // the two halves' scales
   } else {
     const uint4 v = w0[r];
     uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
@@ -329,11 +381,13 @@ __device__ __forceinline__ void gemv_block_dot(float& acc, const uint4 (&w0)[R],
 // with few rows; partial sums added through shared memory in a fixed order). Per block:
 // Q8_0  d_w d_x Σ q_w q_x;  Q4_0 / Q5_0  d_w (d_x Σ q_w q_x - 8 s_x / - 16 s_x);
 // Q4_1 / Q5_1  d_w d_x Σ q_w q_x + m_w s_x  (s_x = d_x Σ q_x, from quantize_act);
-// Q4_K  the same with d_w = d sc, m_w = -dmin mn (d, dmin: the super-block's, from wk).
+// Q4_K  the same with d_w = d sc, m_w = -dmin mn (d, dmin: the super-block's, from wk);
+// Q6_K  d_x (d sc_0 Σ_0..15 (q_w - 32) q_x + d sc_1 Σ_16..31 ...) (sc: the block's two int8 scales).
+// Q5 and Q6_K read their h words (one or two a block), Q4_K and Q6_K their k halves.
 template <DType kType, int R, int W, int T, int KS>
 __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
                                                            const uint16_t* __restrict__ wm, const uint32_t* __restrict__ wh,
-                                                           const uint32_t* __restrict__ wk, const int8_t* __restrict__ xq,
+                                                           const uint16_t* __restrict__ wk, const int8_t* __restrict__ xq,
                                                            const float* __restrict__ xd, const float* __restrict__ xs,
                                                            float* __restrict__ y, int64_t ldy, int rows, int cols) {
   constexpr int kQB = kType == DType::Q8_0 ? 32 : 16;  // quant bytes per block
@@ -348,13 +402,13 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
   const uint16_t* d[R];
   const uint16_t* m[R];
   const uint32_t* h[R];
-  const uint32_t* k[R];
+  const uint16_t* k[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int64_t row = min(row0 + r, rows - 1);
     w[r] = reinterpret_cast<const uint4*>(wq + row * nb * kQB), d[r] = wd + row * nb, m[r] = kMin ? wm + row * nb : nullptr;
-    h[r] = kQ5 ? wh + row * nb : nullptr;
-    k[r] = split_has_k(kType) ? wk + row * (nb / 8) : nullptr;
+    h[r] = split_h_words(kType) ? wh + row * nb * split_h_words(kType) : nullptr;
+    k[r] = split_has_k(kType) ? wk + row * (nb / 8) * 2 : nullptr;
   }
   float acc[R][T];
 #pragma unroll
@@ -370,8 +424,14 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
     for (int r = 0; r < R; ++r) {
       w0[r] = __ldg(w[r] + (kQB / 16) * b);
       if constexpr (kType == DType::Q8_0) w1[r] = __ldg(w[r] + 2 * b + 1);
-      if constexpr (split_has_k(kType)) {  // sc | mn << 8, and the super-block's d | dmin << 16
-        const uint32_t sm = __ldg(d[r] + b), dk = __ldg(k[r] + b / 8);
+      if constexpr (kType == DType::Q6_K) {  // the crumbs; the halves' scales d sc_0, d sc_1
+        const uint2 c = __ldg(reinterpret_cast<const uint2*>(h[r]) + b);
+        w1[r] = make_uint4(c.x, c.y, 0u, 0u);
+        const uint32_t sc = __ldg(d[r] + b);
+        const float dk = fp16_bits_to_float(__ldg(k[r] + 2 * (b / 8)));
+        dw[r] = dk * float(int8_t(sc & 0xff)), mw[r] = dk * float(int8_t(sc >> 8));
+      } else if constexpr (kType == DType::Q4_K) {  // sc | mn << 8, and the super-block's d and dmin
+        const uint32_t sm = __ldg(d[r] + b), dk = __ldg(reinterpret_cast<const uint32_t*>(k[r]) + b / 8);
         dw[r] = fp16_bits_to_float(uint16_t(dk & 0xffff)) * float(sm & 0xff);
         mw[r] = -fp16_bits_to_float(uint16_t(dk >> 16)) * float(sm >> 8);
       } else {
@@ -567,56 +627,6 @@ __global__ void __launch_bounds__(32 * kGemvWarps, kQ5 ? 5 : 6) gemv_q45k_kernel
     if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
 }
 
-// Q6_K: lane k of a group takes half h = k / 4 of the super-block and positions l0 .. l0 + 7
-// (l0 = 8 (k % 4)) of its four 32-weight quarters: 8 bytes of ql at 64h + l0 and at 64h + 32 + l0,
-// 8 of qh at 128 + 32h + l0 (ld_words2), and the four 16-weight scales 8h + l0/16 + {0, 2, 4, 6}.
-template <int R>
-__global__ void __launch_bounds__(32 * kGemvWarps, 5) gemv_q6k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
-                                                                  float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  pdl_begin();
-  const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
-  if (row0 >= rows) return;
-  const int k = int(threadIdx.x % 8), h = k / 4, l0 = 8 * (k % 4);
-  float acc[R][kGemvMaxTokens] = {};
-  for (int64_t sb = threadIdx.x / 8; sb < cols / 256; sb += 4) {
-    uint32_t la[R][2], lb[R][2], hb[R][2];
-    float sc[R][4];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * raw_block_bytes(DType::Q6_K);
-      ld_words2<2>(blk + 64 * h + l0, la[r]), ld_words2<2>(blk + 64 * h + 32 + l0, lb[r]), ld_words2<2>(blk + 128 + 32 * h + l0, hb[r]);
-      q6k_lane_scales(blk, h, l0, sc[r]);
-    }
-#pragma unroll
-    for (int t = 0; t < kGemvMaxTokens; ++t)
-      if (t < T) {
-        const float* xr = x + t * cols + sb * 256 + 128 * h + l0;
-        float sg[R][4] = {};
-#pragma unroll
-        for (int g = 0; g < 4; ++g)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float4 v = __ldg(reinterpret_cast<const float4*>(xr + 32 * g) + c);
-            const float xv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                // quarter g = 0..3: the low (g = 0, 1) or high (g = 2, 3) nibble of ql at 64h (g even) or 64h + 32, and 2 bits of qh
-                const uint32_t lw = (g % 2 == 0 ? la[r][c] : lb[r][c]) >> (8 * i + 4 * (g / 2));
-                const uint32_t hw = hb[r][c] >> (8 * i + 2 * g);
-                sg[r][g] += float(int((lw & 15) | (hw & 3) << 4) - 32) * xv[i];
-              }
-          }
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][t] += (sc[r][0] * sg[r][0] + sc[r][1] * sg[r][1]) + (sc[r][2] * sg[r][2] + sc[r][3] * sg[r][3]);
-      }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
-}
-
 // Q2_K and Q3_K (the Q2_K / Q3_K_M mixes) against fp32 activations, laid out as the other
 // K-quant GEMVs: eight lanes per super-block, R rows per warp. Their 2-bit quants are crumbs:
 // weight l of sub-block j is bits 2 (j % 4) of qs[32 (j / 4) + l] (k_crumb), Q3_K's third bit is
@@ -745,28 +755,14 @@ RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
     case DType::Q2_K: return gemv_q23k_kernel<kGemvKRows, false>;
     case DType::Q3_K: return gemv_q23k_kernel<kGemvKRows, true>;
     case DType::Q5_K: return gemv_q45k_kernel<kGemvKRows, true>;
-    case DType::Q6_K: return gemv_q6k_kernel<kGemvKRows>;
     case DType::IQ4_NL: return gemv_iq4nl_kernel<kGemvKRows>;
     default: return nullptr;
   }
 }
 
-// The raw types' GEMVs on int8 activations (one signature) with their rows per warp, or
-// nullptr where t has none or the weights at wq are not aligned as its loads need.
-using RawGemvQ8Kernel = void (*)(const uint8_t*, size_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
-struct RawGemvQ8 {
-  RawGemvQ8Kernel kernel = nullptr;
-  int rows_per_warp = 1;
-};
-RawGemvQ8 raw_gemv_q8_kernel(DType t, const void* wq) {
-  const auto at = reinterpret_cast<uintptr_t>(wq);
-  if (t == DType::Q6_K && at % 2 == 0) return {gemv_q6k_q8_kernel<2>, 2};
-  return {};
-}
-
 }  // namespace
 
-bool gemv_reads_int8(const DeviceWeight& w) { return is_block_type(w.type) || raw_gemv_q8_kernel(w.type, w.q).kernel != nullptr; }
+bool gemv_reads_int8(const DeviceWeight& w) { return is_block_type(w.type); }
 
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s) {
   if (T < 1 || T > kGemvMaxTokens) throw UsageError("gemv: T must be 1.." + std::to_string(kGemvMaxTokens));
@@ -782,6 +778,7 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
     case DType::Q5_0: gemv_block<DType::Q5_0>(w, xq, y, ldy, nt, s); break;
     case DType::Q5_1: gemv_block<DType::Q5_1>(w, xq, y, ldy, nt, s); break;
     case DType::Q4_K: gemv_block<DType::Q4_K>(w, xq, y, ldy, nt, s); break;
+    case DType::Q6_K: gemv_block<DType::Q6_K>(w, xq, y, ldy, nt, s); break;
     case DType::F32:
       LLMQ_LAUNCH(gemv_float_kernel<float>, grid, block, 0, s)(reinterpret_cast<const float*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
@@ -792,12 +789,6 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
       LLMQ_LAUNCH(gemv_float_kernel<__nv_bfloat16>, grid, block, 0, s)(reinterpret_cast<const __nv_bfloat16*>(w.q), x, y, ldy, w.rows, w.cols, nt);
       break;
     default:
-      if (const RawGemvQ8 k = raw_gemv_q8_kernel(w.type, w.q); k.kernel && xq.q) {
-        const int per_block = kGemvWarps * k.rows_per_warp;
-        LLMQ_LAUNCH(k.kernel, unsigned((w.rows + per_block - 1) / per_block), block, 0, s)(w.q, row_bytes(w.type, w.cols), xq.q, xq.d, xq.s, y,
-                                                                                          ldy, w.rows, w.cols, nt);
-        break;
-      }
       if (RawGemvKernel k = raw_gemv_kernel(w.type, w.q, x)) {
         const unsigned kgrid = unsigned((w.rows + kGemvWarps * kGemvKRows - 1) / (kGemvWarps * kGemvKRows));
         LLMQ_LAUNCH(k, kgrid, block, 0, s)(w.q, row_bytes(w.type, w.cols), x, y, ldy, w.rows, w.cols, nt);
@@ -818,25 +809,37 @@ namespace {
 // on an H200; dev/cuda/mmq.cu times this kernel as "dequant + cublas".) Quarter k of a block:
 // Q8_0 quants 8k..8k+7; Q4 / Q5 nibbles of bytes 8 (k % 2) .. +7, low ones for k < 2 (weights
 // 0..15), high ones for k >= 2, so weights 8k .. 8k + 7 (Q5: with bits 8k .. of the block's word).
-// Q4_K: Q4_1's with d = d_sb sc and m = -dmin_sb mn.
+// Q4_K: Q4_1's with d = d_sb sc and m = -dmin_sb mn. Q6_K: d_sb sc (q - 32), q's low nibble as
+// Q4's and its high crumb from byte j of the block's 8 h bytes (bits 2k), sc the quarter's half's.
 template <DType kType>
 __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd, const uint16_t* __restrict__ wm,
-                                      const uint32_t* __restrict__ wh, const uint32_t* __restrict__ wk, uint4* __restrict__ out,
+                                      const uint32_t* __restrict__ wh, const uint16_t* __restrict__ wk, uint4* __restrict__ out,
                                       int64_t n_quarters) {
   pdl_begin();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_quarters) return;
   const int64_t b = i / 4;
   const int k = int(i % 4);
-  const uint32_t dk = split_has_k(kType) ? wk[b / 8] : 0u;
-  const float d = split_has_k(kType) ? fp16_bits_to_float(uint16_t(dk & 0xffff)) * float(wd[b] & 0xff) : fp16_bits_to_float(wd[b]);
+  const uint16_t* dk = split_has_k(kType) ? wk + b / 8 * 2 : nullptr;  // d (and Q4_K's dmin)
+  const float d = kType == DType::Q4_K ? fp16_bits_to_float(dk[0]) * float(wd[b] & 0xff)
+                : kType == DType::Q6_K ? fp16_bits_to_float(dk[0]) * float(int8_t(wd[b] >> (8 * (k / 2))))  // the quarter's half
+                                       : fp16_bits_to_float(wd[b]);
   float f[8];
-  if constexpr (kType == DType::Q8_0) {
+  if constexpr (kType == DType::Q6_K) {  // weights 8k + j: nibble k / 2 of q byte 8 (k % 2) + j, crumb 2 k of h byte j
+    const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 16 + 8 * (k % 2));
+    const uint2 hc = *reinterpret_cast<const uint2*>(wh + 2 * b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t nib = ((j < 4 ? raw.x : raw.y) >> (8 * (j % 4) + 4 * (k / 2))) & 15;
+      const uint32_t crumb = ((j < 4 ? hc.x : hc.y) >> (8 * (j % 4) + 2 * k)) & 3;
+      f[j] = d * float(int(nib | crumb << 4) - 32);
+    }
+  } else if constexpr (kType == DType::Q8_0) {
     const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 32 + 8 * k);
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[j] = d * float(int8_t(raw.x >> (8 * j))), f[4 + j] = d * float(int8_t(raw.y >> (8 * j)));
   } else {
-    const float m = split_has_k(kType)   ? -fp16_bits_to_float(uint16_t(dk >> 16)) * float(wd[b] >> 8)
+    const float m = split_has_k(kType)   ? -fp16_bits_to_float(dk[1]) * float(wd[b] >> 8)
                     : split_has_m(kType) ? fp16_bits_to_float(wm[b])
                                          : (split_has_h(kType) ? -16.0f : -8.0f) * d;
     const uint2 raw = *reinterpret_cast<const uint2*>(wq + b * 16 + 8 * (k % 2));
@@ -893,6 +896,7 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
     case DType::Q5_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
     case DType::Q5_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_1>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
     case DType::Q4_K: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_K>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
+    case DType::Q6_K: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q6_K>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
     default:
       if (!is_raw_type(w.type)) throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));
       LLMQ_LAUNCH(dequantize_raw_f16_kernel, unsigned((n_blocks + 127) / 128), 128, 0, s)(w.type, v.q, w.cols / QK,
@@ -950,9 +954,10 @@ DeviceActQ8 MatmulContext::quantized(const float* x, int64_t T, int64_t cols) {
 
 // The types whose MMQ beat dequantize + cuBLAS at 16-32 tokens on an H200 (dev/cuda/mmq.cu,
 // llama-2-7b's matrices; bench/RESULTS.md, third and fourth GPU sessions): 0.4-0.96x its time,
-// Q5_0 and Q5_1 since their split layout (Q4_1's cp.async loader). The others' MMQ (16-bit
-// loads instead of cp.async: IQ4_NL, Q2_K, Q3_K, Q6_K) took 1.0-3.9x it there, so their batches
-// dequantize until their loaders are rebuilt.
+// Q5_0 and Q5_1 since their split layout (Q4_1's cp.async loader), Q4_K in the raw layout (its
+// split one loads as Q4_1's). The others' MMQ (16-bit loads instead of cp.async: IQ4_NL, Q2_K,
+// Q3_K, Q6_K) took 1.0-3.9x it there, so their batches dequantize until their loaders are
+// rebuilt; Q6_K's split layout now loads by cp.async, not yet timed.
 static bool mmq_wins(DType t) {
   return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q5_0 ||
          t == DType::Q5_1;

@@ -1,9 +1,9 @@
 // Matrix products on the GPU: y [T, rows] = x [T, cols] · Wᵀ for weights in every stored type.
 //   decode (T <= kGemvMaxTokens): our GEMV kernels, dequantization fused in registers, wide
 //     loads; Q8_0/Q4_0/Q4_1: int8 dot products (dp4a) against activations quantized per block
-//     of 32 (as the CPU path and llama.cpp's MMVQ do), as are Q5_0/Q5_1/Q4_K (split layouts)
-//     and Q6_K; the other raw types (K-quants, IQ4_NL): fp32 activations, one kernel family each
-//     (eight lanes per 256-weight super-block, or a lane per 32-weight block);
+//     of 32 (as the CPU path and llama.cpp's MMVQ do), as are Q5_0/Q5_1/Q4_K/Q6_K (split
+//     layouts); the raw types (Q2_K, Q3_K, Q5_K, IQ4_NL): fp32 activations, one kernel family
+//     each (eight lanes per 256-weight super-block, or a lane per 32-weight block);
 //   batches (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8 tensor cores on the quant blocks,
 //     split-K when the grid would be small, for the types where it beat dequantize + cuBLAS;
 //   prefill (larger T, or weights MMQ does not take): the weight dequantized to fp16 tiles of
@@ -21,24 +21,28 @@
 
 namespace llmq::cuda {
 
-/// True for the types the device keeps in the file's own block layout ("raw": IQ4_NL and the
-/// K-quants but Q4_K; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and
-/// Q4_K are split.
+/// True for the types the device keeps in the file's own block layout ("raw": IQ4_NL, Q2_K,
+/// Q3_K, Q5_K; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, Q4_K and
+/// Q6_K are split.
 __host__ __device__ constexpr bool is_raw_type(DType t) {
-  return t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q5_K || t == DType::Q6_K;
+  return t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q5_K;
 }
 /// Split types with an h array of fifth bits (Q5_0, Q5_1), and with an m array of minimums (Q4_1,
 /// Q5_1): see DeviceWeight.
 __host__ __device__ constexpr bool split_has_h(DType t) { return t == DType::Q5_0 || t == DType::Q5_1; }
 __host__ __device__ constexpr bool split_has_m(DType t) { return t == DType::Q4_1 || t == DType::Q5_1; }
-/// Split types whose block scales come in two levels (Q4_K): the k array of super-block scales
-/// and, in d, each 32-weight block's 6-bit scale and minimum: see DeviceWeight.
-__host__ __device__ constexpr bool split_has_k(DType t) { return t == DType::Q4_K; }
+/// Split types whose block scales come in two levels (Q4_K, Q6_K): the k array of super-block
+/// scales (a 4-byte pair of fp16 per 256 weights) and, in d, each 32-weight block's small integer
+/// scales: see DeviceWeight.
+__host__ __device__ constexpr bool split_has_k(DType t) { return t == DType::Q4_K || t == DType::Q6_K; }
+/// 32-bit words of the h array per 32-weight block: Q5_0 / Q5_1 one (fifth bits), Q6_K two
+/// (the high two bits of its 6-bit quants), else none.
+__host__ __device__ constexpr int split_h_words(DType t) { return split_has_h(t) ? 1 : t == DType::Q6_K ? 2 : 0; }
 
 /// A weight matrix [rows, cols] on the device in the split layout the kernels read with aligned
 /// 16-byte loads: the file's blocks (formats/quant.h) taken apart into arrays. Same bytes in
-/// all as the file's tensor (row_bytes(type, cols) · rows), only rearranged (Q4_K: 4 more per
-/// 256 weights):
+/// all as the file's tensor (row_bytes(type, cols) · rows), only rearranged (Q4_K, Q6_K: 4 and 2
+/// more per 256 weights: cuda_row_bytes):
 ///   Q8_0: q = int8 quants [rows, cols], d = fp16 scales [rows, cols/32]
 ///   Q4_0: q = nibbles [rows, cols/2] (per block of 32: 16 bytes, weight j in the low nibble of
 ///         byte j, weight j+16 in the high one, as in the file), d = fp16 scales [rows, cols/32]
@@ -48,9 +52,15 @@ __host__ __device__ constexpr bool split_has_k(DType t) { return t == DType::Q4_
 ///   Q4_K: q = nibbles [rows, cols/2] in Q4_0's order per 32-weight sub-block (the file pairs
 ///         sub-blocks 2c and 2c+1 in the low and high nibbles of 32 bytes), d = each sub-block's
 ///         6-bit scale sc and minimum mn as bytes [rows, cols/32] (sc | mn << 8, unpacked from the
-///         file's 12 scale bytes), k = each super-block's fp16 d and dmin [rows, cols/256]
-///         (d | dmin << 16): w = (d sc) q - dmin mn, as Q4_1 with d_w = d sc, m_w = -dmin mn.
-///         4.625 bits a weight (cuda_row_bytes), exact; Q4_1's GEMV, MMQ and dequantization read it
+///         file's 12 scale bytes), k = each super-block's fp16 d and dmin [rows, cols/256, 2]:
+///         w = (d sc) q - dmin mn, as Q4_1 with d_w = d sc, m_w = -dmin mn. 4.625 bits a weight
+///         (cuda_row_bytes), exact; Q4_1's GEMV, MMQ and dequantization read it
+///   Q6_K: q = the low nibbles of the 6-bit quants [rows, cols/2] in Q4_0's order, h = their high
+///         two bits [rows, cols/32, 2 words] (byte j of a block's 8: those of weights j, j + 8,
+///         j + 16, j + 24 at bits 0, 2, 4, 6), d = each block's two int8 scales (weights 0..15
+///         in the low byte, 16..31 in the high) [rows, cols/32], k = each super-block's fp16 d
+///         and a zero [rows, cols/256, 2] (a 4-byte word, as Q4_K's, for cp.async): w = d sc
+///         (q - 32). 212 bytes a super-block (the file's 210), exact
 ///   F32, F16, BF16: q = the elements [rows, cols] (d, m, h, k null)
 ///   raw types (is_raw_type): q = the file's rows as they are (d, m, h, k null)
 struct DeviceWeight {
@@ -60,14 +70,14 @@ struct DeviceWeight {
   const uint16_t* d = nullptr;
   const uint16_t* m = nullptr;
   const uint32_t* h = nullptr;
-  const uint32_t* k = nullptr;
+  const uint16_t* k = nullptr;
 };
 
 /// Bytes of the split layout of a [rows, cols] matrix of type t: rows · cuda_row_bytes (the
-/// file's bytes, Q4_K's 148 per 256 weights).
+/// file's bytes; Q4_K's 148 and Q6_K's 212 per 256 weights).
 uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols);
 /// Rearranges a matrix from the file layout (host memory, rows · row_bytes(t, cols) bytes at
-/// src) into the split layout at dst (host memory, split_weight_bytes): q, then h, d, m and k.
+/// src) into the split layout at dst (host memory, split_weight_bytes): q, then h, d, m, k.
 void split_weight(DType t, const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst);
 /// The inverse of split_weight: the split layout at src (host memory) back into the file layout
 /// at dst (for tests and tools that read device weights back).
@@ -166,7 +176,7 @@ void matmul(MatmulContext& ctx, const DeviceWeight& w, const float* x, float* y,
 /// it themselves (MatmulContext::note_quantized).
 bool matmul_quantizes(const DeviceWeight& w, int64_t T);
 /// Whether gemv reads w's activations as int8 (xq): the split types (Q8_0, Q4_0, Q4_1, Q5_0,
-/// Q5_1, Q4_K), and Q6_K, whose int8 kernel beat its fp32 one on an H200 (dev/cuda/gemv_k.cu).
+/// Q5_1, Q4_K, Q6_K).
 bool gemv_reads_int8(const DeviceWeight& w);
 
 /// cuBLAS's bf16 GEMM rate on this GPU (FLOP/s, best of `reps`): C [m, n] fp32 = A [m, k] ·
@@ -176,14 +186,14 @@ double measure_cublas_bf16_flops(int64_t m, int64_t n, int64_t k, int reps = 10)
 /// The kernels behind matmul, exposed for the parity tests and the dev lab.
 void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t cols, cudaStream_t s);
 /// GEMV: y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = x [T, w.cols] · wᵀ, 1 <= T <=
-/// kGemvMaxTokens. Weights for which gemv_reads_int8 holds read xq (quantize_act of x; Q6_K
-/// reads x instead when xq.q is null), every other type reads x (fp32; the raw types' tuned kernels
+/// kGemvMaxTokens. Weights for which gemv_reads_int8 holds read xq (quantize_act of x), every
+/// other type reads x (fp32; the raw types' tuned kernels
 /// want x 16-byte aligned, else a byte-wise kernel runs).
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
 /// MMQ (engine/cuda/mmq.cu): y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = the
 /// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for weights whose
-/// column count is a multiple of 64: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K, Q5_K at 16-byte-aligned
-/// addresses, IQ4_NL/Q2_K/Q3_K/Q6_K (mmq_supported). tile_tokens: tokens per CUDA
+/// column count is a multiple of 64: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K (split layouts), Q5_K
+/// at 16-byte-aligned addresses, IQ4_NL/Q2_K/Q3_K (mmq_supported). tile_tokens: tokens per CUDA
 /// block (16, 32, 64 or 128; 0: mmq_tile_tokens(T)). split / split_bytes: scratch for
 /// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
 /// the grid would otherwise leave most of the GPU idle (few rows, few tokens); null: no split.

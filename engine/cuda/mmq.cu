@@ -1,8 +1,8 @@
 // MMQ: matrix products of block-quantized weights and int8 activations on the tensor cores
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
-// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K in the split layout
-// or IQ4_NL / Q2_K / Q3_K / Q5_K / Q6_K in the file's (raw_blocks.cuh), x quantized per block of 32 by
+// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K in the split
+// layout or IQ4_NL / Q2_K / Q3_K / Q5_K in the file's (raw_blocks.cuh), x quantized per block of 32 by
 // quantize_act (q, d, s = d·Σq). Per block of 32 columns, an integer product on the tensor cores
 // (mma.m16n8k32, int32 sums), then scaled in fp32 as the GEMV does:
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
@@ -15,7 +15,8 @@
 //   IQ4_NL: as Q8_0 with q_w = the level of each nibble (iq4_nl_level)
 //   Q6_K, Q3_K, Q2_K: a scale per 16 weights, so two products per block, each on one half of k
 //          (the other half's A fragments zero):  d_x (a_lo Σ_lo + a_hi Σ_hi), with
-//          Q6_K  a = d sc, q_w - 32 as int8;   Q3_K  a = d (sc - 32), q_w - 4 as int8 (q3_k_scale);
+//          Q6_K  a = d sc, q_w - 32 as int8 (split: nibble | crumb << 4, q6_bytes);
+//          Q3_K  a = d (sc - 32), q_w - 4 as int8 (q3_k_scale);
 //          Q2_K  a = d (sc & 15), q_w 0..3, and the minimum's - dmin (sc >> 4) Σ_half x, Σ_half q_x from
 //          one more product with ones for A, shared by every row.
 // (the same sums as llama.cpp's MMQ kernels and the CPU's block dot products, engine/cpu/cpu_ops.cpp).
@@ -48,7 +49,9 @@ constexpr int kMmqPad = 16;     // bytes after each shared-memory row
 template <DType kType>
 constexpr bool kSplit16 = kType == DType::Q2_K || kType == DType::Q3_K || kType == DType::Q6_K;  // a scale per 16 weights
 template <DType kType>
-constexpr bool kKQuant = kType == DType::Q5_K || kSplit16<kType>;  // raw rows, a header per row and stage
+constexpr bool kWords = kType == DType::Q2_K || kType == DType::Q3_K;  // raw rows by 16-bit loads, a header per row and stage
+template <DType kType>
+constexpr bool kKQuant = kType == DType::Q5_K || kWords<kType>;  // raw rows, a header per row and stage
 template <DType kType>
 constexpr bool kQ5 = split_has_h(kType);  // split: Q4's nibbles and the h words
 template <DType kType>
@@ -58,22 +61,21 @@ constexpr bool kSplitK = split_has_k(kType);  // split, two-level scales (Q4_K)
 template <DType kType>
 constexpr bool kB32 = kType == DType::IQ4_NL;  // raw 32-weight blocks, read by 16-bit loads
 // Bytes of one 32-column block's quants as loaded from the q array (Q5_K, Q3_K: 16 of quants and
-// 16 of high bits; Q6_K: 32 of ql and 16 of qh; Q5_0/Q5_1: the 16 of nibbles, their 4 of fifth
-// bits come from the h array to bytes 32..39 of the row).
+// 16 of high bits; Q5_0/Q5_1: the 16 of nibbles, their 4 of fifth bits come from the h array to
+// bytes 32..39 of the row; Q6_K: the 16 of nibbles, its 8 of crumbs from the h array to bytes
+// 32..47).
 template <DType kType>
-constexpr int kQuantBytes = kType == DType::Q6_K ? 48 : kType == DType::Q8_0 || kType == DType::Q5_K || kType == DType::Q3_K ? 32 : 16;
+constexpr int kQuantBytes = kType == DType::Q8_0 || kType == DType::Q5_K || kType == DType::Q3_K ? 32 : 16;
 template <DType kType>
-constexpr int kAPitch = kB32<kType> || kQ5<kType> ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // Q5, IQ4_NL: 12 words, so 8 rows x 4 words hit 32 banks
+constexpr int kAPitch = kB32<kType> || kQ5<kType> || kType == DType::Q6_K ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // 12 words, so 8 rows x 4 words hit 32 banks
 constexpr int kBPitch = kMmqBK + kMmqPad;
 
 // One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K (split):
-// dw holds the two blocks' sc | mn words and mw, as one word, the super-block's d | dmin. Q5_K:
+// dw holds the two blocks' sc | mn words and mw, as one word, the super-block's d | dmin; Q6_K
+// (split): dw the blocks' words of two int8 scales, mw[0] the super-block's d. Q5_K:
 // the stage is sub-blocks 2p, 2p + 1 of a super-block (p = stage % 4), a holds its 32 qs bytes
 // (byte i: column i in the low nibble, 32 + i in the high; Q5_K then the super-block's 32 qh
-// bytes), hdr the super-block's d, dmin and 12 scale bytes. Q6_K: a holds ql[64h, 64h + 64) and
-// qh[32h, 32h + 32) of half h = p / 2 (block j's low nibbles: ql byte 32j + i, nibble p % 2; its
-// high bits: qh byte i, bits 2 (2 (p % 2) + j)), hdr the stage's four int8 scales and d. Q3_K /
-// Q2_K: a holds qs[32h, 32h + 32) (block j's crumbs: bits 2 (2 (p % 2) + j) of byte i; Q3_K then
+// bytes), hdr the super-block's d, dmin and 12 scale bytes. Q3_K / Q2_K: a holds qs[32h, 32h + 32) (block j's crumbs: bits 2 (2 (p % 2) + j) of byte i; Q3_K then
 // hmask[0, 32), bit 2p + j), hdr Q3_K's 12 scale bytes and d, or Q2_K's four scale bytes of the
 // stage, d and dmin.
 template <DType kType, int BN>
@@ -91,7 +93,7 @@ struct MmqArgs {
   const uint8_t* wq;
   const uint16_t *wd, *wm;
   const uint32_t* wh;  // Q5_0 / Q5_1: the fifth bits [rows, cols/32]
-  const uint32_t* wk;  // Q4_K: the super-blocks' d | dmin << 16 [rows, cols/256]
+  const uint16_t* wk;  // Q4_K, Q6_K: the super-blocks' fp16 pairs [rows, cols/256, 2]
   const int8_t* xq;
   const float *xd, *xs;
   float* y;       // splits == 1: the output, row t at y + t · ldy; else the partial sums [splits, T, rows]
@@ -115,7 +117,7 @@ __device__ __forceinline__ void mmq_load_b32(Stage& st, const MmqArgs& p, int ro
   }
 }
 
-// The 16-bit words of a Q6_K / Q3_K / Q2_K stage (pair pr of its super-block, half h = pr / 2):
+// The 16-bit words of a Q3_K / Q2_K stage (pair pr of its super-block, half h = pr / 2):
 // word w of a row comes from byte src of the super-block and goes to byte dst of the row's
 // quants (to_hdr false) or of its header.
 struct WordMove {
@@ -123,14 +125,11 @@ struct WordMove {
   bool to_hdr;
 };
 template <DType kType>
-constexpr int kStageWords = kType == DType::Q6_K ? 51 : kType == DType::Q3_K ? 39 : 20;
+constexpr int kStageWords = kType == DType::Q3_K ? 39 : 20;
 template <DType kType>
 __device__ __forceinline__ WordMove stage_word(int w, int pr) {
   const int h = pr / 2;
-  if constexpr (kType == DType::Q6_K)  // ql 64h.. (32 words), qh 128 + 32h.. (16), scales 192 + 4pr.. (2), d (1)
-    return w < 32 ? WordMove{64 * h + 2 * w, 2 * w, false} : w < 48 ? WordMove{128 + 32 * h + 2 * (w - 32), 2 * w, false}
-         : w < 50 ? WordMove{192 + 4 * pr + 2 * (w - 48), 2 * (w - 48), true} : WordMove{208, 4, true};
-  else if constexpr (kType == DType::Q3_K)  // qs 32 + 32h.. (16), hmask (16), scales 96.. (6), d (1)
+  if constexpr (kType == DType::Q3_K)  // qs 32 + 32h.. (16), hmask (16), scales 96.. (6), d (1)
     return w < 16 ? WordMove{32 + 32 * h + 2 * w, 2 * w, false} : w < 32 ? WordMove{2 * (w - 16), 2 * w, false}
          : w < 38 ? WordMove{96 + 2 * (w - 32), 2 * (w - 32), true} : WordMove{108, 12, true};
   else  // Q2_K: qs 16 + 32h.. (16), scales 4pr.. (2), d, dmin
@@ -138,9 +137,9 @@ __device__ __forceinline__ WordMove stage_word(int w, int pr) {
          : WordMove{80 + 2 * (w - 18), 4 + 2 * (w - 18), true};
 }
 
-// A Q6_K / Q3_K / Q2_K stage (column blocks kb, kb + 1) for the rows at row0: their rows are only
-// 2-byte aligned (210- and 110-byte super-blocks; Q2_K's 84 are 4), so 16-bit loads and stores
-// rather than cp.async.
+// A Q3_K / Q2_K stage (column blocks kb, kb + 1) for the rows at row0: their rows are only
+// 2-byte aligned (110-byte super-blocks; Q2_K's 84 are 4), so 16-bit loads and stores rather
+// than cp.async.
 template <DType kType, class Stage>
 __device__ __forceinline__ void mmq_load_words(Stage& st, const MmqArgs& p, int row0, int kb) {
   constexpr int P = kAPitch<kType>, W = kStageWords<kType>, B = raw_block_bytes(kType);
@@ -157,9 +156,9 @@ __device__ __forceinline__ void mmq_load_words(Stage& st, const MmqArgs& p, int 
 // tokens past the end read the last one (their results are not stored).
 template <DType kType, int BN>
 __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs& p, int row0, int tok0, int kb) {
-  constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16;
+  constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16 + (kType == DType::Q6_K ? 1 : 0);  // Q6_K: and the crumbs
   const int tid = int(threadIdx.x), nb = p.cols / 32;
-  if constexpr (kSplit16<kType>) {
+  if constexpr (kWords<kType>) {
     mmq_load_words<kType>(st, p, row0, kb);
   } else if constexpr (kB32<kType>) {
     mmq_load_b32<kType>(st, p, row0, kb);
@@ -171,6 +170,8 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
         const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * raw_block_bytes(kType);
         const int qs = kType == DType::Q5_K ? 48 : 16, pr = (kb / 2) % 4;
         src = c < 2 ? sb + qs + 32 * pr + 16 * c : sb + 16 + 16 * (c - 2);
+      } else if (kType == DType::Q6_K && c == 2) {  // the two blocks' 8 bytes of crumbs (16-byte aligned: kb is even)
+        src = reinterpret_cast<const uint8_t*>(p.wh) + (int64_t(row) * nb + kb) * 8;
       } else {
         src = p.wq + (int64_t(row) * nb + kb) * kQB + c * 16;
       }
@@ -184,7 +185,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
     const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
     cp_async16(st.b + t * kBPitch + c * 16, p.xq + int64_t(tok) * p.cols + kb * 32 + c * 16);
   }
-  if constexpr (!kSplit16<kType> && !kB32<kType>) {
+  if constexpr (!kWords<kType> && !kB32<kType>) {
     for (int i = tid; i < kMmqBM; i += kMmqThreads) {
       const int64_t row = min(row0 + i, p.rows - 1);
       if constexpr (kKQuant<kType>) {
@@ -192,7 +193,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
       } else {
         cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
         if constexpr (kMin<kType>) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
-        if constexpr (kSplitK<kType>) cp_async4(st.mw + 2 * i, p.wk + row * (nb / 8) + kb / 8);  // kb, kb + 1: one super-block
+        if constexpr (kSplitK<kType>) cp_async4(st.mw + 2 * i, p.wk + 2 * (row * (nb / 8) + kb / 8));  // kb, kb + 1: one super-block
       }
     }
   }
@@ -206,13 +207,14 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // The fp32 scales a (and Q2_K's minimums m, else 0) of 16-weight groups 2j and 2j + 1 of the
-// stage (block j's two halves) for the row whose header is h.
-template <DType kType>
-__device__ __forceinline__ void split16_scales(const uint8_t* h, int j, int pr, float (&a)[2], float (&m)[2]) {
+// stage (block j's two halves) for row r of stage s (Q3_K / Q2_K: its header).
+template <DType kType, class Stage>
+__device__ __forceinline__ void split16_scales(const Stage& s, int r, int j, int pr, float (&a)[2], float (&m)[2]) {
+  const uint8_t* h = s.hdr + 16 * r;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    if constexpr (kType == DType::Q6_K) {
-      a[e] = fp16_bits_to_float(uint16_t(h[4] | h[5] << 8)) * float(int8_t(h[2 * j + e])), m[e] = 0.0f;
+    if constexpr (kType == DType::Q6_K) {  // split: d sc, sc the block word's byte e
+      a[e] = fp16_bits_to_float(s.mw[2 * r]) * float(int8_t(s.dw[2 * r + j] >> (8 * e))), m[e] = 0.0f;
     } else if constexpr (kType == DType::Q3_K) {
       a[e] = fp16_bits_to_float(uint16_t(h[12] | h[13] << 8)) * float(q3_k_scale(h, 4 * pr + 2 * j + e) - 32), m[e] = 0.0f;
     } else {
@@ -229,7 +231,7 @@ template <DType kType, int NT, class Stage>
 __device__ __forceinline__ void split16_accumulate(float (&acc)[NT][4], const uint32_t (&a)[4], const uint32_t (&b)[NT][2], const int (&xs)[NT][2][2],
                                                    const Stage& s, int r, int j, int pr, int wc, int c) {
   float a0[2], m0[2], a1[2], m1[2];
-  split16_scales<kType>(s.hdr + 16 * r, j, pr, a0, m0), split16_scales<kType>(s.hdr + 16 * (r + 8), j, pr, a1, m1);
+  split16_scales<kType>(s, r, j, pr, a0, m0), split16_scales<kType>(s, r + 8, j, pr, a1, m1);
   const uint32_t lo[4] = {a[0], a[1], 0u, 0u}, hi[4] = {0u, 0u, a[2], a[3]};
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni) {
@@ -278,13 +280,14 @@ template <DType kType>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, int j, int g, int c, int pr) {
   constexpr int P = kAPitch<kType>;
   if constexpr (kType == DType::Q6_K) {
-    const uint8_t* r0 = rows + g * P + 4 * c;
-    const int off[4] = {0, 8 * P, 16, 8 * P + 16}, jj = 2 * (pr % 2) + j;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t q = ((lds32(r0 + 32 * j + off[i]) >> (4 * (pr % 2))) & 0x0f0f0f0fu) | ((lds32(r0 + 64 + off[i]) >> (2 * jj)) & 0x03030303u) << 4;
-      a[i] = ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // each byte q - 32 as int8 (bytes 0..63: no borrow)
-    }
+    // block j's nibbles (bytes 16j..: low ones columns 4c.., high ones 16 + 4c..) with their
+    // crumbs (bytes 32 + 8j..: byte i holds columns i, i + 8, i + 16, i + 24), as q - 32
+    const uint8_t* r0 = rows + g * P;
+    const uint32_t v0 = lds32(r0 + 16 * j + 4 * c), v1 = lds32(r0 + 8 * P + 16 * j + 4 * c);
+    const uint32_t h0 = lds32(r0 + 32 + 8 * j + 4 * (c % 2)), h1 = lds32(r0 + 8 * P + 32 + 8 * j + 4 * (c % 2));
+    const int sh = 2 * (c / 2);
+    a[0] = q6_bytes(v0 & 0x0f0f0f0fu, h0 >> sh), a[1] = q6_bytes(v1 & 0x0f0f0f0fu, h1 >> sh);
+    a[2] = q6_bytes((v0 >> 4) & 0x0f0f0f0fu, h0 >> (4 + sh)), a[3] = q6_bytes((v1 >> 4) & 0x0f0f0f0fu, h1 >> (4 + sh));
   } else if constexpr (kType == DType::Q3_K || kType == DType::Q2_K) {
     const uint8_t* r0 = rows + g * P + 4 * c;
     const int off[4] = {0, 8 * P, 16, 8 * P + 16}, jj = 2 * (pr % 2) + j;
