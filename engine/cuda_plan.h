@@ -11,10 +11,16 @@ namespace llmq {
 /// Bytes of one row of `cols` weights of type t as the CUDA backend stores it (engine/cuda/
 /// matmul.h DeviceWeight, the split layout): the file's row bytes, except Q4_K's 148 per 256
 /// weights (its packed 6-bit scales and minimums unpacked to a byte each: 4.625 bits a weight,
-/// against 4.5 in the file) and Q6_K's 212 (the file's 210, its fp16 d padded to a 4-byte word).
-/// llmq-mem's CUDA plan counts weights with it.
+/// against 4.5 in the file), Q5_K's 180 (176) the same way, and Q6_K's 212 (the file's 210, its
+/// fp16 d padded to a 4-byte word). llmq-mem's CUDA plan counts weights with it.
 inline uint64_t cuda_row_bytes(DType t, int64_t cols) {
-  return t == DType::Q4_K ? uint64_t(cols / 256) * 148 : t == DType::Q6_K ? uint64_t(cols / 256) * 212 : uint64_t(row_bytes(t, cols));
+  const int64_t sb = cols / 256;
+  switch (t) {
+    case DType::Q4_K: return uint64_t(sb) * 148;
+    case DType::Q5_K: return uint64_t(sb) * 180;
+    case DType::Q6_K: return uint64_t(sb) * 212;
+    default: return uint64_t(row_bytes(t, cols));
+  }
 }
 
 /// The CUDA backend's matmul scratch (engine/cuda/matmul.h, MatmulContext) for up to

@@ -212,10 +212,11 @@ int64_t cuda_matmul_max_rows(const ModelConfig& c) {
 namespace {
 
 // Weights as CudaModel uploads them (engine/cuda/session.cpp): rows of cuda_row_bytes (the split
-// layouts of Q4_K and Q6_K: 148 and 212 bytes a super-block), 256-byte aligned pieces, Q/K/V and gate/up stacked
-// when of one type; rank R's rows of the column-parallel matrices and columns of the
-// row-parallel ones (R whole: the model), layers from first_layer on, the embedding when all
-// layers are there or it is tied, the output rows R.n_vocab when untied.
+// layouts of Q4_K, Q5_K and Q6_K: 148, 180 and 212 bytes a super-block), 256-byte aligned
+// pieces, Q/K/V and gate/up stacked when of one type; rank R's rows of the column-parallel
+// matrices and columns of the row-parallel ones (R whole: the model), layers from first_layer
+// on, the embedding when all layers are there or it is tied, the output rows R.n_vocab when
+// untied.
 uint64_t cuda_weight_bytes(const ModelConfig& c, const std::vector<TensorInfo>& tensors, const ShardRanges& R, int64_t first_layer) {
   std::map<std::string, const TensorInfo*> by_name;
   for (const TensorInfo& t : tensors) by_name[t.name] = &t;

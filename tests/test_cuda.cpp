@@ -1036,11 +1036,12 @@ TEST_CASE("CUDA runs a declared architecture: the test-only sandwich variant = t
   CHECK(rel_err(lg, want.data(), want.size()) < 1e-2);
 }
 
-// Q4_K and Q6_K live on the device in split layouts of their own (matmul.h DeviceWeight: 148
-// and 212 bytes a super-block, not the file's 144 and 210), which stories260K's 64-wide rows
-// cannot take: a synthetic model with every matrix of the type (256 columns) runs the
-// embedding, GEMV and MMQ on it against the CPU (the op harness covers cuBLAS's
-// dequantization), and the backend allocates what plan_cuda (llmq-mem) predicts.
+// Q4_K, Q5_K and Q6_K live on the device in split layouts of their own (matmul.h DeviceWeight:
+// 148, 180 and 212 bytes a super-block, not the file's 144, 176 and 210), which stories260K's
+// 64-wide rows cannot take: a synthetic model with every matrix Q4_K or Q6_K (256 columns) runs
+// the embedding, GEMV and MMQ on it against the CPU (the op harness covers every kernel and
+// cuBLAS's dequantization for each type, Q5_K's layout being Q4_K's plus Q5_1's fifth bits),
+// and for all three the backend allocates what plan_cuda (llmq-mem) predicts.
 TEST_CASE("CUDA whole model: every matrix Q4_K or Q6_K (split layouts) = the CPU; plan_cuda = the allocation", "[cuda][model][mem]") {
   if (!have_gpu()) return;
   for (DType t : {DType::Q4_K, DType::Q6_K}) {
@@ -1049,7 +1050,9 @@ TEST_CASE("CUDA whole model: every matrix Q4_K or Q6_K (split layouts) = the CPU
     // that move the logits by ~2% of their norm: 2 flips in 24 steps for Q4_K), so up to 1
     // step in 6 may flip; the logits' bound is the check.
     compare_model(path, 512, -1, kSteps / 6);  // the prompt (MMQ), the decode steps (GEMV), greedy on the GPU
-    auto m = Model::load(path);
+  }
+  for (DType t : {DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+    auto m = Model::load(test::synthetic(std::string("cuda-plan-") + dtype_name(t), 4, 2, 64, 256, t, 12));
     cuda::CudaModel dm(*m);
     cuda::CudaSession s(dm, m.get(), 300, 64, 1);
     const CudaPlan p = plan_cuda(m->config, m->file->tensors(), 300, 64, 1);

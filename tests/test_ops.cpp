@@ -399,9 +399,9 @@ Op matmul_op() {
           },
           [](DType t, const Backend& b, const Shape& s) {
             // The GPU's GEMVs (T <= 8) take fp32 activations for every type but the split ones
-            // (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and Q4_K/Q6_K (cuda::gemv_reads_int8).
-            const bool int8_act = t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q5_0 || t == DType::Q5_1 ||
-                                  t == DType::Q4_K || t == DType::Q6_K;
+            // (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: cuda::gemv_reads_int8), that is
+            // for the raw Q2_K, Q3_K and IQ4_NL.
+            const bool int8_act = t != DType::Q2_K && t != DType::Q3_K && t != DType::IQ4_NL;
             if (dtype_info(t).block > 1 && b.gpu() && s[2] <= 8 && !int8_act) return 1e-5;
             if (dtype_info(t).block > 1) return 2e-2;  // activations quantized to int8 per block of 32
             if (t == DType::F32 || !b.gpu() || s[2] <= 8) return 1e-5;
@@ -436,7 +436,7 @@ Op matmul_with(const char* name, std::vector<DType> types, std::vector<Shape> sh
 
 /// matmul against the K-quants with one activation scale per 256 values (set_kquant_act_group,
 /// llama.cpp's Q8_K rule), the CPU levels' only other activation rule; the CUDA backend ignores
-/// it (its K-quant GEMVs take fp32 activations, or int8 per 32 for Q4_K/Q6_K).
+/// it (its K-quant GEMVs take int8 activations per 32, or fp32 for the raw Q2_K/Q3_K).
 Op matmul_k256_op() {
   return matmul_with("matmul_k256", {DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K},
                      {{19, 256, 1}, {40, 768, 6}, {21, 1280, 3}, {33, 512, 17}}, [](bool on) { set_kquant_act_group(on ? 256 : 32); });

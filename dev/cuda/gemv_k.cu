@@ -54,6 +54,41 @@ using namespace llmq::cuda;
 
 namespace {
 
+// The file layout's scale headers (formats/quant.h), for the raw-layout versions below.
+/// Sub-block j's (0..7) 6-bit scale and minimum of a Q4_K / Q5_K super-block, from its 12
+/// packed scale bytes: byte(i) returns byte i (formats/quant.h has the packing).
+template <class Byte>
+__device__ __forceinline__ void k4_scale_min(const Byte& byte, int j, int& sc, int& mn) {
+  sc = j < 4 ? byte(j) & 63 : (byte(j + 4) & 15) | (byte(j - 4) >> 6) << 4;
+  mn = j < 4 ? byte(j + 4) & 63 : (byte(j + 4) >> 4) | (byte(j) >> 6) << 4;
+}
+
+/// The fp32 scale a[h] = d·sc and minimum m[h] = dmin·mn of sub-blocks 2p and 2p + 1 (h = 0, 1)
+/// of the Q4_K super-block at blk (4-byte aligned: its header read as four words), for
+/// w = a·q − m, for v2 below.
+__device__ __forceinline__ void q4k_pair_scales(const uint8_t* blk, int p, float (&a)[2], float (&m)[2]) {
+  const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(blk));
+  const uint32_t sw[3] = {__ldg(reinterpret_cast<const uint32_t*>(blk + 4)), __ldg(reinterpret_cast<const uint32_t*>(blk + 8)),
+                          __ldg(reinterpret_cast<const uint32_t*>(blk + 12))};
+  auto sbyte = [&](int i) { return int((sw[i / 4] >> (8 * (i % 4))) & 255); };
+  const float d = fp16_bits_to_float(uint16_t(dm & 0xffff)), dmin = fp16_bits_to_float(uint16_t(dm >> 16));
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int sc, mn;
+    k4_scale_min(sbyte, 2 * p + h, sc, mn);
+    a[h] = d * float(sc), m[h] = dmin * float(mn);
+  }
+}
+
+/// The four 16-weight scales d · sc of a Q6_K super-block that lane positions l0 .. l0 + 7 of
+/// half h meet in its four 32-weight quarters (scales 8h + l0/16 + {0, 2, 4, 6}).
+__device__ __forceinline__ void q6k_lane_scales(const uint8_t* blk, int h, int l0, float (&sc)[4]) {
+  const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
+  const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
+#pragma unroll
+  for (int g = 0; g < 4; ++g) sc[g] = d * float(__ldg(scales + 2 * g));
+}
+
 // Lane k of a group of eight: quant bytes qs[16k, 16k + 16) = positions l0 .. l0 + 15 (l0 =
 // 16 (k % 2)) of sub-blocks 2p (low nibbles) and 2p + 1 (high), p = k / 2; Q5_K's qh[l0, l0 + 16)
 // holds their fifth bits, bit 2p and 2p + 1.

@@ -1,6 +1,6 @@
 // Decode GEMV pieces shared by engine/cuda/matmul.cu and the kernel labs (dev/cuda/gemv.cu,
 // gemv_k.cu): the warp layout and the row stores. (The K-quants' raw-layout kernels on int8
-// activations, which the engine ran for Q4_K and Q6_K until their split layouts, are the
+// activations, which the engine ran for Q4_K and Q6_K until the split layouts, are the
 // gemv_k lab's now.)
 #pragma once
 #include "engine/cuda/common.cuh"

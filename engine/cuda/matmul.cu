@@ -19,7 +19,7 @@ namespace llmq::cuda {
 
 namespace {
 
-bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K
+bool is_block_type(DType t) { return is_quantized(t) && !is_raw_type(t); }  // the split layout: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
 
 // Bytes of one row of the q array.
 size_t q_row_bytes(DType t, int64_t cols) {
@@ -30,6 +30,7 @@ size_t q_row_bytes(DType t, int64_t cols) {
     case DType::Q5_0:
     case DType::Q5_1:
     case DType::Q4_K:
+    case DType::Q5_K:
     case DType::Q6_K: return size_t(cols / 2);
     case DType::F32: return size_t(cols) * 4;
     case DType::F16:
@@ -50,34 +51,49 @@ uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols) { return uint64
 
 namespace {
 
-// Q4_K's super-blocks (formats/quant.h BlockQ4_K) between the file layout and the split one
-// (matmul.h DeviceWeight): q in Q4_0's nibble order per sub-block (the file's sub-block j is
-// the nibble j % 2 of qs[32 (j / 2), + 32)), d the sub-blocks' sc | mn << 8, k d and dmin.
-void move_q4k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
+// Q4_K's and Q5_K's super-blocks (formats/quant.h BlockQ4_K, BlockQ5_K: the same header, then
+// Q5_K's qh, then qs) between the file layout and the split one (matmul.h DeviceWeight): q in
+// Q4_0's nibble order per sub-block (the file's sub-block j is the nibble j % 2 of qs[32 (j / 2),
+// + 32)), Q5_K's h word of sub-block j bit l = bit j of qh[l], d the sub-blocks' sc | mn << 8,
+// k d and dmin.
+void move_q45k(bool five, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
   const int64_t nsb = cols / 256, nb = cols / 32;
-  auto* d = reinterpret_cast<uint16_t*>(split + size_t(rows) * size_t(cols / 2));
+  const size_t bb = five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K), qs_at = five ? 48 : 16;
+  auto* h = reinterpret_cast<uint32_t*>(split + size_t(rows) * size_t(cols / 2));  // Q5_K only
+  auto* d = reinterpret_cast<uint16_t*>(h + (five ? size_t(rows * nb) : 0));
   uint16_t* k = d + size_t(rows * nb);
   for (int64_t i = 0; i < rows * nsb; ++i) {  // super-block i: row i / nsb
-    auto* blk = reinterpret_cast<BlockQ4_K*>(file + size_t(i) * sizeof(BlockQ4_K));
+    uint8_t* blk = file + size_t(i) * bb;
+    auto* hdr = reinterpret_cast<BlockQ4_K*>(blk);  // d, dmin, scales: the same in Q5_K
+    uint8_t *qs = blk + qs_at, *qh = blk + 16;
     uint16_t* sm = d + 8 * i;
     uint8_t* nib = split + 128 * size_t(i);  // rows are whole super-blocks: q's offset is 128 i
     int sc[8], mn[8];
     if (to_split) {
-      k[2 * i] = blk->d, k[2 * i + 1] = blk->dmin;
-      for (int j = 0; j < 8; ++j) k_quant_scale_min(j, blk->scales, &sc[j], &mn[j]), sm[j] = uint16_t(sc[j] | mn[j] << 8);
+      k[2 * i] = hdr->d, k[2 * i + 1] = hdr->dmin;
+      for (int j = 0; j < 8; ++j) k_quant_scale_min(j, hdr->scales, &sc[j], &mn[j]), sm[j] = uint16_t(sc[j] | mn[j] << 8);
     } else {
-      blk->d = k[2 * i], blk->dmin = k[2 * i + 1];
+      hdr->d = k[2 * i], hdr->dmin = k[2 * i + 1];
       for (int j = 0; j < 8; ++j) sc[j] = sm[j] & 63, mn[j] = (sm[j] >> 8) & 63;
-      k_quant_pack_scale_min(sc, mn, blk->scales);
-      std::memset(blk->qs, 0, sizeof(blk->qs));
+      k_quant_pack_scale_min(sc, mn, hdr->scales);
+      std::memset(qs, 0, 128);
+      if (five) std::memset(qh, 0, 32);
     }
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 8; ++j) {
       for (int l = 0; l < 16; ++l) {  // split byte 16 j + l: weights l (low nibble) and l + 16 of sub-block j
-        uint8_t* pair = blk->qs + 32 * (j / 2) + l;
+        uint8_t* pair = qs + 32 * (j / 2) + l;
         const int sh = 4 * (j % 2);
         if (to_split) nib[16 * j + l] = uint8_t(((pair[0] >> sh) & 15) | ((pair[16] >> sh) & 15) << 4);
         else pair[0] |= uint8_t((nib[16 * j + l] & 15) << sh), pair[16] |= uint8_t((nib[16 * j + l] >> 4) << sh);
       }
+      if (!five) continue;
+      uint32_t& word = h[8 * i + j];
+      if (to_split) word = 0;
+      for (int l = 0; l < 32; ++l) {
+        if (to_split) word |= uint32_t((qh[l] >> j) & 1) << l;
+        else qh[l] |= uint8_t(((word >> l) & 1) << j);
+      }
+    }
   }
 }
 
@@ -122,7 +138,7 @@ void move_q6k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to
 // (`split`): to_split true copies file -> split, false split -> file.
 void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
   const size_t rb = row_bytes(t, cols);
-  if (t == DType::Q4_K) return move_q4k(file, rows, cols, split, to_split);
+  if (split_k_affine(t)) return move_q45k(t == DType::Q5_K, file, rows, cols, split, to_split);
   if (t == DType::Q6_K) return move_q6k(file, rows, cols, split, to_split);
   if (!is_block_type(t)) {
     if (to_split) std::memcpy(split, file, size_t(rows) * rb);
@@ -255,8 +271,7 @@ RawHalves raw_halves(DType t) {
   switch (t) {
     case DType::IQ4_NL: return {0, 1.5e-4f, -1, 0};
     case DType::Q2_K: return {80, 1.5e-3f, 82, 1.5e-3f};
-    case DType::Q3_K: return {108, 2e-4f, -1, 0};
-    default: return {0, 2.5e-5f, 2, 2.5e-4f};  // Q5_K
+    default: return {108, 2e-4f, -1, 0};  // Q3_K
   }
 }
 
@@ -294,10 +309,11 @@ void fill_random(const DeviceWeight& w, uint64_t seed, cudaStream_t s) {
         LLMQ_LAUNCH(neg_scaled_kernel, kFillBlocks, kFillThreads, 0, s)(const_cast<uint16_t*>(w.m), w.d, nb, w.h ? 16.0f : 8.0f);
       break;
     }
-    case DType::Q4_K:  // sc ~ 32 and q ~ 7.5 against d 5e-5, mn ~ 32 against dmin 2.5e-4: weights of about 0.01
-      LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, n / 2, seed);
-      LLMQ_LAUNCH(fill_k_scales_kernel, kFillBlocks, kFillThreads, 0, s)(d, const_cast<uint16_t*>(w.k), nb, seed + 1, uint16_t(0x3f3f), 5e-5f,
-                                                                         2.5e-4f);
+    case DType::Q4_K:  // sc ~ 32 and q ~ 7.5 (Q5_K ~ 15.5) against d 5e-5 (2.5e-5), mn ~ 32 against dmin 2.5e-4: weights of about 0.01
+    case DType::Q5_K:
+      LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, n / 2 + (w.h ? n / 8 : 0), seed);  // q (and h, back to back)
+      LLMQ_LAUNCH(fill_k_scales_kernel, kFillBlocks, kFillThreads, 0, s)(d, const_cast<uint16_t*>(w.k), nb, seed + 1, uint16_t(0x3f3f),
+                                                                         w.h ? 2.5e-5f : 5e-5f, 2.5e-4f);
       break;
     case DType::Q6_K:  // |sc| ~ 64 and |q - 32| ~ 16 against d 1e-5: weights of about 0.01
       LLMQ_LAUNCH(fill_bytes_kernel, kFillBlocks, kFillThreads, 0, s)(q, n / 2 + n / 4, seed);  // q and h, back to back
@@ -346,7 +362,7 @@ template <DType kType, int R>
 __device__ __forceinline__ void gemv_block_dot(float& acc, const uint4 (&w0)[R], const uint4 (&w1)[R], const float (&dw)[R],
                                                const float (&mw)[R], const uint32_t (&hw)[R], int r, int4 x0, int4 x1, float dx,
                                                float sx) {
-  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType) || kType == DType::Q4_K;
+  constexpr bool kQ5 = split_has_h(kType), kMin = split_has_m(kType) || split_k_affine(kType);
   if constexpr (kType == DType::Q8_0) {
     acc += dw[r] * dx * float(dp4a4(w1[r], x1, dp4a4(w0[r], x0, 0)));
   } else if constexpr (kType == DType::Q6_K) {  // w1.x / .y: the crumbs of weights j, j + 8, j + 16, j + 24 in byte j % 8
@@ -381,9 +397,9 @@ __device__ __forceinline__ void gemv_block_dot(float& acc, const uint4 (&w0)[R],
 // with few rows; partial sums added through shared memory in a fixed order). Per block:
 // Q8_0  d_w d_x Σ q_w q_x;  Q4_0 / Q5_0  d_w (d_x Σ q_w q_x - 8 s_x / - 16 s_x);
 // Q4_1 / Q5_1  d_w d_x Σ q_w q_x + m_w s_x  (s_x = d_x Σ q_x, from quantize_act);
-// Q4_K  the same with d_w = d sc, m_w = -dmin mn (d, dmin: the super-block's, from wk);
+// Q4_K / Q5_K  the same with d_w = d sc, m_w = -dmin mn (d, dmin: the super-block's, from wk);
 // Q6_K  d_x (d sc_0 Σ_0..15 (q_w - 32) q_x + d sc_1 Σ_16..31 ...) (sc: the block's two int8 scales).
-// Q5 and Q6_K read their h words (one or two a block), Q4_K and Q6_K their k halves.
+// Q5 and Q6_K read their h words (one or two a block), the K-quants their k pairs.
 template <DType kType, int R, int W, int T, int KS>
 __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd,
                                                            const uint16_t* __restrict__ wm, const uint32_t* __restrict__ wh,
@@ -430,7 +446,7 @@ __global__ void __launch_bounds__(32 * W) gemv_block_kernel(const uint8_t* __res
         const uint32_t sc = __ldg(d[r] + b);
         const float dk = fp16_bits_to_float(__ldg(k[r] + 2 * (b / 8)));
         dw[r] = dk * float(int8_t(sc & 0xff)), mw[r] = dk * float(int8_t(sc >> 8));
-      } else if constexpr (kType == DType::Q4_K) {  // sc | mn << 8, and the super-block's d and dmin
+      } else if constexpr (split_k_affine(kType)) {  // sc | mn << 8, and the super-block's d and dmin
         const uint32_t sm = __ldg(d[r] + b), dk = __ldg(reinterpret_cast<const uint32_t*>(k[r]) + b / 8);
         dw[r] = fp16_bits_to_float(uint16_t(dk & 0xffff)) * float(sm & 0xff);
         mw[r] = -fp16_bits_to_float(uint16_t(dk >> 16)) * float(sm >> 8);
@@ -567,66 +583,6 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, c
   store_rows(acc, y, ldy, row, T);
 }
 
-// Q5_K (the Q5_K_M mix; Q4_K's was the kQ5 = false instance until its split layout) against
-// fp32 activations. gemv_raw_kernel gave each
-// lane a 32-weight block and read it a byte at a time (Q4_K_M llama-2-7b: 33 tok/s on an H100, 5%
-// of the copy rate); here eight lanes share a 256-weight super-block, each with one wide load of
-// its quants, and a warp computes R rows so every activation load serves R of them. The sums
-// per 32-weight sub-block are regrouped: Σ (a q - m) x = a Σ q x - m Σ x; formats/quant.h has the
-// layouts. Lane k of a group reads qs[16k, 16k + 16): weights l0 .. l0 + 15 (l0 = 16 (k % 2)) of
-// sub-block 2p (low nibbles) and 2p + 1 (high), p = k / 2; Q5_K's fifth bits of those weights are
-// bits 2p and 2p + 1 of qh[l0, l0 + 16) (one more 16-byte load).
-template <int R, bool kQ5>
-__global__ void __launch_bounds__(32 * kGemvWarps, kQ5 ? 5 : 6) gemv_q45k_kernel(const uint8_t* __restrict__ wq, size_t rb, const float* __restrict__ x,
-                                                                             float* __restrict__ y, int64_t ldy, int64_t rows, int64_t cols, int T) {
-  pdl_begin();
-  constexpr int kBlockBytes = raw_block_bytes(kQ5 ? DType::Q5_K : DType::Q4_K), kQs = kQ5 ? 48 : 16;
-  const int64_t row0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.y) * R;
-  if (row0 >= rows) return;
-  const int k = int(threadIdx.x % 8), p = k / 2, l0 = 16 * (k % 2);
-  float acc[R][kGemvMaxTokens] = {};
-  for (int64_t sb = threadIdx.x / 8; sb < cols / 256; sb += 4) {
-    uint32_t qw[R][4], hw[R][4];  // the 16 quant bytes: low nibbles sub-block 2p, high 2p + 1; Q5_K: the 16 qh bytes
-    float a[R][2], m[R][2];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = wq + (row0 + r < rows ? row0 + r : rows - 1) * rb + sb * kBlockBytes;
-      const uint4 qs = __ldg(reinterpret_cast<const uint4*>(blk + kQs + 16 * k));
-      qw[r][0] = qs.x, qw[r][1] = qs.y, qw[r][2] = qs.z, qw[r][3] = qs.w;
-      if constexpr (kQ5) {
-        const uint4 qh = __ldg(reinterpret_cast<const uint4*>(blk + 16 + l0));
-        hw[r][0] = qh.x >> (2 * p), hw[r][1] = qh.y >> (2 * p), hw[r][2] = qh.z >> (2 * p), hw[r][3] = qh.w >> (2 * p);
-      }
-      q4k_pair_scales(blk, p, a[r], m[r]);  // the same header in Q4_K and Q5_K
-    }
-#pragma unroll
-    for (int t = 0; t < kGemvMaxTokens; ++t)
-      if (t < T) {
-        const float4* xr = reinterpret_cast<const float4*>(x + t * cols + sb * 256 + 64 * p + l0);
-        float s0[R] = {}, s1[R] = {}, sx0 = 0, sx1 = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const float4 lo = __ldg(xr + c), hi = __ldg(xr + 8 + c);  // weights l0 + 4c .. of sub-blocks 2p, 2p + 1
-          const float xl[4] = {lo.x, lo.y, lo.z, lo.w}, xh[4] = {hi.x, hi.y, hi.z, hi.w};
-          sx0 += (lo.x + lo.y) + (lo.z + lo.w), sx1 += (hi.x + hi.y) + (hi.z + hi.w);
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              uint32_t q0 = (qw[r][c] >> (8 * i)) & 15, q1 = (qw[r][c] >> (8 * i + 4)) & 15;
-              if constexpr (kQ5) q0 |= ((hw[r][c] >> (8 * i)) & 1) << 4, q1 |= ((hw[r][c] >> (8 * i + 1)) & 1) << 4;
-              s0[r] += float(q0) * xl[i], s1[r] += float(q1) * xh[i];
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][t] += (a[r][0] * s0[r] - m[r][0] * sx0) + (a[r][1] * s1[r] - m[r][1] * sx1);
-      }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (row0 + r < rows) store_rows(acc[r], y, ldy, row0 + r, T);
-}
-
 // Q2_K and Q3_K (the Q2_K / Q3_K_M mixes) against fp32 activations, laid out as the other
 // K-quant GEMVs: eight lanes per super-block, R rows per warp. Their 2-bit quants are crumbs:
 // weight l of sub-block j is bits 2 (j % 4) of qs[32 (j / 4) + l] (k_crumb), Q3_K's third bit is
@@ -749,12 +705,11 @@ using RawGemvKernel = void (*)(const uint8_t*, size_t, const float*, float*, int
 // need (every row then is: a row's bytes are a multiple of that alignment) or the activations at x
 // are not 16-byte aligned; gemv_raw_kernel runs then.
 RawGemvKernel raw_gemv_kernel(DType t, const void* wq, const float* x) {
-  const int align = t == DType::Q5_K ? 16 : t == DType::Q2_K ? 4 : 2;
+  const int align = t == DType::Q2_K ? 4 : 2;
   if (reinterpret_cast<uintptr_t>(wq) % align != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return nullptr;
   switch (t) {
     case DType::Q2_K: return gemv_q23k_kernel<kGemvKRows, false>;
     case DType::Q3_K: return gemv_q23k_kernel<kGemvKRows, true>;
-    case DType::Q5_K: return gemv_q45k_kernel<kGemvKRows, true>;
     case DType::IQ4_NL: return gemv_iq4nl_kernel<kGemvKRows>;
     default: return nullptr;
   }
@@ -778,6 +733,7 @@ void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y
     case DType::Q5_0: gemv_block<DType::Q5_0>(w, xq, y, ldy, nt, s); break;
     case DType::Q5_1: gemv_block<DType::Q5_1>(w, xq, y, ldy, nt, s); break;
     case DType::Q4_K: gemv_block<DType::Q4_K>(w, xq, y, ldy, nt, s); break;
+    case DType::Q5_K: gemv_block<DType::Q5_K>(w, xq, y, ldy, nt, s); break;
     case DType::Q6_K: gemv_block<DType::Q6_K>(w, xq, y, ldy, nt, s); break;
     case DType::F32:
       LLMQ_LAUNCH(gemv_float_kernel<float>, grid, block, 0, s)(reinterpret_cast<const float*>(w.q), x, y, ldy, w.rows, w.cols, nt);
@@ -809,7 +765,7 @@ namespace {
 // on an H200; dev/cuda/mmq.cu times this kernel as "dequant + cublas".) Quarter k of a block:
 // Q8_0 quants 8k..8k+7; Q4 / Q5 nibbles of bytes 8 (k % 2) .. +7, low ones for k < 2 (weights
 // 0..15), high ones for k >= 2, so weights 8k .. 8k + 7 (Q5: with bits 8k .. of the block's word).
-// Q4_K: Q4_1's with d = d_sb sc and m = -dmin_sb mn. Q6_K: d_sb sc (q - 32), q's low nibble as
+// Q4_K / Q5_K: Q4_1's / Q5_1's with d = d_sb sc and m = -dmin_sb mn. Q6_K: d_sb sc (q - 32), q's low nibble as
 // Q4's and its high crumb from byte j of the block's 8 h bytes (bits 2k), sc the quarter's half's.
 template <DType kType>
 __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint16_t* __restrict__ wd, const uint16_t* __restrict__ wm,
@@ -821,7 +777,7 @@ __global__ void dequantize_f16_kernel(const uint8_t* __restrict__ wq, const uint
   const int64_t b = i / 4;
   const int k = int(i % 4);
   const uint16_t* dk = split_has_k(kType) ? wk + b / 8 * 2 : nullptr;  // d (and Q4_K's dmin)
-  const float d = kType == DType::Q4_K ? fp16_bits_to_float(dk[0]) * float(wd[b] & 0xff)
+  const float d = split_k_affine(kType) ? fp16_bits_to_float(dk[0]) * float(wd[b] & 0xff)
                 : kType == DType::Q6_K ? fp16_bits_to_float(dk[0]) * float(int8_t(wd[b] >> (8 * (k / 2))))  // the quarter's half
                                        : fp16_bits_to_float(wd[b]);
   float f[8];
@@ -896,6 +852,7 @@ void dequantize_rows_f16(const DeviceWeight& w, int64_t r0, int64_t n, uint16_t*
     case DType::Q5_0: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_0>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
     case DType::Q5_1: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_1>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
     case DType::Q4_K: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q4_K>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
+    case DType::Q5_K: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q5_K>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
     case DType::Q6_K: LLMQ_LAUNCH(dequantize_f16_kernel<DType::Q6_K>, grid, 256, 0, s)(v.q, v.d, v.m, v.h, v.k, o, 4 * n_blocks); break;
     default:
       if (!is_raw_type(w.type)) throw UsageError(std::string("dequantize_rows_f16: no fp16 path for ") + dtype_name(w.type));

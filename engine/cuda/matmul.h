@@ -1,9 +1,9 @@
 // Matrix products on the GPU: y [T, rows] = x [T, cols] · Wᵀ for weights in every stored type.
 //   decode (T <= kGemvMaxTokens): our GEMV kernels, dequantization fused in registers, wide
 //     loads; Q8_0/Q4_0/Q4_1: int8 dot products (dp4a) against activations quantized per block
-//     of 32 (as the CPU path and llama.cpp's MMVQ do), as are Q5_0/Q5_1/Q4_K/Q6_K (split
-//     layouts); the raw types (Q2_K, Q3_K, Q5_K, IQ4_NL): fp32 activations, one kernel family
-//     each (eight lanes per 256-weight super-block, or a lane per 32-weight block);
+//     of 32 (as the CPU path and llama.cpp's MMVQ do), as are Q5_0/Q5_1/Q4_K/Q5_K/Q6_K (split
+//     layouts); the raw types (Q2_K, Q3_K, IQ4_NL): fp32 activations, one kernel family each
+//     (eight lanes per 256-weight super-block, or a lane per 32-weight block);
 //   batches (T up to kCudaMmqMaxTokens): MMQ (mmq.cu), int8 tensor cores on the quant blocks,
 //     split-K when the grid would be small, for the types where it beat dequantize + cuBLAS;
 //   prefill (larger T, or weights MMQ does not take): the weight dequantized to fp16 tiles of
@@ -22,27 +22,27 @@
 namespace llmq::cuda {
 
 /// True for the types the device keeps in the file's own block layout ("raw": IQ4_NL, Q2_K,
-/// Q3_K, Q5_K; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, Q4_K and
-/// Q6_K are split.
-__host__ __device__ constexpr bool is_raw_type(DType t) {
-  return t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K || t == DType::Q5_K;
-}
-/// Split types with an h array of fifth bits (Q5_0, Q5_1), and with an m array of minimums (Q4_1,
-/// Q5_1): see DeviceWeight.
-__host__ __device__ constexpr bool split_has_h(DType t) { return t == DType::Q5_0 || t == DType::Q5_1; }
+/// Q3_K; engine/cuda/raw_blocks.cuh decodes them); Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K
+/// are split.
+__host__ __device__ constexpr bool is_raw_type(DType t) { return t == DType::IQ4_NL || t == DType::Q2_K || t == DType::Q3_K; }
+/// Split types with an h array of fifth bits (Q5_0, Q5_1, Q5_K), and with an m array of minimums
+/// (Q4_1, Q5_1): see DeviceWeight.
+__host__ __device__ constexpr bool split_has_h(DType t) { return t == DType::Q5_0 || t == DType::Q5_1 || t == DType::Q5_K; }
 __host__ __device__ constexpr bool split_has_m(DType t) { return t == DType::Q4_1 || t == DType::Q5_1; }
-/// Split types whose block scales come in two levels (Q4_K, Q6_K): the k array of super-block
-/// scales (a 4-byte pair of fp16 per 256 weights) and, in d, each 32-weight block's small integer
-/// scales: see DeviceWeight.
-__host__ __device__ constexpr bool split_has_k(DType t) { return t == DType::Q4_K || t == DType::Q6_K; }
-/// 32-bit words of the h array per 32-weight block: Q5_0 / Q5_1 one (fifth bits), Q6_K two
-/// (the high two bits of its 6-bit quants), else none.
+/// Split types whose block scales come in two levels (Q4_K, Q5_K, Q6_K): the k array of
+/// super-block scales (a 4-byte pair of fp16 per 256 weights) and, in d, each 32-weight block's
+/// small integer scales: see DeviceWeight.
+__host__ __device__ constexpr bool split_has_k(DType t) { return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K; }
+/// The split K-quants of Q4_1's form, w = (d sc) q - dmin mn per 32-weight block (Q4_K, Q5_K).
+__host__ __device__ constexpr bool split_k_affine(DType t) { return t == DType::Q4_K || t == DType::Q5_K; }
+/// 32-bit words of the h array per 32-weight block: Q5_0 / Q5_1 / Q5_K one (fifth bits), Q6_K
+/// two (the high two bits of its 6-bit quants), else none.
 __host__ __device__ constexpr int split_h_words(DType t) { return split_has_h(t) ? 1 : t == DType::Q6_K ? 2 : 0; }
 
 /// A weight matrix [rows, cols] on the device in the split layout the kernels read with aligned
 /// 16-byte loads: the file's blocks (formats/quant.h) taken apart into arrays. Same bytes in
-/// all as the file's tensor (row_bytes(type, cols) · rows), only rearranged (Q4_K, Q6_K: 4 and 2
-/// more per 256 weights: cuda_row_bytes):
+/// all as the file's tensor (row_bytes(type, cols) · rows), only rearranged (Q4_K, Q5_K: 4 more
+/// per 256 weights, Q6_K 2: cuda_row_bytes):
 ///   Q8_0: q = int8 quants [rows, cols], d = fp16 scales [rows, cols/32]
 ///   Q4_0: q = nibbles [rows, cols/2] (per block of 32: 16 bytes, weight j in the low nibble of
 ///         byte j, weight j+16 in the high one, as in the file), d = fp16 scales [rows, cols/32]
@@ -55,6 +55,8 @@ __host__ __device__ constexpr int split_h_words(DType t) { return split_has_h(t)
 ///         file's 12 scale bytes), k = each super-block's fp16 d and dmin [rows, cols/256, 2]:
 ///         w = (d sc) q - dmin mn, as Q4_1 with d_w = d sc, m_w = -dmin mn. 4.625 bits a weight
 ///         (cuda_row_bytes), exact; Q4_1's GEMV, MMQ and dequantization read it
+///   Q5_K: as Q4_K, plus h = the fifth bits [rows, cols/32] as Q5_1's (the file's qh: bit j of
+///         byte l is weight l of sub-block j), between q and d: 180 bytes a super-block (176)
 ///   Q6_K: q = the low nibbles of the 6-bit quants [rows, cols/2] in Q4_0's order, h = their high
 ///         two bits [rows, cols/32, 2 words] (byte j of a block's 8: those of weights j, j + 8,
 ///         j + 16, j + 24 at bits 0, 2, 4, 6), d = each block's two int8 scales (weights 0..15
@@ -74,7 +76,7 @@ struct DeviceWeight {
 };
 
 /// Bytes of the split layout of a [rows, cols] matrix of type t: rows · cuda_row_bytes (the
-/// file's bytes; Q4_K's 148 and Q6_K's 212 per 256 weights).
+/// file's bytes; Q4_K's 148, Q5_K's 180 and Q6_K's 212 per 256 weights).
 uint64_t split_weight_bytes(DType t, int64_t rows, int64_t cols);
 /// Rearranges a matrix from the file layout (host memory, rows · row_bytes(t, cols) bytes at
 /// src) into the split layout at dst (host memory, split_weight_bytes): q, then h, d, m, k.
@@ -176,7 +178,7 @@ void matmul(MatmulContext& ctx, const DeviceWeight& w, const float* x, float* y,
 /// it themselves (MatmulContext::note_quantized).
 bool matmul_quantizes(const DeviceWeight& w, int64_t T);
 /// Whether gemv reads w's activations as int8 (xq): the split types (Q8_0, Q4_0, Q4_1, Q5_0,
-/// Q5_1, Q4_K, Q6_K).
+/// Q5_1, Q4_K, Q5_K, Q6_K).
 bool gemv_reads_int8(const DeviceWeight& w);
 
 /// cuBLAS's bf16 GEMM rate on this GPU (FLOP/s, best of `reps`): C [m, n] fp32 = A [m, k] ·
@@ -192,8 +194,8 @@ void quantize_act(const float* x, const DeviceActQ8& out, int64_t T, int64_t col
 void gemv(const DeviceWeight& w, const float* x, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s);
 /// MMQ (engine/cuda/mmq.cu): y [T, w.rows] (row t at y + t · ldy; ldy = 0: w.rows) = the
 /// int8 activations xq [T, w.cols] (quantize_act) · wᵀ on the tensor cores, for weights whose
-/// column count is a multiple of 64: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K (split layouts), Q5_K
-/// at 16-byte-aligned addresses, IQ4_NL/Q2_K/Q3_K (mmq_supported). tile_tokens: tokens per CUDA
+/// column count is a multiple of 64: the split types (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K)
+/// and IQ4_NL/Q2_K/Q3_K (mmq_supported). tile_tokens: tokens per CUDA
 /// block (16, 32, 64 or 128; 0: mmq_tile_tokens(T)). split / split_bytes: scratch for
 /// split-K (partial sums of column ranges, added in a fixed order by a second kernel), used when
 /// the grid would otherwise leave most of the GPU idle (few rows, few tokens); null: no split.

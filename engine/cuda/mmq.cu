@@ -1,16 +1,16 @@
 // MMQ: matrix products of block-quantized weights and int8 activations on the tensor cores
 // (engine/cuda/matmul.h mmq), for prefill and batched decode.
 //
-// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K in the split
-// layout or IQ4_NL / Q2_K / Q3_K / Q5_K in the file's (raw_blocks.cuh), x quantized per block of 32 by
-// quantize_act (q, d, s = d·Σq). Per block of 32 columns, an integer product on the tensor cores
+// y [T, rows] = x [T, cols] · wᵀ, w Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K in the
+// split layout or IQ4_NL / Q2_K / Q3_K in the file's (raw_blocks.cuh), x quantized per block of
+// 32 by quantize_act (q, d, s = d·Σq). Per block of 32 columns, an integer product on the tensor cores
 // (mma.m16n8k32, int32 sums), then scaled in fp32 as the GEMV does:
 //   Q8_0:  Σ w x = d_w d_x Σ q_w q_x
 //   Q4_0:  w = d_w (q_w - 8):   Σ w x = d_w (d_x Σ q_w q_x - 8 s_x)       (q_w as uint8 0..15)
 //   Q4_1:  w = d_w q_w + m_w:   Σ w x = d_w d_x Σ q_w q_x + m_w s_x
-//   Q4_K, Q5_K: per 32-weight sub-block w = a q_w - m (a = d·sc, m = dmin·mn, k4_scale_min):
-//          Q4_1's sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31); Q4_K's split layout loads
-//          as Q4_1's, its sc | mn words as d_w and the super-block's d | dmin word as m_w.
+//   Q4_K, Q5_K: per 32-weight sub-block w = a q_w - m (a = d·sc, m = dmin·mn): Q4_1's / Q5_1's
+//          sum with d_w = a, m_w = -m (q_w 0..15, Q5_K 0..31); their split layouts load as Q4_1's
+//          / Q5_1's, the sc | mn words as d_w and the super-block's d | dmin word as m_w.
 //   Q5_0:  as Q4_0 with q_w 0..31 (the fifth bit from qh) and -16 s_x;  Q5_1: as Q4_1, q_w 0..31
 //   IQ4_NL: as Q8_0 with q_w = the level of each nibble (iq4_nl_level)
 //   Q6_K, Q3_K, Q2_K: a scale per 16 weights, so two products per block, each on one half of k
@@ -51,33 +51,30 @@ constexpr bool kSplit16 = kType == DType::Q2_K || kType == DType::Q3_K || kType 
 template <DType kType>
 constexpr bool kWords = kType == DType::Q2_K || kType == DType::Q3_K;  // raw rows by 16-bit loads, a header per row and stage
 template <DType kType>
-constexpr bool kKQuant = kType == DType::Q5_K || kWords<kType>;  // raw rows, a header per row and stage
-template <DType kType>
 constexpr bool kQ5 = split_has_h(kType);  // split: Q4's nibbles and the h words
 template <DType kType>
 constexpr bool kMin = split_has_m(kType);  // split, with minimums
 template <DType kType>
-constexpr bool kSplitK = split_has_k(kType);  // split, two-level scales (Q4_K)
+constexpr bool kSplitK = split_has_k(kType);  // split, two-level scales (Q4_K, Q5_K, Q6_K)
 template <DType kType>
 constexpr bool kB32 = kType == DType::IQ4_NL;  // raw 32-weight blocks, read by 16-bit loads
-// Bytes of one 32-column block's quants as loaded from the q array (Q5_K, Q3_K: 16 of quants and
-// 16 of high bits; Q5_0/Q5_1: the 16 of nibbles, their 4 of fifth bits come from the h array to
+// Bytes of one 32-column block's quants as loaded from the q array (Q3_K: 16 of quants and
+// 16 of high bits; Q5_0/Q5_1/Q5_K: the 16 of nibbles, their 4 of fifth bits come from the h array to
 // bytes 32..39 of the row; Q6_K: the 16 of nibbles, its 8 of crumbs from the h array to bytes
 // 32..47).
 template <DType kType>
-constexpr int kQuantBytes = kType == DType::Q8_0 || kType == DType::Q5_K || kType == DType::Q3_K ? 32 : 16;
+constexpr int kQuantBytes = kType == DType::Q8_0 || kType == DType::Q3_K ? 32 : 16;
 template <DType kType>
 constexpr int kAPitch = kB32<kType> || kQ5<kType> || kType == DType::Q6_K ? 48 : 2 * kQuantBytes<kType> + kMmqPad;  // 12 words, so 8 rows x 4 words hit 32 banks
 constexpr int kBPitch = kMmqBK + kMmqPad;
 
-// One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K (split):
-// dw holds the two blocks' sc | mn words and mw, as one word, the super-block's d | dmin; Q6_K
-// (split): dw the blocks' words of two int8 scales, mw[0] the super-block's d. Q5_K:
-// the stage is sub-blocks 2p, 2p + 1 of a super-block (p = stage % 4), a holds its 32 qs bytes
-// (byte i: column i in the low nibble, 32 + i in the high; Q5_K then the super-block's 32 qh
-// bytes), hdr the super-block's d, dmin and 12 scale bytes. Q3_K / Q2_K: a holds qs[32h, 32h + 32) (block j's crumbs: bits 2 (2 (p % 2) + j) of byte i; Q3_K then
-// hmask[0, 32), bit 2p + j), hdr Q3_K's 12 scale bytes and d, or Q2_K's four scale bytes of the
-// stage, d and dmin.
+// One stage in shared memory: two quant blocks of BM weight rows and BN tokens. Q4_K / Q5_K
+// (split): dw holds the two blocks' sc | mn words and mw, as one word, the super-block's d |
+// dmin; Q6_K (split): dw the blocks' words of two int8 scales, mw[0] the super-block's d. The
+// raw Q3_K / Q2_K: the stage is sub-blocks 2p, 2p + 1 of a super-block (p = stage % 4), a holds
+// qs[32h, 32h + 32) (block j's crumbs: bits 2 (2 (p % 2) + j) of byte i; Q3_K then hmask[0, 32),
+// bit 2p + j), hdr Q3_K's 12 scale bytes and d, or Q2_K's four scale bytes of the stage, d and
+// dmin.
 template <DType kType, int BN>
 struct MmqStage {
   alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad]
@@ -86,14 +83,14 @@ struct MmqStage {
   alignas(16) uint16_t mw[kMin<kType> || kSplitK<kType> ? kMmqBM * 2 : 8];  // Q4_1 / Q5_1 minimums [BM][2] fp16
   alignas(16) float dx[BN * 2];                      // activation scales [BN][2]
   alignas(16) float sx[BN * 2];                      // d·Σq [BN][2] (the types with an offset or a minimum)
-  alignas(16) uint8_t hdr[kKQuant<kType> ? kMmqBM * 16 : 16];  // K-quant super-block headers [BM][16]
+  alignas(16) uint8_t hdr[kWords<kType> ? kMmqBM * 16 : 16];  // Q3_K / Q2_K super-block headers [BM][16]
 };
 
 struct MmqArgs {
   const uint8_t* wq;
   const uint16_t *wd, *wm;
   const uint32_t* wh;  // Q5_0 / Q5_1: the fifth bits [rows, cols/32]
-  const uint16_t* wk;  // Q4_K, Q6_K: the super-blocks' fp16 pairs [rows, cols/256, 2]
+  const uint16_t* wk;  // Q4_K, Q5_K, Q6_K: the super-blocks' fp16 pairs [rows, cols/256, 2]
   const int8_t* xq;
   const float *xd, *xs;
   float* y;       // splits == 1: the output, row t at y + t · ldy; else the partial sums [splits, T, rows]
@@ -166,11 +163,7 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
     for (int i = tid; i < kMmqBM * kRowChunks; i += kMmqThreads) {
       const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
       const uint8_t* src;
-      if constexpr (kKQuant<kType>) {  // qs of sub-blocks 2p, 2p + 1 (chunks 0, 1); Q5_K: qh (chunks 2, 3)
-        const uint8_t* sb = p.wq + int64_t(row) * p.rb + int64_t(kb / 8) * raw_block_bytes(kType);
-        const int qs = kType == DType::Q5_K ? 48 : 16, pr = (kb / 2) % 4;
-        src = c < 2 ? sb + qs + 32 * pr + 16 * c : sb + 16 + 16 * (c - 2);
-      } else if (kType == DType::Q6_K && c == 2) {  // the two blocks' 8 bytes of crumbs (16-byte aligned: kb is even)
+      if (kType == DType::Q6_K && c == 2) {  // the two blocks' 8 bytes of crumbs (16-byte aligned: kb is even)
         src = reinterpret_cast<const uint8_t*>(p.wh) + (int64_t(row) * nb + kb) * 8;
       } else {
         src = p.wq + (int64_t(row) * nb + kb) * kQB + c * 16;
@@ -188,13 +181,9 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
   if constexpr (!kWords<kType> && !kB32<kType>) {
     for (int i = tid; i < kMmqBM; i += kMmqThreads) {
       const int64_t row = min(row0 + i, p.rows - 1);
-      if constexpr (kKQuant<kType>) {
-        cp_async16(st.hdr + 16 * i, p.wq + row * p.rb + int64_t(kb / 8) * raw_block_bytes(kType));
-      } else {
-        cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
-        if constexpr (kMin<kType>) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
-        if constexpr (kSplitK<kType>) cp_async4(st.mw + 2 * i, p.wk + 2 * (row * (nb / 8) + kb / 8));  // kb, kb + 1: one super-block
-      }
+      cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
+      if constexpr (kMin<kType>) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
+      if constexpr (kSplitK<kType>) cp_async4(st.mw + 2 * i, p.wk + 2 * (row * (nb / 8) + kb / 8));  // kb, kb + 1: one super-block
     }
   }
   for (int i = tid; i < BN; i += kMmqThreads) {
@@ -263,15 +252,6 @@ __device__ __forceinline__ void ones_sums(int (&xs)[NT][2][2], const uint32_t (&
   }
 }
 
-// Sub-block j's (0..7) scale a = d·sc and negated minimum -dmin·mn of the Q4_K / Q5_K super-block
-// header at h (d, dmin, 12 scale bytes; shared memory).
-__device__ __forceinline__ void k_sub_scale(const uint8_t* h, int j, float& a, float& neg_m) {
-  int sc, mn;
-  k4_scale_min([&](int i) { return int(h[4 + i]); }, j, sc, mn);
-  a = fp16_bits_to_float(uint16_t(h[0] | h[1] << 8)) * float(sc);
-  neg_m = -fp16_bits_to_float(uint16_t(h[2] | h[3] << 8)) * float(mn);
-}
-
 // The A fragments (layout: mma.cuh) of 16 rows at `rows` (pitch kAPitch) for quant block j of the
 // stage: Q8_0 bytes as they are; Q4 nibbles, low ones = columns 0..15, high ones = 16..31;
 // Q4_K / Q5_K: nibble j of the stage's 32 qs bytes (Q5_K: | bit 2 pr + j of the qh bytes << 4,
@@ -310,14 +290,6 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
     const uint32_t h0 = lds32(r0 + 32 + 4 * j), h1 = lds32(r0 + 8 * P + 32 + 4 * j);
     a[0] = (v0 & 0x0f0f0f0fu) | fifth_bit_bytes(h0 >> (4 * c)), a[1] = (v1 & 0x0f0f0f0fu) | fifth_bit_bytes(h1 >> (4 * c));
     a[2] = ((v0 >> 4) & 0x0f0f0f0fu) | fifth_bit_bytes(h0 >> (16 + 4 * c)), a[3] = ((v1 >> 4) & 0x0f0f0f0fu) | fifth_bit_bytes(h1 >> (16 + 4 * c));
-  } else if constexpr (kKQuant<kType>) {
-    const uint8_t* r0 = rows + g * P + 4 * c;
-    const int off[4] = {0, 8 * P, 16, 8 * P + 16};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      a[i] = (lds32(r0 + off[i]) >> (4 * j)) & 0x0f0f0f0fu;
-      if constexpr (kType == DType::Q5_K) a[i] |= ((lds32(r0 + 32 + off[i]) >> (2 * pr + j)) & 0x01010101u) << 4;
-    }
   } else if constexpr (kType == DType::Q8_0) {
     const uint8_t* r0 = rows + g * P + j * 32 + 4 * c;
     a[0] = lds32(r0), a[1] = lds32(r0 + 8 * P), a[2] = lds32(r0 + 16), a[3] = lds32(r0 + 8 * P + 16);
@@ -332,9 +304,7 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
 // super-block): dw0 / dw1, and mw0 / mw1 for the types with a minimum.
 template <DType kType, typename Stage>
 __device__ __forceinline__ void mmq_row_scales(const Stage& s, int r, int j, int pr, float& dw0, float& dw1, float& mw0, float& mw1) {
-  if constexpr (kKQuant<kType>) {
-    k_sub_scale(s.hdr + 16 * r, 2 * pr + j, dw0, mw0), k_sub_scale(s.hdr + 16 * (r + 8), 2 * pr + j, dw1, mw1);
-  } else if constexpr (kSplitK<kType>) {  // a = d sc, -m = -dmin mn
+  if constexpr (kSplitK<kType>) {  // Q4_K / Q5_K: a = d sc, -m = -dmin mn
     const uint32_t sm0 = s.dw[2 * r + j], sm1 = s.dw[2 * (r + 8) + j];
     const uint32_t k0 = lds32(s.mw + 2 * r), k1 = lds32(s.mw + 2 * (r + 8));
     dw0 = fp16_bits_to_float(uint16_t(k0 & 0xffff)) * float(sm0 & 0xff), mw0 = -fp16_bits_to_float(uint16_t(k0 >> 16)) * float(sm0 >> 8);
@@ -543,11 +513,10 @@ void mmq_prepare() {
 }
 
 bool mmq_supported(const DeviceWeight& w) {
-  const bool split = is_quantized(w.type) && !is_raw_type(w.type);                              // the split layout
-  const bool async = w.type == DType::Q5_K;                                                      // raw rows by cp.async: 16-byte aligned
-  const bool words = is_raw_type(w.type) && !async;                                              // raw rows by 16-bit loads
+  const bool split = is_quantized(w.type) && !is_raw_type(w.type);  // the split layout
+  const bool words = is_raw_type(w.type);                             // raw rows by 16-bit loads
   const auto at = reinterpret_cast<uintptr_t>(w.q);
-  return (split || (async && at % 16 == 0) || (words && at % 2 == 0)) && w.cols % 64 == 0 && w.rows > 0;
+  return (split || (words && at % 2 == 0)) && w.cols % 64 == 0 && w.rows > 0;
 }
 
 int mmq_tile_tokens(int64_t T) { return T <= 16 ? 16 : T <= 32 ? 32 : T <= 64 ? 64 : 128; }

@@ -254,6 +254,7 @@ __device__ __forceinline__ float weight_at(const DeviceWeight& w, int64_t r, int
     case DType::Q5_0:
     case DType::Q5_1:
     case DType::Q4_K:
+    case DType::Q5_K:
     case DType::Q6_K: {
       const int k = int(j % 32);
       const uint8_t byte = w.q[b * 16 + k % 16];
@@ -263,7 +264,7 @@ __device__ __forceinline__ float weight_at(const DeviceWeight& w, int64_t r, int
         return fp16_bits_to_float(w.k[2 * (b / 8)]) * float(int8_t(w.d[b] >> (8 * (k / 16)))) * float(q - 32);
       }
       if (w.h) q |= int((w.h[b] >> k) & 1) << 4;  // Q5's fifth bit
-      if (w.k)  // Q4_K: (d sc) q - dmin mn
+      if (w.k)  // Q4_K, Q5_K: (d sc) q - dmin mn
         return fp16_bits_to_float(w.k[2 * (b / 8)]) * float(w.d[b] & 0xff) * float(q) - fp16_bits_to_float(w.k[2 * (b / 8) + 1]) * float(w.d[b] >> 8);
       const float d = fp16_bits_to_float(w.d[b]);
       return w.m ? d * float(q) + fp16_bits_to_float(w.m[b]) : d * float(q - (w.h ? 16 : 8));

@@ -1,5 +1,7 @@
 // Weights of the types the device keeps in the file's own block layout ("raw": IQ4_NL, Q2_K,
-// Q3_K, Q4_K, Q5_K, Q6_K; formats/quant.h has the layouts), decoded one 32-weight block at a time.
+// Q3_K; formats/quant.h has the layouts), decoded one 32-weight block at a time. (Q4_K, Q5_K and
+// Q6_K have split layouts, engine/cuda/matmul.h; raw_block_bytes still sizes their file blocks
+// for the gemv_k lab.)
 // The CPU reference is formats/quant.h's decode_quant_block / dequantize_row: the same
 // w = a·(q − o) − m per weight (the device may fuse the multiply and subtract into an FMA).
 // Bytes are read one at a time, so a row needs no alignment.
@@ -35,31 +37,6 @@ __device__ __forceinline__ void ld_words2(const uint8_t* p, uint32_t* out) {
 
 __device__ __forceinline__ float half_at(const uint8_t* p) { return fp16_bits_to_float(uint16_t(p[0] | (p[1] << 8))); }
 
-/// Sub-block j's (0..7) 6-bit scale and minimum of a Q4_K / Q5_K super-block, from its 12
-/// packed scale bytes: byte(i) returns byte i (formats/quant.h has the packing).
-template <class Byte>
-__device__ __forceinline__ void k4_scale_min(const Byte& byte, int j, int& sc, int& mn) {
-  sc = j < 4 ? byte(j) & 63 : (byte(j + 4) & 15) | (byte(j - 4) >> 6) << 4;
-  mn = j < 4 ? byte(j + 4) & 63 : (byte(j + 4) >> 4) | (byte(j) >> 6) << 4;
-}
-
-/// The fp32 scale a[h] = d·sc and minimum m[h] = dmin·mn of sub-blocks 2p and 2p + 1 (h = 0, 1)
-/// of the Q4_K super-block at blk (4-byte aligned: its header read as four words), for
-/// w = a·q − m. The K-quant GEMVs (engine/cuda/matmul.cu, dev/cuda/gemv_k.cu) call it.
-__device__ __forceinline__ void q4k_pair_scales(const uint8_t* blk, int p, float (&a)[2], float (&m)[2]) {
-  const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(blk));
-  const uint32_t sw[3] = {__ldg(reinterpret_cast<const uint32_t*>(blk + 4)), __ldg(reinterpret_cast<const uint32_t*>(blk + 8)),
-                          __ldg(reinterpret_cast<const uint32_t*>(blk + 12))};
-  auto sbyte = [&](int i) { return int((sw[i / 4] >> (8 * (i % 4))) & 255); };
-  const float d = fp16_bits_to_float(uint16_t(dm & 0xffff)), dmin = fp16_bits_to_float(uint16_t(dm >> 16));
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    int sc, mn;
-    k4_scale_min(sbyte, 2 * p + h, sc, mn);
-    a[h] = d * float(sc), m[h] = dmin * float(mn);
-  }
-}
-
 // IQ4_NL's levels 0-7 and 8-15 as bytes of two words, computed on the host from formats/quant.h's
 // kIQ4NLValues (integral constants, which device code may read; the array it may not).
 constexpr uint64_t kIQ4NLWordLo = iq4_nl_levels_word(0), kIQ4NLWordHi = iq4_nl_levels_word(1);
@@ -74,32 +51,9 @@ __device__ __forceinline__ uint32_t iq4_nl_level_bytes(uint32_t v) {
   return out;
 }
 
-/// The four 16-weight scales d · sc of a Q6_K super-block that lane positions l0 .. l0 + 7 of
-/// half h meet in its four 32-weight quarters (scales 8h + l0/16 + {0, 2, 4, 6}).
-__device__ __forceinline__ void q6k_lane_scales(const uint8_t* blk, int h, int l0, float (&sc)[4]) {
-  const float d = fp16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(blk + 208)));
-  const auto* scales = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + l0 / 16);
-#pragma unroll
-  for (int g = 0; g < 4; ++g) sc[g] = d * float(__ldg(scales + 2 * g));
-}
-
 /// The 32 weights of block b (weights 32b .. 32b+31) of a row of raw type t, as fp32 into w[32].
 __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* w) {
-  if (t == DType::Q4_K || t == DType::Q5_K) {
-    const bool five = t == DType::Q5_K;
-    const uint8_t* blk = row + (b / 8) * raw_block_bytes(t);
-    const int j = int(b % 8);
-    const uint8_t* s = blk + 4;
-    int sc, mn;
-    k4_scale_min([&](int i) { return int(s[i]); }, j, sc, mn);
-    const float a = half_at(blk) * float(sc), m = half_at(blk + 2) * float(mn);
-    const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
-    for (int l = 0; l < 32; ++l) {
-      int q = (qs[l] >> (4 * (j % 2))) & 15;
-      if (five) q |= ((blk[16 + l] >> j) & 1) << 4;
-      w[l] = a * float(q) - m;
-    }
-  } else if (t == DType::IQ4_NL) {
+  if (t == DType::IQ4_NL) {
     const uint8_t* blk = row + b * raw_block_bytes(DType::IQ4_NL);
     const float d = half_at(blk);
     for (int i = 0; i < 16; ++i) {
@@ -116,7 +70,7 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
       const int q = k_crumb(blk + 16, j, l);
       w[l] = l < 16 ? a0 * float(q) - m0 : a1 * float(q) - m1;
     }
-  } else if (t == DType::Q3_K) {
+  } else {  // Q3_K
     const uint8_t* blk = row + (b / 8) * raw_block_bytes(t);
     const int j = int(b % 8);
     const float d = half_at(blk + 108);
@@ -124,17 +78,6 @@ __device__ inline void raw_block(DType t, const uint8_t* row, int64_t b, float* 
     for (int l = 0; l < 32; ++l) {
       const int q = k_crumb(blk + 32, j, l) | ((blk[l] >> j) & 1) << 2;
       w[l] = (l < 16 ? a0 : a1) * float(q - 4);
-    }
-  } else {  // Q6_K
-    const uint8_t* blk = row + (b / 8) * raw_block_bytes(DType::Q6_K);
-    const int j = int(b % 8), h = j / 4, jj = j % 4;
-    const float d = half_at(blk + 208);
-    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    const float a0 = d * float(scales[2 * j]), a1 = d * float(scales[2 * j + 1]);
-    for (int l = 0; l < 32; ++l) {
-      const int lo = (blk[64 * h + 32 * (jj % 2) + l] >> (4 * (jj / 2))) & 15;
-      const int hi = (blk[128 + 32 * h + l] >> (2 * jj)) & 3;
-      w[l] = (l < 16 ? a0 : a1) * float((lo | hi << 4) - 32);
     }
   }
 }
