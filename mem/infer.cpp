@@ -124,8 +124,9 @@ void add_cuda_lines(MemReport& r, const LlmqFile& f, const ModelConfig& c, const
                    : fmt::format("{}: llmq-run --device cuda, ctx {}, batch {}", f.path(), p.ctx, p.n_batch);
   const std::string layers = p.first_layer ? fmt::format("layers {}-{} and the output of", p.first_layer, c.n_layers - 1) : "Σ bytes of";
   r.lines.push_back({"weights", double(p.weights),
-                     fmt::format("{} {} tensors ({}), rearranged into quants / scales arrays (none added); each tensor, or "
-                                 "Q/K/V and gate/up stacked when of one type, 256-byte aligned",
+                     fmt::format("{} {} tensors ({}), rearranged into quants / scales arrays (the K-quants' scales unpacked: "
+                                 "Q4_K 148, Q5_K 180, Q6_K 212 bytes per 256 weights); each tensor, or Q/K/V and gate/up "
+                                 "stacked when of one type, 256-byte aligned",
                                  layers, f.tensors().size(), type_mix(f.tensors())),
                      kPlan, Place::Device, Basis::Exact});
   r.lines.push_back({"KV cache", double(p.kv),

@@ -38,7 +38,8 @@ struct DeviceLayer {
 struct UploadPlan;  // CudaModel's upload jobs (session.cpp)
 
 /// A model's weights on the current GPU, in one device allocation: every matrix in the split
-/// layout of matmul.h (the file's bytes rearranged, none added), norms and biases as fp32.
+/// layout of matmul.h (the file's bytes rearranged; the K-quants' scales unpacked: Q4_K, Q5_K 4
+/// bytes more per 256 weights, Q6_K 2), norms and biases as fp32.
 /// Q/K/V (and gate/up) of the same type are stored as one matrix, so one GEMV reads them.
 class CudaModel {
  public:
