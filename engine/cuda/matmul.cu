@@ -246,8 +246,9 @@ __global__ void fill_block_half_kernel(uint8_t* p, uint64_t n_blocks, int block_
 }
 
 // The two-level scales of the split K-quants: each 32-weight block's word of small scales
-// (hash bits & mask: Q4_K's sc and mn in 0..63, Q6_K's two int8), each super-block's fp16
-// halves (Q4_K d and dmin, Q6_K d) in amp[h]·[0.5, 1.5).
+// (hash bits & mask: Q4_K's / Q5_K's sc and mn in 0..63, Q6_K's two int8), each super-block's
+// pair of fp16 (Q4_K / Q5_K d and dmin, Q6_K d and its zero padding) in amp0·[0.5, 1.5) and
+// amp1·[0.5, 1.5).
 __global__ void fill_k_scales_kernel(uint16_t* sc, uint16_t* k, uint64_t n_blocks, uint64_t seed, uint16_t mask, float amp0, float amp1) {
   pdl_begin();
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n_blocks; i += uint64_t(gridDim.x) * blockDim.x) {
@@ -583,8 +584,8 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_raw_kernel(DType type, c
   store_rows(acc, y, ldy, row, T);
 }
 
-// Q2_K and Q3_K (the Q2_K / Q3_K_M mixes) against fp32 activations, laid out as the other
-// K-quant GEMVs: eight lanes per super-block, R rows per warp. Their 2-bit quants are crumbs:
+// Q2_K and Q3_K (the Q2_K / Q3_K_M mixes) against fp32 activations, laid out as the raw Q4_K /
+// Q6_K GEMVs were (dev/cuda/gemv_k.cu keeps those): eight lanes per super-block, R rows per warp. Their 2-bit quants are crumbs:
 // weight l of sub-block j is bits 2 (j % 4) of qs[32 (j / 4) + l] (k_crumb), Q3_K's third bit is
 // bit j of hmask[l]. Lane k takes half n = k / 4 and positions l0 .. l0 + 7 (l0 = 8 (k % 4)) of its
 // four sub-blocks j = 4n + s, so one 8-byte load of qs[32n + l0, + 8) (and of hmask[l0, + 8)) holds
