@@ -21,6 +21,7 @@ constexpr const char* kDs = "DeepSpeed estimate_zero2/zero3_model_states_mem_nee
 constexpr const char* k8bit = "Dettmers et al. 2021, arXiv 2110.02861 (block-wise 8-bit states, blocks of 2048)";
 constexpr const char* kQlora = "Dettmers et al. 2023, arXiv 2305.14314 (NF4, blocks of 64, double quantization)";
 constexpr const char* kLora = "Hu et al. 2021, arXiv 2106.09685 (B [out, r] · A [r, in])";
+constexpr const char* kPeft = "PEFT, src/peft/tuners/lora/layer.py Linear.forward (_cast_input_dtype) and get_peft_model(autocast_adapter_dtype=True)";
 constexpr const char* kTorch = "PyTorch: torch.optim.AdamW foreach, torch.amp autocast cache, CUDACachingAllocator";
 constexpr const char* kKo2 = "okoge-kaz memory-estimator notes (CUDA context ~300-500 MB, NCCL ~0.5 GB per communicator)";
 constexpr const char* kAdafactor = "Shazeer & Stern 2018, arXiv 1804.04235 (factored second moments); torch.optim.Adafactor";
@@ -199,6 +200,17 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
   add_optimizer_lines(r, m, o, gp, sb, trainable, opt_place, s_div);
 }
 
+// PEFT's fp32 casts of the adapted Linears' inputs (TrainOptions::lora_fp32_inputs), bytes per
+// layer: 4·s·b·in summed over the targets (in = h for q, k, v, qkv, gate, up; q_dim for o;
+// the FFN width for down), and the sum of in, for the formula.
+double lora_fp32_input_width(const ModelShape& m, const TrainOptions& o) {
+  std::vector<std::string> t = o.lora_targets;
+  if (std::find(t.begin(), t.end(), "all") != t.end()) t = {"q", "k", "v", "o", "gate", "up", "down"};
+  double in = 0;
+  for (const auto& name : t) in += name == "o" ? double(m.q_dim()) : name == "down" ? double(m.hidden) : name == "head" ? 0.0 : double(m.dim);
+  return in;
+}
+
 void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   const GpuParams gp = gpu_params(m, o);
   const double s = double(o.seq_len), b = double(o.micro_batch), h = double(m.dim), a = double(m.heads);
@@ -227,6 +239,14 @@ void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
                        o.checkpointing == Checkpointing::Full ? "2sbh per layer (the kept input is the fp32 residual stream)"
                                                               : "sbh(8 + 2as/h) per layer: fp32 LayerNorm inputs, per-Linear casts, fp32 softmax",
                        kTorch, Place::Device, Basis::Formula});
+  }
+  if (o.lora_rank > 0 && o.lora_fp32_inputs && o.checkpointing != Checkpointing::Full) {
+    const double in = lora_fp32_input_width(m, o);
+    r.lines.push_back({"activations (LoRA inputs in fp32, PEFT)", 4 * s * b * in * layers,
+                       fmt::format("4sb x Σ_targets in = 4sb x {} per layer: each adapted Linear's input cast to its fp32 adapters "
+                                   "(autocast_adapter_dtype), kept by lora_A",
+                                   num(in)),
+                       kPeft, Place::Device, Basis::Formula});
   }
   if (o.checkpointing == Checkpointing::Full) {
     const double work = korthikanti_layer_activations(s, b, h, a, o.tp, o.sequence_parallel, Checkpointing::None, o.flash_attention) * scale;
@@ -671,6 +691,9 @@ MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
     throw UsageError("micro-batch, sequence length, gradient accumulation and parallel degrees must be >= 1");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero must be 0, 1, 2 or 3");
   if (o.qlora && o.lora_rank <= 0) throw UsageError("--qlora needs --lora-rank > 0");
+  if (o.lora_fp32_inputs && (o.lora_rank <= 0 || o.framework != Framework::Analytic || o.precision != Precision::BF16))
+    throw UsageError("--lora-fp32-inputs models PEFT's LoRA on a pure 16-bit base: it needs --lora-rank, --precision pure-bf16 and the "
+                     "analytic framework");
   if (o.offload_params != Offload::None && o.zero != 3) throw UsageError("parameter offload needs ZeRO-3 (or FSDP)");
   if (o.tp > 1 && (m.heads % o.tp != 0 || m.kv_heads % o.tp != 0 || m.hidden % o.tp != 0))
     throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, m.heads, m.kv_heads, m.hidden));

@@ -86,6 +86,11 @@ struct TrainOptions {
   std::string block = "llama";  ///< LitGPT block recipe: llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon
   int litgpt_version = 2024;    ///< 2023: lit-gpt 8641822 (RMSNorm in the input dtype); 2024: litgpt 00af8b0d (RMSNorm in fp32)
   double lora_dropout = 0.05;   ///< LoRA dropout p (> 0 keeps a mask and the dropped input per adapted Linear)
+  /// PEFT's LoRA on a 16-bit base (--lora-fp32-inputs): get_peft_model's autocast_adapter_dtype
+  /// (on by default) keeps the adapters in fp32 and each adapted Linear casts its input to them
+  /// (peft/tuners/lora/layer.py, Linear.forward: _cast_input_dtype), so lora_A keeps an fp32
+  /// copy of that input for its gradient: 4·s·b·in bytes per adapted Linear and layer.
+  bool lora_fp32_inputs = false;
   std::string gpu;              ///< GPU model, e.g. "H100" (--gpu): sizes PyTorch's cuBLAS workspaces and the measured context
   double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported), unless cuda_context_given
   bool cuda_context_given = false;                 ///< --cuda-context: the user measured their setup's context (nvidia-smi after CUDA init)

@@ -232,6 +232,27 @@ TEST_CASE("Training estimator options move the lines the right way", "[mem]") {
         Approx(ds_zero3_model_states(double(m.params()), double(m.largest_layer_params()), 8, 1, false, false).gpu));
 }
 
+// PEFT's LoRA on a bf16 base keeps each adapted Linear's input as an fp32 copy (lora_A's saved
+// input after _cast_input_dtype to the fp32 adapters): 4·s·b·Σ in per layer, nothing else moves;
+// refused where it does not apply. (mem/validation: PEFT's MetaMathQA Llama-3.2-3B q,v rows.)
+TEST_CASE("Training estimator: PEFT's fp32 LoRA inputs add 4sb x the adapted inputs per layer", "[mem]") {
+  const ModelShape m = preset("llama-2-7b");
+  TrainOptions o;
+  o.precision = Precision::BF16, o.lora_rank = 32, o.lora_targets = {"q", "v", "down"}, o.micro_batch = 2, o.seq_len = 512;
+  const MemReport plain = estimate_training(m, o);
+  o.lora_fp32_inputs = true;
+  const MemReport peft = estimate_training(m, o);
+  const double want = 4.0 * 512 * 2 * double(2 * m.dim + m.hidden) * double(m.layers);
+  CHECK(lines_sum(peft, {"activations (LoRA inputs in fp32, PEFT)"}) == Approx(want));
+  CHECK(peft.total(Place::Device) == Approx(plain.total(Place::Device) + want));
+  TrainOptions mixed = o;
+  mixed.precision = Precision::Mixed;
+  CHECK_THROWS_AS(estimate_training(m, mixed), UsageError);
+  TrainOptions full = o;
+  full.lora_rank = 0;
+  CHECK_THROWS_AS(estimate_training(m, full), UsageError);
+}
+
 TEST_CASE("Adafactor's factored states: rows + cols per matrix, vectors in full", "[mem]") {
   const ModelShape m = preset("tinyllama-1.1b");  // untied, SwiGLU, GQA
   const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden), V = double(m.vocab);

@@ -215,6 +215,9 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
   tr->add_option("--block", to.block, "with --framework litgpt: the block recipe: llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon");
   tr->add_option("--litgpt-version", to.litgpt_version, "with --framework litgpt: 2023 (lit-gpt 8641822) or 2024 (litgpt 00af8b0d)");
   tr->add_option("--lora-dropout", to.lora_dropout, "LoRA dropout probability (LitGPT's default 0.05)");
+  tr->add_flag("--lora-fp32-inputs", to.lora_fp32_inputs,
+               "PEFT's LoRA on a pure-bf16 base: adapters in fp32 (autocast_adapter_dtype), each adapted Linear's input kept as an "
+               "fp32 copy");
   tr->add_option("--gpu-mem", ta.gpu_mem, "GPU memory to check against, e.g. 80GB");
   tr->add_option("--gpu", to.gpu, "GPU model, e.g. H100 or A100 (PyTorch's cuBLAS workspace is 32 MiB on sm_90, 8 MiB elsewhere; "
                                   "the CUDA context is measured for the H100)");

@@ -134,6 +134,8 @@ def flags(case: dict) -> list[str]:
     if lora:
         targets = sorted({t for name in lora.get("targets") or ["q", "v"] for t in TARGETS[name].split(",")})
         out += ["--lora-rank", str(lora["rank"]), "--lora-targets", ",".join(targets)]
+        if r.get("framework") == "peft" and r["precision"] == "pure-bf16" and not r.get("qlora"):
+            out.append("--lora-fp32-inputs")  # PEFT's fp32 adapters on a bf16 base (autocast_adapter_dtype)
     if r["precision"] == "nf4" or r.get("qlora"):
         out.append("--qlora")
         if r.get("qlora") and r["qlora"].get("double_quant") is False:
