@@ -1042,7 +1042,7 @@ TEST_CASE("CUDA runs a declared architecture: the test-only sandwich variant = t
 // the embedding, GEMV and MMQ on it against the CPU (the op harness covers every kernel and
 // cuBLAS's dequantization for each type, Q5_K's layout being Q4_K's plus Q5_1's fifth bits),
 // and for all three the backend allocates what plan_cuda (llmq-mem) predicts.
-TEST_CASE("CUDA whole model: every matrix Q4_K or Q6_K (split layouts) = the CPU; plan_cuda = the allocation", "[cuda][model][mem]") {
+TEST_CASE("CUDA whole model: every matrix Q4_K or Q6_K (split layouts) = the CPU and the allocation = plan_cuda", "[cuda][model][mem]") {
   if (!have_gpu()) return;
   for (DType t : {DType::Q4_K, DType::Q6_K}) {
     const std::string path = test::synthetic(std::string("cuda-") + dtype_name(t), 4, 2, 64, 256, t, 11);
