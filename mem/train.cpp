@@ -85,19 +85,37 @@ bool lora_targets_include(const TrainOptions& o, const char* t) {
   return std::any_of(o.lora_targets.begin(), o.lora_targets.end(), [&](const std::string& x) { return x == t || x == "all"; });
 }
 
+namespace {
+
+// An adapted Linear's input and output widths by target name (head: counted apart, 0 here);
+// the targets of o with "all" expanded.
+struct LoraDims {
+  double in = 0, out = 0;
+};
+LoraDims lora_target_dims(const ModelShape& m, const std::string& name) {
+  const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden);
+  if (name == "q") return {h, q};
+  if (name == "k" || name == "v") return {h, kv};
+  if (name == "o") return {q, h};
+  if (name == "qkv") return {h, q + 2 * kv};  // one adapter on a fused projection (BLOOM's query_key_value)
+  if (name == "gate" || name == "up") return {h, H};
+  if (name == "down") return {H, h};
+  if (name == "head") return {};
+  throw UsageError("unknown LoRA target '" + name + "' (q, k, v, qkv, o, gate, up, down, head, all)");
+}
+std::vector<std::string> lora_layer_targets(const TrainOptions& o) {
+  const auto& t = o.lora_targets;
+  if (std::find(t.begin(), t.end(), "all") != t.end()) return {"q", "k", "v", "o", "gate", "up", "down"};
+  return t;
+}
+
+}  // namespace
+
 double lora_layer_params_of(const ModelShape& m, const TrainOptions& o) {
-  const double r = double(o.lora_rank), h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()),
-               H = double(m.hidden);
-  std::vector<std::string> t = o.lora_targets;
-  if (std::find(t.begin(), t.end(), "all") != t.end()) t = {"q", "k", "v", "o", "gate", "up", "down"};
   double n = 0;
-  for (const auto& name : t) {
-    if (name == "q") n += r * (h + q);
-    else if (name == "k" || name == "v") n += r * (h + kv);
-    else if (name == "o") n += r * (q + h);
-    else if (name == "qkv") n += r * (h + q + 2 * kv);  // one adapter on a fused projection (BLOOM's query_key_value)
-    else if (name == "gate" || name == "up" || name == "down") n += r * (h + H);
-    else if (name != "head") throw UsageError("unknown LoRA target '" + name + "' (q, k, v, qkv, o, gate, up, down, head, all)");
+  for (const auto& name : lora_layer_targets(o)) {
+    const LoraDims d = lora_target_dims(m, name);
+    n += double(o.lora_rank) * (d.in + d.out);
   }
   return n;
 }
@@ -200,14 +218,11 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
   add_optimizer_lines(r, m, o, gp, sb, trainable, opt_place, s_div);
 }
 
-// PEFT's fp32 casts of the adapted Linears' inputs (TrainOptions::lora_fp32_inputs), bytes per
-// layer: 4·s·b·in summed over the targets (in = h for q, k, v, qkv, gate, up; q_dim for o;
-// the FFN width for down), and the sum of in, for the formula.
+// PEFT's fp32 casts of the adapted Linears' inputs (TrainOptions::lora_fp32_inputs): Σ in over
+// the layer's targets (4·s·b bytes each).
 double lora_fp32_input_width(const ModelShape& m, const TrainOptions& o) {
-  std::vector<std::string> t = o.lora_targets;
-  if (std::find(t.begin(), t.end(), "all") != t.end()) t = {"q", "k", "v", "o", "gate", "up", "down"};
   double in = 0;
-  for (const auto& name : t) in += name == "o" ? double(m.q_dim()) : name == "down" ? double(m.hidden) : name == "head" ? 0.0 : double(m.dim);
+  for (const auto& name : lora_layer_targets(o)) in += lora_target_dims(m, name).in;
   return in;
 }
 
