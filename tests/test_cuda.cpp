@@ -351,6 +351,23 @@ TEST_CASE("CUDA GEMV on activations that are not 16-byte aligned: the raw kernel
   }
 }
 
+// The split layouts of a matrix large enough that split_weight and unsplit_weight divide its rows
+// among host threads (matmul.cu move_blocks): back to the file's bytes exactly, for every type.
+TEST_CASE("CUDA split layouts: a 1000-row matrix split on host threads comes back exactly", "[cuda]") {
+  const int64_t rows = 1000, cols = 512;
+  std::mt19937_64 rng(5);
+  for (DType t : all_dtypes()) {
+    INFO(dtype_name(t));
+    const size_t rb = row_bytes(t, cols);
+    std::vector<uint8_t> file(rb * size_t(rows)), back(file.size());
+    for (int64_t r = 0; r < rows; ++r) quantize_row(t, gaussian(size_t(cols), rng).data(), file.data() + size_t(r) * rb, cols);
+    std::vector<uint8_t> split(cuda::split_weight_bytes(t, rows, cols));
+    cuda::split_weight(t, file.data(), rows, cols, split.data());
+    cuda::unsplit_weight(t, split.data(), rows, cols, back.data());
+    CHECK(back == file);
+  }
+}
+
 // llmq-bench --synthetic's weights for every type: finite, of the size a trained model's have
 // (RMS 0.005-0.05), and the GEMV and the CPU reference agree on them.
 TEST_CASE("CUDA fill_random: synthetic weights of every type are finite and model-sized", "[cuda]") {
@@ -1305,13 +1322,13 @@ TEST_CASE("CUDA graphs replay llmq-server's batched decode steps exactly", "[cud
   CHECK(std::memcmp(rows[0].data(), rows[1].data(), rows[0].size() * sizeof(float)) == 0);
 }
 
-// Batched decode steps of 9 .. kCudaMmqMaxTokens tokens run on MMQ (split-K included) and are
-// graphed too when no product needs cuBLAS: 12 sequences of a synthetic Q4_0, Q4_K and Q5_K
-// model (widths that are multiples of 64, as MMQ needs; 256 for the K-quants) decode 6 steps,
-// graphed and not, bit for bit.
+// Batched decode steps of 9 .. 32 tokens (every MMQ type's range, matmul.cu mmq_max_tokens) run
+// on MMQ (split-K included) and are graphed too when no product needs cuBLAS: 12 sequences of a
+// synthetic Q4_0, Q4_K, Q5_K and Q6_K model (widths that are multiples of 64, as MMQ needs; 256
+// for the K-quants) decode 6 steps, graphed and not, bit for bit.
 TEST_CASE("CUDA graphs replay batched MMQ decode steps exactly", "[cuda][batch]") {
   if (!have_gpu()) return;
-  for (DType t : {DType::Q4_0, DType::Q4_K, DType::Q5_K}) {  // the split layout (Q4_0, Q4_K); raw rows by cp.async (Q6_K's MMQ is off by default)
+  for (DType t : {DType::Q4_0, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {  // split layouts, loaded by cp.async
     INFO(dtype_name(t));
     const bool k = dtype_info(t).block == 256;  // K-quants: widths of whole super-blocks
     ModelConfig c;

@@ -6,7 +6,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "engine/cuda/act_q8.cuh"
 #include "engine/cuda/common.cuh"
@@ -56,13 +58,13 @@ namespace {
 // Q4_0's nibble order per sub-block (the file's sub-block j is the nibble j % 2 of qs[32 (j / 2),
 // + 32)), Q5_K's h word of sub-block j bit l = bit j of qh[l], d the sub-blocks' sc | mn << 8,
 // k d and dmin.
-void move_q45k(bool five, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
+void move_q45k(bool five, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split, int64_t r0, int64_t r1) {
   const int64_t nsb = cols / 256, nb = cols / 32;
   const size_t bb = five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K), qs_at = five ? 48 : 16;
   auto* h = reinterpret_cast<uint32_t*>(split + size_t(rows) * size_t(cols / 2));  // Q5_K only
   auto* d = reinterpret_cast<uint16_t*>(h + (five ? size_t(rows * nb) : 0));
   uint16_t* k = d + size_t(rows * nb);
-  for (int64_t i = 0; i < rows * nsb; ++i) {  // super-block i: row i / nsb
+  for (int64_t i = r0 * nsb; i < r1 * nsb; ++i) {  // super-block i: row i / nsb
     uint8_t* blk = file + size_t(i) * bb;
     auto* hdr = reinterpret_cast<BlockQ4_K*>(blk);  // d, dmin, scales: the same in Q5_K
     uint8_t *qs = blk + qs_at, *qh = blk + 16;
@@ -101,12 +103,12 @@ void move_q45k(bool five, uint8_t* file, int64_t rows, int64_t cols, uint8_t* sp
 // weight w's 6-bit quant (the file's ql nibble and qh crumb) to q's nibble in Q4_0's order and
 // h's crumb (byte w % 8 of its block's 8, bits 2 (w / 8) within the block), the two int8 scales
 // of each 32-weight block to one d word, the super-block's d to k (then a zero half).
-void move_q6k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
+void move_q6k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split, int64_t r0, int64_t r1) {
   const int64_t nsb = cols / 256, nb = cols / 32;
   uint8_t* h = split + size_t(rows) * size_t(cols / 2);
   auto* d = reinterpret_cast<uint16_t*>(h + size_t(rows * nb) * 8);
   uint16_t* k = d + size_t(rows * nb);
-  for (int64_t i = 0; i < rows * nsb; ++i) {  // super-block i: q bytes 128 i.., h bytes 64 i.., d words 8 i..
+  for (int64_t i = r0 * nsb; i < r1 * nsb; ++i) {  // super-block i: q bytes 128 i.., h bytes 64 i.., d words 8 i..
     auto* blk = reinterpret_cast<BlockQ6_K*>(file + size_t(i) * sizeof(BlockQ6_K));
     uint8_t *nib = split + 128 * size_t(i), *hi = h + 64 * size_t(i);
     uint16_t* sc = d + 8 * i;
@@ -134,17 +136,12 @@ void move_q6k(uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to
   }
 }
 
-// Moves every block of a [rows, cols] matrix between the file layout (`file`) and the split one
-// (`split`): to_split true copies file -> split, false split -> file.
-void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
+// Moves rows [r0, r1) of a [rows, cols] block-quantized matrix between the file layout (`file`)
+// and the split one (`split`): to_split true copies file -> split, false split -> file.
+void move_rows(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split, int64_t r0, int64_t r1) {
+  if (split_k_affine(t)) return move_q45k(t == DType::Q5_K, file, rows, cols, split, to_split, r0, r1);
+  if (t == DType::Q6_K) return move_q6k(file, rows, cols, split, to_split, r0, r1);
   const size_t rb = row_bytes(t, cols);
-  if (split_k_affine(t)) return move_q45k(t == DType::Q5_K, file, rows, cols, split, to_split);
-  if (t == DType::Q6_K) return move_q6k(file, rows, cols, split, to_split);
-  if (!is_block_type(t)) {
-    if (to_split) std::memcpy(split, file, size_t(rows) * rb);
-    else std::memcpy(file, split, size_t(rows) * rb);
-    return;
-  }
   const int64_t nb = cols / QK;
   const size_t qrow = q_row_bytes(t, cols), bb = dtype_info(t).block_bytes, qb = t == DType::Q8_0 ? QK : QK / 2;
   uint8_t* q = split;
@@ -155,7 +152,7 @@ void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* sp
     if (to_split) std::memcpy(in_split, in_file, n);
     else std::memcpy(in_file, in_split, n);
   };
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = r0; r < r1; ++r)
     for (int64_t b = 0; b < nb; ++b) {  // a file block: d, then m (Q4_1, Q5_1), qh (Q5), the quants
       uint8_t* blk = file + size_t(r) * rb + size_t(b) * bb;
       const size_t i = size_t(r * nb + b);
@@ -165,6 +162,25 @@ void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* sp
       if (split_has_h(t)) move(blk + head, h + 4 * i, 4), head += 4;
       move(blk + head, q + size_t(r) * qrow + size_t(b) * qb, qb);
     }
+}
+
+// Moves every block of a [rows, cols] matrix (move_rows), the rows split over up to 16 host
+// threads: a 7B Q4_K_M file's billions of K-quant weights are rebuilt one by one, which took
+// ~5.5 s of a GPU load on one core (bench/RESULTS.md, seventh GPU session). Each range writes
+// its own rows of every array.
+void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
+  if (!is_block_type(t)) {
+    const size_t n = size_t(rows) * row_bytes(t, cols);
+    if (to_split) std::memcpy(split, file, n);
+    else std::memcpy(file, split, n);
+    return;
+  }
+  const int64_t min_rows = 256, threads = std::min<int64_t>({16, std::max(1u, std::thread::hardware_concurrency()), (rows + min_rows - 1) / min_rows});
+  if (threads <= 1) return move_rows(t, file, rows, cols, split, to_split, 0, rows);
+  std::vector<std::thread> pool;
+  for (int64_t i = 0; i < threads; ++i)
+    pool.emplace_back(move_rows, t, file, rows, cols, split, to_split, rows * i / threads, rows * (i + 1) / threads);
+  for (std::thread& th : pool) th.join();
 }
 
 }  // namespace
@@ -910,26 +926,35 @@ DeviceActQ8 MatmulContext::quantized(const float* x, int64_t T, int64_t cols) {
   return act();
 }
 
-// The types whose MMQ beat dequantize + cuBLAS at 16-32 tokens on an H200 (dev/cuda/mmq.cu,
-// llama-2-7b's matrices; bench/RESULTS.md, third and fourth GPU sessions): 0.4-0.96x its time,
-// Q5_0 and Q5_1 since their split layout (Q4_1's cp.async loader), Q4_K in the raw layout (its
-// split one loads as Q4_1's). The others' MMQ (16-bit loads instead of cp.async: IQ4_NL, Q2_K,
-// Q3_K, Q6_K) took 1.0-3.9x it there, so their batches dequantize until their loaders are
-// rebuilt; Q6_K's split layout now loads by cp.async, not yet timed.
-static bool mmq_wins(DType t) {
-  return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q5_0 ||
-         t == DType::Q5_1;
+// The most tokens at which a type's MMQ beats dequantize + cuBLAS on an H200 (dev/cuda/mmq.cu on
+// llama-2-7b's matrices; bench/RESULTS.md, seventh GPU session): Q4_0 and Q8_0 win up to 64
+// tokens (0.57-0.91x its time at 64). The affine and split types (Q4_1, Q5_0, Q5_1 and the
+// K-quants Q4_K, Q5_K, Q6_K in their split layouts) win up to 32 (0.50-0.96x) and mostly lose
+// at 64 (0.87-1.62x). IQ4_NL, Q2_K and Q3_K (16-bit loads, no cp.async) tie or lose at 16
+// already (0.98-2.07x), so their batches dequantize. 0: never MMQ.
+static int64_t mmq_max_tokens(DType t) {
+  switch (t) {
+    case DType::Q4_0:
+    case DType::Q8_0: return kCudaMmqMaxTokens;
+    case DType::Q4_1:
+    case DType::Q5_0:
+    case DType::Q5_1:
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K: return 32;
+    default: return 0;
+  }
 }
 
-// Batches of quantized weights (9 .. kCudaMmqMaxTokens tokens): MMQ for the weights mmq takes
-// and wins on, unless LLMQ_CUDA_MMQ=0 (dequantize + cuBLAS, for comparison).
-// LLMQ_CUDA_MMQ=1: MMQ for any T and every type it takes (for comparisons).
+// Batches of quantized weights (9 .. mmq_max_tokens tokens): MMQ, unless LLMQ_CUDA_MMQ=0
+// (dequantize + cuBLAS, for comparison). LLMQ_CUDA_MMQ=1: MMQ for any T and every type it takes
+// (for comparisons).
 static bool use_mmq(const DeviceWeight& w, int64_t T) {
   static const int mode = [] {
     const char* e = std::getenv("LLMQ_CUDA_MMQ");
     return e ? std::atoi(e) : -1;
   }();
-  return mode != 0 && T > kGemvMaxTokens && (mode == 1 || (T <= kCudaMmqMaxTokens && mmq_wins(w.type))) && mmq_supported(w);
+  return mode != 0 && T > kGemvMaxTokens && (mode == 1 || T <= mmq_max_tokens(w.type)) && mmq_supported(w);
 }
 
 bool matmul_quantizes(const DeviceWeight& w, int64_t T) { return (T <= kGemvMaxTokens && gemv_reads_int8(w)) || use_mmq(w, T); }
