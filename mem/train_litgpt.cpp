@@ -1,25 +1,32 @@
 // `llmq-mem train --framework litgpt`: LitGPT's fine-tuning scripts (finetune/full.py, lora.py;
 // `--precision bf16-true`), what torch.cuda.max_memory_allocated() reports, tensor by tensor.
 //
-// The model follows the code, not a closed form: every tensor autograd keeps for the backward of
-// a LitGPT Block (lit_gpt/model.py and lit_gpt/lora.py at Lightning-AI/litgpt 8641822, Oct 2023;
-// litgpt/model.py at 00af8b0d, Sep 2024). PyTorch saves an op's inputs for its backward whether
-// or not the frozen operand needs a gradient, so a frozen Linear keeps its input as a trained one
-// does. Per block, T = micro_batch x seq tokens, e bytes per activation (2 for bf16):
-//   norm (RMSNorm, 2023)   x and x·rsqrt(mean x²): 2·e·T·h
-//   norm (RMSNorm, 2024)   the same in fp32 (x.float() first): 8·T·h
-//   norm (LayerNorm)       its input: e·T·h (mean and rstd are per token)
-//   attention              the qkv Linear's input e·T·h; SDPA's q, k, v and output, k and v
-//                          expanded to the query heads for GQA (e·T·q each; MQA keeps one head in
-//                          2023 code); the output projection's input e·T·q. Gemma 2 (softcapped
-//                          scores, no SDPA): q, k, v and per score (2e + 4) bytes, b·heads·s² of them
-//   Gemma 2                two more norms per block (post-attention, post-MLP) and tanh's
-//                          softcapped logits in the head
-//   MLP                    its input e·T·h (none when it shares the attention's norm);
-//                          gated (SwiGLU/GeGLU): fc_1 out, act(fc_1), fc_2 out, their product:
-//                          4·e·T·H; GELU: fc out and act(fc): 2·e·T·H
-//   LoRA on a Linear       dropout (p > 0) keeps a bool mask and its output: (1 + e)·T·in
-// The head: the final norm, lm_head's input e·T·h, the logits in chunks of 128 tokens and their
+// The model follows the code, not a closed form: the tensors autograd keeps for the backward of
+// a LitGPT Block, per block, T = micro_batch x seq tokens, e bytes per activation (2 for bf16).
+// 2024 (litgpt/model.py at 00af8b0d, Sep 2024; counted in litgpt 0.5.13 by bench/litgpt_saved.py
+// on the CPU and on an H200, byte for byte; block_saved_2024):
+//   norm (RMSNorm)         x in fp32, rsqrt per token, the weight's fp32 copy: 4·T·h + 4·T + 4·h,
+//                          and x·rsqrt in fp32 (4·T·h) when the weight is trained
+//   a Linear               its input (e·T·in) only when its weight is trained: PyTorch keeps a
+//                          matmul operand only for the other operand's gradient. Under LoRA the
+//                          branch keeps the dropout's mask and output and lora_A's output
+//                          ((1 + e)·T·in + e·T·r); LoRA on some of q, k, v also lora_B's
+//                          padded output and its index
+//   attention (SDPA)       q, k, v, output and the fp32 log-sum-exp per head; GQA/MQA repeat k and v
+//                          to the query heads (e·T·q each); MHA's v is a view of the qkv output,
+//                          which stays whole: e·T·(3q + 3kv)
+//   MLP                    gated: fc_1, fc_2 and the activation's outputs (3·e·T·H), their product
+//                          as a trained down projection's input; GELU: fc's output
+//   QLoRA                  bitsandbytes 0.42's MatMul4Bit keeps each 4-bit Linear's input; the
+//                          model counts them twice (block_saved_2024 says why)
+// 2023 (lit_gpt/model.py and lora.py at 8641822, Oct 2023; not counted by a lab, fitted to the
+// lit-gpt resource tables within 4%): every Linear's input as if trained, RMSNorm x and
+// x·rsqrt(mean x²) in the input dtype (2·e·T·h), SDPA's q, k, v and output (k, v expanded for
+// GQA, one head for MQA), the MLP's input and 4·e·T·H (gated) or 2·e·T·H (GELU), LoRA dropout's
+// mask and output ((1 + e)·T·in). Gemma 2 (either): two more norms per block and, without SDPA,
+// per score tanh's output, the fp32 softmax and its cast.
+// The head: the final norm, lm_head's input e·T·h (2024: as any Linear; a frozen 4-bit lm_head
+// keeps it), the logits in chunks of 128 tokens and their
 // log-softmax for the chunked cross-entropy: 2·e·T·V; a trained lm_head sums its chunks' V x h
 // gradients as they come (2·e·V·h at once). FSDP (FULL_SHARD, Blocks auto-wrapped): the root unit
 // (embedding, lm_head, final norm) stays unsharded from its forward to its post-backward, and a
@@ -71,11 +78,15 @@ struct Saved {
   std::string formula;
 };
 
-// What one norm keeps for T tokens (bytes): RMSNorm x and x·rsqrt(mean x²), in the input dtype
-// (2023) or fp32 (2024); LayerNorm its input (mean and rstd are per token).
+// What one norm keeps for T tokens (bytes). LayerNorm: its input (mean and rstd are per token).
+// RMSNorm 2023: x and x·rsqrt(mean x²) in the input dtype. RMSNorm 2024 (x.float() first;
+// counted by bench/litgpt_saved.py): x in fp32, the rsqrt per token and the weight's fp32 copy,
+// and x·rsqrt in fp32 only when the weight is trained (full fine-tuning; LoRA freezes norms).
 double norm_saved(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
   const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim);
-  return !B.rms ? e * T * h : o.litgpt_version >= 2024 ? 8 * T * h : 2 * e * T * h;
+  if (!B.rms) return e * T * h;
+  if (o.litgpt_version < 2024) return 2 * e * T * h;
+  return 4 * T * h + 4 * T + 4 * h + (o.lora_rank > 0 ? 0 : 4 * T * h);
 }
 
 // Whether LoRA adapts any of `targets` (lora_targets_include for a group of matrices).
@@ -102,8 +113,67 @@ double qlora_kept_inputs(const ModelShape& m, const TrainOptions& o, const Block
   return e * T * (norms_out + (kept({"o"}) ? q : 0) + (kept({"down"}) ? H : 0));
 }
 
+// What one Linear of input width `in` keeps for its backward, 2024 code (bytes for T tokens):
+// its input when its weight is trained (full fine-tuning); a frozen one nothing, unless LoRA
+// adapts it: then the branch keeps the dropout's bool mask and output (the input itself without
+// dropout) for lora_A's gradient and lora_A's output (r wide) for lora_B's. `rows`: the LoRA
+// branches on that input (the fused qkv Linear: one per adapted matrix, all fed the same input).
+double linear_kept(const TrainOptions& o, bool adapted, double in, double T, double e, double rows = 1) {
+  if (o.lora_rank == 0) return e * T * in;
+  if (!adapted) return 0;
+  return (o.lora_dropout > 0 ? T * in : 0) + e * T * in + e * T * double(o.lora_rank) * rows;
+}
+
+// One block's saved activations (bytes) for T tokens, 2024 code (litgpt 0.5; every term is a
+// storage bench/litgpt_saved.py lists, on the CPU and on an H200, and the sums equal its counts
+// for full fine-tuning, LoRA on q and v, and LoRA on every Linear; bench/RESULTS.md).
+Saved block_saved_2024(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
+  const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim());
+  const double H = double(m.hidden), heads = double(m.heads);
+  const bool full = o.lora_rank == 0, lmlp = !full && any_target(o, {"gate", "up", "down"});
+  const double norm = norm_saved(m, o, B, T);
+  // qkv: one Linear; LoRA on some of q, k, v pads lora_B's output back to the full width
+  // (index_copy_), which keeps it and its int64 index: e·T·w + 8·w for the adapted widths w.
+  const double nq = lora_targets_include(o, "q"), nk = lora_targets_include(o, "k"), nv = lora_targets_include(o, "v");
+  const double w = nq * q + (nk + nv) * kv, padded = (nq + nk + nv > 0 && nq + nk + nv < 3) ? (e * T + 8) * w : 0;
+  const double qkv = linear_kept(o, nq + nk + nv > 0, h, T, e, nq + nk + nv) + padded;
+  // SDPA keeps q, k, v, its output and the per-head log-sum-exp (fp32). GQA/MQA repeat k and v
+  // to the query heads (copies, q wide); MHA's v is a view of the qkv output, whose whole storage
+  // stays alive. Gemma 2's softcapped attention (no SDPA) keeps q, the repeated k and v, and per
+  // score tanh's output (e), the fp32 softmax (4) and its cast (e).
+  const bool gqa = m.kv_heads != m.heads;
+  const double scores = double(o.micro_batch) * heads * double(o.seq_len) * double(o.seq_len);
+  const double core = B.softcap ? e * T * (q + 2 * (gqa ? q : kv)) + scores * (2 * e + 4)
+                      : gqa     ? e * T * 4 * q + 4 * heads * T
+                                : e * T * (3 * q + 3 * kv) + 4 * heads * T;
+  const double proj = linear_kept(o, lora_targets_include(o, "o"), q, T, e);
+  // MLP: SwiGLU/GeGLU keep fc_1's and fc_2's outputs and the activation's (the product only for a
+  // trained or adapted down projection, as its input); GELU keeps fc's output (the activation's
+  // for the projection).
+  // LoRA on a gated MLP: fc_1 and fc_2 each have their dropout; without dropout both branches
+  // keep the one input.
+  const double in_lora = B.gated ? 2 * linear_kept(o, lmlp, h, T, e) - (lmlp && o.lora_dropout <= 0 ? e * T * h : 0) : linear_kept(o, lmlp, h, T, e);
+  const double in_mlp = full ? (B.shared_norm ? 0 : e * T * h) : in_lora;
+  const double mlp = in_mlp + (B.gated ? 3 : 1) * e * T * H + linear_kept(o, lmlp, H, T, e);
+  const double n2 = (B.shared_norm ? 0 : norm) + (B.softcap ? 2 * norm : 0);
+  // QLoRA: the 4-bit Linears' inputs twice. MatMul4Bit keeps one copy (bitsandbytes 0.42); the
+  // second is not explained: the config hub's QLoRA rows sit that far (7-16%, 1.7-2.6 GB) above
+  // this count with one copy, while its LoRA rows, which the same code without 4-bit Linears
+  // replays within 0.7% on an H200 (bench/litgpt_peak.py), match with none. bitsandbytes is not
+  // on the GPU image, so the lab has not counted it (bench/RESULTS.md, seventh GPU session).
+  const double kept = 2 * qlora_kept_inputs(m, o, B, T, e);
+  Saved s;
+  s.bytes = norm + qkv + core + proj + n2 + mlp + kept;
+  s.formula = fmt::format("norms {} + qkv {} + SDPA {} ({}) + proj {} + MLP {}{}; T={} e={}", format_bytes(norm + n2), format_bytes(qkv),
+                          format_bytes(core), gqa ? "k, v repeated to the query heads" : "q, k, the qkv output, out",
+                          format_bytes(proj), format_bytes(mlp),
+                          kept > 0 ? fmt::format(" + the 4-bit Linears' inputs, twice {}", format_bytes(kept)) : "", T, e);
+  return s;
+}
+
 // One block's saved activations (bytes) for T tokens.
 Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
+  if (o.litgpt_version >= 2024) return block_saved_2024(m, o, B, T);
   const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
   const bool expand = o.litgpt_version >= 2024 ? m.kv_heads != m.heads : m.kv_heads != 1;
   const double kv = expand ? q : double(m.kv_dim());
@@ -246,9 +316,14 @@ void add_lit_activations(MemReport& r, const ModelShape& m, const TrainOptions& 
                        Place::Device, Basis::Formula});
   }
   const double logit_copies = B.softcap ? 3 : 2;  // Gemma 2: tanh keeps the softcapped logits too
-  r.lines.push_back({"activations (head: norm, lm_head input, chunked logits and log-softmax)", norm_f + e * T * h + logit_copies * e * T * V,
-                     fmt::format("norm + e·T·h + {}·e·T·V (lm_head in chunks of 128 tokens, cross-entropy per chunk{}), V = {}", logit_copies,
-                                 B.softcap ? ", tanh's softcapped logits" : "", m.vocab),
+  // lm_head's input: 2023 code counts it always; 2024 as any Linear (linear_kept), and a frozen
+  // 4-bit lm_head (QLoRA) keeps it in MatMul4Bit unless its LoRA branch holds that very tensor.
+  const bool head = z.lora && std::count(o.lora_targets.begin(), o.lora_targets.end(), "head") > 0;  // as lit_sizes: "all" is the blocks
+  const double head_in = o.litgpt_version < 2024 ? e * T * h
+                                                 : linear_kept(o, head, h, T, e) + (o.qlora && (o.lora_dropout > 0 || !head) ? e * T * h : 0);
+  r.lines.push_back({"activations (head: norm, lm_head input, chunked logits and log-softmax)", norm_f + head_in + logit_copies * e * T * V,
+                     fmt::format("norm + lm_head input {} + {}·e·T·V (lm_head in chunks of 128 tokens, cross-entropy per chunk{}), V = {}",
+                                 format_bytes(head_in), logit_copies, B.softcap ? ", tanh's softcapped logits" : "", m.vocab),
                      kLit, Place::Device, Basis::Formula});
   if (!z.lora && T > 128)  // a trained lm_head: each chunk's V x h gradient added to the sum of the ones before
     r.lines.push_back({"temporary: lm_head's gradient summed over its chunks", 2 * e * V * h,

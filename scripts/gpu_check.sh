@@ -20,7 +20,7 @@
 #                against the engine's (LABS=...; LABS=sweep: MMQ's K splits x pipeline depths, 10 s)
 #     bench      llmq-bench --synthetic llama-2-7b, Q4_0, Q8_0, Q4_K, Q6_K and Q5_0 (BENCH_TYPES=...), with --profile
 #                and --batch 32
-#                (NO_MMQ=1: MMQ off once more; DECODE_ATTN=0: without llama-2-7b's and llama-3-8b's
+#                (NO_MMQ=1: MMQ off once more; MMQ_ALL="q6_k ...": those types with MMQ forced; DECODE_ATTN=0: without llama-2-7b's and llama-3-8b's
 #                Q4_0 on decode attention version 1 forced, against the default's version 3, at
 #                640 and at 4,096 positions;
 #                PDL=0: without the Q4_0 and Q8_0 runs without programmatic dependent launch,
@@ -42,7 +42,9 @@
 #                most of it quantizing the host weights), beside the peer phase's test-backend-ops
 #     tools      llmq-run (offload, --tp 2, ranks as processes), llmq-server
 #     train      bench/train_mem.py: PyTorch's peak vs llmq-mem train; bench/generate_mem.py:
-#                transformers' generate() peak vs llmq-mem generate
+#                transformers' generate() peak vs llmq-mem generate; bench/litgpt_saved.py: LitGPT's
+#                saved tensors on the GPU; bench/litgpt_peak.py: LitGPT's fine-tuning peak on the config
+#                hub's recipes (TRAIN_STEPS="train generate litgpt peak": a subset)
 #   DRY=1 bash scripts/gpu_check.sh ...  # print the commands only
 # The default order puts what a session has not measured yet before what it re-measures, so a
 # call cut short by its time limit still brings back the new numbers.
@@ -117,7 +119,9 @@ mem_check() {
   local m=$1 ctx
   for ctx in 512 4096; do
     "$G/bin/llmq-mem" infer -m "$m" --device cuda --ctx "$ctx"
+    local t0; t0=$(date +%s.%N)
     gpu_peak "$G/bin/llmq-run" -m "$m" -p Once -n 16 --temp 0 --device cuda --ctx "$ctx"
+    echo "llmq-run wall (load, upload, 16 tokens): $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.2f", b - a}') s"
   done
 }
 
@@ -185,6 +189,9 @@ run_phase() {
         step "bench-7b-$t" 90 "$G/bin/llmq-bench $B7 --type $t --profile --batch 32"
       done
       [ "${NO_MMQ:-0}" = 1 ] && step bench-7b-q4_0-no-mmq 60 "LLMQ_CUDA_MMQ=0 $G/bin/llmq-bench $B7 --type q4_0 --profile"
+      # MMQ_ALL="q6_k ...": those types again with MMQ forced for every batch (LLMQ_CUDA_MMQ=1),
+      # against the default's choice (engine/cuda/matmul.cu mmq_wins)
+      for t in ${MMQ_ALL:-}; do step "bench-7b-$t-mmq" 90 "LLMQ_CUDA_MMQ=1 $G/bin/llmq-bench $B7 --type $t --batch 32"; done
       # programmatic dependent launch (the default on Hopper) off, end to end (decode graphs,
       # prefill, batch 32)
       if [ "${PDL:-1}" = 1 ]; then
@@ -253,13 +260,17 @@ run_phase() {
       step server 120 server_check
       ;;
     train)
-      step train-mem ${TRAIN_SECS:-240} "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
-      step generate-mem ${GENERATE_SECS:-150} "python3 bench/generate_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/generate_mem.json"
+      [[ " ${TRAIN_STEPS:-train generate litgpt peak} " == *" train "* ]] && step train-mem ${TRAIN_SECS:-240} "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
+      [[ " ${TRAIN_STEPS:-train generate litgpt peak} " == *" generate "* ]] && step generate-mem ${GENERATE_SECS:-150} "python3 bench/generate_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/generate_mem.json"
       # LitGPT's saved tensors per block on the GPU (FlashAttention), beside the CPU's count
       # (bench/RESULTS.md "LitGPT's saved tensors counted on the CPU").
       # --list: every saved storage, on the CPU and on the GPU, to find the GPU-only term; --lora-all:
       # QLoRA's kept inputs on a TinyLlama-shaped block (the config hub's recipe: 8 x 512 tokens)
-      step litgpt-saved ${LITGPT_SECS:-150} "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && \
+      # LitGPT's training step replayed on the config hub's recipes at their full sequence: the peak
+      # against the published A10G figures (bench/litgpt_peak.py)
+      [[ " ${TRAIN_STEPS:-train generate litgpt peak} " == *" peak "* ]] && step litgpt-peak ${PEAK_SECS:-150} "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && \
+        PYTHONPATH=/tmp/site python3 bench/litgpt_peak.py --json $dir/litgpt_peak.json"
+      [[ " ${TRAIN_STEPS:-train generate litgpt peak} " == *" litgpt "* ]] && step litgpt-saved ${LITGPT_SECS:-150} "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && \
         for d in cpu cuda; do PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --device \$d --list; done && \
         for s in '1304 4096 11008 32' '4096 2048 5632 32'; do set -- \$s; PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda; \
           PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda --lora-all; done"

@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "engine/model.h"
 #include "engine/tp.h"
@@ -337,9 +339,10 @@ TEST_CASE("LitGPT framework: LoRA on Llama-2 as lit-gpt's resource table measure
   const MemReport r = estimate_training(m, o);
   const double T = 1304, h = double(m.dim), H = double(m.hidden);
   CHECK(lines_sum(r, {"activations (blocks)"}) == Approx(double(m.layers) * T * (4 * h + 2 * h + 3 * h + 10 * h + 6 * h + 8 * H)));
-  // The 2024 code normalises in fp32: more saved bytes. QLoRA: NF4 Linear layers, paged optimizer states outside torch.
+  // 2024 code (counted in "LitGPT 2024 block" below): a frozen Linear keeps no input, so LoRA
+  // keeps less. QLoRA: NF4 Linear layers, paged optimizer states outside torch.
   o.litgpt_version = 2024;
-  CHECK(estimate_training(m, o).total(Place::Device) > r.total(Place::Device));
+  CHECK(estimate_training(m, o).total(Place::Device) < r.total(Place::Device));
   o.qlora = true;
   const MemReport q = estimate_training(m, o);
   CHECK(lines_sum(q, {"optimizer states (paged: CUDA managed memory, outside torch's count)"}) == 0);
@@ -347,11 +350,12 @@ TEST_CASE("LitGPT framework: LoRA on Llama-2 as lit-gpt's resource table measure
   // bitsandbytes 0.42 (LitGPT's pin) keeps every 4-bit Linear's input for the backward: qkv's,
   // proj's, the MLP's two (eT(2h + q + H) a block beside the LoRA run's saved tensors; none when
   // LoRA without dropout on every Linear saves those inputs itself; bench/litgpt_saved.py --lora-all).
+  // The 2024 model counts them twice: the config hub's QLoRA rows are that far above one copy.
   const double e = 2, kept = double(m.layers) * e * T * (2 * h + double(m.q_dim()) + H);
   o.qlora = false;
   const double lora_blocks = lines_sum(estimate_training(m, o), {"activations (blocks)"});
   o.qlora = true;
-  CHECK(lines_sum(q, {"activations (blocks)"}) == Approx(lora_blocks + kept));
+  CHECK(lines_sum(q, {"activations (blocks)"}) == Approx(lora_blocks + 2 * kept));
   o.lora_dropout = 0, o.lora_targets = {"all"};
   const double no_drop = lines_sum(estimate_training(m, o), {"activations (blocks)"});
   o.qlora = false;
@@ -402,15 +406,51 @@ TEST_CASE("LitGPT framework: LoRA on Llama-2 as lit-gpt's resource table measure
   const MemReport g1r = estimate_training(g2, og);
   og.block = "gemma2";
   const MemReport g2r = estimate_training(g2, og);
-  const double Tg = 1024, qd = 2048, scores = 2 * 8 * 512.0 * 512 * 8;
+  // Per block: the score matrices replace SDPA's output and log-sum-exp; two more (frozen) fp32
+  // norms: x, rsqrt and the weight's copy.
+  const double Tg = 1024, qd = 2048, scores = 2 * 8 * 512.0 * 512 * 8, norm = 4 * Tg * 2304 + 4 * Tg + 4 * 2304;
   CHECK(g2r.total(Place::Device) - g1r.total(Place::Device) ==
-        Approx(26 * (scores - 2 * Tg * qd + 2 * 8 * Tg * 2304) + 2 * Tg * 256000).epsilon(1e-9));
-  CHECK(g2r.total(Place::Device) == Approx(14.31 * GB).epsilon(0.06));  // +5.2%: LitGPT keeps lm_head beside the embedding
+        Approx(26 * (scores - 2 * Tg * qd - 4 * 8 * Tg + 2 * norm) + 2 * Tg * 256000).epsilon(1e-9));
+  // -7.6%: Gemma's published rows sit above what their code keeps (lg-ch-gemma2b-lora's recipe,
+  // replayed on an H200 by bench/litgpt_peak.py, peaks 10% below its published figure).
+  CHECK(g2r.total(Place::Device) == Approx(14.31 * GB).epsilon(0.08));
   // LitGPT never ties lm_head to the embedding: a tied model holds V·h more, 2 B each in bf16.
   ModelShape untied = g2;
   untied.tied = false;
   const double extra_head = estimate_training(g2, og).total(Place::Device) - estimate_training(untied, og).total(Place::Device);
   CHECK(extra_head == Approx(0.0).margin(1.0));
+}
+
+TEST_CASE("LitGPT 2024 block: saved bytes = bench/litgpt_saved.py's count on an H200", "[mem]") {
+  // litgpt 0.5.13 on torch 2.11 (bench/RESULTS.md, seventh GPU session): the bytes of every storage
+  // autograd keeps for one Llama block (2 blocks - 1), bf16, MHA, LoRA r 8 with dropout 0.05; the
+  // model leaves out SDPA's two 8-byte RNG scalars.
+  TrainOptions o;
+  o.framework = Framework::LitGPT, o.precision = Precision::BF16, o.litgpt_version = 2024, o.micro_batch = 1;
+  const auto block = [&](int64_t T, int64_t h, int64_t H, int64_t heads, int rank, std::vector<std::string> targets) {
+    ModelShape m;
+    m.name = "lab", m.dim = h, m.hidden = H, m.layers = 1, m.heads = heads, m.kv_heads = heads, m.head_dim = h / heads;
+    m.vocab = 512, m.context = 8192;
+    o.seq_len = T, o.lora_rank = rank, o.lora_dropout = 0.05, o.lora_targets = std::move(targets);
+    return lines_sum(estimate_training(m, o), {"activations (blocks)"}) + 16;
+  };
+  const std::vector<std::string> every = {"q", "k", "v", "o", "gate", "up", "down"};
+  CHECK(block(64, 256, 688, 8, 0, {}) == 913936);  // full fine-tuning
+  CHECK(block(64, 256, 688, 8, 8, {"q", "v"}) == 717328);
+  CHECK(block(1304, 4096, 11008, 32, 0, {}) == 296645840);
+  CHECK(block(1304, 4096, 11008, 32, 8, {"q", "v"}) == 230655952);
+  CHECK(block(1304, 4096, 11008, 32, 8, every) == 300463952);
+  CHECK(block(4096, 2048, 5632, 32, 0, {}) == 470335504);
+  CHECK(block(4096, 2048, 5632, 32, 8, {"q", "v"}) == 365641744);
+  CHECK(block(4096, 2048, 5632, 32, 8, every) == 477085712);
+  // The whole step against bench/litgpt_peak.py's replay of the config hub's TinyLlama LoRA recipe
+  // (r 32 on every Linear and the head, 8 x 512 tokens) on an H200: 12.89 GB allocated at peak.
+  ModelShape t;
+  t.name = "tinyllama", t.dim = 2048, t.hidden = 5632, t.layers = 22, t.heads = 32, t.kv_heads = 4, t.head_dim = 64;
+  t.vocab = 32000, t.context = 2048;
+  o.micro_batch = 8, o.seq_len = 512, o.lora_rank = 32, o.gpu = "H200";
+  o.lora_targets = {"q", "k", "v", "o", "gate", "up", "down", "head"};
+  CHECK(estimate_training(t, o).total(Place::Device) == Approx(12.89 * GB).epsilon(0.01));
 }
 
 TEST_CASE("torchtune framework: the README's optimization flags for Llama 3.2 3B, one lever at a time", "[mem]") {
