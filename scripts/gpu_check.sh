@@ -52,6 +52,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 RES=${RES:-/tmp/gpu-check}
+# A machine may keep /tmp between loans (the seventh GPU session's archive held another day's
+# files): each call's archive holds only its own steps.
+[ "${DRY:-0}" = 1 ] || rm -rf "$RES"
 G=$PWD/.gpu
 # gpu_pack.sh's archive (what travels: the device tool carries at most 64 MiB)
 [ -d "$G" ] || [ ! -f .gpu-pack/gpu.tar.xz ] || [ "${DRY:-0}" = 1 ] || tar -xJf .gpu-pack/gpu.tar.xz
