@@ -171,11 +171,12 @@ Saved block_saved_2024(const ModelShape& m, const TrainOptions& o, const Block& 
   return s;
 }
 
-// One block's saved activations (bytes) for T tokens.
+// One block's saved activations (bytes) for T tokens: 2024 code above, 2023 code here (every
+// Linear's input counted; k and v expanded for GQA, not for MQA).
 Saved block_saved(const ModelShape& m, const TrainOptions& o, const Block& B, double T) {
   if (o.litgpt_version >= 2024) return block_saved_2024(m, o, B, T);
   const double e = o.precision == Precision::FP32 ? 4 : 2, h = double(m.dim), q = double(m.q_dim()), H = double(m.hidden);
-  const bool expand = o.litgpt_version >= 2024 ? m.kv_heads != m.heads : m.kv_heads != 1;
+  const bool expand = m.kv_heads != 1;
   const double kv = expand ? q : double(m.kv_dim());
   const double norm = norm_saved(m, o, B, T);
   const bool lora = o.lora_rank > 0, drop = lora && o.lora_dropout > 0;
