@@ -214,6 +214,7 @@ struct LitSizes {
   double N = 1, shard = 1;         // ranks; N under FSDP, else 1
   double trainable = 0;            // LoRA adapters, or every parameter
   bool lora = false, fsdp = false;
+  bool head_lora = false;          // LoRA on lm_head ("head"; "all" is the blocks' Linears)
 };
 
 // LitSizes for m and o (the trainable count throws UsageError for an unknown LoRA target).
@@ -226,8 +227,8 @@ LitSizes lit_sizes(const ModelShape& m, const TrainOptions& o) {
   const double h = double(m.dim), V = double(m.vocab), P = double(m.params()) + (m.tied ? V * h : 0), N = o.dp;
   z.h = h, z.V = V, z.P = P, z.N = N;
   z.lora = o.lora_rank > 0, z.fsdp = o.dp > 1;
-  const double head_lora = z.lora && std::count(o.lora_targets.begin(), o.lora_targets.end(), "head") ? double(o.lora_rank) * (h + V) : 0;
-  z.trainable = z.lora ? double(m.layers) * lora_layer_params_of(m, o) + head_lora : P;
+  z.head_lora = z.lora && std::count(o.lora_targets.begin(), o.lora_targets.end(), "head") > 0;
+  z.trainable = z.lora ? double(m.layers) * lora_layer_params_of(m, o) + (z.head_lora ? double(o.lora_rank) * (h + V) : 0) : P;
   z.shard = z.fsdp ? N : 1;
   return z;
 }
@@ -319,7 +320,7 @@ void add_lit_activations(MemReport& r, const ModelShape& m, const TrainOptions& 
   const double logit_copies = B.softcap ? 3 : 2;  // Gemma 2: tanh keeps the softcapped logits too
   // lm_head's input: 2023 code counts it always; 2024 as any Linear (linear_kept), and a frozen
   // 4-bit lm_head (QLoRA) keeps it in MatMul4Bit unless its LoRA branch holds that very tensor.
-  const bool head = z.lora && std::count(o.lora_targets.begin(), o.lora_targets.end(), "head") > 0;  // as lit_sizes: "all" is the blocks
+  const bool head = z.head_lora;
   const double head_in = o.litgpt_version < 2024 ? e * T * h
                                                  : linear_kept(o, head, h, T, e) + (o.qlora && (o.lora_dropout > 0 || !head) ? e * T * h : 0);
   r.lines.push_back({"activations (head: norm, lm_head input, chunked logits and log-softmax)", norm_f + head_in + logit_copies * e * T * V,

@@ -263,20 +263,21 @@ run_phase() {
       step server 120 server_check
       ;;
     train)
-      [[ " ${TRAIN_STEPS:-train generate litgpt peak} " == *" train "* ]] && step train-mem ${TRAIN_SECS:-240} "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
-      [[ " ${TRAIN_STEPS:-train generate litgpt peak} " == *" generate "* ]] && step generate-mem ${GENERATE_SECS:-150} "python3 bench/generate_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/generate_mem.json"
-      # LitGPT's saved tensors per block on the GPU (FlashAttention), beside the CPU's count
-      # (bench/RESULTS.md "LitGPT's saved tensors counted on the CPU").
-      # --list: every saved storage, on the CPU and on the GPU, to find the GPU-only term; --lora-all:
-      # QLoRA's kept inputs on a TinyLlama-shaped block (the config hub's recipe: 8 x 512 tokens)
+      local steps=" ${TRAIN_STEPS:-train generate litgpt peak} "
+      # LitGPT from the wheels gpu_pack.sh packed, for the steps that import it
+      local lit="python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && export PYTHONPATH=/tmp/site &&"
+      [[ $steps == *" train "* ]] && step train-mem ${TRAIN_SECS:-240} "python3 bench/train_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/train_mem.json"
+      [[ $steps == *" generate "* ]] && step generate-mem ${GENERATE_SECS:-150} "python3 bench/generate_mem.py --llmq-mem $G/bin/llmq-mem --json $dir/generate_mem.json"
       # LitGPT's training step replayed on the config hub's recipes at their full sequence: the peak
       # against the published A10G figures (bench/litgpt_peak.py)
-      [[ " ${TRAIN_STEPS:-train generate litgpt peak} " == *" peak "* ]] && step litgpt-peak ${PEAK_SECS:-150} "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && \
-        PYTHONPATH=/tmp/site python3 bench/litgpt_peak.py --json $dir/litgpt_peak.json"
-      [[ " ${TRAIN_STEPS:-train generate litgpt peak} " == *" litgpt "* ]] && step litgpt-saved ${LITGPT_SECS:-150} "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $G/wheels/*.whl && \
-        for d in cpu cuda; do PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --device \$d --list; done && \
-        for s in '1304 4096 11008 32' '4096 2048 5632 32'; do set -- \$s; PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda; \
-          PYTHONPATH=/tmp/site python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda --lora-all; done"
+      [[ $steps == *" peak "* ]] && step litgpt-peak ${PEAK_SECS:-150} "$lit python3 bench/litgpt_peak.py --json $dir/litgpt_peak.json"
+      # LitGPT's saved tensors per block on the GPU, beside the CPU's count (bench/RESULTS.md "LitGPT
+      # on a GPU"). --list: every saved storage, on the CPU and on the GPU; --lora-all: QLoRA's kept
+      # inputs on a TinyLlama-shaped block (the config hub's recipe: 8 x 512 tokens)
+      [[ $steps == *" litgpt "* ]] && step litgpt-saved ${LITGPT_SECS:-150} "$lit \
+        for d in cpu cuda; do python3 bench/litgpt_saved.py --device \$d --list; done && \
+        for s in '1304 4096 11008 32' '4096 2048 5632 32'; do set -- \$s; python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda; \
+          python3 bench/litgpt_saved.py --T \$1 --h \$2 --H \$3 --heads \$4 --device cuda --lora-all; done"
       ;;
     *)
       echo "gpu_check.sh: unknown phase '$phase' (info kernels tests sanitizer lab bench where blocks peer ops tools train)" >&2

@@ -8,7 +8,6 @@
 #include <string>
 #include <thread>
 #include <type_traits>
-#include <vector>
 
 #include "engine/cuda/act_q8.cuh"
 #include "engine/cuda/common.cuh"
@@ -16,6 +15,7 @@
 #include "engine/cuda/matmul.h"
 #include "engine/cuda/raw_blocks.cuh"
 #include "base/error.h"
+#include "base/threadpool.h"
 
 namespace llmq::cuda {
 
@@ -164,10 +164,10 @@ void move_rows(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* spli
     }
 }
 
-// Moves every block of a [rows, cols] matrix (move_rows), the rows split over up to 16 host
-// threads: a 7B Q4_K_M file's billions of K-quant weights are rebuilt one by one, which took
-// ~5.5 s of a GPU load on one core (bench/RESULTS.md, seventh GPU session). Each range writes
-// its own rows of every array.
+// Moves every block of a [rows, cols] matrix (move_rows), the rows split over a ThreadPool of up
+// to 16 host threads (one per 256 rows): a 7B Q4_K_M file's billions of K-quant weights are
+// rebuilt one by one, which took ~5.5 s of a GPU load on one core (bench/RESULTS.md, seventh GPU
+// session). Each chunk writes its own rows of every array.
 void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* split, bool to_split) {
   if (!is_block_type(t)) {
     const size_t n = size_t(rows) * row_bytes(t, cols);
@@ -175,12 +175,10 @@ void move_blocks(DType t, uint8_t* file, int64_t rows, int64_t cols, uint8_t* sp
     else std::memcpy(file, split, n);
     return;
   }
-  const int64_t min_rows = 256, threads = std::min<int64_t>({16, std::max(1u, std::thread::hardware_concurrency()), (rows + min_rows - 1) / min_rows});
+  const int64_t threads = std::min<int64_t>({16, int64_t(std::max(1u, std::thread::hardware_concurrency())), rows / 256});
   if (threads <= 1) return move_rows(t, file, rows, cols, split, to_split, 0, rows);
-  std::vector<std::thread> pool;
-  for (int64_t i = 0; i < threads; ++i)
-    pool.emplace_back(move_rows, t, file, rows, cols, split, to_split, rows * i / threads, rows * (i + 1) / threads);
-  for (std::thread& th : pool) th.join();
+  ThreadPool pool{int(threads)};
+  pool.parallel_for(rows, [&](int64_t r0, int64_t r1, int) { move_rows(t, file, rows, cols, split, to_split, r0, r1); });
 }
 
 }  // namespace
