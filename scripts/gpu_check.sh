@@ -32,6 +32,8 @@
 #     blocks     decode attention version 3's block target end to end (LLMQ_CUDA_V3_BLOCKS; the attn
 #                lab times it alone): llama-2-7b Q4_0 at 640 and 4,096 positions, llama-3-8b, and a
 #                batch of 32, the targets interleaved twice
+#     mmqh       MMQ on fp16 tiles (mmq_h, LLMQ_CUDA_MMQ_F16=1) against the int8 MMQ: the mmq lab on
+#                Q4_0 and Q8_0, then llama-2-7b batches of 32 (Q4_0, Q8_0; interleaved, twice), 16 and 64 (Q4_0)
 #     peer       one GGUF per type (random llama-2-7b weights, scripts/peer_gguf.py: Q4_0, Q5_0, Q8_0,
 #                the Q4_K_M mix and the Q3_K_M mix: Q3_K, Q4_K, Q5_K and Q6_K; PEER_TYPES=...),
 #                read by both llama.cpp's llama-bench and llmq-bench (after
@@ -233,6 +235,18 @@ run_phase() {
           step "where-7b-q4_0-batch32-skip-${sk//,/+}" 60 "LLMQ_CUDA_SKIP=$sk $G/bin/llmq-bench $B7 --type q4_0 --batch 32"
         done
       fi
+      ;;
+    mmqh)
+      local t f r n
+      step lab-mmq-h 150 "$G/dev/mmq --types q4_0,q8_0 --reps 5"
+      for r in 1 2; do
+        for t in q4_0 q8_0; do
+          for f in 0 1; do step "mmqh-7b-$t-batch32-f16-$f-r$r" 60 "LLMQ_CUDA_MMQ_F16=$f $G/bin/llmq-bench $B7 --type $t --batch 32"; done
+        done
+      done
+      for n in 16 64; do
+        for f in 0 1; do step "mmqh-7b-q4_0-batch$n-f16-$f" 60 "LLMQ_CUDA_MMQ_F16=$f $G/bin/llmq-bench $B7 --type q4_0 --batch $n"; done
+      done
       ;;
     peer)
       if [ -x "$G/peer/bin/llama-bench" ]; then

@@ -455,6 +455,23 @@ Op matmul_f32act_op() {
   return m;
 }
 
+/// matmul's batches of 9..64 tokens on the CUDA backend's fp16-tile MMQ (set_mmq_f16) for Q4_0
+/// and Q8_0: activations rounded to fp16 rather than int8, so 2e-3 of fp64 on the GPU; the CPU
+/// backends ignore the setting (their matmul bound).
+Op matmul_mmq_h_op() {
+  void (*set)(bool) = [](bool on) {
+#ifdef LLMQ_HAVE_CUDA
+    cuda::set_mmq_f16(on);
+#else
+    (void)on;
+#endif
+  };
+  Op m = matmul_with("matmul_mmq_h", {DType::Q4_0, DType::Q8_0}, {{129, 256, 17}, {64, 512, 64}, {65, 192, 33}, {300, 128, 9}}, set);
+  auto bound = m.bound;
+  m.bound = [bound](DType t, const Backend& b, const Shape& s) { return b.gpu() ? 2e-3 : bound(t, b, s); };
+  return m;
+}
+
 Op rmsnorm_op() {
   return {"rmsnorm", {DType::F32}, {{5, 8}, {3, 300}, {2, 4096}},
           [](Backend& b, DType, const Shape& s, std::mt19937_64& rng) {
@@ -623,7 +640,7 @@ Op head_rmsnorm_op() {
 
 /// Every op of the harness.
 std::vector<Op> ops() {
-  return {matmul_op(), matmul_k256_op(), matmul_f32act_op(), rmsnorm_op(), rope_op(), gated_op(Activation::SwiGLU), gated_op(Activation::GeGLU), softmax_op(),
+  return {matmul_op(), matmul_k256_op(), matmul_f32act_op(), matmul_mmq_h_op(), rmsnorm_op(), rope_op(), gated_op(Activation::SwiGLU), gated_op(Activation::GeGLU), softmax_op(),
           attention_op(), embedding_op(), softcap_op(), head_rmsnorm_op()};
 }
 

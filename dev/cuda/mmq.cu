@@ -5,7 +5,9 @@
 // copies totalling >= 512 MiB so small T reads DRAM, not L2. TFLOP/s = 2 rows cols T / time.
 //
 // "engine matmul" is what the engine runs for that T (matmul(): MMQ up to kCudaMmqMaxTokens,
-// then dequantize + cuBLAS), quantization of the fp32 input included.
+// then dequantize + cuBLAS), quantization of the fp32 input included. "mmq_h" (Q4_0, Q8_0, T <=
+// 64): MMQ on fp16 tiles (each weight dequantized to fp16 once per tile, fp16 mma) on the fp16
+// activations cuBLAS reads; matmul() takes it under LLMQ_CUDA_MMQ_F16=1.
 //
 //   dev/cuda/build.sh && build-gpu/dev/mmq [--reps N] [--types q4_0,q4_k,...]
 // (default: every quantized type the engine's MMQ takes, Q4_0 first)
@@ -189,6 +191,21 @@ int main(int argc, char** argv) {
             std::snprintf(name, sizeof name, "mmq tile %d split %d%s", tile, mmq_splits(w[0], T, split.bytes()), tile == mmq_tile_tokens(T) ? " *" : "");
             line(name, best_time_ms(reps, [&] {
                    for (int k = 0; k < copies; ++k) mmq(w[(i++) % copies], xq, y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
+                 }) / copies,
+                 err);
+          }
+          for (int tile : {16, 32, 64}) {  // MMQ on fp16 tiles (mmq_h), on the fp16 activations cuBLAS reads
+            if (!mmq_h_supported(w[0]) || tile > 2 * T || T > 64) continue;
+            CK(cudaMemset(y.get(), 0xff, y.bytes()));
+            mmq_h(w[0], xh.as<uint16_t>(), y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
+            CK(cudaGetLastError());
+            CK(cudaDeviceSynchronize());
+            y.download(got.data(), got.size() * 4);
+            const double err = rel(got, ref);
+            char name[64];
+            std::snprintf(name, sizeof name, "mmq_h tile %d split %d", tile, mmq_splits(w[0], T, split.bytes()));
+            line(name, best_time_ms(reps, [&] {
+                   for (int k = 0; k < copies; ++k) mmq_h(w[(i++) % copies], xh.as<uint16_t>(), y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
                  }) / copies,
                  err);
           }

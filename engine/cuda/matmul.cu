@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -955,7 +956,37 @@ static bool use_mmq(const DeviceWeight& w, int64_t T) {
   return mode != 0 && T > kGemvMaxTokens && (mode == 1 || T <= mmq_max_tokens(w.type)) && mmq_supported(w);
 }
 
-bool matmul_quantizes(const DeviceWeight& w, int64_t T) { return (T <= kGemvMaxTokens && gemv_reads_int8(w)) || use_mmq(w, T); }
+// MMQ's batches of Q4_0 / Q8_0 (up to 64 tokens) on fp16 tiles (mmq_h): off by default, an
+// experiment until a GPU times it against the int8 kernel (dev/cuda/mmq.cu); LLMQ_CUDA_MMQ_F16=1
+// or set_mmq_f16(true) turns it on.
+static std::atomic<bool>& mmq_f16_on() {
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("LLMQ_CUDA_MMQ_F16");
+    return e && std::atoi(e) == 1;
+  }()};
+  return on;
+}
+
+void set_mmq_f16(bool on) { mmq_f16_on() = on; }
+
+static bool use_mmq_h(const DeviceWeight& w, int64_t T) {
+  return mmq_f16_on() && T <= 64 && use_mmq(w, T) && mmq_h_supported(w);
+}
+
+bool matmul_quantizes(const DeviceWeight& w, int64_t T) {
+  return (T <= kGemvMaxTokens && gemv_reads_int8(w)) || (use_mmq(w, T) && !use_mmq_h(w, T));
+}
+
+const uint16_t* MatmulContext::half(const float* x, int64_t T, int64_t cols, bool bf16) {
+  auto* xh = act_h_.as<uint16_t>();
+  if (held_ == x && half_.x == x && half_.T == T && half_.cols == cols && bf16_half_ == bf16) return xh;
+  const int64_t n = T * cols;
+  LLMQ_LAUNCH(convert_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream_)(x, xh, n, bf16);
+  check_launch("convert");
+  half_ = held_ == x ? Note{x, T, cols} : Note{};
+  bf16_half_ = bf16;
+  return xh;
+}
 
 const DeviceActQ8* MatmulContext::fusable(const DeviceWeight& next, int64_t T, int64_t cols) {
   if (!matmul_quantizes(next, T) || cols % 32 != 0) return nullptr;
@@ -970,6 +1001,10 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
   if (T <= kGemvMaxTokens) {
     const DeviceActQ8 xq = gemv_reads_int8(w) ? c.quantized(x, T, w.cols) : c.act();
     gemv(w, x, xq, y, T, ldy, s);
+    return;
+  }
+  if (use_mmq_h(w, T)) {
+    mmq_h(w, c.half(x, T, w.cols, false), y, T, ldy, s, 0, c.mmq_split_.as<float>(), c.mmq_split_.bytes());
     return;
   }
   if (use_mmq(w, T)) {  // block-quantized weights on the tensor cores, no fp16 copy of the matrix
@@ -988,15 +1023,7 @@ void matmul(MatmulContext& c, const DeviceWeight& w, const float* x, float* y, i
   }
   const bool bf16 = w.type == DType::BF16;
   const cudaDataType_t ab = bf16 ? CUDA_R_16BF : CUDA_R_16F;
-  auto* xh = c.act_h_.as<uint16_t>();
-  const int64_t nx = T * w.cols;
-  const bool converted = c.held_ == x && c.half_.x == x && c.half_.T == T && c.half_.cols == w.cols && c.bf16_half_ == bf16;
-  if (!converted) {
-    LLMQ_LAUNCH(convert_kernel, unsigned(std::min<int64_t>((nx + 255) / 256, 4096)), 256, 0, s)(x, xh, nx, bf16);
-    check_launch("convert");
-    c.half_ = c.held_ == x ? MatmulContext::Note{x, T, w.cols} : MatmulContext::Note{};
-    c.bf16_half_ = bf16;
-  }
+  const uint16_t* xh = c.half(x, T, w.cols, bf16);
   if (w.type == DType::F16 || bf16) {
     check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w.q, ab, k, xh, ab, k, &zero, y, CUDA_R_32F, ldc,
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),

@@ -164,6 +164,8 @@ class MatmulContext {
   DeviceActQ8 act_view_;  // act(), for fusable's callers
   // The activation buffers for x [T, cols]: quantized now, unless the note says they hold it.
   DeviceActQ8 quantized(const float* x, int64_t T, int64_t cols);
+  // act_h_ holding x [T, cols] as fp16 (bf16: as bf16): converted now, unless held and done.
+  const uint16_t* half(const float* x, int64_t T, int64_t cols, bool bf16);
 };
 
 /// y [T, w.rows] = x [T, w.cols] · wᵀ on ctx's stream (asynchronous); row t of y starts at
@@ -210,6 +212,20 @@ struct MmqTuning {
 };
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens = 0,
          float* split = nullptr, uint64_t split_bytes = 0, MmqTuning tune = {});
+/// MMQ on fp16 tiles (engine/cuda/mmq.cu, "MMQ on fp16 tiles"): y [T, rows] (row t at y + t ·
+/// ldy; ldy 0: rows) = xh · wᵀ for Q4_0 / Q8_0 weights w (split layout, cols % 64 == 0) and fp16
+/// activations xh [T, cols]: each weight dequantized to fp16 once per tile of tile_tokens (16,
+/// 32 or 64; 0: mmq's pick up to 64), fp16 mma with fp32 sums. splits: K splits into the
+/// scratch (0: mmq_splits's count, 1 without scratch). Throws UsageError for other types,
+/// widths, tiles or splits that do not fit. The lab times it against mmq (dev/cuda/mmq.cu);
+/// matmul() takes it for MMQ's batches under LLMQ_CUDA_MMQ_F16=1.
+void mmq_h(const DeviceWeight& w, const uint16_t* xh, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens = 0,
+           float* split = nullptr, uint64_t split_bytes = 0, int splits = 0);
+bool mmq_h_supported(const DeviceWeight& w);
+/// Whether matmul() runs MMQ's Q4_0 / Q8_0 batches (9..64 tokens) on mmq_h rather than the int8
+/// kernel (default off, or LLMQ_CUDA_MMQ_F16=1). Process-wide; set it before products are
+/// enqueued (a captured CUDA graph keeps the kernels it recorded).
+void set_mmq_f16(bool on);
 /// The K splits mmq uses for w at T tokens with split_bytes of scratch (1: none).
 int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes);
 bool mmq_supported(const DeviceWeight& w);

@@ -21,6 +21,9 @@
 //     .trans"): lanes 8m .. 8m+7 give the addresses of matrix m's 8 rows (16 bytes each); lane L
 //     receives in r[m] the elements (row 2 (L % 4), column L / 4) and (row 2 (L % 4) + 1,
 //     column L / 4) of matrix m: a B fragment of mma_f16 from a row-major [k][n] tile.
+//   ldmatrix_x4: the same four matrices untransposed: lane L receives in r[m] the elements (row
+//     L / 4, columns 2 (L % 4), 2 (L % 4) + 1) of matrix m: a B fragment of mma_f16 from a
+//     row-major [n][k] tile (one token's activations a row).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -108,6 +111,19 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* addr) {
   emu::sync_warp();
 }
 
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* addr) {
+  uint64_t* x = emu::warp_exchange();
+  const int lane = emu::lane();
+  std::memcpy(x + lane * 8, &addr, sizeof addr);
+  emu::sync_warp();
+  for (int m = 0; m < 4; ++m) {
+    const void* row;
+    std::memcpy(&row, x + (8 * m + lane / 4) * 8, sizeof row);
+    std::memcpy(&r[m], static_cast<const uint8_t*>(row) + 4 * (lane % 4), 4);
+  }
+  emu::sync_warp();
+}
+
 #else
 
 template <int kBytes>
@@ -145,6 +161,13 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], c
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* addr) {
   const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(addr));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* addr) {
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(addr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
 }

@@ -98,6 +98,7 @@ struct MmqArgs {
   int rows, cols, T;
   int splits;     // gridDim.z: column ranges (split-K), each a contiguous run of stages
   int64_t rb;     // bytes per weight row (the raw types' rows)
+  const uint16_t* xh = nullptr;  // mmq_h: the activations as fp16 [T, cols] (xq, xd, xs unused)
 };
 
 // IQ4_NL's part of a stage (column blocks kb, kb + 1) for the rows at row0, by 16-bit loads
@@ -192,6 +193,70 @@ __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs&
     if constexpr (kType != DType::Q8_0) cp_async8(st.sx + 2 * i, p.xs + tok * nb + kb);
   }
 }
+
+// A thread's copies of every stage of mmq_kernel for the split layouts (all but the raw Q2_K /
+// Q3_K / IQ4_NL rows, which mmq_load keeps), addressed once: each thread's chunks sit at the same
+// place in every stage and their sources move by a stage's columns, where mmq_load recomputes
+// 64-bit addresses per stage (about a third of the stage loop's instructions, dev/README.md #26).
+// Rows and tokens past the end read the last one (their results are not stored).
+template <DType kType, int BN>
+struct MmqCopies {
+  static constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16 + (kType == DType::Q6_K ? 1 : 0);  // Q6_K: and the crumbs
+  static constexpr int kChunks = kMmqBM * kRowChunks, kW = (kChunks + kMmqThreads - 1) / kMmqThreads;  // weight chunks a thread
+  static constexpr int kX = (BN * 4 + kMmqThreads - 1) / kMmqThreads;                                    // activation chunks a thread
+  const uint8_t* w[kW];
+  int wo[kW], ws[kW];       // offset in the stage's a, source bytes a stage
+  const int8_t* x[kX];
+  int xo[kX];
+  const uint16_t *d, *m;    // row tid's scales and minimums (threads < kMmqBM)
+  const uint32_t* h;        // its fifth bits (Q5_0, Q5_1, Q5_K)
+  const uint16_t* k;        // its super-blocks' d | dmin words (Q4_K, Q5_K, Q6_K)
+  const float *dx, *sx;     // token tid's scales and sums (threads < BN)
+  int kb0;                  // the first column block
+
+  __device__ __forceinline__ MmqCopies(const MmqArgs& p, int row0, int tok0, int first_kb) : kb0(first_kb) {
+    const int tid = int(threadIdx.x), nb = p.cols / 32;
+#pragma unroll
+    for (int i = 0; i < kW; ++i) {
+      const int e = min(tid + i * kMmqThreads, kChunks - 1), r = e / kRowChunks, c = e % kRowChunks;
+      const int64_t row = min(row0 + r, p.rows - 1);
+      if (kType == DType::Q6_K && c == 2)  // the two blocks' 8 bytes of crumbs (16-byte aligned: kb is even)
+        w[i] = reinterpret_cast<const uint8_t*>(p.wh) + (row * nb + first_kb) * 8, ws[i] = 16;
+      else
+        w[i] = p.wq + (row * nb + first_kb) * kQB + c * 16, ws[i] = 2 * kQB;
+      wo[i] = r * kAPitch<kType> + c * 16;
+    }
+#pragma unroll
+    for (int i = 0; i < kX; ++i) {
+      const int e = min(tid + i * kMmqThreads, BN * 4 - 1), t = e / 4, c = e % 4;
+      x[i] = p.xq + int64_t(min(tok0 + t, p.T - 1)) * p.cols + first_kb * 32 + c * 16, xo[i] = t * kBPitch + c * 16;
+    }
+    const int64_t row = min(row0 + min(tid, kMmqBM - 1), p.rows - 1), tok = min(tok0 + min(tid, BN - 1), p.T - 1);
+    d = p.wd + row * nb + first_kb, m = p.wm + row * nb + first_kb, h = p.wh + row * nb + first_kb;
+    k = p.wk + 2 * row * (nb / 8);
+    dx = p.xd + tok * nb + first_kb, sx = p.xs + tok * nb + first_kb;
+  }
+  // Stage s of this block's run (column blocks kb0 + 2 s, + 1) into st.
+  __device__ __forceinline__ void issue(MmqStage<kType, BN>& st, int s) const {
+    const int tid = int(threadIdx.x);
+#pragma unroll
+    for (int i = 0; i < kW; ++i)
+      if (kChunks >= kMmqThreads * (i + 1) || tid + i * kMmqThreads < kChunks) cp_async16(st.a + wo[i], w[i] + int64_t(s) * ws[i]);
+#pragma unroll
+    for (int i = 0; i < kX; ++i)
+      if (BN * 4 >= kMmqThreads * (i + 1) || tid + i * kMmqThreads < BN * 4) cp_async16(st.b + xo[i], x[i] + int64_t(s) * 64);
+    if (tid < kMmqBM) {
+      if constexpr (kQ5<kType>) cp_async8(st.a + tid * kAPitch<kType> + 32, h + 2 * s);  // the two blocks' words of fifth bits
+      cp_async4(st.dw + 2 * tid, d + 2 * s);
+      if constexpr (kMin<kType>) cp_async4(st.mw + 2 * tid, m + 2 * s);
+      if constexpr (kSplitK<kType>) cp_async4(st.mw + 2 * tid, k + 2 * ((kb0 + 2 * s) / 8));  // kb, kb + 1: one super-block
+    }
+    if (tid < BN) {
+      cp_async8(st.dx + 2 * tid, dx + 2 * s);
+      if constexpr (kType != DType::Q8_0) cp_async8(st.sx + 2 * tid, sx + 2 * s);
+    }
+  }
+};
 
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
@@ -338,15 +403,15 @@ __device__ __forceinline__ void mmq_scale_add(float* o, const int (&d)[4], float
   }
 }
 
-// mmq_kernel's end: the warp's accumulators (2 × NT mma tiles of 16 rows × 8 tokens, lane (g, c)
+// The kernels' end: the warp's accumulators (MI × NT mma tiles of 16 rows × 8 tokens, lane (g, c)
 // holding rows g and g + 8, tokens 2c and 2c + 1) into y, or into split z's part of p.y.
-template <int NT>
-__device__ __forceinline__ void mmq_store(const float (&acc)[2][NT][4], const MmqArgs& p, int row0, int tok0, int wr, int wc, int g, int c,
+template <int MI, int NT>
+__device__ __forceinline__ void mmq_store(const float (&acc)[MI][NT][4], const MmqArgs& p, int row0, int tok0, int wr, int wc, int g, int c,
                                           int z) {
   float* y = p.splits == 1 ? p.y : p.y + int64_t(z) * p.T * p.rows;
   const int64_t ldy = p.splits == 1 ? p.ldy : p.rows;
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
@@ -379,15 +444,21 @@ __global__ void __launch_bounds__(kMmqThreads, MinB) mmq_kernel(MmqArgs p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
 
+  constexpr bool kRaw = kWords<kType> || kB32<kType>;  // rows in the file's layout: mmq_load per stage
+  const MmqCopies<kType, BN> copies(p, row0, tok0, 2 * first);
+  auto load = [&](int s) {
+    if constexpr (kRaw) mmq_load(st[s % S], p, row0, tok0, 2 * (first + s));
+    else copies.issue(st[s % S], s);
+  };
   for (int s = 0; s < S - 1; ++s) {
-    if (s < n_stages) mmq_load(st[s], p, row0, tok0, 2 * (first + s));
+    if (s < n_stages) load(s);
     cp_async_commit();
   }
   for (int k = 0; k < n_stages; ++k) {
     cp_async_wait<S - 2>();  // stage k has landed (for this thread's copies) ...
     __syncthreads();                  // ... and everyone's; stage k - 1 is consumed by all
     const int kn = k + S - 1;
-    if (kn < n_stages) mmq_load(st[kn % S], p, row0, tok0, 2 * (first + kn));
+    if (kn < n_stages) load(kn);
     cp_async_commit();
     const Stage& s = st[k % S];
     const int pr = (first + k) % 4;  // K-quants: the stage's sub-block pair in its super-block
@@ -423,7 +494,7 @@ __global__ void __launch_bounds__(kMmqThreads, MinB) mmq_kernel(MmqArgs p) {
     }
   }
   cp_async_wait<0>();
-  mmq_store<NT>(acc, p, row0, tok0, wr, wc, g, c, z);
+  mmq_store<2, NT>(acc, p, row0, tok0, wr, wc, g, c, z);
 }
 
 // y [T, rows] (row t at y + t · ldy) = Σ_z part [z, T, rows], z in order.
@@ -435,6 +506,170 @@ __global__ void mmq_reduce_kernel(const float* __restrict__ part, float* __restr
     for (int z = 0; z < splits; ++z) v += part[z * n + i];
     y[(i / rows) * ldy + i % rows] = v;
   }
+}
+
+// ---- MMQ on fp16 tiles (mmq_h; Q4_0 and Q8_0) ----
+// The int8 kernel above scales every 16 x 8 tile's integer sums per 32-column block in fp32
+// (a conversion and two FMAs per row, token and block): at 16-32 tokens those instructions,
+// not the bytes, bound a stage (dev/README.md #21). Here each warp owns 16 rows and every token
+// of the tile, dequantizes its weights once into mma.m16n8k16 A fragments (fp16 d_w (q - 8) or
+// d_w q, exact q by the 0x6400 exponent trick), and multiplies fp16 activations with fp32
+// accumulation: the per-(row, token) work is the mma alone, the dequantization is shared by all
+// BN tokens. Activations are fp16 [T, cols] (the cuBLAS path's conversion), loaded by cp.async
+// into rows of kXhPitch halves and read by ldmatrix.
+constexpr int kXhPitch = kMmqBK + 8;  // halves a token's row (144 bytes: ldmatrix's 8 rows fall in distinct banks)
+
+template <DType kType, int BN>
+struct MmqHStage {
+  alignas(16) uint8_t a[kMmqBM * kAPitch<kType>];  // weight quants [BM][2 blocks' bytes + pad], as MmqStage
+  alignas(16) uint16_t x[BN * kXhPitch];            // fp16 activations [BN][64 + 8]
+  alignas(16) uint16_t dw[kMmqBM * 2];               // weight scales [BM][2] fp16
+};
+
+// A thread's copies of every stage, addressed once: its chunks of weight quants, activations
+// and scales sit at the same place in each stage, and their sources move by a stage's columns
+// (the int8 kernel's loader recomputes 64-bit addresses per stage: about a third of its loop's
+// instructions). Rows and tokens past the end read the last one (their results are not stored).
+template <DType kType, int BN>
+struct MmqHCopies {
+  static constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16;  // 16-byte chunks a row and stage
+  static constexpr int kW = kMmqBM * kRowChunks / kMmqThreads;                // a thread's weight chunks (Q4_0 1, Q8_0 2)
+  static constexpr int kX = (BN * 8 + kMmqThreads - 1) / kMmqThreads;         // its activation chunks (BN 16: half the threads)
+  const uint8_t* w[kW];
+  int wo[kW];
+  const uint16_t* x[kX];
+  int xo[kX];
+  const uint16_t* d;  // the row's scales (threads < kMmqBM)
+
+  __device__ __forceinline__ MmqHCopies(const MmqArgs& p, int row0, int tok0, int first_kb) {
+    const int tid = int(threadIdx.x), nb = p.cols / 32;
+#pragma unroll
+    for (int i = 0; i < kW; ++i) {
+      const int e = tid + i * kMmqThreads, r = e / kRowChunks, c = e % kRowChunks, row = min(row0 + r, p.rows - 1);
+      w[i] = p.wq + (int64_t(row) * nb + first_kb) * kQB + c * 16, wo[i] = r * kAPitch<kType> + c * 16;
+    }
+#pragma unroll
+    for (int i = 0; i < kX; ++i) {
+      const int e = tid + i * kMmqThreads, t = min(e / 8, BN - 1), c = e % 8, tok = min(tok0 + t, p.T - 1);
+      x[i] = p.xh + int64_t(tok) * p.cols + first_kb * 32 + c * 8, xo[i] = t * kXhPitch + c * 8;
+    }
+    d = p.wd + int64_t(min(row0 + min(tid, kMmqBM - 1), p.rows - 1)) * nb + first_kb;
+  }
+  // Stage s of this block's run (column blocks first_kb + 2 s, + 1) into st.
+  __device__ __forceinline__ void issue(MmqHStage<kType, BN>& st, int s) const {
+#pragma unroll
+    for (int i = 0; i < kW; ++i) cp_async16(st.a + wo[i], w[i] + int64_t(s) * 2 * kQB);
+#pragma unroll
+    for (int i = 0; i < kX; ++i)
+      if (BN * 8 >= kMmqThreads * (i + 1) || int(threadIdx.x) + i * kMmqThreads < BN * 8) cp_async16(st.x + xo[i], x[i] + s * 64);
+    if (int(threadIdx.x) < kMmqBM) cp_async4(st.dw + 2 * int(threadIdx.x), d + 2 * s);
+  }
+};
+
+__device__ __forceinline__ uint32_t lds16(const void* p) { return *reinterpret_cast<const uint16_t*>(p); }
+
+// d (fp16 bits) × (the half2 of w - off): w holds two values v as fp16 1024 + v
+// (0x6400 | v, v < 1024), so w - off is v - (off - 1024) exactly.
+__device__ __forceinline__ uint32_t h2_dequant(uint32_t w, float off, uint32_t d) {
+  const __half2 v = __halves2half2(__ushort_as_half(uint16_t(w & 0xffffu)), __ushort_as_half(uint16_t(w >> 16)));
+  const __half dh = __ushort_as_half(uint16_t(d & 0xffffu));
+  const __half2 r = __hmul2(__hsub2(v, __float2half2_rn(off)), __halves2half2(dh, dh));
+  return uint32_t(__half_as_ushort(__low2half(r))) | uint32_t(__half_as_ushort(__high2half(r))) << 16;
+}
+
+// The mma_f16 A fragments of rows g and g + 8 of the warp's 16 (rows: the first, pitch
+// kAPitch) for block j of the stage: a[0] its columns 0..15, a[1] columns 16..31, dequantized
+// with the rows' scales d0, d1 (fp16 bits). A lane needs columns 2c, 2c + 1 and
+// 8 + 2c, 9 + 2c of each half: Q4_0 bytes 2c, 2c + 1 and 8 + 2c, 9 + 2c (low nibbles: half 0,
+// high: half 1); Q8_0 bytes 2c.. and 8 + 2c.. of each half.
+template <DType kType>
+__device__ __forceinline__ void load_a_h(uint32_t (&a)[2][4], const uint8_t* rows, int j, int g, int c, uint32_t d0, uint32_t d1) {
+  constexpr int P = kAPitch<kType>;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // register i: row g (i even) or g + 8, columns + 8 (i >= 2)
+    const uint32_t d = i % 2 ? d1 : d0;
+    const uint8_t* r = rows + (g + 8 * (i % 2)) * P + 2 * c + (i >= 2 ? 8 : 0);
+    if constexpr (kType == DType::Q4_0) {
+      const uint32_t v = lds16(r + 16 * j);  // two bytes: columns 2c, 2c + 1 (low nibbles) and 16 + 2c, 17 + 2c (high)
+      a[0][i] = h2_dequant(0x64006400u | (v & 0xfu) | ((v & 0xf00u) << 8), 1032.0f, d);
+      a[1][i] = h2_dequant(0x64006400u | ((v >> 4) & 0xfu) | ((v & 0xf000u) << 4), 1032.0f, d);
+    } else {  // Q8_0: int8 + 128 as 0..255
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t v = lds16(r + 32 * j + 16 * h);
+        a[h][i] = h2_dequant(0x64006400u | (((v & 0xffu) | ((v & 0xff00u) << 8)) ^ 0x00800080u), 1152.0f, d);
+      }
+    }
+  }
+}
+
+// y [T, rows] (or split z's part) = x · wᵀ for a tile of kMmqBM rows × BN tokens: 8 warps of 16
+// rows, each over every token (NT = BN / 8 tiles of 8), stages of 64 columns kMmqStages deep.
+template <DType kType, int BN>
+__global__ void __launch_bounds__(kMmqThreads) mmq_h_kernel(MmqArgs p) {
+  pdl_begin();
+  using Stage = MmqHStage<kType, BN>;
+  constexpr int NT = BN / 8, S = kMmqStages;
+  auto* st = reinterpret_cast<Stage*>(dynamic_smem());
+  const int row0 = int(blockIdx.x) * kMmqBM, tok0 = int(blockIdx.y) * BN;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, c = lane % 4, wr = warp * 16;
+  const int all_stages = p.cols / kMmqBK, z = int(blockIdx.z);
+  const int first = int(int64_t(all_stages) * z / p.splits), n_stages = int(int64_t(all_stages) * (z + 1) / p.splits) - first;
+  // ldmatrix: lane L names row L % 8 of matrix L / 8 = (token tile +0 / +1) x (columns +0 / +8)
+  const int lm = lane / 8, lrow = 8 * (lm / 2) + lane % 8, lcol = 8 * (lm % 2);
+  float acc[1][NT][4];
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[0][ni][i] = 0.0f;
+
+  const MmqHCopies<kType, BN> copies(p, row0, tok0, 2 * first);
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < n_stages) copies.issue(st[s], s);
+    cp_async_commit();
+  }
+  for (int k = 0; k < n_stages; ++k) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    const int kn = k + S - 1;
+    if (kn < n_stages) copies.issue(st[kn % S], kn);
+    cp_async_commit();
+    const Stage& s = st[k % S];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t d0 = s.dw[2 * (wr + g) + j], d1 = s.dw[2 * (wr + g + 8) + j];
+      uint32_t a[2][4];
+      load_a_h<kType>(a, s.a + wr * kAPitch<kType>, j, g, c, d0, d1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int ni = 0; ni < NT; ni += 2) {
+          uint32_t r[4];
+          ldmatrix_x4(r, s.x + (8 * ni + lrow) * kXhPitch + 32 * j + 16 * h + lcol);
+          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+          mma_f16(acc[0][ni], a[h], b0), mma_f16(acc[0][ni + 1], a[h], b1);
+        }
+    }
+  }
+  cp_async_wait<0>();
+  mmq_store<1, NT>(acc, p, row0, tok0, wr, 0, g, c, z);
+}
+
+template <DType kType, int BN>
+void allow_smem_h() {
+  allow_dynamic_smem(reinterpret_cast<const void*>(&mmq_h_kernel<kType, BN>), sizeof(MmqHStage<kType, BN>) * kMmqStages);
+}
+
+template <DType kType>
+void launch_mmq_h_bn(const MmqArgs& a, int bn, cudaStream_t s) {
+  auto go = [&](auto width) {
+    constexpr int BN = decltype(width)::value;
+    allow_smem_h<kType, BN>();
+    const dim3 grid{unsigned((a.rows + kMmqBM - 1) / kMmqBM), unsigned((a.T + BN - 1) / BN), unsigned(a.splits)};
+    auto* kernel = mmq_h_kernel<kType, BN>;
+    LLMQ_LAUNCH(kernel, grid, kMmqThreads, sizeof(MmqHStage<kType, BN>) * kMmqStages, s)(a);
+  };
+  bn == 16 ? go(std::integral_constant<int, 16>{}) : bn == 32 ? go(std::integral_constant<int, 32>{}) : go(std::integral_constant<int, 64>{});
 }
 
 // The kernel's shared memory beyond the default 48 KiB: allowed once per instantiation and
@@ -510,7 +745,11 @@ void mmq_prepare() {
   allow_smem_all<DType::Q5_0>(), allow_smem_all<DType::Q5_1>(), allow_smem_all<DType::IQ4_NL>();
   allow_smem_all<DType::Q2_K>(), allow_smem_all<DType::Q3_K>(), allow_smem_all<DType::Q4_K>(), allow_smem_all<DType::Q5_K>();
   allow_smem_all<DType::Q6_K>();
+  allow_smem_h<DType::Q4_0, 16>(), allow_smem_h<DType::Q4_0, 32>(), allow_smem_h<DType::Q4_0, 64>();
+  allow_smem_h<DType::Q8_0, 16>(), allow_smem_h<DType::Q8_0, 32>(), allow_smem_h<DType::Q8_0, 64>();
 }
+
+bool mmq_h_supported(const DeviceWeight& w) { return (w.type == DType::Q4_0 || w.type == DType::Q8_0) && mmq_supported(w); }
 
 bool mmq_supported(const DeviceWeight& w) {
   const bool split = is_quantized(w.type) && !is_raw_type(w.type);  // the split layout
@@ -573,6 +812,27 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
     launch_mmq_type(w.type, a, bn, s);
   }
   check_launch("mmq");
+  if (splits > 1) {
+    const int64_t n = T * w.rows;
+    LLMQ_LAUNCH(mmq_reduce_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s)(split, y, ldy, int(w.rows), int(T), splits);
+    check_launch("mmq_reduce");
+  }
+}
+
+void mmq_h(const DeviceWeight& w, const uint16_t* xh, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
+           uint64_t split_bytes, int splits) {
+  if (!mmq_h_supported(w)) throw UsageError("mmq_h: Q4_0 or Q8_0 weights with columns a multiple of 64");
+  if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq_h: sizes out of range");
+  const int bn = tile_tokens ? tile_tokens : std::min(64, mmq_tile_tokens(T));
+  if (bn != 16 && bn != 32 && bn != 64) throw UsageError("mmq_h: tiles of 16, 32 or 64 tokens");
+  if (!splits) splits = split ? mmq_splits(w, T, split_bytes) : 1;
+  if (splits < 1 || splits > w.cols / kMmqBK || (splits > 1 && (!split || uint64_t(splits) * uint64_t(T) * uint64_t(w.rows) * 4 > split_bytes)))
+    throw UsageError("mmq_h: " + std::to_string(splits) + " splits do not fit the columns or the scratch");
+  if (ldy == 0) ldy = w.rows;
+  MmqArgs a{w.q, w.d, w.m, w.h, w.k, nullptr, nullptr, nullptr, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, 0};
+  a.xh = xh;
+  w.type == DType::Q4_0 ? launch_mmq_h_bn<DType::Q4_0>(a, bn, s) : launch_mmq_h_bn<DType::Q8_0>(a, bn, s);
+  check_launch("mmq_h");
   if (splits > 1) {
     const int64_t n = T * w.rows;
     LLMQ_LAUNCH(mmq_reduce_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s)(split, y, ldy, int(w.rows), int(T), splits);
