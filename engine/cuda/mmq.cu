@@ -232,9 +232,11 @@ struct MmqCopies {
       x[i] = p.xq + int64_t(min(tok0 + t, p.T - 1)) * p.cols + first_kb * 32 + c * 16, xo[i] = t * kBPitch + c * 16;
     }
     const int64_t row = min(row0 + min(tid, kMmqBM - 1), p.rows - 1), tok = min(tok0 + min(tid, BN - 1), p.T - 1);
-    d = p.wd + row * nb + first_kb, m = p.wm + row * nb + first_kb, h = p.wh + row * nb + first_kb;
-    k = p.wk + 2 * row * (nb / 8);
-    dx = p.xd + tok * nb + first_kb, sx = p.xs + tok * nb + first_kb;
+    d = p.wd + row * nb + first_kb, dx = p.xd + tok * nb + first_kb;
+    m = kMin<kType> ? p.wm + row * nb + first_kb : nullptr;  // the arrays a type lacks are null
+    h = kQ5<kType> ? p.wh + row * nb + first_kb : nullptr;
+    k = kSplitK<kType> ? p.wk + 2 * row * (nb / 8) : nullptr;
+    sx = kType != DType::Q8_0 ? p.xs + tok * nb + first_kb : nullptr;
   }
   // Stage s of this block's run (column blocks kb0 + 2 s, + 1) into st.
   __device__ __forceinline__ void issue(MmqStage<kType, BN>& st, int s) const {
@@ -256,6 +258,10 @@ struct MmqCopies {
       if constexpr (kType != DType::Q8_0) cp_async8(st.sx + 2 * tid, sx + 2 * s);
     }
   }
+};
+
+struct NoCopies {  // the raw types' stand-in for MmqCopies (mmq_load addresses their stages)
+  __device__ __forceinline__ NoCopies(const MmqArgs&, int, int, int) {}
 };
 
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -445,7 +451,7 @@ __global__ void __launch_bounds__(kMmqThreads, MinB) mmq_kernel(MmqArgs p) {
       for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
 
   constexpr bool kRaw = kWords<kType> || kB32<kType>;  // rows in the file's layout: mmq_load per stage
-  const MmqCopies<kType, BN> copies(p, row0, tok0, 2 * first);
+  const std::conditional_t<kRaw, NoCopies, MmqCopies<kType, BN>> copies(p, row0, tok0, 2 * first);
   auto load = [&](int s) {
     if constexpr (kRaw) mmq_load(st[s % S], p, row0, tok0, 2 * (first + s));
     else copies.issue(st[s % S], s);
