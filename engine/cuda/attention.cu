@@ -428,17 +428,24 @@ __global__ void __launch_bounds__(32 * kV3Warps) attention_decode_v3_kernel(Attn
 #pragma unroll
     for (int i = 0; i < VL; ++i) o[g][i] = 0.0f;
   }
+  // A round's 8 positions p0.. (p0 a multiple of 8: chunk and slice are) lie in one page when
+  // block_tokens is a multiple of 8: one table lookup a round, not one per position and load.
+  const bool one_page = !table || a.bt % kV3Round == 0;
   for (int p0 = p_begin; p0 < p_end; p0 += kV3Round) {
     uint4 kr[2][KL / 8];
     uint32_t vr[kV3Round][VL / 2];
+    const int64_t r0 = !table ? p0 : one_page ? int64_t(table[p0 / a.bt]) * a.bt + p0 % a.bt : 0;  // position p0's cache row
+    auto at = [&](int p) {  // position p's K / V offset (p0 <= p < p0 + 8)
+      return one_page ? (r0 + (p - p0)) * int64_t(a.n_kv) * HD + int64_t(kvh) * HD : kv_at(a, table, kvh, p, HD);
+    };
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {  // positions past the slice read its last row, and weigh 0
-      const uint4* src = reinterpret_cast<const uint4*>(a.kc + kv_at(a, table, kvh, min(p0 + 4 * pass + sub, p_end - 1), HD) + sl * KL);
+      const uint4* src = reinterpret_cast<const uint4*>(a.kc + at(min(p0 + 4 * pass + sub, p_end - 1)) + sl * KL);
 #pragma unroll
       for (int c = 0; c < KL / 8; ++c) kr[pass][c] = src[c];
     }
 #pragma unroll
-    for (int k = 0; k < kV3Round; ++k) load_halves<VL>(vr[k], a.vc + kv_at(a, table, kvh, min(p0 + k, p_end - 1), HD) + lane * VL);
+    for (int k = 0; k < kV3Round; ++k) load_halves<VL>(vr[k], a.vc + at(min(p0 + k, p_end - 1)) + lane * VL);
     const int nv = min(kV3Round, p_end - p0);
 #pragma unroll
     for (int g = 0; g < GM; ++g)
