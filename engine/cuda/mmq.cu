@@ -150,71 +150,44 @@ __device__ __forceinline__ void mmq_load_words(Stage& st, const MmqArgs& p, int 
   }
 }
 
-// Issues the copies of stage (column blocks kb, kb + 1) for the tile at (row0, tok0). Rows and
-// tokens past the end read the last one (their results are not stored).
+// Issues the copies of stage (column blocks kb, kb + 1) for the tile at (row0, tok0) of the raw
+// rows (Q2_K, Q3_K, IQ4_NL: 16-bit loads, the addresses computed per stage). Rows and tokens
+// past the end read the last one (their results are not stored). The split layouts: MmqCopies.
 template <DType kType, int BN>
 __device__ __forceinline__ void mmq_load(MmqStage<kType, BN>& st, const MmqArgs& p, int row0, int tok0, int kb) {
-  constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16 + (kType == DType::Q6_K ? 1 : 0);  // Q6_K: and the crumbs
+  static_assert(kWords<kType> || kB32<kType>, "the split layouts load through MmqCopies");
   const int tid = int(threadIdx.x), nb = p.cols / 32;
-  if constexpr (kWords<kType>) {
-    mmq_load_words<kType>(st, p, row0, kb);
-  } else if constexpr (kB32<kType>) {
-    mmq_load_b32<kType>(st, p, row0, kb);
-  } else {
-    for (int i = tid; i < kMmqBM * kRowChunks; i += kMmqThreads) {
-      const int r = i / kRowChunks, c = i % kRowChunks, row = min(row0 + r, p.rows - 1);
-      const uint8_t* src;
-      if (kType == DType::Q6_K && c == 2) {  // the two blocks' 8 bytes of crumbs (16-byte aligned: kb is even)
-        src = reinterpret_cast<const uint8_t*>(p.wh) + (int64_t(row) * nb + kb) * 8;
-      } else {
-        src = p.wq + (int64_t(row) * nb + kb) * kQB + c * 16;
-      }
-      cp_async16(st.a + r * kAPitch<kType> + c * 16, src);
-    }
-    if constexpr (kQ5<kType>)  // the two blocks' words of fifth bits (8-byte aligned: nb and kb are even)
-      for (int i = tid; i < kMmqBM; i += kMmqThreads)
-        cp_async8(st.a + i * kAPitch<kType> + 32, p.wh + int64_t(min(row0 + i, p.rows - 1)) * nb + kb);
-  }
+  if constexpr (kWords<kType>) mmq_load_words<kType>(st, p, row0, kb);
+  else mmq_load_b32<kType>(st, p, row0, kb);
   for (int i = tid; i < BN * 4; i += kMmqThreads) {
     const int t = i / 4, c = i % 4, tok = min(tok0 + t, p.T - 1);
     cp_async16(st.b + t * kBPitch + c * 16, p.xq + int64_t(tok) * p.cols + kb * 32 + c * 16);
   }
-  if constexpr (!kWords<kType> && !kB32<kType>) {
-    for (int i = tid; i < kMmqBM; i += kMmqThreads) {
-      const int64_t row = min(row0 + i, p.rows - 1);
-      cp_async4(st.dw + 2 * i, p.wd + row * nb + kb);
-      if constexpr (kMin<kType>) cp_async4(st.mw + 2 * i, p.wm + row * nb + kb);
-      if constexpr (kSplitK<kType>) cp_async4(st.mw + 2 * i, p.wk + 2 * (row * (nb / 8) + kb / 8));  // kb, kb + 1: one super-block
-    }
-  }
   for (int i = tid; i < BN; i += kMmqThreads) {
     const int64_t tok = min(tok0 + i, p.T - 1);
     cp_async8(st.dx + 2 * i, p.xd + tok * nb + kb);
-    if constexpr (kType != DType::Q8_0) cp_async8(st.sx + 2 * i, p.xs + tok * nb + kb);
+    cp_async8(st.sx + 2 * i, p.xs + tok * nb + kb);
   }
 }
 
-// A thread's copies of every stage of mmq_kernel for the split layouts (all but the raw Q2_K /
-// Q3_K / IQ4_NL rows, which mmq_load keeps), addressed once: each thread's chunks sit at the same
-// place in every stage and their sources move by a stage's columns, where mmq_load recomputes
-// 64-bit addresses per stage (about a third of the stage loop's instructions, dev/README.md #26).
-// Rows and tokens past the end read the last one (their results are not stored).
-template <DType kType, int BN>
-struct MmqCopies {
+// A thread's copies of the weights' part of every stage for the split layouts (all but the raw
+// Q2_K / Q3_K / IQ4_NL rows), addressed once: each thread's chunks of quants (and fifth bits or
+// crumbs) and its row's scales sit at the same place in every stage, and their sources move by a
+// stage's columns. mmq_load recomputed 64-bit addresses in four or five loops a stage, about a
+// third of the stage loop's instructions (dev/README.md #27). Rows past the end read the last
+// one (their results are not stored); the arrays a type lacks stay null.
+template <DType kType>
+struct MmqWeightCopies {
   static constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16 + (kType == DType::Q6_K ? 1 : 0);  // Q6_K: and the crumbs
-  static constexpr int kChunks = kMmqBM * kRowChunks, kW = (kChunks + kMmqThreads - 1) / kMmqThreads;  // weight chunks a thread
-  static constexpr int kX = (BN * 4 + kMmqThreads - 1) / kMmqThreads;                                    // activation chunks a thread
+  static constexpr int kChunks = kMmqBM * kRowChunks, kW = (kChunks + kMmqThreads - 1) / kMmqThreads;  // 16-byte chunks a thread
   const uint8_t* w[kW];
   int wo[kW], ws[kW];       // offset in the stage's a, source bytes a stage
-  const int8_t* x[kX];
-  int xo[kX];
   const uint16_t *d, *m;    // row tid's scales and minimums (threads < kMmqBM)
   const uint32_t* h;        // its fifth bits (Q5_0, Q5_1, Q5_K)
   const uint16_t* k;        // its super-blocks' d | dmin words (Q4_K, Q5_K, Q6_K)
-  const float *dx, *sx;     // token tid's scales and sums (threads < BN)
   int kb0;                  // the first column block
 
-  __device__ __forceinline__ MmqCopies(const MmqArgs& p, int row0, int tok0, int first_kb) : kb0(first_kb) {
+  __device__ __forceinline__ MmqWeightCopies(const MmqArgs& p, int row0, int first_kb) : kb0(first_kb) {
     const int tid = int(threadIdx.x), nb = p.cols / 32;
 #pragma unroll
     for (int i = 0; i < kW; ++i) {
@@ -226,33 +199,56 @@ struct MmqCopies {
         w[i] = p.wq + (row * nb + first_kb) * kQB + c * 16, ws[i] = 2 * kQB;
       wo[i] = r * kAPitch<kType> + c * 16;
     }
-#pragma unroll
-    for (int i = 0; i < kX; ++i) {
-      const int e = min(tid + i * kMmqThreads, BN * 4 - 1), t = e / 4, c = e % 4;
-      x[i] = p.xq + int64_t(min(tok0 + t, p.T - 1)) * p.cols + first_kb * 32 + c * 16, xo[i] = t * kBPitch + c * 16;
-    }
-    const int64_t row = min(row0 + min(tid, kMmqBM - 1), p.rows - 1), tok = min(tok0 + min(tid, BN - 1), p.T - 1);
-    d = p.wd + row * nb + first_kb, dx = p.xd + tok * nb + first_kb;
-    m = kMin<kType> ? p.wm + row * nb + first_kb : nullptr;  // the arrays a type lacks are null
+    const int64_t row = min(row0 + min(tid, kMmqBM - 1), p.rows - 1);
+    d = p.wd + row * nb + first_kb;
+    m = kMin<kType> ? p.wm + row * nb + first_kb : nullptr;
     h = kQ5<kType> ? p.wh + row * nb + first_kb : nullptr;
     k = kSplitK<kType> ? p.wk + 2 * row * (nb / 8) : nullptr;
-    sx = kType != DType::Q8_0 ? p.xs + tok * nb + first_kb : nullptr;
   }
-  // Stage s of this block's run (column blocks kb0 + 2 s, + 1) into st.
-  __device__ __forceinline__ void issue(MmqStage<kType, BN>& st, int s) const {
+  // Stage s of this block's run (column blocks kb0 + 2 s, + 1) into st's a, dw (and mw).
+  template <class Stage>
+  __device__ __forceinline__ void issue(Stage& st, int s) const {
     const int tid = int(threadIdx.x);
 #pragma unroll
     for (int i = 0; i < kW; ++i)
       if (kChunks >= kMmqThreads * (i + 1) || tid + i * kMmqThreads < kChunks) cp_async16(st.a + wo[i], w[i] + int64_t(s) * ws[i]);
-#pragma unroll
-    for (int i = 0; i < kX; ++i)
-      if (BN * 4 >= kMmqThreads * (i + 1) || tid + i * kMmqThreads < BN * 4) cp_async16(st.b + xo[i], x[i] + int64_t(s) * 64);
     if (tid < kMmqBM) {
       if constexpr (kQ5<kType>) cp_async8(st.a + tid * kAPitch<kType> + 32, h + 2 * s);  // the two blocks' words of fifth bits
       cp_async4(st.dw + 2 * tid, d + 2 * s);
       if constexpr (kMin<kType>) cp_async4(st.mw + 2 * tid, m + 2 * s);
       if constexpr (kSplitK<kType>) cp_async4(st.mw + 2 * tid, k + 2 * ((kb0 + 2 * s) / 8));  // kb, kb + 1: one super-block
     }
+  }
+};
+
+// mmq_kernel's copies of every stage for the split layouts: the weights' (MmqWeightCopies) and
+// the int8 activations' with their scales and sums, addressed once the same way (tokens past
+// the end read the last one).
+template <DType kType, int BN>
+struct MmqCopies {
+  static constexpr int kX = (BN * 4 + kMmqThreads - 1) / kMmqThreads;  // 16-byte activation chunks a thread
+  MmqWeightCopies<kType> wc;
+  const int8_t* x[kX];
+  int xo[kX];
+  const float *dx, *sx;     // token tid's scales and sums (threads < BN; sx null for Q8_0)
+
+  __device__ __forceinline__ MmqCopies(const MmqArgs& p, int row0, int tok0, int first_kb) : wc(p, row0, first_kb) {
+    const int tid = int(threadIdx.x), nb = p.cols / 32;
+#pragma unroll
+    for (int i = 0; i < kX; ++i) {
+      const int e = min(tid + i * kMmqThreads, BN * 4 - 1), t = e / 4, c = e % 4;
+      x[i] = p.xq + int64_t(min(tok0 + t, p.T - 1)) * p.cols + first_kb * 32 + c * 16, xo[i] = t * kBPitch + c * 16;
+    }
+    const int64_t tok = min(tok0 + min(tid, BN - 1), p.T - 1);
+    dx = p.xd + tok * nb + first_kb;
+    sx = kType != DType::Q8_0 ? p.xs + tok * nb + first_kb : nullptr;
+  }
+  __device__ __forceinline__ void issue(MmqStage<kType, BN>& st, int s) const {
+    const int tid = int(threadIdx.x);
+    wc.issue(st, s);
+#pragma unroll
+    for (int i = 0; i < kX; ++i)
+      if (BN * 4 >= kMmqThreads * (i + 1) || tid + i * kMmqThreads < BN * 4) cp_async16(st.b + xo[i], x[i] + int64_t(s) * 64);
     if (tid < BN) {
       cp_async8(st.dx + 2 * tid, dx + 2 * s);
       if constexpr (kType != DType::Q8_0) cp_async8(st.sx + 2 * tid, sx + 2 * s);
@@ -532,43 +528,27 @@ struct MmqHStage {
   alignas(16) uint16_t dw[kMmqBM * 2];               // weight scales [BM][2] fp16
 };
 
-// A thread's copies of every stage, addressed once: its chunks of weight quants, activations
-// and scales sit at the same place in each stage, and their sources move by a stage's columns
-// (the int8 kernel's loader recomputes 64-bit addresses per stage: about a third of its loop's
-// instructions). Rows and tokens past the end read the last one (their results are not stored).
+// mmq_h_kernel's copies of every stage: the weights' as mmq_kernel's (MmqWeightCopies) and the
+// fp16 activations' in 16-byte chunks, addressed once (tokens past the end read the last one).
 template <DType kType, int BN>
 struct MmqHCopies {
-  static constexpr int kQB = kQuantBytes<kType>, kRowChunks = 2 * kQB / 16;  // 16-byte chunks a row and stage
-  static constexpr int kW = kMmqBM * kRowChunks / kMmqThreads;                // a thread's weight chunks (Q4_0 1, Q8_0 2)
-  static constexpr int kX = (BN * 8 + kMmqThreads - 1) / kMmqThreads;         // its activation chunks (BN 16: half the threads)
-  const uint8_t* w[kW];
-  int wo[kW];
+  static constexpr int kX = (BN * 8 + kMmqThreads - 1) / kMmqThreads;  // activation chunks a thread (BN 16: half the threads)
+  MmqWeightCopies<kType> wc;
   const uint16_t* x[kX];
   int xo[kX];
-  const uint16_t* d;  // the row's scales (threads < kMmqBM)
 
-  __device__ __forceinline__ MmqHCopies(const MmqArgs& p, int row0, int tok0, int first_kb) {
-    const int tid = int(threadIdx.x), nb = p.cols / 32;
-#pragma unroll
-    for (int i = 0; i < kW; ++i) {
-      const int e = tid + i * kMmqThreads, r = e / kRowChunks, c = e % kRowChunks, row = min(row0 + r, p.rows - 1);
-      w[i] = p.wq + (int64_t(row) * nb + first_kb) * kQB + c * 16, wo[i] = r * kAPitch<kType> + c * 16;
-    }
+  __device__ __forceinline__ MmqHCopies(const MmqArgs& p, int row0, int tok0, int first_kb) : wc(p, row0, first_kb) {
 #pragma unroll
     for (int i = 0; i < kX; ++i) {
-      const int e = tid + i * kMmqThreads, t = min(e / 8, BN - 1), c = e % 8, tok = min(tok0 + t, p.T - 1);
+      const int e = min(int(threadIdx.x) + i * kMmqThreads, BN * 8 - 1), t = e / 8, c = e % 8, tok = min(tok0 + t, p.T - 1);
       x[i] = p.xh + int64_t(tok) * p.cols + first_kb * 32 + c * 8, xo[i] = t * kXhPitch + c * 8;
     }
-    d = p.wd + int64_t(min(row0 + min(tid, kMmqBM - 1), p.rows - 1)) * nb + first_kb;
   }
-  // Stage s of this block's run (column blocks first_kb + 2 s, + 1) into st.
   __device__ __forceinline__ void issue(MmqHStage<kType, BN>& st, int s) const {
-#pragma unroll
-    for (int i = 0; i < kW; ++i) cp_async16(st.a + wo[i], w[i] + int64_t(s) * 2 * kQB);
+    wc.issue(st, s);
 #pragma unroll
     for (int i = 0; i < kX; ++i)
-      if (BN * 8 >= kMmqThreads * (i + 1) || int(threadIdx.x) + i * kMmqThreads < BN * 8) cp_async16(st.x + xo[i], x[i] + s * 64);
-    if (int(threadIdx.x) < kMmqBM) cp_async4(st.dw + 2 * int(threadIdx.x), d + 2 * s);
+      if (BN * 8 >= kMmqThreads * (i + 1) || int(threadIdx.x) + i * kMmqThreads < BN * 8) cp_async16(st.x + xo[i], x[i] + int64_t(s) * 64);
   }
 };
 
