@@ -1,6 +1,7 @@
 // A process-wide setting read from the environment on first use, then settable by code (tests,
 // benchmarks, labs): LLMQ_KQUANT_ACT and LLMQ_MATMUL_ACT (engine/cpu/cpu_ops.cpp),
-// LLMQ_CUDA_DECODE_ATTN and LLMQ_CUDA_V3_BLOCKS (engine/cuda/attention.cu), LLMQ_CUDA_PDL (engine/cuda/cuda.cpp).
+// LLMQ_CUDA_DECODE_ATTN and LLMQ_CUDA_V3_BLOCKS (engine/cuda/attention.cu), LLMQ_CUDA_PDL (engine/cuda/cuda.cpp),
+// LLMQ_CUDA_MMQ_F16 (engine/cuda/matmul.cu).
 #pragma once
 #include <atomic>
 #include <mutex>

@@ -230,6 +230,19 @@ struct TestWeight {
 // norms, RoPE, activations, attention, embedding): the op harness, tests/test_ops.cpp, which
 // llmq-tests-cuda-emu runs on the emulator. Here: what a parity check does not see.
 
+// y [T, rows] = x [T, cols] · w [rows, cols]ᵀ in fp64, and each output's scale Σ_k |w_rk x_tk|.
+template <class X>
+static void products_fp64(const std::vector<float>& w, const std::vector<X>& x, int64_t rows, int64_t cols, int64_t T, std::vector<double>& y,
+                          std::vector<double>& scale) {
+  y.assign(size_t(T * rows), 0.0), scale.assign(y.size(), 0.0);
+  for (int64_t i = 0; i < T; ++i)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < cols; ++k) {
+        const double v = double(w[size_t(r * cols + k)]) * double(x[size_t(i * cols + k)]);
+        y[size_t(i * rows + r)] += v, scale[size_t(i * rows + r)] += std::fabs(v);
+      }
+}
+
 // MMQ against fp64 on the same int8 activations (quantize_act's, downloaded): the integer sums
 // are exact, so only the fp32 scaling and summation over blocks differ (bound 1e-5 of the
 // output's scale Σ_k |w_rk x_tk|). Every tile width, token counts that do not fill a tile, rows
@@ -258,16 +271,10 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
         cuda::quantize_act(xd.as<float>(), xq, T, s.cols, nullptr);
         const auto hq = from_device<int8_t>(q, size_t(T * s.cols));
         const auto hd = from_device<float>(d, size_t(T * nb));
-        std::vector<double> ref(size_t(T * s.rows)), scale(ref.size());
-        for (int64_t i = 0; i < T; ++i)
-          for (int64_t r = 0; r < s.rows; ++r) {
-            double a = 0, b = 0;
-            for (int64_t k = 0; k < s.cols; ++k) {
-              const double v = double(wf[size_t(r * s.cols + k)]) * double(hq[size_t(i * s.cols + k)]) * double(hd[size_t(i * nb + k / 32)]);
-              a += v, b += std::fabs(v);
-            }
-            ref[size_t(i * s.rows + r)] = a, scale[size_t(i * s.rows + r)] = b;
-          }
+        std::vector<double> xd8(hq.size());  // the activations as the kernel sees them: q · d
+        for (size_t e = 0; e < hq.size(); ++e) xd8[e] = double(hq[e]) * double(hd[e / 32]);
+        std::vector<double> ref, scale;
+        products_fp64(wf, xd8, s.rows, s.cols, T, ref, scale);
         auto run = [&](int tile, bool splitk, cuda::MmqTuning tune) {
           DeviceBuffer yd = to_device(std::vector<float>(size_t(T * ldy), 7.0f));
           cuda::mmq(w.view, xq, yd.as<float>(), T, ldy, nullptr, tile, splitk ? split.as<float>() : nullptr, split.bytes(), tune);
@@ -308,18 +315,6 @@ TEST_CASE("CUDA MMQ (int8 tensor cores) matches fp64 on the same activations, ev
   CHECK_THROWS_AS(cuda::mmq(w.view, xq, y.as<float>(), 16, 0, nullptr, 16, split.as<float>(), split.bytes(), {1, 5}), UsageError);
   CHECK_THROWS_AS(cuda::mmq(w.view, xq, y.as<float>(), 16, 0, nullptr, 64, split.as<float>(), split.bytes(), {1, 4}), UsageError);
   CHECK_THROWS_AS(cuda::mmq(w.view, xq, y.as<float>(), 16, 0, nullptr, 16, split.as<float>(), split.bytes(), {3, 0}), UsageError);  // 2 stages of columns
-}
-
-// y [T, rows] = x [T, cols] · w [rows, cols]ᵀ in fp64, and each output's scale Σ_k |w_rk x_tk|.
-static void products_fp64(const std::vector<float>& w, const std::vector<float>& x, int64_t rows, int64_t cols, int64_t T, std::vector<double>& y,
-                          std::vector<double>& scale) {
-  y.assign(size_t(T * rows), 0.0), scale.assign(y.size(), 0.0);
-  for (int64_t i = 0; i < T; ++i)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < cols; ++k) {
-        const double v = double(w[size_t(r * cols + k)]) * double(x[size_t(i * cols + k)]);
-        y[size_t(i * rows + r)] += v, scale[size_t(i * rows + r)] += std::fabs(v);
-      }
 }
 
 // MMQ on fp16 tiles (mmq_h) against fp64 on the same fp16 activations: each weight is

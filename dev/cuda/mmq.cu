@@ -179,36 +179,31 @@ int main(int argc, char** argv) {
                  }
                }) / copies,
                0.0);
-          for (int tile : {16, 32, 64, 128}) {
-            if (tile > 2 * T) continue;
+          // One MMQ variant at one tile width: run(weight) once on copy 0 against the reference,
+          // then timed over the copies.
+          auto variant = [&](const char* what, int tile, const std::function<void(const DeviceWeight&)>& run) {
             CK(cudaMemset(y.get(), 0xff, y.bytes()));
-            mmq(w[0], xq, y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
+            run(w[0]);
             CK(cudaGetLastError());
             CK(cudaDeviceSynchronize());
             y.download(got.data(), got.size() * 4);
             const double err = rel(got, ref);
             char name[64];
-            std::snprintf(name, sizeof name, "mmq tile %d split %d%s", tile, mmq_splits(w[0], T, split.bytes()), tile == mmq_tile_tokens(T) ? " *" : "");
+            std::snprintf(name, sizeof name, "%s tile %d split %d%s", what, tile, mmq_splits(w[0], T, split.bytes()),
+                          std::strcmp(what, "mmq") == 0 && tile == mmq_tile_tokens(T) ? " *" : "");
             line(name, best_time_ms(reps, [&] {
-                   for (int k = 0; k < copies; ++k) mmq(w[(i++) % copies], xq, y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
+                   for (int k = 0; k < copies; ++k) run(w[(i++) % copies]);
                  }) / copies,
                  err);
-          }
-          for (int tile : {16, 32, 64}) {  // MMQ on fp16 tiles (mmq_h), on the fp16 activations cuBLAS reads
-            if (!mmq_h_supported(w[0]) || tile > 2 * T || T > 64) continue;
-            CK(cudaMemset(y.get(), 0xff, y.bytes()));
-            mmq_h(w[0], xh.as<uint16_t>(), y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
-            CK(cudaGetLastError());
-            CK(cudaDeviceSynchronize());
-            y.download(got.data(), got.size() * 4);
-            const double err = rel(got, ref);
-            char name[64];
-            std::snprintf(name, sizeof name, "mmq_h tile %d split %d", tile, mmq_splits(w[0], T, split.bytes()));
-            line(name, best_time_ms(reps, [&] {
-                   for (int k = 0; k < copies; ++k) mmq_h(w[(i++) % copies], xh.as<uint16_t>(), y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
-                 }) / copies,
-                 err);
-          }
+          };
+          for (int tile : {16, 32, 64, 128})
+            if (tile <= 2 * T)
+              variant("mmq", tile, [&](const DeviceWeight& wk) { mmq(wk, xq, y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes()); });
+          for (int tile : {16, 32, 64})  // MMQ on fp16 tiles (mmq_h), on the fp16 activations cuBLAS reads
+            if (mmq_h_supported(w[0]) && tile <= 2 * T && T <= 64)
+              variant("mmq_h", tile, [&](const DeviceWeight& wk) {
+                mmq_h(wk, xh.as<uint16_t>(), y.as<float>(), T, 0, nullptr, tile, split.as<float>(), split.bytes());
+              });
           line("quantize_act", best_time_ms(reps, [&] { quantize_act(x.as<float>(), xq, T, sh.cols, nullptr); }), 0.0);
           line("engine matmul (x fp32)", best_time_ms(reps, [&] {
                  for (int k = 0; k < copies; ++k) matmul(ctx, w[(i++) % copies], x.as<float>(), y.as<float>(), T);

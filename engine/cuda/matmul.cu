@@ -3,7 +3,6 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -15,6 +14,7 @@
 #include "engine/cuda/gemv.cuh"
 #include "engine/cuda/matmul.h"
 #include "engine/cuda/raw_blocks.cuh"
+#include "base/env_setting.h"
 #include "base/error.h"
 #include "base/threadpool.h"
 
@@ -959,19 +959,14 @@ static bool use_mmq(const DeviceWeight& w, int64_t T) {
 // MMQ's batches of Q4_0 / Q8_0 (up to 64 tokens) on fp16 tiles (mmq_h): off by default, an
 // experiment until a GPU times it against the int8 kernel (dev/cuda/mmq.cu); LLMQ_CUDA_MMQ_F16=1
 // or set_mmq_f16(true) turns it on.
-static std::atomic<bool>& mmq_f16_on() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("LLMQ_CUDA_MMQ_F16");
-    return e && std::atoi(e) == 1;
-  }()};
-  return on;
-}
+static EnvSetting g_mmq_f16([] {
+  const char* e = std::getenv("LLMQ_CUDA_MMQ_F16");
+  return e && std::atoi(e) == 1 ? 1 : 0;
+});
 
-void set_mmq_f16(bool on) { mmq_f16_on() = on; }
+void set_mmq_f16(bool on) { g_mmq_f16.set(on ? 1 : 0); }
 
-static bool use_mmq_h(const DeviceWeight& w, int64_t T) {
-  return mmq_f16_on() && T <= 64 && use_mmq(w, T) && mmq_h_supported(w);
-}
+static bool use_mmq_h(const DeviceWeight& w, int64_t T) { return g_mmq_f16.get() != 0 && T <= 64 && use_mmq(w, T) && mmq_h_supported(w); }
 
 bool matmul_quantizes(const DeviceWeight& w, int64_t T) {
   return (T <= kGemvMaxTokens && gemv_reads_int8(w)) || (use_mmq(w, T) && !use_mmq_h(w, T));

@@ -610,6 +610,8 @@ __global__ void __launch_bounds__(kMmqThreads) mmq_h_kernel(MmqArgs p) {
     for (int i = 0; i < 4; ++i) acc[0][ni][i] = 0.0f;
 
   const MmqHCopies<kType, BN> copies(p, row0, tok0, 2 * first);
+  // the same cp.async pipeline as mmq_kernel's (written out in both: a shared helper taking the
+  // stage's work as a lambda moved the int8 kernel's code, Q6_K 480 -> 502 instructions a stage)
   for (int s = 0; s < S - 1; ++s) {
     if (s < n_stages) copies.issue(st[s], s);
     cp_async_commit();
@@ -776,15 +778,36 @@ int mmq_splits(const DeviceWeight& w, int64_t T, uint64_t split_bytes) {
   return int(std::max<int64_t>(1, splits));
 }
 
+namespace {
+
+// The arguments of an MMQ kernel for w at T tokens (activations left to the caller): K split into
+// `splits` column ranges (0: mmq_splits's count with scratch, 1 without) whose partial sums go
+// to the scratch, else straight to y (ldy 0: w.rows). Throws UsageError for sizes out of range
+// and for splits that do not fit the columns or the scratch.
+MmqArgs mmq_args(const char* who, const DeviceWeight& w, float* y, int64_t T, int64_t ldy, float* split, uint64_t split_bytes, int splits) {
+  if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError(std::string(who) + ": sizes out of range");
+  if (!splits) splits = split ? mmq_splits(w, T, split_bytes) : 1;
+  if (splits < 1 || splits > w.cols / kMmqBK || (splits > 1 && (!split || uint64_t(splits) * uint64_t(T) * uint64_t(w.rows) * 4 > split_bytes)))
+    throw UsageError(std::string(who) + ": " + std::to_string(splits) + " splits do not fit the columns or the scratch");
+  return MmqArgs{w.q, w.d, w.m, w.h, w.k, nullptr, nullptr, nullptr, splits > 1 ? split : y, ldy ? ldy : w.rows, int(w.rows), int(w.cols),
+                 int(T), splits, int64_t(row_bytes(w.type, w.cols))};
+}
+
+// After a kernel launched with a's splits: their partial sums added into y (none for 1 split).
+void mmq_reduce(const MmqArgs& a, float* y, cudaStream_t s) {
+  if (a.splits == 1) return;
+  const int64_t n = int64_t(a.T) * a.rows;
+  LLMQ_LAUNCH(mmq_reduce_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s)(a.y, y, a.ldy, a.rows, a.T, a.splits);
+  check_launch("mmq_reduce");
+}
+
+}  // namespace
+
 void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
          uint64_t split_bytes, MmqTuning tune) {
   if (!mmq_supported(w)) throw UsageError("mmq: quantized weights with columns a multiple of 64");
-  if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq: sizes out of range");
-  const int splits = !split ? 1 : tune.splits ? tune.splits : mmq_splits(w, T, split_bytes);
-  if (splits < 1 || splits > w.cols / kMmqBK || (splits > 1 && uint64_t(splits) * uint64_t(T) * uint64_t(w.rows) * 4 > split_bytes))
-    throw UsageError("mmq: " + std::to_string(splits) + " splits do not fit the columns or the scratch");
-  if (ldy == 0) ldy = w.rows;
-  const MmqArgs a{w.q, w.d, w.m, w.h, w.k, xq.q, xq.d, xq.s, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, int64_t(row_bytes(w.type, w.cols))};
+  MmqArgs a = mmq_args("mmq", w, y, T, ldy, split, split_bytes, tune.splits);
+  a.xq = xq.q, a.xd = xq.d, a.xs = xq.s;
   const int bn = tile_tokens ? tile_tokens : mmq_tile_tokens(T);
   const bool deeper = tune.stages != 0 && tune.stages != kMmqStages, denser = tune.min_blocks > 1;
   if (deeper || denser) {
@@ -798,32 +821,19 @@ void mmq(const DeviceWeight& w, const DeviceActQ8& xq, float* y, int64_t T, int6
     launch_mmq_type(w.type, a, bn, s);
   }
   check_launch("mmq");
-  if (splits > 1) {
-    const int64_t n = T * w.rows;
-    LLMQ_LAUNCH(mmq_reduce_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s)(split, y, ldy, int(w.rows), int(T), splits);
-    check_launch("mmq_reduce");
-  }
+  mmq_reduce(a, y, s);
 }
 
 void mmq_h(const DeviceWeight& w, const uint16_t* xh, float* y, int64_t T, int64_t ldy, cudaStream_t s, int tile_tokens, float* split,
            uint64_t split_bytes, int splits) {
   if (!mmq_h_supported(w)) throw UsageError("mmq_h: Q4_0 or Q8_0 weights with columns a multiple of 64");
-  if (T < 1 || T > (int64_t(1) << 24) || w.rows > (int64_t(1) << 30)) throw UsageError("mmq_h: sizes out of range");
+  MmqArgs a = mmq_args("mmq_h", w, y, T, ldy, split, split_bytes, splits);
+  a.xh = xh;
   const int bn = tile_tokens ? tile_tokens : std::min(64, mmq_tile_tokens(T));
   if (bn != 16 && bn != 32 && bn != 64) throw UsageError("mmq_h: tiles of 16, 32 or 64 tokens");
-  if (!splits) splits = split ? mmq_splits(w, T, split_bytes) : 1;
-  if (splits < 1 || splits > w.cols / kMmqBK || (splits > 1 && (!split || uint64_t(splits) * uint64_t(T) * uint64_t(w.rows) * 4 > split_bytes)))
-    throw UsageError("mmq_h: " + std::to_string(splits) + " splits do not fit the columns or the scratch");
-  if (ldy == 0) ldy = w.rows;
-  MmqArgs a{w.q, w.d, w.m, w.h, w.k, nullptr, nullptr, nullptr, splits > 1 ? split : y, ldy, int(w.rows), int(w.cols), int(T), splits, 0};
-  a.xh = xh;
   w.type == DType::Q4_0 ? launch_mmq_h_bn<DType::Q4_0>(a, bn, s) : launch_mmq_h_bn<DType::Q8_0>(a, bn, s);
   check_launch("mmq_h");
-  if (splits > 1) {
-    const int64_t n = T * w.rows;
-    LLMQ_LAUNCH(mmq_reduce_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s)(split, y, ldy, int(w.rows), int(T), splits);
-    check_launch("mmq_reduce");
-  }
+  mmq_reduce(a, y, s);
 }
 
 }  // namespace llmq::cuda
