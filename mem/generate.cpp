@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <map>
 #include <set>
 
@@ -21,14 +20,7 @@ constexpr const char* kHf = "transformers generate (before 4.45: logits of every
 constexpr const char* kHfLogits = "transformers generation/utils.py (4.45: num_logits_to_keep = 1 when the model's forward takes it) and "
                                   "models/*/modeling_*.py of the released wheels 4.44.2-5.0.0";
 
-// transformers' "MAJOR.MINOR[.PATCH]" as MAJOR·1000 + MINOR; UsageError for anything else.
-int version_code(const std::string& v) {
-  int major = 0, minor = 0, used = 0;
-  if (std::sscanf(v.c_str(), "%d.%d%n", &major, &minor, &used) != 2 || major < 0 || minor < 0 || minor > 999 ||
-      (v[size_t(used)] != '\0' && v[size_t(used)] != '.'))
-    throw UsageError("--transformers-version '" + v + "': expected MAJOR.MINOR (e.g. 4.44 or 5.13)");
-  return major * 1000 + minor;
-}
+int version_code(const std::string& v) { return release_code(v, "--transformers-version"); }
 
 // The first release whose forward for `model_type` takes num_logits_to_keep / logits_to_keep
 // (read in the wheels' models/*/modeling_*.py): 4.45 for the families listed first, later for a

@@ -4,8 +4,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+
+#include "base/error.h"
 
 namespace llmq::mem {
+
+int release_code(const std::string& v, const std::string& flag) {
+  int major = 0, minor = 0, used = 0;
+  if (std::sscanf(v.c_str(), "%d.%d%n", &major, &minor, &used) != 2 || major < 0 || minor < 0 || minor > 999 ||
+      (v[size_t(used)] != '\0' && v[size_t(used)] != '.'))
+    throw UsageError(flag + " '" + v + "': expected MAJOR.MINOR (e.g. 4.44 or 2.5)");
+  return major * 1000 + minor;
+}
 
 const char* place_name(Place p) {
   switch (p) {

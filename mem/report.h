@@ -60,6 +60,10 @@ struct MemReport {
 /// Bytes as "12.34 GiB (13.25 GB)"; below 1 MiB as "123456 B".
 std::string format_bytes(double bytes);
 
+/// A release "MAJOR.MINOR[.PATCH]" (transformers, PyTorch) as MAJOR·1000 + MINOR, so releases
+/// compare as integers. Throws UsageError naming `flag` for anything else (e.g. "4", "v4.45").
+int release_code(const std::string& version, const std::string& flag);
+
 /// A fixed-width text table: name, bytes, basis, formula; then totals, fits, notes and sources.
 std::string render_table(const MemReport& r);
 

@@ -25,6 +25,8 @@ constexpr const char* kPeft = "PEFT, src/peft/tuners/lora/layer.py Linear.forwar
 constexpr const char* kTorch = "PyTorch: torch.optim.AdamW foreach, torch.amp autocast cache, CUDACachingAllocator";
 constexpr const char* kKo2 = "okoge-kaz memory-estimator notes (CUDA context ~300-500 MB, NCCL ~0.5 GB per communicator)";
 constexpr const char* kAdafactor = "Shazeer & Stern 2018, arXiv 1804.04235 (factored second moments); torch.optim.Adafactor";
+constexpr const char* kTorchSoftmax = "PyTorch <= 1.10 tools/autograd/derivatives.yaml: _softmax's backward "
+                                      "_softmax_backward_data(grad, result, dim, self) (1.11: self.scalar_type(); pytorch#65242)";
 constexpr const char* kTorchBlas = "PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp (parseChosenWorkspaceSize: :4096:8 on sm_90)";
 
 std::string num(double x) { return fmt::format("{:.6g}", x); }
@@ -229,17 +231,27 @@ double lora_fp32_input_width(const ModelShape& m, const TrainOptions& o) {
 void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   const GpuParams gp = gpu_params(m, o);
   const double s = double(o.seq_len), b = double(o.micro_batch), h = double(m.dim), a = double(m.heads);
-  const double scale = o.precision == Precision::FP32 ? 2.0 : 1.0;  // KORTH counts 16-bit values
   const double in_flight = o.pp > 1 ? double(std::min<int64_t>(o.pp, o.grad_accum)) : 1.0;
   const double layers = double(gp.layers) * in_flight;
-  const double per = korthikanti_layer_activations(s, b, h, a, o.tp, o.sequence_parallel, o.checkpointing, o.flash_attention) * scale;
+  // KORTH counts 16-bit values and 1-byte dropout masks: fp32 doubles the values, not the masks.
+  const double scale = o.precision == Precision::FP32 ? 2.0 : 1.0;
+  const auto layer_bytes = [&](Checkpointing ckpt) {
+    return korthikanti_layer_activations(s, b, h, a, o.tp, o.sequence_parallel, ckpt, o.flash_attention) * scale -
+           (scale - 1) * korthikanti_dropout_masks(s, b, h, a, o.tp, o.sequence_parallel, ckpt, o.flash_attention);
+  };
+  // PyTorch before 1.11: softmax keeps its input, the scores (fp32 under autocast, which runs
+  // softmax in fp32, and in fp32 training; 16-bit in pure 16-bit training).
+  const double old_softmax = softmax_keeps_input(o) && !o.flash_attention && o.checkpointing != Checkpointing::Selective
+                                 ? (o.precision == Precision::BF16 ? 2 : 4) * a * s * s * b / o.tp
+                                 : 0;
+  const double per = layer_bytes(o.checkpointing);
   std::string f;
   if (o.checkpointing == Checkpointing::Full) f = "2sbh per layer (layer input)";
   else if (o.flash_attention || o.checkpointing == Checkpointing::Selective)
     f = o.sequence_parallel ? "34sbh/t per layer" : "sbh(10 + 24/t) per layer (t = 1: 34sbh)";
   else f = o.sequence_parallel ? "sbh(34 + 5as/h)/t per layer" : "sbh(10 + 24/t + 5as/(ht)) per layer (t = 1: sbh(34 + 5as/h))";
   f += fmt::format(" x {} layers{} ; s={} b={} h={} a={} t={}{}", gp.layers, in_flight > 1 ? fmt::format(" x {} micro-batches in flight (1F1B)", in_flight) : "",
-                   o.seq_len, o.micro_batch, m.dim, m.heads, o.tp, scale > 1 ? "; x2 for fp32 activations" : "");
+                   o.seq_len, o.micro_batch, m.dim, m.heads, o.tp, scale > 1 ? "; x2 for fp32 activations, the 1-byte dropout masks once" : "");
   r.lines.push_back({"activations (transformer layers)", per * layers, f, kKorth, Place::Device, Basis::Formula});
   if (o.precision == Precision::Amp) {
     // What torch.amp keeps beyond KORTH's 16-bit count, per layer (a GPT/BERT block under
@@ -255,6 +267,11 @@ void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
                                                               : "sbh(8 + 2as/h) per layer: fp32 LayerNorm inputs, per-Linear casts, fp32 softmax",
                        kTorch, Place::Device, Basis::Formula});
   }
+  if (old_softmax > 0 && o.checkpointing == Checkpointing::None)
+    r.lines.push_back({"activations (softmax inputs, PyTorch < 1.11)", old_softmax * layers,
+                       fmt::format("{}as²b/t per layer: softmax's autograd node keeps the scores it was given (torch {})",
+                                   old_softmax / (a * s * s * b / o.tp), o.torch_version),
+                       kTorchSoftmax, Place::Device, Basis::Formula});
   if (o.lora_rank > 0 && o.lora_fp32_inputs && o.checkpointing != Checkpointing::Full) {
     const double in = lora_fp32_input_width(m, o);
     r.lines.push_back({"activations (LoRA inputs in fp32, PEFT)", 4 * s * b * in * layers,
@@ -264,9 +281,8 @@ void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
                        kPeft, Place::Device, Basis::Formula});
   }
   if (o.checkpointing == Checkpointing::Full) {
-    const double work = korthikanti_layer_activations(s, b, h, a, o.tp, o.sequence_parallel, Checkpointing::None, o.flash_attention) * scale;
-    r.lines.push_back({"activations (one layer recomputed)", work, "the layer's full activations during its backward", kKorth, Place::Device,
-                       Basis::Formula});
+    r.lines.push_back({"activations (one layer recomputed)", layer_bytes(Checkpointing::None) + old_softmax,
+                       "the layer's full activations during its backward", kKorth, Place::Device, Basis::Formula});
   }
   if (m.head == Head::Classifier) {
     const double out = 4 * b * h * 2 + 4 * m.logits(s, b);
@@ -700,6 +716,16 @@ double korthikanti_layer_activations(double s, double b, double h, double a, int
   return sbh * (10 + 24.0 / t + (attn_matrix ? 5 * a * s / (h * t) : 0));
 }
 
+double korthikanti_dropout_masks(double s, double b, double h, double a, int t, bool sp, Checkpointing ckpt, bool flash) {
+  if (ckpt == Checkpointing::Full) return 0;
+  const bool attn_matrix = !flash && ckpt != Checkpointing::Selective;
+  return 2 * s * b * h / (sp ? t : 1) + (attn_matrix ? a * s * s * b / t : 0);
+}
+
+bool softmax_keeps_input(const TrainOptions& o) {
+  return !o.torch_version.empty() && release_code(o.torch_version, "--torch-version") < 1011;
+}
+
 MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
   m.validate();
   if (o.micro_batch < 1 || o.seq_len < 1 || o.grad_accum < 1 || o.dp < 1 || o.tp < 1 || o.pp < 1)
@@ -714,6 +740,12 @@ MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
     throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, m.heads, m.kv_heads, m.hidden));
   if (o.pp > m.layers) throw UsageError("--pp cannot exceed the layer count");
   if (o.ce_chunks < 0) throw UsageError("--ce-chunks must be >= 0 (0: CrossEntropyLoss on the whole logits)");
+  if (!o.torch_version.empty()) {
+    release_code(o.torch_version, "--torch-version");
+    if (o.framework != Framework::Analytic && o.framework != Framework::DeepSpeed)
+      throw UsageError("--torch-version changes the analytic formula's attention; the pytorch, litgpt and torchtune frameworks each "
+                       "model one PyTorch release of their own");
+  }
   if (o.framework != Framework::TorchTune && (o.compile || o.ce_chunks > 0 || o.offload_activations || o.optimizer_in_backward || o.paged_optimizer))
     throw UsageError("--compile, --ce-chunks, --offload-activations, --optimizer-in-backward and --paged-optimizer model torchtune's "
                      "recipes: add --framework torchtune");

@@ -91,6 +91,11 @@ struct TrainOptions {
   /// (peft/tuners/lora/layer.py, Linear.forward: _cast_input_dtype), so lora_A keeps an fp32
   /// copy of that input for its gradient: 4·s·b·in bytes per adapted Linear and layer.
   bool lora_fp32_inputs = false;
+  /// PyTorch release the recipe ran on, "MAJOR.MINOR" ("": a current one). Before 1.11 the
+  /// autograd node of softmax kept its input as well as its output (`_softmax_backward_data`
+  /// took the input tensor; 1.11 passes only its dtype: pytorch/pytorch#49600 and #65242,
+  /// huggingface/transformers#16043), so eager attention keeps every layer's scores twice.
+  std::string torch_version;
   std::string gpu;              ///< GPU model, e.g. "H100" (--gpu): sizes PyTorch's cuBLAS workspaces and the measured context
   double cuda_context_bytes = 512.0 * (1 << 20);  ///< assumed, not measured (300-500 MB reported), unless cuda_context_given
   bool cuda_context_given = false;                 ///< --cuda-context: the user measured their setup's context (nvidia-smi after CUDA init)
@@ -173,6 +178,17 @@ CpuGpu ds_zero3_model_states(double params, double largest_layer, int gpus_per_n
 /// recomputation keeps 2sbh (the layer input; /t with sequence parallelism).
 double korthikanti_layer_activations(double s, double b, double h, double a, int t, bool sequence_parallel,
                                      Checkpointing ckpt, bool flash);
+
+/// The 1-byte dropout masks inside korthikanti_layer_activations' count, which stay 1 byte when
+/// the activations are fp32: the attention-output and MLP-output masks 2sbh (/t with sequence
+/// parallelism) and, when the s² matrices are kept, the attention-probability mask as²b/t
+/// (KORTH §4.1). 0 under full recomputation.
+double korthikanti_dropout_masks(double s, double b, double h, double a, int t, bool sequence_parallel, Checkpointing ckpt,
+                                 bool flash);
+
+/// True when TrainOptions::torch_version names a release before 1.11 (softmax keeps its input).
+/// Throws UsageError for a malformed version.
+bool softmax_keeps_input(const TrainOptions& o);
 
 /// True when the LoRA targets name matrix `t` ("q", "o", "down", ...), or "all".
 bool lora_targets_include(const TrainOptions& o, const char* t);

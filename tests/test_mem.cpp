@@ -255,6 +255,47 @@ TEST_CASE("Training estimator: PEFT's fp32 LoRA inputs add 4sb x the adapted inp
   CHECK_THROWS_AS(estimate_training(m, full), UsageError);
 }
 
+TEST_CASE("Training estimator: fp32 keeps 1-byte dropout masks; PyTorch < 1.11 keeps softmax inputs", "[mem]") {
+  const ModelShape m = preset("llama-2-7b");
+  const double s = 512, b = 4, h = double(m.dim), a = double(m.heads), L = double(m.layers);
+  TrainOptions o;
+  o.micro_batch = 4, o.seq_len = 512, o.flash_attention = false, o.precision = Precision::FP32;
+  const double korth = korthikanti_layer_activations(s, b, h, a, 1, false, Checkpointing::None, false);
+  const double masks = korthikanti_dropout_masks(s, b, h, a, 1, false, Checkpointing::None, false);
+  CHECK(masks == 2 * s * b * h + a * s * s * b);
+  CHECK(korthikanti_dropout_masks(s, b, h, a, 1, false, Checkpointing::None, true) == 2 * s * b * h);
+  CHECK(korthikanti_dropout_masks(s, b, h, a, 4, true, Checkpointing::None, false) == Approx(masks / 4));
+  CHECK(korthikanti_dropout_masks(s, b, h, a, 1, false, Checkpointing::Full, false) == 0);
+  CHECK(lines_sum(estimate_training(m, o), {"activations (transformer layers)"}) == Approx(L * (2 * korth - masks)));
+
+  // bench/hf_bert_replay.py: 4as²b more per layer, fp32 scores in fp32 and autocast training.
+  const MemReport now = estimate_training(m, o);
+  for (const char* v : {"1.10", "1.9.1", "0.4"}) {
+    o.torch_version = v;
+    INFO(v);
+    const MemReport old = estimate_training(m, o);
+    CHECK(lines_sum(old, {"activations (softmax inputs, PyTorch < 1.11)"}) == Approx(4 * a * s * s * b * L));
+    CHECK(old.total(Place::Device) == Approx(now.total(Place::Device) + 4 * a * s * s * b * L));
+  }
+  o.precision = Precision::BF16, o.torch_version = "1.10";
+  CHECK(lines_sum(estimate_training(m, o), {"activations (softmax inputs, PyTorch < 1.11)"}) == Approx(2 * a * s * s * b * L));
+  o.torch_version = "1.11";
+  CHECK(lines_sum(estimate_training(m, o), {"activations (softmax inputs, PyTorch < 1.11)"}) == 0);
+  o.torch_version = "1.10", o.flash_attention = true;  // no s² scores to keep
+  CHECK(lines_sum(estimate_training(m, o), {"activations (softmax inputs, PyTorch < 1.11)"}) == 0);
+  o.flash_attention = false, o.checkpointing = Checkpointing::Full;  // only the recomputed layer keeps them
+  const MemReport full = estimate_training(m, o);
+  CHECK(lines_sum(full, {"activations (softmax inputs, PyTorch < 1.11)"}) == 0);
+  o.torch_version = "";
+  CHECK(full.total(Place::Device) == Approx(estimate_training(m, o).total(Place::Device) + 2 * a * s * s * b));
+  for (const char* bad : {"1", "v1.10", "1.x", "1.10x"}) {
+    o.torch_version = bad;
+    CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+  }
+  o.torch_version = "1.10", o.framework = Framework::PyTorch, o.checkpointing = Checkpointing::None;
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+}
+
 TEST_CASE("Adafactor's factored states: rows + cols per matrix, vectors in full", "[mem]") {
   const ModelShape m = preset("tinyllama-1.1b");  // untied, SwiGLU, GQA
   const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden), V = double(m.vocab);

@@ -218,6 +218,9 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
   tr->add_flag("--lora-fp32-inputs", to.lora_fp32_inputs,
                "PEFT's LoRA on a pure-bf16 base: adapters in fp32 (autocast_adapter_dtype), each adapted Linear's input kept as an "
                "fp32 copy");
+  tr->add_option("--torch-version", to.torch_version,
+                 "PyTorch release the recipe runs on (default: a current one); before 1.11 softmax keeps its input for the backward, "
+                 "so eager attention keeps its scores twice");
   tr->add_option("--gpu-mem", ta.gpu_mem, "GPU memory to check against, e.g. 80GB");
   tr->add_option("--gpu", to.gpu, "GPU model, e.g. H100 or A100 (PyTorch's cuBLAS workspace is 32 MiB on sm_90, 8 MiB elsewhere; "
                                   "the CUDA context is measured for the H100)");

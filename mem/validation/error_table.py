@@ -114,6 +114,8 @@ def flags(case: dict) -> list[str]:
            "-s", str(r["seq"]), "--checkpointing", r["checkpointing"]]
     if case.get("gpu"):
         out += ["--gpu", case["gpu"]]  # PyTorch's cuBLAS workspace size depends on it (sm_90 or not)
+    if r.get("torch_version"):  # before 1.11, softmax keeps its input for the backward
+        out += ["--torch-version", r["torch_version"]]
     if r.get("cuda_context_mib"):  # measured by the same source (e.g. nvidia-smi after CUDA init)
         out += ["--cuda-context", str(r["cuda_context_mib"])]
     if r.get("framework") == "litgpt" and case["model"]["arch"] in LITGPT_BLOCKS and r["precision"] != "bf16-mixed":
