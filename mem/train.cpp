@@ -228,6 +228,62 @@ double lora_fp32_input_width(const ModelShape& m, const TrainOptions& o) {
   return in;
 }
 
+// PyTorch before 1.11 (TrainOptions::torch_version): softmax keeps its input, the scores, per
+// layer (fp32 under autocast, which runs softmax in fp32, and in fp32 training; 16-bit in pure
+// 16-bit training); 0 when no s² scores exist or the release is a later one.
+double old_softmax_bytes(const ModelShape& m, const TrainOptions& o) {
+  if (!softmax_keeps_input(o) || o.flash_attention || o.checkpointing == Checkpointing::Selective) return 0;
+  const double s = double(o.seq_len);
+  return (o.precision == Precision::BF16 ? 2 : 4) * double(m.heads) * s * s * double(o.micro_batch) / o.tp;
+}
+
+// What PyTorch keeps per layer beyond KORTH's count: torch.amp's fp32 copies, the inputs of
+// softmax before 1.11, PEFT's fp32 adapter inputs; `layers` as in add_activations.
+void add_layer_extras(MemReport& r, const ModelShape& m, const TrainOptions& o, double layers) {
+  const double s = double(o.seq_len), b = double(o.micro_batch), h = double(m.dim), a = double(m.heads);
+  if (o.precision == Precision::Amp) {
+    // A GPT/BERT block under autocast, op by op: both LayerNorms save an fp32 input (+2sbh
+    // each), the Q, K and V Linears each save their own 16-bit cast of the fp32 LayerNorm output
+    // (+4sbh), softmax saves its fp32 output and the P·V matmul a 16-bit cast of it (+2as²b
+    // without FlashAttention); with full recomputation the kept layer input is the fp32 residual (+2sbh).
+    const double sbh = s * b * h / (o.sequence_parallel ? o.tp : 1);
+    const double extra = o.checkpointing == Checkpointing::Full ? 2 * sbh
+                         : 8 * sbh + (o.flash_attention || o.checkpointing == Checkpointing::Selective ? 0 : 2 * a * s * s * b / o.tp);
+    r.lines.push_back({"activations (torch.amp fp32 copies)", extra * layers,
+                       o.checkpointing == Checkpointing::Full ? "2sbh per layer (the kept input is the fp32 residual stream)"
+                                                              : "sbh(8 + 2as/h) per layer: fp32 LayerNorm inputs, per-Linear casts, fp32 softmax",
+                       kTorch, Place::Device, Basis::Formula});
+  }
+  if (const double old = old_softmax_bytes(m, o); old > 0 && o.checkpointing == Checkpointing::None)
+    r.lines.push_back({"activations (softmax inputs, PyTorch < 1.11)", old * layers,
+                       fmt::format("{}as²b/t per layer: softmax's autograd node keeps the scores it was given (torch {})",
+                                   old / (a * s * s * b / o.tp), o.torch_version),
+                       kTorchSoftmax, Place::Device, Basis::Formula});
+  if (o.lora_rank > 0 && o.lora_fp32_inputs && o.checkpointing != Checkpointing::Full) {
+    const double in = lora_fp32_input_width(m, o);
+    r.lines.push_back({"activations (LoRA inputs in fp32, PEFT)", 4 * s * b * in * layers,
+                       fmt::format("4sb x Σ_targets in = 4sb x {} per layer: each adapted Linear's input cast to its fp32 adapters "
+                                   "(autocast_adapter_dtype), kept by lora_A",
+                                   num(in)),
+                       kPeft, Place::Device, Basis::Formula});
+  }
+}
+
+// The head's activations: the pooler and classifier of a sequence classifier, else the output
+// layer's input and fp32 logits.
+void add_head_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
+  const double s = double(o.seq_len), b = double(o.micro_batch), h = double(m.dim);
+  if (m.head == Head::Classifier) {
+    const double out = 4 * b * h * 2 + 4 * m.logits(s, b);
+    r.lines.push_back({"activations (classifier head)", out, fmt::format("4bh x 2 (pooler in and out) + 4b·labels, labels = {}", m.labels),
+                       kKorth, Place::Device, Basis::Formula});
+    return;
+  }
+  const double out = (4 * s * b * h + 4 * m.logits(s, b)) / o.tp;
+  r.lines.push_back({"activations (output layer, fp32 logits)", out, fmt::format("(4sbh + 4sbv)/t, v = {}", m.vocab), kKorth, Place::Device,
+                     Basis::Formula});
+}
+
 void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   const GpuParams gp = gpu_params(m, o);
   const double s = double(o.seq_len), b = double(o.micro_batch), h = double(m.dim), a = double(m.heads);
@@ -239,12 +295,6 @@ void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
     return korthikanti_layer_activations(s, b, h, a, o.tp, o.sequence_parallel, ckpt, o.flash_attention) * scale -
            (scale - 1) * korthikanti_dropout_masks(s, b, h, a, o.tp, o.sequence_parallel, ckpt, o.flash_attention);
   };
-  // PyTorch before 1.11: softmax keeps its input, the scores (fp32 under autocast, which runs
-  // softmax in fp32, and in fp32 training; 16-bit in pure 16-bit training).
-  const double old_softmax = softmax_keeps_input(o) && !o.flash_attention && o.checkpointing != Checkpointing::Selective
-                                 ? (o.precision == Precision::BF16 ? 2 : 4) * a * s * s * b / o.tp
-                                 : 0;
-  const double per = layer_bytes(o.checkpointing);
   std::string f;
   if (o.checkpointing == Checkpointing::Full) f = "2sbh per layer (layer input)";
   else if (o.flash_attention || o.checkpointing == Checkpointing::Selective)
@@ -252,47 +302,12 @@ void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   else f = o.sequence_parallel ? "sbh(34 + 5as/h)/t per layer" : "sbh(10 + 24/t + 5as/(ht)) per layer (t = 1: sbh(34 + 5as/h))";
   f += fmt::format(" x {} layers{} ; s={} b={} h={} a={} t={}{}", gp.layers, in_flight > 1 ? fmt::format(" x {} micro-batches in flight (1F1B)", in_flight) : "",
                    o.seq_len, o.micro_batch, m.dim, m.heads, o.tp, scale > 1 ? "; x2 for fp32 activations, the 1-byte dropout masks once" : "");
-  r.lines.push_back({"activations (transformer layers)", per * layers, f, kKorth, Place::Device, Basis::Formula});
-  if (o.precision == Precision::Amp) {
-    // What torch.amp keeps beyond KORTH's 16-bit count, per layer (a GPT/BERT block under
-    // autocast, op by op): both LayerNorms save an fp32 input (+2sbh each), the Q, K and V
-    // Linears each save their own 16-bit cast of the fp32 LayerNorm output (+4sbh), softmax
-    // saves its fp32 output and the P·V matmul a 16-bit cast of it (+2as²b without
-    // FlashAttention); with full recomputation the kept layer input is the fp32 residual (+2sbh).
-    const double sbh = s * b * h / (o.sequence_parallel ? o.tp : 1);
-    const double extra = o.checkpointing == Checkpointing::Full ? 2 * sbh
-                         : 8 * sbh + (o.flash_attention || o.checkpointing == Checkpointing::Selective ? 0 : 2 * a * s * s * b / o.tp);
-    r.lines.push_back({"activations (torch.amp fp32 copies)", extra * layers,
-                       o.checkpointing == Checkpointing::Full ? "2sbh per layer (the kept input is the fp32 residual stream)"
-                                                              : "sbh(8 + 2as/h) per layer: fp32 LayerNorm inputs, per-Linear casts, fp32 softmax",
-                       kTorch, Place::Device, Basis::Formula});
-  }
-  if (old_softmax > 0 && o.checkpointing == Checkpointing::None)
-    r.lines.push_back({"activations (softmax inputs, PyTorch < 1.11)", old_softmax * layers,
-                       fmt::format("{}as²b/t per layer: softmax's autograd node keeps the scores it was given (torch {})",
-                                   old_softmax / (a * s * s * b / o.tp), o.torch_version),
-                       kTorchSoftmax, Place::Device, Basis::Formula});
-  if (o.lora_rank > 0 && o.lora_fp32_inputs && o.checkpointing != Checkpointing::Full) {
-    const double in = lora_fp32_input_width(m, o);
-    r.lines.push_back({"activations (LoRA inputs in fp32, PEFT)", 4 * s * b * in * layers,
-                       fmt::format("4sb x Σ_targets in = 4sb x {} per layer: each adapted Linear's input cast to its fp32 adapters "
-                                   "(autocast_adapter_dtype), kept by lora_A",
-                                   num(in)),
-                       kPeft, Place::Device, Basis::Formula});
-  }
-  if (o.checkpointing == Checkpointing::Full) {
-    r.lines.push_back({"activations (one layer recomputed)", layer_bytes(Checkpointing::None) + old_softmax,
+  r.lines.push_back({"activations (transformer layers)", layer_bytes(o.checkpointing) * layers, f, kKorth, Place::Device, Basis::Formula});
+  add_layer_extras(r, m, o, layers);
+  if (o.checkpointing == Checkpointing::Full)
+    r.lines.push_back({"activations (one layer recomputed)", layer_bytes(Checkpointing::None) + old_softmax_bytes(m, o),
                        "the layer's full activations during its backward", kKorth, Place::Device, Basis::Formula});
-  }
-  if (m.head == Head::Classifier) {
-    const double out = 4 * b * h * 2 + 4 * m.logits(s, b);
-    r.lines.push_back({"activations (classifier head)", out, fmt::format("4bh x 2 (pooler in and out) + 4b·labels, labels = {}", m.labels),
-                       kKorth, Place::Device, Basis::Formula});
-    return;
-  }
-  const double out = (4 * s * b * h + 4 * m.logits(s, b)) / o.tp;
-  r.lines.push_back({"activations (output layer, fp32 logits)", out, fmt::format("(4sbh + 4sbv)/t, v = {}", m.vocab), kKorth, Place::Device,
-                     Basis::Formula});
+  add_head_activations(r, m, o);
 }
 
 void add_temporaries(MemReport& r, const ModelShape& m, const TrainOptions& o) {
@@ -726,8 +741,10 @@ bool softmax_keeps_input(const TrainOptions& o) {
   return !o.torch_version.empty() && release_code(o.torch_version, "--torch-version") < 1011;
 }
 
-MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
-  m.validate();
+namespace {
+
+// UsageError for options that contradict each other or the model.
+void check_training_options(const ModelShape& m, const TrainOptions& o) {
   if (o.micro_batch < 1 || o.seq_len < 1 || o.grad_accum < 1 || o.dp < 1 || o.tp < 1 || o.pp < 1)
     throw UsageError("micro-batch, sequence length, gradient accumulation and parallel degrees must be >= 1");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero must be 0, 1, 2 or 3");
@@ -749,6 +766,13 @@ MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
   if (o.framework != Framework::TorchTune && (o.compile || o.ce_chunks > 0 || o.offload_activations || o.optimizer_in_backward || o.paged_optimizer))
     throw UsageError("--compile, --ce-chunks, --offload-activations, --optimizer-in-backward and --paged-optimizer model torchtune's "
                      "recipes: add --framework torchtune");
+}
+
+}  // namespace
+
+MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
+  m.validate();
+  check_training_options(m, o);
 
   MemReport r = o.framework == Framework::PyTorch ? pytorch_estimate(m, o)
                 : o.framework == Framework::LitGPT    ? litgpt_estimate(m, o)
