@@ -19,152 +19,21 @@ What it models, each written from the code of the time (transformers 4.15-4.27, 
 - --torch110: PyTorch <= 1.10's softmax, whose autograd node kept its input too;
 - two cuBLAS workspaces (8 MiB + 128 KiB each, from the caching allocator): the forward's and the
   backward thread's handle;
-- the allocator (c10/cuda/CUDACachingAllocator.cpp, default settings): requests rounded to 512 B;
-  up to 1 MiB from 2 MiB segments, up to 10 MiB from 20 MiB segments, larger ones from their own
-  segment rounded to 2 MiB; best fit among cached blocks; a block split when more than 1 MiB
-  (large) or 512 B (small) would remain; neighbours merged on free; cached segments released and
-  the request retried when the device is full.
+- the allocator: bench/torch_replay.py's model of CUDACachingAllocator.
 
 The reading to compare is reserved + the CUDA context the guide measured (1343 MiB).
 """
 import argparse
-import bisect
 import math
-import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-MIB = 2**20
+from torch_replay import MIB, Trace, replay, workspace
+
 DEV = "meta"
-
-
-# ---------------------------------------------------------------- the caching allocator model
-class Block:
-    __slots__ = ("size", "ptr", "small", "prev", "next", "free")
-
-    def __init__(self, size, ptr, small):
-        self.size, self.ptr, self.small = size, ptr, small
-        self.prev = self.next = None
-        self.free = False
-
-
-class CachingAllocator:
-    """CUDACachingAllocator's block pools on one stream: peak allocated and reserved bytes."""
-
-    def __init__(self, capacity):
-        self.pools = {True: [], False: []}  # per pool, free blocks sorted by (size, ptr)
-        self.capacity = capacity
-        self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
-        self.top = 0  # next segment address
-        self.releases = 0
-
-    def _insert(self, b):
-        bisect.insort(self.pools[b.small], (b.size, b.ptr, b))
-
-    def _remove(self, b):
-        pool = self.pools[b.small]
-        pool.pop(bisect.bisect_left(pool, (b.size, b.ptr)))
-
-    def _release_cached(self):  # release_cached_blocks: whole free segments go back to CUDA
-        for small, pool in self.pools.items():
-            keep = [e for e in pool if e[2].prev or e[2].next]
-            self.reserved -= sum(e[0] for e in pool if not (e[2].prev or e[2].next))
-            self.pools[small] = keep
-
-    def malloc(self, nbytes):
-        size = 512 if nbytes < 512 else 512 * math.ceil(nbytes / 512)
-        small = size <= MIB
-        pool = self.pools[small]
-        i = bisect.bisect_left(pool, (size, -1))
-        if i < len(pool):
-            b = pool.pop(i)[2]
-        else:
-            seg = 2 * MIB if small else 20 * MIB if size < 10 * MIB else 2 * MIB * math.ceil(size / (2 * MIB))
-            if self.reserved + seg > self.capacity:
-                self._release_cached()
-                self.releases += 1
-                if self.reserved + seg > self.capacity:
-                    raise MemoryError(f"out of memory at {self.reserved / 2**30:.2f} GiB reserved")
-            b = Block(seg, self.top, small)
-            self.top += seg
-            self.reserved += seg
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
-        rest = b.size - size
-        if rest >= 512 if small else rest > MIB:  # should_split
-            r = Block(rest, b.ptr + size, small)
-            r.free, r.prev, r.next = True, b, b.next
-            if b.next:
-                b.next.prev = r
-            b.next, b.size = r, size
-            self._insert(r)
-        b.free = False
-        self.allocated += b.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        return b
-
-    def release(self, b):
-        self.allocated -= b.size
-        b.free = True
-        for n in (b.prev, b.next):  # try_merge_blocks
-            if n is not None and n.free:
-                self._remove(n)
-                if n is b.prev:
-                    b.ptr, b.prev = n.ptr, n.prev
-                    if n.prev:
-                        n.prev.next = b
-                else:
-                    b.next = n.next
-                    if n.next:
-                        n.next.prev = b
-                b.size += n.size
-        self._insert(b)
-
-
-# ---------------------------------------------------------------- the allocation trace
-class Trace(TorchDispatchMode):
-    """Every new storage an op returns is an allocation; its death (weakref) the free."""
-
-    def __init__(self):
-        super().__init__()
-        self.events, self.live, self.n = [], {}, 0
-
-    def track(self, t):
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self.live or st.nbytes() == 0:
-            return
-        self.n += 1
-        k = self.n
-        self.live[key] = k
-        self.events.append(("a", k, st.nbytes()))
-
-        def gone():
-            if self.live.get(key) == k:
-                del self.live[key]
-            self.events.append(("f", k))
-        weakref.finalize(st, gone)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == DEV:
-                self.track(t)
-        return out
-
-
-def replay(events, capacity):
-    alloc, blocks = CachingAllocator(capacity), {}
-    for e in events:
-        if e[0] == "a":
-            blocks[e[1]] = alloc.malloc(e[2])
-        elif e[1] in blocks:
-            alloc.release(blocks.pop(e[1]))
-    return alloc
 
 
 # ---------------------------------------------------------------- BERT as transformers 4.2x runs it
@@ -302,7 +171,7 @@ def main():
             model = Bert()
         model.gc = a.gc
         opt = HFAdamW(model.parameters())
-        workspaces = [torch.empty(8 * MIB + 128 * 1024, dtype=torch.uint8, device=DEV)]  # the forward's cuBLAS handle
+        workspaces = [workspace(8 * MIB + 128 * 1024)]  # the forward's cuBLAS handle
         for _ in range(a.steps):
             for _ in range(a.accum):
                 ids = torch.randint(0, 30522, (a.b, a.s), device=DEV)
@@ -312,7 +181,7 @@ def main():
                 Amp.on, Amp.cache = False, {}
                 loss = loss * (65536.0 if a.fp16 else 1.0) / a.accum  # GradScaler.scale
                 if len(workspaces) == 1:  # the backward thread's cuBLAS handle
-                    workspaces.append(torch.empty(8 * MIB + 128 * 1024, dtype=torch.uint8, device=DEV))
+                    workspaces.append(workspace(8 * MIB + 128 * 1024))
                 loss.backward()
                 del loss, ids, labels
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

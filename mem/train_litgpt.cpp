@@ -18,7 +18,7 @@
 //   MLP                    gated: fc_1, fc_2 and the activation's outputs (3·e·T·H), their product
 //                          as a trained down projection's input; GELU: fc's output
 //   QLoRA                  bitsandbytes 0.42's MatMul4Bit keeps each 4-bit Linear's input; the
-//                          model counts them twice (block_saved_2024 says why)
+//                          model counts them twice (block_saved_2024 says why: the loop's logits)
 // 2023 (lit_gpt/model.py and lora.py at 8641822, Oct 2023; not counted by a lab, fitted to the
 // lit-gpt resource tables within 4%): every Linear's input as if trained, RMSNorm x and
 // x·rsqrt(mean x²) in the input dtype (2·e·T·h), SDPA's q, k, v and output (k, v expanded for
@@ -156,11 +156,11 @@ Saved block_saved_2024(const ModelShape& m, const TrainOptions& o, const Block& 
   const double in_mlp = full ? (B.shared_norm ? 0 : e * T * h) : in_lora;
   const double mlp = in_mlp + (B.gated ? 3 : 1) * e * T * H + linear_kept(o, lmlp, H, T, e);
   const double n2 = (B.shared_norm ? 0 : norm) + (B.softcap ? 2 * norm : 0);
-  // QLoRA: the 4-bit Linears' inputs twice. MatMul4Bit keeps one copy (bitsandbytes 0.42); the
-  // second is not explained: the config hub's QLoRA rows sit that far (7-16%, 1.7-2.6 GB) above
-  // this count with one copy, while its LoRA rows, which the same code without 4-bit Linears
-  // replays within 0.7% on an H200 (bench/litgpt_peak.py), match with none. bitsandbytes is not
-  // on the GPU image, so the lab has not counted it (bench/RESULTS.md, seventh GPU session).
+  // QLoRA: the 4-bit Linears' inputs twice. MatMul4Bit (bitsandbytes 0.42) keeps each input as
+  // a Python attribute of its node, which autograd does not free after the node's backward, and
+  // LitGPT's loop holds the last micro-batch's logits (so its whole graph) until the next forward
+  // returns: at a forward's end the previous micro-batch's inputs are alive beside this one's.
+  // bench/litgpt_peak.py --meta replays the config hub's 14 QLoRA rows so within -5.0..+0.4%.
   const double kept = 2 * qlora_kept_inputs(m, o, B, T, e);
   Saved s;
   s.bytes = norm + qkv + core + proj + n2 + mlp + kept;
