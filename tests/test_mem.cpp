@@ -255,7 +255,7 @@ TEST_CASE("Training estimator: PEFT's fp32 LoRA inputs add 4sb x the adapted inp
   CHECK_THROWS_AS(estimate_training(m, full), UsageError);
 }
 
-TEST_CASE("Training estimator: fp32 keeps 1-byte dropout masks; PyTorch < 1.11 keeps softmax inputs", "[mem]") {
+TEST_CASE("Training estimator: fp32 keeps 1-byte dropout masks, and PyTorch < 1.11 keeps softmax inputs", "[mem]") {
   const ModelShape m = preset("llama-2-7b");
   const double s = 512, b = 4, h = double(m.dim), a = double(m.heads), L = double(m.layers);
   TrainOptions o;
