@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from torch_replay import MIB, Trace, replay, workspace
+from torch_replay import MIB, Trace, cublas_workspace_bytes, cuda_dropout, replay, workspace
 
 DEV = "meta"
 
@@ -76,8 +76,7 @@ def linear(x, lin):
     return F.linear(Amp.h(x), Amp.h(lin.weight), Amp.h(lin.bias))
 
 
-def dropout(x, p, training):  # CUDA's fused dropout: the output and a 1-byte mask
-    return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+dropout = cuda_dropout
 
 
 def layer_norm(x, ln):
@@ -171,7 +170,7 @@ def main():
             model = Bert()
         model.gc = a.gc
         opt = HFAdamW(model.parameters())
-        workspaces = [workspace(8 * MIB + 128 * 1024)]  # the forward's cuBLAS handle
+        workspaces = [workspace(cublas_workspace_bytes("V100"))]  # the forward's cuBLAS handle
         for _ in range(a.steps):
             for _ in range(a.accum):
                 ids = torch.randint(0, 30522, (a.b, a.s), device=DEV)
@@ -181,7 +180,7 @@ def main():
                 Amp.on, Amp.cache = False, {}
                 loss = loss * (65536.0 if a.fp16 else 1.0) / a.accum  # GradScaler.scale
                 if len(workspaces) == 1:  # the backward thread's cuBLAS handle
-                    workspaces.append(workspace(8 * MIB + 128 * 1024))
+                    workspaces.append(workspace(cublas_workspace_bytes("V100")))
                 loss.backward()
                 del loss, ids, labels
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -160,23 +160,6 @@ def replay(case: dict, steps: int, keep_logits: bool) -> dict:
     return out
 
 
-class FlashSDPA(torch.autograd.Function):
-    """What SDPA's flash / cuDNN kernels keep and make on the GPU, on meta tensors: the output and
-    an fp32 log-sum-exp [B, H, T] saved with q, k, v; the backward makes q, k and v's gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 class NF4Matmul(torch.autograd.Function):
     """bitsandbytes 0.42.0's MatMul4Bit (autograd/_functions.py) on meta tensors: the weight
     dequantized to fp16 and cast to the input's bf16 for the product, both dropped after it, the input A kept as a Python attribute of
@@ -224,16 +207,15 @@ def materialize(m) -> None:
 
 def replay_meta(case: dict, steps: int, gpu: str, keep_logits: bool, validation: bool = False) -> dict:
     """The same step on meta tensors, its allocations through the caching-allocator model."""
-    from torch_replay import MIB, Trace, replay as allocator_replay, workspace
+    from torch_replay import FlashSDPA, Trace, cublas_workspace_bytes, cuda_dropout, replay as allocator_replay, workspace
     F = torch.nn.functional
     sdpa, dropout = F.scaled_dot_product_attention, F.dropout
     F.scaled_dot_product_attention = lambda q, k, v, *args, **kw: FlashSDPA.apply(q, k, v)
-    # CUDA's fused dropout (a 1-byte mask); on meta F.dropout would keep a noise tensor of the input's dtype
-    F.dropout = lambda x, p=0.5, training=True, inplace=False: torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+    F.dropout = cuda_dropout
     # older chunked_cross_entropy divides by max(1, a count tensor): a meta scalar has no value to compare
     truth = torch.Tensor.__bool__
     torch.Tensor.__bool__ = lambda t: True if t.device.type == "meta" else truth(t)
-    ws = 32 * MIB if gpu.upper().startswith(("H100", "H200", "H800", "GH200")) else 8 * MIB + 128 * 1024
+    ws = cublas_workspace_bytes(gpu)
     qlora = case["recipe"].get("qlora") is not None or case["recipe"]["precision"] == "nf4"
     trace = Trace()
     try:

@@ -152,3 +152,31 @@ def replay(events, capacity):
 def workspace(nbytes: int) -> torch.Tensor:
     """A kernel library's workspace, allocated as the library would (inside a Trace: recorded)."""
     return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+
+def cublas_workspace_bytes(gpu: str) -> int:
+    """PyTorch's cuBLAS workspace per handle (CublasHandlePool.cpp): 32 MiB on sm_90, else 8 MiB + 128 KiB."""
+    return 32 * MIB if gpu.upper().startswith(("H100", "H200", "H800", "GH200")) else 8 * MIB + 128 * 1024
+
+
+def cuda_dropout(x, p=0.5, training=True, inplace=False):
+    """F.dropout as CUDA runs it (the fused kernel: the output and a 1-byte mask); on meta
+    tensors F.dropout would keep a noise tensor of the input's dtype instead."""
+    return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+
+
+class FlashSDPA(torch.autograd.Function):
+    """What SDPA's flash / cuDNN kernels keep and make on the GPU, on meta tensors: the output and
+    an fp32 log-sum-exp [B, H, T] saved with q, k, v; the backward makes q, k and v's gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
