@@ -18,6 +18,15 @@ constexpr double kMiB = 1024.0 * 1024.0;
 constexpr const char* kZero = "ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, §3 and Fig. 1)";
 constexpr const char* kKorth = "Korthikanti et al. 2022, arXiv 2205.05198, §4 and Table 2";
 constexpr const char* kDs = "DeepSpeed estimate_zero2/zero3_model_states_mem_needs (stage_1_and_2.py, stage3.py)";
+constexpr const char* kDsGather = "DeepSpeed runtime/zero/partition_parameters.py all_gather_coalesced (a whole buffer per fetched "
+                                  "parameter; an offloaded partition copied to the GPU first), stage3_prefetch_bucket_size 5e7";
+constexpr const char* kDsIpg = "DeepSpeed runtime/zero/stage3.py (__ipg_bucket_flat_buffer) and stage_1_and_2.py backward (ipg_buffer): "
+                               "reduce_bucket_size elements, 5e8 by default (v0.7-v0.14)";
+constexpr const char* kFsdp = "PyTorch FSDP1 (fsdp/_runtime_utils.py: the root handle is not resharded after forward) and FSDP2 "
+                              "(fully_shard, FSDPState._lazy_init: the root's post_forward_mesh_info = None); one unit prefetched in the "
+                              "backward; each unit's unsharded gradient reduce-scattered after its backward";
+constexpr const char* kTuneCe = "torchtune modules/loss CEWithChunkedOutputLoss (the output projection in chunks, each upcast to fp32 "
+                                "inside the loss)";
 constexpr const char* k8bit = "Dettmers et al. 2021, arXiv 2110.02861 (block-wise 8-bit states, blocks of 2048)";
 constexpr const char* kQlora = "Dettmers et al. 2023, arXiv 2305.14314 (NF4, blocks of 64, double quantization)";
 constexpr const char* kLora = "Hu et al. 2021, arXiv 2106.09685 (B [out, r] · A [r, in])";
@@ -139,19 +148,32 @@ void add_ds_model_states(MemReport& r, const ModelShape& m, const TrainOptions& 
                      Basis::Formula});
 }
 
+// Bytes per parameter of the weights as stored, and as ZeRO-3 or FSDP gathers them: the working
+// copy (the frozen base's fp32 or 16-bit dtype under LoRA; bf16 beside QLoRA's NF4 matrices), and
+// the blocks' matrices (NF4 with their constants under QLoRA).
+struct WeightBytes {
+  double w = 2;      // embeddings, head, norms, and every matrix without QLoRA
+  double block = 2;  // the blocks' matrices
+};
+WeightBytes weight_bytes(const TrainOptions& o, const StateBytes& sb) {
+  WeightBytes g;
+  g.w = o.qlora ? 2 : o.lora_rank > 0 ? (o.precision == Precision::FP32 || o.precision == Precision::Amp ? 4 : 2) : sb.weights;
+  g.block = o.qlora ? inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4") : g.w;
+  return g;
+}
+
 // The parameter lines (bytes per GPU, / p_div under ZeRO-3): the frozen base and the LoRA
-// adapters, or every parameter; with ZeRO-3 parameter offload, the gathered layer on the GPU.
-void add_parameter_lines(MemReport& r, const ModelShape& m, const TrainOptions& o, const GpuParams& gp, const StateBytes& sb,
+// adapters, or every parameter.
+void add_parameter_lines(MemReport& r, const TrainOptions& o, const GpuParams& gp, const StateBytes& sb,
                          double trainable, Place par_place, double p_div) {
   const std::string psi = fmt::format("Ψ = {} params on this GPU (stage of {} layers / tp {})", num(gp.all), gp.layers, o.tp);
   if (o.lora_rank > 0) {
-    const int frozen_b = o.precision == Precision::FP32 || o.precision == Precision::Amp ? 4 : 2;
-    double frozen_bytes = frozen_b * gp.all;
-    std::string f = fmt::format("{} B x Ψ", frozen_b);
+    const WeightBytes gb = weight_bytes(o, sb);
+    double frozen_bytes = gb.w * gp.all;
+    std::string f = fmt::format("{} B x Ψ", gb.w);
     if (o.qlora) {
-      const double nf4 = inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4");
-      frozen_bytes = nf4 * gp.block_linear + 2.0 * (gp.all - gp.block_linear);
-      f = fmt::format("NF4 {:.4f} B x {} block-matrix params + bf16 2 B x {} others", nf4, num(gp.block_linear),
+      frozen_bytes = gb.block * gp.block_linear + gb.w * (gp.all - gp.block_linear);
+      f = fmt::format("NF4 {:.4f} B x {} block-matrix params + bf16 2 B x {} others", gb.block, num(gp.block_linear),
                       num(gp.all - gp.block_linear));
     }
     r.lines.push_back({"parameters (frozen base)", frozen_bytes / p_div, f + (p_div > 1 ? " / N_d" : "") + "; " + psi,
@@ -163,12 +185,41 @@ void add_parameter_lines(MemReport& r, const ModelShape& m, const TrainOptions& 
     r.lines.push_back({"parameters", sb.weights * trainable / p_div,
                        fmt::format("{} B x Ψ{}; {}", sb.weights, p_div > 1 ? " / N_d" : "", psi), kZero, par_place, Basis::Formula});
   }
-  if (par_place != Place::Device) {  // ZeRO-3 parameter offload: one gathered layer on the GPU
-    const double ll = double(m.largest_layer_params()) / o.tp;
-    r.lines.push_back({"gathered parameters (working set)", (sb.weights + sb.grads) * ll,
-                       fmt::format("({} + {}) B x largest layer {} (DeepSpeed's 4·largest_layer)", sb.weights, sb.grads, num(ll)), kDs,
-                       Place::Device, Basis::Formula});
-  }
+}
+
+// DeepSpeed ZeRO-3's gathered working set: the largest parameter fetched whole (with parameter
+// offload its partition is first copied to the GPU: + 1/N_d), its full gradient before the
+// reduce when it trains, and the prefetched next parameters (stage3_prefetch_bucket_size).
+void add_ds_gathered(MemReport& r, const ModelShape& m, const TrainOptions& o, const GpuParams& gp, const StateBytes& sb) {
+  const WeightBytes gb = weight_bytes(o, sb);
+  const double L = double(m.largest_layer_params()) / o.tp;
+  const bool embed_largest = m.vocab * m.dim >= std::max(m.dim * m.hidden, m.dim * m.q_dim());
+  const double wl = embed_largest ? gb.w : gb.block, copy = o.offload_params != Offload::None ? 1.0 / o.dp : 0.0;
+  const double grad = o.lora_rank > 0 ? 0 : sb.grads, prefetch = std::min(5e7, gp.all);
+  r.lines.push_back({"gathered parameters (DeepSpeed working set)", (wl * (1 + copy) + grad) * L + gb.block * prefetch,
+                     fmt::format("({:.4g} B x (1 + {:.3g}) + {} B) x largest layer {} + {:.4g} B x prefetch {}", wl, copy, grad, num(L),
+                                 gb.block, num(prefetch)),
+                     kDsGather, Place::Device, Basis::Formula});
+}
+
+// PyTorch FSDP (FULL_SHARD, a unit per transformer block). The root unit (embeddings, head, final
+// norm) stays unsharded from its forward to the end of the backward, or, with the embeddings and
+// the head as units of their own (torchtune's custom_sharded_layers), the head's unit is gathered
+// with a block; in the backward one block is unsharded and the next prefetched; a training unit's
+// gradient exists unsharded until its reduce-scatter (the root's until the backward ends).
+void add_fsdp_gathered(MemReport& r, const ModelShape& m, const TrainOptions& o, const GpuParams& gp, const StateBytes& sb) {
+  const WeightBytes gb = weight_bytes(o, sb);
+  const double layer = double(m.layer_params()) / o.tp, linear = double(m.layer_linear_params()) / o.tp;
+  const double head = double(m.vocab) * double(m.dim) / o.tp, root = o.fsdp_embedding_units ? 0 : gp.all - double(gp.layers) * layer;
+  const double block = gb.block * linear + gb.w * (layer - linear);
+  const double units = root > 0 ? gb.w * root + 2 * block : std::max(gb.w * head, block) + block;
+  const double grad = o.lora_rank > 0 ? 0 : sb.grads * std::max(head, layer);
+  r.lines.push_back({"gathered parameters (FSDP units)", units + grad,
+                     root > 0 ? fmt::format("root unit {} params x {} B + 2 blocks x {} B", num(root), gb.w, num(block)) + 
+                                    (grad > 0 ? fmt::format(" + unsharded gradient {} B", num(grad)) : "")
+                              : fmt::format("max(head unit {} B, block {} B) + block{}", num(gb.w * head), num(block),
+                                            grad > 0 ? fmt::format(" + unsharded gradient {} B", num(grad)) : ""),
+                     kFsdp, Place::Device, Basis::Formula});
 }
 
 // The optimizer's lines (bytes per GPU, / s_div from ZeRO-1 on): fp32 master weights, Adafactor's
@@ -212,7 +263,9 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
     return;
   }
 
-  add_parameter_lines(r, m, o, gp, sb, trainable, par_place, p_div);
+  add_parameter_lines(r, o, gp, sb, trainable, par_place, p_div);
+  if (o.zero >= 3 && !o.fsdp) add_ds_gathered(r, m, o, gp, sb);
+  if (o.zero >= 3 && o.fsdp && o.dp > 1) add_fsdp_gathered(r, m, o, gp, sb);
   const Place grad_place = o.offload_optimizer != Offload::None ? opt_place : Place::Device;
   r.lines.push_back({"gradients", sb.grads * trainable / g_div,
                      fmt::format("{} B x Ψ_trainable {}{}", sb.grads, num(trainable), g_div > 1 ? " / N_d" : ""), kZero, grad_place,
@@ -279,6 +332,13 @@ void add_head_activations(MemReport& r, const ModelShape& m, const TrainOptions&
                        kKorth, Place::Device, Basis::Formula});
     return;
   }
+  if (o.ce_chunks > 0) {  // torchtune's CEWithChunkedOutputLoss: bf16 logits in n chunks, one upcast to fp32 at a time
+    const double n = double(o.ce_chunks), out = (4 * s * b * h + 2 * m.logits(s, b) + 4 * m.logits(s, b) / n) / o.tp;
+    r.lines.push_back({"activations (output layer, chunked logits)", out,
+                       fmt::format("(4sbh + 2sbv + 4sbv/{})/t: 16-bit logits, one chunk in fp32, v = {}", o.ce_chunks, m.vocab), kTuneCe,
+                       Place::Device, Basis::Formula});
+    return;
+  }
   const double out = (4 * s * b * h + 4 * m.logits(s, b)) / o.tp;
   r.lines.push_back({"activations (output layer, fp32 logits)", out, fmt::format("(4sbh + 4sbv)/t, v = {}", m.vocab), kKorth, Place::Device,
                      Basis::Formula});
@@ -312,9 +372,12 @@ void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
 
 void add_temporaries(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   const double s = double(o.seq_len), b = double(o.micro_batch);
-  r.lines.push_back({"temporary: logits gradient (fp32)", 4 * m.logits(s, b) / o.tp,
-                     m.head == Head::Classifier ? "4b·labels during the loss backward" : "4sbv/t during the loss backward", kKorth,
-                     Place::Device, Basis::Formula});
+  const double chunks = m.head == Head::Classifier || o.ce_chunks <= 0 ? 1 : double(o.ce_chunks);
+  r.lines.push_back({"temporary: logits gradient (fp32)", 4 * m.logits(s, b) / o.tp / chunks,
+                     m.head == Head::Classifier ? "4b·labels during the loss backward"
+                     : chunks > 1               ? fmt::format("4sbv/({}t): one chunk's during the loss backward", o.ce_chunks)
+                                                : "4sbv/t during the loss backward",
+                     kKorth, Place::Device, Basis::Formula});
   if (o.precision == Precision::Amp) {
     const GpuParams gp = gpu_params(m, o);
     const double head = m.head == Head::Classifier ? double(m.dim) * double(m.dim + m.labels) : double(m.vocab) * double(m.dim);
@@ -340,12 +403,14 @@ void add_comm_and_overhead(MemReport& r, const ModelShape& m, const TrainOptions
     r.lines.push_back({"communication: DDP gradient buckets", sb.grads * trainable,
                        "one copy of the gradients (DistributedDataParallel, gradient_as_bucket_view=False, 25 MB buckets covering all)",
                        kTorch, Place::Device, Basis::Formula});
-  if (o.dp > 1 && o.zero >= 1) {
-    const double reduce = 2 * std::min(trainable, 5e8), gather = 2 * std::min(trainable, o.zero == 3 ? 5e7 : 5e8);
-    r.lines.push_back({"communication: ZeRO buckets (16-bit)", reduce + gather,
-                       o.zero == 3 ? "2 B x (min(Ψ, reduce_bucket_size 5e8) + min(Ψ, stage3_prefetch_bucket_size 5e7))"
-                                   : "2 B x (min(Ψ, reduce_bucket_size 5e8) + min(Ψ, allgather_bucket_size 5e8))",
-                       "DeepSpeed configuration defaults (zero_optimization)", Place::Device, Basis::Formula});
+  if (o.zero >= 1 && !o.fsdp) {
+    // Allocated whole whatever the trainable count (contiguous_gradients, on by default), in the
+    // parameters' dtype: fp32 unless DeepSpeed's fp16/bf16 mode runs.
+    const double bytes = o.precision == Precision::FP32 || o.precision == Precision::Amp ? 4 : 2;
+    r.lines.push_back({"communication: DeepSpeed gradient bucket", bytes * 5e8,
+                       fmt::format("{} B x reduce_bucket_size 5e8 (stage {}: {})", bytes, o.zero,
+                                   o.zero == 3 ? "allocated with the optimizer" : "allocated by each backward"),
+                       kDsIpg, Place::Device, Basis::Formula});
   }
   if (o.cuda_context_given)
     r.lines.push_back({"CUDA context + cuBLAS workspace (given)", o.cuda_context_bytes, "--cuda-context: measured on the user's setup",
@@ -757,15 +822,19 @@ void check_training_options(const ModelShape& m, const TrainOptions& o) {
     throw UsageError(fmt::format("--tp {} must divide heads ({}), kv heads ({}) and the FFN width ({})", o.tp, m.heads, m.kv_heads, m.hidden));
   if (o.pp > m.layers) throw UsageError("--pp cannot exceed the layer count");
   if (o.ce_chunks < 0) throw UsageError("--ce-chunks must be >= 0 (0: CrossEntropyLoss on the whole logits)");
+  if (o.fsdp_embedding_units && !(o.fsdp && o.zero == 3))
+    throw UsageError("--fsdp-embedding-units describes FSDP units: add --fsdp full");
   if (!o.torch_version.empty()) {
     release_code(o.torch_version, "--torch-version");
     if (o.framework != Framework::Analytic && o.framework != Framework::DeepSpeed)
       throw UsageError("--torch-version changes the analytic formula's attention; the pytorch, litgpt and torchtune frameworks each "
                        "model one PyTorch release of their own");
   }
-  if (o.framework != Framework::TorchTune && (o.compile || o.ce_chunks > 0 || o.offload_activations || o.optimizer_in_backward || o.paged_optimizer))
-    throw UsageError("--compile, --ce-chunks, --offload-activations, --optimizer-in-backward and --paged-optimizer model torchtune's "
+  if (o.framework != Framework::TorchTune && (o.compile || o.offload_activations || o.optimizer_in_backward || o.paged_optimizer))
+    throw UsageError("--compile, --offload-activations, --optimizer-in-backward and --paged-optimizer model torchtune's "
                      "recipes: add --framework torchtune");
+  if (o.ce_chunks > 0 && (o.framework == Framework::PyTorch || o.framework == Framework::LitGPT))
+    throw UsageError("--ce-chunks models torchtune's chunked loss: the analytic, deepspeed and torchtune frameworks");
 }
 
 }  // namespace

@@ -78,6 +78,13 @@ struct TrainOptions {
   bool double_quant = true;     ///< QLoRA double quantization of the absmax constants
   int dp = 1;                   ///< N_d data-parallel ranks (DDP or ZeRO)
   int zero = 0;                 ///< ZeRO stage 0..3 (FSDP FULL_SHARD = 3, SHARD_GRAD_OP = 2)
+  /// The sharding is PyTorch FSDP's (--fsdp), not DeepSpeed's: FSDP units (root unit kept
+  /// unsharded, one block gathered and one prefetched) instead of DeepSpeed's gathered working
+  /// set and gradient bucket.
+  bool fsdp = false;
+  /// FSDP with the token embedding and the output head as units of their own (torchtune's
+  /// custom_sharded_layers; --fsdp-embedding-units): the root unit no longer holds them.
+  bool fsdp_embedding_units = false;
   Offload offload_optimizer = Offload::None;
   Offload offload_params = Offload::None;  ///< ZeRO-3 only
   int tp = 1, pp = 1;           ///< tensor- and pipeline-parallel degrees (Megatron)

@@ -234,6 +234,36 @@ TEST_CASE("Training estimator options move the lines the right way", "[mem]") {
         Approx(ds_zero3_model_states(double(m.params()), double(m.largest_layer_params()), 8, 1, false, false).gpu));
 }
 
+// DeepSpeed allocates its gradient bucket whole (reduce_bucket_size 5e8 elements, the parameters'
+// dtype) whatever the trainable count and the rank count, and ZeRO-3 gathers the largest
+// parameter whole (offloaded: its partition copied over first); FSDP has no such bucket but keeps
+// its root unit (embeddings, head, final norm) unsharded through the backward beside two blocks.
+TEST_CASE("Training estimator: DeepSpeed's gradient bucket and gathered parameters, FSDP's units", "[mem]") {
+  const ModelShape m = preset("llama-2-7b");
+  const double root = double(m.params()) - double(m.layers) * double(m.layer_params()), layer = double(m.layer_params());
+  TrainOptions ds;
+  ds.precision = Precision::FP32, ds.lora_rank = 8, ds.zero = 3, ds.offload_params = Offload::Cpu, ds.offload_optimizer = Offload::Cpu;
+  const MemReport one = estimate_training(m, ds);
+  CHECK(lines_sum(one, {"communication: DeepSpeed gradient bucket"}) == Approx(4 * 5e8));
+  const double vh = double(m.vocab) * double(m.dim);  // the token embedding is Llama-2-7B's largest parameter
+  CHECK(lines_sum(one, {"gathered parameters (DeepSpeed working set)"}) == Approx(4 * vh * 2 + 4 * 5e7));
+  TrainOptions mixed = ds;
+  mixed.precision = Precision::Mixed, mixed.dp = 4, mixed.offload_params = Offload::None, mixed.offload_optimizer = Offload::None;
+  const MemReport four = estimate_training(m, mixed);
+  CHECK(lines_sum(four, {"communication: DeepSpeed gradient bucket"}) == Approx(2 * 5e8));
+  CHECK(lines_sum(four, {"gathered parameters (DeepSpeed working set)"}) == Approx(2 * vh + 2 * 5e7));
+
+  TrainOptions fsdp = mixed;
+  fsdp.fsdp = true, fsdp.lora_rank = 0;
+  const MemReport f = estimate_training(m, fsdp);
+  CHECK(lines_sum(f, {"communication: DeepSpeed gradient bucket", "gathered parameters (DeepSpeed working set)"}) == 0);
+  CHECK(lines_sum(f, {"gathered parameters (FSDP units)"}) == Approx(2 * root + 2 * 2 * layer + 2 * std::max(vh, layer)));
+  fsdp.fsdp_embedding_units = true, fsdp.lora_rank = 8;
+  CHECK(lines_sum(estimate_training(m, fsdp), {"gathered parameters (FSDP units)"}) == Approx(2 * std::max(vh, layer) + 2 * layer));
+  fsdp.fsdp = false;
+  CHECK_THROWS_AS(estimate_training(m, fsdp), UsageError);
+}
+
 // PEFT's LoRA on a bf16 base keeps each adapted Linear's input as an fp32 copy (lora_A's saved
 // input after _cast_input_dtype to the fp32 adapters): 4·s·b·Σ in per layer, nothing else moves;
 // refused where it does not apply. (mem/validation: PEFT's MetaMathQA Llama-3.2-3B q,v rows.)

@@ -121,6 +121,7 @@ int run_train(TrainCli& a) {
     if (a.fsdp == "full") to.zero = 3;
     else if (a.fsdp == "grad-op") to.zero = 2;
     else throw UsageError("--fsdp must be full or grad-op");
+    to.fsdp = true;
   }
   const ModelShape shape = load_shape(a.model_spec);
   MemReport r = estimate_training(shape, to);
@@ -199,6 +200,8 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
   tr->add_option("--dp", to.dp, "data-parallel ranks N_d (DDP or ZeRO)");
   tr->add_option("--zero", to.zero, "ZeRO stage 0-3");
   tr->add_option("--fsdp", ta.fsdp, "FSDP sharding: full (= ZeRO-3) or grad-op (= ZeRO-2)");
+  tr->add_flag("--fsdp-embedding-units", to.fsdp_embedding_units,
+               "FSDP: the token embedding and the output head are units of their own (torchtune's custom_sharded_layers)");
   tr->add_option("--offload-optimizer", ta.off_opt, "none | cpu | nvme");
   tr->add_option("--offload-params", ta.off_par, "none | cpu | nvme (ZeRO-3)");
   tr->add_option("--tp", to.tp, "tensor-parallel degree");
@@ -208,7 +211,7 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
                  "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed | litgpt (LitGPT's finetune scripts) | "
                  "torchtune (its single-device recipes)");
   tr->add_flag("--compile", to.compile, "with --framework torchtune: compile=True (per-layer torch.compile)");
-  tr->add_option("--ce-chunks", to.ce_chunks, "with --framework torchtune: CEWithChunkedOutputLoss's chunks (0: CrossEntropyLoss)");
+  tr->add_option("--ce-chunks", to.ce_chunks, "torchtune's CEWithChunkedOutputLoss chunks (0: CrossEntropyLoss); torchtune and analytic frameworks");
   tr->add_flag("--offload-activations", to.offload_activations, "with --framework torchtune: enable_activation_offloading=True");
   tr->add_flag("--optimizer-in-backward", to.optimizer_in_backward, "with --framework torchtune: optimizer_in_bwd=True");
   tr->add_flag("--paged-optimizer", to.paged_optimizer, "bitsandbytes paged optimizer: states in CUDA managed memory, outside torch's count");

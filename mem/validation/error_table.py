@@ -128,6 +128,8 @@ def flags(case: dict) -> list[str]:
         out += ["--optimizer-in-backward"] if r.get("optimizer_in_bwd") else []
         out += ["--offload-activations"] if r.get("activation_offload") else []
         out += ["--paged-optimizer"] if r["optimizer"].startswith("paged-") else []
+    elif r.get("framework") == "torchtune" and r.get("fused_ce"):  # the multi-GPU rows: CEWithChunkedOutputLoss, 8 chunks
+        out += ["--ce-chunks", str(r.get("ce_chunks") or 8)]
     if r.get("grad_accum"):
         out += ["--grad-accum", str(r["grad_accum"])]
     if r.get("flash_attention") is False:
@@ -146,7 +148,9 @@ def flags(case: dict) -> list[str]:
     if gpus > 1:
         out += ["--dp", str(gpus)]
     if gpus > 1 or r["offload"] != "none":  # one GPU: ZeRO changes nothing but where it offloads
-        if r["sharding"] in ("zero3", "fsdp-full"):
+        if r["sharding"] == "fsdp-full":
+            out += ["--fsdp", "full"] + (["--fsdp-embedding-units"] if r.get("fsdp_embedding_units") else [])
+        elif r["sharding"] == "zero3":
             out += ["--zero", "3"]
         elif r["sharding"] == "zero2":
             out += ["--zero", "2"]
