@@ -92,6 +92,13 @@ GpuParams gpu_params(const ModelShape& m, const TrainOptions& o) {
 
 std::string num_str(double x) { return num(x); }
 
+double fsdp_unsharded_bytes(const ModelShape& m, const TrainOptions& o, double w, double block_bytes) {
+  const double layer = double(m.layer_params()) / o.tp, head = double(m.vocab) * double(m.dim) / o.tp;
+  if (o.fsdp_embedding_units) return std::max(w * head, block_bytes) + block_bytes;
+  const double root = gpu_params(m, o).all - double((m.layers + o.pp - 1) / o.pp) * layer;
+  return w * root + 2 * block_bytes;
+}
+
 bool lora_targets_include(const TrainOptions& o, const char* t) {
   return std::any_of(o.lora_targets.begin(), o.lora_targets.end(), [&](const std::string& x) { return x == t || x == "all"; });
 }
@@ -202,23 +209,16 @@ void add_ds_gathered(MemReport& r, const ModelShape& m, const TrainOptions& o, c
                      kDsGather, Place::Device, Basis::Formula});
 }
 
-// PyTorch FSDP (FULL_SHARD, a unit per transformer block). The root unit (embeddings, head, final
-// norm) stays unsharded from its forward to the end of the backward, or, with the embeddings and
-// the head as units of their own (torchtune's custom_sharded_layers), the head's unit is gathered
-// with a block; in the backward one block is unsharded and the next prefetched; a training unit's
-// gradient exists unsharded until its reduce-scatter (the root's until the backward ends).
-void add_fsdp_gathered(MemReport& r, const ModelShape& m, const TrainOptions& o, const GpuParams& gp, const StateBytes& sb) {
+// FSDP's unsharded units (fsdp_unsharded_bytes) and a trained unit's gradient, whole until its
+// reduce-scatter (the head's, or a block's when larger).
+void add_fsdp_gathered(MemReport& r, const ModelShape& m, const TrainOptions& o, const StateBytes& sb) {
   const WeightBytes gb = weight_bytes(o, sb);
   const double layer = double(m.layer_params()) / o.tp, linear = double(m.layer_linear_params()) / o.tp;
-  const double head = double(m.vocab) * double(m.dim) / o.tp, root = o.fsdp_embedding_units ? 0 : gp.all - double(gp.layers) * layer;
-  const double block = gb.block * linear + gb.w * (layer - linear);
-  const double units = root > 0 ? gb.w * root + 2 * block : std::max(gb.w * head, block) + block;
+  const double block = gb.block * linear + gb.w * (layer - linear), head = double(m.vocab) * double(m.dim) / o.tp;
   const double grad = o.lora_rank > 0 ? 0 : sb.grads * std::max(head, layer);
-  r.lines.push_back({"gathered parameters (FSDP units)", units + grad,
-                     root > 0 ? fmt::format("root unit {} params x {} B + 2 blocks x {} B", num(root), gb.w, num(block)) + 
-                                    (grad > 0 ? fmt::format(" + unsharded gradient {} B", num(grad)) : "")
-                              : fmt::format("max(head unit {} B, block {} B) + block{}", num(gb.w * head), num(block),
-                                            grad > 0 ? fmt::format(" + unsharded gradient {} B", num(grad)) : ""),
+  r.lines.push_back({"gathered parameters (FSDP units)", fsdp_unsharded_bytes(m, o, gb.w, block) + grad,
+                     fmt::format("{}, blocks of {} B{}", o.fsdp_embedding_units ? "max(head unit, block) + block" : "root unit + 2 blocks",
+                                 num(block), grad > 0 ? fmt::format(" + unsharded gradient {} B", num(grad)) : ""),
                      kFsdp, Place::Device, Basis::Formula});
 }
 
@@ -265,7 +265,7 @@ void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) 
 
   add_parameter_lines(r, o, gp, sb, trainable, par_place, p_div);
   if (o.zero >= 3 && !o.fsdp) add_ds_gathered(r, m, o, gp, sb);
-  if (o.zero >= 3 && o.fsdp && o.dp > 1) add_fsdp_gathered(r, m, o, gp, sb);
+  if (o.zero >= 3 && o.fsdp && o.dp > 1) add_fsdp_gathered(r, m, o, sb);
   const Place grad_place = o.offload_optimizer != Offload::None ? opt_place : Place::Device;
   r.lines.push_back({"gradients", sb.grads * trainable / g_div,
                      fmt::format("{} B x Ψ_trainable {}{}", sb.grads, num(trainable), g_div > 1 ? " / N_d" : ""), kZero, grad_place,

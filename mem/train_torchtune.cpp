@@ -1,6 +1,8 @@
 // `llmq-mem train --framework torchtune`: torchtune's single-device recipes
 // (full_finetune_single_device.py, lora_finetune_single_device.py, torchtune 0.4.0, Nov 2024),
-// what torch.cuda.memory_stats() reports as the active / allocated peak, by phase of one step.
+// what torch.cuda.memory_stats() reports as the active / allocated peak, by phase of one step;
+// and the distributed ones (--dp N --fsdp full: FSDP2 per layer, then the root), whose model
+// states and gradients are sharded / N beside FSDP's unsharded units (fsdp_unsharded_bytes).
 //
 // Per transformer layer and token (e bytes per activation, 2 for bf16; h, q, kv, f the model,
 // query, key/value and MLP widths; a heads), what autograd keeps in the eager model
@@ -34,6 +36,8 @@ constexpr const char* kTune = "torchtune 0.4.0 recipes (full_finetune_single_dev
                               "bench/torchtune_mem.py";
 constexpr const char* kTuneOffload = "torchtune training/_activation_offloading.py (OffloadActivations: saved tensors >= 1 KiB to the CPU, "
                                      "not the output projection's)";
+constexpr const char* kTuneFsdp = "torchtune lora_finetune_distributed.py / full_finetune_distributed.py (training.shard_model: FSDP2 "
+                                  "fully_shard per layer, then the root) and PyTorch FSDP2 (the root is not resharded after forward)";
 constexpr const char* kTorchao = "torchao NF4Tensor (4 bits, int8 scalers per 64, fp32 factor per 256 scalers); bitsandbytes paged optimizers "
                                  "(cudaMallocManaged: outside torch's counters)";
 
@@ -54,7 +58,8 @@ constexpr double kNf4 = 0.5 + 1.0 / 64 + 4.0 / (64 * 256);
 struct TuneSizes {
   double e = 2, T = 0, h = 0, V = 0, P = 0, L = 0;  // bytes per activation, tokens, width, vocabulary, parameters, layers
   double head_lora = 0, trainable = 0;              // params: a LoRA adapter on the output; every trained one
-  bool lora = false, ckpt = false;
+  double dp = 1;                                    // FSDP ranks the model states are sharded over
+  bool lora = false, ckpt = false, offload = false;  // offload: fsdp_cpu_offload (parameters, gradients, optimizer on the CPU)
 };
 
 // TuneSizes for m and o (the trainable count throws UsageError for an unknown LoRA target).
@@ -66,35 +71,47 @@ TuneSizes tune_sizes(const ModelShape& m, const TrainOptions& o) {
   z.e = e, z.T = T, z.h = h, z.V = V, z.P = P, z.L = L, z.lora = lora, z.ckpt = ckpt;
   z.head_lora = lora && lora_targets_include(o, "head") ? double(o.lora_rank) * (h + V) : 0;
   z.trainable = lora ? L * lora_layer_params_of(m, o) + z.head_lora : P;
+  z.dp = o.dp, z.offload = o.offload_params == Offload::Cpu;
   return z;
 }
 
 // One line of the recipes' device memory (bytes), from a formula.
-void add_tune(MemReport& r, std::string label, double bytes, std::string formula, const char* src = kTune) {
-  r.lines.push_back({std::move(label), bytes, std::move(formula), src, Place::Device, Basis::Formula});
+void add_tune(MemReport& r, std::string label, double bytes, std::string formula, const char* src = kTune, Place place = Place::Device) {
+  r.lines.push_back({std::move(label), bytes, std::move(formula), src, place, Basis::Formula});
 }
 
 // The model states (bytes): the frozen base (NF4 block matrices under QLoRA) and the adapters,
 // or every parameter, and the optimizer's states (paged ones outside torch's count).
 void add_tune_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o, const TuneSizes& z) {
-  const double e = z.e, P = z.P, L = z.L, trainable = z.trainable;
+  const double e = z.e, P = z.P, L = z.L, trainable = z.trainable, N = z.dp;
   const bool lora = z.lora;
+  const Place place = z.offload ? Place::Cpu : Place::Device;
+  const std::string per = N > 1 ? fmt::format(" / {} FSDP ranks", N) : "";
   if (lora) {
     const double linear = L * double(m.layer_linear_params());
     add_tune(r, o.qlora ? "parameters (frozen base, NF4 block matrices)" : "parameters (frozen base)",
-             o.qlora ? kNf4 * linear + e * (P - linear) : e * P,
-             o.qlora ? fmt::format("{:.4f} B x {} block-matrix params + {} B x {} others (embedding, output, norms in bf16)", kNf4,
-                                   num_str(linear), e, num_str(P - linear))
-                     : fmt::format("{} B x {}", e, num_str(P)),
-             o.qlora ? kTorchao : kTune);
+             (o.qlora ? kNf4 * linear + e * (P - linear) : e * P) / N,
+             (o.qlora ? fmt::format("{:.4f} B x {} block-matrix params + {} B x {} others (embedding, output, norms in bf16)", kNf4,
+                                    num_str(linear), e, num_str(P - linear))
+                      : fmt::format("{} B x {}", e, num_str(P))) + per,
+             o.qlora ? kTorchao : kTune, place);
   }
-  add_tune(r, lora ? "parameters (LoRA adapters)" : "parameters", e * trainable, fmt::format("{} B x {}", e, num_str(trainable)));
+  add_tune(r, lora ? "parameters (LoRA adapters)" : "parameters", e * trainable / N, fmt::format("{} B x {}", e, num_str(trainable)) + per,
+           kTune, place);
   const bool paged = o.paged_optimizer;
   const double moment = o.optimizer == Optimizer::Adam8bit ? 2 + 8.0 / 2048 : 2 * e;
-  add_tune(r, paged ? "optimizer states (paged: CUDA managed memory, outside torch's count)" : "optimizer states", paged ? 0 : moment * trainable,
+  add_tune(r, paged ? "optimizer states (paged: CUDA managed memory, outside torch's count)" : "optimizer states",
+           paged ? 0 : moment * trainable / N,
            paged ? "bitsandbytes PagedAdamW8bit allocates its states with cudaMallocManaged"
-                 : fmt::format("exp_avg + exp_avg_sq: {} B x trainable", moment),
-           paged ? kTorchao : kTune);
+                 : fmt::format("exp_avg + exp_avg_sq: {} B x trainable", moment) + per,
+           paged ? kTorchao : kTune, place);
+  if (N > 1) {
+    const double layer = double(m.layer_params()), linear = double(m.layer_linear_params());
+    const double block = (o.qlora ? kNf4 * linear : e * linear) + e * (layer - linear);
+    add_tune(r, "gathered parameters (FSDP units)", fsdp_unsharded_bytes(m, o, e, block),
+             fmt::format("{}, blocks of {} B", o.fsdp_embedding_units ? "max(head unit, block) + block" : "root unit + 2 blocks", num_str(block)),
+             kTuneFsdp);
+  }
 }
 
 // The layers' saved activations (bytes, per_token bytes per layer and token), or under
@@ -140,7 +157,7 @@ TuneHead tune_head(const TrainOptions& o, const TuneSizes& z, bool out_trained) 
 void add_tune_peak(MemReport& r, const TrainOptions& o, const TuneSizes& z, const MemLine& acts_line, const TuneHead& head, double per_layer,
                    bool out_trained) {
   const double e = z.e, h = z.h, V = z.V;
-  const double grads = e * z.trainable;
+  const double grads = z.offload ? 0 : e * z.trainable / z.dp;  // FSDP: reduce-scattered shards (on the CPU when offloaded)
   const double accum_grads = o.grad_accum > 1 ? grads : 0;  // kept between micro-batches
   const double loss_phase = acts_line.bytes + head.bytes + accum_grads;
 
@@ -165,8 +182,11 @@ void add_tune_peak(MemReport& r, const TrainOptions& o, const TuneSizes& z, cons
 }  // namespace
 
 MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
-  if (o.tp != 1 || o.pp != 1 || o.dp != 1 || o.zero != 0 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None)
-    throw UsageError("--framework torchtune models the single-device recipes: no --dp/--zero/--tp/--pp or optimizer offload");
+  const bool sharded = o.fsdp && o.zero == 3, offload = o.offload_params != Offload::None || o.offload_optimizer != Offload::None;
+  if (o.tp != 1 || o.pp != 1 || (o.dp != 1 && !sharded) || (o.zero != 0 && !sharded))
+    throw UsageError("--framework torchtune models the single-device recipes and the distributed ones with --fsdp full: no --zero/--tp/--pp");
+  if (offload && !(sharded && o.offload_params == Offload::Cpu && o.offload_optimizer == Offload::Cpu))
+    throw UsageError("--framework torchtune offloads as fsdp_cpu_offload does: --fsdp full with --offload-params cpu --offload-optimizer cpu");
   if (o.precision != Precision::BF16 || o.checkpointing == Checkpointing::Selective)
     throw UsageError("--framework torchtune models dtype bf16 (--precision pure-bf16) with --checkpointing none or full");
   if (o.optimizer != Optimizer::Adam && o.optimizer != Optimizer::Adam8bit)
@@ -192,6 +212,9 @@ MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
   if (o.optimizer_in_backward) r.notes.push_back("optimizer step fused into the backward: each gradient is freed once its parameter is stepped");
   r.notes.push_back("AdamW steps without parameter-sized temporaries (the recipes' fused / per-parameter steps)");
   add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes, o.cuda_context_given);
+  if (o.dp > 1)
+    r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)",
+                       "okoge-kaz memory-estimator notes (NCCL ~0.5 GB per communicator)", Place::GpuOther, Basis::Assumed});
   r.notes.push_back("the device total minus gpu-other lines is torchtune's 'peak memory active/alloc'");
   return r;
 }

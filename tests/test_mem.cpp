@@ -564,6 +564,48 @@ TEST_CASE("torchtune framework: the README's optimization flags for Llama 3.2 3B
   CHECK_THROWS_AS(estimate_training(m, o), UsageError);
 }
 
+// torchtune's distributed recipes (FSDP2 over 8 GPUs, mem/validation tt-llama31-70b-*-8xa100):
+// the model states / 8, the root unit (embeddings and output: the LoRA recipe shards only the
+// layers) and two blocks unsharded; fsdp_cpu_offload moves the states and the gradients off the GPU.
+TEST_CASE("torchtune framework: Llama 3.1 70B over 8 GPUs with FSDP", "[mem]") {
+  ModelShape m;
+  m.name = "llama-3.1-70b", m.dim = 8192, m.hidden = 28672, m.layers = 80, m.heads = 64, m.kv_heads = 8, m.head_dim = 128;
+  m.vocab = 128256, m.context = 4096;
+  TrainOptions o;
+  o.framework = Framework::TorchTune, o.precision = Precision::BF16, o.micro_batch = 2, o.seq_len = 2048, o.gpu = "A100-80GB";
+  o.checkpointing = Checkpointing::Full, o.compile = true, o.ce_chunks = 8, o.lora_rank = 16, o.lora_targets = {"q", "k", "v"};
+  o.dp = 8, o.zero = 3, o.fsdp = true;
+  const MemReport lora = estimate_training(m, o);
+  const double P = double(m.params()), layer = double(m.layer_params()), vh = double(m.vocab) * double(m.dim);
+  CHECK(lines_sum(lora, {"parameters (frozen base)"}) == Approx(2 * P / 8));
+  CHECK(lines_sum(lora, {"gathered parameters (FSDP units)"}) == Approx(2 * (P - 80 * layer) + 2 * 2 * layer));
+  CHECK(lines_sum(lora, {"NCCL buffers"}) > 0);
+  CHECK(lora.total(Place::Device) / GiB == Approx(27.6).epsilon(0.08));  // published 27.6 GiB
+  TrainOptions full = o;
+  full.lora_rank = 0, full.fsdp_embedding_units = true, full.offload_params = full.offload_optimizer = Offload::Cpu;
+  const MemReport f = estimate_training(m, full);
+  CHECK(f.total(Place::Cpu) == Approx(6 * P / 8));  // bf16 weights and AdamW's two moments, sharded, on the CPU
+  CHECK(lines_sum(f, {"gathered parameters (FSDP units)"}) == Approx(2 * std::max(vh, layer) + 2 * layer));
+  CHECK(f.total(Place::Device) / GiB == Approx(13.9).epsilon(0.03));  // published 13.9 GiB
+  full.offload_optimizer = Offload::None;  // fsdp_cpu_offload moves both or neither
+  CHECK_THROWS_AS(estimate_training(m, full), UsageError);
+  o.fsdp = false;
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
+}
+
+// The analytic formula with torchtune's chunked loss: 16-bit logits, one chunk upcast at a time.
+TEST_CASE("Training estimator: chunked cross-entropy keeps 16-bit logits and one fp32 chunk", "[mem]") {
+  const ModelShape m = preset("llama-3-8b");
+  TrainOptions o;
+  o.precision = Precision::BF16, o.seq_len = 2048, o.micro_batch = 2;
+  const double sbv = 2048.0 * 2 * double(m.vocab), sbh = 2048.0 * 2 * double(m.dim);
+  CHECK(lines_sum(estimate_training(m, o), {"activations (output layer, fp32 logits)"}) == Approx(4 * sbh + 4 * sbv));
+  o.ce_chunks = 8;
+  const MemReport c = estimate_training(m, o);
+  CHECK(lines_sum(c, {"activations (output layer, chunked logits)"}) == Approx(4 * sbh + 2 * sbv + 4 * sbv / 8));
+  CHECK(lines_sum(c, {"temporary: logits gradient (fp32)"}) == Approx(4 * sbv / 8));
+}
+
 TEST_CASE("Model shapes: presets and files give the right parameter counts", "[mem]") {
   CHECK(preset("llama-2-7b").params() == 6738415616);
   CHECK(preset("llama-3-8b").params() == 8030261248);

@@ -209,7 +209,7 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
   tr->add_flag("--sp", to.sequence_parallel, "sequence parallelism (with --tp)");
   tr->add_option("--framework", ta.framework,
                  "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed | litgpt (LitGPT's finetune scripts) | "
-                 "torchtune (its single-device recipes)");
+                 "torchtune (its single-device and FSDP recipes)");
   tr->add_flag("--compile", to.compile, "with --framework torchtune: compile=True (per-layer torch.compile)");
   tr->add_option("--ce-chunks", to.ce_chunks, "torchtune's CEWithChunkedOutputLoss chunks (0: CrossEntropyLoss); torchtune and analytic frameworks");
   tr->add_flag("--offload-activations", to.offload_activations, "with --framework torchtune: enable_activation_offloading=True");

@@ -122,14 +122,12 @@ def flags(case: dict) -> list[str]:
         out += ["--framework", "litgpt", "--block", LITGPT_BLOCKS[case["model"]["arch"]], "--litgpt-version", litgpt_version(case)]
         if r.get("lora"):
             out += ["--lora-dropout", str(r["lora"].get("dropout", 0.05))]
-    if r.get("framework") == "torchtune" and (r.get("gpus") or 1) == 1 and "compile" in r:
+    if r.get("framework") == "torchtune" and "compile" in r:
         out += ["--framework", "torchtune", "--ce-chunks", str(r.get("ce_chunks") or 0)]
         out += ["--compile"] if r["compile"] else []
         out += ["--optimizer-in-backward"] if r.get("optimizer_in_bwd") else []
         out += ["--offload-activations"] if r.get("activation_offload") else []
         out += ["--paged-optimizer"] if r["optimizer"].startswith("paged-") else []
-    elif r.get("framework") == "torchtune" and r.get("fused_ce"):  # the multi-GPU rows: CEWithChunkedOutputLoss, 8 chunks
-        out += ["--ce-chunks", str(r.get("ce_chunks") or 8)]
     if r.get("grad_accum"):
         out += ["--grad-accum", str(r["grad_accum"])]
     if r.get("flash_attention") is False:
