@@ -285,7 +285,7 @@ double lora_fp32_input_width(const ModelShape& m, const TrainOptions& o) {
 // layer (fp32 under autocast, which runs softmax in fp32, and in fp32 training; 16-bit in pure
 // 16-bit training); 0 when no s² scores exist or the release is a later one.
 double old_softmax_bytes(const ModelShape& m, const TrainOptions& o) {
-  if (!softmax_keeps_input(o) || o.flash_attention || o.checkpointing == Checkpointing::Selective) return 0;
+  if (!softmax_keeps_input(o) || !attention_scores_kept(o.flash_attention, o.checkpointing)) return 0;
   const double s = double(o.seq_len);
   return (o.precision == Precision::BF16 ? 2 : 4) * double(m.heads) * s * s * double(o.micro_batch) / o.tp;
 }
@@ -301,7 +301,7 @@ void add_layer_extras(MemReport& r, const ModelShape& m, const TrainOptions& o, 
     // without FlashAttention); with full recomputation the kept layer input is the fp32 residual (+2sbh).
     const double sbh = s * b * h / (o.sequence_parallel ? o.tp : 1);
     const double extra = o.checkpointing == Checkpointing::Full ? 2 * sbh
-                         : 8 * sbh + (o.flash_attention || o.checkpointing == Checkpointing::Selective ? 0 : 2 * a * s * s * b / o.tp);
+                         : 8 * sbh + (attention_scores_kept(o.flash_attention, o.checkpointing) ? 2 * a * s * s * b / o.tp : 0);
     r.lines.push_back({"activations (torch.amp fp32 copies)", extra * layers,
                        o.checkpointing == Checkpointing::Full ? "2sbh per layer (the kept input is the fp32 residual stream)"
                                                               : "sbh(8 + 2as/h) per layer: fp32 LayerNorm inputs, per-Linear casts, fp32 softmax",
@@ -357,7 +357,7 @@ void add_activations(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   };
   std::string f;
   if (o.checkpointing == Checkpointing::Full) f = "2sbh per layer (layer input)";
-  else if (o.flash_attention || o.checkpointing == Checkpointing::Selective)
+  else if (!attention_scores_kept(o.flash_attention, o.checkpointing))
     f = o.sequence_parallel ? "34sbh/t per layer" : "sbh(10 + 24/t) per layer (t = 1: 34sbh)";
   else f = o.sequence_parallel ? "sbh(34 + 5as/h)/t per layer" : "sbh(10 + 24/t + 5as/(ht)) per layer (t = 1: sbh(34 + 5as/h))";
   f += fmt::format(" x {} layers{} ; s={} b={} h={} a={} t={}{}", gp.layers, in_flight > 1 ? fmt::format(" x {} micro-batches in flight (1F1B)", in_flight) : "",
@@ -788,17 +788,19 @@ CpuGpu ds_zero3_model_states(double P, double largest_layer, int gpus_per_node, 
   return {zero_init ? largest_layer * 4 * gpus_per_node * f : P * 4 * gpus_per_node * f, largest + std::floor(18 * P / N)};
 }
 
+bool attention_scores_kept(bool flash, Checkpointing ckpt) { return !flash && ckpt != Checkpointing::Selective; }
+
 double korthikanti_layer_activations(double s, double b, double h, double a, int t, bool sp, Checkpointing ckpt, bool flash) {
   const double sbh = s * b * h;
   if (ckpt == Checkpointing::Full) return 2 * sbh / (sp ? t : 1);
-  const bool attn_matrix = !flash && ckpt != Checkpointing::Selective;
+  const bool attn_matrix = attention_scores_kept(flash, ckpt);
   if (sp) return sbh * (34 + (attn_matrix ? 5 * a * s / h : 0)) / t;
   return sbh * (10 + 24.0 / t + (attn_matrix ? 5 * a * s / (h * t) : 0));
 }
 
 double korthikanti_dropout_masks(double s, double b, double h, double a, int t, bool sp, Checkpointing ckpt, bool flash) {
   if (ckpt == Checkpointing::Full) return 0;
-  const bool attn_matrix = !flash && ckpt != Checkpointing::Selective;
+  const bool attn_matrix = attention_scores_kept(flash, ckpt);
   return 2 * s * b * h / (sp ? t : 1) + (attn_matrix ? a * s * s * b / t : 0);
 }
 

@@ -188,6 +188,11 @@ CpuGpu ds_zero2_model_states(double params, int gpus_per_node, int nodes, bool c
 CpuGpu ds_zero3_model_states(double params, double largest_layer, int gpus_per_node, int nodes, bool offload_optimizer,
                              bool offload_params, bool zero_init = true, double buffer_factor = 1.5);
 
+/// Whether a layer stores its s×s attention scores for the backward (the 5as²b term of
+/// Korthikanti et al. 2022, arXiv 2205.05198, Table 2): not with FlashAttention (recomputed
+/// tile by tile) and not under selective recomputation (recomputed with the attention).
+bool attention_scores_kept(bool flash, Checkpointing ckpt);
+
 /// KORTH activation bytes of one transformer layer with 16-bit activations: s, b, h, a, t as
 /// in the paper. none: sbh(10 + 24/t + 5as/(ht)) (t = 1: sbh(34 + 5as/h)); sequence parallel:
 /// sbh(34 + 5as/h)/t; FlashAttention or selective recomputation drop the 5as²b term; full
