@@ -92,6 +92,10 @@ GpuParams gpu_params(const ModelShape& m, const TrainOptions& o) {
 
 std::string num_str(double x) { return num(x); }
 
+void add_nccl_line(MemReport& r, double bytes) {
+  r.lines.push_back({"NCCL buffers", bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther, Basis::Assumed});
+}
+
 double fsdp_unsharded_bytes(const ModelShape& m, const TrainOptions& o, double w, double block_bytes) {
   const double layer = double(m.layer_params()) / o.tp, head = double(m.vocab) * double(m.dim) / o.tp;
   if (o.fsdp_embedding_units) return std::max(w * head, block_bytes) + block_bytes;
@@ -418,9 +422,7 @@ void add_comm_and_overhead(MemReport& r, const ModelShape& m, const TrainOptions
   else
     r.lines.push_back({"CUDA context + cuBLAS workspace", o.cuda_context_bytes, "assumed constant per GPU (not measured here)", kKo2,
                        Place::GpuOther, Basis::Assumed});
-  if (o.dp * o.tp * o.pp > 1)
-    r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
-                       Basis::Assumed});
+  if (o.dp * o.tp * o.pp > 1) add_nccl_line(r, o.nccl_bytes);
 }
 
 // ------------------------------------------------------------------ PyTorch (bench/train_mem.py)
@@ -481,9 +483,7 @@ MemReport pytorch_report(const Phase& P, double blocks_total, size_t n_phases, c
                      "Σ per tensor (round_up(n, 512) - n), large segments to 2 MiB when < 1 MiB would remain", kTorch, Place::Device,
                      Basis::Formula});
   add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes, o.cuda_context_given);
-  if (o.dp > 1)
-    r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther,
-                       Basis::Assumed});
+  if (o.dp > 1) add_nccl_line(r, o.nccl_bytes);
   r.notes.push_back(fmt::format("peak phase: {} (of {} phases modelled); precision {}", P.name, n_phases, prec));
   r.notes.push_back("the device total minus gpu-other lines is what torch.cuda.max_memory_allocated() reports");
   r.extra["peak_phase"] = P.name;

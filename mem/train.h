@@ -115,6 +115,10 @@ struct TrainOptions {
   bool paged_optimizer = false;        ///< bitsandbytes paged optimizer: states in CUDA managed memory (not in torch's counters)
 };
 
+/// The "NCCL buffers" line of a multi-GPU run: `bytes` (TrainOptions::nccl_bytes), an assumed
+/// constant per process group (gpu-other: outside PyTorch's allocator counters).
+void add_nccl_line(MemReport& r, double bytes);
+
 /// Bytes PyTorch FSDP (FULL_SHARD, a unit per transformer block) holds unsharded on one GPU
 /// beside its shards, gradients not included: the root unit (embeddings, head, final norm; `w`
 /// bytes per parameter) from its forward to the end of the backward, plus two blocks (one

@@ -105,6 +105,9 @@ void add_tune_model_states(MemReport& r, const ModelShape& m, const TrainOptions
            paged ? "bitsandbytes PagedAdamW8bit allocates its states with cudaMallocManaged"
                  : fmt::format("exp_avg + exp_avg_sq: {} B x trainable", moment) + per,
            paged ? kTorchao : kTune, place);
+  if (z.offload)
+    add_tune(r, "gradients (offloaded)", e * trainable / N, fmt::format("{} B x trainable{}: reduce-scattered, then moved to the CPU", e, per),
+             kTuneFsdp, Place::Cpu);
   if (N > 1) {
     const double layer = double(m.layer_params()), linear = double(m.layer_linear_params());
     const double block = (o.qlora ? kNf4 * linear : e * linear) + e * (layer - linear);
@@ -172,7 +175,8 @@ void add_tune_peak(MemReport& r, const TrainOptions& o, const TuneSizes& z, cons
     if (accum_grads > 0)
       add_tune(r, "gradients (accumulated)", accum_grads, fmt::format("e x trainable, kept across {} micro-batches", o.grad_accum));
   } else {
-    add_tune(r, "gradients", grads, "e x trainable, all present when the backward ends");
+    if (grads > 0) add_tune(r, "gradients", grads, z.dp > 1 ? "e x trainable / N, all present when the backward ends"
+                                                           : "e x trainable, all present when the backward ends");
     if (recompute > 0) add_tune(r, "activations (one layer recomputed)", recompute, "the layer's saved tensors during its backward");
     else if (embed_grad > 0)
       add_tune(r, "temporary: the embedding's dense gradient", embed_grad, "e·V·h before it is added to the weight's gradient");
@@ -212,9 +216,7 @@ MemReport torchtune_estimate(const ModelShape& m, const TrainOptions& o) {
   if (o.optimizer_in_backward) r.notes.push_back("optimizer step fused into the backward: each gradient is freed once its parameter is stepped");
   r.notes.push_back("AdamW steps without parameter-sized temporaries (the recipes' fused / per-parameter steps)");
   add_torch_cuda_lines(r, o.gpu, 2, o.cuda_context_bytes, o.cuda_context_given);
-  if (o.dp > 1)
-    r.lines.push_back({"NCCL buffers", o.nccl_bytes, "assumed constant per process group (not measured here)",
-                       "okoge-kaz memory-estimator notes (NCCL ~0.5 GB per communicator)", Place::GpuOther, Basis::Assumed});
+  if (o.dp > 1) add_nccl_line(r, o.nccl_bytes);
   r.notes.push_back("the device total minus gpu-other lines is torchtune's 'peak memory active/alloc'");
   return r;
 }
