@@ -108,30 +108,24 @@ def litgpt_version(case: dict) -> str:
     return "2023" if "8641822" in case["notes"] + case["source"].get("where", "") else "2024"
 
 
-def flags(case: dict) -> list[str]:
+def framework_flags(case: dict) -> list[str]:
+    """--framework and its recipe flags: LitGPT's block recipe, torchtune's levers; none for the analytic formula."""
     r = case["recipe"]
-    out = ["--precision", PRECISIONS[r["precision"]], "--optimizer", OPTIMIZERS[r["optimizer"]], "-b", str(r["micro_batch"]),
-           "-s", str(r["seq"]), "--checkpointing", r["checkpointing"]]
-    if case.get("gpu"):
-        out += ["--gpu", case["gpu"]]  # PyTorch's cuBLAS workspace size depends on it (sm_90 or not)
-    if r.get("torch_version"):  # before 1.11, softmax keeps its input for the backward
-        out += ["--torch-version", r["torch_version"]]
-    if r.get("cuda_context_mib"):  # measured by the same source (e.g. nvidia-smi after CUDA init)
-        out += ["--cuda-context", str(r["cuda_context_mib"])]
     if r.get("framework") == "litgpt" and case["model"]["arch"] in LITGPT_BLOCKS and r["precision"] != "bf16-mixed":
-        out += ["--framework", "litgpt", "--block", LITGPT_BLOCKS[case["model"]["arch"]], "--litgpt-version", litgpt_version(case)]
-        if r.get("lora"):
-            out += ["--lora-dropout", str(r["lora"].get("dropout", 0.05))]
+        out = ["--framework", "litgpt", "--block", LITGPT_BLOCKS[case["model"]["arch"]], "--litgpt-version", litgpt_version(case)]
+        return out + (["--lora-dropout", str(r["lora"].get("dropout", 0.05))] if r.get("lora") else [])
     if r.get("framework") == "torchtune" and "compile" in r:
-        out += ["--framework", "torchtune", "--ce-chunks", str(r.get("ce_chunks") or 0)]
+        out = ["--framework", "torchtune", "--ce-chunks", str(r.get("ce_chunks") or 0)]
         out += ["--compile"] if r["compile"] else []
         out += ["--optimizer-in-backward"] if r.get("optimizer_in_bwd") else []
         out += ["--offload-activations"] if r.get("activation_offload") else []
-        out += ["--paged-optimizer"] if r["optimizer"].startswith("paged-") else []
-    if r.get("grad_accum"):
-        out += ["--grad-accum", str(r["grad_accum"])]
-    if r.get("flash_attention") is False:
-        out.append("--no-flash")
+        return out + (["--paged-optimizer"] if r["optimizer"].startswith("paged-") else [])
+    return []
+
+
+def adapter_flags(case: dict) -> list[str]:
+    """LoRA's rank and targets (PEFT's fp32 adapter inputs on a bf16 base), QLoRA's NF4 base."""
+    r, out = case["recipe"], []
     lora = r.get("lora")
     if lora:
         targets = sorted({t for name in lora.get("targets") or ["q", "v"] for t in TARGETS[name].split(",")})
@@ -142,23 +136,42 @@ def flags(case: dict) -> list[str]:
         out.append("--qlora")
         if r.get("qlora") and r["qlora"].get("double_quant") is False:
             out.append("--no-double-quant")
+    return out
+
+
+SHARDING = {"fsdp-full": ["--fsdp", "full"], "zero3": ["--zero", "3"], "zero2": ["--zero", "2"], "zero1": ["--zero", "1"]}
+
+
+def sharding_flags(case: dict) -> list[str]:
+    """Ranks, who shards (DeepSpeed's ZeRO stage or FSDP's units) and what is offloaded."""
+    r = case["recipe"]
     gpus = r.get("gpus") or 1
-    if gpus > 1:
-        out += ["--dp", str(gpus)]
-    if gpus > 1 or r["offload"] != "none":  # one GPU: ZeRO changes nothing but where it offloads
-        if r["sharding"] == "fsdp-full":
-            out += ["--fsdp", "full"] + (["--fsdp-embedding-units"] if r.get("fsdp_embedding_units") else [])
-        elif r["sharding"] == "zero3":
-            out += ["--zero", "3"]
-        elif r["sharding"] == "zero2":
-            out += ["--zero", "2"]
-        elif r["sharding"] == "zero1":
-            out += ["--zero", "1"]
+    out = ["--dp", str(gpus)] if gpus > 1 else []
+    if gpus > 1 or r["offload"] != "none":  # every one-GPU sharded case in the set offloads
+        out += SHARDING.get(r["sharding"], [])
+        out += ["--fsdp-embedding-units"] if r["sharding"] == "fsdp-full" and r.get("fsdp_embedding_units") else []
     if r["offload"] in ("cpu-optimizer", "cpu-params"):
         out += ["--offload-optimizer", "cpu"]
-    if r["offload"] == "cpu-params":
-        out += ["--offload-params", "cpu"]
-    return out
+    return out + (["--offload-params", "cpu"] if r["offload"] == "cpu-params" else [])
+
+
+def flags(case: dict) -> list[str]:
+    """llmq-mem train's flags for a training case."""
+    r = case["recipe"]
+    out = ["--precision", PRECISIONS[r["precision"]], "--optimizer", OPTIMIZERS[r["optimizer"]], "-b", str(r["micro_batch"]),
+           "-s", str(r["seq"]), "--checkpointing", r["checkpointing"]]
+    if case.get("gpu"):
+        out += ["--gpu", case["gpu"]]  # PyTorch's cuBLAS workspace size depends on it (sm_90 or not)
+    if r.get("torch_version"):  # before 1.11, softmax keeps its input for the backward
+        out += ["--torch-version", r["torch_version"]]
+    if r.get("cuda_context_mib"):  # measured by the same source (e.g. nvidia-smi after CUDA init)
+        out += ["--cuda-context", str(r["cuda_context_mib"])]
+    out += framework_flags(case)
+    if r.get("grad_accum"):
+        out += ["--grad-accum", str(r["grad_accum"])]
+    if r.get("flash_attention") is False:
+        out.append("--no-flash")
+    return out + adapter_flags(case) + sharding_flags(case)
 
 
 def generate_flags(case: dict) -> list[str]:
@@ -209,6 +222,60 @@ def states_floor(case: dict, report: dict) -> float:
                if line["place"] == "device" and line["name"].startswith(("parameters", "optimizer states")))
 
 
+def evaluate(cases: list[dict], llmq_mem: str, peer: dict) -> list[dict]:
+    """A row per case: measured bytes, and llmq-mem's prediction and error or why it cannot express the case; a
+    case measured below its own weights + optimizer states is marked inconsistent; llm-analysis's prediction when given."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for c in cases:
+            row = {"id": c["id"], "kind": c["kind"], "model": c["model"]["name"], "measured": measured_bytes(c),
+                   "what": c["measured_what"]}
+            reason = why_not(c)
+            if reason is None:
+                pred, how, floor = predict(llmq_mem, c, Path(tmp))
+                if pred is None:
+                    reason = how
+                else:
+                    row.update(predicted=pred, error=pred / row["measured"] - 1, flags=how)
+                    if row["measured"] < floor:
+                        row["inconsistent"] = (f"measured below the recipe's own weights + optimizer states "
+                                               f"({floor / 1e9:.2f} GB)")
+            row["not_expressible"] = reason
+            p = peer.get(c["id"], {}).get("predicted_bytes")
+            if p is not None:
+                row["peer"] = p
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| case | kind | measured (GB) | llmq-mem (GB) | error | llm-analysis (GB) | error | compared with |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        pe = f"{r['peer'] / 1e9:.2f} | {100 * (r['peer'] / r['measured'] - 1):+.1f}%" if "peer" in r else "– | –"
+        if r["not_expressible"]:
+            print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | – | – | {pe} | not expressible: {r['not_expressible']} |")
+        else:
+            print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | {r['predicted'] / 1e9:.2f} | {100 * r['error']:+.1f}% | "
+                  f"{pe} | {r['what']}{'; ' + r['inconsistent'] if 'inconsistent' in r else ''} |")
+
+
+def print_summary(name: str, errs: list[float], inconsistent: list[float], n: int) -> None:
+    if name == "llmq-mem":
+        print(f"\n{name}: expressible {len(errs) + len(inconsistent)} of {n} cases "
+              f"({100 * (len(errs) + len(inconsistent)) / n:.0f}%); {len(inconsistent)} of them measure less than their "
+              f"recipe's own weights + optimizer states (marked in the table)")
+        if inconsistent:
+            every = errs + inconsistent
+            print(f"all {len(every)}: median {100 * statistics.median(every):.1f}%, max {100 * max(every):.1f}%")
+            print(f"the {len(errs)} consistent ones: ", end="")
+    else:
+        print(f"\n{name}: expressible {len(errs)} of {n} cases ({100 * len(errs) / n:.0f}%)")
+    if errs:
+        print(f"absolute error: median {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%; "
+              f"within 3%: {sum(e <= 0.03 for e in errs)}, within 10%: {sum(e <= 0.10 for e in errs)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llmq-mem", default=str(ROOT / "build" / "llmq-mem"))
@@ -219,59 +286,14 @@ def main() -> int:
                     "absolute error is at most MEDIAN (a fraction): the regression test's floor, e.g. 105,0.101")
     a = ap.parse_args()
     peer = json.loads(Path(a.peer).read_text())["rows"] if a.peer else {}
-    cases = [json.loads(line) for line in open(a.cases) if line.strip()]
-    rows, errors, inconsistent = [], [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for c in cases:
-            row = {"id": c["id"], "kind": c["kind"], "model": c["model"]["name"], "measured": measured_bytes(c),
-                   "what": c["measured_what"]}
-            reason = why_not(c)
-            if reason is None:
-                pred, how, floor = predict(a.llmq_mem, c, Path(tmp))
-                if pred is None:
-                    reason = how
-                else:
-                    row.update(predicted=pred, error=pred / row["measured"] - 1, flags=how)
-                    if row["measured"] < floor:
-                        row["inconsistent"] = (f"measured below the recipe's own weights + optimizer states "
-                                               f"({floor / 1e9:.2f} GB)")
-                        inconsistent.append(abs(row["error"]))
-                    else:
-                        errors.append(abs(row["error"]))
-            row["not_expressible"] = reason
-            rows.append(row)
-    peer_errors = []
-    for r in rows:
-        p = peer.get(r["id"], {}).get("predicted_bytes")
-        if p is not None:
-            r["peer"] = p
-            peer_errors.append(abs(p / r["measured"] - 1))
-    print("| case | kind | measured (GB) | llmq-mem (GB) | error | llm-analysis (GB) | error | compared with |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        pe = f"{r['peer'] / 1e9:.2f} | {100 * (r['peer'] / r['measured'] - 1):+.1f}%" if "peer" in r else "– | –"
-        if r["not_expressible"]:
-            print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | – | – | {pe} | not expressible: {r['not_expressible']} |")
-        else:
-            print(f"| {r['id']} | {r['kind']} | {r['measured'] / 1e9:.2f} | {r['predicted'] / 1e9:.2f} | {100 * r['error']:+.1f}% | "
-                  f"{pe} | {r['what']}{'; ' + r['inconsistent'] if 'inconsistent' in r else ''} |")
-    n = len(rows)
-    for name, errs in (("llmq-mem", errors), ("llm-analysis", peer_errors)):
-        if name == "llm-analysis" and not peer:
-            continue
-        if name == "llmq-mem":
-            print(f"\n{name}: expressible {len(errs) + len(inconsistent)} of {n} cases "
-                  f"({100 * (len(errs) + len(inconsistent)) / n:.0f}%); {len(inconsistent)} of them measure less than their "
-                  f"recipe's own weights + optimizer states (marked in the table)")
-            if inconsistent:
-                every = errs + inconsistent
-                print(f"all {len(every)}: median {100 * statistics.median(every):.1f}%, max {100 * max(every):.1f}%")
-                print(f"the {len(errs)} consistent ones: ", end="")
-        else:
-            print(f"\n{name}: expressible {len(errs)} of {n} cases ({100 * len(errs) / n:.0f}%)")
-        if errs:
-            print(f"absolute error: median {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%; "
-                  f"within 3%: {sum(e <= 0.03 for e in errs)}, within 10%: {sum(e <= 0.10 for e in errs)}")
+    rows = evaluate([json.loads(line) for line in open(a.cases) if line.strip()], a.llmq_mem, peer)
+    predicted = [r for r in rows if not r["not_expressible"]]
+    errors = [abs(r["error"]) for r in predicted if "inconsistent" not in r]
+    inconsistent = [abs(r["error"]) for r in predicted if "inconsistent" in r]
+    print_table(rows)
+    print_summary("llmq-mem", errors, inconsistent, len(rows))
+    if peer:
+        print_summary("llm-analysis", [abs(r["peer"] / r["measured"] - 1) for r in rows if "peer" in r], [], len(rows))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.check:
