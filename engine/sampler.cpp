@@ -26,22 +26,23 @@ int32_t Sampler::argmax(const float* logits, int64_t n) {
   return int32_t(best);
 }
 
-int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_t>& history, const uint32_t* allowed) {
-  cand_.resize(size_t(n));
-  for (int64_t i = 0; i < n; ++i) cand_[size_t(i)] = {int32_t(i), logits[i], 0.0f};
-
-  const bool penalize = p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
-  if (penalize && p_.repeat_last_n != 0) {
-    const size_t look = p_.repeat_last_n < 0 ? history.size() : std::min(history.size(), size_t(p_.repeat_last_n));
-    std::unordered_map<int32_t, int> count;
-    for (auto it = history.end() - long(look); it != history.end(); ++it) ++count[*it];
-    for (const auto& [id, k] : count) {
-      if (id < 0 || id >= n) continue;
-      float& l = cand_[size_t(id)].logit;
-      if (p_.repeat_penalty != 1.0f) l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
-      l -= p_.presence_penalty + p_.frequency_penalty * float(k);
-    }
+void Sampler::penalize(const std::vector<int32_t>& history) {
+  const bool on = p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
+  if (!on || p_.repeat_last_n == 0) return;
+  const int64_t n = int64_t(cand_.size());
+  const size_t look = p_.repeat_last_n < 0 ? history.size() : std::min(history.size(), size_t(p_.repeat_last_n));
+  std::unordered_map<int32_t, int> count;
+  for (auto it = history.end() - long(look); it != history.end(); ++it) ++count[*it];
+  for (const auto& [id, k] : count) {
+    if (id < 0 || id >= n) continue;
+    float& l = cand_[size_t(id)].logit;
+    if (p_.repeat_penalty != 1.0f) l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+    l -= p_.presence_penalty + p_.frequency_penalty * float(k);
   }
+}
+
+void Sampler::bias_and_mask(const uint32_t* allowed) {
+  const int64_t n = int64_t(cand_.size());
   for (const auto& [id, bias] : p_.logit_bias)
     if (id >= 0 && id < n) cand_[size_t(id)].logit += bias;
   if (allowed)  // only the ruled-out tokens are touched: the zero bits of each 32-token word
@@ -50,25 +51,34 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
         const int64_t i = w * 32 + __builtin_ctz(out);
         if (i < n) cand_[size_t(i)].logit = -INFINITY;
       }
+}
+
+int32_t Sampler::draw_all() {
+  float mx = cand_[0].logit;
+  for (const auto& c : cand_) mx = std::max(mx, c.logit);
+  double sum = 0.0;
+  for (auto& c : cand_) sum += (c.p = std::exp((c.logit - mx) / p_.temperature));
+  const double r = uniform() * sum;
+  double cum = 0.0;
+  for (const auto& c : cand_) {
+    cum += c.p;
+    if (r < cum) return c.id;
+  }
+  return cand_.back().id;
+}
+
+int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_t>& history, const uint32_t* allowed) {
+  cand_.resize(size_t(n));
+  for (int64_t i = 0; i < n; ++i) cand_[size_t(i)] = {int32_t(i), logits[i], 0.0f};
+  penalize(history);
+  bias_and_mask(allowed);
   if (p_.temperature <= 0.0f) {
     int64_t best = 0;
     for (int64_t i = 1; i < n; ++i)
       if (cand_[size_t(i)].logit > cand_[size_t(best)].logit) best = i;
     return int32_t(best);
   }
-  if (p_.top_k <= 0 && p_.top_p >= 1.0f && p_.min_p <= 0.0f) {  // no truncation: no sort, O(n)
-    float mx = cand_[0].logit;
-    for (const auto& c : cand_) mx = std::max(mx, c.logit);
-    double sum = 0.0;
-    for (auto& c : cand_) sum += (c.p = std::exp((c.logit - mx) / p_.temperature));
-    const double r = uniform() * sum;
-    double cum = 0.0;
-    for (const auto& c : cand_) {
-      cum += c.p;
-      if (r < cum) return c.id;
-    }
-    return cand_.back().id;
-  }
+  if (p_.top_k <= 0 && p_.top_p >= 1.0f && p_.min_p <= 0.0f) return draw_all();
   // Sort by logit, descending (ties by id, so the order is deterministic).
   auto by_logit = [](const Cand& a, const Cand& b) { return a.logit > b.logit || (a.logit == b.logit && a.id < b.id); };
   size_t keep = cand_.size();

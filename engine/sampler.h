@@ -69,6 +69,9 @@ class Sampler {
 
  private:
   double uniform();  // [0, 1)
+  void penalize(const std::vector<int32_t>& history);  // repeat, presence and frequency penalties on cand_
+  void bias_and_mask(const uint32_t* allowed);         // logit_bias, then -inf for the tokens `allowed` rules out
+  int32_t draw_all();     // temperature and the draw over every candidate (no truncation, no sort: O(n))
   int32_t draw_sorted();  // top-p, min-p, temperature and the draw over cand_ (sorted, descending)
   SamplerParams p_;
   uint64_t state_;
