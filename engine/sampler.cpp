@@ -8,6 +8,16 @@
 
 namespace llmq {
 
+namespace {
+// Whether the repeat, presence or frequency penalty changes any logit.
+bool penalties_apply(const SamplerParams& p) {
+  return (p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) && p.repeat_last_n != 0;
+}
+// Whether sample() changes logits before choosing (penalties, logit bias): the argmax and top-k
+// shortcuts of greedy() / top_k_suffices() do not apply then.
+bool penalizes(const SamplerParams& p) { return penalties_apply(p) || !p.logit_bias.empty(); }
+}  // namespace
+
 Sampler::Sampler(const SamplerParams& p) : p_(p), state_(p.seed ^ 0x9e3779b97f4a7c15ull) {}
 
 // splitmix64 (Steele, Lea & Flood 2014): a small generator whose stream is fixed by the seed.
@@ -27,8 +37,7 @@ int32_t Sampler::argmax(const float* logits, int64_t n) {
 }
 
 void Sampler::penalize(const std::vector<int32_t>& history) {
-  const bool on = p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
-  if (!on || p_.repeat_last_n == 0) return;
+  if (!penalties_apply(p_)) return;
   const int64_t n = int64_t(cand_.size());
   const size_t look = p_.repeat_last_n < 0 ? history.size() : std::min(history.size(), size_t(p_.repeat_last_n));
   std::unordered_map<int32_t, int> count;
@@ -91,15 +100,6 @@ int32_t Sampler::sample(const float* logits, int64_t n, const std::vector<int32_
   }
   return draw_sorted();
 }
-
-namespace {
-// Whether sample() changes logits before choosing (penalties, logit bias): the argmax and top-k
-// shortcuts of greedy() / top_k_suffices() do not apply then.
-bool penalizes(const SamplerParams& p) {
-  return ((p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) && p.repeat_last_n != 0) ||
-         !p.logit_bias.empty();
-}
-}  // namespace
 
 bool Sampler::greedy() const { return p_.temperature <= 0.0f && !penalizes(p_); }
 

@@ -58,6 +58,10 @@ const char* precision_label(Precision p) {
 // Mixed in --framework pytorch, which models bench/train_mem.py's autocast run).
 bool autocast(Precision p, Framework f) { return p == Precision::Amp || (f == Framework::PyTorch && p == Precision::Mixed); }
 
+// Bytes of a parameter in the dtype the framework keeps it in: fp32 training and torch.amp keep
+// fp32 parameters, the 16-bit recipes 2 bytes.
+double param_dtype_bytes(Precision p) { return p == Precision::FP32 || p == Precision::Amp ? 4 : 2; }
+
 const char* optimizer_label(Optimizer o) {
   switch (o) {
     case Optimizer::Adam: return "Adam/AdamW";
@@ -96,8 +100,9 @@ void add_nccl_line(MemReport& r, double bytes) {
   r.lines.push_back({"NCCL buffers", bytes, "assumed constant per process group (not measured here)", kKo2, Place::GpuOther, Basis::Assumed});
 }
 
-double fsdp_unsharded_bytes(const ModelShape& m, const TrainOptions& o, double w, double block_bytes) {
+double fsdp_unsharded_bytes(const ModelShape& m, const TrainOptions& o, double w, double matrix_bytes) {
   const double layer = double(m.layer_params()) / o.tp, head = double(m.vocab) * double(m.dim) / o.tp;
+  const double linear = double(m.layer_linear_params()) / o.tp, block_bytes = matrix_bytes * linear + w * (layer - linear);
   if (o.fsdp_embedding_units) return std::max(w * head, block_bytes) + block_bytes;
   const double root = gpu_params(m, o).all - double((m.layers + o.pp - 1) / o.pp) * layer;
   return w * root + 2 * block_bytes;
@@ -168,7 +173,7 @@ struct WeightBytes {
 };
 WeightBytes weight_bytes(const TrainOptions& o, const StateBytes& sb) {
   WeightBytes g;
-  g.w = o.qlora ? 2 : o.lora_rank > 0 ? (o.precision == Precision::FP32 || o.precision == Precision::Amp ? 4 : 2) : sb.weights;
+  g.w = o.qlora ? 2 : o.lora_rank > 0 ? param_dtype_bytes(o.precision) : sb.weights;
   g.block = o.qlora ? inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4") : g.w;
   return g;
 }
@@ -217,12 +222,12 @@ void add_ds_gathered(MemReport& r, const ModelShape& m, const TrainOptions& o, c
 // reduce-scatter (the head's, or a block's when larger).
 void add_fsdp_gathered(MemReport& r, const ModelShape& m, const TrainOptions& o, const StateBytes& sb) {
   const WeightBytes gb = weight_bytes(o, sb);
-  const double layer = double(m.layer_params()) / o.tp, linear = double(m.layer_linear_params()) / o.tp;
-  const double block = gb.block * linear + gb.w * (layer - linear), head = double(m.vocab) * double(m.dim) / o.tp;
+  const double layer = double(m.layer_params()) / o.tp, head = double(m.vocab) * double(m.dim) / o.tp;
   const double grad = o.lora_rank > 0 ? 0 : sb.grads * std::max(head, layer);
-  r.lines.push_back({"gathered parameters (FSDP units)", fsdp_unsharded_bytes(m, o, gb.w, block) + grad,
-                     fmt::format("{}, blocks of {} B{}", o.fsdp_embedding_units ? "max(head unit, block) + block" : "root unit + 2 blocks",
-                                 num(block), grad > 0 ? fmt::format(" + unsharded gradient {} B", num(grad)) : ""),
+  r.lines.push_back({"gathered parameters (FSDP units)", fsdp_unsharded_bytes(m, o, gb.w, gb.block) + grad,
+                     fmt::format("{}, block matrices {:.4g} B per parameter{}",
+                                 o.fsdp_embedding_units ? "max(head unit, block) + block" : "root unit + 2 blocks", gb.block,
+                                 grad > 0 ? fmt::format(" + unsharded gradient {} B", num(grad)) : ""),
                      kFsdp, Place::Device, Basis::Formula});
 }
 
@@ -410,7 +415,7 @@ void add_comm_and_overhead(MemReport& r, const ModelShape& m, const TrainOptions
   if (o.zero >= 1 && !o.fsdp) {
     // Allocated whole whatever the trainable count (contiguous_gradients, on by default), in the
     // parameters' dtype: fp32 unless DeepSpeed's fp16/bf16 mode runs.
-    const double bytes = o.precision == Precision::FP32 || o.precision == Precision::Amp ? 4 : 2;
+    const double bytes = param_dtype_bytes(o.precision);
     r.lines.push_back({"communication: DeepSpeed gradient bucket", bytes * 5e8,
                        fmt::format("{} B x reduce_bucket_size 5e8 (stage {}: {})", bytes, o.zero,
                                    o.zero == 3 ? "allocated with the optimizer" : "allocated by each backward"),

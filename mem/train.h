@@ -122,11 +122,12 @@ void add_nccl_line(MemReport& r, double bytes);
 /// Bytes PyTorch FSDP (FULL_SHARD, a unit per transformer block) holds unsharded on one GPU
 /// beside its shards, gradients not included: the root unit (embeddings, head, final norm; `w`
 /// bytes per parameter) from its forward to the end of the backward, plus two blocks (one
-/// unsharded, the next prefetched in the backward; `block_bytes` each, as stored); with
-/// o.fsdp_embedding_units the larger of the head's own unit and a block, plus a block.
+/// unsharded, the next prefetched in the backward; their matrices `matrix_bytes` per parameter as
+/// stored, e.g. NF4, their norms `w`); with o.fsdp_embedding_units the larger of the head's own
+/// unit and a block, plus a block.
 /// Sources: FSDP1 torch/distributed/fsdp/_runtime_utils.py (the root handle is not resharded
 /// after forward), FSDP2 FSDPState._lazy_init (the root's post_forward_mesh_info = None).
-double fsdp_unsharded_bytes(const ModelShape& m, const TrainOptions& o, double w, double block_bytes);
+double fsdp_unsharded_bytes(const ModelShape& m, const TrainOptions& o, double w, double matrix_bytes);
 
 /// True for the Hopper data-centre parts (sm_90: H100, H200, H800, H20, GH200), by model name.
 bool is_sm90_gpu(const std::string& gpu);

@@ -109,10 +109,10 @@ void add_tune_model_states(MemReport& r, const ModelShape& m, const TrainOptions
     add_tune(r, "gradients (offloaded)", e * trainable / N, fmt::format("{} B x trainable{}: reduce-scattered, then moved to the CPU", e, per),
              kTuneFsdp, Place::Cpu);
   if (N > 1) {
-    const double layer = double(m.layer_params()), linear = double(m.layer_linear_params());
-    const double block = (o.qlora ? kNf4 * linear : e * linear) + e * (layer - linear);
-    add_tune(r, "gathered parameters (FSDP units)", fsdp_unsharded_bytes(m, o, e, block),
-             fmt::format("{}, blocks of {} B", o.fsdp_embedding_units ? "max(head unit, block) + block" : "root unit + 2 blocks", num_str(block)),
+    const double matrix = o.qlora ? kNf4 : e;
+    add_tune(r, "gathered parameters (FSDP units)", fsdp_unsharded_bytes(m, o, e, matrix),
+             fmt::format("{}, block matrices {:.4g} B per parameter", o.fsdp_embedding_units ? "max(head unit, block) + block" : "root unit + 2 blocks",
+                         matrix),
              kTuneFsdp);
   }
 }
