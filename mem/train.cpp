@@ -29,6 +29,8 @@ constexpr const char* kTuneCe = "torchtune modules/loss CEWithChunkedOutputLoss 
                                 "inside the loss)";
 constexpr const char* k8bit = "Dettmers et al. 2021, arXiv 2110.02861 (block-wise 8-bit states, blocks of 2048)";
 constexpr const char* kQlora = "Dettmers et al. 2023, arXiv 2305.14314 (NF4, blocks of 64, double quantization)";
+constexpr const char* kBnbState = "bitsandbytes 0.43 nn/modules.py (Linear4bit.quant_state, Params4bit.quant_state: absmax, "
+                                  "nested absmax and code beside the packed data) and functional.py quantize_4bit";
 constexpr const char* kLora = "Hu et al. 2021, arXiv 2106.09685 (B [out, r] · A [r, in])";
 constexpr const char* kPeft = "PEFT, src/peft/tuners/lora/layer.py Linear.forward (_cast_input_dtype) and get_peft_model(autocast_adapter_dtype=True)";
 constexpr const char* kTorch = "PyTorch: torch.optim.AdamW foreach, torch.amp autocast cache, CUDACachingAllocator";
@@ -165,16 +167,22 @@ void add_ds_model_states(MemReport& r, const ModelShape& m, const TrainOptions& 
 }
 
 // Bytes per parameter of the weights as stored, and as ZeRO-3 or FSDP gathers them: the working
-// copy (the frozen base's fp32 or 16-bit dtype under LoRA; bf16 beside QLoRA's NF4 matrices), and
-// the blocks' matrices (NF4 with their constants under QLoRA).
+// copy (the frozen base's fp32 or 16-bit dtype under LoRA; bf16 beside QLoRA's NF4 matrices), the
+// blocks' matrices (QLoRA: the packed 4-bit data the Params4bit holds) and, under QLoRA, their
+// quantization constants (absmax per block of 64, double-quantized or not), which bitsandbytes
+// keeps in a QuantState beside the parameter: neither FSDP nor ZeRO-3 shards, gathers or offloads
+// them (bitsandbytes 0.43 nn/modules.py: Linear4bit keeps `module.quant_state` because "the quant
+// state got lost when the parameter got converted. This happens for example for fsdp").
 struct WeightBytes {
-  double w = 2;      // embeddings, head, norms, and every matrix without QLoRA
-  double block = 2;  // the blocks' matrices
+  double w = 2;          // embeddings, head, norms, and every matrix without QLoRA
+  double block = 2;      // the blocks' matrices as their parameters hold them
+  double constants = 0;  // QLoRA: NF4 constants per block-matrix parameter, whole on every GPU
 };
 WeightBytes weight_bytes(const TrainOptions& o, const StateBytes& sb) {
   WeightBytes g;
   g.w = o.qlora ? 2 : o.lora_rank > 0 ? param_dtype_bytes(o.precision) : sb.weights;
-  g.block = o.qlora ? inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4") : g.w;
+  g.block = o.qlora ? 0.5 : g.w;
+  g.constants = o.qlora ? inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4") - 0.5 : 0;
   return g;
 }
 
@@ -189,11 +197,18 @@ void add_parameter_lines(MemReport& r, const TrainOptions& o, const GpuParams& g
     std::string f = fmt::format("{} B x Ψ", gb.w);
     if (o.qlora) {
       frozen_bytes = gb.block * gp.block_linear + gb.w * (gp.all - gp.block_linear);
-      f = fmt::format("NF4 {:.4f} B x {} block-matrix params + bf16 2 B x {} others", gb.block, num(gp.block_linear),
-                      num(gp.all - gp.block_linear));
+      f = fmt::format("NF4 data 0.5 B x {} block-matrix params + bf16 2 B x {} others", num(gp.block_linear), num(gp.all - gp.block_linear));
     }
     r.lines.push_back({"parameters (frozen base)", frozen_bytes / p_div, f + (p_div > 1 ? " / N_d" : "") + "; " + psi,
                        o.qlora ? kQlora : kLora, par_place, Basis::Formula});
+    if (o.qlora)
+      r.lines.push_back({"parameters (NF4 quantization constants)", gb.constants * gp.block_linear,
+                         fmt::format("{:.4g} B x {} block-matrix params ({}){}", gb.constants, num(gp.block_linear),
+                                     o.double_quant ? "8-bit absmax per 64 + fp32 per 256 of them" : "fp32 absmax per 64",
+                                     p_div > 1 || par_place != Place::Device ? ", whole on every GPU: a QuantState beside the parameter, "
+                                                                               "not sharded, gathered or offloaded"
+                                                                             : ""),
+                         kBnbState, Place::Device, Basis::Formula});
     r.lines.push_back({"parameters (LoRA adapters)", sb.weights * trainable / p_div,
                        fmt::format("{} B x Ψ_lora, Ψ_lora = layers x Σ_targets r·(in + out) = {}", sb.weights, num(trainable)), kLora,
                        par_place, Basis::Formula});

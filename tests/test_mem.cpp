@@ -264,6 +264,36 @@ TEST_CASE("Training estimator: DeepSpeed's gradient bucket and gathered paramete
   CHECK_THROWS_AS(estimate_training(m, fsdp), UsageError);
 }
 
+// bitsandbytes keeps each NF4 matrix's quantization constants in a QuantState beside the packed
+// parameter: FSDP and ZeRO-3 shard, gather and offload the packed data only, so the constants stay
+// whole on every GPU (Llama-2-70B with double quantization: about 1.09 GB a GPU).
+TEST_CASE("Training estimator: QLoRA's NF4 constants are neither sharded nor offloaded", "[mem]") {
+  const ModelShape m = preset("llama-2-70b");
+  const double linear = double(m.layers) * double(m.layer_linear_params()), others = double(m.params()) - linear;
+  TrainOptions o;
+  o.precision = Precision::BF16, o.lora_rank = 8, o.qlora = true, o.checkpointing = Checkpointing::Full;
+  const double dq = 1.0 / 64 + 4.0 / (64 * 256);  // 8-bit absmax per 64 + an fp32 per 256 of them
+  const MemReport one = estimate_training(m, o);
+  CHECK(lines_sum(one, {"parameters (frozen base)"}) == Approx(0.5 * linear + 2 * others));
+  CHECK(lines_sum(one, {"parameters (NF4 quantization constants)"}) == Approx(dq * linear).epsilon(1e-3));
+  o.dp = 2, o.zero = 3, o.fsdp = true;
+  const MemReport two = estimate_training(m, o);
+  CHECK(lines_sum(two, {"parameters (frozen base)"}) == Approx((0.5 * linear + 2 * others) / 2));
+  CHECK(lines_sum(two, {"parameters (NF4 quantization constants)"}) == Approx(dq * linear).epsilon(1e-3));
+  CHECK(dq * linear > 1.0e9);
+  o.offload_params = Offload::Cpu, o.offload_optimizer = Offload::Cpu;
+  const MemReport off = estimate_training(m, o);
+  CHECK(off.total(Place::Cpu) >= (0.5 * linear + 2 * others) / 2);
+  for (const auto& l : off.lines)
+    if (l.name == "parameters (NF4 quantization constants)") CHECK(l.place == Place::Device);
+  // The gathered blocks hold the packed 4-bit data only.
+  const double layer_linear = double(m.layer_linear_params()), layer_others = double(m.layer_params()) - layer_linear;
+  CHECK(lines_sum(off, {"gathered parameters (FSDP units)"}) ==
+        Approx(2 * (others - double(m.layers) * layer_others) + 2 * (0.5 * layer_linear + 2 * layer_others)));
+  o.double_quant = false;
+  CHECK(lines_sum(estimate_training(m, o), {"parameters (NF4 quantization constants)"}) == Approx(4.0 / 64 * linear));
+}
+
 // PEFT's LoRA on a bf16 base keeps each adapted Linear's input as an fp32 copy (lora_A's saved
 // input after _cast_input_dtype to the fp32 adapters): 4·s·b·Σ in per layer, nothing else moves;
 // refused where it does not apply. (mem/validation: PEFT's MetaMathQA Llama-3.2-3B q,v rows.)
