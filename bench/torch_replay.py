@@ -115,6 +115,11 @@ class Trace(TorchDispatchMode):
         super().__init__()
         self.events, self.live, self.n = [], {}, 0
 
+    def existing(self, tensors):
+        """Storages made before the trace (weights built outside it): their views are not allocations."""
+        for t in tensors:
+            self.live.setdefault(t.untyped_storage()._cdata, 0)
+
     def track(self, t):
         st = t.untyped_storage()
         key = st._cdata

@@ -42,6 +42,7 @@ OPTIMIZERS = {"adamw": "adamw", "paged-adamw-32bit": "adamw", "adamw-8bit": "ada
 PRECISIONS = {"fp32": "fp32", "fp16-mixed": "amp", "bf16-mixed": "amp", "pure-bf16": "pure-bf16", "nf4": "pure-bf16"}
 TARGETS = {"q": "q", "q_proj": "q", "query": "q", "k": "k", "k_proj": "k", "key": "k", "v": "v", "v_proj": "v", "value": "v",
            "proj": "o", "o_proj": "o", "output_proj": "o", "mlp": "gate,up,down", "head": "head",
+           "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
            "all-linear": "q,k,v,o,gate,up,down", "query_key_value": "qkv"}
 
 
