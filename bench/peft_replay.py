@@ -8,6 +8,8 @@ recipe?), not a test. Needs a venv:
 
     pip install torch "transformers==4.39.3" "peft==0.10.0" "bitsandbytes==0.43.0" "accelerate==0.28.0"
     python bench/peft_replay.py [--model llama2-70b] [-b 2] [-s 2048] [--layers 80] [--no-gc] [--lora-r 8]
+    python bench/peft_replay.py --model bloomz-7b1 --no-qlora -b 8 -s 64 --targets query_key_value --no-gc
+        # PEFT's Dec-2022 BLOOMZ example (fp32, LoRA on query_key_value), on transformers 4.39's BLOOM
 
 What runs as it ran: LlamaForCausalLM (transformers 4.39.3: RMSNorm in fp32, RoPE, flash-attention-2
 path, SwiGLU MLP, `logits.float()` and the shifted cross-entropy), PEFT 0.10.0's LoRA on every
@@ -45,12 +47,13 @@ for name in ("triton.ops", "triton.ops.matmul_perf_model"):
 import bitsandbytes as bnb  # noqa: E402
 import bitsandbytes.functional as bnbF  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 MODELS = {  # config.json of each (hidden, layers, heads, kv heads, intermediate, vocab)
     "llama2-70b": (8192, 80, 64, 8, 28672, 32000),
     "llama2-7b": (4096, 32, 32, 32, 11008, 32000),
+    "bloomz-7b1": (4096, 30, 32, 32, 16384, 250880),  # BLOOM: ALiBi, GELU MLP of 4h, fp32 run
 }
 
 
@@ -84,7 +87,16 @@ def nf4_linear(lin: torch.nn.Linear) -> bnb.nn.Linear4bit:
     return q
 
 
-def build(a):
+def build_bloom(a):
+    """BLOOM as transformers writes it (eager ALiBi attention, fp32 as PEFT's Dec-2022 example ran it)."""
+    h, layers, heads, _, _, vocab = MODELS[a.model]
+    cfg = BloomConfig(hidden_size=h, n_layer=a.layers or layers, n_head=heads, vocab_size=vocab, use_cache=False)
+    with torch.device("meta"):
+        return BloomForCausalLM(cfg)
+
+
+def build_llama(a):
+    """Llama in bf16, its blocks' Linears in NF4 when a.qlora (transformers' replace_with_bnb_linear)."""
     h, layers, heads, kv, ffn, vocab = MODELS[a.model]
     cfg = LlamaConfig(hidden_size=h, num_hidden_layers=a.layers or layers, num_attention_heads=heads,
                       num_key_value_heads=kv, intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=4096,
@@ -95,12 +107,16 @@ def build(a):
     for layer in model.model.layers:
         layer.self_attn.__class__ = modeling_llama.LlamaFlashAttention2
         layer.self_attn._flash_attn_uses_top_left_mask = False
-    for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear) and a.qlora:
                     setattr(parent, name, nf4_linear(child))
     model.is_loaded_in_4bit = a.qlora
+    return model
+
+
+def build(a):
+    model = build_bloom(a) if a.model.startswith("bloom") else build_llama(a)
     for p in model.parameters():
         p.requires_grad_(False)
     targets = "all-linear" if a.targets == "all-linear" else a.targets.split(",")
