@@ -903,9 +903,10 @@ MemLine rule_of_thumb_line(const ModelShape& m, const MemReport& est) {
   double states = 0, act = 0;
   for (const auto& l : est.lines) {
     if (l.place != Place::Device) continue;
-    if (l.name.rfind("activations", 0) == 0 || l.name.rfind("temporary", 0) == 0) act += l.bytes;
-    else if (l.name == "parameters" || l.name == "gradients" || l.name.find("optimizer") != std::string::npos ||
-             l.name.find("master") != std::string::npos)
+    const auto starts = [&](const char* p) { return l.name.rfind(p, 0) == 0; };
+    if (starts("activations") || starts("temporary")) act += l.bytes;
+    else if (starts("parameters") || starts("gathered parameters") || starts("gradients") || starts("model states") ||
+             l.name.find("optimizer") != std::string::npos || l.name.find("master") != std::string::npos)
       states += l.bytes;
   }
   const double ours = est.total(Place::Device);

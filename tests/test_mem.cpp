@@ -198,6 +198,13 @@ TEST_CASE("The '6x the weights' rule of thumb beside the line-by-line estimate",
   o.seq_len = 16384;
   const double longer = estimate_training(m, o).total(Place::Device);
   CHECK(longer > 1.5 * rule.bytes);
+  // Under QLoRA and FSDP the model states it names are every parameter line (the frozen base, the
+  // adapters, the NF4 constants, the gathered units), the gradients and the optimizer states.
+  o.seq_len = 2048, o.precision = Precision::BF16, o.lora_rank = 8, o.qlora = true, o.dp = 2, o.zero = 3, o.fsdp = true;
+  const MemReport q = estimate_training(m, o);
+  const double states = lines_sum(q, {"parameters (frozen base)", "parameters (NF4 quantization constants)", "parameters (LoRA adapters)",
+                                      "gathered parameters (FSDP units)", "gradients", "optimizer states"});
+  CHECK(rule_of_thumb_line(m, q).formula.find("model states " + format_bytes(states)) != std::string::npos);
 }
 
 TEST_CASE("Training estimator options move the lines the right way", "[mem]") {
