@@ -181,8 +181,9 @@ struct WeightBytes {
 WeightBytes weight_bytes(const TrainOptions& o, const StateBytes& sb) {
   WeightBytes g;
   g.w = o.qlora ? 2 : o.lora_rank > 0 ? param_dtype_bytes(o.precision) : sb.weights;
-  g.block = o.qlora ? 0.5 : g.w;
-  g.constants = o.qlora ? inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4") - 0.5 : 0;
+  constexpr double kNf4Data = 0.5;  // 4 bits per weight, packed into the Params4bit's storage
+  g.block = o.qlora ? kNf4Data : g.w;
+  g.constants = o.qlora ? inference_bytes_per_param(o.double_quant ? "nf4-dq" : "nf4") - kNf4Data : 0;
   return g;
 }
 

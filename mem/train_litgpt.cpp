@@ -253,7 +253,7 @@ void add_lit_parameters(MemReport& r, const ModelShape& m, const TrainOptions& o
 // The gradient lines (bytes per GPU): kept across micro-batches, FSDP's unsharded or sharded
 // ones, and FSDP's root unit (its parameters and a trained root's gradient, unsharded).
 void add_lit_gradients(MemReport& r, const ModelShape& m, const TrainOptions& o, const LitSizes& z) {
-  const double e = z.e, h = z.h, V = z.V, P = z.P, N = z.N, shard = z.shard, trainable = z.trainable;
+  const double e = z.e, P = z.P, N = z.N, shard = z.shard, trainable = z.trainable;
   const bool lora = z.lora, fsdp = z.fsdp;
   // Gradients exist at the forward's end when gradient accumulation keeps them between micro-batches.
   // FSDP accumulating: LitGPT's backward runs under fabric.no_backward_sync, i.e. FSDP.no_sync,
@@ -280,8 +280,7 @@ void add_lit_gradients(MemReport& r, const ModelShape& m, const TrainOptions& o,
   // embedding's last) unless no_sync already keeps every gradient unsharded.
   const double root = P - block_params_of(m);
   if (fsdp) {
-    const double root_bytes = o.qlora ? nf4_bytes(o.double_quant) * V * h + e * (root - V * h) : e * root;
-    r.lines.push_back({"FSDP root unit unsharded (embedding, lm_head, final norm)", root_bytes,
+    r.lines.push_back({"FSDP root unit unsharded (embedding, lm_head, final norm)", e * root,
                        fmt::format("{} params outside the Blocks, whole on every rank from forward to backward", num_str(root)), kFsdpRoot,
                        Place::Device, Basis::Formula});
     if (!lora && !fsdp_accum)
@@ -365,6 +364,9 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o) {
       o.checkpointing == Checkpointing::Selective || o.precision == Precision::Mixed || o.precision == Precision::Amp)
     throw UsageError("--framework litgpt models LitGPT's finetune scripts with bf16-true or 32-true precision on one GPU or FSDP "
                      "(--fsdp full): no TP/PP, offload, selective checkpointing or mixed precision");
+  if (o.qlora && o.dp > 1)  // finetune/lora.py, lit-gpt 8641822 and litgpt 00af8b0d alike
+    throw UsageError("--framework litgpt: LitGPT refuses --quantize with more than one device (\"Quantization is currently not "
+                     "supported for multi-GPU training\"); use --framework analytic for FSDP + QLoRA");
   if (o.optimizer == Optimizer::Adafactor || o.optimizer == Optimizer::SGDMomentum)
     throw UsageError("--framework litgpt models AdamW, 8-bit AdamW and SGD (the optimizers of LitGPT's recipes)");
   const Block B = block_of(o.block);

@@ -495,6 +495,9 @@ TEST_CASE("LitGPT framework: LoRA on Llama-2 as lit-gpt's resource table measure
   const double root = double(m.params()) - double(m.layers * m.layer_params());
   CHECK(root == Approx(2.0 * 32000 * 4096 + 4096));
   CHECK(lines_sum(f, {"FSDP root unit unsharded (embedding, lm_head, final norm)"}) == Approx(2 * root));
+  TrainOptions quantized = o;  // LitGPT refuses --quantize with more than one device, so does llmq-mem
+  quantized.qlora = true;
+  CHECK_THROWS_AS(estimate_training(m, quantized), UsageError);
   TrainOptions full = o;
   full.lora_rank = 0;
   const MemReport ff = estimate_training(m, full);
