@@ -68,6 +68,7 @@ const std::vector<ModelShape>& presets() {
         llama("llama-3-8b", 4096, 14336, 32, 32, 8, 128256, 8192),
         llama("llama-3-70b", 8192, 28672, 80, 64, 8, 128256, 8192),
         llama("llama-3.2-1b", 2048, 8192, 16, 32, 8, 128256, 131072, true),
+        llama("llama-3.2-3b", 3072, 8192, 28, 24, 8, 128256, 131072, true),
         llama("mistral-7b", 4096, 14336, 32, 32, 8, 32000, 32768, false, "mistral"),
         llama("tinyllama-1.1b", 2048, 5632, 22, 32, 4, 32000, 2048),
         llama("smollm2-135m", 576, 1536, 30, 9, 3, 49152, 8192, true),

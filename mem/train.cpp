@@ -32,6 +32,7 @@ constexpr const char* kQlora = "Dettmers et al. 2023, arXiv 2305.14314 (NF4, blo
 constexpr const char* kBnbState = "bitsandbytes 0.43 nn/modules.py (Linear4bit.quant_state, Params4bit.quant_state: absmax, "
                                   "nested absmax and code beside the packed data) and functional.py quantize_4bit";
 constexpr const char* kLora = "Hu et al. 2021, arXiv 2106.09685 (B [out, r] · A [r, in])";
+constexpr const char* kDora = "Liu et al. 2024, DoRA, arXiv 2402.09353 §4.3; PEFT d787f51bb src/peft/tuners/lora/dora.py DoraLinearLayer.forward";
 constexpr const char* kPeft = "PEFT, src/peft/tuners/lora/layer.py Linear.forward (_cast_input_dtype) and get_peft_model(autocast_adapter_dtype=True)";
 constexpr const char* kTorch = "PyTorch: torch.optim.AdamW foreach, torch.amp autocast cache, CUDACachingAllocator";
 constexpr const char* kKo2 = "okoge-kaz memory-estimator notes (CUDA context ~300-500 MB, NCCL ~0.5 GB per communicator)";
@@ -144,7 +145,7 @@ double lora_layer_params_of(const ModelShape& m, const TrainOptions& o) {
   double n = 0;
   for (const auto& name : lora_layer_targets(o)) {
     const LoraDims d = lora_target_dims(m, name);
-    n += double(o.lora_rank) * (d.in + d.out);
+    n += double(o.lora_rank) * (d.in + d.out) + (o.dora ? d.out : 0);
   }
   return n;
 }
@@ -211,7 +212,9 @@ void add_parameter_lines(MemReport& r, const TrainOptions& o, const GpuParams& g
                                                                              : ""),
                          kBnbState, Place::Device, Basis::Formula});
     r.lines.push_back({"parameters (LoRA adapters)", sb.weights * trainable / p_div,
-                       fmt::format("{} B x Ψ_lora, Ψ_lora = layers x Σ_targets r·(in + out) = {}", sb.weights, num(trainable)), kLora,
+                       fmt::format("{} B x Ψ_lora, Ψ_lora = layers x Σ_targets {} = {}", sb.weights,
+                                   o.dora ? "(r·(in + out) + out: DoRA's magnitude)" : "r·(in + out)", num(trainable)),
+                       o.dora ? kDora : kLora,
                        par_place, Basis::Formula});
   } else {
     r.lines.push_back({"parameters", sb.weights * trainable / p_div,
@@ -269,11 +272,18 @@ void add_optimizer_lines(MemReport& r, const ModelShape& m, const TrainOptions& 
                        o.optimizer == Optimizer::Adam8bit ? k8bit : kZero, opt_place, Basis::Formula});
 }
 
+// Bytes per trainable parameter: the run's precision, or fp32 for PEFT's adapters on a 16-bit
+// base (TrainOptions::lora_fp32_inputs: autocast_adapter_dtype makes them fp32, their gradients
+// and AdamW's moments follow).
+StateBytes trainable_state_bytes(const TrainOptions& o) {
+  return state_bytes(o.lora_fp32_inputs ? Precision::FP32 : o.precision, o.optimizer, o.framework);
+}
+
 // Model states per GPU: parameters, gradients, master weights and optimizer states, each divided
 // by N_d from the ZeRO stage that shards it, and placed where the offload options put them.
 void add_model_states(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   const GpuParams gp = gpu_params(m, o);
-  const StateBytes sb = state_bytes(o.precision, o.optimizer, o.framework);
+  const StateBytes sb = trainable_state_bytes(o);
   const double N = o.dp;
   const bool lora = o.lora_rank > 0;
   const double trainable = lora ? double(gp.layers) * lora_layer_params_of(m, o) / o.tp : gp.all;
@@ -304,6 +314,47 @@ double lora_fp32_input_width(const ModelShape& m, const TrainOptions& o) {
   double in = 0;
   for (const auto& name : lora_layer_targets(o)) in += lora_target_dims(m, name).in;
   return in;
+}
+
+// DoRA's kept tensors (TrainOptions::dora): the bytes per value of the base output and of the
+// LoRA output, and whether each adapted weight is kept as a fresh copy.
+struct DoraKept {
+  double base = 2, lora = 2;
+  bool weight_copy = false;
+};
+DoraKept dora_kept(const TrainOptions& o) {
+  DoraKept k;
+  const double act = o.precision == Precision::FP32 ? 4 : 2;  // the base Linear's output (autocast: 16-bit)
+  k.lora = o.lora_fp32_inputs ? 4 : act;
+  // With dropout PEFT recomputes the base output from the dropped input, in the adapters' dtype,
+  // and F.linear keeps the weight it was given when that is a cast or a dequantized NF4 matrix.
+  k.base = o.lora_dropout > 0 ? k.lora : act;
+  k.weight_copy = o.lora_dropout > 0 && (o.qlora || k.lora != act);
+  return k;
+}
+
+// What DoRA keeps per layer beyond LoRA, bytes: for every adapted Linear its base output and its
+// LoRA output, s·b·out each, kept by the two products with the magnitude's scale (and the weight
+// copy of dora_kept).
+double dora_layer_bytes(const ModelShape& m, const TrainOptions& o) {
+  const DoraKept k = dora_kept(o);
+  const double sb = double(o.seq_len) * double(o.micro_batch);
+  double bytes = 0;
+  for (const auto& name : lora_layer_targets(o)) {
+    const LoraDims d = lora_target_dims(m, name);
+    bytes += sb * d.out * (k.base + k.lora) + (k.weight_copy ? k.lora * d.out * d.in : 0);
+  }
+  return bytes / o.tp;
+}
+
+void add_dora_activations(MemReport& r, const ModelShape& m, const TrainOptions& o, double layers) {
+  const DoraKept k = dora_kept(o);
+  const bool full = o.checkpointing == Checkpointing::Full;
+  r.lines.push_back({"activations (DoRA: base and LoRA outputs)", dora_layer_bytes(m, o) * (full ? 1 : layers),
+                     fmt::format("sb x Σ_targets out x ({} + {}) B{} per layer{}", k.base, k.lora,
+                                 k.weight_copy ? fmt::format(" + {} B x each adapted weight (dropout > 0: a copy)", k.lora) : "",
+                                 full ? ", the recomputed layer's" : fmt::format(" x {} layers", layers)),
+                     kDora, Place::Device, Basis::Formula});
 }
 
 // PyTorch before 1.11 (TrainOptions::torch_version): softmax keeps its input, the scores, per
@@ -345,6 +396,7 @@ void add_layer_extras(MemReport& r, const ModelShape& m, const TrainOptions& o, 
                                    num(in)),
                        kPeft, Place::Device, Basis::Formula});
   }
+  if (o.dora) add_dora_activations(r, m, o, layers);
 }
 
 // The head's activations: the pooler and classifier of a sequence classifier, else the output
@@ -422,7 +474,7 @@ void add_temporaries(MemReport& r, const ModelShape& m, const TrainOptions& o) {
 
 void add_comm_and_overhead(MemReport& r, const ModelShape& m, const TrainOptions& o) {
   const GpuParams gp = gpu_params(m, o);
-  const StateBytes sb = state_bytes(o.precision, o.optimizer, o.framework);
+  const StateBytes sb = trainable_state_bytes(o);
   const double trainable = o.lora_rank > 0 ? double(gp.layers) * lora_layer_params_of(m, o) / o.tp : gp.all;
   if (o.dp > 1 && o.zero == 0)
     r.lines.push_back({"communication: DDP gradient buckets", sb.grads * trainable,
@@ -837,6 +889,8 @@ void check_training_options(const ModelShape& m, const TrainOptions& o) {
     throw UsageError("micro-batch, sequence length, gradient accumulation and parallel degrees must be >= 1");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero must be 0, 1, 2 or 3");
   if (o.qlora && o.lora_rank <= 0) throw UsageError("--qlora needs --lora-rank > 0");
+  if (o.dora && (o.lora_rank <= 0 || o.framework != Framework::Analytic))
+    throw UsageError("--dora models PEFT's DoRA (use_dora): it needs --lora-rank and the analytic framework");
   if (o.lora_fp32_inputs && (o.lora_rank <= 0 || o.framework != Framework::Analytic || o.precision != Precision::BF16))
     throw UsageError("--lora-fp32-inputs models PEFT's LoRA on a pure 16-bit base: it needs --lora-rank, --precision pure-bf16 and the "
                      "analytic framework");

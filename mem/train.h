@@ -98,6 +98,15 @@ struct TrainOptions {
   /// (peft/tuners/lora/layer.py, Linear.forward: _cast_input_dtype), so lora_A keeps an fp32
   /// copy of that input for its gradient: 4·s·b·in bytes per adapted Linear and layer.
   bool lora_fp32_inputs = false;
+  /// DoRA (--dora; Liu et al., "DoRA", arXiv 2402.09353, as PEFT's use_dora runs it:
+  /// src/peft/tuners/lora/dora.py DoraLinearLayer.forward at huggingface/peft d787f51bb): a
+  /// trainable magnitude per output feature of every adapted Linear (+Σ out parameters a layer),
+  /// and the output m/||W + s·BA||_c · (W x + s·B A x) − W x, whose column norm is detached
+  /// (§4.3), so each adapted Linear keeps its base output W x (the compute dtype; with dropout
+  /// > 0 recomputed on the dropped input, in the adapters' dtype, together with a copy of W in
+  /// that dtype when it is not the parameter itself) and its LoRA output B A x (the adapters'
+  /// dtype) for the magnitude's gradient.
+  bool dora = false;
   /// PyTorch release the recipe ran on, "MAJOR.MINOR" ("": a current one). Before 1.11 the
   /// autograd node of softmax kept its input as well as its output (`_softmax_backward_data`
   /// took the input tensor; 1.11 passes only its dtype: pytorch/pytorch#49600 and #65242,

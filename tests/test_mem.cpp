@@ -313,13 +313,44 @@ TEST_CASE("Training estimator: PEFT's fp32 LoRA inputs add 4sb x the adapted inp
   const MemReport peft = estimate_training(m, o);
   const double want = 4.0 * 512 * 2 * double(2 * m.dim + m.hidden) * double(m.layers);
   CHECK(lines_sum(peft, {"activations (LoRA inputs in fp32, PEFT)"}) == Approx(want));
-  CHECK(peft.total(Place::Device) == Approx(plain.total(Place::Device) + want));
+  // The adapters are fp32 too: 2 B more for each parameter and gradient, 4 B more of AdamW's moments.
+  const double adapters = 32.0 * double(2 * (2 * m.dim) + m.hidden + m.dim) * double(m.layers);
+  CHECK(peft.total(Place::Device) == Approx(plain.total(Place::Device) + want + 8 * adapters));
   TrainOptions mixed = o;
   mixed.precision = Precision::Mixed;
   CHECK_THROWS_AS(estimate_training(m, mixed), UsageError);
   TrainOptions full = o;
   full.lora_rank = 0;
   CHECK_THROWS_AS(estimate_training(m, full), UsageError);
+}
+
+// PEFT's DoRA (use_dora): a magnitude per output feature, and per adapted Linear its base output
+// (16-bit) and LoRA output (the fp32 adapters') kept for the magnitude's gradient. For PEFT's
+// MetaMathQA recipe (Llama-3.2-3B, q and v, r 32, b 4, s 768) that is 2,113,929,216 B, where
+// bench/peft_mc_replay.py's real PEFT d787f51bb code on meta tensors puts DoRA 2.115 GB above
+// LoRA; with dropout the base output is recomputed in fp32 from a kept fp32 copy of each weight.
+TEST_CASE("Training estimator: PEFT's DoRA keeps each adapted Linear's base and LoRA outputs", "[mem]") {
+  const ModelShape m = preset("llama-3.2-3b");
+  TrainOptions o;
+  o.precision = Precision::BF16, o.lora_rank = 32, o.lora_targets = {"q", "v"}, o.micro_batch = 4, o.seq_len = 768;
+  o.lora_fp32_inputs = true, o.lora_dropout = 0;
+  const MemReport lora = estimate_training(m, o);
+  o.dora = true;
+  const MemReport dora = estimate_training(m, o);
+  const double outs = double(m.q_dim() + m.kv_dim()), kept = 6.0 * 768 * 4 * outs * double(m.layers);
+  CHECK(kept == Approx(2113929216.0));
+  CHECK(lines_sum(dora, {"activations (DoRA: base and LoRA outputs)"}) == Approx(kept));
+  const double magnitudes = outs * double(m.layers);  // 4 B each, its gradient 4, AdamW's moments 8
+  CHECK(dora.total(Place::Device) == Approx(lora.total(Place::Device) + kept + 16 * magnitudes));
+  o.lora_dropout = 0.1;
+  const double weights = double(m.dim) * outs;
+  CHECK(lines_sum(estimate_training(m, o), {"activations (DoRA: base and LoRA outputs)"}) ==
+        Approx((8.0 * 768 * 4 * outs + 4 * weights) * double(m.layers)));
+  o.lora_fp32_inputs = false, o.qlora = true;  // QDoRA: the dequantized bf16 matrix is the copy kept
+  CHECK(lines_sum(estimate_training(m, o), {"activations (DoRA: base and LoRA outputs)"}) ==
+        Approx((4.0 * 768 * 4 * outs + 2 * weights) * double(m.layers)));
+  o.qlora = false, o.framework = Framework::LitGPT;
+  CHECK_THROWS_AS(estimate_training(m, o), UsageError);
 }
 
 TEST_CASE("Training estimator: fp32 keeps 1-byte dropout masks, and PyTorch < 1.11 keeps softmax inputs", "[mem]") {

@@ -221,6 +221,8 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
   tr->add_flag("--lora-fp32-inputs", to.lora_fp32_inputs,
                "PEFT's LoRA on a pure-bf16 base: adapters in fp32 (autocast_adapter_dtype), each adapted Linear's input kept as an "
                "fp32 copy");
+  tr->add_flag("--dora", to.dora,
+               "PEFT's DoRA (use_dora): a magnitude per output feature, and each adapted Linear's base and LoRA outputs kept");
   tr->add_option("--torch-version", to.torch_version,
                  "PyTorch release the recipe runs on (default: a current one); before 1.11 softmax keeps its input for the backward, "
                  "so eager attention keeps its scores twice");

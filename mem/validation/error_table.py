@@ -125,7 +125,7 @@ def framework_flags(case: dict) -> list[str]:
 
 
 def adapter_flags(case: dict) -> list[str]:
-    """LoRA's rank and targets (PEFT's fp32 adapter inputs on a bf16 base), QLoRA's NF4 base."""
+    """LoRA's rank and targets (PEFT's fp32 adapter inputs on a bf16 base; DoRA), QLoRA's NF4 base."""
     r, out = case["recipe"], []
     lora = r.get("lora")
     if lora:
@@ -133,6 +133,8 @@ def adapter_flags(case: dict) -> list[str]:
         out += ["--lora-rank", str(lora["rank"]), "--lora-targets", ",".join(targets)]
         if r.get("framework") == "peft" and r["precision"] == "pure-bf16" and not r.get("qlora"):
             out.append("--lora-fp32-inputs")  # PEFT's fp32 adapters on a bf16 base (autocast_adapter_dtype)
+        if lora.get("dora"):  # PEFT's use_dora; its dropout decides what the base output is computed from
+            out += ["--dora", "--lora-dropout", str(lora.get("dropout") or 0)]
     if r["precision"] == "nf4" or r.get("qlora"):
         out.append("--qlora")
         if r.get("qlora") and r["qlora"].get("double_quant") is False:

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""PEFT's method comparison (method_comparison/MetaMathQA/run.py at huggingface/peft d787f51bb, the
+commit its July-2026 Llama-3.2-3B results name) replayed without a GPU: the real transformers
+5.13.1 / PEFT code runs the run's training steps on meta tensors while bench/torch_replay.py
+records every storage and feeds the sequence to its model of PyTorch's CUDA caching allocator.
+A lab for issue 23's `peft-mc-*` cases (LoRA, DoRA, LoRA-FA, full fine-tuning), not a test.
+Needs a venv with torch, transformers 5.13.1, accelerate and PEFT built from d787f51bb:
+
+    pip install torch "transformers==5.13.1" "accelerate==1.12.0"
+    git -C PEFT archive d787f51bb | tar -x -C peft_src && pip install --no-deps ./peft_src
+    python bench/peft_mc_replay.py --method dora [--r 32] [--targets q_proj,v_proj] [--steps 3]
+
+What runs as it ran (run.py / utils.py): Llama-3.2-3B in bf16, get_peft_model with
+autocast_adapter_dtype=True (adapters in fp32), no gradient checkpointing, batch 4 right-padded
+to 768 tokens (one row shorter, so an attention mask exists), labels with num_items_in_batch,
+torch AdamW (lr 1e-4, weight decay 0.1; foreach, as on CUDA) or PEFT's LoRA-FA optimizer,
+clip_grad_norm_ 1.0, `outputs` alive until the next step's forward returns; first the
+inference-mode loss on a 4 x 768 batch with the adapters disabled (the run's wiki loss).
+What is supplied, because a meta tensor has no CUDA kernel:
+- scaled_dot_product_attention: the memory-efficient / flash kernels' footprint (output and an
+  fp32 log-sum-exp kept with q, k, v; the mask's bf16 bias kept when a mask is given);
+- torch.autocast (RoPE turns it off, and the meta device has none): a no-op;
+- cuBLAS's workspace (8 MiB + 128 KiB, an L40S) at the first product.
+Everything, weights included, is allocated inside the trace in the order the run creates it;
+the printed peaks are what torch.cuda.max_memory_allocated / max_memory_reserved would say.
+"""
+import argparse
+import contextlib
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+from torch_replay import MIB, Trace, cublas_workspace_bytes, replay, workspace
+
+# PEFT imports bitsandbytes where one is installed; 0.43 imports triton.ops, which newer triton lacks.
+for name in ("triton.ops", "triton.ops.matmul_perf_model"):
+    mod = types.ModuleType(name)
+    mod.early_config_prune = mod.estimate_matmul_time = None
+    sys.modules.setdefault(name, mod)
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, masking_utils  # noqa: E402
+
+# meta-llama/Llama-3.2-3B config.json
+LLAMA32_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                  num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
+                  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+
+
+class EfficientSDPA(torch.autograd.Function):
+    """What the memory-efficient / flash SDPA kernels keep on the GPU: q, k, v, the output and an
+    fp32 log-sum-exp [B, H, T] (and the additive bias made from a mask); the backward makes q, k
+    and v's gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias):
+        out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    bias = None
+    if attn_mask is not None:  # SDPA turns a boolean mask into an additive bias of q's dtype
+        bias = torch.empty(attn_mask.shape, dtype=q.dtype, device=q.device) if attn_mask.dtype == torch.bool else attn_mask
+    return EfficientSDPA.apply(q, k, v, bias)
+
+
+def build(a):
+    """The base model's weights allocated one by one (as from_pretrained loads them), then PEFT."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA32_3B, use_cache=False, dtype=torch.bfloat16)).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = torch.empty_like(t.data)
+    if a.method == "full":
+        return model
+    config = LoraConfig(r=a.r, lora_alpha=2 * a.r, lora_dropout=a.dropout, target_modules=a.targets.split(","),
+                        use_dora=a.method == "dora", task_type="CAUSAL_LM")
+    return get_peft_model(model, config, autocast_adapter_dtype=True)
+
+
+def make_optimizer(a, model):
+    if a.method == "lorafa":
+        from peft.optimizers import create_lorafa_optimizer
+        return create_lorafa_optimizer(model, r=a.r, lora_alpha=2 * a.r, lr=1e-4, weight_decay=0.1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=True)
+
+
+def batch(a):
+    ids = torch.zeros(a.b, a.s, dtype=torch.long, device="meta")
+    mask = torch.ones(a.b, a.s, dtype=torch.long, device="meta")
+    return ids, mask
+
+
+def run(a):
+    keep = workspace(cublas_workspace_bytes("L40S"))  # noqa: F841 (cuBLAS's handle keeps it)
+    model = build(a)
+    with torch.inference_mode():  # the wiki loss before training, adapters off
+        ctx = contextlib.nullcontext() if a.method == "full" else model.disable_adapter()
+        with ctx:
+            ids, mask = batch(a)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            for row, target in zip(logits, ids):
+                F.cross_entropy(row[:-1], target[1:], reduction="none")
+            del logits
+    model.train()
+    opt = make_optimizer(a, model)
+    outputs = None
+    for _ in range(a.steps):
+        opt.zero_grad()
+        ids, mask = batch(a)
+        labels = ids.clone()
+        outputs = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=a.b * a.s - 1)
+        outputs.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return model, opt, outputs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", default="lora", choices=["lora", "dora", "lorafa", "full"])
+    ap.add_argument("--r", type=int, default=32)
+    ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("-b", type=int, default=4)
+    ap.add_argument("-s", type=int, default=768)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-mask", dest="mask", action="store_false", help="a batch without padding")
+    a = ap.parse_args()
+    F.scaled_dot_product_attention = sdpa
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
+    if a.mask:  # a padded batch: transformers makes a boolean mask, and then repeats K and V for SDPA (GQA)
+        masking_utils._ignore_causal_mask_sdpa = lambda *args, **kwargs: False
+    else:  # every row as long as the longest: no mask, SDPA's own GQA
+        masking_utils._ignore_causal_mask_sdpa = lambda *args, **kwargs: True
+    trace = Trace()
+    with trace:
+        state = run(a)
+    del state
+    alloc = replay(trace.events, 1 << 50)
+    print(f"{a.method} r={a.r} targets={a.targets} dropout={a.dropout} b={a.b} s={a.s} mask={a.mask} steps={a.steps}: "
+          f"{len(trace.events)} events; peak allocated {alloc.peak_allocated / 1e9:.3f} GB, "
+          f"peak reserved {alloc.peak_reserved / 1e9:.3f} GB")
+
+
+if __name__ == "__main__":
+    main()
