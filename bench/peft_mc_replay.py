@@ -14,8 +14,10 @@ What runs as it ran (run.py / utils.py): Llama-3.2-3B in bf16, get_peft_model wi
 autocast_adapter_dtype=True (adapters in fp32), no gradient checkpointing, batch 4 right-padded
 to 768 tokens (one row shorter, so an attention mask exists), labels with num_items_in_batch,
 torch AdamW (lr 1e-4, weight decay 0.1; foreach, as on CUDA) or PEFT's LoRA-FA optimizer,
-clip_grad_norm_ 1.0, `outputs` alive until the next step's forward returns; first the
-inference-mode loss on a 4 x 768 batch with the adapters disabled (the run's wiki loss).
+clip_grad_norm_ 1.0, `outputs` alive until the next step's forward returns; after the optimizer
+is made, the inference-mode loss on a 4 x 768 batch with the adapters disabled (the run's wiki
+loss; leaving `disable_adapter()` marks every adapter weight trainable again, LoRA-FA's frozen
+lora_A included).
 What is supplied, because a meta tensor has no CUDA kernel:
 - scaled_dot_product_attention: the memory-efficient / flash kernels' footprint (output and an
   fp32 log-sum-exp kept with q, k, v; the mask's bf16 bias kept when a mask is given);
@@ -107,6 +109,9 @@ def batch(a):
 def run(a):
     keep = workspace(cublas_workspace_bytes("L40S"))  # noqa: F841 (cuBLAS's handle keeps it)
     model = build(a)
+    opt = make_optimizer(a, model)  # run.py makes it before the wiki loss, whose disable_adapter() context
+    # re-enables requires_grad on every adapter weight when it exits (BaseTunerLayer.enable_adapters ->
+    # set_adapter): LoRA-FA's frozen lora_A trains again, as far as autograd is concerned
     with torch.inference_mode():  # the wiki loss before training, adapters off
         ctx = contextlib.nullcontext() if a.method == "full" else model.disable_adapter()
         with ctx:
@@ -116,7 +121,6 @@ def run(a):
                 F.cross_entropy(row[:-1], target[1:], reduction="none")
             del logits
     model.train()
-    opt = make_optimizer(a, model)
     outputs = None
     for _ in range(a.steps):
         opt.zero_grad()

@@ -37,8 +37,11 @@ GPT_STYLE = {"bert", "bloom"}  # LayerNorm + GELU blocks with biases llmq-mem's 
 # LitGPT block recipes llmq-mem's --framework litgpt knows (--block), by the case's arch.
 LITGPT_BLOCKS = {"llama": "llama", "mistral": "mistral", "gemma": "gemma", "gemma2": "gemma2", "phi3": "phi3", "qwen2": "qwen2",
                  "gpt_neox": "gpt-neox", "phi": "phi", "falcon": "falcon"}
+# "lora-fa": PEFT's LoRA-FA optimizer keeps AdamW's moments for lora_B alone, but as PEFT's method comparison
+# runs it every lora_A trains again as far as autograd goes (SOURCES.md), so it is LoRA with AdamW less A's
+# moments: llmq-mem's AdamW counts those too (8 B per A parameter, 44 MB for its Llama-3.2-3B row).
 OPTIMIZERS = {"adamw": "adamw", "paged-adamw-32bit": "adamw", "adamw-8bit": "adam8bit", "paged-adamw-8bit": "adam8bit",
-              "sgd": "sgd", "adafactor": "adafactor"}
+              "sgd": "sgd", "adafactor": "adafactor", "lora-fa": "adamw"}
 PRECISIONS = {"fp32": "fp32", "fp16-mixed": "amp", "bf16-mixed": "amp", "pure-bf16": "pure-bf16", "nf4": "pure-bf16"}
 TARGETS = {"q": "q", "q_proj": "q", "query": "q", "k": "k", "k_proj": "k", "key": "k", "v": "v", "v_proj": "v", "value": "v",
            "proj": "o", "o_proj": "o", "output_proj": "o", "mlp": "gate,up,down", "head": "head",
