@@ -106,20 +106,23 @@ def batch(a):
     return ids, mask
 
 
+@torch.inference_mode()
+def wiki_loss(a, model):
+    """run.py's calculate_mean_per_token_loss on one 4 x 768 batch: per-row cross-entropy of the logits."""
+    ids, mask = batch(a)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    for row, target in zip(logits, ids):
+        F.cross_entropy(row[:-1], target[1:], reduction="none")
+
+
 def run(a):
     keep = workspace(cublas_workspace_bytes("L40S"))  # noqa: F841 (cuBLAS's handle keeps it)
     model = build(a)
     opt = make_optimizer(a, model)  # run.py makes it before the wiki loss, whose disable_adapter() context
     # re-enables requires_grad on every adapter weight when it exits (BaseTunerLayer.enable_adapters ->
     # set_adapter): LoRA-FA's frozen lora_A trains again, as far as autograd is concerned
-    with torch.inference_mode():  # the wiki loss before training, adapters off
-        ctx = contextlib.nullcontext() if a.method == "full" else model.disable_adapter()
-        with ctx:
-            ids, mask = batch(a)
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            for row, target in zip(logits, ids):
-                F.cross_entropy(row[:-1], target[1:], reduction="none")
-            del logits
+    with contextlib.nullcontext() if a.method == "full" else model.disable_adapter():
+        wiki_loss(a, model)
     model.train()
     outputs = None
     for _ in range(a.steps):
