@@ -22,6 +22,8 @@ What is supplied, because a meta tensor has no CUDA kernel:
 - scaled_dot_product_attention: the memory-efficient / flash kernels' footprint (output and an
   fp32 log-sum-exp kept with q, k, v; the mask's bf16 bias kept when a mask is given);
 - torch.autocast (RoPE turns it off, and the meta device has none): a no-op;
+- dropout: CUDA's fused kernel (an output and a 1-byte mask; on meta F.dropout would keep a noise
+  tensor of the input's dtype);
 - cuBLAS's workspace (8 MiB + 128 KiB, an L40S) at the first product.
 Everything, weights included, is allocated inside the trace in the order the run creates it;
 the printed peaks are what torch.cuda.max_memory_allocated / max_memory_reserved would say.
@@ -34,7 +36,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from torch_replay import MIB, Trace, cublas_workspace_bytes, replay, workspace
+from torch_replay import Trace, cublas_workspace_bytes, cuda_dropout, replay, workspace
 
 # PEFT imports bitsandbytes where one is installed; 0.43 imports triton.ops, which newer triton lacks.
 for name in ("triton.ops", "triton.ops.matmul_perf_model"):
@@ -78,13 +80,24 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, en
     return EfficientSDPA.apply(q, k, v, bias)
 
 
-def build(a):
-    """The base model's weights allocated one by one (as from_pretrained loads them), then PEFT."""
+def skeleton(a):
+    """Llama-3.2-3B in bf16 on meta tensors, made outside the trace (the run loads it in bf16);
+    --vocab replaces its vocabulary (a lab knob: where the peak moves when the logits are small)."""
+    config = dict(LLAMA32_3B, vocab_size=a.vocab or LLAMA32_3B["vocab_size"])
+    dtype = torch.float32 if a.fp32 else torch.bfloat16
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA32_3B, use_cache=False, dtype=torch.bfloat16)).to(torch.bfloat16)
+        model = LlamaForCausalLM(LlamaConfig(**config, use_cache=False, dtype=dtype)).to(dtype)
     model.config._attn_implementation = "sdpa"
+    return model
+
+
+def build(a, model):
+    """The base model's weights allocated one by one (as from_pretrained loads them), then PEFT."""
     for t in [*model.parameters(), *model.buffers()]:
         t.data = torch.empty_like(t.data)
+    if a.gc:  # utils.py get_base_model with use_gc (transformers 5.13: non-reentrant checkpoints)
+        model.enable_input_require_grads()
+        model.gradient_checkpointing_enable()
     if a.method == "full":
         return model
     config = LoraConfig(r=a.r, lora_alpha=2 * a.r, lora_dropout=a.dropout, target_modules=a.targets.split(","),
@@ -101,7 +114,7 @@ def make_optimizer(a, model):
 
 
 def batch(a):
-    ids = torch.zeros(a.b, a.s, dtype=torch.long, device="meta")
+    ids = torch.zeros(a.b, a.s, dtype=torch.long, device="meta")  # meta: the values never matter
     mask = torch.ones(a.b, a.s, dtype=torch.long, device="meta")
     return ids, mask
 
@@ -115,9 +128,9 @@ def wiki_loss(a, model):
         F.cross_entropy(row[:-1], target[1:], reduction="none")
 
 
-def run(a):
+def run(a, model):
     keep = workspace(cublas_workspace_bytes("L40S"))  # noqa: F841 (cuBLAS's handle keeps it)
-    model = build(a)
+    model = build(a, model)
     opt = make_optimizer(a, model)  # run.py makes it before the wiki loss, whose disable_adapter() context
     # re-enables requires_grad on every adapter weight when it exits (BaseTunerLayer.enable_adapters ->
     # set_adapter): LoRA-FA's frozen lora_A trains again, as far as autograd is concerned
@@ -146,20 +159,26 @@ def main():
     ap.add_argument("-s", type=int, default=768)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-mask", dest="mask", action="store_false", help="a batch without padding")
+    ap.add_argument("--gc", action="store_true", help="gradient checkpointing (the run's use_gc)")
+    ap.add_argument("--vocab", type=int, default=0, help="another vocabulary size (0: Llama-3.2-3B's 128256)")
+    ap.add_argument("--fp32", action="store_true", help="the model in fp32 (the run: bf16)")
     a = ap.parse_args()
     F.scaled_dot_product_attention = sdpa
     torch.nn.functional.scaled_dot_product_attention = sdpa
     torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
+    F.dropout = cuda_dropout  # nn.Dropout (PEFT's lora_dropout) calls it
     if a.mask:  # a padded batch: transformers makes a boolean mask, and then repeats K and V for SDPA (GQA)
         masking_utils._ignore_causal_mask_sdpa = lambda *args, **kwargs: False
     else:  # every row as long as the longest: no mask, SDPA's own GQA
         masking_utils._ignore_causal_mask_sdpa = lambda *args, **kwargs: True
+    model = skeleton(a)
     trace = Trace()
     with trace:
-        state = run(a)
+        state = run(a, model)
+    del model
     del state
     alloc = replay(trace.events, 1 << 50)
-    print(f"{a.method} r={a.r} targets={a.targets} dropout={a.dropout} b={a.b} s={a.s} mask={a.mask} steps={a.steps}: "
+    print(f"{a.method} r={a.r} targets={a.targets} dropout={a.dropout} b={a.b} s={a.s} mask={a.mask} gc={a.gc} vocab={a.vocab or 128256} fp32={a.fp32} steps={a.steps}: "
           f"{len(trace.events)} events; peak allocated {alloc.peak_allocated / 1e9:.3f} GB, "
           f"peak reserved {alloc.peak_reserved / 1e9:.3f} GB")
 

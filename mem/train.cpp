@@ -325,7 +325,7 @@ struct DoraKept {
 DoraKept dora_kept(const TrainOptions& o) {
   DoraKept k;
   const double act = o.precision == Precision::FP32 ? 4 : 2;  // the base Linear's output (autocast: 16-bit)
-  k.lora = o.lora_fp32_inputs ? 4 : act;
+  k.lora = o.lora_fp32_inputs || (o.framework == Framework::Transformers && act == 2) ? 4 : act;  // PEFT's fp32 adapters
   // With dropout PEFT recomputes the base output from the dropped input, in the adapters' dtype,
   // and F.linear keeps the weight it was given when that is a cast or a dequantized NF4 matrix.
   k.base = o.lora_dropout > 0 ? k.lora : act;
@@ -333,9 +333,10 @@ DoraKept dora_kept(const TrainOptions& o) {
   return k;
 }
 
-// What DoRA keeps per layer beyond LoRA, bytes: for every adapted Linear its base output and its
-// LoRA output, s·b·out each, kept by the two products with the magnitude's scale (and the weight
-// copy of dora_kept).
+}  // namespace
+
+// The two products with the magnitude's scale keep, for every adapted Linear, its base output and
+// its LoRA output (s·b·out each), and with dropout F.linear keeps the weight copy of dora_kept.
 double dora_layer_bytes(const ModelShape& m, const TrainOptions& o) {
   const DoraKept k = dora_kept(o);
   const double sb = double(o.seq_len) * double(o.micro_batch);
@@ -346,6 +347,8 @@ double dora_layer_bytes(const ModelShape& m, const TrainOptions& o) {
   }
   return bytes / o.tp;
 }
+
+namespace {
 
 void add_dora_activations(MemReport& r, const ModelShape& m, const TrainOptions& o, double layers) {
   const DoraKept k = dora_kept(o);
@@ -797,7 +800,8 @@ Framework framework_from_name(const std::string& s) {
   if (n == "deepspeed") return Framework::DeepSpeed;
   if (n == "litgpt") return Framework::LitGPT;
   if (n == "torchtune") return Framework::TorchTune;
-  throw UsageError("unknown framework '" + s + "' (analytic, pytorch, deepspeed, litgpt, torchtune)");
+  if (n == "transformers" || n == "hf") return Framework::Transformers;
+  throw UsageError("unknown framework '" + s + "' (analytic, pytorch, deepspeed, litgpt, torchtune, transformers)");
 }
 
 StateBytes state_bytes(Precision p, Optimizer o, Framework f) {
@@ -889,8 +893,9 @@ void check_training_options(const ModelShape& m, const TrainOptions& o) {
     throw UsageError("micro-batch, sequence length, gradient accumulation and parallel degrees must be >= 1");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero must be 0, 1, 2 or 3");
   if (o.qlora && o.lora_rank <= 0) throw UsageError("--qlora needs --lora-rank > 0");
-  if (o.dora && (o.lora_rank <= 0 || o.framework != Framework::Analytic))
-    throw UsageError("--dora models PEFT's DoRA (use_dora): it needs --lora-rank and the analytic framework");
+  if (o.dora && (o.lora_rank <= 0 || (o.framework != Framework::Analytic && o.framework != Framework::Transformers)))
+    throw UsageError("--dora models PEFT's DoRA (use_dora): it needs --lora-rank and the analytic or transformers framework");
+  if (o.padded && o.framework != Framework::Transformers) throw UsageError("--padded describes transformers' attention: add --framework transformers");
   if (o.lora_fp32_inputs && (o.lora_rank <= 0 || o.framework != Framework::Analytic || o.precision != Precision::BF16))
     throw UsageError("--lora-fp32-inputs models PEFT's LoRA on a pure 16-bit base: it needs --lora-rank, --precision pure-bf16 and the "
                      "analytic framework");
@@ -910,7 +915,7 @@ void check_training_options(const ModelShape& m, const TrainOptions& o) {
   if (o.framework != Framework::TorchTune && (o.compile || o.offload_activations || o.optimizer_in_backward || o.paged_optimizer))
     throw UsageError("--compile, --offload-activations, --optimizer-in-backward and --paged-optimizer model torchtune's "
                      "recipes: add --framework torchtune");
-  if (o.ce_chunks > 0 && (o.framework == Framework::PyTorch || o.framework == Framework::LitGPT))
+  if (o.ce_chunks > 0 && (o.framework == Framework::PyTorch || o.framework == Framework::LitGPT || o.framework == Framework::Transformers))
     throw UsageError("--ce-chunks models torchtune's chunked loss: the analytic, deepspeed and torchtune frameworks");
 }
 
@@ -923,6 +928,7 @@ MemReport estimate_training(const ModelShape& m, const TrainOptions& o) {
   MemReport r = o.framework == Framework::PyTorch ? pytorch_estimate(m, o)
                 : o.framework == Framework::LitGPT    ? litgpt_estimate(m, o)
                 : o.framework == Framework::TorchTune ? torchtune_estimate(m, o)
+                : o.framework == Framework::Transformers ? transformers_estimate(m, o)
                                                       : MemReport{};
   if (o.framework == Framework::Analytic || o.framework == Framework::DeepSpeed) {
     r.device = "gpu 0";

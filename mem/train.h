@@ -55,6 +55,7 @@ enum class Framework {
   LitGPT,     ///< LitGPT's finetune scripts (bf16-true), saved tensors of its Block (mem/train_litgpt.cpp)
   DeepSpeed,  ///< DeepSpeed's own estimator formulas for model states (DS), KORTH activations
   TorchTune,  ///< torchtune's single-device recipes (bf16), by phase of the step (mem/train_torchtune.cpp)
+  Transformers,  ///< a transformers Llama-family model, full or PEFT LoRA / DoRA, one GPU (mem/train_transformers.cpp)
 };
 
 Precision precision_from_name(const std::string& s);      ///< fp32 | fp16 | bf16 | mixed | amp | pure-bf16
@@ -107,6 +108,11 @@ struct TrainOptions {
   /// that dtype when it is not the parameter itself) and its LoRA output B A x (the adapters'
   /// dtype) for the magnitude's gradient.
   bool dora = false;
+  /// --padded, with --framework transformers: batches padded to their longest sequence, so
+  /// transformers passes SDPA an attention mask; SDPA then runs its memory-efficient kernel with
+  /// the mask as a bias (kept, e·b·s² a layer), and transformers repeats K and V to the query heads
+  /// first (integrations/sdpa_attention.py use_gqa_in_sdpa: native GQA only without a mask).
+  bool padded = false;
   /// PyTorch release the recipe ran on, "MAJOR.MINOR" ("": a current one). Before 1.11 the
   /// autograd node of softmax kept its input as well as its output (`_softmax_backward_data`
   /// took the input tensor; 1.11 passes only its dtype: pytorch/pytorch#49600 and #65242,
@@ -235,6 +241,17 @@ double lora_layer_params_of(const ModelShape& m, const TrainOptions& o);
 /// LitGPT's fine-tuning (Framework::LitGPT): what torch.cuda.max_memory_allocated() reports.
 /// Throws UsageError for what the scripts do not do (TP/PP, offload, mixed precision).
 MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o);
+
+/// A transformers Llama-family model trained on one GPU (Framework::Transformers), fully or with
+/// PEFT's LoRA / DoRA: what torch.cuda.max_memory_allocated() reports, the largest of the loss's
+/// backward, a checkpointed layer's recomputation and the optimizer step. Throws UsageError for
+/// what it does not model (parallelism, offload, QLoRA, mixed precision, other blocks).
+MemReport transformers_estimate(const ModelShape& m, const TrainOptions& o);
+
+/// What PEFT's DoRA keeps per layer beyond LoRA (TrainOptions::dora), bytes on one GPU: for every
+/// adapted Linear its base output and its LoRA output, s·b·out each, and with dropout a copy of
+/// its weight when that is a cast or a dequantized NF4 matrix (PEFT d787f51bb dora.py).
+double dora_layer_bytes(const ModelShape& m, const TrainOptions& o);
 
 /// torchtune's single-device fine-tuning (Framework::TorchTune): the active / allocated peak of one
 /// step, the larger of the loss's backward and the backward's end. Throws UsageError for what the

@@ -209,7 +209,7 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
   tr->add_flag("--sp", to.sequence_parallel, "sequence parallelism (with --tp)");
   tr->add_option("--framework", ta.framework,
                  "analytic (papers) | pytorch (bench/train_mem.py, allocator included) | deepspeed | litgpt (LitGPT's finetune scripts) | "
-                 "torchtune (its single-device and FSDP recipes)");
+                 "torchtune (its single-device and FSDP recipes) | transformers (a Llama-family model, full or PEFT LoRA / DoRA, one GPU)");
   tr->add_flag("--compile", to.compile, "with --framework torchtune: compile=True (per-layer torch.compile)");
   tr->add_option("--ce-chunks", to.ce_chunks, "torchtune's CEWithChunkedOutputLoss chunks (0: CrossEntropyLoss); torchtune and analytic frameworks");
   tr->add_flag("--offload-activations", to.offload_activations, "with --framework torchtune: enable_activation_offloading=True");
@@ -221,6 +221,9 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
   tr->add_flag("--lora-fp32-inputs", to.lora_fp32_inputs,
                "PEFT's LoRA on a pure-bf16 base: adapters in fp32 (autocast_adapter_dtype), each adapted Linear's input kept as an "
                "fp32 copy");
+  tr->add_flag("--padded", to.padded,
+               "with --framework transformers: batches padded to their longest sequence (an attention mask: SDPA keeps its bias, K and V "
+               "repeated to the query heads)");
   tr->add_flag("--dora", to.dora,
                "PEFT's DoRA (use_dora): a magnitude per output feature, and each adapted Linear's base and LoRA outputs kept");
   tr->add_option("--torch-version", to.torch_version,

@@ -112,12 +112,24 @@ def litgpt_version(case: dict) -> str:
     return "2023" if "8641822" in case["notes"] + case["source"].get("where", "") else "2024"
 
 
+def transformers_framework(case: dict) -> bool:
+    """PEFT / transformers runs that --framework transformers models: a Llama-family model on one GPU
+    in pure bf16 or fp32, fully or with LoRA / DoRA, no sharding, no QLoRA (the PEFT method
+    comparison's rows, run on transformers 5.13.1)."""
+    r = case["recipe"]
+    return (r.get("framework") == "peft" and case["model"]["arch"] in ("llama", "mistral", "qwen2") and (r.get("gpus") or 1) == 1
+            and r["sharding"] == "none" and not r.get("qlora") and r["precision"] in ("pure-bf16", "fp32")
+            and r.get("transformers_version", "").startswith("5."))
+
+
 def framework_flags(case: dict) -> list[str]:
     """--framework and its recipe flags: LitGPT's block recipe, torchtune's levers; none for the analytic formula."""
     r = case["recipe"]
     if r.get("framework") == "litgpt" and case["model"]["arch"] in LITGPT_BLOCKS and r["precision"] != "bf16-mixed":
         out = ["--framework", "litgpt", "--block", LITGPT_BLOCKS[case["model"]["arch"]], "--litgpt-version", litgpt_version(case)]
         return out + (["--lora-dropout", str(r["lora"].get("dropout", 0.05))] if r.get("lora") else [])
+    if transformers_framework(case):
+        return ["--framework", "transformers"] + (["--padded"] if r.get("padded") else [])
     if r.get("framework") == "torchtune" and "compile" in r:
         out = ["--framework", "torchtune", "--ce-chunks", str(r.get("ce_chunks") or 0)]
         out += ["--compile"] if r["compile"] else []
@@ -134,10 +146,12 @@ def adapter_flags(case: dict) -> list[str]:
     if lora:
         targets = sorted({t for name in lora.get("targets") or ["q", "v"] for t in TARGETS[name].split(",")})
         out += ["--lora-rank", str(lora["rank"]), "--lora-targets", ",".join(targets)]
-        if r.get("framework") == "peft" and r["precision"] == "pure-bf16" and not r.get("qlora"):
+        if transformers_framework(case):  # PEFT's LoRA tensor by tensor: its dropout (LoraConfig's default 0) matters
+            out += ["--lora-dropout", str(lora.get("dropout") or 0)]
+        elif r.get("framework") == "peft" and r["precision"] == "pure-bf16" and not r.get("qlora"):
             out.append("--lora-fp32-inputs")  # PEFT's fp32 adapters on a bf16 base (autocast_adapter_dtype)
         if lora.get("dora"):  # PEFT's use_dora; its dropout decides what the base output is computed from
-            out += ["--dora", "--lora-dropout", str(lora.get("dropout") or 0)]
+            out += ["--dora"] + ([] if transformers_framework(case) else ["--lora-dropout", str(lora.get("dropout") or 0)])
     if r["precision"] == "nf4" or r.get("qlora"):
         out.append("--qlora")
         if r.get("qlora") and r["qlora"].get("double_quant") is False:
