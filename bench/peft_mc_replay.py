@@ -3,12 +3,15 @@
 commit its July-2026 Llama-3.2-3B results name) replayed without a GPU: the real transformers
 5.13.1 / PEFT code runs the run's training steps on meta tensors while bench/torch_replay.py
 records every storage and feeds the sequence to its model of PyTorch's CUDA caching allocator.
-A lab for issue 23's `peft-mc-*` cases (LoRA, DoRA, LoRA-FA, full fine-tuning), not a test.
+A lab for issue 23's `peft-mc-*` cases (LoRA, DoRA, LoRA-FA, full fine-tuning) and the reference
+that `llmq-mem train --framework transformers` is checked against (tests/test_mem.cpp), not a test.
 Needs a venv with torch, transformers 5.13.1, accelerate and PEFT built from d787f51bb:
 
     pip install torch "transformers==5.13.1" "accelerate==1.12.0"
     git -C PEFT archive d787f51bb | tar -x -C peft_src && pip install --no-deps ./peft_src
-    python bench/peft_mc_replay.py --method dora [--r 32] [--targets q_proj,v_proj] [--steps 3]
+    python bench/peft_mc_replay.py --method dora [--r 32] [--targets q_proj,v_proj] [--dropout 0.1] [--steps 3]
+        [--no-mask] [--gc] [--vocab 8000] [--fp32]   # lab knobs beyond the run: no padding, checkpointing,
+                                                     # a small vocabulary, an fp32 model
 
 What runs as it ran (run.py / utils.py): Llama-3.2-3B in bf16, get_peft_model with
 autocast_adapter_dtype=True (adapters in fp32), no gradient checkpointing, batch 4 right-padded
