@@ -893,6 +893,7 @@ void check_training_options(const ModelShape& m, const TrainOptions& o) {
     throw UsageError("micro-batch, sequence length, gradient accumulation and parallel degrees must be >= 1");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero must be 0, 1, 2 or 3");
   if (o.qlora && o.lora_rank <= 0) throw UsageError("--qlora needs --lora-rank > 0");
+  if (!(o.lora_dropout >= 0 && o.lora_dropout < 1)) throw UsageError("--lora-dropout must be in [0, 1)");
   if (o.dora && (o.lora_rank <= 0 || (o.framework != Framework::Analytic && o.framework != Framework::Transformers)))
     throw UsageError("--dora models PEFT's DoRA (use_dora): it needs --lora-rank and the analytic or transformers framework");
   if (o.padded && o.framework != Framework::Transformers) throw UsageError("--padded describes transformers' attention: add --framework transformers");

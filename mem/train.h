@@ -244,8 +244,9 @@ MemReport litgpt_estimate(const ModelShape& m, const TrainOptions& o);
 
 /// A transformers Llama-family model trained on one GPU (Framework::Transformers), fully or with
 /// PEFT's LoRA / DoRA: what torch.cuda.max_memory_allocated() reports, the largest of the loss's
-/// backward, a checkpointed layer's recomputation and the optimizer step. Throws UsageError for
-/// what it does not model (parallelism, offload, QLoRA, mixed precision, other blocks).
+/// backward, the last layer's backward (recomputed under checkpointing), DoRA's weight norm in a
+/// forward and the optimizer step. Throws UsageError for what it does not model (parallelism,
+/// offload, QLoRA, mixed precision, other blocks, optimizers other than AdamW and SGD).
 MemReport transformers_estimate(const ModelShape& m, const TrainOptions& o);
 
 /// What PEFT's DoRA keeps per layer beyond LoRA (TrainOptions::dora), bytes on one GPU: for every

@@ -99,6 +99,8 @@ struct TrainCli {
                           framework = "analytic", targets = "q,k,v,o", fsdp, gpu_mem, svg;
   TrainOptions to;
   double context_mib = -1;  // --cuda-context (< 0: not given)
+  double lora_dropout = 0.05;
+  const CLI::Option* lora_dropout_opt = nullptr;  // given or not: the framework's default when not
   bool no_flash = false, no_dq = false, rule = false, json = false;
 };
 
@@ -113,6 +115,10 @@ int run_train(TrainCli& a) {
   to.flash_attention = !a.no_flash;
   to.double_quant = !a.no_dq;
   to.lora_targets = split_commas(a.targets);
+  // PEFT's LoraConfig defaults to no dropout (--framework transformers, --dora), LitGPT to 0.05
+  // (TrainOptions' default).
+  if (a.lora_dropout_opt != nullptr && a.lora_dropout_opt->count() > 0) to.lora_dropout = a.lora_dropout;
+  else if (to.framework == Framework::Transformers || to.dora) to.lora_dropout = 0;
   if (a.context_mib >= 0) {
     if (!(a.context_mib <= 1 << 20)) throw UsageError("--cuda-context must be a number of MiB up to 1048576");
     to.cuda_context_bytes = a.context_mib * (1 << 20), to.cuda_context_given = true;
@@ -217,7 +223,8 @@ void add_train_command(CLI::App& app, TrainCli& ta) {
   tr->add_flag("--paged-optimizer", to.paged_optimizer, "bitsandbytes paged optimizer: states in CUDA managed memory, outside torch's count");
   tr->add_option("--block", to.block, "with --framework litgpt: the block recipe: llama, gemma, gemma2, phi3, mistral, qwen2, gpt-neox, phi, falcon");
   tr->add_option("--litgpt-version", to.litgpt_version, "with --framework litgpt: 2023 (lit-gpt 8641822) or 2024 (litgpt 00af8b0d)");
-  tr->add_option("--lora-dropout", to.lora_dropout, "LoRA dropout probability (LitGPT's default 0.05)");
+  ta.lora_dropout_opt = tr->add_option("--lora-dropout", ta.lora_dropout,
+                 "LoRA dropout probability in [0, 1) (default: LitGPT's 0.05; with --framework transformers or --dora PEFT's 0)");
   tr->add_flag("--lora-fp32-inputs", to.lora_fp32_inputs,
                "PEFT's LoRA on a pure-bf16 base: adapters in fp32 (autocast_adapter_dtype), each adapted Linear's input kept as an "
                "fp32 copy");
