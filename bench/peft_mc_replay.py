@@ -10,8 +10,9 @@ Needs a venv with torch, transformers 5.13.1, accelerate and PEFT built from d78
     pip install torch "transformers==5.13.1" "accelerate==1.12.0"
     git -C PEFT archive d787f51bb | tar -x -C peft_src && pip install --no-deps ./peft_src
     python bench/peft_mc_replay.py --method dora [--r 32] [--targets q_proj,v_proj] [--dropout 0.1] [--steps 3]
-        [--no-mask] [--gc] [--vocab 8000] [--fp32]   # lab knobs beyond the run: no padding, checkpointing,
-                                                     # a small vocabulary, an fp32 model
+        [--no-mask] [--gc] [--vocab 8000] [--fp32] [--kv 24] [--untied] [--sgd] [--grad-accum 2] [-b 1] [-s 128]
+        # lab knobs beyond the run: no padding, checkpointing, a small vocabulary, an fp32 model,
+        # MHA, an untied lm_head, SGD, gradient accumulation
 
 What runs as it ran (run.py / utils.py): Llama-3.2-3B in bf16, get_peft_model with
 autocast_adapter_dtype=True (adapters in fp32), no gradient checkpointing, batch 4 right-padded
@@ -86,7 +87,8 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, en
 def skeleton(a):
     """Llama-3.2-3B in bf16 on meta tensors, made outside the trace (the run loads it in bf16);
     --vocab replaces its vocabulary (a lab knob: where the peak moves when the logits are small)."""
-    config = dict(LLAMA32_3B, vocab_size=a.vocab or LLAMA32_3B["vocab_size"])
+    config = dict(LLAMA32_3B, vocab_size=a.vocab or LLAMA32_3B["vocab_size"], num_key_value_heads=a.kv or 8,
+                  tie_word_embeddings=not a.untied)
     dtype = torch.float32 if a.fp32 else torch.bfloat16
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**config, use_cache=False, dtype=dtype)).to(dtype)
@@ -113,6 +115,8 @@ def make_optimizer(a, model):
         from peft.optimizers import create_lorafa_optimizer
         return create_lorafa_optimizer(model, r=a.r, lora_alpha=2 * a.r, lr=1e-4, weight_decay=0.1)
     params = [p for p in model.parameters() if p.requires_grad]
+    if a.sgd:
+        return torch.optim.SGD(params, lr=1e-4, foreach=True)
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=True)
 
 
@@ -143,10 +147,11 @@ def run(a, model):
     outputs = None
     for _ in range(a.steps):
         opt.zero_grad()
-        ids, mask = batch(a)
-        labels = ids.clone()
-        outputs = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=a.b * a.s - 1)
-        outputs.loss.backward()
+        for _ in range(a.grad_accum):
+            ids, mask = batch(a)
+            labels = ids.clone()
+            outputs = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=a.b * a.s - 1)
+            outputs.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     return model, opt, outputs
@@ -165,6 +170,10 @@ def main():
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing (the run's use_gc)")
     ap.add_argument("--vocab", type=int, default=0, help="another vocabulary size (0: Llama-3.2-3B's 128256)")
     ap.add_argument("--fp32", action="store_true", help="the model in fp32 (the run: bf16)")
+    ap.add_argument("--kv", type=int, default=0, help="another KV head count (0: 8; 24 is MHA)")
+    ap.add_argument("--untied", action="store_true", help="lm_head apart from the embedding")
+    ap.add_argument("--sgd", action="store_true", help="torch SGD instead of AdamW")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     a = ap.parse_args()
     F.scaled_dot_product_attention = sdpa
     torch.nn.functional.scaled_dot_product_attention = sdpa

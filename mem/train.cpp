@@ -335,15 +335,19 @@ DoraKept dora_kept(const TrainOptions& o) {
 
 }  // namespace
 
-// The two products with the magnitude's scale keep, for every adapted Linear, its base output and
-// its LoRA output (s·b·out each), and with dropout F.linear keeps the weight copy of dora_kept.
-double dora_layer_bytes(const ModelShape& m, const TrainOptions& o) {
+// The two products with the magnitude's scale keep the Linear's base output and its LoRA output
+// (tokens·out each), and with dropout F.linear keeps the weight copy of dora_kept when its input
+// needs a gradient.
+double dora_linear_bytes(const TrainOptions& o, double in, double out, double tokens, bool input_grad) {
   const DoraKept k = dora_kept(o);
-  const double sb = double(o.seq_len) * double(o.micro_batch);
+  return tokens * out * (k.base + k.lora) + (k.weight_copy && input_grad ? k.lora * out * in : 0);
+}
+
+double dora_layer_bytes(const ModelShape& m, const TrainOptions& o) {
   double bytes = 0;
   for (const auto& name : lora_layer_targets(o)) {
     const LoraDims d = lora_target_dims(m, name);
-    bytes += sb * d.out * (k.base + k.lora) + (k.weight_copy ? k.lora * d.out * d.in : 0);
+    bytes += dora_linear_bytes(o, d.in, d.out, double(o.seq_len) * double(o.micro_batch));
   }
   return bytes / o.tp;
 }

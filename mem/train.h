@@ -254,6 +254,11 @@ MemReport transformers_estimate(const ModelShape& m, const TrainOptions& o);
 /// its weight when that is a cast or a dequantized NF4 matrix (PEFT d787f51bb dora.py).
 double dora_layer_bytes(const ModelShape& m, const TrainOptions& o);
 
+/// What PEFT's DoRA keeps for one adapted Linear [out, in] over `tokens` tokens (bytes): its base
+/// and LoRA outputs, and with dropout the weight's copy, which F.linear keeps only when its input
+/// needs a gradient (`input_grad`).
+double dora_linear_bytes(const TrainOptions& o, double in, double out, double tokens, bool input_grad = true);
+
 /// torchtune's single-device fine-tuning (Framework::TorchTune): the active / allocated peak of one
 /// step, the larger of the loss's backward and the backward's end. Throws UsageError for what the
 /// recipes do not do (data or model parallelism, mixed precision, other optimizers).

@@ -86,73 +86,88 @@ double lora_kept(const HfSizes& z, const TrainOptions& o, double adapted, double
   return (z.e == 4 ? 4 * z.T * in : adapted * 4 * z.T * in) + a_out;  // fp32 base: the input itself, shared
 }
 
-// DoRA with dropout on a 16-bit base keeps an fp32 copy of each adapted weight (dora_layer_bytes),
-// but only where F.linear's input needs a gradient: the copies layer 0 does not keep (bytes).
-double dora_copies_not_kept(const TrainOptions& o, const HfSizes& z, bool qkv_grad, bool o_grad, bool mlp_in_grad,
-                            bool down_grad) {
-  if (!o.dora || o.lora_dropout <= 0 || z.e == 4) return 0;
-  const double h = z.h, q = z.q, kv = z.kv, F = z.F;
-  double w = 0;
-  if (!qkv_grad) w += lora_targets_include(o, "q") * q * h + (lora_targets_include(o, "k") + lora_targets_include(o, "v")) * kv * h;
-  if (!o_grad) w += lora_targets_include(o, "o") * h * q;
-  if (!mlp_in_grad) w += (lora_targets_include(o, "gate") + lora_targets_include(o, "up")) * F * h;
-  if (!down_grad) w += lora_targets_include(o, "down") * h * F;
-  return 4 * w;
-}
+// A decoder layer's pieces in the order its forward runs them (its backward runs them backwards).
+enum Part { kNorm1, kQkv, kAttn, kO, kNorm2, kGateUp, kSwiGLU, kDown, kParts };
 
-// DoRA's weight norm, computed in each adapted Linear's forward (dora.py get_lora_weight,
-// get_weight_norm): an fp32 identity [in, in] run through the adapters (kept by lora_A's graph),
-// their product [out, in], its scaled copy and the sum with the weight (fp32 each), and on a
-// 16-bit base without dropout the weight's fp32 cast: the largest over the adapted Linears
-// (bytes), and whether that Linear is down (the layer's last).
-struct DoraNorm {
-  double bytes = 0, in = 0, out = 0;
-  std::string target;
+// The Linears, each with its piece, input and output widths.
+struct HfLinear {
+  const char* target;
+  Part part;
+  double in, out;
 };
-DoraNorm dora_norm_transient(const TrainOptions& o, const HfSizes& z) {
-  DoraNorm d;
-  if (!o.dora) return d;
-  const double copies = 3 + (z.e == 2 && o.lora_dropout <= 0 ? 1 : 0);
-  const struct {
-    const char* t;
-    double in, out;
-  } linears[] = {{"q", z.h, z.q}, {"k", z.h, z.kv}, {"v", z.h, z.kv}, {"o", z.q, z.h}, {"gate", z.h, z.F}, {"up", z.h, z.F}, {"down", z.F, z.h}};
-  for (const auto& l : linears) {
-    const double b = 4 * l.in * l.in + copies * 4 * l.out * l.in;
-    if (lora_targets_include(o, l.t) && b >= d.bytes) d = {b, l.in, l.out, l.t};
-  }
-  return d;
+std::vector<HfLinear> hf_linears(const HfSizes& z) {
+  return {{"q", kQkv, z.h, z.q},      {"k", kQkv, z.h, z.kv},       {"v", kQkv, z.h, z.kv},  {"o", kO, z.q, z.h},
+          {"gate", kGateUp, z.h, z.F}, {"up", kGateUp, z.h, z.F}, {"down", kDown, z.F, z.h}};
 }
 
+// What one decoder layer keeps, piece by piece (bytes).
 struct LayerKept {
-  double bytes = 0;
+  double part[kParts] = {};
   std::string formula;
+  double bytes() const {
+    double b = 0;
+    for (double p : part) b += p;
+    return b;
+  }
+  double before(Part p) const {  // the pieces the forward ran before p
+    double b = 0;
+    for (int i = 0; i < p; ++i) b += part[i];
+    return b;
+  }
 };
 
-// One decoder layer's saved tensors (bytes). `x_grad`: whether the layer's input needs a gradient
-// (layer 0's does not under LoRA without checkpointing; then only what follows an adapted Linear
-// keeps anything: attention from an adapted q, k or v on, the MLP from an adapted attention
-// Linear or gate or up on, and every LoRA branch).
-LayerKept layer_kept(const ModelShape& m, const TrainOptions& o, const HfSizes& z, bool x_grad) {
+// Which of a layer's inputs need a gradient. `x_grad`: the layer's own (layer 0's does not under
+// LoRA without checkpointing; then only what follows an adapted Linear keeps anything).
+struct LayerGrads {
+  bool x = true, attn = true, mlp_in = true, mlp = true;
+};
+LayerGrads layer_grads(const TrainOptions& o, bool x_grad) {
+  const bool qkv = lora_targets_include(o, "q") || lora_targets_include(o, "k") || lora_targets_include(o, "v");
+  LayerGrads g;
+  g.x = x_grad, g.attn = x_grad || qkv, g.mlp_in = g.attn || lora_targets_include(o, "o");
+  g.mlp = g.mlp_in || lora_targets_include(o, "gate") || lora_targets_include(o, "up");
+  return g;
+}
+
+// SwiGLU's saved tensors, act(gate(x)) * up(x): SiLU keeps gate's output, the product keeps each
+// factor for the other's gradient. When x needs no gradient (layer 0 under LoRA) only an adapted
+// gate or up makes one: gate alone keeps its output and up's, up alone the SiLU output.
+double swiglu_kept(const TrainOptions& o, const HfSizes& z, const LayerGrads& g) {
+  const bool gate = lora_targets_include(o, "gate"), up = lora_targets_include(o, "up");
+  const double n = g.mlp_in || (gate && up) ? 3 : gate ? 2 : up ? 1 : 0;
+  return n * z.e * z.T * z.F;
+}
+
+// One decoder layer's saved tensors.
+LayerKept layer_kept(const TrainOptions& o, const HfSizes& z, bool x_grad) {
   const double e = z.e, T = z.T;
-  const double n_qkv = lora_targets_include(o, "q") + lora_targets_include(o, "k") + lora_targets_include(o, "v");
-  const double n_o = lora_targets_include(o, "o"), n_mlp = lora_targets_include(o, "gate") + lora_targets_include(o, "up");
-  const bool attn_grad = x_grad || n_qkv > 0, mlp_in_grad = attn_grad || n_o > 0, mlp_grad = mlp_in_grad || n_mlp > 0;
-  const double norms = (x_grad ? norm_kept(z) : 0) + (mlp_in_grad ? norm_kept(z) : 0);
-  const double inputs = z.lora ? lora_kept(z, o, n_qkv, z.h, x_grad) + lora_kept(z, o, n_o, z.q, attn_grad) +
-                                     lora_kept(z, o, n_mlp, z.h, mlp_in_grad) + lora_kept(z, o, lora_targets_include(o, "down"), z.F, mlp_grad)
-                               : e * T * (2 * z.h + z.q + z.F);  // q/k/v's, o's, gate/up's and down's inputs
-  const double kv = z.padded ? 2 * e * T * z.q : 2 * e * T * z.kv;
-  const double lse = 4 * z.b * z.heads * (z.padded ? std::ceil(z.s / 32) * 32 : z.s);  // the padded batch runs the memory-efficient kernel
-  const double attn = attn_grad ? 2 * e * T * z.q + kv + lse + (z.padded ? e * z.b * z.s * z.s : 0) : 0;
-  const double mlp = mlp_grad ? 3 * e * T * z.F : 0;
-  const double dora = o.dora ? dora_layer_bytes(m, o) - dora_copies_not_kept(o, z, x_grad, attn_grad, mlp_in_grad, mlp_grad) : 0;
+  const LayerGrads g = layer_grads(o, x_grad);
+  const bool in_grad[kParts] = {g.x, g.x, g.attn, g.attn, g.mlp_in, g.mlp_in, g.mlp, g.mlp};
   LayerKept k;
-  k.bytes = norms + inputs + attn + mlp + dora;
-  k.formula = fmt::format("norms {} + {} {} + attention {} ({}) + SwiGLU 3·e·T·F {}{}; T={} e={}", format_bytes(norms),
-                          z.lora ? "LoRA branches" : "Linear inputs", format_bytes(inputs), format_bytes(attn),
-                          z.padded ? "q, k and v repeated to the query heads, out, lse, mask bias" : "q, k, v, out, lse", format_bytes(mlp),
-                          dora > 0 ? fmt::format(" + DoRA outputs {}", format_bytes(dora)) : "", T, e);
+  k.part[kNorm1] = g.x ? norm_kept(z) : 0;
+  k.part[kNorm2] = g.mlp_in ? norm_kept(z) : 0;
+  const double kv = z.padded ? 2 * e * T * z.q : 2 * e * T * z.kv;
+  // The padded batch (and fp32) runs the memory-efficient kernel, whose log-sum-exp is padded to 32.
+  const double lse = 4 * z.b * z.heads * (z.padded || e == 4 ? std::ceil(z.s / 32) * 32 : z.s);
+  k.part[kAttn] = g.attn ? 2 * e * T * z.q + kv + lse + (z.padded ? e * z.b * z.s * z.s : 0) : 0;
+  k.part[kSwiGLU] = swiglu_kept(o, z, g);
+  if (!z.lora) {  // every Linear trained: q, k and v share their input, gate and up theirs
+    k.part[kQkv] = e * T * z.h, k.part[kO] = e * T * z.q, k.part[kGateUp] = e * T * z.h, k.part[kDown] = e * T * z.F;
+  } else {
+    double adapted[kParts] = {}, width[kParts] = {};
+    for (const HfLinear& l : hf_linears(z)) {
+      if (!lora_targets_include(o, l.target)) continue;
+      adapted[l.part] += 1, width[l.part] = l.in;
+      if (o.dora) k.part[l.part] += dora_linear_bytes(o, l.in, l.out, T, in_grad[l.part]);
+    }
+    for (Part p : {kQkv, kO, kGateUp, kDown}) k.part[p] += lora_kept(z, o, adapted[p], width[p], in_grad[p]);
+  }
+  const double attn_in = k.part[kQkv], ffn = k.part[kGateUp] + k.part[kDown];
+  k.formula = fmt::format("norms {} + {} {} + attention {} ({}) + o {} + SwiGLU {} + {} {}; T={} e={}",
+                          format_bytes(k.part[kNorm1] + k.part[kNorm2]), z.lora ? (o.dora ? "q/k/v LoRA + DoRA" : "q/k/v LoRA") : "q/k/v input",
+                          format_bytes(attn_in), format_bytes(k.part[kAttn]),
+                          z.padded ? "q, k and v repeated to the query heads, out, lse, mask bias" : "q, k, v, out, lse",
+                          format_bytes(k.part[kO]), format_bytes(k.part[kSwiGLU]), z.lora ? "MLP LoRA" : "MLP inputs", format_bytes(ffn), T, e);
   return k;
 }
 
@@ -194,6 +209,10 @@ struct HfPhase {
 struct Layers {
   LayerKept inner, first;  // a layer; layer 0 (its input needs a gradient only for full fine-tuning or checkpointing)
   double L = 0;
+  double all() const { return (L - 1) * inner.bytes() + first.bytes(); }
+  // Under checkpointing in fp32 the recomputed layer's first norm keeps its input, which is the
+  // checkpoint itself (`.to(torch.float32)` returns it): not a second copy.
+  double recomputed(const HfSizes& z) const { return inner.bytes() - (z.ckpt && z.e == 4 ? 4 * z.T * z.h : 0); }
 };
 
 MemLine checkpoints_line(const ModelShape& m, const HfSizes& z) {
@@ -201,17 +220,18 @@ MemLine checkpoints_line(const ModelShape& m, const HfSizes& z) {
           Place::Device, Basis::Formula};
 }
 
-MemLine layers_line(const Layers& y) {
-  return {"activations (decoder layers)", (y.L - 1) * y.inner.bytes + y.first.bytes,
+MemLine layers_line(const Layers& y, double minus, const char* what) {
+  return {fmt::format("activations (decoder layers{})", what), y.all() - minus,
           fmt::format("{} layers x ({}){}", y.L, y.inner.formula,
-                      y.first.bytes < y.inner.bytes ? fmt::format("; layer 0 {}: its input needs no gradient", format_bytes(y.first.bytes)) : ""),
+                      y.first.bytes() < y.inner.bytes() ? fmt::format("; layer 0 {}: its input needs no gradient", format_bytes(y.first.bytes()))
+                                                        : ""),
           kHf, Place::Device, Basis::Formula};
 }
 
 // The loss's backward: every layer's saved tensors (or the checkpoints), the head's.
 HfPhase loss_phase(const ModelShape& m, const TrainOptions& o, const HfSizes& z, const Layers& y) {
   HfPhase ph{"the loss's backward", state_lines(o, z)};
-  ph.lines.push_back(z.ckpt ? checkpoints_line(m, z) : layers_line(y));
+  ph.lines.push_back(z.ckpt ? checkpoints_line(m, z) : layers_line(y, 0, ""));
   ph.lines.push_back({"activations (head: final norm, logits) + the loss's backward", head_kept(z),
                       fmt::format("final norm{} + e·T·V logits + 3 x 4·T·V (log-softmax's fp32 output and the two gradients), V = {}",
                                   z.lora ? "" : " + lm_head input", m.vocab),
@@ -219,63 +239,97 @@ HfPhase loss_phase(const ModelShape& m, const TrainOptions& o, const HfSizes& z,
   return ph;
 }
 
-// The last layer's backward (recomputed first under checkpointing): the loss's tensors are gone,
-// the output still holds the logits, and SwiGLU's backward makes the gradients of the product and
-// of its two factors (3·e·T·F) beside the hidden states' (e·T·h); a trained lm_head's gradient
-// (e·V·h) exists by then.
+// The last layer's backward at SwiGLU (recomputed first under checkpointing): the loss's tensors
+// and down's saved ones are gone, the output still holds the logits, SwiGLU's backward makes the
+// gradients of the product and of its two factors (3·e·T·F) beside the hidden states' (e·T·h),
+// and lm_head's gradient (e·V·h) exists: as .grad, or for a tied one in autograd's buffer until the
+// embedding's backward.
 HfPhase last_layer_phase(const ModelShape& m, const TrainOptions& o, const HfSizes& z, const Layers& y) {
   HfPhase ph{z.ckpt ? "the last layer recomputed in its backward" : "the last layer's backward", state_lines(o, z)};
+  const double down = y.inner.part[kDown];
   if (z.ckpt) {
     ph.lines.push_back(checkpoints_line(m, z));
-    ph.lines.push_back({"activations (one layer recomputed)", y.inner.bytes, y.inner.formula, kHf, Place::Device, Basis::Formula});
+    ph.lines.push_back({"activations (one layer recomputed, less down's)", y.recomputed(z) - down, y.inner.formula, kHf, Place::Device,
+                        Basis::Formula});
   } else {
-    ph.lines.push_back(layers_line(y));
+    ph.lines.push_back(layers_line(y, down, ", the last one's down freed"));
   }
+  const bool head_grad = !z.lora && (m.tied || o.grad_accum == 1);  // accumulated untied: in .grad already
   ph.lines.push_back({"temporary: the layer's backward (SwiGLU's gradients, the hidden states'), logits kept by the output",
-                      3 * z.e * z.T * z.F + z.e * z.T * z.h + z.e * z.T * z.V + (z.lora ? 0 : z.e * z.V * z.h),
-                      fmt::format("3·e·T·F + e·T·h + e·T·V{}", z.lora ? "" : " + lm_head's gradient e·V·h"), kHf, Place::Device, Basis::Formula});
+                      3 * z.e * z.T * z.F + z.e * z.T * z.h + z.e * z.T * z.V + (head_grad ? z.e * z.V * z.h : 0),
+                      fmt::format("3·e·T·F + e·T·h + e·T·V{}", head_grad ? " + lm_head's gradient e·V·h" : ""), kHf, Place::Device,
+                      Basis::Formula});
   return ph;
 }
 
-// The forward's locals while DoRA's weight norm is computed: the residual stream (the embedding's
-// output and the layer's input; past attention its residual too; under checkpointing the
-// checkpoint is the layer's input), the norm's output (q, k, v, gate and up read it), o's or
-// down's own input, the input's fp32 cast on a 16-bit base, the base output, and the previous
-// step's logits (the output object is rebound only when the forward returns).
-MemLine dora_locals_line(const HfSizes& z, const DoraNorm& dn) {
-  const bool mlp = dn.target == "gate" || dn.target == "up" || dn.target == "down";
-  const bool own_input = dn.target == "o" || dn.target == "down";
-  const double residual = (z.ckpt ? 0 : 2) + (mlp ? 1 : 0);
-  const double locals = (residual + 1) * z.e * z.T * z.h + (own_input ? z.e * z.T * dn.in : 0) + (z.e == 2 ? 4 * z.T * dn.in : 0) +
-                        z.e * z.T * dn.out + (z.ckpt ? 0 : z.e * z.T * z.V);
+// The forward's locals while DoRA's weight norm runs in Linear `l`: the residual stream (the
+// embedding's output and the layer's input, past attention its residual too; in fp32 the norms
+// keep these, under checkpointing the checkpoints are them), the norm's output and o's or down's
+// own input (in fp32 without dropout lora_A keeps them), the input's fp32 cast when dropout's output
+// is what lora_A keeps, the base output, and the previous step's logits (the output object is
+// rebound only when the forward returns).
+MemLine dora_locals_line(const TrainOptions& o, const HfSizes& z, const HfLinear& l) {
+  const bool mlp = l.part >= kGateUp, own_input = l.part == kO || l.part == kDown, f32 = z.e == 4, drop = o.lora_dropout > 0;
+  const double eth = z.e * z.T * z.h;
+  const double residual = (z.ckpt ? 0 : eth) + (f32 ? 0 : (z.ckpt ? 0 : eth) + (mlp ? eth : 0));
+  const double read = (f32 && !drop ? 0 : eth) + (own_input && !(f32 && !drop) ? z.e * z.T * l.in : 0);
+  const double locals = residual + read + (!f32 && drop ? 4 * z.T * l.in : 0) + z.e * z.T * l.out + (z.ckpt ? 0 : z.e * z.T * z.V);
   return {"temporary: the forward's locals", locals,
-          fmt::format("{}·e·T·h (residual stream, norm output){}{} + e·T·out (base output){}", residual + 1,
-                      own_input ? " + e·T·in (the Linear's input)" : "", z.e == 2 ? " + 4·T·in (its fp32 cast)" : "",
-                      z.ckpt ? "" : " + e·T·V (the previous logits)"),
+          fmt::format("residual stream {} + norm output / input {} + base output e·T·out{}{}", format_bytes(residual), format_bytes(read),
+                      !f32 && drop ? " + the input's fp32 cast 4·T·in" : "", z.ckpt ? "" : " + e·T·V (the previous logits)"),
           kHf, Place::Device, Basis::Formula};
 }
 
-// DoRA: the last layer's widest adapted Linear computing its weight norm in its forward (under
-// checkpointing, in its recomputation, with the checkpoints, the logits the output keeps and the
-// layer output's gradient). Down's own DoRA outputs are not kept yet then.
-HfPhase dora_norm_phase(const ModelShape& m, const TrainOptions& o, const HfSizes& z, const Layers& y, const DoraNorm& dn) {
-  HfPhase ph{z.ckpt ? "DoRA's weight norm in the last layer's recomputation" : "DoRA's weight norm in the last layer's forward", state_lines(o, z)};
-  const double down_out = dn.target == "down" ? z.T * z.h * (o.lora_dropout > 0 ? 8 : 2 + 4) : 0;
+// DoRA's weight norm in Linear `l` of the last layer (dora.py get_lora_weight, get_weight_norm):
+// an fp32 identity [in, in] through the adapters (kept by lora_A's graph), their product
+// [out, in], its scaled copy and the sum with the weight (fp32 each), and on a 16-bit base the
+// weight's fp32 cast; beside every earlier layer (or the checkpoints, the logits and
+// the layer output's gradient) and the last layer up to `l`'s own LoRA branch.
+HfPhase dora_norm_phase(const ModelShape& m, const TrainOptions& o, const HfSizes& z, const Layers& y, const HfLinear& l) {
+  HfPhase ph{fmt::format("DoRA's weight norm in the last layer's {} ({})", z.ckpt ? "recomputation" : "forward", l.target), state_lines(o, z)};
+  const double upto = y.inner.before(l.part) + lora_kept(z, o, 1, l.in, true);
   if (z.ckpt) {
     ph.lines.push_back(checkpoints_line(m, z));
     ph.lines.push_back({"activations (the layer recomputed up to that Linear), logits kept by the output, the layer output's gradient",
-                        y.inner.bytes - down_out + z.e * z.T * z.V + z.e * z.T * z.h, "one layer + e·T·V + e·T·h", kHf, Place::Device,
-                        Basis::Formula});
+                        upto - (z.e == 4 && l.part > kNorm1 ? 4 * z.T * z.h : 0) + z.e * z.T * z.V + z.e * z.T * z.h,
+                        "the layer's pieces before it + e·T·V + e·T·h", kHf, Place::Device, Basis::Formula});
   } else {
-    ph.lines.push_back({"activations (decoder layers, the last one up to that Linear)", (y.L - 1) * y.inner.bytes + y.first.bytes - down_out,
-                        std::string("as at the loss's backward") + (down_out > 0 ? ", less down's DoRA outputs" : ""), kHf, Place::Device,
-                        Basis::Formula});
+    ph.lines.push_back({"activations (every earlier layer, the last one up to that Linear)", y.all() - y.inner.bytes() + upto,
+                        "the layers as at the loss's backward, the last one's pieces before it", kHf, Place::Device, Basis::Formula});
   }
-  ph.lines.push_back(dora_locals_line(z, dn));
-  ph.lines.push_back({"temporary: DoRA's weight norm", dn.bytes,
-                      "4·in² (the fp32 identity through the adapters) + 4·out·in x (B·A, its scaled copy, the sum with W, and W's fp32 "
-                      "cast on a 16-bit base without dropout)",
+  ph.lines.push_back(dora_locals_line(o, z, l));
+  const double copies = 3 + (z.e == 2 ? 1 : 0);  // W's fp32 cast is made before the norm (kept with dropout, after it)
+  ph.lines.push_back({"temporary: DoRA's weight norm", 4 * l.in * l.in + copies * 4 * l.out * l.in,
+                      fmt::format("4·in² (the fp32 identity through the adapters) + {} x 4·out·in (B·A, its scaled copy, the sum with W{})",
+                                  copies, copies > 3 ? ", W's fp32 cast" : ""),
                       kDoraHf, Place::Device, Basis::Formula});
+  return ph;
+}
+
+// lm_head's backward under full fine-tuning: every layer's saved tensors and the final norm's, the
+// logits and their gradient, lm_head's new weight gradient (e·V·h: the .grad, or beside the .grad
+// of earlier micro-batches before it is added, or for a tied one waiting in autograd's buffer) and
+// the hidden states' gradient.
+HfPhase head_backward_phase(const ModelShape& m, const TrainOptions& o, const HfSizes& z, const Layers& y) {
+  HfPhase ph{"lm_head's backward", state_lines(o, z)};
+  ph.lines.push_back(z.ckpt ? checkpoints_line(m, z) : layers_line(y, 0, ""));
+  ph.lines.push_back({"activations (final norm, lm_head input), logits and their gradient, lm_head's and the hidden states' gradients",
+                      norm_kept(z) + z.e * z.T * z.h + 2 * z.e * z.T * z.V + z.e * z.V * z.h + z.e * z.T * z.h,
+                      "final norm + e·T·h + 2·e·T·V + e·V·h + e·T·h", kHf, Place::Device, Basis::Formula});
+  return ph;
+}
+
+// The backward's end under full fine-tuning: every gradient, and a tied lm_head's, which waits in
+// autograd's buffer for the embedding's, then their sum (2·e·V·h beyond the gradients; 3 when the
+// .grad of earlier micro-batches is there too).
+HfPhase backward_end_phase(const ModelShape& m, const TrainOptions& o, const HfSizes& z) {
+  HfPhase ph{"the backward's end", state_lines(o, z)};
+  if (o.grad_accum == 1)
+    ph.lines.push_back({"gradients", z.state * z.trainable, fmt::format("{} B x {}", z.state, num_str(z.trainable)), kHf, Place::Device,
+                        Basis::Formula});
+  const double tied = m.tied ? (o.grad_accum > 1 ? 3 : 2) * z.e * z.V * z.h : 0;
+  ph.lines.push_back({"temporary: the tied embedding's gradients, logits kept by the output", tied + z.e * z.T * z.V,
+                      m.tied ? fmt::format("{} x e·V·h + e·T·V", o.grad_accum > 1 ? 3 : 2) : "e·T·V", kHf, Place::Device, Basis::Formula});
   return ph;
 }
 
@@ -293,9 +347,15 @@ HfPhase step_phase(const TrainOptions& o, const HfSizes& z) {
 }
 
 std::vector<HfPhase> hf_phases(const ModelShape& m, const TrainOptions& o, const HfSizes& z) {
-  const Layers y{layer_kept(m, o, z, true), layer_kept(m, o, z, !z.lora || z.ckpt), double(m.layers)};  // checkpointing: enable_input_require_grads
+  const Layers y{layer_kept(o, z, true), layer_kept(o, z, !z.lora || z.ckpt), double(m.layers)};  // checkpointing: enable_input_require_grads
   std::vector<HfPhase> ph = {loss_phase(m, o, z, y), last_layer_phase(m, o, z, y), step_phase(o, z)};
-  if (const DoraNorm dn = dora_norm_transient(o, z); dn.bytes > 0) ph.push_back(dora_norm_phase(m, o, z, y, dn));
+  if (!z.lora) {
+    ph.push_back(head_backward_phase(m, o, z, y));
+    ph.push_back(backward_end_phase(m, o, z));
+  }
+  if (o.dora)
+    for (const HfLinear& l : hf_linears(z))
+      if (lora_targets_include(o, l.target)) ph.push_back(dora_norm_phase(m, o, z, y, l));
   return ph;
 }
 
@@ -310,6 +370,14 @@ MemReport transformers_estimate(const ModelShape& m, const TrainOptions& o) {
     throw UsageError("--framework transformers models the Llama family's decoder layer (RMSNorm, SwiGLU, rotary attention)");
   if (o.optimizer != Optimizer::Adam && o.optimizer != Optimizer::SGD)
     throw UsageError("--framework transformers models torch's AdamW and SGD");
+  if (!o.flash_attention || m.head_dim > 256 || (o.precision == Precision::FP32 && !o.padded && m.kv_heads != m.heads))
+    throw UsageError("--framework transformers models SDPA's flash and memory-efficient kernels: not --no-flash, head_dim over 256, or "
+                     "fp32 GQA without a mask (SDPA's math kernel, which keeps the attention probabilities)");
+  if (o.lora_rank > 0)
+    for (const auto& t : o.lora_targets)
+      if (t != "all" && t != "q" && t != "k" && t != "v" && t != "o" && t != "gate" && t != "up" && t != "down")
+        throw UsageError("--framework transformers adapts the decoder layers' Linears (q, k, v, o, gate, up, down, all), not '" + t + "'");
+  if (o.lora_rank > 0 && o.lora_targets.empty()) throw UsageError("--lora-targets is empty");
   const HfSizes z = hf_sizes(m, o);
   const std::vector<HfPhase> phases = hf_phases(m, o, z);
   const auto peak = std::max_element(phases.begin(), phases.end(), [](const HfPhase& a, const HfPhase& b) { return a.total() < b.total(); });

@@ -116,10 +116,15 @@ def transformers_framework(case: dict) -> bool:
     """PEFT / transformers runs that --framework transformers models: a Llama-family model on one GPU
     in pure bf16 or fp32, fully or with LoRA / DoRA, no sharding, no QLoRA (the PEFT method
     comparison's rows, run on transformers 5.13.1)."""
-    r = case["recipe"]
-    return (r.get("framework") == "peft" and case["model"]["arch"] in ("llama", "mistral", "qwen2") and (r.get("gpus") or 1) == 1
-            and r["sharding"] == "none" and not r.get("qlora") and r["precision"] in ("pure-bf16", "fp32")
-            and r.get("transformers_version", "").startswith("5."))
+    r, m = case["recipe"], case["model"]
+    targets = {t for name in (r.get("lora") or {}).get("targets") or [] for t in TARGETS.get(name, "?").split(",")}
+    gqa = (m.get("kv_heads") or m["heads"]) != m["heads"]
+    return (r.get("framework") == "peft" and m["arch"] in ("llama", "mistral", "qwen2") and (r.get("gpus") or 1) == 1
+            and r["sharding"] == "none" and r["offload"] == "none" and not r.get("qlora")
+            and r["precision"] in ("pure-bf16", "fp32") and r.get("transformers_version", "").startswith("5.")
+            and r["optimizer"] in ("adamw", "sgd", "lora-fa") and r["checkpointing"] in ("none", "full")
+            and targets <= {"q", "k", "v", "o", "gate", "up", "down"} and r.get("flash_attention") is not False
+            and not (r["precision"] == "fp32" and gqa and not r.get("padded")))
 
 
 def framework_flags(case: dict) -> list[str]:
