@@ -359,9 +359,8 @@ std::vector<HfPhase> hf_phases(const ModelShape& m, const TrainOptions& o, const
   return ph;
 }
 
-}  // namespace
-
-MemReport transformers_estimate(const ModelShape& m, const TrainOptions& o) {
+// UsageError for what the count does not follow.
+void check_transformers_options(const ModelShape& m, const TrainOptions& o) {
   if (o.dp != 1 || o.tp != 1 || o.pp != 1 || o.zero != 0 || o.offload_optimizer != Offload::None || o.offload_params != Offload::None ||
       o.qlora || o.checkpointing == Checkpointing::Selective || (o.precision != Precision::BF16 && o.precision != Precision::FP32))
     throw UsageError("--framework transformers models one GPU, pure bf16 or fp32, full fine-tuning or PEFT LoRA / DoRA, with or without "
@@ -378,6 +377,12 @@ MemReport transformers_estimate(const ModelShape& m, const TrainOptions& o) {
       if (t != "all" && t != "q" && t != "k" && t != "v" && t != "o" && t != "gate" && t != "up" && t != "down")
         throw UsageError("--framework transformers adapts the decoder layers' Linears (q, k, v, o, gate, up, down, all), not '" + t + "'");
   if (o.lora_rank > 0 && o.lora_targets.empty()) throw UsageError("--lora-targets is empty");
+}
+
+}  // namespace
+
+MemReport transformers_estimate(const ModelShape& m, const TrainOptions& o) {
+  check_transformers_options(m, o);
   const HfSizes z = hf_sizes(m, o);
   const std::vector<HfPhase> phases = hf_phases(m, o, z);
   const auto peak = std::max_element(phases.begin(), phases.end(), [](const HfPhase& a, const HfPhase& b) { return a.total() < b.total(); });
