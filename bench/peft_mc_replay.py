@@ -40,7 +40,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from torch_replay import Trace, cublas_workspace_bytes, cuda_dropout, replay, workspace
+from torch_replay import FlashSDPA, Trace, cublas_workspace_bytes, cuda_dropout, replay, workspace
 
 # PEFT imports bitsandbytes where one is installed; 0.43 imports triton.ops, which newer triton lacks.
 for name in ("triton.ops", "triton.ops.matmul_perf_model"):
@@ -59,29 +59,11 @@ LLAMA32_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28
                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"})
 
 
-class EfficientSDPA(torch.autograd.Function):
-    """What the memory-efficient / flash SDPA kernels keep on the GPU: q, k, v, the output and an
-    fp32 log-sum-exp [B, H, T] (and the additive bias made from a mask); the backward makes q, k
-    and v's gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias):
-        out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse, bias)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v = ctx.saved_tensors[:3]
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
-
-
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     bias = None
     if attn_mask is not None:  # SDPA turns a boolean mask into an additive bias of q's dtype
         bias = torch.empty(attn_mask.shape, dtype=q.dtype, device=q.device) if attn_mask.dtype == torch.bool else attn_mask
-    return EfficientSDPA.apply(q, k, v, bias)
+    return FlashSDPA.apply(q, k, v, bias)
 
 
 def skeleton(a):
@@ -176,7 +158,6 @@ def main():
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     a = ap.parse_args()
     F.scaled_dot_product_attention = sdpa
-    torch.nn.functional.scaled_dot_product_attention = sdpa
     torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
     F.dropout = cuda_dropout  # nn.Dropout (PEFT's lora_dropout) calls it
     if a.mask:  # a padded batch: transformers makes a boolean mask, and then repeats K and V for SDPA (GQA)

@@ -171,17 +171,19 @@ def cuda_dropout(x, p=0.5, training=True, inplace=False):
 
 
 class FlashSDPA(torch.autograd.Function):
-    """What SDPA's flash / cuDNN kernels keep and make on the GPU, on meta tensors: the output and
-    an fp32 log-sum-exp [B, H, T] saved with q, k, v; the backward makes q, k and v's gradients."""
+    """What SDPA's flash / cuDNN / memory-efficient kernels keep and make on the GPU, on meta
+    tensors: the output and an fp32 log-sum-exp [B, H, T] saved with q, k, v (and the additive
+    bias the memory-efficient kernel is given for a mask); the backward makes q, k and v's
+    gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, bias=None):
         out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, bias)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
