@@ -115,13 +115,6 @@ bool lora_targets_include(const TrainOptions& o, const char* t) {
   return std::any_of(o.lora_targets.begin(), o.lora_targets.end(), [&](const std::string& x) { return x == t || x == "all"; });
 }
 
-namespace {
-
-// An adapted Linear's input and output widths by target name (head: counted apart, 0 here);
-// the targets of o with "all" expanded.
-struct LoraDims {
-  double in = 0, out = 0;
-};
 LoraDims lora_target_dims(const ModelShape& m, const std::string& name) {
   const double h = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_dim()), H = double(m.hidden);
   if (name == "q") return {h, q};
@@ -133,6 +126,14 @@ LoraDims lora_target_dims(const ModelShape& m, const std::string& name) {
   if (name == "head") return {};
   throw UsageError("unknown LoRA target '" + name + "' (q, k, v, qkv, o, gate, up, down, head, all)");
 }
+
+bool peft_fp32_adapters(const TrainOptions& o) {
+  return o.lora_rank > 0 && (o.lora_fp32_inputs || (o.framework == Framework::Transformers && o.precision != Precision::FP32));
+}
+
+namespace {
+
+// The targets of o with "all" expanded.
 std::vector<std::string> lora_layer_targets(const TrainOptions& o) {
   const auto& t = o.lora_targets;
   if (std::find(t.begin(), t.end(), "all") != t.end()) return {"q", "k", "v", "o", "gate", "up", "down"};
@@ -273,10 +274,9 @@ void add_optimizer_lines(MemReport& r, const ModelShape& m, const TrainOptions& 
 }
 
 // Bytes per trainable parameter: the run's precision, or fp32 for PEFT's adapters on a 16-bit
-// base (TrainOptions::lora_fp32_inputs: autocast_adapter_dtype makes them fp32, their gradients
-// and AdamW's moments follow).
+// base (peft_fp32_adapters: their gradients and AdamW's moments follow them).
 StateBytes trainable_state_bytes(const TrainOptions& o) {
-  return state_bytes(o.lora_fp32_inputs ? Precision::FP32 : o.precision, o.optimizer, o.framework);
+  return state_bytes(peft_fp32_adapters(o) ? Precision::FP32 : o.precision, o.optimizer, o.framework);
 }
 
 // Model states per GPU: parameters, gradients, master weights and optimizer states, each divided
@@ -325,7 +325,7 @@ struct DoraKept {
 DoraKept dora_kept(const TrainOptions& o) {
   DoraKept k;
   const double act = o.precision == Precision::FP32 ? 4 : 2;  // the base Linear's output (autocast: 16-bit)
-  k.lora = o.lora_fp32_inputs || (o.framework == Framework::Transformers && act == 2) ? 4 : act;  // PEFT's fp32 adapters
+  k.lora = peft_fp32_adapters(o) ? 4 : act;
   // With dropout PEFT recomputes the base output from the dropped input, in the adapters' dtype,
   // and F.linear keeps the weight it was given when that is a cast or a dequantized NF4 matrix.
   k.base = o.lora_dropout > 0 ? k.lora : act;

@@ -234,6 +234,19 @@ bool softmax_keeps_input(const TrainOptions& o);
 /// True when the LoRA targets name matrix `t` ("q", "o", "down", ...), or "all".
 bool lora_targets_include(const TrainOptions& o, const char* t);
 
+/// An adapted Linear's input and output widths (elements).
+struct LoraDims {
+  double in = 0, out = 0;
+};
+
+/// The widths of LoRA target `name` in m: q, k, v, qkv (a fused projection), o, gate, up, down;
+/// head is counted apart ({0, 0}). Throws UsageError for an unknown name.
+LoraDims lora_target_dims(const ModelShape& m, const std::string& name);
+
+/// Whether LoRA adapters are fp32 on a 16-bit base: PEFT's get_peft_model(autocast_adapter_dtype=True),
+/// as --lora-fp32-inputs says for the analytic framework and --framework transformers always models.
+bool peft_fp32_adapters(const TrainOptions& o);
+
 /// LoRA adapter parameters of one block: Σ over the block's targets r·(in + out) (Hu et al. 2021).
 /// Throws UsageError for an unknown target.
 double lora_layer_params_of(const ModelShape& m, const TrainOptions& o);

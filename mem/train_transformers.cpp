@@ -70,7 +70,7 @@ HfSizes hf_sizes(const ModelShape& m, const TrainOptions& o) {
   z.lora = o.lora_rank > 0, z.padded = o.padded, z.ckpt = o.checkpointing == Checkpointing::Full;
   z.P = double(m.params());
   z.trainable = z.lora ? double(m.layers) * lora_layer_params_of(m, o) : z.P;
-  z.state = z.lora ? 4 : z.e;  // PEFT's adapters are fp32 whatever the base
+  z.state = peft_fp32_adapters(o) ? 4 : z.e;  // PEFT's adapters are fp32 (in fp32 training, as everything)
   return z;
 }
 
@@ -89,15 +89,19 @@ double lora_kept(const HfSizes& z, const TrainOptions& o, double adapted, double
 // A decoder layer's pieces in the order its forward runs them (its backward runs them backwards).
 enum Part { kNorm1, kQkv, kAttn, kO, kNorm2, kGateUp, kSwiGLU, kDown, kParts };
 
-// The Linears, each with its piece, input and output widths.
+// The Linears, each with its piece and its widths (lora_target_dims).
 struct HfLinear {
   const char* target;
   Part part;
   double in, out;
 };
-std::vector<HfLinear> hf_linears(const HfSizes& z) {
-  return {{"q", kQkv, z.h, z.q},      {"k", kQkv, z.h, z.kv},       {"v", kQkv, z.h, z.kv},  {"o", kO, z.q, z.h},
-          {"gate", kGateUp, z.h, z.F}, {"up", kGateUp, z.h, z.F}, {"down", kDown, z.F, z.h}};
+std::vector<HfLinear> hf_linears(const ModelShape& m) {
+  std::vector<HfLinear> v;
+  for (const auto& [t, p] : {std::pair{"q", kQkv}, {"k", kQkv}, {"v", kQkv}, {"o", kO}, {"gate", kGateUp}, {"up", kGateUp}, {"down", kDown}}) {
+    const LoraDims d = lora_target_dims(m, t);
+    v.push_back({t, p, d.in, d.out});
+  }
+  return v;
 }
 
 // What one decoder layer keeps, piece by piece (bytes).
@@ -139,7 +143,7 @@ double swiglu_kept(const TrainOptions& o, const HfSizes& z, const LayerGrads& g)
 }
 
 // One decoder layer's saved tensors.
-LayerKept layer_kept(const TrainOptions& o, const HfSizes& z, bool x_grad) {
+LayerKept layer_kept(const ModelShape& m, const TrainOptions& o, const HfSizes& z, bool x_grad) {
   const double e = z.e, T = z.T;
   const LayerGrads g = layer_grads(o, x_grad);
   const bool in_grad[kParts] = {g.x, g.x, g.attn, g.attn, g.mlp_in, g.mlp_in, g.mlp, g.mlp};
@@ -155,7 +159,7 @@ LayerKept layer_kept(const TrainOptions& o, const HfSizes& z, bool x_grad) {
     k.part[kQkv] = e * T * z.h, k.part[kO] = e * T * z.q, k.part[kGateUp] = e * T * z.h, k.part[kDown] = e * T * z.F;
   } else {
     double adapted[kParts] = {}, width[kParts] = {};
-    for (const HfLinear& l : hf_linears(z)) {
+    for (const HfLinear& l : hf_linears(m)) {
       if (!lora_targets_include(o, l.target)) continue;
       adapted[l.part] += 1, width[l.part] = l.in;
       if (o.dora) k.part[l.part] += dora_linear_bytes(o, l.in, l.out, T, in_grad[l.part]);
@@ -347,14 +351,14 @@ HfPhase step_phase(const TrainOptions& o, const HfSizes& z) {
 }
 
 std::vector<HfPhase> hf_phases(const ModelShape& m, const TrainOptions& o, const HfSizes& z) {
-  const Layers y{layer_kept(o, z, true), layer_kept(o, z, !z.lora || z.ckpt), double(m.layers)};  // checkpointing: enable_input_require_grads
+  const Layers y{layer_kept(m, o, z, true), layer_kept(m, o, z, !z.lora || z.ckpt), double(m.layers)};  // checkpointing: enable_input_require_grads
   std::vector<HfPhase> ph = {loss_phase(m, o, z, y), last_layer_phase(m, o, z, y), step_phase(o, z)};
   if (!z.lora) {
     ph.push_back(head_backward_phase(m, o, z, y));
     ph.push_back(backward_end_phase(m, o, z));
   }
   if (o.dora)
-    for (const HfLinear& l : hf_linears(z))
+    for (const HfLinear& l : hf_linears(m))
       if (lora_targets_include(o, l.target)) ph.push_back(dora_norm_phase(m, o, z, y, l));
   return ph;
 }
