@@ -29,13 +29,14 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
-// "mpirun -np N" with what this machine needs, under a 120 s timeout (a hang fails, not waits).
+// "mpirun -np N" with what this machine needs, under a 120 s timeout and a SIGKILL 10 s later
+// (a hang fails, not waits: a hung mpirun can sit through SIGTERM).
 // In the sanitizer build the ranks unwind malloc stacks fully (fast_unwind_on_malloc=0): Open MPI's
 // frames have no frame pointers, and LeakSanitizer's suppressions of its allocations
 // (tests/lsan_mpi.supp, LSAN_OPTIONS from scripts/test.sh) match only on a whole stack.
 std::string mpirun(int n) {
   const char* custom = std::getenv("LLMQ_MPIRUN");
-  return "ASAN_OPTIONS=\"$ASAN_OPTIONS:fast_unwind_on_malloc=0\" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 " +
+  return "ASAN_OPTIONS=\"$ASAN_OPTIONS:fast_unwind_on_malloc=0\" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 10 120 " +
          std::string(custom && *custom ? custom : "mpirun") + " --oversubscribe -np " + std::to_string(n) + " ";
 }
 

@@ -62,11 +62,18 @@ int mpi_launch_rank() {
   return 0;
 }
 
+void end_mpi_job(int code) {
+  if (code == 0) code = 1;
+  if (env_int("OMPI_COMM_WORLD_SIZE") >= 0) std::_Exit(code);  // Open MPI's mpirun ends the others
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; in case a library does
+}
+
 void abort_mpi_job_if_running(int code) {
   int inited = 0, finalized = 0;
   MPI_Initialized(&inited);
   MPI_Finalized(&finalized);
-  if (inited && !finalized) MPI_Abort(MPI_COMM_WORLD, code == 0 ? 1 : code);
+  if (inited && !finalized) end_mpi_job(code);
 }
 
 std::unique_ptr<MpiComm> MpiComm::init_world() {
@@ -103,8 +110,7 @@ MpiComm::~MpiComm() {
 void MpiComm::abort_job(const std::string& why) {
   std::fprintf(stderr, "llmq: rank %d of %d: %s; ending the MPI job\n", rank_, size_, why.c_str());
   std::fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, 1);
-  std::_Exit(1);  // MPI_Abort does not return; in case a library does
+  end_mpi_job(1);
 }
 
 void MpiComm::abort() {

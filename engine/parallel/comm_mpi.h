@@ -27,8 +27,8 @@
 // Failure: MPI's default error handler (MPI_ERRORS_ARE_FATAL) ends the job on a communication
 // error, and mpirun ends the job when a rank's process dies (a signal, or an exit without
 // MPI_Finalize): the ranks waiting in a collective are killed with it and mpirun exits non-zero.
-// A rank that cannot go on calls abort() (or abort_job()): it prints why on stderr and calls
-// MPI_Abort, which ends every rank. A rank that leaves without the group's orderly end (see
+// A rank that cannot go on calls abort() (or abort_job()): it prints why on stderr and ends
+// every rank (end_mpi_job: an exit that mpirun answers by ending the job, or MPI_Abort). A rank that leaves without the group's orderly end (see
 // ~MpiComm) does the same, so no rank is left waiting in a collective.
 #pragma once
 #include <cstdint>
@@ -50,9 +50,17 @@ int mpi_launch_size();
 /// PMI_RANK, PMIX_RANK); 0 when not started by mpirun or not said.
 int mpi_launch_rank();
 
-/// Where MPI is initialised and not yet finalised: prints nothing and calls MPI_Abort(code),
-/// ending every rank of the job (mpirun exits non-zero). Otherwise returns. For the tools'
-/// error path (cli::run_guarded), after the error was printed.
+/// Ends every rank of the MPI job from this one, printing nothing; never returns. `code` (0 reads
+/// as 1) is this process's exit status. Under Open MPI's own launcher (mpirun, prterun: it sets
+/// OMPI_COMM_WORLD_SIZE) this process just exits non-zero without MPI_Finalize, and mpirun ends
+/// the job (mpirun(1), "orte_abort_on_non_zero_status", on by default). MPI_Abort there goes
+/// through mpirun's abort handler, which in Open MPI 4.1.4 (Debian 12) now and then hangs or
+/// crashes mpirun after the ranks are gone (about 1 in 200 aborts with 3 jobs at once on 2 cores;
+/// none in 600 exits). Under other launchers (srun, MPICH's hydra): MPI_Abort(code).
+[[noreturn]] void end_mpi_job(int code);
+
+/// Where MPI is initialised and not yet finalised: end_mpi_job(code). Otherwise returns. For
+/// the tools' error path (cli::run_guarded), after the error was printed.
 void abort_mpi_job_if_running(int code);
 
 /// This process's rank of the MPI job's world (MPI_COMM_WORLD): one per process.
@@ -67,7 +75,7 @@ class MpiComm final : public Communicator {
   /// MPI_Finalize once the group ended in order (mark_done() was called: rank 0 told the others
   /// to stop, or this rank was told to). Otherwise, unless an exception is unwinding (then the
   /// tool's error path prints it and calls abort_mpi_job_if_running), prints why and ends the job
-  /// with MPI_Abort: a rank that leaves early must not leave the others waiting in a collective.
+  /// (end_mpi_job): a rank that leaves early must not leave the others waiting in a collective.
   ~MpiComm() override;
   MpiComm(const MpiComm&) = delete;
   MpiComm& operator=(const MpiComm&) = delete;
@@ -88,10 +96,10 @@ class MpiComm final : public Communicator {
   void gather(const float* send, int64_t count, float* recv, int64_t capacity, int root) override;
   /// MPI_Barrier.
   void barrier() override;
-  /// Ends the whole job (MPI_Abort), after printing on stderr the message of the exception being
+  /// Ends the whole job (end_mpi_job), after printing on stderr the message of the exception being
   /// handled, if any (callers call it from a catch block). Never returns.
   void abort() override;
-  /// Prints "rank R of N: <why>; ending the MPI job" on stderr and calls MPI_Abort(1).
+  /// Prints "rank R of N: <why>; ending the MPI job" on stderr and calls end_mpi_job(1).
   [[noreturn]] void abort_job(const std::string& why);
 
   /// Rank 0 sends `bytes` [n] (n <= 1 GiB) to every other rank, which must call recv_broadcast
