@@ -55,8 +55,9 @@ int mpi_launch_rank();
 /// OMPI_COMM_WORLD_SIZE) this process just exits non-zero without MPI_Finalize, and mpirun ends
 /// the job (mpirun(1), "orte_abort_on_non_zero_status", on by default). MPI_Abort there goes
 /// through mpirun's abort handler, which in Open MPI 4.1.4 (Debian 12) now and then hangs or
-/// crashes mpirun after the ranks are gone (about 1 in 200 aborts with 3 jobs at once on 2 cores;
-/// none in 600 exits). Under other launchers (srun, MPICH's hydra): MPI_Abort(code).
+/// crashes mpirun after the ranks are gone (4 in 600 and 2 in 260 aborts with 3 jobs at once on
+/// 2 cores; none in 1,100 exits: bench/RESULTS.md). Under other launchers (srun, MPICH's
+/// hydra): MPI_Abort(code).
 [[noreturn]] void end_mpi_job(int code);
 
 /// Where MPI is initialised and not yet finalised: end_mpi_job(code). Otherwise returns. For
