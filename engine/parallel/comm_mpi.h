@@ -28,8 +28,9 @@
 // error, and mpirun ends the job when a rank's process dies (a signal, or an exit without
 // MPI_Finalize): the ranks waiting in a collective are killed with it and mpirun exits non-zero.
 // A rank that cannot go on calls abort() (or abort_job()): it prints why on stderr and ends
-// every rank (end_mpi_job: an exit that mpirun answers by ending the job, or MPI_Abort). A rank that leaves without the group's orderly end (see
-// ~MpiComm) does the same, so no rank is left waiting in a collective.
+// every rank (end_mpi_job: an exit that mpirun answers by ending the job, or MPI_Abort). A rank
+// that leaves without the group's orderly end (see ~MpiComm) does the same, so no rank is left
+// waiting in a collective.
 #pragma once
 #include <cstdint>
 #include <memory>
