@@ -548,6 +548,7 @@ TEST_CASE("stories260K as GGUF (F32) converts to the same model as the llama2.c 
   const auto a = LlmqFile::open(out);
   const auto b = LlmqFile::open(test::stories("f32"));
   CHECK(a->meta().get_string("general.source.format") == "GGUF v3 (F32)");
+  CHECK(a->meta().get_string("general.source.file") == "stories260K-f32.gguf");  // the name, not the scratch path
   // Same hyper-parameters and vocabulary as the llama2.c route.
   const ModelConfig ca = ModelConfig::from_metadata(a->meta()), cb = ModelConfig::from_metadata(b->meta());
   CHECK(ca.dim == cb.dim);

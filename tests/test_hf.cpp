@@ -322,6 +322,7 @@ TEST_CASE("hf: stories260K-hf gives the llama2.c route's logits (1e-5) and greed
   CHECK(meta.get_string("llama.rope.layout") == "rotate_half");
   CHECK(meta.get_bool("llama.tied_embeddings", false));
   CHECK(contains(meta.get_string("general.source.format"), "Hugging Face safetensors (llama, F32, 1 file)"));
+  CHECK(meta.get_string("general.source.file") == "stories260K-hf");  // the checkpoint directory's name, no path
   CHECK(hf->file->find("output.weight") == nullptr);
   for (const auto& t : hf->file->tensors()) CHECK(t.type == llmq::DType::F32);
   CHECK(hf->config.dim == 64);

@@ -135,7 +135,10 @@ void write_metadata(LlmqWriter& w, const SourceModel& src, const Vocab& vocab, c
   if (!opts.chat_template.empty()) w.meta.set("tokenizer.chat_template", opts.chat_template);
   w.meta.set("general.source.format", src.format);
   if (!opts.source_path.empty()) {
-    w.meta.set("general.source.file", opts.source_path);
+    // The file's (or checkpoint directory's) name, not the path as typed: a shared .llmq file
+    // should not carry the converting machine's directories; the hash identifies the content.
+    const std::filesystem::path src_path = std::filesystem::absolute(opts.source_path).lexically_normal();
+    w.meta.set("general.source.file", (src_path.has_filename() ? src_path.filename() : src_path.parent_path().filename()).string());
     // A Hugging Face checkpoint is a directory: hash its checkpoint files (formats/readers/hf_model.h).
     w.meta.set("general.source.xxh64", std::filesystem::is_directory(opts.source_path) ? hf_checkpoint_xxh64(opts.source_path)
                                                                                        : file_xxh64(opts.source_path));
