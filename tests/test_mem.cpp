@@ -824,7 +824,8 @@ TEST_CASE("llmq-mem infer's plan is what llmq-run reports at load (equal by cons
     CHECK(j["totals"]["device_total"].get<double>() == Approx(j["peak"]["peak"].get<double>()).epsilon(1e-9));
     CHECK(j["peak"]["run"].get<double>() ==
           j["plan"]["resident"].get<double>() + j["peak"]["tables"].get<double>() + double(kRuntimeBytes));
-    REQUIRE(test::run(test::bin("llmq-mem") + " infer -m " + path + " --ctx 256 --parallel 2 -t 2 --json > " + dir + "/server.json") == 0);
+    // The model positional here (as train's and generate's), -m above: both spellings work.
+    REQUIRE(test::run(test::bin("llmq-mem") + " infer " + path + " --ctx 256 --parallel 2 -t 2 --json > " + dir + "/server.json") == 0);
     const auto js = nlohmann::json::parse(slurp(dir + "/server.json"));
     CHECK(js["peak"]["run"].get<double>() ==
           js["plan"]["resident"].get<double>() + js["peak"]["tables"].get<double>() + double(kServerRuntimeBytes));

@@ -161,7 +161,9 @@ struct InferCommand {
 InferCommand add_infer_command(CLI::App& app, InferCli& ia) {
   auto* inf = app.add_subcommand("infer", "memory of llmq-run / llmq-server for a .llmq model (exact on the CPU)");
   InferOptions& io = ia.io;
-  inf->add_option("-m,--model", ia.model_path, "model file (.llmq, or a GGUF: converted once into the cache, as llmq-run does)")->required();
+  inf->add_option("model,-m,--model", ia.model_path,
+                 "model file (.llmq, or a GGUF: converted once into the cache, as llmq-run does); positional, as train's")
+      ->required();
   auto* ctx_opt = inf->add_option("-c,--ctx", io.ctx, "tokens per sequence (default: the model's context, at most 4096)");
   auto* par_opt = inf->add_option("--parallel", io.parallel, "sequences at once (> 1: llmq-server's plan)");
   inf->add_flag("--server", io.server, "plan llmq-server even for one sequence");
