@@ -164,7 +164,7 @@ run_phase() {
       step nvidia-smi 30 "nvidia-smi; nvidia-smi -q -d CLOCK,MEMORY | head -60; uname -a; nvcc --version | tail -2; python3 -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|bitsandbytes|accelerate|peft|numpy|triton) '"
       ;;
     kernels)  # the kernel parity cases alone (seconds)
-      step kernel-tests 60 "$G/bin/llmq-tests 'CUDA MMQ*,CUDA matmul*,CUDA RMSNorm*,CUDA attention*,CUDA paged*' -r compact"
+      step kernel-tests 60 "$G/bin/llmq-tests 'CUDA MMQ*,CUDA matmul*,CUDA RMSNorm*,CUDA attention*,CUDA sliding-window*,CUDA paged*' -r compact"
       ;;
     tests)
       step cuda-tests 240 "$G/bin/llmq-tests '[cuda]' -r compact"
@@ -175,7 +175,7 @@ run_phase() {
       ;;
     sanitizer)
       # racecheck first: the longer one (85 s on an H200), so a call cut short still brings its verdict
-      step racecheck-mmq-attn 180 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*,CUDA decode attention*' -r compact"
+      step racecheck-mmq-attn 180 "compute-sanitizer --tool racecheck --error-exitcode 9 $G/bin/llmq-tests 'CUDA MMQ*,CUDA attention*,CUDA decode attention*,CUDA sliding-window*' -r compact"
       step memcheck-kernels 150 "compute-sanitizer --tool memcheck --error-exitcode 9 $G/bin/llmq-tests '[cuda]~[model]' -r compact"
       ;;
     lab)

@@ -178,16 +178,22 @@ Fp16Cache fp16_cache(size_t n, std::mt19937_64& rng) {
   return c;
 }
 
+// fp64 attention of each token t over positions [first, pos[t]], first = 0 or, under a sliding
+// window, max(0, pos[t] + 1 - window) (positions before it get weight 0).
 std::vector<float> ref_attention(const std::vector<float>& q, const std::vector<int32_t>& pos, int64_t n_heads, int64_t n_kv, int64_t hd,
-                                 float scale, const std::vector<float>& k, const std::vector<float>& v) {
+                                 float scale, const std::vector<float>& k, const std::vector<float>& v, int64_t window = 0) {
   const int64_t T = int64_t(pos.size()), Q = n_heads * hd, KV = n_kv * hd;
   std::vector<float> out(size_t(T * Q));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < n_heads; ++h) {
-      const int64_t kvh = h / (n_heads / n_kv), n = pos[size_t(t)] + 1;
+      const int64_t kvh = h / (n_heads / n_kv), n = pos[size_t(t)] + 1, first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
       std::vector<double> sc(static_cast<size_t>(n));
       double mx = -1e300;
       for (int64_t p = 0; p < n; ++p) {
+        if (p < first) {
+          sc[size_t(p)] = -1e300;
+          continue;
+        }
         double acc = 0;
         for (int64_t d = 0; d < hd; ++d) acc += double(q[size_t(t * Q + h * hd + d)]) * double(k[size_t(p * KV + kvh * hd + d)]);
         sc[size_t(p)] = acc * scale, mx = std::max(mx, sc[size_t(p)]);
@@ -756,6 +762,128 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
   CHECK_THROWS_AS(cuda::set_decode_v3_blocks(int64_t(1) << 40), UsageError);
 }
 
+// Sliding-window attention (Mistral, Gemma 3's local layers, Phi-3): token t sees positions
+// max(0, pos + 1 - W) .. pos. Against fp64 on fresh random inputs, bound 1e-4 (the prompt
+// kernel's fp16 q and weights: 1e-3): decode parts through versions 1 and 3 (windows shorter
+// than a round, than a part, longer than the context; starts inside a round, a tile, a part),
+// prompts on the tensor cores and on the CUDA cores, a paged cache (version 3's page lookup a
+// round, version 1's per row) and a Q8_0 cache.
+TEST_CASE("CUDA sliding-window attention matches the fp64 reference: decode, prompts, paged and Q8_0 caches", "[cuda]") {
+  if (!have_gpu()) return;
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  struct Restore {
+    ~Restore() { cuda::set_decode_attention_version(0); }
+  } restore;
+  struct Shape {
+    int64_t heads, kv, hd;
+  };
+  const int64_t ctx = 300;
+  for (const Shape sh : {Shape{4, 4, 128}, Shape{8, 2, 64}, Shape{4, 1, 256}, Shape{6, 3, 32}}) {
+    const int64_t Q = sh.heads * sh.hd, KV = sh.kv * sh.hd;
+    const auto [k, v, kf, vf] = fp16_cache(size_t(ctx * KV), rng);
+    DeviceBuffer kd = to_device(k), vd = to_device(v);
+    const float scale = float(1.0 / std::sqrt(double(sh.hd)));
+    for (const int64_t window : {int64_t(1), int64_t(7), int64_t(40), int64_t(100), int64_t(1000)}) {
+      // Decode: one token, or three of one sequence; five parts of 64 positions.
+      for (int version : {1, 3}) {
+        cuda::set_decode_attention_version(version);
+        for (const std::vector<int32_t>& pos : {std::vector<int32_t>{0}, std::vector<int32_t>{45}, std::vector<int32_t>{139},
+                                                std::vector<int32_t>{299}, std::vector<int32_t>{200, 201, 202}}) {
+          const int64_t T = int64_t(pos.size()), splits = 5;
+          const auto q = gaussian(size_t(T * Q), rng);
+          const std::vector<float> ref = ref_attention(q, pos, sh.heads, sh.kv, sh.hd, scale, kf, vf, window);
+          DeviceBuffer qd = to_device(q), pd = to_device(pos), od(size_t(T * Q) * 4), part(size_t(T * sh.heads * splits * (sh.hd + 2)) * 4);
+          cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, sh.heads, sh.kv, sh.hd, scale, splits,
+                          64, part.as<float>(), od.as<float>(), Q, nullptr, {}, {}, {}, nullptr, window);
+          INFO("decode, version " << version << " heads " << sh.heads << " kv " << sh.kv << " hd " << sh.hd << " window " << window
+                                  << " position " << pos[0] << " T " << T);
+          CHECK(rel_err(from_device<float>(od, size_t(T * Q)).data(), ref.data(), ref.size()) < 1e-4);
+        }
+      }
+      // A prompt: 70 tokens at positions 130 .. 199 in one part (head_dim 64 / 128: the tensor
+      // cores, else the CUDA-core kernel, 4 tokens a block).
+      std::vector<int32_t> pos(70);
+      for (size_t i = 0; i < pos.size(); ++i) pos[i] = int32_t(130 + i);
+      const int64_t T = int64_t(pos.size());
+      const auto q = gaussian(size_t(T * Q), rng);
+      const std::vector<float> ref = ref_attention(q, pos, sh.heads, sh.kv, sh.hd, scale, kf, vf, window);
+      DeviceBuffer qd = to_device(q), pd = to_device(pos), od(size_t(T * Q) * 4);
+      cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), T, sh.heads, sh.kv, sh.hd, scale, 1,
+                      (ctx + 31) / 32 * 32, nullptr, od.as<float>(), Q, nullptr, {}, {}, {}, nullptr, window);
+      INFO("prompt, heads " << sh.heads << " kv " << sh.kv << " hd " << sh.hd << " window " << window);
+      CHECK(rel_err(from_device<float>(od, size_t(T * Q)).data(), ref.data(), ref.size()) < (sh.hd == 64 || sh.hd == 128 ? 1e-3 : 1e-4));
+    }
+  }
+  // A paged cache: three sequences' decode tokens through shuffled blocks of 16 rows (version 3
+  // looks a page up once a round, version 1 per row), and a Q8_0 cache (version 1; its reference
+  // reads the dequantized values), each under a window of 37.
+  const int64_t n_heads = 8, n_kv = 2, hd = 128, Q = n_heads * hd, KV = n_kv * hd, bt = 16, pctx = 192, stride = pctx / bt, window = 37;
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  const std::vector<int32_t> pos = {150, 17, 100};
+  std::vector<int32_t> seq = {0, 1, 2}, tables(size_t(3 * stride)), perm(size_t(3 * stride));
+  for (int32_t i = 0; i < int32_t(perm.size()); ++i) perm[size_t(i)] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (size_t i = 0; i < tables.size(); ++i) tables[i] = perm[i];
+  const auto [k, v, kf, vf] = fp16_cache(size_t(3 * pctx * KV), rng);  // the pool, blocks of bt rows
+  const auto q = gaussian(size_t(3 * Q), rng);
+  DeviceBuffer qd = to_device(q), kd = to_device(k), vd = to_device(v), sd = to_device(seq), pd = to_device(pos), td = to_device(tables);
+  DeviceBuffer od(size_t(3 * Q) * 4), part(size_t(3 * n_heads * 5 * (hd + 2)) * 4);
+  for (int version : {1, 3}) {
+    cuda::set_decode_attention_version(version);
+    cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), 3, n_heads, n_kv, hd, scale, 4, 64,
+                    part.as<float>(), od.as<float>(), Q, nullptr, cuda::KvPages{sd.as<int32_t>(), td.as<int32_t>(), stride, bt}, {}, {},
+                    nullptr, window);
+    const auto out = from_device<float>(od, size_t(3 * Q));
+    for (int64_t t = 0; t < 3; ++t) {  // sequence t's positions, gathered from its blocks
+      std::vector<float> ks(size_t(pctx * KV)), vs(ks.size());
+      for (int64_t p = 0; p < pctx; ++p)
+        for (int64_t e = 0; e < KV; ++e) {
+          const int64_t row = int64_t(tables[size_t(t * stride + p / bt)]) * bt + p % bt;
+          ks[size_t(p * KV + e)] = kf[size_t(row * KV + e)], vs[size_t(p * KV + e)] = vf[size_t(row * KV + e)];
+        }
+      const auto ref = ref_attention(std::vector<float>(q.begin() + t * Q, q.begin() + (t + 1) * Q), {pos[size_t(t)]}, n_heads, n_kv, hd,
+                                     scale, ks, vs, window);
+      INFO("paged, version " << version << " sequence " << t);
+      CHECK(rel_err(out.data() + t * Q, ref.data(), ref.size()) < 1e-4);
+    }
+  }
+  // Q8_0 cache: values quantized per 32 (as store_kv_q8), the reference on the dequantized ones
+  // rounded to fp16 (what the kernel's tiles hold).
+  const int64_t qctx = 160;
+  std::vector<int8_t> kq(size_t(qctx * KV)), vq(kq.size());
+  std::vector<uint16_t> kdq(kq.size() / 32), vdq(kdq.size());
+  std::vector<float> kf8(kq.size()), vf8(kq.size());
+  for (auto [xq, xd, xf] : {std::tuple{&kq, &kdq, &kf8}, std::tuple{&vq, &vdq, &vf8}}) {
+    const auto g = gaussian(kq.size(), rng);
+    for (size_t b = 0; b < kdq.size(); ++b) {
+      float amax = 0;
+      for (size_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(g[b * 32 + i]));
+      (*xd)[b] = fp32_to_fp16(amax / 127.0f);
+      const float d = fp16_to_fp32((*xd)[b]);
+      for (size_t i = 0; i < 32; ++i) {
+        (*xq)[b * 32 + i] = int8_t(std::lround(d > 0 ? g[b * 32 + i] / d : 0.0f));
+        (*xf)[b * 32 + i] = fp16_to_fp32(fp32_to_fp16(float((*xq)[b * 32 + i]) * d));  // the tiles hold fp16, as the fp16 cache would
+      }
+    }
+  }
+  const std::vector<int32_t> qpos = {159, 60, 61};
+  const auto q8q = gaussian(size_t(3 * Q), rng);
+  const auto ref8 = ref_attention(q8q, qpos, n_heads, n_kv, hd, scale, kf8, vf8, window);
+  DeviceBuffer q8d = to_device(q8q), qpd = to_device(qpos), kqd = to_device(kq), vqd = to_device(vq), kdd = to_device(kdq), vdd = to_device(vdq);
+  for (const int64_t splits : {int64_t(1), int64_t(5)}) {
+    cuda::attention(q8d.as<float>(), Q, nullptr, nullptr, qpd.as<int32_t>(), 3, n_heads, n_kv, hd, scale, splits, splits == 1 ? 160 : 32,
+                    part.as<float>(), od.as<float>(), Q, nullptr, {},
+                    cuda::KvQ8{kqd.as<int8_t>(), kdd.as<uint16_t>(), vqd.as<int8_t>(), vdd.as<uint16_t>()}, {}, nullptr, window);
+    INFO("Q8_0 cache, splits " << splits);
+    CHECK(rel_err(from_device<float>(od, size_t(3 * Q)).data(), ref8.data(), ref8.size()) < 1e-4);
+  }
+  CHECK_THROWS_AS(cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), 1, n_heads, n_kv, hd, scale, 1,
+                                  192, nullptr, od.as<float>(), Q, nullptr, {}, {}, {}, nullptr, -1),
+                  UsageError);
+}
+
 // A paged cache (llmq-server): the same keys and values scattered over blocks of 16 rows in a
 // shuffled pool, found through block tables, must give what the contiguous cache gives, for
 // several sequences in one launch (a decode token of each, a prompt chunk of one), with and
@@ -1070,7 +1198,7 @@ void compare_model(const std::string& path, int64_t n_batch = 512, int64_t gpu_l
 // GPU logits = the CPU's (which tests/test_arch.cpp checks against an fp64 reference) for a
 // prompt of 24 random tokens and 16 teacher-forced decode steps; bounds as compare_model (1e-2
 // f32, 5e-2 q8_0). Whole model and partial offload (first layer on the CPU). A sliding-window
-// model runs on the GPU within its window and is refused past it (no window in the kernels yet).
+// model likewise, past its window.
 TEST_CASE("CUDA runs a declared architecture: the test-only sandwich variant = the CPU", "[cuda][model][arch]") {
   if (!have_gpu()) return;
   const ModelConfig c = test::sandwich_config();
@@ -1103,19 +1231,36 @@ TEST_CASE("CUDA runs a declared architecture: the test-only sandwich variant = t
     INFO(dtype_name(type) << " gpu_layers " << gpu_layers << ": worst rel err " << worst << ", bound " << bound);
     CHECK(worst < bound);
   }
-  // Sliding-window layers (window 7, own RoPE base, Llama 3.1 scaling): refused on the GPU past
-  // the window; within it (ctx 7) the GPU's logits are the CPU's.
-  auto sliding = Model::load(test::random_model("sliding_cuda", test::sliding_config(), DType::F32, 22));
-  cuda::CudaModel sdm(*sliding);
-  CHECK_THROWS_WITH(cuda::CudaSession(sdm, sliding.get(), 64, 8, 1), Catch::Contains("sliding-window attention"));
-  cuda::CudaSession sg(sdm, sliding.get(), 7, 8, 7);
-  ThreadPool pool(2);
-  Session sc(*sliding, pool, 7, 8, 7);
-  const std::vector<int32_t> ids = {5, 17, 300, 2, 99, 4, 11};
-  const float* lc = sc.forward(ids.data(), 7, true);
-  const std::vector<float> want(lc, lc + 7 * 512);
-  const float* lg = sg.forward(ids.data(), 7, true);
-  CHECK(rel_err(lg, want.data(), want.size()) < 1e-2);
+  // Sliding-window layers (window 7 on two of three layers, own RoPE base, Llama 3.1 scaling)
+  // past the window: a 24-token prompt and 16 decode steps, whole model and with the first
+  // layer on the CPU, against the CPU.
+  const std::string spath = test::random_model("sliding_cuda", test::sliding_config(), DType::F32, 22);
+  for (const int64_t gpu_layers : {int64_t(-1), int64_t(2)}) {
+    auto sliding = gpu_layers < 0 ? Model::load(spath) : Model::load(spath, true, true, gpu_layers);
+    ThreadPool pool(2);
+    std::unique_ptr<cuda::CudaModel> sdm;
+    std::unique_ptr<SessionBase> sg;
+    if (gpu_layers >= 0) {
+      sg = std::make_unique<cuda::CudaOffloadSession>(*sliding, pool, gpu_layers, 64, 32, 24);
+    } else {
+      sdm = std::make_unique<cuda::CudaModel>(*sliding);
+      sg = std::make_unique<cuda::CudaSession>(*sdm, sliding.get(), 64, 32, 24);
+    }
+    Session sc(*sliding, pool, 64, 32, 24);
+    std::mt19937_64 rng(5);
+    std::vector<int32_t> ids(40);
+    for (auto& t : ids) t = int32_t(rng() % 512);
+    const float* lc = sc.forward(ids.data(), 24, true);
+    const std::vector<float> want(lc, lc + 24 * 512);
+    double worst = rel_err(sg->forward(ids.data(), 24, true), want.data(), want.size());
+    for (size_t t = 24; t < ids.size(); ++t) {
+      const float* c1 = sc.forward(&ids[t], 1);
+      const std::vector<float> r1(c1, c1 + 512);
+      worst = std::max(worst, rel_err(sg->forward(&ids[t], 1), r1.data(), r1.size()));
+    }
+    INFO("sliding window, gpu_layers " << gpu_layers << ": worst rel err " << worst);
+    CHECK(worst < 1e-2);
+  }
 }
 
 // Q4_K, Q5_K and Q6_K live on the device in split layouts of their own (matmul.h DeviceWeight:

@@ -52,12 +52,14 @@ struct Prepared {
 using HostWeight = test::RandomWeight;  // a weight [rows, cols] of type t in the file's layout
 
 /// Causal GQA attention inputs: q [T, heads·hd] at positions pos [T] over a cache k, v
-/// [ctx, kv·hd] (fp16-rounded values, so a backend with an fp16 cache reads them exactly).
+/// [ctx, kv·hd] (fp16-rounded values, so a backend with an fp16 cache reads them exactly);
+/// window > 0: a sliding window, token t sees positions max(0, pos + 1 - window) .. pos.
 struct AttnInputs {
   int64_t heads, kv, hd, ctx, splits;
   Floats q, k, v;
   std::vector<int32_t> pos;
   float scale;
+  int64_t window = 0;
 };
 
 /// What a backend computes. Each method prepares one op on host inputs; an op the backend does
@@ -78,7 +80,7 @@ class Backend {
   virtual Prepared gated(Activation act, const Floats& h, int64_t T, int64_t H) = 0;
   /// softmax of each row of x [rows, n]
   virtual Prepared softmax(const Floats& /*x*/, int64_t /*rows*/, int64_t /*n*/) { return {}; }
-  /// out [T, heads·hd]: causal attention (AttnInputs)
+  /// out [T, heads·hd]: causal attention, under a sliding window when a.window > 0 (AttnInputs)
   virtual Prepared attention(const AttnInputs& a) = 0;
   /// out [T, cols] = rows tok of the table
   virtual Prepared embedding(const Weight& table, const std::vector<int32_t>& tok) = 0;
@@ -155,12 +157,13 @@ class CpuBackend : public Backend {
       std::fill(y->begin(), y->end(), 0.0f);
       Floats s(size_t(G * a.ctx));
       for (size_t t = 0; t < a.pos.size(); ++t)
-        for (int64_t g = 0; g < a.kv; ++g) {
-          const int64_t n = a.pos[t] + 1;
+        for (int64_t g = 0; g < a.kv; ++g) {  // positions first .. pos (the engine's window_start)
+          const int64_t first = a.window > 0 ? std::max<int64_t>(0, a.pos[t] + 1 - a.window) : 0, n = a.pos[t] + 1 - first;
           const float* q = a.q.data() + int64_t(t) * a.heads * a.hd + g * G * a.hd;
-          attn_scores(s.data(), a.ctx, q, G, kT->data() + g * a.hd * a.ctx, n, a.ctx, a.hd, a.scale);
+          attn_scores(s.data(), a.ctx, q, G, kT->data() + g * a.hd * a.ctx + first, n, a.ctx, a.hd, a.scale);
           for (int64_t i = 0; i < G; ++i) llmq::softmax(s.data() + i * a.ctx, n);
-          attn_accumulate(y->data() + int64_t(t) * a.heads * a.hd + g * G * a.hd, s.data(), a.ctx, G, a.v.data() + g * a.hd, n, KV, a.hd);
+          attn_accumulate(y->data() + int64_t(t) * a.heads * a.hd + g * G * a.hd, s.data(), a.ctx, G, a.v.data() + first * KV + g * a.hd, n,
+                          KV, a.hd);
         }
     }, y);
   }
@@ -259,7 +262,7 @@ class CudaBackend : public Backend {
     cuda::attention_prepare(a.heads, a.kv, a.hd);
     return done([=] {
       cuda::attention(qd->as<float>(), Q, kd->as<uint16_t>(), vd->as<uint16_t>(), pd->as<int32_t>(), T, a.heads, a.kv, a.hd, a.scale, a.splits,
-                      part_len, part->as<float>(), yd->as<float>(), Q, nullptr);
+                      part_len, part->as<float>(), yd->as<float>(), Q, nullptr, {}, {}, {}, nullptr, a.window);
     }, yd, a.q.size());
   }
   Prepared embedding(const Weight& table, const std::vector<int32_t>& tok) override {
@@ -549,16 +552,19 @@ Op softmax_op() {
 }
 
 Op attention_op() {
-  // (heads, kv, hd, T, first position, splits, step): T tokens at positions first, first + step,
-  // ... (step 1: a prompt; T = 1: decode; step 4: a batch of sequences' tokens whose tiles some
-  // rows of a block see and others not), GQA groups of 1 to 4, the GPU's flash-decoding parts
-  // (splits > 1).
+  // (heads, kv, hd, T, first position, splits, step[, window]): T tokens at positions first,
+  // first + step, ... (step 1: a prompt; T = 1: decode; step 4: a batch of sequences' tokens
+  // whose tiles some rows of a block see and others not), GQA groups of 1 to 4, the GPU's
+  // flash-decoding parts (splits > 1), sliding windows (Mistral, Gemma 3, Phi-3) that start
+  // inside a round, a tile, a part.
   return {"attention", {DType::F32},
           {{4, 4, 8, 17, 200, 1, 1}, {8, 2, 64, 3, 0, 1, 1}, {8, 2, 64, 1, 299, 5, 1}, {32, 8, 128, 16, 100, 1, 1},
            {6, 3, 40, 1, 130, 10, 1}, {4, 1, 256, 2, 50, 1, 1}, {8, 2, 64, 70, 13, 1, 4}, {8, 2, 64, 70, 13, 10, 4},
-           {14, 2, 64, 17, 100, 1, 1}, {14, 2, 64, 1, 299, 5, 1}},  // Qwen2.5-0.5B's groups of 7
+           {14, 2, 64, 17, 100, 1, 1}, {14, 2, 64, 1, 299, 5, 1},  // Qwen2.5-0.5B's groups of 7
+           {8, 2, 64, 1, 299, 5, 1, 77}, {4, 1, 256, 1, 250, 5, 1, 13}, {6, 3, 40, 1, 200, 10, 1, 50}, {8, 8, 128, 40, 150, 1, 1, 70},
+           {4, 1, 256, 20, 200, 1, 1, 9}, {8, 2, 64, 70, 13, 1, 4, 100}},
           [](Backend& b, DType, const Shape& s, std::mt19937_64& rng) {
-            AttnInputs a{s[0], s[1], s[2], 300, s[5], {}, {}, {}, {}, float(1.0 / std::sqrt(double(s[2])))};
+            AttnInputs a{s[0], s[1], s[2], 300, s[5], {}, {}, {}, {}, float(1.0 / std::sqrt(double(s[2]))), s.size() > 7 ? s[7] : 0};
             const int64_t T = s[3], KV = a.kv * a.hd, Q = a.heads * a.hd;
             a.q = test::gaussian(size_t(T * Q), rng), a.k = test::gaussian(size_t(a.ctx * KV), rng), a.v = test::gaussian(size_t(a.ctx * KV), rng);
             for (float& x : a.k) x = fp16_to_fp32(fp32_to_fp16(x));
@@ -568,9 +574,10 @@ Op attention_op() {
             for (int64_t t = 0; t < T; ++t)
               for (int64_t h = 0; h < a.heads; ++h) {
                 const int64_t kvh = h / (a.heads / a.kv), n = a.pos[size_t(t)] + 1;
-                std::vector<double> sc(static_cast<size_t>(n));
+                const int64_t first = a.window > 0 ? std::max<int64_t>(0, n - a.window) : 0;  // weight 0 before it
+                std::vector<double> sc(static_cast<size_t>(n), -1e300);
                 double m = -1e300, z = 0;
-                for (int64_t p = 0; p < n; ++p) {
+                for (int64_t p = first; p < n; ++p) {
                   double d = 0;
                   for (int64_t j = 0; j < a.hd; ++j) d += double(a.q[size_t(t * Q + h * a.hd + j)]) * a.k[size_t(p * KV + kvh * a.hd + j)];
                   m = std::max(m, sc[size_t(p)] = d * a.scale);

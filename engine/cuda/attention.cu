@@ -49,7 +49,12 @@ struct AttnArgs {
   float* partial;
   float* out;
   int64_t ldo;
+  int window;  // a sliding-window layer's window (positions seen, the token's own included); 0: none
 };
+
+// The first position token position `pos` sees: pos + 1 - window under a window, else 0 (the
+// CPU's ModelConfig::window_start).
+__device__ __forceinline__ int attn_first(const AttnArgs& a, int pos) { return a.window > 0 ? max(0, pos + 1 - a.window) : 0; }
 
 // Issues (or, element-wise, performs) the copies of positions p0 .. p0 + n - 1 into one stage,
 // by threads tid = 0 .. threads-1 (the block, or one group of its warps).
@@ -89,14 +94,15 @@ __device__ __forceinline__ void attn_load_tile(const AttnArgs& a, __half* Ks, __
 
 // One warp's online-softmax step over a tile of n positions from p0 (K and V rows in shared
 // memory, pitch hd + kPad): lane j scores position p0 + j against the warp's query qw (positions
-// from lim on are masked), then (m, l, o) absorb the tile (Milakov & Gimelshein 2018). o holds
-// dims lane, lane + 32, ... of the unnormalized output.
-__device__ __forceinline__ void attn_tile_update(const __half* Ks, const __half* Vs, const float* qw, int p0, int n, int lim, int hd,
-                                                 bool vec, float& m, float& l, float (&o)[kOut]) {
+// outside [first, lim) are masked: the causal limit and a sliding window's start), then (m, l, o)
+// absorb the tile (Milakov & Gimelshein 2018). o holds dims lane, lane + 32, ... of the
+// unnormalized output.
+__device__ __forceinline__ void attn_tile_update(const __half* Ks, const __half* Vs, const float* qw, int p0, int n, int first, int lim,
+                                                 int hd, bool vec, float& m, float& l, float (&o)[kOut]) {
   const int lane = int(threadIdx.x) % 32, pitch = hd + kPad;
   const int p = p0 + lane;
   float sc = -INFINITY;
-  if (lane < n && p < lim) {
+  if (lane < n && p >= first && p < lim) {
     float acc = 0.0f;
     if (vec) {
       // Four independent sums (one per 32-bit word of a piece): a single chain of hd dependent
@@ -176,12 +182,13 @@ __global__ void attention_kernel(AttnArgs a) {
   float* qs = reinterpret_cast<float*>(smem + size_t(4) * kTile * pitch * sizeof(__half));
   float* qw = qs + (z * G + g) * hd;  // this warp's query
 
-  // Positions this block covers: the part's, up to the furthest of its tokens'.
-  const int lo = split * a.part_len;
-  int top = 0;
-  for (int k = 0; k < TQ && t0 + k < a.T; ++k) top = max(top, a.pos[t0 + k] + 1);
-  const int hi = min(top, lo + a.part_len);
-  const int lim = mine ? min(a.pos[t] + 1, lo + a.part_len) : 0;  // this warp's positions: [lo, lim)
+  // Positions this block covers: the part's, up to the furthest of its tokens' and from the
+  // earliest of their windows' starts (the part's positions before every window: not loaded).
+  int top = 0, bot = 1 << 30;
+  for (int k = 0; k < TQ && t0 + k < a.T; ++k) top = max(top, a.pos[t0 + k] + 1), bot = min(bot, attn_first(a, a.pos[t0 + k]));
+  const int lo = max(split * a.part_len, bot), hi = min(top, split * a.part_len + a.part_len);
+  const int lim = mine ? min(a.pos[t] + 1, hi) : 0;  // this warp's positions: [first, lim)
+  const int first = mine ? attn_first(a, a.pos[t]) : 0;
   const int32_t* table = a.tables ? a.tables + int64_t(a.seq[t0]) * a.table_stride : nullptr;  // paged: TQ == 1
   for (int i = lane; i < hd; i += 32) qw[i] = mine ? a.q[int64_t(t) * a.ldq + int64_t(h) * hd + i] * a.scale : 0.0f;
 
@@ -204,7 +211,7 @@ __global__ void attention_kernel(AttnArgs a) {
     __syncthreads();     // ... and everyone's (and qs is written, the first time)
     const __half* Ks = Kst(it & 1);
     const __half* Vs = Ks + kTile * pitch;
-    attn_tile_update(Ks, Vs, qw, p0, n, lim, hd, vec, m, l, o);
+    attn_tile_update(Ks, Vs, qw, p0, n, first, lim, hd, vec, m, l, o);
     __syncthreads();  // everyone is done with this stage before it is filled again
   }
   cp_async_wait<0>();
@@ -339,8 +346,9 @@ __device__ __forceinline__ void combine_warps(const AttnArgs& a, const float* sm
 constexpr int kV3Warps = 4;
 constexpr int kV3Round = 8;  // positions a warp scores per round: 2 passes of 4 positions x 8 lanes
 
-// The positions part c of a decode step takes, version 3: n = pos + 1 over n_splits parts,
-// rounded up to 32 (a whole round for each of the 4 warps).
+// The positions part c of a decode step takes, version 3: the n positions from the step's base
+// (0, or under a sliding window its start rounded down to 32) over n_splits parts, rounded up to
+// 32 (a whole round for each of the 4 warps).
 __device__ __forceinline__ int v3_chunk(int n, int n_splits) { return ((n + n_splits - 1) / n_splits + 31) / 32 * 32; }
 
 // Version 3's part count for T tokens over n_kv KV heads: about kV3Blocks blocks (4 of 4 warps on
@@ -364,11 +372,12 @@ int64_t v3_parts(int64_t T, int64_t n_kv, int64_t n_splits) {
 size_t decode_v3_smem(int64_t G, int64_t hd) { return size_t(G) * size_t(hd) * 4 + size_t(G) * kV3Warps * size_t(hd + 2) * 4; }
 
 // One round of head g's online softmax: the 8 positions' scores from this lane's K pieces
-// (kr[pass]: position p0 + 4 pass + sub, dims sl · HD/8 ..), masked past nv, folded into (m, l)
-// and o with the round's V rows (vr[k]: position p0 + k, dims lane · HD/32 ..).
+// (kr[pass]: position p0 + 4 pass + sub, dims sl · HD/8 ..), masked outside [k_lo, nv) (k_lo > 0
+// only in the round holding a sliding window's start; k_lo < nv), folded into (m, l) and o with
+// the round's V rows (vr[k]: position p0 + k, dims lane · HD/32 ..).
 template <int HD>
-__device__ __forceinline__ void v3_round(const float* qg, const uint4 (&kr)[2][HD / 64], const uint32_t (&vr)[kV3Round][HD / 64], int nv,
-                                         float& m, float& l, float (&o)[HD / 32]) {
+__device__ __forceinline__ void v3_round(const float* qg, const uint4 (&kr)[2][HD / 64], const uint32_t (&vr)[kV3Round][HD / 64], int k_lo,
+                                         int nv, float& m, float& l, float (&o)[HD / 32]) {
   constexpr int VL = HD / 32;
   const int lane = int(threadIdx.x), sl = lane & 7;
   float part[2];
@@ -384,7 +393,7 @@ __device__ __forceinline__ void v3_round(const float* qg, const uint4 (&kr)[2][H
 #pragma unroll
   for (int k = 0; k < kV3Round; ++k) {
     sc[k] = __shfl_sync(kFullMask, part[k / 4], 8 * (k % 4));
-    sc[k] = k < nv ? sc[k] : -INFINITY;
+    sc[k] = k >= k_lo && k < nv ? sc[k] : -INFINITY;
     mx = fmaxf(mx, sc[k]);
   }
   const float m_new = fmaxf(m, mx), corr = expf(m - m_new);  // corr 0 on the first round (m = -inf)
@@ -393,7 +402,7 @@ __device__ __forceinline__ void v3_round(const float* qg, const uint4 (&kr)[2][H
   for (int i = 0; i < VL; ++i) o[i] *= corr;
 #pragma unroll
   for (int k = 0; k < kV3Round; ++k) {
-    const float pk = expf(sc[k] - m_new);  // 0 past nv
+    const float pk = expf(sc[k] - m_new);  // 0 where masked
     l += pk;
     axpy_words<VL>(o, pk, vr[k]);
   }
@@ -409,7 +418,10 @@ __global__ void __launch_bounds__(32 * kV3Warps) attention_decode_v3_kernel(Attn
   float* sm = qs + G * HD;                                // [G][kV3Warps][HD + 2]
   const int t = int(blockIdx.x), kvh = int(blockIdx.y), split = int(blockIdx.z);
   const int w = int(threadIdx.y), lane = int(threadIdx.x), sub = lane >> 3, sl = lane & 7;
-  const int n = a.pos[t] + 1, chunk = v3_chunk(n, a.n_splits), lo = split * chunk, hi = min(lo + chunk, n);
+  // The step's positions [first, n): the parts split [base, n), base = first rounded down to 32,
+  // so that chunks, slices and rounds stay on multiples of 8 (one page lookup a round).
+  const int n = a.pos[t] + 1, first = attn_first(a, a.pos[t]), base = first / 32 * 32;
+  const int chunk = v3_chunk(n - base, a.n_splits), lo = base + split * chunk, hi = min(lo + chunk, n);
   const int S = chunk / kV3Warps, p_begin = lo + w * S, p_end = min(p_begin + S, hi);  // this warp's slice (warp-uniform)
   if (lo >= hi) {  // a part past the token's position
     mark_empty_part(a, t, kvh, split, w, kV3Warps, lane, HD);
@@ -431,7 +443,9 @@ __global__ void __launch_bounds__(32 * kV3Warps) attention_decode_v3_kernel(Attn
   // A round's 8 positions p0.. (p0 a multiple of 8: chunk and slice are) lie in one page when
   // block_tokens is a multiple of 8: one table lookup a round, not one per position and load.
   const bool one_page = !table || a.bt % kV3Round == 0;
-  for (int p0 = p_begin; p0 < p_end; p0 += kV3Round) {
+  // Rounds from the one holding `first` (positions before it weigh 0); a slice wholly before it
+  // runs none and stays empty (m = -inf, l = 0).
+  for (int p0 = max(p_begin, first / kV3Round * kV3Round); p0 < p_end; p0 += kV3Round) {
     uint4 kr[2][KL / 8];
     uint32_t vr[kV3Round][VL / 2];
     const int64_t r0 = !table ? p0 : one_page ? int64_t(table[p0 / a.bt]) * a.bt + p0 % a.bt : 0;  // position p0's cache row
@@ -446,10 +460,10 @@ __global__ void __launch_bounds__(32 * kV3Warps) attention_decode_v3_kernel(Attn
     }
 #pragma unroll
     for (int k = 0; k < kV3Round; ++k) load_halves<VL>(vr[k], a.vc + at(min(p0 + k, p_end - 1)) + lane * VL);
-    const int nv = min(kV3Round, p_end - p0);
+    const int nv = min(kV3Round, p_end - p0), k_lo = max(0, first - p0);
 #pragma unroll
     for (int g = 0; g < GM; ++g)
-      if (g < G) v3_round<HD>(qs + g * HD, kr, vr, nv, m[g], l[g], o[g]);
+      if (g < G) v3_round<HD>(qs + g * HD, kr, vr, k_lo, nv, m[g], l[g], o[g]);
   }
 #pragma unroll
   for (int g = 0; g < GM; ++g)
@@ -534,16 +548,18 @@ __device__ __forceinline__ void fa_load_q(uint32_t (&qf)[HD / 16][4], const Attn
   }
 }
 
-// The causal mask (positions after a token's own are -inf) on a tile starting at position p0,
-// and the two rows' maxima over the tile, shared across the 4 lanes of a row.
-__device__ __forceinline__ void fa_causal_max(float (&sc)[kFaCols / 8][4], int p0, int pos0, int pos1, int c, float& mx0, float& mx1) {
+// The causal mask (positions after a token's own, and before its sliding window's start
+// first0 / first1, are -inf) on a tile starting at position p0, and the two rows' maxima over
+// the tile, shared across the 4 lanes of a row.
+__device__ __forceinline__ void fa_causal_max(float (&sc)[kFaCols / 8][4], int p0, int pos0, int pos1, int first0, int first1, int c,
+                                              float& mx0, float& mx1) {
 #pragma unroll
   for (int n = 0; n < kFaCols / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int p = p0 + 8 * n + 2 * c + e;
-      if (p > pos0) sc[n][e] = -INFINITY;
-      if (p > pos1) sc[n][2 + e] = -INFINITY;
+      if (p > pos0 || p < first0) sc[n][e] = -INFINITY;
+      if (p > pos1 || p < first1) sc[n][2 + e] = -INFINITY;
       mx0 = fmaxf(mx0, sc[n][e]), mx1 = fmaxf(mx1, sc[n][2 + e]);
     }
 #pragma unroll
@@ -631,42 +647,45 @@ __global__ void __launch_bounds__(128) attention_prefill_kernel(AttnArgs a) {
   pdl_begin();
   constexpr int P = HD + kPad, KS = HD / 16, NS = kFaCols / 8, NO = HD / 8;
   __half* const base = reinterpret_cast<__half*>(dynamic_smem());  // stage s: K [kFaCols][P], then V
-  __shared__ int warp_top[4];
+  __shared__ int warp_top[4], warp_bot[4];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, c = lane % 4;
   const int h = int(blockIdx.y), kvh = (h + a.head_off) / a.group;
   const int r0 = int(blockIdx.x) * kFaRows + warp * 16 + g, r1 = r0 + 8;  // this thread's two query tokens
   const int pos0 = r0 < a.T ? a.pos[r0] : -1, pos1 = r1 < a.T ? a.pos[r1] : -1;
-  int wtop = max(pos0, pos1);
+  const int first0 = r0 < a.T ? attn_first(a, pos0) : 0, first1 = r1 < a.T ? attn_first(a, pos1) : 0;
+  int wtop = max(pos0, pos1), wbot = min(r0 < a.T ? first0 : 1 << 30, r1 < a.T ? first1 : 1 << 30);  // the warp's last and first positions
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) wtop = max(wtop, __shfl_xor_sync(kFullMask, wtop, o));
-  if (lane == 0) warp_top[warp] = wtop;
+  for (int o = 16; o > 0; o >>= 1) wtop = max(wtop, __shfl_xor_sync(kFullMask, wtop, o)), wbot = min(wbot, __shfl_xor_sync(kFullMask, wbot, o));
+  if (lane == 0) warp_top[warp] = wtop, warp_bot[warp] = wbot;
   uint32_t qf[KS][4];
   fa_load_q<HD>(qf, a, h, r0, r1, c);
   __syncthreads();
-  const int top = max(max(warp_top[0], warp_top[1]), max(warp_top[2], warp_top[3])) + 1;  // positions 0 .. top-1
+  const int top = max(max(warp_top[0], warp_top[1]), max(warp_top[2], warp_top[3])) + 1;  // positions .. top-1
+  const int bot = min(min(warp_bot[0], warp_bot[1]), min(warp_bot[2], warp_bot[3]));      // from the earliest window start
   float o[NO][4];
 #pragma unroll
   for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-  const int n_tiles = (top + kFaCols - 1) / kFaCols;
-  if (n_tiles > 0) fa_load_tile<HD>(a, base, base + kFaCols * P, kvh, 0, top);
+  // Tiles it0 .. it1 - 1 (those before every token's window are skipped), stage (it - it0) & 1.
+  const int it0 = top > 0 ? min(bot, top - 1) / kFaCols : 0, it1 = (top + kFaCols - 1) / kFaCols;
+  if (it1 > it0) fa_load_tile<HD>(a, base, base + kFaCols * P, kvh, it0 * kFaCols, top);
   cp_async_commit();
-  for (int it = 0; it < n_tiles; ++it) {
-    if (it + 1 < n_tiles) {
-      __half* Kn = base + ((it + 1) & 1) * 2 * kFaCols * P;
+  for (int it = it0; it < it1; ++it) {
+    if (it + 1 < it1) {
+      __half* Kn = base + ((it + 1 - it0) & 1) * 2 * kFaCols * P;
       fa_load_tile<HD>(a, Kn, Kn + kFaCols * P, kvh, (it + 1) * kFaCols, top);
     }
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    const __half* Ks = base + (it & 1) * 2 * kFaCols * P;
+    const __half* Ks = base + ((it - it0) & 1) * 2 * kFaCols * P;
     const __half* Vs = Ks + kFaCols * P;
     const int p0 = it * kFaCols;
-    if (p0 <= wtop) {  // warp-uniform: some of this warp's tokens see this tile
+    if (p0 <= wtop && p0 + kFaCols > wbot) {  // warp-uniform: some of this warp's tokens see this tile
       float sc[NS][4];
       fa_scores<HD>(sc, qf, Ks, g, c);
       float mx0 = -INFINITY, mx1 = -INFINITY;
-      fa_causal_max(sc, p0, pos0, pos1, c, mx0, mx1);
+      fa_causal_max(sc, p0, pos0, pos1, first0, first1, c, mx0, mx1);
       float mu0, mu1;
       fa_rescale<NO>(o, mx0, mx1, m0, m1, l0, l1, mu0, mu1);
       fa_pv<HD>(o, sc, Vs, mu0, mu1, l0, l1, lane);
@@ -768,7 +787,7 @@ void attention_prepare(int64_t n_heads, int64_t n_kv, int64_t hd) {
 
 bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T, int64_t n_heads,
                int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial, float* out, int64_t ldo,
-               cudaStream_t s, const KvPages& pages, const KvQ8& q8, const GqaSlice& gqa, const DeviceActQ8* q_out) {
+               cudaStream_t s, const KvPages& pages, const KvQ8& q8, const GqaSlice& gqa, const DeviceActQ8* q_out, int64_t window) {
   if (hd > kMaxHeadDim || hd % 2 != 0) throw UsageError("CUDA attention: head_dim " + std::to_string(hd) + " (even, at most 256)");
   if (n_kv <= 0 || n_heads <= 0) throw UsageError("CUDA attention: no heads");
   if (gqa.group == 0 && n_heads % n_kv != 0) throw UsageError("CUDA attention: n_heads must be a multiple of n_kv_heads");
@@ -781,6 +800,7 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   if (n_splits > 1 && part_len % kTile != 0) throw UsageError("CUDA attention: part_len must be a multiple of 32");
   if (pages.tables && (pages.block_tokens <= 0 || !pages.seq)) throw UsageError("CUDA attention: paged cache without block size or sequences");
   if (q8.kq && hd % 32 != 0) throw UsageError("CUDA attention: a Q8_0 KV cache needs head_dim a multiple of 32");
+  if (window < 0 || window > (int64_t(1) << 30)) throw UsageError("CUDA attention: sliding window " + std::to_string(window));
   if (T == 0) return false;
   if (G > 32) throw UsageError("CUDA attention: more than 32 query heads per KV head");
   const int version = n_splits > 1 && !q8.kq && (hd == 64 || hd == 128 || hd == 256) && G <= kDecMaxGroup ? decode_version() : 1;
@@ -788,7 +808,7 @@ bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* 
   const AttnArgs args{q, ldq, reinterpret_cast<const __half*>(kc), reinterpret_cast<const __half*>(vc), pos, pages.seq, pages.tables,
                       pages.table_stride, int(pages.block_tokens), q8.kq, reinterpret_cast<const __half*>(q8.kd), q8.vq,
                       reinterpret_cast<const __half*>(q8.vd), int(T), int(n_heads), int(n_kv), int(hd), int(off), int(G), scale, int(parts),
-                      int(part_len), partial, out, ldo};
+                      int(part_len), partial, out, ldo, int(window)};
   if (use_prefill_kernel(T, hd, n_splits, pages, q8, ldo)) {  // one sequence, fp16 cache, one part: the tensor cores
     const size_t smem = prefill_smem(hd);
     auto kernel = hd == 64 ? attention_prefill_kernel<64> : attention_prefill_kernel<128>;

@@ -60,7 +60,10 @@ void attention_prepare(int64_t n_heads, int64_t n_kv, int64_t hd);
 
 /// Attention for T tokens of one sequence, or of several over a paged cache (`pages`). q: [T, ldq], head h at column h · hd, already
 /// rotated; kc, vc: the layer's cache [rows, n_kv · hd] fp16 (rows as `pages` says); pos: [T]
-/// device int32, token t attends to its sequence's positions 0 .. pos[t]; out: [T, ldo], head h at column h · hd.
+/// device int32, token t attends to its sequence's positions 0 .. pos[t], or under a sliding
+/// window (window > 0: Mistral, Gemma 3's local layers, Phi-3) to max(0, pos[t] + 1 - window) ..
+/// pos[t] (the CPU's ModelConfig::window_start; the cache keeps every position); out: [T, ldo],
+/// head h at column h · hd.
 /// n_splits == 1: out written directly (part_len must cover every position). n_splits > 1:
 /// parts of part_len positions (a multiple of 32) written to `partial`
 /// [T, n_heads, n_splits, hd + 2] (o unnormalized, then m, l), then merged into out.
@@ -70,11 +73,11 @@ void attention_prepare(int64_t n_heads, int64_t n_kv, int64_t hd);
 /// MatmulContext::fusable) and attention() returns true; otherwise false and q_out untouched.
 /// Throws UsageError for hd > kMaxHeadDim, odd hd, n_heads not a multiple of n_kv (without
 /// gqa) or query heads that do not map onto the n_kv KV heads (with it), tables without a
-/// positive block size, or a Q8_0 cache whose head_dim is not a multiple of 32.
+/// positive block size, a Q8_0 cache whose head_dim is not a multiple of 32, or a negative window.
 bool attention(const float* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc, const int32_t* pos, int64_t T,
                int64_t n_heads, int64_t n_kv, int64_t hd, float scale, int64_t n_splits, int64_t part_len, float* partial,
                float* out, int64_t ldo, cudaStream_t s, const KvPages& pages = {}, const KvQ8& q8 = {}, const GqaSlice& gqa = {},
-               const DeviceActQ8* q_out = nullptr);
+               const DeviceActQ8* q_out = nullptr, int64_t window = 0);
 
 /// Which kernel takes the flash-decoding parts of a decode step (n_splits > 1) over an fp16
 /// cache: 1, attention_kernel; 3, attention_decode_v3_kernel (head_dim 64, 128 or 256, GQA

@@ -220,11 +220,6 @@ CudaSession::CudaSession(const CudaModel& dm, const Model* m, const CudaPlan& p)
   if (p.first_layer != dm.first_layer()) throw UsageError("CUDA: the session's plan starts at another layer than the model upload");
   const int64_t D = c.dim, hd = c.head_dim, Q = c.n_heads * hd, H = c.hidden_dim;
   if (hd > kMaxHeadDim || hd % 2) throw UsageError("CUDA: head_dim " + std::to_string(hd) + " is not supported (even, at most 256)");
-  // Sliding-window layers: the GPU's attention has no window yet, so a context longer than the
-  // window would read what the model never saw; up to it the window changes nothing.
-  if (c.sliding_window > 0 && p.ctx > c.sliding_window)
-    throw UsageError("CUDA: sliding-window attention (window " + std::to_string(c.sliding_window) + ") is not on the GPU yet: use --ctx " +
-                     std::to_string(c.sliding_window) + " or less, or --device cpu");
   const int64_t group = dm.gqa().group ? dm.gqa().group : c.n_heads / c.n_kv_heads;  // a rank's uneven GQA slice: the model's group
   if ((!dm.gqa().group && c.n_heads % c.n_kv_heads) || group > 32)
     throw UsageError("CUDA: n_heads must be a multiple of n_kv_heads, at most 32 times it");
@@ -399,6 +394,7 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, stream_), mark("bias");
   if (w.q_norm) head_rmsnorm(qkv, QKV, T, c.n_heads, c.n_kv_heads, hd, w.q_norm, w.k_norm, float(c.norm_eps), stream_), mark("qk_norm");
   const double* freqs = dm_.rope_freqs(dm_.first_layer() + l);  // by the model's layer index (offload holds the last ones)
+  const int64_t window = c.is_sliding(dm_.first_layer() + l) ? c.sliding_window : 0;  // a sliding-window layer's
   if (!skip(kSkipRopeKv))
     rope_store_kv(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, freqs, c.rope_layout, kv.kc, kv.vc, stream_);
   if (kv.q8.kq)
@@ -413,11 +409,11 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   } else if (T <= std::max<int64_t>(1, plan_.parallel) && plan_.decode_parts > 1) {
     const DeviceActQ8* q = mm_->fusable(w.wo, T, Q);
     if (attention(qkv, QKV, kv.kc, kv.vc, in.pos, T, c.n_heads, c.n_kv_heads, hd, scale, plan_.decode_parts, plan_.decode_part_len,
-                  partial_.as<float>(), att, Q, stream_, in.pages, kv.q8, dm_.gqa(), q))
+                  partial_.as<float>(), att, Q, stream_, in.pages, kv.q8, dm_.gqa(), q, window))
       mm_->note_quantized(att, T, Q);
   } else {
     attention(qkv, QKV, kv.kc, kv.vc, in.pos, T, c.n_heads, c.n_kv_heads, hd, scale, 1, (plan_.ctx + 31) / 32 * 32, nullptr, att, Q,
-              stream_, in.pages, kv.q8, dm_.gqa());  // att [T, Q]
+              stream_, in.pages, kv.q8, dm_.gqa(), nullptr, window);  // att [T, Q]
   }
   mark("attention");
   if (!skip(kSkipMatmul)) matmul(*mm_, w.wo, att, xb, T);  // xb [T, D] (a partial sum under TP)
