@@ -703,19 +703,22 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
     const float scale = float(1.0 / std::sqrt(double(hd)));
     DeviceBuffer qd = to_device(q), kd = to_device(k), vd = to_device(v), sd = to_device(seq), pd = to_device(pos), td = to_device(tables);
     DeviceBuffer od(size_t(3 * Q) * 4), part(size_t(3 * n_heads * 3 * (hd + 2)) * 4);
-    cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), 3, n_heads, n_kv, hd, scale, 3, 64,
-                    part.as<float>(), od.as<float>(), Q, nullptr, cuda::KvPages{sd.as<int32_t>(), td.as<int32_t>(), stride, bt});
-    const auto out = from_device<float>(od, size_t(3 * Q));
-    for (int64_t t = 0; t < 3; ++t) {
-      std::vector<float> ks(size_t(ctx * KV)), vs(ks.size());  // sequence t's positions, gathered
-      for (int64_t p = 0; p < ctx; ++p) {
-        const int64_t row = int64_t(tables[size_t(t * stride + p / bt)]) * bt + p % bt;
-        std::copy_n(kf.begin() + row * KV, KV, ks.begin() + p * KV), std::copy_n(vf.begin() + row * KV, KV, vs.begin() + p * KV);
+    for (const int64_t window : {int64_t(0), int64_t(37)}) {  // also under a sliding window (version 3: a page lookup a round)
+      cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), 3, n_heads, n_kv, hd, scale, 3, 64,
+                      part.as<float>(), od.as<float>(), Q, nullptr, cuda::KvPages{sd.as<int32_t>(), td.as<int32_t>(), stride, bt}, {}, {},
+                      nullptr, window);
+      const auto out = from_device<float>(od, size_t(3 * Q));
+      for (int64_t t = 0; t < 3; ++t) {
+        std::vector<float> ks(size_t(ctx * KV)), vs(ks.size());  // sequence t's positions, gathered
+        for (int64_t p = 0; p < ctx; ++p) {
+          const int64_t row = int64_t(tables[size_t(t * stride + p / bt)]) * bt + p % bt;
+          std::copy_n(kf.begin() + row * KV, KV, ks.begin() + p * KV), std::copy_n(vf.begin() + row * KV, KV, vs.begin() + p * KV);
+        }
+        const auto ref = ref_attention(std::vector<float>(q.begin() + t * Q, q.begin() + (t + 1) * Q), {pos[size_t(t)]}, n_heads, n_kv, hd,
+                                       scale, ks, vs, window);
+        INFO("paged token " << t << " window " << window);
+        CHECK(rel_err(out.data() + t * Q, ref.data(), size_t(Q)) < 1e-4);
       }
-      const auto ref = ref_attention(std::vector<float>(q.begin() + t * Q, q.begin() + (t + 1) * Q), {pos[size_t(t)]}, n_heads, n_kv, hd, scale,
-                                     ks, vs);
-      INFO("paged token " << t);
-      CHECK(rel_err(out.data() + t * Q, ref.data(), size_t(Q)) < 1e-4);
     }
     // A rank's uneven GQA slice: query heads 2-4 of 6 in groups of 3 over 2 KV heads.
     {
@@ -766,9 +769,9 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
 // max(0, pos + 1 - W) .. pos. Against fp64 on fresh random inputs, bound 1e-4 (the prompt
 // kernel's fp16 q and weights: 1e-3): decode parts through versions 1 and 3 (windows shorter
 // than a round, than a part, longer than the context; starts inside a round, a tile, a part),
-// prompts on the tensor cores and on the CUDA cores, a paged cache (version 3's page lookup a
-// round, version 1's per row) and a Q8_0 cache.
-TEST_CASE("CUDA sliding-window attention matches the fp64 reference: decode, prompts, paged and Q8_0 caches", "[cuda]") {
+// prompts on the tensor cores and on the CUDA cores, and a Q8_0 cache (a paged cache under a
+// window: the decode test above).
+TEST_CASE("CUDA sliding-window attention matches the fp64 reference: decode, prompts and a Q8_0 cache", "[cuda]") {
   if (!have_gpu()) return;
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -816,41 +819,11 @@ TEST_CASE("CUDA sliding-window attention matches the fp64 reference: decode, pro
       CHECK(rel_err(from_device<float>(od, size_t(T * Q)).data(), ref.data(), ref.size()) < (sh.hd == 64 || sh.hd == 128 ? 1e-3 : 1e-4));
     }
   }
-  // A paged cache: three sequences' decode tokens through shuffled blocks of 16 rows (version 3
-  // looks a page up once a round, version 1 per row), and a Q8_0 cache (version 1; its reference
-  // reads the dequantized values), each under a window of 37.
-  const int64_t n_heads = 8, n_kv = 2, hd = 128, Q = n_heads * hd, KV = n_kv * hd, bt = 16, pctx = 192, stride = pctx / bt, window = 37;
+  // A Q8_0 cache (version 1) under a window of 37: values quantized per 32 (as store_kv_q8), the
+  // reference on the dequantized ones rounded to fp16 (what the kernel's tiles hold).
+  const int64_t n_heads = 8, n_kv = 2, hd = 128, Q = n_heads * hd, KV = n_kv * hd, window = 37;
   const float scale = float(1.0 / std::sqrt(double(hd)));
-  const std::vector<int32_t> pos = {150, 17, 100};
-  std::vector<int32_t> seq = {0, 1, 2}, tables(size_t(3 * stride)), perm(size_t(3 * stride));
-  for (int32_t i = 0; i < int32_t(perm.size()); ++i) perm[size_t(i)] = i;
-  std::shuffle(perm.begin(), perm.end(), rng);
-  for (size_t i = 0; i < tables.size(); ++i) tables[i] = perm[i];
-  const auto [k, v, kf, vf] = fp16_cache(size_t(3 * pctx * KV), rng);  // the pool, blocks of bt rows
-  const auto q = gaussian(size_t(3 * Q), rng);
-  DeviceBuffer qd = to_device(q), kd = to_device(k), vd = to_device(v), sd = to_device(seq), pd = to_device(pos), td = to_device(tables);
   DeviceBuffer od(size_t(3 * Q) * 4), part(size_t(3 * n_heads * 5 * (hd + 2)) * 4);
-  for (int version : {1, 3}) {
-    cuda::set_decode_attention_version(version);
-    cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), 3, n_heads, n_kv, hd, scale, 4, 64,
-                    part.as<float>(), od.as<float>(), Q, nullptr, cuda::KvPages{sd.as<int32_t>(), td.as<int32_t>(), stride, bt}, {}, {},
-                    nullptr, window);
-    const auto out = from_device<float>(od, size_t(3 * Q));
-    for (int64_t t = 0; t < 3; ++t) {  // sequence t's positions, gathered from its blocks
-      std::vector<float> ks(size_t(pctx * KV)), vs(ks.size());
-      for (int64_t p = 0; p < pctx; ++p)
-        for (int64_t e = 0; e < KV; ++e) {
-          const int64_t row = int64_t(tables[size_t(t * stride + p / bt)]) * bt + p % bt;
-          ks[size_t(p * KV + e)] = kf[size_t(row * KV + e)], vs[size_t(p * KV + e)] = vf[size_t(row * KV + e)];
-        }
-      const auto ref = ref_attention(std::vector<float>(q.begin() + t * Q, q.begin() + (t + 1) * Q), {pos[size_t(t)]}, n_heads, n_kv, hd,
-                                     scale, ks, vs, window);
-      INFO("paged, version " << version << " sequence " << t);
-      CHECK(rel_err(out.data() + t * Q, ref.data(), ref.size()) < 1e-4);
-    }
-  }
-  // Q8_0 cache: values quantized per 32 (as store_kv_q8), the reference on the dequantized ones
-  // rounded to fp16 (what the kernel's tiles hold).
   const int64_t qctx = 160;
   std::vector<int8_t> kq(size_t(qctx * KV)), vq(kq.size());
   std::vector<uint16_t> kdq(kq.size() / 32), vdq(kdq.size());
@@ -879,8 +852,8 @@ TEST_CASE("CUDA sliding-window attention matches the fp64 reference: decode, pro
     INFO("Q8_0 cache, splits " << splits);
     CHECK(rel_err(from_device<float>(od, size_t(3 * Q)).data(), ref8.data(), ref8.size()) < 1e-4);
   }
-  CHECK_THROWS_AS(cuda::attention(qd.as<float>(), Q, kd.as<uint16_t>(), vd.as<uint16_t>(), pd.as<int32_t>(), 1, n_heads, n_kv, hd, scale, 1,
-                                  192, nullptr, od.as<float>(), Q, nullptr, {}, {}, {}, nullptr, -1),
+  CHECK_THROWS_AS(cuda::attention(q8d.as<float>(), Q, nullptr, nullptr, qpd.as<int32_t>(), 1, n_heads, n_kv, hd, scale, 1, 160, nullptr,
+                                  od.as<float>(), Q, nullptr, {}, {}, {}, nullptr, -1),
                   UsageError);
 }
 
