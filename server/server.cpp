@@ -1031,7 +1031,7 @@ struct ServerFlags {
 };
 
 static void add_server_flags(CLI::App& app, ServerFlags& f) {
-  app.add_option("-m,--model", f.model_path, "model file (.llmq)")->required();
+  app.add_option("model,-m,--model", f.model_path, "model file (.llmq, GGUF or a Hugging Face directory; positional or -m)")->required();
   app.add_option("--host", f.host, "address to bind (default 127.0.0.1: this machine only)");
   app.add_option("--port", f.port, "TCP port");
   app.add_option("--device", f.device, "cpu | cuda | auto (auto: the GPU when one is present)");

@@ -69,7 +69,7 @@ TEST_CASE("llmq-run and llmq-server --device cuda without a GPU fail clearly, au
   std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   INFO(err);
   CHECK(err.find("--device cuda") != std::string::npos);
-  CHECK(test::run(test::bin("llmq-run") + " -m " + model + " -p 'Once' -n 4 --temp 0 --device auto > /dev/null 2>&1") == 0);
+  CHECK(test::run(test::bin("llmq-run") + " " + model + " -p 'Once' -n 4 --temp 0 --device auto > /dev/null 2>&1") == 0);  // positional model
   CHECK(test::run(test::bin("llmq-run") + " -m " + model + " -p 'Once' -n 4 --gpu-layers 2 > /dev/null 2> " + dir + "/ngl.txt") != 0);
   {
     std::ifstream nin(dir + "/ngl.txt");

@@ -489,7 +489,7 @@ int run_cpu(const BenchOptions& o, MpiComm* group) {
 int main(int argc, char** argv) {
   CLI::App app{"llmq-bench: measure prefill and decode tok/s (JSON output)"};
   BenchOptions o;
-  app.add_option("-m,--model", o.model_path, "model file (.llmq)");
+  app.add_option("model,-m,--model", o.model_path, "model file (.llmq, GGUF or a Hugging Face directory; positional or -m)");
   app.add_option("--device", o.device_s, "cpu or cuda (GPU 0)")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--synthetic", o.synthetic, "with --device cuda, instead of -m: random weights with a preset's shapes (llama-2-7b, llama-3-8b, ...)");
   app.add_option("--type", o.type_s, "weight type of --synthetic: q4_0, q4_1, q8_0, q5_0, q5_1, iq4_nl, q2_k ... q6_k, f16 or bf16");

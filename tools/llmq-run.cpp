@@ -324,7 +324,7 @@ int main(int argc, char** argv) {
   CLI::App app{"llmq-run: generate text with a .llmq model"};
   RunOptions o;
   o.sp.seed = 0;
-  app.add_option("-m,--model", o.model_path, "model file (.llmq)")->required();
+  app.add_option("model,-m,--model", o.model_path, "model file (.llmq, GGUF or a Hugging Face directory; positional or -m)")->required();
   auto* popt = app.add_option("-p,--prompt", o.prompt, "prompt; without it llmq-run is an interactive chat");
   app.add_option("-n,--n-predict", o.n_predict, "tokens to generate (-1: until end of sequence)");
   app.add_option("-t,--threads", o.threads, "threads in all (default: all cores); with --tp they are shared by the ranks");

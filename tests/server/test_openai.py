@@ -750,8 +750,9 @@ def test_load_error_exits(tmp_path):
     import server_load
     bad = tmp_path / "bad.llmq"
     bad.write_bytes(b"not a model")
-    for model in [tmp_path / "missing.llmq", bad] * 3:
-        p = subprocess.Popen([str(binary("llmq-server")), "-m", str(model), "--port", str(server_load.free_port())],
+    for i, model in enumerate([tmp_path / "missing.llmq", bad] * 3):
+        spelled = ["-m", str(model)] if i % 3 else [str(model)]  # the model positional, or -m
+        p = subprocess.Popen([str(binary("llmq-server")), *spelled, "--port", str(server_load.free_port())],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             out, _ = p.communicate(timeout=10)
