@@ -51,7 +51,8 @@ bool ModelConfig::is_sliding(int64_t layer) const {
 }
 
 int64_t ModelConfig::window_start(int64_t layer, int64_t pos) const {
-  return is_sliding(layer) ? std::max<int64_t>(0, pos + 1 - sliding_window) : 0;
+  const int64_t w = window(layer);
+  return w > 0 ? std::max<int64_t>(0, pos + 1 - w) : 0;
 }
 
 int ModelConfig::rope_tables() const {

@@ -113,6 +113,8 @@ struct ModelConfig {
   int64_t kv_dim() const { return n_kv_heads * head_dim; }
   /// Whether layer l attends over a sliding window (sliding_window > 0 and l not global).
   bool is_sliding(int64_t layer) const;
+  /// Positions layer l sees (its own included): sliding_window on a sliding layer, else 0 (all).
+  int64_t window(int64_t layer) const { return is_sliding(layer) ? sliding_window : 0; }
   /// The first position a token at `pos` sees in `layer` (0 for a global layer).
   int64_t window_start(int64_t layer, int64_t pos) const;
   /// The softmax scale of q·k: attn_scale, or 1/√head_dim; × the LongRoPE attention factor².

@@ -394,7 +394,7 @@ void CudaSession::attention_block(int64_t l, int64_t T, const PassInputs& in) {
   if (w.bqkv) add_bias(qkv, QKV, w.bqkv, T, QKV, stream_), mark("bias");
   if (w.q_norm) head_rmsnorm(qkv, QKV, T, c.n_heads, c.n_kv_heads, hd, w.q_norm, w.k_norm, float(c.norm_eps), stream_), mark("qk_norm");
   const double* freqs = dm_.rope_freqs(dm_.first_layer() + l);  // by the model's layer index (offload holds the last ones)
-  const int64_t window = c.is_sliding(dm_.first_layer() + l) ? c.sliding_window : 0;  // a sliding-window layer's
+  const int64_t window = c.window(dm_.first_layer() + l);  // 0, or a sliding-window layer's
   if (!skip(kSkipRopeKv))
     rope_store_kv(qkv, QKV, in.pos, in.kv_row, T, c.n_heads, c.n_kv_heads, hd, freqs, c.rope_layout, kv.kc, kv.vc, stream_);
   if (kv.q8.kq)
