@@ -769,9 +769,9 @@ TEST_CASE("CUDA decode attention versions 1 and 3 match the fp64 reference", "[c
 // max(0, pos + 1 - W) .. pos. Against fp64 on fresh random inputs, bound 1e-4 (the prompt
 // kernel's fp16 q and weights: 1e-3): decode parts through versions 1 and 3 (windows shorter
 // than a round, than a part, longer than the context; starts inside a round, a tile, a part),
-// prompts on the tensor cores and on the CUDA cores, and a Q8_0 cache (a paged cache under a
-// window: the decode test above).
-TEST_CASE("CUDA sliding-window attention matches the fp64 reference: decode, prompts and a Q8_0 cache", "[cuda]") {
+// prompts on the tensor cores and on the CUDA cores. A paged cache and a Q8_0 cache under a
+// window: the paged decode above and the Q8_0 cache test below, each also at a window of 37.
+TEST_CASE("CUDA sliding-window attention matches the fp64 reference: decode and prompts", "[cuda]") {
   if (!have_gpu()) return;
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -819,41 +819,8 @@ TEST_CASE("CUDA sliding-window attention matches the fp64 reference: decode, pro
       CHECK(rel_err(from_device<float>(od, size_t(T * Q)).data(), ref.data(), ref.size()) < (sh.hd == 64 || sh.hd == 128 ? 1e-3 : 1e-4));
     }
   }
-  // A Q8_0 cache (version 1) under a window of 37: values quantized per 32 (as store_kv_q8), the
-  // reference on the dequantized ones rounded to fp16 (what the kernel's tiles hold).
-  const int64_t n_heads = 8, n_kv = 2, hd = 128, Q = n_heads * hd, KV = n_kv * hd, window = 37;
-  const float scale = float(1.0 / std::sqrt(double(hd)));
-  DeviceBuffer od(size_t(3 * Q) * 4), part(size_t(3 * n_heads * 5 * (hd + 2)) * 4);
-  const int64_t qctx = 160;
-  std::vector<int8_t> kq(size_t(qctx * KV)), vq(kq.size());
-  std::vector<uint16_t> kdq(kq.size() / 32), vdq(kdq.size());
-  std::vector<float> kf8(kq.size()), vf8(kq.size());
-  for (auto [xq, xd, xf] : {std::tuple{&kq, &kdq, &kf8}, std::tuple{&vq, &vdq, &vf8}}) {
-    const auto g = gaussian(kq.size(), rng);
-    for (size_t b = 0; b < kdq.size(); ++b) {
-      float amax = 0;
-      for (size_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(g[b * 32 + i]));
-      (*xd)[b] = fp32_to_fp16(amax / 127.0f);
-      const float d = fp16_to_fp32((*xd)[b]);
-      for (size_t i = 0; i < 32; ++i) {
-        (*xq)[b * 32 + i] = int8_t(std::lround(d > 0 ? g[b * 32 + i] / d : 0.0f));
-        (*xf)[b * 32 + i] = fp16_to_fp32(fp32_to_fp16(float((*xq)[b * 32 + i]) * d));  // the tiles hold fp16, as the fp16 cache would
-      }
-    }
-  }
-  const std::vector<int32_t> qpos = {159, 60, 61};
-  const auto q8q = gaussian(size_t(3 * Q), rng);
-  const auto ref8 = ref_attention(q8q, qpos, n_heads, n_kv, hd, scale, kf8, vf8, window);
-  DeviceBuffer q8d = to_device(q8q), qpd = to_device(qpos), kqd = to_device(kq), vqd = to_device(vq), kdd = to_device(kdq), vdd = to_device(vdq);
-  for (const int64_t splits : {int64_t(1), int64_t(5)}) {
-    cuda::attention(q8d.as<float>(), Q, nullptr, nullptr, qpd.as<int32_t>(), 3, n_heads, n_kv, hd, scale, splits, splits == 1 ? 160 : 32,
-                    part.as<float>(), od.as<float>(), Q, nullptr, {},
-                    cuda::KvQ8{kqd.as<int8_t>(), kdd.as<uint16_t>(), vqd.as<int8_t>(), vdd.as<uint16_t>()}, {}, nullptr, window);
-    INFO("Q8_0 cache, splits " << splits);
-    CHECK(rel_err(from_device<float>(od, size_t(3 * Q)).data(), ref8.data(), ref8.size()) < 1e-4);
-  }
-  CHECK_THROWS_AS(cuda::attention(q8d.as<float>(), Q, nullptr, nullptr, qpd.as<int32_t>(), 1, n_heads, n_kv, hd, scale, 1, 160, nullptr,
-                                  od.as<float>(), Q, nullptr, {}, {}, {}, nullptr, -1),
+  CHECK_THROWS_AS(cuda::attention(nullptr, 0, nullptr, nullptr, nullptr, 1, 4, 4, 128, 1.0f, 1, 32, nullptr, nullptr, 0, nullptr, {}, {}, {},
+                                  nullptr, -1),
                   UsageError);
 }
 
@@ -986,18 +953,20 @@ TEST_CASE("CUDA Q8_0 KV cache: the write quantizes as Q8_0, attention reads it",
     // whose pages are one row each (block_tokens 1: the rows were shuffled one by one).
     const auto q = gaussian(size_t(T * Q), rng);
     const float scale = float(1.0 / std::sqrt(double(hd)));
-    const std::vector<float> ref = ref_attention(q, pos, n_heads, n_kv, hd, scale, kf, vf);
     const std::vector<int32_t> seq0(static_cast<size_t>(T), 0);
     DeviceBuffer q_d = to_device(q), sd = to_device(seq0), td = to_device(row_of), od(size_t(T * Q) * 4);
     DeviceBuffer part(size_t(T * n_heads * 3 * (hd + 2)) * 4);
     const cuda::KvPages pages{sd.as<int32_t>(), td.as<int32_t>(), T, 1};
     const cuda::KvQ8 q8{kq.as<int8_t>(), kdd.as<uint16_t>(), vq.as<int8_t>(), vdd.as<uint16_t>()};
-    for (int64_t splits : {int64_t(1), int64_t(3)}) {
-      cuda::attention(q_d.as<float>(), Q, nullptr, nullptr, pd.as<int32_t>(), T, n_heads, n_kv, hd, scale, splits, splits == 1 ? 96 : 32,
-                      part.as<float>(), od.as<float>(), Q, nullptr, pages, q8);
-      const auto out = from_device<float>(od, size_t(T * Q));
-      INFO("splits " << splits);
-      CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-4);
+    for (const int64_t window : {int64_t(0), int64_t(37)}) {  // also under a sliding window
+      const std::vector<float> ref = ref_attention(q, pos, n_heads, n_kv, hd, scale, kf, vf, window);
+      for (int64_t splits : {int64_t(1), int64_t(3)}) {
+        cuda::attention(q_d.as<float>(), Q, nullptr, nullptr, pd.as<int32_t>(), T, n_heads, n_kv, hd, scale, splits, splits == 1 ? 96 : 32,
+                        part.as<float>(), od.as<float>(), Q, nullptr, pages, q8, {}, nullptr, window);
+        const auto out = from_device<float>(od, size_t(T * Q));
+        INFO("splits " << splits << " window " << window);
+        CHECK(rel_err(out.data(), ref.data(), ref.size()) < 1e-4);
+      }
     }
   }
 }
