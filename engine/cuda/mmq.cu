@@ -367,10 +367,10 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint8_t* rows, in
   }
 }
 
-// The scales of rows r and r + 8 for half j of a stage (the K-quants: sub-block 2 pr + j of the
-// super-block): dw0 / dw1, and mw0 / mw1 for the types with a minimum.
+// The scales of rows r and r + 8 for half j of a stage (the K-quants: the stage already holds the
+// sub-block of this half): dw0 / dw1, and mw0 / mw1 for the types with a minimum.
 template <DType kType, typename Stage>
-__device__ __forceinline__ void mmq_row_scales(const Stage& s, int r, int j, int pr, float& dw0, float& dw1, float& mw0, float& mw1) {
+__device__ __forceinline__ void mmq_row_scales(const Stage& s, int r, int j, float& dw0, float& dw1, float& mw0, float& mw1) {
   if constexpr (kSplitK<kType>) {  // Q4_K / Q5_K: a = d sc, -m = -dmin mn
     const uint32_t sm0 = s.dw[2 * r + j], sm1 = s.dw[2 * (r + 8) + j];
     const uint32_t k0 = lds32(s.mw + 2 * r), k1 = lds32(s.mw + 2 * (r + 8));
@@ -484,7 +484,7 @@ __global__ void __launch_bounds__(kMmqThreads, MinB) mmq_kernel(MmqArgs p) {
           continue;
         }
         float dw0, dw1, mw0 = 0.0f, mw1 = 0.0f;
-        mmq_row_scales<kType>(s, r, j, pr, dw0, dw1, mw0, mw1);
+        mmq_row_scales<kType>(s, r, j, dw0, dw1, mw0, mw1);
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {
           int d[4] = {0, 0, 0, 0};
