@@ -86,6 +86,15 @@ TEST_CASE("a model's Jinja template is rendered, contents kept apart from the ma
   std::string joined;
   for (const auto& s : two) joined += s.text;
   CHECK(joined == "ab|ab");
+  // A template that branches on the content: rendered with the placeholder, its markup after the
+  // last content is longer than the whole real text (found by fuzz/chat_template): one special
+  // segment, not std::out_of_range.
+  const ChatTemplate branch = ChatTemplate::from_jinja(
+      "{% if messages[0].content == 'x' %}{{ messages[0].content }}{% else %}{{ messages[0].content }}and a long tail{% endif %}");
+  const auto one = branch.apply_segments({{"user", "x"}}, false);
+  REQUIRE(one.size() == 1);
+  CHECK(one[0].text == "x");
+  CHECK(one[0].special);
   // bos_token and a Jinja error (raise_exception) surface as UsageError.
   CHECK(ChatTemplate::from_jinja("{{ bos_token }}x", "<s>").apply({}, false) == "<s>x");
   CHECK_THROWS_AS(ChatTemplate::from_jinja("{{ raise_exception('no') }}").apply({{"user", "x"}}, false), UsageError);

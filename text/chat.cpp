@@ -291,7 +291,9 @@ std::vector<ChatTemplate::Segment> ChatTemplate::jinja_segments(const std::vecto
   pos = markup[0].size();
   for (size_t k = 0; k < order.size(); ++k) {
     const std::string& next = markup[k + 1];
-    const size_t at = k + 1 == order.size() ? text.size() - next.size() : (next.empty() ? std::string::npos : text.find(next, pos));
+    size_t at = std::string::npos;  // where markup[k + 1] starts in text: the last one ends it
+    if (k + 1 == order.size()) at = next.size() <= text.size() ? text.size() - next.size() : std::string::npos;
+    else if (!next.empty()) at = text.find(next, pos);
     if (at == std::string::npos || at < pos || text.compare(at, next.size(), next) != 0) return {{text, true}};
     if (at > pos) segs.push_back({text.substr(pos, at - pos), false});
     if (!next.empty()) segs.push_back({next, true});
